@@ -1,0 +1,55 @@
+"""Model configuration shared by every decoder family.
+
+Role in one decoding step: none at run time; it describes the shapes (layers, heads, KV heads,
+head dim, vocabulary) that the runtime uses to preallocate KV caches and that the export
+writes into the ONNX metadata, so an export folder is self-describing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    family: str  # "llama" (Llama, Qwen2, Mistral, SmolLM) or "gpt2" (GPT-2 / NanoGPT)
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    mlp_bias: bool = False
+    bias: bool = True  # gpt2: biases in linear layers and layer norms
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.family not in ("llama", "gpt2"):
+            raise ValueError(f"unknown model family {self.family!r} (expected llama or gpt2)")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def truncated(self, n_layers: int) -> "ModelConfig":
+        """Config of a self-draft made of the first n_layers layers."""
+        return dataclasses.replace(self, n_layers=n_layers, name=f"{self.name}[layers:{n_layers}]")

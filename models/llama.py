@@ -1,0 +1,174 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral, SmolLM) with the arborspec engine contract.
+
+Role in one decoding step: this is the target (or draft) forward. It takes the T new tokens
+(a prompt, a chain or a flattened tree), their position ids (past_len + depth, so siblings
+share a position and RoPE rotates them alike), a boolean attention mask [B, T, P+T] (True =
+may attend; the tree mask lives in the last T columns) and each layer's cached K/V for the
+first P positions, and returns the logits and only the new T tokens' K/V.
+
+Cache layout (the contract): one tensor per layer and kind, sequence-major
+[S, B, Hkv, D], so that a layer's past is the dense prefix [0, P) of one preallocated slab
+and the new K/V can be written straight onto [P, P+T).
+
+Written for export: no Python control flow on tensor values, no data-dependent shapes.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ModelConfig
+
+
+def additive_mask(mask: torch.Tensor) -> torch.Tensor:
+    """bool [B, T, S] -> float32 [B, 1, T, S]: 0 where allowed, finfo.min elsewhere.
+
+    finfo.min rather than -inf: a fully masked row then gives a uniform (finite) attention
+    instead of NaN that would spread to other rows through the next layer.
+    """
+    zero = torch.zeros((), dtype=torch.float32)
+    neg = torch.full((), torch.finfo(torch.float32).min, dtype=torch.float32)
+    return torch.where(mask, zero, neg).unsqueeze(1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """q [B,H,T,D], k/v [B,H,S,D], bias [B,1,T,S] float32 -> [B,H,T,D]; softmax in float32."""
+    scale = q.shape[-1] ** -0.5
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale + bias
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v)
+
+
+def merge_past(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """past [P,B,Hkv,D] (cache layout) + new [B,Hkv,T,D] -> [B,Hkv,P+T,D]."""
+    return torch.cat([past.permute(1, 2, 0, 3), new], dim=2)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B,Hkv,S,D] -> [B,Hkv*n_rep,S,D] for grouped-query attention."""
+    if n_rep == 1:
+        return x
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE driven by position_ids (rotate-half convention, as in Hugging Face checkpoints)."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids.float()[..., None] * self.inv_freq  # [B,T,D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B,H,T,D], cos/sin [B,T,D]."""
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        c = cfg.hidden_size
+        self.q_proj = nn.Linear(c, self.n_heads * self.hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(c, self.n_kv * self.hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(c, self.n_kv * self.hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.hd, c, bias=False)
+
+    def forward(self, x, cos, sin, bias, past_k, past_v):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rep = self.n_heads // self.n_kv
+        k_all = repeat_kv(merge_past(past_k, k), rep)
+        v_all = repeat_kv(merge_past(past_v, v), rep)
+        y = attend(q, k_all, v_all, bias).transpose(1, 2).reshape(b, t, self.n_heads * self.hd)
+        # new K/V in the cache layout [T, B, Hkv, D]
+        return self.o_proj(y), k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        c, h = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(c, h, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(c, h, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(h, c, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, bias, past_k, past_v):
+        a, k, v = self.self_attn(self.input_layernorm(x), cos, sin, bias, past_k, past_v)
+        x = x + a
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k, v
+
+
+class _Body(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+
+class LlamaDecoder(nn.Module):
+    """Contract forward: (input_ids, position_ids, attention_mask, k0, v0, k1, v1, ...)
+    -> (logits, new_k0, new_v0, new_k1, new_v1, ...). Parameter names follow Hugging Face."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = _Body(cfg)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, position_ids, attention_mask, *past):
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(position_ids)
+        bias = additive_mask(attention_mask)
+        new = []
+        for i, layer in enumerate(self.model.layers):
+            x, k, v = layer(x, cos, sin, bias, past[2 * i], past[2 * i + 1])
+            new += [k, v]
+        logits = self.lm_head(self.model.norm(x)).float()
+        return (logits, *new)

@@ -1,0 +1,39 @@
+"""PyTorch backend: the reference modules themselves, on CPU or CUDA.
+
+Role in one decoding step: runs a contract nn.Module for a draft level, a verify or a
+prefill; past K/V are views of the cache prefix, and the returned new K/V are copied onto
+the cache tail.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kvcache import CacheSpec, KVCache
+from .base import EngineInfo, check_call
+
+
+class TorchEngine:
+    def __init__(self, module: torch.nn.Module, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32):
+        cfg = module.config
+        self.module = module.to(device=device, dtype=dtype).eval()
+        self.device = torch.device(device)
+        self.info = EngineInfo(
+            vocab_size=cfg.vocab_size, max_position=cfg.max_position,
+            cache=CacheSpec(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, dtype), name=cfg.name)
+
+    @torch.inference_mode()
+    def forward(self, input_ids, position_ids, mask, cache: KVCache) -> torch.Tensor:
+        check_call(self.info, input_ids, position_ids, mask, cache)
+        n = self.info.cache.n_layers
+        past = []
+        for i in range(n):
+            past += list(cache.past(i))
+        out = self.module(input_ids, position_ids, mask, *past)
+        t = input_ids.shape[1]
+        p = cache.length
+        new_k = torch.stack(out[1::2])  # [L, T, B, H, D]
+        new_v = torch.stack(out[2::2])
+        cache.k[:, p : p + t] = new_k
+        cache.v[:, p : p + t] = new_v
+        return out[0]

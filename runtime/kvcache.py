@@ -1,0 +1,74 @@
+"""The KV cache the runtime owns: one preallocated slab per kind for all layers.
+
+Role in one decoding step: engines read the committed prefix [0, P) of every layer and write
+the new T tokens' K/V onto [P, P+T) (the contract's sequence-major layout makes both dense);
+after acceptance, `commit` moves the accepted path's entries to P..P+n-1 with one gather
+over all layers, so the cache keeps exactly the committed tokens.
+
+Layout: keys and values are each [L, S_max, B, Hkv, D].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What an engine needs from a cache: shapes and dtype (read from a config or manifest)."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+
+
+class KVCache:
+    def __init__(self, spec: CacheSpec, max_len: int, batch: int = 1, device: str | torch.device = "cpu"):
+        if max_len < 1:
+            raise ValueError("max_len must be >= 1")
+        self.spec, self.max_len, self.batch = spec, max_len, batch
+        shape = (spec.n_layers, max_len, batch, spec.n_kv_heads, spec.head_dim)
+        self.k = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self.v = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self.length = 0  # committed positions [0, length)
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def room(self, t: int) -> None:
+        """Raise if T new tokens do not fit after the committed prefix."""
+        if self.length + t > self.max_len:
+            raise ValueError(f"KV cache full: {self.length} committed + {t} new > capacity {self.max_len}")
+
+    def past(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer's committed K/V [P, B, Hkv, D] (views, no copy)."""
+        return self.k[layer, : self.length], self.v[layer, : self.length]
+
+    def tail(self, layer: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views [T, B, Hkv, D] where an engine writes the new tokens' K/V."""
+        p = self.length
+        return self.k[layer, p : p + t], self.v[layer, p : p + t]
+
+    def commit(self, src: torch.Tensor | None, n_written: int) -> None:
+        """Keep the new entries at offsets `src` (relative to the committed length, in order)
+        and drop the rest of the n_written scratch entries. One gather over all layers for keys
+        and one for values. `src=None` keeps all n_written entries (a prefill or a chain)."""
+        p = self.length
+        if src is None:
+            self.length = p + n_written
+            return
+        n = int(src.numel())
+        if n == 0:
+            return
+        src = src.to(self.device)
+        # Fast path: accepted entries already in place (a prefix of the scratch region).
+        idx = src + p
+        self.k[:, p : p + n] = self.k.index_select(1, idx)
+        self.v[:, p : p + n] = self.v.index_select(1, idx)
+        self.length = p + n
