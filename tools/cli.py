@@ -1,0 +1,63 @@
+"""The `arborspec` command line: export | build | generate | compare | bench | tune.
+
+Each command lives in its own module `arborspec.tools.cmd_<name>` exposing
+`register(subparsers)` (adds its parser, with an example in the help) and `run(args) -> int`.
+A user mistake raises `UserError` (or ValueError/FileNotFoundError from our own checks) and
+ends as one clear line on stderr and exit status 2: never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+COMMANDS = ["export", "build", "generate", "compare", "bench", "tune"]
+
+
+class UserError(Exception):
+    """A mistake in the user's input: reported as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, as argparse does, without the usage block
+        sys.stderr.write(f"arborspec: error: {message}\n")
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="arborspec", description=__doc__.split("\n")[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog="example:\n  arborspec generate --model smollm2-135m --draft layers:4 "
+                       "--mode tree --tree full:3,2 --prompt 'Hello'")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name in COMMANDS:
+        try:
+            mod = importlib.import_module(f"arborspec.tools.cmd_{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"arborspec.tools.cmd_{name}":
+                continue
+            raise
+        mod.register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    debug = bool(os.environ.get("ARBORSPEC_DEBUG"))
+    try:
+        return int(args.run(args) or 0)
+    except KeyboardInterrupt:
+        sys.stderr.write("arborspec: interrupted\n")
+        return 130
+    except (UserError, ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+        if debug:
+            raise
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        sys.stderr.write(f"arborspec: error: {msg}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
