@@ -1,0 +1,113 @@
+"""Accept/reject over a verified tree: greedy, and lossless sampling.
+
+Role in one decoding step: step 4. Given the target's logits for [root, nodes...] (one
+verify call), choose the committed tokens: the longest accepted root-to-leaf path plus one
+token from the target (the bonus token at the end of the path, or the corrected token where
+the walk stopped).
+
+Greedy (temperature 0): a node is accepted when its token is the target's argmax at its
+parent and its parent is accepted; the deepest accepted node ends the path. This reproduces
+vanilla greedy decoding token for token. Fully vectorised.
+
+Sampling: a walk from the root; at each node the children are tried in order with the
+residual distribution updated after every rejection, so that the token finally emitted at
+each position is an exact sample of the (warped) target distribution:
+  * `sample`        candidates drawn i.i.d. from the draft q (with replacement): multi-round
+                    speculative sampling of SpecInfer (Miao et al., 2024, Alg. "MSS"):
+                    accept x with min(1, p(x)/q(x)); on rejection p <- norm(max(0, p - q)).
+  * `sample-unique` candidates drawn without replacement: recursive rejection sampling
+                    (Yang et al., 2024, "Multi-Draft Speculative Sampling"; Jeon et al., 2024,
+                    "Recursive Speculative Decoding"): as above, and q <- q with x removed,
+                    renormalised.
+  * `topk`          deterministic candidates (top-k, beam, dynamic, static trees): the draft
+                    is a point mass on each candidate, so accept x with probability p(x); on
+                    rejection p <- p with x zeroed, renormalised (as in EAGLE's tree sampling).
+When no child is accepted, the next token is drawn from the final residual p.
+
+The seed write-up instead accepts every sibling independently with min(1, p/q) against the
+unmodified p and resamples each rejection from max(0, p - q): with several siblings (or with
+top-k rather than sampled drafts) its output is NOT the target distribution; the tests show
+it failing the chi-square test that these rules pass.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import SamplingParams, probs, sample, warp_logits
+from .trees import Tree
+
+
+@dataclass
+class Acceptance:
+    path: torch.Tensor  # accepted node indices, root excluded, in order
+    tokens: list[int]  # tokens of the path + the bonus / corrected token
+
+
+def accept_greedy(logits: torch.Tensor, tree: Tree) -> Acceptance:
+    """logits [T, V] for [root, nodes...]."""
+    best = logits.argmax(-1).cpu()  # [T]
+    if tree.n == 0:
+        return Acceptance(torch.zeros(0, dtype=torch.long), [int(best[0])])
+    match = tree.tokens == best[tree.parents + 1]
+    accepted = ~(tree.anc & ~match[None, :]).any(1)
+    if not bool(accepted.any()):
+        return Acceptance(torch.zeros(0, dtype=torch.long), [int(best[0])])
+    deepest = int(torch.argmax(torch.where(accepted, tree.depth, -1)))
+    path = tree.anc[deepest].nonzero().flatten()  # ancestors come before descendants
+    return Acceptance(path, tree.tokens[path].tolist() + [int(best[deepest + 1])])
+
+
+def accept_sampling(logits: torch.Tensor, tree: Tree, sp: SamplingParams,
+                    rng: torch.Generator) -> Acceptance:
+    """Lossless walk for temperature > 0; the rule follows tree.candidates."""
+    mode = tree.candidates
+    node = -1
+    path: list[int] = []
+    tokens: list[int] = []
+    while True:
+        p = probs(logits[node + 1].float().cpu(), sp)
+        children = (tree.parents == node).nonzero().flatten().tolist() if tree.n else []
+        q = None
+        if children and mode != "topk":
+            q = tree.q[tree.qrow[children[0]]].clone()
+        chosen = -1
+        for c in children:
+            x = int(tree.tokens[c])
+            u = float(torch.rand((), generator=rng))
+            if mode == "topk":
+                if u < float(p[x]):
+                    chosen = c
+                    break
+                p[x] = 0.0
+                p = _renorm(p)
+            else:
+                qx = float(q[x])
+                if qx > 0 and u < min(1.0, float(p[x]) / qx):
+                    chosen = c
+                    break
+                if qx > 0:
+                    p = _renorm(torch.clamp(p - q, min=0.0), fallback=p)
+                if mode == "sample-unique":
+                    q[x] = 0.0
+                    q = _renorm(q)
+        if chosen < 0:
+            tokens.append(sample(p, rng))
+            return Acceptance(torch.tensor(path, dtype=torch.long), tokens)
+        path.append(chosen)
+        tokens.append(int(tree.tokens[chosen]))
+        node = chosen
+
+
+def _renorm(p: torch.Tensor, fallback: torch.Tensor | None = None) -> torch.Tensor:
+    s = float(p.sum())
+    if s <= 1e-12:  # only reachable through rounding (the residual of p == q)
+        return fallback if fallback is not None else p
+    return p / s
+
+
+def accept(logits: torch.Tensor, tree: Tree, sp: SamplingParams, rng: torch.Generator) -> Acceptance:
+    if sp.greedy:
+        return accept_greedy(logits, tree)
+    return accept_sampling(logits, tree, sp, rng)

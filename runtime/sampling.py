@@ -1,0 +1,62 @@
+"""Logit warping shared by target and draft: temperature, top-k, top-p.
+
+Role in one decoding step: the accept rule compares the target's and the draft's
+distributions after the SAME warping, which is what makes sampling lossless with respect to
+the warped target distribution the user asked for. Temperature 0 means greedy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top-k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def warp_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """float logits [..., V] -> warped logits (temperature-scaled; -inf outside top-k/top-p)."""
+    x = logits.float()
+    if sp.greedy:
+        return x
+    x = x / sp.temperature
+    if sp.top_k and sp.top_k < x.shape[-1]:
+        kth = torch.topk(x, sp.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if sp.top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        p = torch.softmax(sorted_x, dim=-1)
+        # drop a token when the mass strictly before it already reaches top_p (keeps >= 1)
+        drop_sorted = (torch.cumsum(p, dim=-1) - p) >= sp.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x
+
+
+def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """Warped probabilities [..., V] (float32). For greedy, a one-hot at the argmax."""
+    if sp.greedy:
+        out = torch.zeros_like(logits, dtype=torch.float32)
+        return out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.softmax(warp_logits(logits, sp), dim=-1)
+
+
+def sample(p: torch.Tensor, rng: torch.Generator) -> int:
+    """One token from a probability vector [V]."""
+    return int(torch.multinomial(p, 1, generator=rng).item())

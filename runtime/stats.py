@@ -1,0 +1,76 @@
+"""Per-generation statistics: what a step cost and what it bought.
+
+Role in one decoding step: every phase of the step (draft, verify, accept+KV, other) adds its
+wall time here, and every target call its committed token count, so `mean_accepted` (tokens
+per target call) and the time split come out of the same run that produced the text.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    mode: str = "tree"
+    tree: str = ""
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0  # decode steps (= verify calls after the prefill)
+    target_calls: int = 0  # verify calls + prefill calls
+    draft_calls: int = 0
+    tree_nodes: int = 0  # drafted nodes verified, summed over steps
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    draft_model_s: float = 0.0  # inside draft engine calls (part of draft_s)
+    verify_s: float = 0.0
+    accept_kv_s: float = 0.0
+    other_s: float = 0.0
+    total_s: float = 0.0
+    accepted_hist: dict = field(default_factory=dict)  # tokens committed per step -> count
+
+    @property
+    def decode_s(self) -> float:
+        return self.total_s - self.prefill_s
+
+    @property
+    def mean_accepted(self) -> float:
+        """Tokens committed per verify call (drafted tokens accepted + the target's own one)."""
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens over decode time (prefill excluded)."""
+        return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def overhead_per_step_ms(self) -> float:
+        """The runtime's own time per step, model calls excluded: tree building (draft time
+        outside draft engine calls) + flatten + accept + KV commits + loop bookkeeping."""
+        own = self.draft_s - self.draft_model_s + self.accept_kv_s + self.other_s
+        return 1e3 * own / self.steps if self.steps else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(mean_accepted=self.mean_accepted, tokens_per_s=self.tokens_per_s,
+                 decode_s=self.decode_s, overhead_per_step_ms=self.overhead_per_step_ms)
+        return d
+
+
+class Timer:
+    """Accumulates wall time into a stats field: `with timer("verify_s"): ...`."""
+
+    def __init__(self, stats: GenerationStats, sync=None):
+        self.stats = stats
+        self.sync = sync  # e.g. torch.cuda.synchronize, so GPU time lands in the right bucket
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.sync:
+                self.sync()
+            setattr(self.stats, name, getattr(self.stats, name) + time.perf_counter() - t0)

@@ -1,0 +1,301 @@
+"""Tree policies and the flattened tree: which candidates to draft, and the verify inputs.
+
+Role in one decoding step: steps 1 and 2. A policy decides, level by level, which of each
+frontier node's candidate children enter the tree and which new nodes are expanded at the
+next level (one draft call per level over that frontier); `Tree` holds the result as flat
+tensors in level order (parent index < child index) with the ancestor matrix maintained
+incrementally, and `verify_inputs` turns it into the target's input ids, position ids
+(past_len + depth: siblings share a position) and tree attention mask with tensor ops.
+
+Spec strings (CLI `--tree`):
+  chain:K          classic speculative decoding, K drafted tokens
+  full:D,W         every node gets its top-W children, depth D (the NanoGPT write-up)
+  beam:4,16,16     per level, the global top-n children of the whole frontier by cumulative
+                   draft log-prob (LongSpec's beam tree)
+  dynamic:K,D,N    EAGLE-2: expand the top-K nodes of each level by cumulative log-prob,
+                   K children each, D levels, then keep the best N nodes overall
+  static:FILE.json explicit paths of child ranks, Medusa style: [[0],[1],[0,0],[0,1],...]
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+
+class TreeSpecError(ValueError):
+    pass
+
+
+# ----------------------------------------------------------------------------- policies
+
+class TreePolicy:
+    """Base: a fixed-depth expansion. Subclasses say how many candidates each frontier node
+    offers per level (`width`), which ones are kept (`select`) and what is expanded next."""
+
+    kind = "base"
+    depth: int
+    data_dependent = False  # True when selection depends on draft scores (beam, dynamic)
+
+    def width(self, level: int) -> int:
+        raise NotImplementedError
+
+    def select(self, level: int, scores: torch.Tensor) -> torch.Tensor:
+        """scores [F, k] cumulative log-probs of the candidates -> bool keep mask [F, k]."""
+        return torch.ones_like(scores, dtype=torch.bool)
+
+    def expand(self, level: int, scores: torch.Tensor) -> torch.Tensor:
+        """scores [n] of the nodes just added at `level` -> bool mask of nodes to expand."""
+        return torch.ones_like(scores, dtype=torch.bool)
+
+    def finalize(self, scores: torch.Tensor, depth: torch.Tensor) -> torch.Tensor | None:
+        """Optional final pruning: bool keep mask over all nodes (must be ancestor-closed)."""
+        return None
+
+    @property
+    def max_nodes(self) -> int:
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return self.spec
+
+    spec: str = ""
+
+
+class FullTree(TreePolicy):
+    kind = "full"
+
+    def __init__(self, depth: int, width: int, spec: str = ""):
+        if depth < 1 or width < 1:
+            raise TreeSpecError("full:D,W needs D >= 1 and W >= 1")
+        self.depth, self.w, self.spec = depth, width, spec or f"full:{depth},{width}"
+
+    def width(self, level):
+        return self.w
+
+    @property
+    def max_nodes(self):
+        return sum(self.w ** l for l in range(1, self.depth + 1))
+
+
+class ChainTree(FullTree):
+    kind = "chain"
+
+    def __init__(self, k: int, spec: str = ""):
+        if k < 1:
+            raise TreeSpecError("chain:K needs K >= 1")
+        super().__init__(k, 1, spec or f"chain:{k}")
+
+
+class BeamTree(TreePolicy):
+    kind = "beam"
+    data_dependent = True
+
+    def __init__(self, widths: list[int], spec: str = ""):
+        if not widths or min(widths) < 1:
+            raise TreeSpecError("beam:n1,n2,... needs at least one level, each n >= 1")
+        self.widths, self.depth = list(widths), len(widths)
+        self.spec = spec or "beam:" + ",".join(map(str, widths))
+
+    def width(self, level):
+        return self.widths[level - 1]
+
+    def select(self, level, scores):
+        n = min(self.widths[level - 1], scores.numel())
+        keep = torch.zeros(scores.numel(), dtype=torch.bool)
+        keep[torch.topk(scores.flatten(), n).indices] = True
+        return keep.view_as(scores)
+
+    @property
+    def max_nodes(self):
+        return sum(self.widths)
+
+
+class DynamicTree(TreePolicy):
+    kind = "dynamic"
+    data_dependent = True
+
+    def __init__(self, k: int, depth: int, budget: int, spec: str = ""):
+        if k < 1 or depth < 1 or budget < 1:
+            raise TreeSpecError("dynamic:K,D,N needs K, D, N >= 1")
+        self.k, self.depth, self.budget = k, depth, budget
+        self.spec = spec or f"dynamic:{k},{depth},{budget}"
+
+    def width(self, level):
+        return self.k
+
+    def expand(self, level, scores):
+        keep = torch.zeros(scores.numel(), dtype=torch.bool)
+        keep[torch.topk(scores, min(self.k, scores.numel())).indices] = True
+        return keep
+
+    def finalize(self, scores, depth):
+        n = scores.numel()
+        if n <= self.budget:
+            return None
+        # rank by score, ties broken towards shallower nodes: a child never outranks its parent
+        # (cumulative log-probs only decrease along a path), so the top N is ancestor-closed
+        key = scores.double() - depth.double() * 1e-9
+        keep = torch.zeros(n, dtype=torch.bool)
+        keep[torch.topk(key, self.budget).indices] = True
+        return keep
+
+    @property
+    def max_nodes(self):
+        return self.budget
+
+
+class StaticTree(TreePolicy):
+    kind = "static"
+
+    def __init__(self, paths: list[list[int]], spec: str = ""):
+        seen = set()
+        for p in paths:
+            if not isinstance(p, (list, tuple)) or not p or not all(isinstance(r, int) and r >= 0 for r in p):
+                raise TreeSpecError(f"static tree: each path must be a non-empty list of ranks >= 0, got {p!r}")
+            seen.add(tuple(p))
+        for p in seen:
+            if len(p) > 1 and p[:-1] not in seen:
+                raise TreeSpecError(f"static tree: path {list(p)} has no parent path {list(p[:-1])}")
+        if not seen:
+            raise TreeSpecError("static tree: no paths")
+        self.paths = sorted(seen, key=lambda p: (len(p), p))
+        self.depth = max(len(p) for p in self.paths)
+        self.spec = spec or "static"
+        # the structure is fixed: precompute, per level, the frontier (as rank paths in the
+        # order nodes are added) and the keep mask over [F, width]
+        self._levels = []
+        frontier = [()]
+        for level in range(1, self.depth + 1):
+            kids = [p for p in self.paths if len(p) == level]
+            w = max(p[-1] for p in kids) + 1
+            keep = torch.zeros(len(frontier), w, dtype=torch.bool)
+            index = {f: i for i, f in enumerate(frontier)}
+            for p in kids:
+                keep[index[p[:-1]], p[-1]] = True
+            added = [frontier[i] + (r,) for i, r in keep.nonzero().tolist()]
+            parents = {p[:-1] for p in self.paths if len(p) == level + 1}
+            expand = torch.tensor([a in parents for a in added], dtype=torch.bool)
+            self._levels.append((w, keep, expand))
+            frontier = [a for a, e in zip(added, expand.tolist()) if e]
+
+    def width(self, level):
+        return self._levels[level - 1][0]
+
+    def select(self, level, scores):
+        return self._levels[level - 1][1]
+
+    def expand(self, level, scores):
+        return self._levels[level - 1][2]
+
+    @property
+    def max_nodes(self):
+        return len(self.paths)
+
+
+def _ints(text: str, spec: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip() != ""]
+    except ValueError:
+        raise TreeSpecError(f"malformed tree spec {spec!r}: expected integers after ':'") from None
+    return vals
+
+
+def parse_tree_spec(spec: str, base_dir: str | None = None) -> TreePolicy:
+    """Parse a `--tree` spec string (see the module docstring) into a policy."""
+    if not isinstance(spec, str) or ":" not in spec:
+        raise TreeSpecError(
+            f"malformed tree spec {spec!r}: expected chain:K, full:D,W, beam:n1,n2,..., "
+            "dynamic:K,D,N or static:FILE.json")
+    kind, _, rest = spec.partition(":")
+    kind = kind.strip().lower()
+    if kind == "static":
+        path = rest if os.path.isabs(rest) or base_dir is None else os.path.join(base_dir, rest)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"static tree file not found: {path}")
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise TreeSpecError(f"static tree file {path} is not valid JSON: {e}") from None
+        if isinstance(data, dict):
+            data = data.get("paths", data.get("choices"))
+        if not isinstance(data, list):
+            raise TreeSpecError(f"static tree file {path}: expected a list of paths")
+        return StaticTree(data, spec)
+    vals = _ints(rest, spec)
+    if kind == "chain" and len(vals) == 1:
+        return ChainTree(vals[0], spec)
+    if kind == "full" and len(vals) == 2:
+        return FullTree(vals[0], vals[1], spec)
+    if kind == "beam" and len(vals) >= 1:
+        return BeamTree(vals, spec)
+    if kind == "dynamic" and len(vals) == 3:
+        return DynamicTree(*vals, spec=spec)
+    raise TreeSpecError(
+        f"malformed tree spec {spec!r}: expected chain:K, full:D,W, beam:n1,n2,..., "
+        "dynamic:K,D,N or static:FILE.json")
+
+
+# ----------------------------------------------------------------------------- the tree
+
+@dataclass
+class Tree:
+    """Draft nodes in level order (the root, the last committed token, is implicit: index -1).
+
+    tokens/parents/depth/score: [N]; anc: bool [N, N], anc[i, j] = j is i or an ancestor of i;
+    slot: [N] the node's row in the draft's scratch cache (-1: not run through the draft);
+    qrow: [N] row of `q` holding the draft distribution its candidate was drawn from."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    score: torch.Tensor
+    anc: torch.Tensor
+    slot: torch.Tensor
+    qrow: torch.Tensor
+    q: torch.Tensor | None = None  # [R, V] warped draft distributions (sampled candidates only)
+    candidates: str = "topk"
+    draft_calls: int = 0
+
+    @property
+    def n(self) -> int:
+        return int(self.tokens.numel())
+
+    @staticmethod
+    def empty(device="cpu") -> "Tree":
+        z = torch.zeros(0, dtype=torch.long, device=device)
+        return Tree(z, z, z, z.float(), torch.zeros(0, 0, dtype=torch.bool, device=device), z, z)
+
+    def prune(self, keep: torch.Tensor) -> "Tree":
+        """Keep an ancestor-closed subset of nodes, remapping parent indices."""
+        idx = keep.nonzero().flatten()
+        remap = torch.full((self.n + 1,), -1, dtype=torch.long)
+        remap[idx] = torch.arange(idx.numel())
+        par = self.parents[idx]
+        new_par = torch.where(par >= 0, remap[par.clamp(min=0)], par)
+        return Tree(self.tokens[idx], new_par, self.depth[idx], self.score[idx],
+                    self.anc[idx][:, idx], self.slot[idx], self.qrow[idx], self.q,
+                    self.candidates, self.draft_calls)
+
+
+def verify_inputs(root_token: int, tree: Tree, past_len: int, device="cpu"):
+    """Flatten [root, nodes...] into the target's inputs for one verify call.
+
+    Returns input_ids [1, T], position_ids [1, T] (past_len + depth), mask bool [1, T, P+T]:
+    the cache columns are all visible, the root sees itself, every node sees the root, its
+    ancestors and itself."""
+    n = tree.n
+    t = n + 1
+    ids = torch.empty(1, t, dtype=torch.long)
+    ids[0, 0] = root_token
+    ids[0, 1:] = tree.tokens
+    pos = torch.empty(1, t, dtype=torch.long)
+    pos[0, 0] = past_len
+    pos[0, 1:] = tree.depth + past_len
+    mask = torch.zeros(1, t, past_len + t, dtype=torch.bool)
+    mask[0, :, : past_len + 1] = True
+    mask[0, 1:, past_len + 1 :] = tree.anc
+    return ids.to(device), pos.to(device), mask.to(device)
