@@ -1,0 +1,182 @@
+"""ONNX Runtime backend: runs an arborspec contract graph with IOBinding.
+
+Role in one decoding step: every model call of the step (one draft call per tree level, the
+target's single verify call, prefills) is `OrtEngine.forward`. The committed prefix
+`cache.k[i, :P]` of each layer is bound as `past_key.{i}` by address, and the outputs
+`new_key.{i}` / `new_value.{i}` are bound straight onto the cache tail `cache.k[i, P:P+T]`,
+so ONNX Runtime reads and writes the runtime's KV slab in place (zero copy); logits are
+written into a fresh float32 torch tensor that is returned. CPU EP by default; with
+onnxruntime-gpu and a CUDA cache the same bindings use device_type "cuda" and the cache never
+leaves the GPU.
+
+Never imports onnx: the model's config is read from the session's metadata_props.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from ... import CONTRACT_VERSION
+from ..kvcache import CacheSpec, KVCache
+from .base import EngineInfo, check_call
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_ORT_TYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16,
+              "tensor(bfloat16)": torch.bfloat16}
+# ONNX TensorProto element types (ORT's bind_* accepts these ints; numpy has no bfloat16)
+_ELEM = {torch.float32: 1, torch.int64: 7, torch.bool: 9, torch.float16: 10, torch.bfloat16: 16}
+
+
+def _import_ort():
+    try:
+        import onnxruntime as ort
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("the onnxruntime backend needs `pip install onnxruntime` "
+                          "(or onnxruntime-gpu for CUDA)") from e
+    return ort
+
+
+class OrtEngine:
+    """Engine protocol over an ONNX Runtime session of an arborspec contract graph."""
+
+    def __init__(self, path: str | os.PathLike, providers: list | None = None,
+                 device: str | torch.device = "cpu", session_options=None):
+        ort = _import_ort()
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such ONNX file")
+        self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"onnxruntime backend supports cpu or cuda devices, not {device!r}")
+        want_cuda = self.device.type == "cuda"
+        if providers is None:
+            if want_cuda:
+                providers = [("CUDAExecutionProvider", {"device_id": self.device.index or 0}),
+                             "CPUExecutionProvider"]
+            else:
+                providers = ["CPUExecutionProvider"]
+        so = session_options
+        if so is None:
+            so = ort.SessionOptions()
+            so.log_severity_level = 3
+        try:
+            self.session = ort.InferenceSession(str(path), so, providers=providers)
+        except Exception as e:  # ORT raises its own exception types (Fail, InvalidGraph...)
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if "external" in msg.lower() or "No such file" in msg or "open file" in msg.lower():
+                raise FileNotFoundError(f"{path}: cannot load the model, an external-data file is "
+                                        f"missing or unreadable ({msg})") from None
+            raise ValueError(f"{path}: ONNX Runtime cannot load the model: {msg}") from None
+        active = self.session.get_providers()
+        if want_cuda and "CUDAExecutionProvider" not in active:
+            # onnxruntime-gpu silently falls back to CPU when CUDA libraries are missing
+            raise RuntimeError(f"CUDA was requested but ONNX Runtime runs on {active} "
+                               "(install onnxruntime-gpu with matching CUDA/cuDNN libraries)")
+        self.path = path
+        self.providers = active
+        self._device_type = "cuda" if want_cuda else "cpu"
+        self._device_id = (self.device.index or 0) if want_cuda else 0
+
+        meta = self.session.get_modelmeta().custom_metadata_map
+        if "arborspec.contract_version" not in meta or "arborspec.config" not in meta:
+            raise ValueError(f"{path} is not an arborspec export (no arborspec metadata in the "
+                             "ONNX file): export it with `arborspec export`")
+        if meta["arborspec.contract_version"] != str(CONTRACT_VERSION):
+            raise ValueError(f"{path} uses engine contract version {meta['arborspec.contract_version']}"
+                             f", this arborspec reads version {CONTRACT_VERSION}: re-export it")
+        self.metadata = dict(meta)
+        cfg = json.loads(meta["arborspec.config"])
+        self.config = cfg
+        n = int(cfg["n_layers"])
+        self.input_names = ["input_ids", "position_ids", "attention_mask"]
+        self.output_names = ["logits"]
+        for i in range(n):
+            self.input_names += [f"past_key.{i}", f"past_value.{i}"]
+            self.output_names += [f"new_key.{i}", f"new_value.{i}"]
+        got_in = [x.name for x in self.session.get_inputs()]
+        got_out = [x.name for x in self.session.get_outputs()]
+        if got_in != self.input_names or got_out != self.output_names:
+            raise ValueError(f"{path}: graph inputs/outputs {got_in} -> {got_out} do not follow the "
+                             f"contract for {n} layers")
+        kv_type = self.session.get_inputs()[3].type if n else "tensor(float)"
+        if kv_type not in _ORT_TYPES:
+            raise ValueError(f"{path}: unsupported KV element type {kv_type}")
+        self.kv_dtype = _ORT_TYPES[kv_type]
+        logits_type = self.session.get_outputs()[0].type
+        if logits_type != "tensor(float)":
+            raise ValueError(f"{path}: logits are {logits_type}, the contract wants float32")
+        self.info = EngineInfo(
+            vocab_size=int(cfg["vocab_size"]), max_position=int(cfg["max_position"]),
+            cache=CacheSpec(n, int(cfg["n_kv_heads"]), int(cfg["head_dim"]), self.kv_dtype),
+            name=cfg.get("name", "") or path.stem)
+
+    # ------------------------------------------------------------------ checks
+    def _check(self, input_ids, position_ids, mask, cache: KVCache) -> None:
+        check_call(self.info, input_ids, position_ids, mask, cache)
+        if input_ids.dtype != torch.int64 or position_ids.dtype != torch.int64:
+            raise ValueError(f"input_ids/position_ids must be int64, got {input_ids.dtype}/"
+                             f"{position_ids.dtype}")
+        spec = self.info.cache
+        if cache.k.dtype != self.kv_dtype or cache.v.dtype != self.kv_dtype:
+            raise ValueError(f"KV cache dtype {cache.k.dtype} != engine dtype {self.kv_dtype}")
+        exp = (spec.n_layers, cache.max_len, cache.batch, spec.n_kv_heads, spec.head_dim)
+        if tuple(cache.k.shape) != exp or tuple(cache.v.shape) != exp:
+            raise ValueError(f"KV cache shape {tuple(cache.k.shape)} does not fit this engine "
+                             f"(expected [L, S, B, Hkv, D] = {exp})")
+        if not (cache.k.is_contiguous() and cache.v.is_contiguous()):
+            raise ValueError("KV cache slabs must be contiguous (they are bound by address)")
+        for name, t in (("input_ids", input_ids), ("position_ids", position_ids),
+                        ("attention_mask", mask), ("KV cache", cache.k)):
+            if t.device.type != self._device_type:
+                raise ValueError(f"{name} is on {t.device}, this engine runs on {self.device}")
+
+    # ------------------------------------------------------------------ call
+    def _bind_in(self, io, name: str, t: torch.Tensor) -> None:
+        io.bind_input(name, self._device_type, self._device_id, _ELEM[t.dtype], tuple(t.shape),
+                      t.data_ptr())
+
+    def _bind_out(self, io, name: str, t: torch.Tensor) -> None:
+        io.bind_output(name, self._device_type, self._device_id, _ELEM[t.dtype], tuple(t.shape),
+                       t.data_ptr())
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+                cache: KVCache) -> torch.Tensor:
+        """See Engine.forward: writes new K/V onto cache[:, P:P+T] (cache.length unchanged)
+        and returns logits float32 [B, T, V] on self.device."""
+        self._check(input_ids, position_ids, mask, cache)
+        b, t = input_ids.shape
+        p = cache.length
+        ids = input_ids.contiguous()
+        pos = position_ids.contiguous()
+        msk = mask.contiguous()
+        io = self.session.io_binding()
+        self._bind_in(io, "input_ids", ids)
+        self._bind_in(io, "position_ids", pos)
+        self._bind_in(io, "attention_mask", msk)
+        for i in range(self.info.cache.n_layers):
+            # dense prefix [0, P) of the layer's slab (a zero-size tensor when P == 0)
+            self._bind_in(io, f"past_key.{i}", cache.k[i, :p])
+            self._bind_in(io, f"past_value.{i}", cache.v[i, :p])
+            self._bind_out(io, f"new_key.{i}", cache.k[i, p:p + t])
+            self._bind_out(io, f"new_value.{i}", cache.v[i, p:p + t])
+        logits = torch.empty((b, t, self.info.vocab_size), dtype=torch.float32, device=self.device)
+        self._bind_out(io, "logits", logits)
+        if self._device_type == "cuda":
+            # ORT runs on its own stream: torch's pending writes (ids, mask, cache commit)
+            # must be done before ORT reads the buffers.
+            torch.cuda.current_stream(self.device).synchronize()
+            self.session.run_with_iobinding(io)
+            io.synchronize_outputs()
+        else:
+            self.session.run_with_iobinding(io)
+        # keep the bound tensors alive until the run has finished
+        del ids, pos, msk
+        return logits
+
+    __call__ = forward
+
+    def __repr__(self) -> str:
+        return f"OrtEngine({str(self.path)!r}, providers={self.providers})"
