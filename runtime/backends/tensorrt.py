@@ -1,0 +1,351 @@
+"""TensorRT backend: a serialized engine (from `arborspec build`) behind the Engine protocol.
+
+Role in one decoding step: runs every model call of the step on the GPU (a draft level, the
+target's verify over root + tree, a prefill). The KV cache never leaves the device and is
+never copied: each layer's `past_key.i` is bound by address to the dense prefix
+`cache.k[i, :P]`, its `new_key.i` output onto the tail `cache.k[i, P:P+T]`, and the logits go
+into a preallocated CUDA buffer; the call is enqueued with `execute_async_v3` on torch's
+current stream, so it orders with the surrounding torch work without a host sync.
+
+Works with `tensorrt` (10.x/11.x) or `tensorrt_rtx`: the module recorded in the engine's
+`engines.json` is used, else `tensorrt` when importable, else `tensorrt_rtx`
+(`ARBORSPEC_TRT_MODULE` forces one). Importing this file needs neither; constructing a
+TrtEngine needs one of them and a CUDA GPU.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..kvcache import CacheSpec, KVCache
+from .base import EngineInfo, check_call
+
+_ENV_MODULE = "ARBORSPEC_TRT_MODULE"
+_INSTALL_HINT = "install TensorRT-RTX (`pip install tensorrt-rtx`) or NVIDIA TensorRT 10.x/11.x"
+
+
+def _import_trt(flavour: str | None):
+    env = os.environ.get(_ENV_MODULE, "").strip()
+    flavour = (flavour or env or "auto").replace("-", "_").lower()
+    names = ("tensorrt", "tensorrt_rtx") if flavour == "auto" else (flavour,)
+    errors = []
+    for name in names:
+        try:
+            mod = importlib.import_module(name)
+            if hasattr(mod, "Runtime"):
+                return mod, name
+            errors.append(f"{name}: no Runtime (a stub package?)")
+        except Exception as e:  # noqa: BLE001 - a broken install must not stop the fallback
+            errors.append(f"{name}: {type(e).__name__}: {e}")
+    raise ImportError(f"cannot import TensorRT ({'; '.join(errors)}); {_INSTALL_HINT}")
+
+
+def _manifest_entry(engine_path: Path) -> dict[str, Any] | None:
+    path = engine_path.with_name("engines.json")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    for e in data.get("engines", {}).values():
+        if e.get("file") == engine_path.name:
+            return e
+    return None
+
+
+def _torch_dtype(trt, dt) -> torch.dtype:
+    table = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16,
+             "INT8": torch.int8, "INT32": torch.int32, "INT64": torch.int64,
+             "BOOL": torch.bool, "UINT8": torch.uint8}
+    name = str(dt).split(".")[-1]
+    if name not in table:
+        raise TypeError(f"TensorRT dtype {name} has no torch equivalent here")
+    return table[name]
+
+
+class _Log:
+    """A TensorRT logger keeping errors, so failures can say why (one per module)."""
+
+    _by_module: dict[str, Any] = {}
+
+    @classmethod
+    def get(cls, trt):
+        key = trt.__name__
+        if key not in cls._by_module:
+            class Collect(trt.ILogger):
+                def __init__(self):
+                    trt.ILogger.__init__(self)
+                    self.errors: list[str] = []
+
+                def log(self, severity, msg):
+                    if severity in (trt.ILogger.Severity.INTERNAL_ERROR, trt.ILogger.Severity.ERROR):
+                        self.errors.append(msg)
+                        del self.errors[:-20]
+
+                def take(self) -> list[str]:
+                    e, self.errors = self.errors, []
+                    return e
+            cls._by_module[key] = Collect()
+        return cls._by_module[key]
+
+
+class TrtEngine:
+    """Engine protocol over a TensorRT engine file.
+
+    engine_path: a `.engine` written by `arborspec build` (engines.json beside it is read for
+      the TensorRT module, compute capability and model limits; optional).
+    device: the CUDA device the engine runs on; the KVCache must live there too.
+    clone_logits: return a fresh logits tensor (default). False returns a view of the
+      preallocated buffer, valid until this engine's next call.
+    """
+
+    def __init__(self, engine_path: str | os.PathLike, device: str | torch.device = "cuda", *,
+                 flavour: str | None = None, clone_logits: bool = True):
+        self.path = Path(engine_path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"TensorRT engine not found: {self.path}")
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"TrtEngine runs on a CUDA device, not {self.device}")
+        if not torch.cuda.is_available():
+            raise RuntimeError("TrtEngine needs a CUDA GPU and none is visible to torch")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.entry = _manifest_entry(self.path)
+        recorded = (self.entry or {}).get("trt", {}).get("module")
+        trt, self.flavour = _import_trt(flavour or os.environ.get(_ENV_MODULE) or recorded)
+        self.trt = trt
+        self.clone_logits = clone_logits
+        self._check_compatible()
+
+        log = _Log.get(trt)
+        log.take()
+        with torch.cuda.device(self.device):
+            self.runtime = trt.Runtime(log)
+            self.engine = self.runtime.deserialize_cuda_engine(self.path.read_bytes())
+            if self.engine is None:
+                raise RuntimeError(self._deserialize_error(log.take()))
+            self._read_io()
+            self._make_context()
+        self._active_profile = 0
+        self._logits_buf: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ set-up
+
+    def _gpu_cc(self) -> str:
+        return "%d.%d" % torch.cuda.get_device_capability(self.device)
+
+    def _check_compatible(self) -> None:
+        e = self.entry
+        if not e:
+            return
+        built_cc, gpu_cc = e.get("compute_capability"), self._gpu_cc()
+        if built_cc and built_cc != gpu_cc:
+            raise RuntimeError(
+                f"{self.path.name} was built for compute capability {built_cc} but "
+                f"{torch.cuda.get_device_name(self.device)} is {gpu_cc}: rebuild it with "
+                f"`arborspec build --compute-capability {gpu_cc}` (or on this GPU)")
+        built = e.get("trt", {})
+        if built.get("module") and built["module"] != self.flavour:
+            raise RuntimeError(f"{self.path.name} was built with {built['module']} but "
+                               f"{self.flavour} is loaded: use the same module "
+                               f"({_ENV_MODULE}={built['module']}) or rebuild")
+
+    def _deserialize_error(self, errors: list[str]) -> str:
+        e = self.entry or {}
+        built = e.get("trt", {})
+        what = (f"built with {built.get('module')} {built.get('version')} for compute capability "
+                f"{e.get('compute_capability')}" if e else "no engines.json beside it")
+        return (f"cannot load TensorRT engine {self.path} ({what}) with {self.flavour} "
+                f"{self.trt.__version__} on {torch.cuda.get_device_name(self.device)} "
+                f"(compute capability {self._gpu_cc()}): an engine only runs on the GPU "
+                f"generation and TensorRT version it was built for; rebuild with `arborspec "
+                f"build`. TensorRT said: " + ("; ".join(x.splitlines()[0] for x in errors)
+                                              or "nothing"))
+
+    def _read_io(self) -> None:
+        trt, eng = self.trt, self.engine
+        names = [eng.get_tensor_name(i) for i in range(eng.num_io_tensors)]
+        self.inputs = [n for n in names if eng.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        self.outputs = [n for n in names if eng.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
+        self.dtypes = {n: _torch_dtype(trt, eng.get_tensor_dtype(n)) for n in names}
+        n_layers = sum(1 for n in self.inputs if n.startswith("past_key."))
+        need = ["input_ids", "position_ids", "attention_mask", "logits"]
+        for i in range(n_layers):
+            need += [f"past_key.{i}", f"past_value.{i}", f"new_key.{i}", f"new_value.{i}"]
+        missing = [n for n in need if n not in names]
+        if missing or n_layers == 0:
+            raise RuntimeError(f"{self.path.name} does not follow the engine contract: missing "
+                               f"{', '.join(missing) or 'past_key.0'}")
+        kv_shape = tuple(eng.get_tensor_shape("past_key.0"))
+        h_kv, d = kv_shape[2], kv_shape[3]
+        vocab = tuple(eng.get_tensor_shape("logits"))[-1]
+        if min(h_kv, d, vocab) < 1:
+            raise RuntimeError(f"{self.path.name}: KV heads/head dim/vocab must be static "
+                               f"(got {kv_shape}, vocab {vocab})")
+        # profile ranges over (B, T, P), from the engine itself (min, opt, max)
+        self.profiles: list[dict[str, tuple[int, int]]] = []
+        for k in range(eng.num_optimization_profiles):
+            ids = eng.get_tensor_profile_shape("input_ids", k)
+            past = eng.get_tensor_profile_shape("past_key.0", k)
+            mask = eng.get_tensor_profile_shape("attention_mask", k)
+            self.profiles.append({"B": (ids[0][0], ids[2][0]), "T": (ids[0][1], ids[2][1]),
+                                  "P": (past[0][0], past[2][0]), "S": (mask[0][2], mask[2][2])})
+        self.max_batch = max(p["B"][1] for p in self.profiles)
+        self.max_tokens = max(p["T"][1] for p in self.profiles)
+        kv_dtype = self.dtypes["past_key.0"]
+        cfg = {}
+        meta = (self.entry or {}).get("onnx_metadata", {})
+        for v in meta.values():
+            try:
+                obj = json.loads(v)
+            except (TypeError, json.JSONDecodeError):
+                continue
+            if isinstance(obj, dict) and "max_position" in obj:
+                cfg = obj
+        max_ctx = (self.entry or {}).get("limits", {}).get("max_context")
+        max_pos = cfg.get("max_position") or max_ctx or max(p["P"][1] + 1 for p in self.profiles)
+        self.info = EngineInfo(vocab_size=vocab, max_position=int(max_pos),
+                               cache=CacheSpec(n_layers, h_kv, d, kv_dtype),
+                               max_tokens=self.max_tokens, name=cfg.get("name", self.path.stem))
+
+    def _make_context(self) -> None:
+        """One execution context; profile switches are rare (prefill once, then decode)."""
+        eng, trt = self.engine, self.trt
+        self._runtime_cache = None
+        self._runtime_cache_path = None
+        if self.flavour == "tensorrt_rtx" and hasattr(eng, "create_runtime_config"):
+            rc = eng.create_runtime_config()
+            cache_name = (self.entry or {}).get("cache", {}).get("file") or \
+                (self.path.name + ".runtime.cache")
+            self._runtime_cache_path = self.path.with_name(cache_name)
+            cache = rc.create_runtime_cache()
+            if cache is not None:
+                if self._runtime_cache_path.is_file():
+                    cache.deserialize(self._runtime_cache_path.read_bytes())
+                rc.set_runtime_cache(cache)
+                self._runtime_cache = cache
+            self._runtime_config = rc
+            self.context = eng.create_execution_context(rc)
+        else:
+            self.context = eng.create_execution_context()
+        if self.context is None:
+            raise RuntimeError(f"cannot create an execution context for {self.path.name} "
+                               "(out of GPU memory?): " + "; ".join(_Log.get(trt).take()))
+
+    def save_runtime_cache(self) -> Path | None:
+        """TensorRT-RTX: write the JIT kernel cache beside the engine (next load starts warm)."""
+        if self._runtime_cache is None or self._runtime_cache_path is None:
+            return None
+        blob = self._runtime_cache.serialize()
+        if blob is None:
+            return None
+        tmp = self._runtime_cache_path.with_name(self._runtime_cache_path.name + ".tmp")
+        tmp.write_bytes(bytes(memoryview(blob)))
+        os.replace(tmp, self._runtime_cache_path)
+        return self._runtime_cache_path
+
+    def close(self) -> None:
+        """Save the RTX runtime cache and release the context and engine."""
+        try:
+            self.save_runtime_cache()
+        finally:
+            self.context = None
+            self.engine = None
+
+    # ------------------------------------------------------------------ calls
+
+    def profile_for(self, b: int, t: int, p: int) -> int:
+        """Index of the first profile covering (B, T, P) (build order: decode, then prefill)."""
+        for k, r in enumerate(self.profiles):
+            if (r["B"][0] <= b <= r["B"][1] and r["T"][0] <= t <= r["T"][1]
+                    and r["P"][0] <= p <= r["P"][1] and r["S"][0] <= p + t <= r["S"][1]):
+                return k
+        ranges = "; ".join(f"#{k}: B {r['B'][0]}..{r['B'][1]}, T {r['T'][0]}..{r['T'][1]}, "
+                           f"P {r['P'][0]}..{r['P'][1]}" for k, r in enumerate(self.profiles))
+        raise ValueError(f"no optimisation profile of {self.path.name} covers B={b}, T={t}, P={p} "
+                         f"({ranges}); rebuild with larger --max-batch/--max-tree-nodes/"
+                         f"--max-context")
+
+    def _logits_out(self, b: int, t: int) -> torch.Tensor:
+        n = b * t * self.info.vocab_size
+        if self._logits_buf is None or self._logits_buf.numel() < n:
+            # sized for the largest call any profile accepts, grown lazily for smaller engines
+            cap = max(n, self.max_batch * min(self.max_tokens, 512) * self.info.vocab_size)
+            self._logits_buf = torch.empty(cap, dtype=self.dtypes["logits"], device=self.device)
+        return self._logits_buf[:n].view(b, t, self.info.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+                cache: KVCache) -> torch.Tensor:
+        check_call(self.info, input_ids, position_ids, mask, cache)
+        if cache.device != self.device:
+            raise ValueError(f"KV cache is on {cache.device}, the engine on {self.device}")
+        if cache.k.dtype != self.dtypes["past_key.0"]:
+            raise ValueError(f"KV cache dtype {cache.k.dtype} != engine's "
+                             f"{self.dtypes['past_key.0']}")
+        spec = self.info.cache
+        if tuple(cache.k.shape[3:]) != (spec.n_kv_heads, spec.head_dim) or \
+                cache.k.shape[0] != spec.n_layers:
+            raise ValueError(f"KV cache shape {tuple(cache.k.shape)} does not match the engine "
+                             f"({spec.n_layers} layers, {spec.n_kv_heads} KV heads, "
+                             f"head dim {spec.head_dim})")
+        if not (cache.k.is_contiguous() and cache.v.is_contiguous()):
+            raise ValueError("KV cache slabs must be contiguous to be bound by address")
+        b, t = input_ids.shape
+        p = cache.length
+        ctx = self.context
+        stream = torch.cuda.current_stream(self.device)
+        k = self.profile_for(b, t, p)
+
+        with torch.cuda.device(self.device):
+            if k != self._active_profile:
+                if not ctx.set_optimization_profile_async(k, stream.cuda_stream):
+                    raise RuntimeError(f"cannot switch {self.path.name} to profile {k}: "
+                                       + "; ".join(_Log.get(self.trt).take()))
+                self._active_profile = k
+            # inputs on the device, in the engine's dtypes, contiguous (kept alive below)
+            ids = input_ids.to(self.device, torch.int64).contiguous()
+            pos = position_ids.to(self.device, torch.int64).contiguous()
+            msk = mask.to(self.device, torch.bool).contiguous()
+            keep = [ids, pos, msk]
+            binds: list[tuple[str, tuple[int, ...] | None, int]] = [
+                ("input_ids", (b, t), ids.data_ptr()),
+                ("position_ids", (b, t), pos.data_ptr()),
+                ("attention_mask", (b, t, p + t), msk.data_ptr()),
+            ]
+            kv_tail = (spec.n_kv_heads, spec.head_dim)
+            for i in range(spec.n_layers):
+                for kind, slab in (("key", cache.k), ("value", cache.v)):
+                    layer = slab[i]  # [S_max, B, Hkv, D], contiguous
+                    # P = 0: a zero-size input still needs a valid, non-null address
+                    past_ptr = layer.data_ptr() if p == 0 else layer[:p].data_ptr()
+                    binds.append((f"past_{kind}.{i}", (p, b) + kv_tail, past_ptr))
+                    binds.append((f"new_{kind}.{i}", None, layer[p:p + t].data_ptr()))
+            logits = self._logits_out(b, t)
+            binds.append(("logits", None, logits.data_ptr()))
+
+            for name, shape, ptr in binds:
+                if shape is not None and not ctx.set_input_shape(name, shape):
+                    raise RuntimeError(f"{self.path.name}: shape {shape} rejected for {name}: "
+                                       + "; ".join(_Log.get(self.trt).take()))
+                if not ctx.set_tensor_address(name, ptr):
+                    raise RuntimeError(f"{self.path.name}: cannot bind {name}: "
+                                       + "; ".join(_Log.get(self.trt).take()))
+            # output shapes follow from the inputs; check them against the buffers once bound
+            for name, want in (("logits", (b, t, self.info.vocab_size)),
+                               ("new_key.0", (t, b) + kv_tail)):
+                got = tuple(ctx.get_tensor_shape(name))
+                if got != want:
+                    raise RuntimeError(f"{self.path.name}: {name} would be {got}, expected {want}")
+            if not ctx.execute_async_v3(stream.cuda_stream):
+                raise RuntimeError(f"{self.path.name}: execute_async_v3 failed: "
+                                   + "; ".join(_Log.get(self.trt).take()))
+            # the temporaries were allocated on this stream: the caching allocator will not
+            # hand their memory out to other streams before this work is done
+            del keep
+        out = logits.float() if logits.dtype != torch.float32 else logits
+        return out.clone() if (self.clone_logits and out is logits) else out
