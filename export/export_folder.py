@@ -1,0 +1,241 @@
+"""`arborspec export`: one self-describing folder with everything a decoding step needs.
+
+Role in one decoding step: none at run time; it produces what every step runs on:
+`target.onnx` (the verify call), the draft (`draft.onnx` for a neural draft, called once per
+tree level, or `draft_bigram.safetensors` for a table draft), the tokenizer files, and
+`manifest.json` (limits, tree defaults, I/O, checksums). The folder is written into a
+temporary sibling and renamed at the end, so a failed export leaves no half folder.
+
+Draft specs: `layers:K` (first K layers of the target + final norm + head, a copy of the
+target's weights), `bigram` (a next-token table derived from the target), `none`, or a model
+spec / path accepted by arborspec.models.registry.load_model (its vocabulary must equal the
+target's).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .manifest import build_manifest, graph_entry, write_manifest
+from .onnx_export import DEFAULT_OPSET, DTYPES, export_contract_onnx, sha256_file
+
+log = logging.getLogger("arborspec.export")
+
+TARGET_FILE = "target.onnx"
+DRAFT_FILE = "draft.onnx"
+BIGRAM_FILE = "draft_bigram.safetensors"
+DEFAULT_MAX_TREE_NODES = 64
+
+
+@dataclass
+class ExportSummary:
+    out: Path
+    manifest: dict[str, Any]
+    files: list[str] = field(default_factory=list)
+
+
+_LAYER_KEY = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
+
+
+def truncated_draft(module: torch.nn.Module, k: int) -> torch.nn.Module:
+    """`layers:K`: a new module of config.truncated(K) holding copies of the target's
+    embeddings, first K layers, final norm and head."""
+    from arborspec.models import build_model
+
+    cfg = module.config
+    if not 1 <= k <= cfg.n_layers:
+        raise ValueError(f"draft layers:{k} needs 1 <= K <= {cfg.n_layers} (the target's layer count)")
+    draft = build_model(cfg.truncated(k))
+    sd = {}
+    for name, t in module.state_dict().items():
+        m = _LAYER_KEY.search(name)
+        if m and int(m.group(1)) >= k:
+            continue
+        sd[name] = t.detach().clone()
+    draft.load_state_dict(sd, strict=True)
+    return draft.to(dtype=next(module.parameters()).dtype).eval()
+
+
+def parse_draft_spec(spec: str | None) -> tuple[str, Any]:
+    """-> ("layers", K) | ("bigram", None) | ("none", None) | ("model", spec)."""
+    if spec is None or spec.strip().lower() in ("", "none"):
+        return "none", None
+    s = spec.strip()
+    if s.lower().startswith("layers:"):
+        try:
+            k = int(s.split(":", 1)[1])
+        except ValueError:
+            raise ValueError(f"bad draft spec {spec!r}: expected layers:K with an integer K") from None
+        return "layers", k
+    if s.lower() == "bigram":
+        return "bigram", None
+    return "model", s
+
+
+def _load(spec):
+    """A LoadedModel-like object (module, config, tokenizer, source) from a spec or itself."""
+    if hasattr(spec, "module") and hasattr(spec, "config"):
+        return spec
+    from arborspec.models.registry import load_model
+
+    return load_model(spec)
+
+
+def _json_safe(obj):
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    return str(obj)
+
+
+def _save_bigram(module, path: Path, top_k: int = 32) -> dict[str, Any]:
+    from safetensors.torch import save_file
+
+    from arborspec.runtime.backends.torch_backend import TorchEngine
+    from arborspec.runtime.drafts import bigram_table_from_target
+
+    engine = TorchEngine(module)
+    indices, logits = bigram_table_from_target(engine, top_k=top_k)
+    tensors = {"logits": logits.contiguous()}
+    if indices is not None:
+        tensors["indices"] = indices.contiguous()
+    vocab = module.config.vocab_size
+    save_file(tensors, str(path), metadata={"vocab_size": str(vocab), "top_k": str(logits.shape[1])})
+    return {"kind": "bigram", "file": path.name, "vocab_size": vocab, "top_k": int(logits.shape[1]),
+            "dense": indices is None, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def _prepare_out(out: Path, force: bool) -> Path:
+    if out.exists():
+        if not out.is_dir():
+            raise ValueError(f"{out} exists and is not a folder")
+        if any(out.iterdir()) and not force:
+            raise ValueError(f"{out} exists and is not empty (pass --force to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def export_folder(model, out: str | os.PathLike, draft: str | None = "layers:2", *,
+                  dtype: str = "fp32", opset: int = DEFAULT_OPSET, max_context: int | None = None,
+                  max_tree_nodes: int = DEFAULT_MAX_TREE_NODES, tree_defaults: dict | None = None,
+                  force: bool = False, progress: bool = True, verify: bool = True,
+                  exporter: str = "auto", draft_model=None) -> ExportSummary:
+    """Export target (+ draft, tokenizer, manifest) into the folder `out`, atomically.
+
+    model: a spec for load_model (registry name, HF folder, .gguf, nanoGPT .pt) or an
+    already loaded object with .module/.config/.tokenizer/.source. draft_model: an already
+    loaded draft for a model-spec draft (tests); otherwise the draft spec is loaded."""
+    from tqdm.auto import tqdm
+
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
+    kind, arg = parse_draft_spec(draft)
+    out = Path(out)
+    stages = ["load model", "build draft", "tokenizer", "export target", "export draft", "manifest"]
+    bar = tqdm(total=len(stages), desc="export", unit="stage", disable=not progress, leave=False)
+
+    def stage(name):
+        bar.set_description(f"export: {name}")
+
+    tmp = _prepare_out(out, force)
+    try:
+        stage("load model")
+        lm = _load(model)
+        module, cfg = lm.module.float().eval(), lm.config
+        max_context = int(max_context or cfg.max_position)
+        if max_context < 1 or max_tree_nodes < 1:
+            raise ValueError("--max-context and --max-tree-nodes must be >= 1")
+        if cfg.family == "gpt2" and max_context > cfg.max_position:
+            raise ValueError(f"--max-context {max_context} exceeds the model's {cfg.max_position} "
+                             "learned positions")
+        if max_tree_nodes + 1 > max_context:
+            raise ValueError(f"--max-tree-nodes {max_tree_nodes} does not fit in --max-context {max_context}")
+        bar.update(1)
+
+        stage("build draft")
+        draft_module, draft_entry = None, None
+        if kind == "layers":
+            draft_module = truncated_draft(module, arg)
+        elif kind == "model":
+            dl = draft_model if draft_model is not None else _load(arg)
+            if dl.config.vocab_size != cfg.vocab_size:
+                raise ValueError(f"draft vocabulary {dl.config.vocab_size} != target vocabulary "
+                                 f"{cfg.vocab_size}: the draft must share the target's tokenizer")
+            draft_module = dl.module.float().eval()
+        elif kind == "bigram":
+            draft_entry = _save_bigram(module, tmp / BIGRAM_FILE)
+            draft_entry["spec"] = "bigram"
+        bar.update(1)
+
+        stage("tokenizer")
+        tok_entry, tok_sha = None, None
+        if lm.tokenizer is not None:
+            lm.tokenizer.save(tmp)
+            files = sorted(p.name for p in tmp.iterdir() if p.name.startswith("tokenizer"))
+            if (tmp / "tokenizer.json").is_file():
+                tok_sha = sha256_file(tmp / "tokenizer.json")
+            tok_entry = {"files": files, "sha256": tok_sha}
+            tv = getattr(lm.tokenizer, "vocab_size", None)
+            if isinstance(tv, int) and tv > cfg.vocab_size:
+                log.warning("tokenizer has %d ids but the model only %d embeddings", tv, cfg.vocab_size)
+        bar.update(1)
+
+        stage("export target")
+        res_t = export_contract_onnx(module, tmp / TARGET_FILE, opset=opset, dtype=dtype,
+                                     tokenizer_sha256=tok_sha, role="target", max_context=max_context,
+                                     exporter=exporter, verify=verify)
+        target_entry = graph_entry(tmp, res_t, cfg.to_dict())
+        bar.update(1)
+
+        stage("export draft")
+        if draft_module is not None:
+            res_d = export_contract_onnx(draft_module, tmp / DRAFT_FILE, opset=opset, dtype=dtype,
+                                         tokenizer_sha256=tok_sha, role="draft", max_context=max_context,
+                                         exporter=exporter, verify=verify)
+            draft_entry = graph_entry(tmp, res_d, draft_module.config.to_dict(), spec=draft)
+        bar.update(1)
+
+        stage("manifest")
+        source = {"model": model if isinstance(model, (str, os.PathLike)) else getattr(lm, "name", None)}
+        source.update(_json_safe(getattr(lm, "source", {}) or {}))
+        if kind == "model":
+            source["draft"] = _json_safe(getattr(draft_model or {}, "source", {}) or {"model": arg})
+        man = build_manifest(target=target_entry, draft=draft_entry, max_context=max_context,
+                             max_tree_nodes=max_tree_nodes, source=_json_safe(source),
+                             tokenizer=tok_entry, tree_defaults=tree_defaults)
+        write_manifest(tmp, man)
+        from arborspec.runtime.export_dir import read_manifest
+
+        read_manifest(tmp)  # the folder must read back before it is published
+        bar.update(1)
+        files = sorted(p.name for p in tmp.iterdir())
+        _swap_in(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        bar.close()
+    return ExportSummary(out=out, manifest=man, files=files)

@@ -1,0 +1,92 @@
+"""manifest.json of an export folder: the writer side (the reader lives in the runtime).
+
+Role in one decoding step: none directly. The manifest tells the runtime, before the first
+step, which graphs to open (target, draft or bigram table), their dtypes and I/O, the limits
+that size the KV caches and trees (max_context, max_tree_nodes), the tree defaults, and which
+tokenizer the ids belong to. The schema is documented in arborspec.runtime.export_dir, whose
+`read_manifest` (no onnx import) is re-exported here.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from arborspec.runtime.export_dir import (FORMAT, MANIFEST_NAME, ExportDirError, Manifest,  # noqa: F401
+                                          read_manifest)
+
+DEFAULT_TREE = {"mode": "tree", "tree": "full:3,2"}
+
+
+def graph_io(path: str | os.PathLike) -> tuple[list[dict], list[dict]]:
+    """Inputs and outputs of an ONNX graph as [{"name", "dtype", "shape"}]; symbolic dims are
+    strings, fixed dims ints."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+
+    def desc(v):
+        tt = v.type.tensor_type
+        dims = [d.dim_param if d.HasField("dim_param") else d.dim_value for d in tt.shape.dim]
+        return {"name": v.name, "dtype": onnx.TensorProto.DataType.Name(tt.elem_type).lower(),
+                "shape": dims}
+
+    return [desc(v) for v in model.graph.input], [desc(v) for v in model.graph.output]
+
+
+def graph_entry(root: Path, result, config: dict[str, Any], spec: str | None = None,
+                checksum: bool = True) -> dict[str, Any]:
+    """Manifest entry for one exported graph (an onnx_export.ExportResult inside root)."""
+    from .onnx_export import sha256_file
+
+    path = Path(result.path)
+    inputs, outputs = graph_io(path)
+    e = {"kind": "onnx", "file": path.name, "config": config, "dtype": result.dtype,
+         "opset": result.opset, "exporter": result.exporter, "ir_version": result.ir_version,
+         "nodes": result.n_nodes, "external_data": list(result.external_data),
+         "bytes": path.stat().st_size, "inputs": inputs, "outputs": outputs}
+    if result.fallback_reason:
+        e["fallback_reason"] = result.fallback_reason
+    if result.max_abs_diff is not None:
+        e["self_check_max_abs_diff"] = result.max_abs_diff
+    if checksum:
+        e["sha256"] = sha256_file(path)
+    if spec is not None:
+        e["spec"] = spec
+    return e
+
+
+def build_manifest(*, target: dict[str, Any], draft: dict[str, Any] | None, max_context: int,
+                   max_tree_nodes: int, source: dict[str, Any] | None = None,
+                   tokenizer: dict[str, Any] | None = None,
+                   tree_defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    import arborspec
+
+    if max_context < 1 or max_tree_nodes < 1:
+        raise ValueError("max_context and max_tree_nodes must be >= 1")
+    return {
+        "format": FORMAT,
+        "contract_version": arborspec.CONTRACT_VERSION,
+        "arborspec_version": arborspec.__version__,
+        "created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "target": target,
+        "draft": draft or {"kind": "none"},
+        "limits": {"max_context": int(max_context), "max_tree_nodes": int(max_tree_nodes)},
+        "tree_defaults": dict(tree_defaults or DEFAULT_TREE),
+        "source": source or {},
+        "tokenizer": tokenizer,
+    }
+
+
+def write_manifest(dir: str | os.PathLike, manifest: dict[str, Any]) -> Path:
+    path = Path(dir) / MANIFEST_NAME
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+__all__ = ["graph_io", "graph_entry", "build_manifest", "write_manifest", "read_manifest",
+           "Manifest", "ExportDirError", "MANIFEST_NAME", "FORMAT", "DEFAULT_TREE"]
