@@ -126,8 +126,8 @@ class StreamDecoder:
     """Incremental detokenizer: push(ids) returns only the text that became final.
 
     Decodes a small window (the last already-emitted tokens + the new ones) and emits the
-    difference; while the window's text ends in U+FFFD (an incomplete UTF-8 sequence), it
-    waits for more tokens. finish() flushes whatever is left.
+    difference; ids whose text ends in U+FFFD (an incomplete UTF-8 sequence) are held back
+    until the next push completes the character. finish() flushes whatever is left.
     """
 
     def __init__(self, tokenizer: TextTokenizer, skip_special_tokens: bool = False):
@@ -145,11 +145,12 @@ class StreamDecoder:
             ids = [ids]
         self.ids.extend(int(i) for i in ids)
         prefix_text = self._decode(self.ids[self.prefix:self.read])
-        text = self._decode(self.ids[self.prefix:])
-        if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
-            new = text[len(prefix_text):]
-            self.prefix, self.read = self.read, len(self.ids)
-            return new
+        # the longest run of the new ids that ends on a whole character (usually all of them)
+        for end in range(len(self.ids), self.read, -1):
+            text = self._decode(self.ids[self.prefix:end])
+            if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
+                self.prefix, self.read = self.read, end
+                return text[len(prefix_text):]
         return ""
 
     def finish(self) -> str:

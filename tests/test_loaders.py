@@ -176,8 +176,18 @@ needs_smollm2 = pytest.mark.skipif(not registry.smollm2_available(),
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    os.environ.setdefault("ARBORSPEC_CACHE", str(tmp_path_factory.mktemp("cache")))
-    return registry.load_model("smollm2-135m")
+    """A cold load into a fresh cache (the test after it checks the warm load)."""
+    old = os.environ.get("ARBORSPEC_CACHE")
+    os.environ["ARBORSPEC_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    try:
+        lm = registry.load_model("smollm2-135m")
+        assert lm.source["cache_hit"] is False
+        yield lm
+    finally:
+        if old is None:
+            os.environ.pop("ARBORSPEC_CACHE", None)
+        else:
+            os.environ["ARBORSPEC_CACHE"] = old
 
 
 @pytest.fixture(scope="module")
