@@ -217,3 +217,18 @@ def test_fp16_export_runs_on_ort(tmp_path):
     lo = eng.forward(torch.tensor([[1, 2]]), torch.tensor([[0, 1]]),
                      torch.tril(torch.ones(1, 2, 2, dtype=torch.bool)), c)
     assert lo.dtype == torch.float32 and torch.isfinite(lo).all()
+
+
+def test_bigram_draft_table(tmp_path):
+    pytest.importorskip("safetensors")
+    from safetensors import safe_open
+
+    cfg = tiny("gpt2", vocab=40)
+    torch.manual_seed(0)
+    s = export_folder(Loaded(build_model(cfg), cfg), tmp_path / "b", draft="bigram", progress=False,
+                      verify=False)
+    assert "draft.onnx" not in s.files and "draft_bigram.safetensors" in s.files
+    target, draft, tok, man = load_export_dir(s.out)
+    assert isinstance(draft, Path) and draft.name == "draft_bigram.safetensors" and tok is None
+    with safe_open(str(draft), "pt") as f:
+        assert int(f.metadata()["vocab_size"]) == 40 and "logits" in f.keys()
