@@ -313,6 +313,12 @@ def _dtype_name(trt, dt) -> str:
     return names.get(n, n.lower())
 
 
+def _cuda_noise(msg: str) -> bool:
+    """TensorRT-RTX logs a CUDA driver error on machines without a GPU even when an ahead-of-time
+    build succeeds: not a reason worth reporting."""
+    return "cudaError 35" in msg or "CUDA driver version is insufficient" in msg
+
+
 def _parse(trt, builder, logger, onnx_path: Path):
     flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
     network = builder.create_network(flags)
@@ -331,13 +337,21 @@ def _parse(trt, builder, logger, onnx_path: Path):
                 ops.append(op)
             where = f"node {node_name!r} ({op}): " if op else ""
             errs.append(f"{where}{desc}".strip())
-        log_errs = [e for e in logger.take() if e not in errs]
-        details = errs or log_errs or ["the parser gave no reason"]
+        details = []
+        for e in errs + [e for e in logger.take() if not _cuda_noise(e)]:
+            for line in e.splitlines():
+                if line.strip() and line.strip() not in details:
+                    details.append(line.strip())
+        details = details or ["the parser gave no reason"]
         head = f"{onnx_path.name}: {trt.__name__} {trt.__version__} cannot parse this ONNX model"
         if ops:
             head += f" (unsupported or rejected ops: {', '.join(sorted(set(ops)))})"
-        raise EngineBuildError(head + ": " + "; ".join(d.splitlines()[0] for d in details[:8])
-                               + "\n" + "\n".join(details))
+        first = list(dict.fromkeys(errs)) or details
+        raise EngineBuildError(head + ": " + "; ".join(first[:6]) + "\n" + "\n".join(details))
+    if network.num_layers == 0 and network.num_inputs == 0 and network.num_outputs == 0:
+        # protobuf decodes many non-ONNX files as an empty model without complaint
+        raise EngineBuildError(f"{onnx_path.name} is not an ONNX model (it decodes to an empty "
+                               f"graph): pass the target.onnx/draft.onnx of an export folder")
     return network, parser
 
 
@@ -480,7 +494,7 @@ def build_engine(onnx_path: str | os.PathLike, out_path: str | os.PathLike, *, m
     t0 = time.perf_counter()
     serialized = builder.build_serialized_network(network, config)
     build_s = time.perf_counter() - t0
-    errors = logger.take()
+    errors = [e for e in logger.take() if not _cuda_noise(e)]
     if serialized is None or serialized.nbytes == 0:
         raise EngineBuildError(f"{onnx_path.name}: TensorRT build failed: "
                                + ("; ".join(e.splitlines()[0] for e in errors[:4]) or "no reason given")
