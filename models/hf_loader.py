@@ -118,7 +118,7 @@ def load_state(module: torch.nn.Module, sd: dict[str, torch.Tensor], dtype: torc
     sd = {k: v.to(dtype) for k, v in sd.items()}
     if cfg.tie_embeddings:
         sd.pop("lm_head.weight", None)
-    missing, unexpected = module.load_state_dict(sd, strict=False)
+    missing, unexpected = module.load_state_dict(sd, strict=False, assign=True)  # no second copy
     missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise ValueError(f"{where}: weights do not match the {cfg.family} config: "
@@ -132,9 +132,9 @@ def build_from_state(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch
     if cfg.family == "llama":  # non-persistent buffer, lost by to_empty
         theta, hd = cfg.rope_theta, cfg.head_dim
         module.rotary.inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-    if cfg.tie_embeddings:
-        module.lm_head.weight = (module.model.embed_tokens if cfg.family == "llama" else module.transformer.wte).weight
     load_state(module, sd, dtype, where)
+    if cfg.tie_embeddings:  # assign=True replaced the embedding Parameter: tie again
+        module.lm_head.weight = (module.model.embed_tokens if cfg.family == "llama" else module.transformer.wte).weight
     return module.to(dtype).eval()
 
 

@@ -229,6 +229,7 @@ def test_smollm2_cache_is_reused(smollm2):
     warm = time.perf_counter() - t0
     assert again.source["sha256"] == smollm2.source["sha256"]
     assert again.source.get("cache_hit") is True
-    assert warm < 10.0
+    assert warm < 60.0  # about 1.5 s on an idle 2-core machine; loose: CI machines are shared
+    assert again.module.lm_head.weight is again.module.model.embed_tokens.weight
     ids = torch.tensor([[1, 2, 3, 4]])
     assert torch.equal(contract_call(again.module, again.config, ids), contract_call(smollm2.module, smollm2.config, ids))
