@@ -434,7 +434,9 @@ def build_engine(onnx_path: str | os.PathLike, out_path: str | os.PathLike, *, m
             raise EngineBuildError("no CUDA GPU here: name the target GPU's compute capability "
                                    "(e.g. --compute-capability 8.9); supported: "
                                    + ", ".join(supported_compute_capabilities(trt)))
-        cc_enum = _cc_enum(trt, cc) if cc is not None else None
+        # no name: the local GPU's, which must be one TensorRT-RTX supports (no Hopper SM 9.0)
+        cc = cc or local_cc
+        cc_enum = _cc_enum(trt, cc)
     else:
         if local_cc is None:
             raise EngineBuildError(f"{flav} {trt.__version__} builds only for the GPU it runs on "

@@ -290,7 +290,7 @@ def test_cli_build(export_dir, tmp_path, capsys, monkeypatch):
 
 # ------------------------------------------------------------------- running (GPU only)
 
-@needs_rtx
+@pytest.mark.skipif(not (HAS_RTX or HAS_TRT), reason="no TensorRT module installed")
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="running a TensorRT engine needs a CUDA GPU")
 def test_trt_engine_matches_torch(export_dir, tmp_path):
@@ -301,7 +301,13 @@ def test_trt_engine_matches_torch(export_dir, tmp_path):
     torch.manual_seed(0)
     module = build_model(tiny_cfg("llama")).eval()
     onnx_path = export_onnx(module, tmp_path / "target.onnx")
-    build_engine(onnx_path, tmp_path / "target.engine", **LIMITS)
+    from arborspec.export.trt_build import EngineBuildError
+    try:
+        build_engine(onnx_path, tmp_path / "target.engine", **LIMITS)
+    except EngineBuildError as e:
+        if "is not supported by" in str(e):  # e.g. TensorRT-RTX on a Hopper (SM 9.0) GPU
+            pytest.skip(str(e).splitlines()[0])
+        raise
     eng = TrtEngine(tmp_path / "target.engine")
     ref = TorchEngine(module, device="cuda")
     caches = [KVCache(eng.info.cache, 64, batch=1, device="cuda") for _ in range(2)]
