@@ -15,7 +15,9 @@ exporter is only a fallback when the dynamo export raises (it is deprecated in t
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import logging
 import os
@@ -118,7 +120,9 @@ def _export_dynamo(module, args, names_in, names_out, cfg, opset, max_context):
         "attention_mask": {0: b, 1: t, 2: s},
         "past": tuple({0: p, 1: b} for _ in range(n_past)),  # must be a tuple, one shared P
     }
-    with warnings.catch_warnings():
+    # torch.onnx prints progress lines and warns about torchvision ops: keep the CLI quiet
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         prog = torch.onnx.export(module, args, input_names=names_in, output_names=names_out,
                                  dynamic_shapes=ds, opset_version=opset, dynamo=True,
