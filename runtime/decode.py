@@ -92,6 +92,7 @@ class SpeculativeDecoder:
         if draft is not None and not isinstance(draft, BigramDraft):
             draft = ModelDraft(_ClockedEngine(draft, self._stats_ref, "draft_model_s", sync), 1)
         self.draft = draft
+        self.keep_draft_probs = False  # keep q for top-k candidates too (analysis, tests)
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 64,
@@ -137,7 +138,8 @@ class SpeculativeDecoder:
                     break
                 speculate = self.policy is not None and past + self.policy.depth < max_pos
                 with timer("draft_s"):
-                    tree = (draft_tree(self.draft, self.policy, root, self.sampling, self.candidates, rng)
+                    tree = (draft_tree(self.draft, self.policy, root, self.sampling, self.candidates, rng,
+                                       self.keep_draft_probs)
                             if speculate else Tree.empty())
                 with timer("other_s"):
                     ids, pos, mask = verify_inputs(root, tree, past, tgt.device)

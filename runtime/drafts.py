@@ -166,8 +166,12 @@ def _gumbel(shape, rng) -> torch.Tensor:
 
 @torch.inference_mode()
 def draft_tree(draft, policy: TreePolicy, root: int, sp: SamplingParams,
-               candidates: str = "topk", rng: torch.Generator | None = None) -> Tree:
-    """Build one step's tree: D levels, one draft call per level over the frontier."""
+               candidates: str = "topk", rng: torch.Generator | None = None,
+               keep_q: bool = False) -> Tree:
+    """Build one step's tree: D levels, one draft call per level over the frontier.
+
+    keep_q: also keep the draft distributions for top-k candidates (analysis and tests; the
+    sampled modes always keep them, the accept rule needs them)."""
     if candidates not in CANDIDATE_MODES:
         raise ValueError(f"unknown candidate mode {candidates!r} (expected one of {', '.join(CANDIDATE_MODES)})")
     sampled = candidates != "topk" and not sp.greedy
@@ -195,6 +199,8 @@ def draft_tree(draft, policy: TreePolicy, root: int, sp: SamplingParams,
         warped = warp_logits(logits, sp)
         if mode == "topk":
             vals, toks = torch.topk(torch.log_softmax(warped, -1), k, dim=-1)
+            if keep_q:
+                qs.append(torch.softmax(warped, -1))
         else:
             q = torch.softmax(warped, -1)
             logq = torch.log(q)
@@ -211,7 +217,7 @@ def draft_tree(draft, policy: TreePolicy, root: int, sp: SamplingParams,
         new = torch.arange(n, n + m)
         par = frontier[fi]
         tokens[new], parents[new], depth[new], score[new] = toks[fi, ci], par, level, scores[fi, ci]
-        if mode != "topk":
+        if qs:
             qrow[new] = n_q + fi
             n_q += int(frontier.numel())
         has_par = par >= 0

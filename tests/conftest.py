@@ -1,0 +1,48 @@
+"""Shared fixtures: small random contract models (no hub, no downloads)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from arborspec.models import ModelConfig, build_model
+from arborspec.runtime.backends.torch_backend import TorchEngine
+
+
+def tiny_config(family="llama", vocab=96, layers=3, hidden=64, heads=4, kv=2, max_position=512):
+    if family == "gpt2":
+        kv = heads
+    return ModelConfig(family=family, vocab_size=vocab, hidden_size=hidden, n_layers=layers,
+                       n_heads=heads, n_kv_heads=kv, head_dim=hidden // heads,
+                       intermediate_size=2 * hidden, max_position=max_position, name=f"tiny-{family}")
+
+
+def random_model(cfg: ModelConfig, seed=0, scale=3.0):
+    """A random model whose weights are scaled up so its distributions are peaked (like a
+    trained model's), which gives drafts something to accept."""
+    torch.manual_seed(seed)
+    m = build_model(cfg).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" not in name and "ln_" not in name:
+                p.mul_(scale)
+    return m
+
+
+def truncated(module, k: int):
+    """layers:K self-draft: the first K layers + final norm + head of `module`."""
+    cfg = module.config.truncated(k)
+    d = build_model(cfg).eval()
+    d.load_state_dict(module.state_dict(), strict=False)
+    return d
+
+
+@pytest.fixture(scope="session")
+def llama_pair():
+    m = random_model(tiny_config("llama"))
+    return TorchEngine(m), TorchEngine(truncated(m, 1))
+
+
+@pytest.fixture(scope="session")
+def gpt2_pair():
+    m = random_model(tiny_config("gpt2"), seed=1)
+    return TorchEngine(m), TorchEngine(truncated(m, 1))
