@@ -118,6 +118,12 @@ def load_state(module: torch.nn.Module, sd: dict[str, torch.Tensor], dtype: torc
     sd = {k: v.to(dtype) for k, v in sd.items()}
     if cfg.tie_embeddings:
         sd.pop("lm_head.weight", None)
+    own = module.state_dict()
+    bad = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in sd.items()
+           if k in own and tuple(v.shape) != tuple(own[k].shape)]
+    if bad:
+        raise ValueError(f"{where}: weights do not fit the {cfg.family} config: checkpoint vs model shape "
+                         f"{bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
     missing, unexpected = module.load_state_dict(sd, strict=False, assign=True)  # no second copy
     missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
     if missing or unexpected:

@@ -249,3 +249,15 @@ def _capacity(policy: TreePolicy, vocab: int) -> int:
         return len(policy.paths)
     w = min(policy.w, vocab)
     return sum(w ** l for l in range(1, policy.depth + 1))
+
+
+def load_bigram_table(path) -> BigramDraft:
+    """A BigramDraft from an exported table file (safetensors: `logits`, optional `indices`)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        logits = f.get_tensor("logits")
+        indices = f.get_tensor("indices") if "indices" in f.keys() else None
+    vocab = int(meta.get("vocab_size", logits.shape[-1]))
+    return BigramDraft(indices, logits, vocab)

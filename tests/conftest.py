@@ -13,7 +13,7 @@ def tiny_config(family="llama", vocab=96, layers=3, hidden=64, heads=4, kv=2, ma
         kv = heads
     return ModelConfig(family=family, vocab_size=vocab, hidden_size=hidden, n_layers=layers,
                        n_heads=heads, n_kv_heads=kv, head_dim=hidden // heads,
-                       intermediate_size=2 * hidden, max_position=max_position, name=f"tiny-{family}")
+                       intermediate_size=4 * hidden, max_position=max_position, name=f"tiny-{family}")
 
 
 def random_model(cfg: ModelConfig, seed=0, scale=3.0):

@@ -1,0 +1,198 @@
+"""`arborspec generate`: run vanilla, chain or tree speculative decoding and print the text.
+
+Role: the user-facing loop around runtime.decode.SpeculativeDecoder: opens the engines for a
+backend, tokenizes the prompt (optionally through the chat template), streams the text as
+each step commits tokens, and reports the step statistics (or one JSON object with --json).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from .engines import add_model_args, open_models
+
+EXAMPLE = """examples:
+  arborspec generate --model smollm2-135m --draft layers:4 --mode tree --tree full:3,2 \\
+      --chat --prompt 'Write a haiku about trees.' --max-new-tokens 64
+  arborspec generate --export-dir ~/.cache/arborspec/exports/smollm2 --backend onnxruntime \\
+      --temperature 0.8 --top-p 0.95 --n 3 --seed 1 --prompt 'Once upon a time' --json
+  arborspec generate --model tiny.pt --draft bigram --prompt-ids 1,2,3 --json"""
+
+
+def register(sub) -> None:
+    p = sub.add_parser("generate", help="generate text with vanilla / chain / tree decoding",
+                       description=__doc__.split("\n")[0], epilog=EXAMPLE,
+                       formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    add_model_args(p)
+    g = p.add_argument_group("decoding")
+    g.add_argument("--mode", choices=["vanilla", "chain", "tree"], default="tree")
+    g.add_argument("--tree", default=None,
+                   help="tree policy: chain:K | full:D,W | beam:n1,n2,.. | dynamic:K,D,N | static:FILE.json "
+                        "(default: the export's, else full:3,2; chain mode: chain:4)")
+    g.add_argument("--candidates", choices=["topk", "sample", "sample-unique"], default="topk",
+                   help="how draft children are chosen when sampling (default topk)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--n", type=int, default=1, help="independent completions (seeds seed..seed+N-1)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    pr = p.add_argument_group("prompt (one of)")
+    pr.add_argument("--prompt")
+    pr.add_argument("--prompt-file", type=Path)
+    pr.add_argument("--prompt-ids", help="comma-separated token ids (models without a tokenizer)")
+    pr.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    pr.add_argument("--system", default=None, help="system message with --chat")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    o.add_argument("--vs-vanilla", action="store_true",
+                   help="also run vanilla decoding on the same backend and print both stats")
+    p.set_defaults(run=run)
+
+
+def prompt_ids(args, tok) -> list[int]:
+    given = [x for x in (args.prompt, args.prompt_file, args.prompt_ids) if x is not None]
+    if len(given) != 1:
+        raise ValueError("give exactly one of --prompt, --prompt-file, --prompt-ids")
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+        if not ids:
+            raise ValueError("empty prompt: --prompt-ids has no ids")
+        return ids
+    text = args.prompt if args.prompt is not None else _read(args.prompt_file)
+    if not text.strip():
+        raise ValueError("empty prompt")
+    if tok is None:
+        raise ValueError("this model has no tokenizer: give --prompt-ids")
+    if args.chat:
+        msgs = ([{"role": "system", "content": args.system}] if args.system else [])
+        msgs.append({"role": "user", "content": text})
+        text = tok.apply_chat(msgs)
+        return tok.encode(text, add_bos=False)
+    return tok.encode(text)
+
+
+def _read(path: Path) -> str:
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file not found: {path}")
+    return path.read_text()
+
+
+def make_decoder(models, args, mode: str | None = None):
+    from arborspec.runtime.decode import SpeculativeDecoder
+    from arborspec.runtime.sampling import SamplingParams
+
+    mode = mode or args.mode
+    tree = args.tree or (models.tree_default if mode == "tree" else None) or ("chain:4" if mode == "chain" else "full:3,2")
+    if mode == "chain" and not tree.startswith("chain:"):
+        tree = "chain:4" if args.tree is None else tree
+    sp = SamplingParams(args.temperature, args.top_k, args.top_p)
+    return SpeculativeDecoder(models.target, models.draft if mode != "vanilla" else None, mode=mode,
+                              tree=tree, candidates=args.candidates, sampling=sp,
+                              max_tree_nodes=models.limits.get("max_tree_nodes"))
+
+
+def _check_limits(models, n_prompt: int, max_new: int) -> None:
+    ctx = models.limits.get("max_context")
+    if ctx and n_prompt + max_new > ctx:
+        raise ValueError(f"prompt ({n_prompt} tokens) + max-new-tokens ({max_new}) exceeds the export's "
+                         f"max context of {ctx}")
+
+
+def _stats_line(st) -> str:
+    return (f"[{st.mode}{' ' + st.tree if st.tree else ''}] {st.new_tokens} tokens in {st.decode_s:.2f} s "
+            f"= {st.tokens_per_s:.1f} tok/s | mean accepted {st.mean_accepted:.2f}/target call | "
+            f"target calls {st.target_calls} draft calls {st.draft_calls} | split: draft {st.draft_s:.2f}s "
+            f"verify {st.verify_s:.2f}s accept+kv {st.accept_kv_s:.3f}s other {st.other_s:.3f}s | "
+            f"prefill {st.prefill_s:.2f}s")
+
+
+def run(args) -> int:
+    if args.n < 1:
+        raise ValueError(f"--n must be >= 1, got {args.n}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    # validate the cheap things before loading models
+    from arborspec.runtime.sampling import SamplingParams
+    from arborspec.runtime.trees import parse_tree_spec
+
+    SamplingParams(args.temperature, args.top_k, args.top_p)
+    if args.tree:
+        parse_tree_spec(args.tree)
+    if args.prompt_file is not None and not args.prompt_file.is_file():
+        raise FileNotFoundError(f"prompt file not found: {args.prompt_file}")
+    models = open_models(args, need_draft=args.mode != "vanilla")
+    if args.mode != "vanilla" and models.draft is None:
+        raise ValueError(f"mode {args.mode} needs a draft: give --draft layers:K|bigram|MODEL (or --mode vanilla)")
+    tok = models.tokenizer
+    ids = prompt_ids(args, tok)
+    _check_limits(models, len(ids), args.max_new_tokens)
+    dec = make_decoder(models, args)
+    eos = list(tok.meta.get("eos_token_ids") or []) if tok is not None else []
+    runs = []
+    stream_text = not args.json and args.n == 1 and tok is not None
+    for i in range(args.n):
+        seed = args.seed + i
+        toks: list[int] = []
+        sd = tok.stream_decoder() if stream_text else None
+        for chunk in dec.stream(ids, args.max_new_tokens, eos, seed):
+            toks += chunk
+            if sd is not None:
+                sys.stdout.write(sd.push(chunk))
+                sys.stdout.flush()
+        if sd is not None:
+            sys.stdout.write(sd.finish() + "\n")
+        runs.append((toks, dec.last_stats, dec.last_stop_reason))
+    vanilla = None
+    if args.vs_vanilla and args.mode != "vanilla":
+        vdec = make_decoder(models, args, mode="vanilla")
+        vres = vdec.generate(ids, args.max_new_tokens, eos, args.seed)
+        vanilla = vres
+    texts = [tok.decode(t, skip_special_tokens=True) if tok is not None else None for t, _, _ in runs]
+    if args.json:
+        stats = [s.to_dict() | {"stop_reason": r} for _, s, r in runs]
+        out = {
+            "prompt_tokens": len(ids),
+            "text": texts[0] if args.n == 1 else texts,
+            "tokens": runs[0][0] if args.n == 1 else [t for t, _, _ in runs],
+            "stats": stats[0] if args.n == 1 else _aggregate(stats),
+            "model": models.describe,
+        }
+        if args.n > 1:
+            out["stats_per_run"] = stats
+        if vanilla is not None:
+            out["vanilla"] = {"text": tok.decode(vanilla.tokens, skip_special_tokens=True) if tok else None,
+                              "tokens": vanilla.tokens, "stats": vanilla.stats.to_dict(),
+                              "speedup": (runs[0][1].tokens_per_s / vanilla.stats.tokens_per_s
+                                          if vanilla.stats.tokens_per_s else None)}
+        print(json.dumps(out))
+        return 0
+    for i, (toks, st, reason) in enumerate(runs):
+        if not stream_text:
+            if args.n > 1:
+                print(f"--- completion {i + 1} (seed {args.seed + i})")
+            print(texts[i] if texts[i] is not None else ",".join(map(str, toks)))
+        print(_stats_line(st) + f" | stop: {reason}", file=sys.stderr)
+    if vanilla is not None:
+        st = runs[0][1]
+        print(_stats_line(vanilla.stats), file=sys.stderr)
+        same = vanilla.tokens == runs[0][0]
+        sp = st.tokens_per_s / vanilla.stats.tokens_per_s if vanilla.stats.tokens_per_s else float("nan")
+        print(f"speed-up {sp:.2f}x vs vanilla" + (" | identical tokens" if same else ""), file=sys.stderr)
+    return 0
+
+
+def _aggregate(stats: list[dict]) -> dict:
+    n_tok = sum(s["new_tokens"] for s in stats)
+    steps = sum(s["steps"] for s in stats)
+    dec_s = sum(s["decode_s"] for s in stats)
+    agg = {k: sum(s[k] for s in stats) for k in ("new_tokens", "steps", "target_calls", "draft_calls",
+                                                    "draft_s", "verify_s", "accept_kv_s", "other_s",
+                                                    "prefill_s", "total_s")}
+    agg.update(mean_accepted=n_tok / steps if steps else 0.0,
+               tokens_per_s=n_tok / dec_s if dec_s else 0.0, runs=len(stats))
+    return agg
