@@ -1,0 +1,75 @@
+"""Distillation script: a few steps on a tiny random target, loadable output, shared weights."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from arborspec.models.registry import load_model
+from arborspec.tools import distill_draft as dd
+
+from conftest import random_model, tiny_config
+
+
+def _tiny_target(tmp_path):
+    m = random_model(tiny_config("llama", vocab=96, layers=3, hidden=64))
+    folder = dd.save_hf_folder(m, tmp_path / "target")
+    return m, folder
+
+
+def test_distill_runs_and_loads(tmp_path, monkeypatch):
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
+    target, folder = _tiny_target(tmp_path)
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([{"ids": [1, 2, 3]}, {"ids": [5, 6]}, {"ids": [7, 8, 9, 10]}]))
+    out = tmp_path / "draft"
+    corpus = tmp_path / "corpus.json"
+    rc = dd.main(["--model", str(folder), "--layers", "1", "--steps", "3", "--seq-len", "16", "--batch", "2",
+                  "--corpus-tokens", "64", "--gen-len", "16", "--topk", "8", "--prompts", str(prompts),
+                  "--corpus", str(corpus), "--out", str(out), "--quiet"])
+    assert rc == 0
+    assert corpus.is_file() and (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    hf = json.loads((out / "config.json").read_text())
+    assert hf["model_type"] == "llama" and hf["num_hidden_layers"] == 1
+    assert hf["arborspec"]["distilled"]["steps"] == 3
+    lm = load_model(out)
+    assert lm.config.n_layers == 1 and lm.config.vocab_size == 96
+    tsd = target.state_dict()
+    dsd = lm.module.state_dict()
+    assert torch.equal(dsd["model.embed_tokens.weight"], tsd["model.embed_tokens.weight"])
+    assert torch.equal(lm.module.lm_head.weight, target.lm_head.weight)
+    # the layers did train (init from target layer 0, then 3 AdamW steps)
+    assert not torch.equal(dsd["model.layers.0.mlp.up_proj.weight"], tsd["model.layers.0.mlp.up_proj.weight"])
+    # second run reuses the cached corpus and is reproducible
+    out2 = tmp_path / "draft2"
+    rc = dd.main(["--model", str(folder), "--layers", "1", "--steps", "3", "--seq-len", "16", "--batch", "2",
+                  "--corpus-tokens", "64", "--gen-len", "16", "--topk", "8", "--prompts", str(prompts),
+                  "--corpus", str(corpus), "--out", str(out2), "--quiet"])
+    assert rc == 0
+    d2 = load_model(out2).module.state_dict()
+    assert all(torch.equal(dsd[k], d2[k]) for k in dsd)
+
+
+def test_distilled_draft_exports(tmp_path, monkeypatch):
+    """The folder is a valid `--draft` for export (ONNX, via the registry loader)."""
+    import pytest
+
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
+    target, folder = _tiny_target(tmp_path)
+    draft = dd.make_draft(target, 1, "random", seed=1)
+    dfolder = dd.save_hf_folder(draft, tmp_path / "d")
+    from arborspec.export.export_folder import export_folder
+
+    s = export_folder(str(folder), tmp_path / "exp", draft=str(dfolder))
+    assert (s.out / "draft.onnx").is_file()
+
+
+def test_split_prompts_holds_out_even_entries():
+    entries = [{"text": f"p{i}"} for i in range(6)]
+    train, held = dd.split_prompts(entries, 8)
+    assert [e["text"] for e in held] == ["p0", "p2", "p4"]
+    assert [e["text"] for e in train] == ["p1", "p3", "p5"]
+    _, held = dd.split_prompts([], 3)
+    assert len(held) == 3
