@@ -28,7 +28,8 @@ def register(sub) -> None:
     g = p.add_argument_group("decoding")
     g.add_argument("--mode", choices=["vanilla", "chain", "tree"], default="tree")
     g.add_argument("--tree", default=None,
-                   help="tree policy: chain:K | full:D,W | beam:n1,n2,.. | dynamic:K,D,N | static:FILE.json "
+                   help="tree policy: chain:K | full:D,W | beam:n1,n2,.. | dynamic:K,D,N | static:FILE.json | "
+                        "auto (the tree `arborspec tune` chose) "
                         "(default: the export's, else full:3,2; chain mode: chain:4)")
     g.add_argument("--candidates", choices=["topk", "sample", "sample-unique"], default="topk",
                    help="how draft children are chosen when sampling (default topk)")
@@ -82,12 +83,26 @@ def _read(path: Path) -> str:
     return path.read_text()
 
 
+def resolve_tree_arg(models, args, mode: str):
+    """`--tree auto` -> the static tree tuned by `arborspec tune` for these models (one-line
+    error when there is none); any other --tree value is returned unchanged."""
+    if args.tree is None or args.tree.strip().lower() != "auto":
+        return args.tree
+    if mode == "vanilla":
+        return None
+    if mode != "tree":
+        raise ValueError("--tree auto picks a static tree: use it with --mode tree")
+    from .tune import resolve_tree
+
+    return resolve_tree(args.tree, models, args)
+
+
 def make_decoder(models, args, mode: str | None = None):
     from arborspec.runtime.decode import SpeculativeDecoder
     from arborspec.runtime.sampling import SamplingParams
 
     mode = mode or args.mode
-    tree = args.tree or (models.tree_default if mode == "tree" else None) or ("chain:4" if mode == "chain" else "full:3,2")
+    tree = resolve_tree_arg(models, args, mode) or (models.tree_default if mode == "tree" else None) or ("chain:4" if mode == "chain" else "full:3,2")
     if mode == "chain" and not tree.startswith("chain:"):
         tree = "chain:4" if args.tree is None else tree
     sp = SamplingParams(args.temperature, args.top_k, args.top_p)
@@ -121,7 +136,7 @@ def run(args) -> int:
     from arborspec.runtime.trees import parse_tree_spec
 
     SamplingParams(args.temperature, args.top_k, args.top_p)
-    if args.tree:
+    if args.tree and args.tree.strip().lower() != "auto":
         parse_tree_spec(args.tree)
     if args.prompt_file is not None and not args.prompt_file.is_file():
         raise FileNotFoundError(f"prompt file not found: {args.prompt_file}")

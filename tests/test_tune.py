@@ -1,0 +1,158 @@
+"""Tree tuning: the Sequoia DP against brute force, the tuned file, --tree auto, tune end to end."""
+from __future__ import annotations
+
+import json
+import random
+from argparse import Namespace
+
+import pytest
+
+from arborspec.runtime.trees import StaticTree, parse_tree_spec
+from arborspec.tools import tune as T
+
+
+def _all_trees(k: int, depth: int, budget: int):
+    """Every prefix-closed set of rank paths (ranks < k, depth <= depth) with <= budget nodes."""
+
+    def forests(d, r, b):
+        # forests of children at depth d using ranks r..k-1 and at most b nodes
+        if r == k or b == 0 or d > depth:
+            yield []
+            return
+        yield from forests(d, r + 1, b)  # rank r absent
+        for sub in forests(d + 1, 0, b - 1):
+            for rest in forests(d, r + 1, b - 1 - len(sub)):
+                yield [(r,)] + [(r,) + p for p in sub] + rest
+
+    yield from forests(1, 0, budget)
+
+
+def _random_q(rng, depth, k):
+    q = []
+    for _ in range(depth):
+        w = [rng.random() ** 2 for _ in range(k)]
+        s = sum(w) / rng.uniform(0.3, 0.95)
+        q.append([x / s for x in w])  # not sorted by rank on purpose
+    return q
+
+
+@pytest.mark.parametrize("seed,k,depth,n_max", [(0, 2, 3, 6), (1, 3, 3, 6), (2, 3, 4, 5), (3, 2, 5, 6), (4, 4, 2, 5)])
+def test_dp_matches_brute_force(seed, k, depth, n_max):
+    rng = random.Random(seed)
+    q = _random_q(rng, depth, k)
+    trees = [[list(p) for p in t] for t in _all_trees(k, depth, n_max)]
+    res = T.sequoia_dp(q, n_max, depth)
+    for n in range(0, n_max + 1):
+        brute = max(T.tree_value(t, q) for t in trees if len(t) <= n)
+        assert res.value[n] == pytest.approx(brute, abs=1e-12), (n, res.value[n], brute)
+        paths = res.tree(n)
+        assert len(paths) <= n
+        assert max((len(p) for p in paths), default=0) <= depth
+        assert T.tree_value(paths, q) == pytest.approx(res.value[n], abs=1e-12)
+        if paths:
+            StaticTree(paths)  # prefix-closed, valid ranks
+
+
+def test_dp_depth_dependent_and_chain():
+    # rank 0 certain at every depth: the best n-node tree with depth <= n is the chain
+    q = [[1.0, 0.0]] * 4
+    res = T.sequoia_dp(q, 4, 4)
+    assert res.tree(4) == [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
+    assert res.value[4] == pytest.approx(4.0)
+    # rank 1 better at depth 1 only
+    q = [[0.2, 0.7], [0.9, 0.05]]
+    res = T.sequoia_dp(q, 2, 2)
+    assert res.tree(2) == [[1], [1, 0]]
+    assert res.value[2] == pytest.approx(0.7 + 0.7 * 0.9)
+
+
+def test_level_frontiers_and_cost():
+    paths = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+    assert T.level_frontiers(paths) == [2, 1]
+    verify = {1: 10.0, 8: 17.0}
+    dcost = {1: 1.0, 4: 4.0}
+    assert T.step_cost_ms(paths, verify, dcost) == pytest.approx(16.0 + 1.0 + 2.0 + 1.0)
+    assert T.interp({1: 10.0, 8: 17.0}, 4) == pytest.approx(13.0)
+    assert T.interp({1: 10.0, 8: 17.0}, 15) == pytest.approx(24.0)
+
+
+def test_choose_tree_prefers_small_trees_when_verify_is_steep():
+    q = [[0.6, 0.2, 0.1]] * 4
+    flat = T.choose_tree(q, {1: 10.0, 64: 10.5}, {1: 0.01, 64: 0.02}, 16, 4)["best"]
+    steep = T.choose_tree(q, {1: 10.0, 64: 200.0}, {1: 0.01, 64: 0.02}, 16, 4)["best"]
+    assert flat["nodes"] > steep["nodes"]
+    assert flat["expected_tokens_per_step"] > steep["expected_tokens_per_step"]
+
+
+def test_tuned_file_loads_via_parse_tree_spec(tmp_path):
+    q = [[0.5, 0.2, 0.1]] * 3
+    res = T.sequoia_dp(q, 7, 3)
+    doc = {"format": 1, "paths": res.tree(7), "expected_tokens_per_step": res.value[7] + 1}
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps(doc))
+    pol = parse_tree_spec(f"static:{f}")
+    assert pol.max_nodes == 7 and sorted(map(list, pol.paths)) == sorted(doc["paths"])
+
+
+def test_tree_auto_missing_is_one_clean_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
+    args = Namespace(model="nope-model", draft="layers:1", export_dir=None, backend=None, device="cpu")
+    with pytest.raises(FileNotFoundError, match="arborspec tune --model nope-model --draft layers:1"):
+        T.resolve_tree("auto", None, args)
+    assert T.resolve_tree("full:3,2", None, args) == "full:3,2"
+    eargs = Namespace(model=None, draft=None, export_dir=tmp_path / "exp", backend=None, device="cpu")
+    with pytest.raises(FileNotFoundError, match="tree_auto.json"):
+        T.resolve_tree("auto", None, eargs)
+    # through the CLI: one line on stderr, exit 2 (before any model is loaded would be nicer,
+    # but the export dir does not exist anyway)
+    from arborspec.tools.cli import main
+
+    (tmp_path / "exp").mkdir()
+    rc = main(["generate", "--export-dir", str(tmp_path / "exp"), "--tree", "auto", "--prompt-ids", "1,2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "error" in err
+
+
+def _tiny_models(tmp_path):
+    from conftest import random_model, tiny_config
+
+    from arborspec.tools.distill_draft import save_hf_folder
+
+    m = random_model(tiny_config("llama", vocab=96, layers=3, hidden=64))
+    return save_hf_folder(m, tmp_path / "tiny")
+
+
+def test_tune_end_to_end_and_tree_auto(tmp_path, monkeypatch, capsys):
+    import time
+
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
+    folder = _tiny_models(tmp_path)
+    from arborspec.tools.cli import main
+
+    t0 = time.perf_counter()
+    out = tmp_path / "tree.json"
+    png = tmp_path / "tune.png"
+    rc = main(["tune", "--model", str(folder), "--draft", "layers:1", "--max-nodes", "12", "--max-depth", "4",
+               "--max-width", "4", "--n-prompts", "3", "--calib-tokens", "24", "--reps", "2", "--past", "32",
+               "--out", str(out), "--plot", str(png), "--quiet"])
+    assert rc == 0, capsys.readouterr().err
+    assert time.perf_counter() - t0 < 30
+    doc = json.loads(out.read_text())
+    assert doc["backend"] == "torch" and 1 <= doc["nodes"] <= 12 and doc["depth"] <= 4
+    assert doc["expected_tokens_per_step"] >= 1.0 and doc["predicted_tokens_per_s"] > 0
+    assert set(doc["cost_curve_ms"]) >= {"1", "13"} and len(doc["acceptance"]["q"]) == 4
+    assert png.is_file() and png.stat().st_size > 1000
+    pol = parse_tree_spec(f"static:{out}")
+    assert pol.max_nodes == doc["nodes"]
+    capsys.readouterr()
+    # --tree auto finds the cached copy and decodes with it
+    rc = main(["generate", "--model", str(folder), "--draft", "layers:1", "--tree", "auto",
+               "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--json"])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    res = json.loads(cap.out)
+    assert res["stats"]["tree"].startswith("static:") and len(res["tokens"]) == 8
+    # a different draft has no tuned tree
+    rc = main(["generate", "--model", str(folder), "--draft", "layers:2", "--tree", "auto",
+               "--prompt-ids", "1,2,3", "--max-new-tokens", "4"])
+    assert rc == 2 and "arborspec tune" in capsys.readouterr().err

@@ -1,0 +1,74 @@
+"""`arborspec tune`: pick the static tree that maximises tokens/s on this backend (Sequoia).
+
+Role: measures the backend's verify cost curve c(T), the draft's per-level cost d(F) and the
+draft's positional acceptance on calibration prompts, runs Sequoia's tree DP over node
+budgets and depths, and writes the winner as a static tree spec: EXPORT_DIR/tree_auto.json
+(or the user cache for --model runs), which `--tree auto` in generate and bench picks up.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from .engines import add_model_args, open_models
+
+EXAMPLE = """examples:
+  arborspec tune --model smollm2-135m --draft layers:2 --plot tune.png
+  arborspec tune --export-dir ~/.cache/arborspec/exports/smollm2 --backend onnxruntime --max-nodes 32
+  arborspec generate --model smollm2-135m --draft layers:2 --tree auto --prompt 'Hello'"""
+
+
+def register(sub) -> None:
+    import argparse
+
+    p = sub.add_parser("tune", help="choose the fastest static tree for this backend (Sequoia DP)",
+                       description=__doc__.split("\n")[0], epilog=EXAMPLE,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    g = p.add_argument_group("tuning")
+    g.add_argument("--prompts", type=Path, help="calibration prompts file (default tools/data/prompts.json, "
+                                                 "else built-in prompts)")
+    g.add_argument("--n-prompts", type=int, default=8, help="calibration prompts (default 8)")
+    g.add_argument("--calib-tokens", type=int, default=64, help="greedy tokens per calibration prompt")
+    g.add_argument("--chat", action="store_true", help="wrap text prompts in the chat template")
+    g.add_argument("--max-nodes", type=int, default=32, help="largest tree considered (default 32)")
+    g.add_argument("--max-depth", type=int, default=6, help="deepest tree considered (default 6)")
+    g.add_argument("--max-width", type=int, default=8, help="draft candidates ranked per node (default 8)")
+    g.add_argument("--past", type=int, default=256, help="cached context length for the cost curves")
+    g.add_argument("--reps", type=int, default=5, help="timed repetitions per size (median)")
+    g.add_argument("--seed", type=int, default=0)
+    o = p.add_argument_group("output")
+    o.add_argument("--out", type=Path, help="also write the tree file here")
+    o.add_argument("--plot", type=Path, help="PNG: cost curves and predicted tokens/s vs budget")
+    o.add_argument("--json", action="store_true", help="print the tuned document as JSON")
+    o.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    for name in ("n_prompts", "calib_tokens", "max_nodes", "max_depth", "max_width", "reps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.past < 0:
+        raise ValueError("--past must be >= 0")
+    if args.prompts is not None and not args.prompts.is_file():
+        raise FileNotFoundError(f"prompts file not found: {args.prompts}")
+    if args.model and not args.draft:
+        raise ValueError("tune needs a draft: give --draft layers:K|bigram|MODEL")
+    models = open_models(args)
+    from .tune import tune
+
+    doc = tune(models, args, progress=not args.quiet)
+    if args.json:
+        print(json.dumps(doc))
+        return 0
+    q = doc["acceptance"]["q"]
+    print(f"tuned tree: {doc['nodes']} nodes, depth {doc['depth']}: expected {doc['expected_tokens_per_step']:.2f} "
+          f"tokens/step, predicted {doc['predicted_tokens_per_s']:.1f} tok/s vs vanilla "
+          f"{doc['vanilla_tokens_per_s']:.1f} ({doc['predicted_speedup']:.2f}x)")
+    print("acceptance by depth (rank 0..3): " + "; ".join(
+        f"d{d + 1}: " + " ".join(f"{x:.2f}" for x in row[:4]) for d, row in enumerate(q[:4])))
+    print("paths: " + json.dumps(doc["paths"]))
+    print("written: " + ", ".join(doc["written"]) + (f"; plot {args.plot}" if args.plot else ""))
+    return 0
