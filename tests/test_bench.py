@@ -1,0 +1,136 @@
+"""`arborspec bench` end to end on tiny random models (torch backend, HF baselines, ORT export)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from arborspec.tools import bench
+from arborspec.tools.cli import main
+
+PROMPTS = {"prompts": [
+    {"id": "a", "category": "chat", "ids": [1, 5, 9, 13, 2, 7]},
+    {"id": "b", "category": "code", "ids": [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]},
+    {"id": "c", "category": "repetitive", "ids": [10, 11, 12, 10, 11, 12, 10, 11]},
+    {"id": "d", "category": "chat", "ids": [20, 21]},
+]}
+
+
+def _hf_folder(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=False, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    m = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # peaked distributions, like a trained model's, so drafts get accepted
+        for name, p in m.named_parameters():
+            if "norm" not in name:
+                p.mul_(3.0)
+    folder = tmp_path / "tiny-llama"
+    m.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    folder = _hf_folder(tmp)
+    prompts = tmp / "prompts.json"
+    prompts.write_text(json.dumps(PROMPTS))
+    return tmp, folder, prompts
+
+
+def _check_schema(res, names):
+    assert res["schema_version"] == bench.SCHEMA_VERSION
+    for k in ("machine", "backend", "model", "draft", "versions", "command", "date"):
+        assert k in res["meta"], k
+    assert [c["name"] for c in res["configs"]] == names
+    assert len(res["per_prompt"]) == 3  # --limit-prompts 3: round-robin over the categories
+    assert {p["category"] for p in res["per_prompt"]} == {"chat", "code", "repetitive"}
+    for p in res["per_prompt"]:
+        assert set(p["runs"]) == set(names)
+        for r in p["runs"].values():
+            for k in ("tokens_per_s", "speedup_vs_vanilla", "mean_accepted", "target_calls", "time_split",
+                      "overhead_per_step_ms", "accepted_hist", "greedy_match", "tokens", "new_tokens"):
+                assert k in r, k
+            assert r["new_tokens"] == 12
+    agg = res["aggregate"]
+    assert set(agg["configs"]) == set(names)
+    for a in agg["configs"].values():
+        for k in ("tokens_per_s_median", "tokens_per_s_total", "speedup_vs_vanilla_median",
+                  "speedup_vs_vanilla_total", "mean_accepted", "time_split", "ms_per_token", "greedy_match"):
+            assert k in a, k
+    assert agg["greedy_match"] is True
+    assert agg["configs"]["vanilla"]["mean_accepted"] == pytest.approx(1.0)
+    assert agg["configs"]["vanilla"]["speedup_vs_vanilla_total"] == pytest.approx(1.0)
+
+
+def test_bench_torch_with_hf_baselines(tiny, capsys):
+    tmp, folder, prompts = tiny
+    out, png = tmp / "r.json", tmp / "r.png"
+    rc = main(["bench", "--model", str(folder), "--draft", "layers:1", "--modes", "vanilla,chain,tree",
+               "--chain", "chain:3", "--tree", "full:2,2;beam:2,3", "--tree", "dynamic:2,3,5",
+               "--prompts", str(prompts), "--limit-prompts", "3", "--max-new-tokens", "12", "--warmup", "0", "--threads", "1",
+               "--baselines", "hf-greedy,hf-assisted,hf-lookup", "--hf-assistant-layers", "1",
+               "--no-progress", "--json", str(out), "--plot", str(png)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    names = ["vanilla", "chain:3", "full:2,2", "beam:2,3", "dynamic:2,3,5", "hf-greedy", "hf-assisted", "hf-lookup"]
+    _check_schema(res, names)
+    # transformers on the same weights: greedy decoding gives our vanilla's tokens
+    for p in res["per_prompt"]:
+        assert p["runs"]["hf-greedy"]["tokens"] == p["runs"]["vanilla"]["tokens"]
+        assert p["runs"]["hf-greedy"]["mean_accepted"] == pytest.approx(1.0)
+    assert res["aggregate"]["configs"]["hf-greedy"]["speedup_vs_hf_greedy_total"] == pytest.approx(1.0)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    table = capsys.readouterr().out
+    assert "| hf-assisted |" in table and "| full:2,2 |" in table
+
+
+def test_bench_onnxruntime_export(tiny, tmp_path):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    _, folder, prompts = tiny
+    from arborspec.export.export_folder import export_folder
+
+    exp = tmp_path / "exp"
+    export_folder(str(folder), exp, draft="layers:1", progress=False)
+    out = tmp_path / "ort.json"
+    rc = main(["bench", "--export-dir", str(exp), "--backend", "onnxruntime", "--tree", "full:2,2",
+               "--prompts", str(prompts), "--limit-prompts", "3", "--max-new-tokens", "12", "--warmup", "0", "--threads", "1",
+               "--baselines", "hf-greedy", "--no-progress", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    _check_schema(res, ["vanilla", "chain:4", "full:2,2", "hf-greedy"])
+    assert res["meta"]["backend"] == "onnxruntime"
+
+
+def test_bench_user_errors(tiny, capsys):
+    _, folder, prompts = tiny
+    assert main(["bench", "--model", str(folder), "--prompts", str(prompts), "--tree", "full:2"]) == 2
+    assert "tree spec" in capsys.readouterr().err
+    assert main(["bench", "--model", str(folder), "--prompts", str(prompts), "--baselines", "vllm"]) == 2
+    assert "unknown baseline" in capsys.readouterr().err
+    assert main(["bench", "--model", str(folder), "--prompts", str(folder / "nope.json")]) == 2
+    text = folder.parent / "text.json"
+    text.write_text(json.dumps([{"id": "t", "category": "chat", "text": "hello"}]))
+    assert main(["bench", "--model", str(folder), "--prompts", str(text), "--modes", "vanilla",
+                 "--no-progress"]) == 2
+    assert "no tokenizer" in capsys.readouterr().err
+
+
+def test_select_prompts_round_robin():
+    entries = [{"id": str(i), "category": c, "ids": [1]} for i, c in enumerate("aaabbc")]
+    assert [e["id"] for e in bench.select_prompts(entries, 3)] == ["0", "3", "5"]
+    assert [e["id"] for e in bench.select_prompts(entries, 4)] == ["0", "1", "3", "5"]
+    assert bench.split_tree_specs(["full:3,2;beam:4,8", "chain:2"]) == ["full:3,2", "beam:4,8", "chain:2"]
+
+
+def test_packaged_prompts():
+    entries, _ = bench.read_prompts_file(None)
+    cats = {e["category"] for e in entries}
+    assert {"chat", "code", "summarisation", "repetitive"} <= cats
+    assert len(entries) >= 25
+    assert sum(1 for e in entries if e["category"] == "summarisation" and len(e["text"]) > 4000) >= 3

@@ -1,0 +1,196 @@
+"""`arborspec bench`: vanilla vs chain vs tree (and transformers' alternatives) on the same prompts.
+
+Role: opens the engines once (tools/engines.py), runs every configuration on every prompt in one
+process (tools/bench.py), prints the aggregate table, and optionally writes the JSON results and
+a figure. Tree specs contain commas, so `--tree` is given once per spec and/or as one
+';'-separated list: `--tree full:3,2 --tree beam:4,8,8` == `--tree 'full:3,2;beam:4,8,8'`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from .engines import add_model_args, open_models
+
+EXAMPLE = """examples:
+  arborspec bench --model smollm2-135m --draft layers:4 --modes vanilla,chain,tree \\
+      --chain chain:4 --tree 'full:3,2;beam:4,8,8;dynamic:4,4,16' --limit-prompts 8 \\
+      --max-new-tokens 64 --baselines hf-greedy,hf-assisted,hf-lookup \\
+      --json benchmarks/smollm2_cpu_torch.json --plot benchmarks/smollm2_cpu_torch.png
+  arborspec bench --export-dir ~/.cache/arborspec/exports/smollm2 --backend onnxruntime \\
+      --tree full:3,2 --tree dynamic:4,4,16 --limit-prompts 4
+prompts file: {"prompts": [{"id", "category", "text" (+ "chat": true, "system") | "ids": [int]}]}
+(default: the packaged arborspec/tools/data/prompts.json; --limit-prompts N takes N prompts
+round-robin over the categories)."""
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark vanilla / chain / tree decoding and HF baselines",
+                       description=__doc__.split("\n")[0], epilog=EXAMPLE,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)  # --draft default: layers:4 with --model; the export's with --export-dir
+    g = p.add_argument_group("configurations")
+    g.add_argument("--modes", default="vanilla,chain,tree",
+                   help="comma-separated subset of vanilla,chain,tree (vanilla always runs: the reference)")
+    g.add_argument("--tree", action="append", default=None, metavar="SPEC",
+                   help="tree policy to run in tree mode; repeat the flag or separate specs with ';' "
+                        "(default: the export's tree, else full:3,2)")
+    g.add_argument("--chain", default="chain:4", help="chain mode spec (default chain:4)")
+    g.add_argument("--baselines", default="",
+                   help="comma-separated transformers baselines: hf-greedy,hf-assisted,hf-lookup "
+                        "(same model file; torch backend, or an export whose manifest names the source)")
+    g.add_argument("--hf-assistant-layers", type=int, default=None,
+                   help="hf-assisted: assistant = the target's first K layers (default: K of --draft "
+                        "layers:K, else 4)")
+    g.add_argument("--hf-lookup-tokens", type=int, default=10, help="hf-lookup: prompt_lookup_num_tokens (10)")
+    r = p.add_argument_group("run")
+    r.add_argument("--prompts", type=Path, default=None, help="prompts JSON file (default: the packaged set)")
+    r.add_argument("--limit-prompts", type=int, default=None, help="use N prompts (round-robin over categories)")
+    r.add_argument("--max-new-tokens", type=int, default=64)
+    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; checks greedy_match)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    r.add_argument("--warmup", type=int, default=1, help="warm-up generations per config before timing (1)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON")
+    o.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="write the figure (PNG)")
+    p.set_defaults(run=run)
+
+
+def _command_line(args) -> str:
+    parts = ["arborspec", "bench"]
+    skip = {"run", "command", "no_progress"}
+    for k, v in vars(args).items():
+        if k in skip or v is None or v is False or v == "":
+            continue
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            parts.append(flag)
+        elif isinstance(v, list):
+            for x in v:
+                parts += [flag, str(x)]
+        else:
+            parts += [flag, str(v)]
+    return shlex.join(parts)
+
+
+def run(args) -> int:
+    import torch
+
+    from . import bench
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.limit_prompts is not None and args.limit_prompts < 1:
+        raise ValueError(f"--limit-prompts must be >= 1, got {args.limit_prompts}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if args.plot is not None and args.plot.suffix.lower() != ".png":
+        raise ValueError(f"--plot writes a PNG: give a .png path, got {args.plot}")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
+    trees = bench.split_tree_specs(args.tree)
+    entries, prompts_path = bench.read_prompts_file(args.prompts)  # cheap checks before loading models
+    # validate specs before loading models (the export default tree is filled in below)
+    bench.build_configs(modes, trees or ["full:3,2"], args.chain, baselines)
+    torch.set_num_threads(args.threads)
+
+    need_draft = any(m != "vanilla" for m in modes)
+    if args.draft is None and args.export_dir is None:
+        args.draft = "layers:4"
+    models = open_models(args, need_draft=need_draft)
+    if need_draft and models.draft is None:
+        raise ValueError("modes chain/tree need a draft: give --draft layers:K|bigram|MODEL (or --modes vanilla)")
+    if not trees:
+        trees = [models.tree_default or "full:3,2"]
+    configs = bench.build_configs(modes, trees, args.chain, baselines)
+    prompts = bench.encode_prompts(bench.select_prompts(entries, args.limit_prompts), models.tokenizer)
+    notes: list[str] = []
+    limit = min(x for x in (models.limits.get("max_context"), models.target.info.max_position) if x)
+    kept = [p for p in prompts if len(p["ids"]) + args.max_new_tokens <= limit]
+    for p in prompts:
+        if p not in kept:
+            notes.append(f"prompt {p['id']} skipped: {len(p['ids'])} tokens + {args.max_new_tokens} new exceed "
+                         f"the context limit of {limit}")
+    if not kept:
+        raise ValueError(f"no prompt fits the context limit of {limit} tokens with --max-new-tokens "
+                         f"{args.max_new_tokens}")
+    prompts = kept
+
+    backend = args.backend or ("torch" if args.model else "onnxruntime")
+    source = dict(models.source or {})
+    if args.export_dir is not None:
+        try:
+            from arborspec.runtime.export_dir import read_manifest
+
+            source = dict(read_manifest(args.export_dir).data.get("source") or {})
+        except (KeyError, ValueError, FileNotFoundError, TypeError):
+            source = {}
+    hf = None
+    if baselines:
+        mdir, gguf, why = bench.hf_source_path(source)
+        if mdir is None:
+            notes.append(f"baselines {', '.join(baselines)} skipped: {why}")
+            print(f"arborspec bench: note: HF baselines skipped: {why}", file=sys.stderr)
+            configs = [c for c in configs if c.kind != "hf"]
+        else:
+            k = args.hf_assistant_layers
+            if k is None:
+                d = (args.draft or "").strip().lower()
+                k = int(d.split(":", 1)[1]) if d.startswith("layers:") and d.split(":", 1)[1].isdigit() else 4
+            if not args.no_progress:
+                print(f"loading the transformers baselines from {mdir / gguf if gguf else mdir} ...", file=sys.stderr)
+            hf = bench.HFBaselines(mdir, gguf, k, "hf-assisted" in baselines, args.hf_lookup_tokens)
+            notes.append(f"transformers model loaded in {hf.load_s:.1f} s; hf-assisted assistant = first {k} layers")
+
+    load_before = bench.machine(args.device).get("loadavg_1_5_15")
+    per_prompt, warnings = bench.run_bench(models, configs, prompts, max_new_tokens=args.max_new_tokens,
+                                           temperature=args.temperature, seed=args.seed, hf=hf,
+                                           warmup=args.warmup, progress=not args.no_progress)
+    agg = bench.aggregate(per_prompt, configs)
+    results = {
+        "schema_version": bench.SCHEMA_VERSION,
+        "meta": {"machine": bench.machine(args.device) | {"loadavg_before": load_before}, "backend": backend,
+                 "model": str(args.model or args.export_dir), "draft": _draft_name(args, models),
+                 "describe": models.describe, "source": {k: v for k, v in source.items() if k != "files"},
+                 "versions": bench.versions(), "command": _command_line(args),
+                 "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                          if k not in ("run",)},
+                 "date": bench.now_iso(), "temperature": args.temperature,
+                 "max_new_tokens": args.max_new_tokens, "seed": args.seed, "prompts_file": prompts_path,
+                 "notes": notes + warnings},
+        "configs": [c.to_dict() for c in configs],
+        "per_prompt": per_prompt,
+        "aggregate": agg,
+    }
+    table = bench.format_table(results)
+    print(table)
+    if agg["greedy_match"] is False:
+        print("WARNING: greedy_match is FALSE: some configuration's tokens differ from vanilla's "
+              "(see the warnings above)", file=sys.stderr)
+    for n in notes:
+        print(f"note: {n}", file=sys.stderr)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    if args.plot is not None:
+        bench.plot(results, args.plot)
+    return 0
+
+
+def _draft_name(args, models) -> str | None:
+    if args.export_dir is not None:
+        try:
+            from arborspec.runtime.export_dir import read_manifest
+
+            d = read_manifest(args.export_dir).draft
+            return d.get("spec") or d.get("kind")
+        except Exception:  # noqa: BLE001 - informational only
+            return "export"
+    return args.draft
