@@ -69,6 +69,9 @@ def run(args) -> int:
           f"{doc['vanilla_tokens_per_s']:.1f} ({doc['predicted_speedup']:.2f}x)")
     print("acceptance by depth (rank 0..3): " + "; ".join(
         f"d{d + 1}: " + " ".join(f"{x:.2f}" for x in row[:4]) for d, row in enumerate(q[:4])))
+    if doc["predicted_speedup"] < 1.0:
+        print("note: with this draft, speculation is predicted SLOWER than vanilla decoding on this backend "
+              "(a cheaper or better-aligned draft is needed; the best tree is written anyway)")
     print("paths: " + json.dumps(doc["paths"]))
     print("written: " + ", ".join(doc["written"]) + (f"; plot {args.plot}" if args.plot else ""))
     return 0
