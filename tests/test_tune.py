@@ -156,3 +156,35 @@ def test_tune_end_to_end_and_tree_auto(tmp_path, monkeypatch, capsys):
     rc = main(["generate", "--model", str(folder), "--draft", "layers:2", "--tree", "auto",
                "--prompt-ids", "1,2,3", "--max-new-tokens", "4"])
     assert rc == 2 and "arborspec tune" in capsys.readouterr().err
+
+
+def test_acceptance_of_the_target_itself_is_one_at_rank_zero():
+    """Drafting with the target: its greedy token is always its own rank-0 candidate."""
+    from conftest import random_model, tiny_config
+
+    from arborspec.runtime.backends.torch_backend import TorchEngine
+    from arborspec.runtime.drafts import BigramDraft
+
+    eng = TorchEngine(random_model(tiny_config("llama", vocab=96, layers=2, hidden=64)))
+    acc = T.measure_acceptance(eng, eng, [[1, 2, 3], [4, 5]], max_new_tokens=20, k=4, max_depth=3)
+    assert acc["counts"][0] == 40 and acc["counts"][2] > 0
+    for row in acc["q"]:
+        assert row[0] == pytest.approx(1.0) and sum(row[1:]) == 0
+    # a bigram table whose top-1 is always wrong for the target at rank 0 but right at rank 1
+    import torch
+
+    v = 96
+    from arborspec.runtime.decode import SpeculativeDecoder
+
+    out = SpeculativeDecoder(eng, mode="vanilla").generate([7], 30).tokens
+    seq = [7] + out
+    logits = torch.full((v, v), -10.0)
+    for a, b in zip(seq[:-1], seq[1:]):
+        logits[a].fill_(-10.0)
+    for a, b in zip(seq[:-1], seq[1:]):
+        logits[a, b] = 5.0
+        logits[a, (b + 1) % v] = 6.0
+    acc = T.measure_acceptance(eng, BigramDraft(None, logits, v), [[7]], max_new_tokens=30, k=4, max_depth=2)
+    # every position's successor is unique in this sequence only if the greedy text never repeats a token
+    # with a different successor; rank 1 then carries the acceptance
+    assert acc["q"][0][1] >= 0.5 and acc["q"][0][0] <= 0.5
