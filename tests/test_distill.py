@@ -73,3 +73,22 @@ def test_split_prompts_holds_out_even_entries():
     assert [e["text"] for e in train] == ["p1", "p3", "p5"]
     _, held = dd.split_prompts([], 3)
     assert len(held) == 3
+
+
+def test_eval_mode_compares_drafts(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
+    target, folder = _tiny_target(tmp_path)
+    dfolder = dd.save_hf_folder(dd.make_draft(target, 1, "target"), tmp_path / "d")
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([{"ids": [1, 2, 3]}, {"ids": [5, 6]}, {"ids": [7, 8, 9, 10]}]))
+    rows_file = tmp_path / "rows.json"
+    rc = dd.main(["--model", str(folder), "--eval", "--drafts", f"layers:1,{dfolder}", "--trees", "vanilla;chain:2",
+                  "--prompts", str(prompts), "--max-new-tokens", "8", "--json-out", str(rows_file), "--quiet"])
+    assert rc == 0
+    rows = json.loads(rows_file.read_text())
+    assert len(rows) == 4 and all(r["tokens"] == 16 for r in rows)  # 2 held-out prompts x 8 tokens
+    by = {(r["draft"], r["tree"]): r["mean_accepted"] for r in rows}
+    assert by[("layers:1", "vanilla")] == 1.0
+    # the target-initialised, untrained 1-layer draft is the layers:1 draft: same acceptance
+    assert by[(str(dfolder), "chain:2")] == by[("layers:1", "chain:2")]
+    assert "| draft |" in capsys.readouterr().out

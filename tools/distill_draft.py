@@ -437,8 +437,9 @@ def evaluate_drafts(model: str, drafts: list[str], prompts: list[list[int]], tre
             base = om
         eos = list(om.tokenizer.meta.get("eos_token_ids") or []) if om.tokenizer is not None else []
         for tree in trees:
-            mode = "chain" if tree.startswith("chain:") else "tree"
-            dec = SpeculativeDecoder(om.target, om.draft, mode=mode, tree=tree)
+            mode = "vanilla" if tree == "vanilla" else "chain" if tree.startswith("chain:") else "tree"
+            dec = SpeculativeDecoder(om.target, om.draft if mode != "vanilla" else None, mode=mode,
+                                     tree=tree if mode != "vanilla" else "chain:1")
             toks = steps = 0
             dec_s = draft_s = 0.0
             for p in prompts:
@@ -511,7 +512,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--drafts", default="bigram,layers:2,layers:4",
                    help="comma-separated drafts for --eval (layers:K, bigram, or model folders)")
     e.add_argument("--trees", default="full:3,2;chain:4",
-                   help="semicolon-separated tree specs for --eval (default 'full:3,2;chain:4')")
+                   help="semicolon-separated tree specs for --eval (default 'full:3,2;chain:4'; "
+                        "'vanilla' = no draft, static:FILE.json for a tuned tree)")
     e.add_argument("--max-new-tokens", type=int, default=64)
     e.add_argument("--json-out", help="write the --eval rows as JSON here")
     return p
