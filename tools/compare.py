@@ -497,7 +497,7 @@ def compare_export(export_dir: str | os.PathLike, runners: str | Iterable[str] |
     otherwise rebuilt from the manifest's source (or `model`)."""
     _polygraphy()
     from polygraphy.backend.onnxrt import SessionFromOnnx
-    from polygraphy.comparator import Comparator, CompareFunc  # noqa: F401
+    from polygraphy.comparator import Comparator
     from polygraphy.comparator.compare import SimpleCompareFunc
     from polygraphy.exception import PolygraphyException
     from polygraphy.json import save_json
@@ -541,11 +541,10 @@ def compare_export(export_dir: str | os.PathLike, runners: str | Iterable[str] |
     if len(active) < 2:
         raise ValueError(f"need at least two runners, only {', '.join(active)} can run here")
 
-    # PyTorch reference and feeds
-    if "torch" in active or True:  # the feeds always come from the PyTorch reference
-        if target_module is None:
-            target_module, ref_draft, _ = reference_modules(man, model)
-            draft_module = draft_module if draft_module is not None else ref_draft
+    # PyTorch reference (also the source of the feeds, whichever runners run)
+    if target_module is None:
+        target_module, ref_draft, _ = reference_modules(man, model)
+        draft_module = draft_module if draft_module is not None else ref_draft
     target_module = target_module.float().eval()
     feed_target = TorchEngine(target_module)
     dkind = man.draft.get("kind", "none")
