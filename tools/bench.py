@@ -621,3 +621,34 @@ def machine(device: str) -> dict:
 
 def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+def render_markdown(results: dict, title: str | None = None) -> str:
+    """A results section for benchmarks/RESULTS.md: command, machine, date, aggregate table,
+    per-category medians and notes."""
+    m = results["meta"]
+    mc = m["machine"]
+    agg = results["aggregate"]
+    v = m.get("versions", {})
+    out = [f"## {title or (str(m.get('model')) + ' | draft ' + str(m.get('draft')) + ' | ' + str(m.get('backend')))}", "",
+           "```", m.get("command", ""), "```", "",
+           f"- date: {m.get('date')}",
+           f"- machine: {mc.get('processor')} | {mc.get('cpu_count')} CPUs | torch threads {mc.get('torch_threads')} | "
+           f"{mc.get('platform')} | load average before/after: {mc.get('loadavg_before')} / {mc.get('loadavg_1_5_15')}",
+           "- versions: " + ", ".join(f"{k} {x}" for k, x in v.items()),
+           f"- {len(results['per_prompt'])} prompts ({', '.join(sorted({p['category'] for p in results['per_prompt']}))}), "
+           f"{m.get('max_new_tokens')} new tokens, temperature {m.get('temperature')}, "
+           f"greedy_match (all our configs == vanilla): {agg.get('greedy_match')}", "",
+           format_table(results), ""]
+    cats = agg.get("by_category") or {}
+    if cats:
+        names = list(agg["configs"])
+        out += ["Median speed-up vs our vanilla (and mean accepted tokens per target call) by category:", "",
+                "| category | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        for cat, d in cats.items():
+            out.append(f"| {cat} ({next(iter(d.values()))['prompts']}) | " + " | ".join(
+                f"{_f(d[n]['speedup_vs_vanilla_median'])}x ({_f(d[n]['mean_accepted'])})" for n in names) + " |")
+        out.append("")
+    if m.get("notes"):
+        out += ["Notes:", ""] + [f"- {n}" for n in m["notes"]] + [""]
+    return "\n".join(out)
