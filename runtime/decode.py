@@ -147,21 +147,16 @@ class SpeculativeDecoder:
                     logits = tgt.forward(ids, pos, mask, cache)[0]
                 with timer("accept_kv_s"):
                     acc = accept(logits, tree, self.sampling, rng)
-                    cache.commit(torch.cat([torch.zeros(1, dtype=torch.long), acc.path + 1]), tree.n + 1)
+                    new, stop = self._truncate(acc.tokens, eos, max_new_tokens - produced)
+                    # the caches keep every committed token but the last (the next root)
+                    path = acc.path[: len(new) - 1]
+                    cache.commit(torch.cat([torch.zeros(1, dtype=torch.long), path + 1]), tree.n + 1)
                     if speculate:
-                        self.draft.commit(tree, acc.path)
+                        self.draft.commit(tree, path)
                 st.steps += 1
                 st.target_calls += 1
                 st.draft_calls += tree.draft_calls
                 st.tree_nodes += tree.n
-                new = acc.tokens
-                stop = None
-                for i, t in enumerate(new):
-                    if t in eos:
-                        new, stop = new[: i + 1], "eos"
-                        break
-                if produced + len(new) >= max_new_tokens and stop is None:
-                    new, stop = new[: max_new_tokens - produced], "length"
                 produced += len(new)
                 st.new_tokens = produced
                 st.accepted_hist[len(new)] = st.accepted_hist.get(len(new), 0) + 1
@@ -176,6 +171,17 @@ class SpeculativeDecoder:
             st.other_s = max(0.0, st.total_s - st.prefill_s - st.draft_s - st.verify_s - st.accept_kv_s)
 
     # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _truncate(tokens: list[int], eos: set, room: int) -> tuple[list[int], str | None]:
+        """Cut a step's tokens at the first EOS (kept) or at the max-new-tokens budget."""
+        for i, t in enumerate(tokens):
+            if t in eos:
+                tokens = tokens[: i + 1]
+                return tokens[:room], "eos" if i < room else "length"
+        if len(tokens) >= room:
+            return tokens[:room], "length"
+        return tokens, None
+
     def _check_prompt(self, prompt_ids, max_new_tokens) -> list[int]:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:

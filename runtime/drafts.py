@@ -196,12 +196,17 @@ def draft_tree(draft, policy: TreePolicy, root: int, sp: SamplingParams,
     f_score = torch.zeros(1)
     for level in range(1, policy.depth + 1):
         k = min(policy.width(level), vocab)
-        warped = warp_logits(logits, sp)
         if mode == "topk":
-            vals, toks = torch.topk(torch.log_softmax(warped, -1), k, dim=-1)
+            # deterministic candidates: the draft's top-k by raw logits (the ranking does not
+            # depend on the temperature; top-k/top-p only mask a tail that the accept rule
+            # handles). Normalise to log-probs only where a policy ranks by cumulative score.
+            vals, toks = torch.topk(logits, k, dim=-1)
+            if policy.data_dependent or keep_q:
+                vals = vals - torch.logsumexp(logits, -1, keepdim=True)
             if keep_q:
-                qs.append(torch.softmax(warped, -1))
+                qs.append(torch.softmax(warp_logits(logits, sp), -1))
         else:
+            warped = warp_logits(logits, sp)
             q = torch.softmax(warped, -1)
             logq = torch.log(q)
             if mode == "sample":
