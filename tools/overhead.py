@@ -31,6 +31,8 @@ class NullEngine:
     nothing: the cache slabs still have real shapes so KV commits cost what they cost."""
 
     def __init__(self, vocab=49152, layers=30, kv_heads=3, head_dim=64, seed=0, copy_of=None):
+        if copy_of is not None:
+            vocab = copy_of.info.vocab_size
         self.info = EngineInfo(vocab, 1 << 20, CacheSpec(layers, kv_heads, head_dim, torch.float32), name="null")
         self.device = torch.device("cpu")
         g = torch.Generator().manual_seed(seed)
