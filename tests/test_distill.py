@@ -92,3 +92,12 @@ def test_eval_mode_compares_drafts(tmp_path, monkeypatch, capsys):
     # the target-initialised, untrained 1-layer draft is the layers:1 draft: same acceptance
     assert by[(str(dfolder), "chain:2")] == by[("layers:1", "chain:2")]
     assert "| draft |" in capsys.readouterr().out
+
+
+def test_eval_simulate_matches_real_decoding(tmp_path, monkeypatch):
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
+    target, folder = _tiny_target(tmp_path)
+    prompts = [[1, 2, 3], [7, 8, 9, 10]]
+    real = dd.evaluate_drafts(str(folder), ["layers:1", "layers:2"], prompts, ["full:2,2", "chain:3"], 12, False)
+    sim = dd.simulate_drafts(str(folder), ["layers:1", "layers:2"], prompts, ["full:2,2", "chain:3"], 12, False)
+    assert [(r["draft"], r["tree"], r["steps"]) for r in real] == [(r["draft"], r["tree"], r["steps"]) for r in sim]

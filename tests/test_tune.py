@@ -188,3 +188,24 @@ def test_acceptance_of_the_target_itself_is_one_at_rank_zero():
     # every position's successor is unique in this sequence only if the greedy text never repeats a token
     # with a different successor; rank 1 then carries the acceptance
     assert acc["q"][0][1] >= 0.5 and acc["q"][0][0] <= 0.5
+
+
+@pytest.mark.parametrize("tree", ["chain:3", "full:2,2", "full:3,3"])
+def test_simulated_steps_equal_real_greedy_decoding(tree):
+    """The cheap acceptance simulation (teacher-forced draft ranks) counts exactly the verify
+    steps of real greedy tree decoding."""
+    from conftest import random_model, tiny_config, truncated
+
+    from arborspec.runtime.backends.torch_backend import TorchEngine
+    from arborspec.runtime.decode import SpeculativeDecoder
+
+    m = random_model(tiny_config("llama", vocab=96, layers=3, hidden=64), seed=3)
+    tgt, dft = TorchEngine(m), TorchEngine(truncated(m, 1))
+    mode = "chain" if tree.startswith("chain") else "tree"
+    paths = T.spec_paths(tree)
+    k = max(p[-1] for p in paths) + 1
+    for prompt in ([1, 2, 3], [9, 8, 7, 6, 5]):
+        res = SpeculativeDecoder(tgt, dft, mode=mode, tree=tree).generate(prompt, 40)
+        seq = prompt + res.tokens
+        rank = T._draft_topk_ranks(dft, seq, k).tolist()
+        assert T.simulate_greedy_steps(rank, len(prompt), len(seq), paths) == res.stats.steps

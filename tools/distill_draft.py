@@ -459,6 +459,47 @@ def evaluate_drafts(model: str, drafts: list[str], prompts: list[list[int]], tre
     return rows
 
 
+def simulate_drafts(model: str, drafts: list[str], prompts: list[list[int]], trees=("full:3,2", "chain:4"),
+                    max_new_tokens: int = 64, progress: bool = True) -> list[dict]:
+    """Mean accepted tokens per verify step of greedy decoding, without running the tree
+    loop: the target's greedy text once per prompt (vanilla runtime decoding), then each
+    draft teacher-forced over it once; `tune.simulate_greedy_steps` counts the steps each
+    static-shaped tree (chain, full, static) would take. Equal to real decoding's steps
+    (tests/test_tune.py checks it)."""
+    from argparse import Namespace
+
+    from arborspec.runtime.decode import SpeculativeDecoder
+
+    from .engines import open_models
+    from .tune import _draft_topk_ranks, simulate_greedy_steps, spec_paths
+
+    tree_paths = {t: spec_paths(t) for t in trees}
+    k = max(max(p[-1] for p in ps) for ps in tree_paths.values()) + 1
+    seqs = None
+    rows = []
+    for spec in drafts:
+        ns = Namespace(model=model, draft=spec, export_dir=None, engine_dir=None, backend="torch", device="cpu")
+        om = open_models(ns)
+        if seqs is None:
+            eos = list(om.tokenizer.meta.get("eos_token_ids") or []) if om.tokenizer is not None else []
+            dec = SpeculativeDecoder(om.target, mode="vanilla")
+            seqs = []
+            for p in prompts:
+                r = dec.generate(p, max_new_tokens, eos)
+                seqs.append((len(p), list(p) + r.tokens))
+        ranks = [_draft_topk_ranks(om.draft, s, k).tolist() for _, s in seqs]
+        for t, paths in tree_paths.items():
+            steps = sum(simulate_greedy_steps(rk, a, len(s), paths) for rk, (a, s) in zip(ranks, seqs))
+            toks = sum(len(s) - a for a, s in seqs)
+            row = {"draft": spec, "tree": t, "mean_accepted": toks / max(1, steps), "tokens": toks,
+                   "steps": steps, "tokens_per_s": float("nan"), "simulated": True}
+            rows.append(row)
+            if progress:
+                print(f"[eval/sim] {spec:>40s} {t:10s} mean accepted {row['mean_accepted']:.2f}",
+                      file=sys.stderr, flush=True)
+    return rows
+
+
 def eval_prompt_ids(model_tok, prompts_file, n_eval: int) -> list[list[int]]:
     _, held = split_prompts(load_prompt_entries(prompts_file), n_eval)
     out = [encode_entry(e, model_tok) for e in held]
@@ -475,7 +516,8 @@ def markdown_table(rows: list[dict]) -> str:
         cells = []
         for t in trees:
             r = next((r for r in rows if r["draft"] == d and r["tree"] == t), None)
-            cells += [f"{r['mean_accepted']:.2f}", f"{r['tokens_per_s']:.1f}"] if r else ["", ""]
+            tps = "" if not r or r["tokens_per_s"] != r["tokens_per_s"] else f"{r['tokens_per_s']:.1f}"
+            cells += [f"{r['mean_accepted']:.2f}", tps] if r else ["", ""]
         lines.append(f"| {d} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -515,6 +557,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="semicolon-separated tree specs for --eval (default 'full:3,2;chain:4'; "
                         "'vanilla' = no draft, static:FILE.json for a tuned tree)")
     e.add_argument("--max-new-tokens", type=int, default=64)
+    e.add_argument("--simulate", action="store_true",
+                   help="count greedy steps from teacher-forced draft ranks (fast, exact for chain/full/static "
+                        "trees) instead of running the decode loop; no tok/s")
     e.add_argument("--json-out", help="write the --eval rows as JSON here")
     return p
 
@@ -532,7 +577,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "prompts file has no 'ids' entries)")
             drafts = [os.path.expanduser(d.strip()) for d in args.drafts.split(",") if d.strip()]
             trees = [t.strip() for t in args.trees.split(";") if t.strip()]
-            rows = evaluate_drafts(args.model, drafts, prompts, trees, args.max_new_tokens, not args.quiet)
+            run = simulate_drafts if args.simulate else evaluate_drafts
+            rows = run(args.model, drafts, prompts, trees, args.max_new_tokens, not args.quiet)
             print(markdown_table(rows))
             if args.json_out:
                 Path(args.json_out).write_text(json.dumps(rows, indent=1))

@@ -302,6 +302,57 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], max_new_
     return {"q": q, "counts": counts, "k": k, "prompts": len(prompts), "max_new_tokens": max_new_tokens}
 
 
+def tree_children(paths: Sequence[Sequence[int]]) -> dict:
+    """{parent path tuple: set of child ranks} of a static tree (the root is ())."""
+    kids: dict = {}
+    for p in paths:
+        kids.setdefault(tuple(p[:-1]), set()).add(p[-1])
+    return kids
+
+
+def simulate_greedy_steps(rank: Sequence[int], start: int, end: int, paths: Sequence[Sequence[int]]) -> int:
+    """Verify steps that greedy speculative decoding with this static tree takes to produce
+    the target's tokens seq[start:end], given rank[j] = rank of seq[j] among the draft's
+    candidates given seq[:j] (from `_draft_topk_ranks`).
+
+    Exact for drafts whose candidates depend only on the committed text plus the path (any
+    model or table draft with `--candidates topk`): along an accepted path the draft saw
+    exactly the target's tokens. `full:D,W` is the static tree of all rank paths < W, depth
+    <= D; `chain:K` is [[0], [0,0], ...]."""
+    kids = tree_children(paths)
+    pos, steps = start, 0
+    while pos < end:
+        node: tuple = ()
+        a = 0
+        while pos + a < end and rank[pos + a] in kids.get(node, ()):
+            node = node + (rank[pos + a],)
+            a += 1
+        steps += 1
+        pos += a + 1
+    return steps
+
+
+def full_tree_paths(depth: int, width: int) -> list[list[int]]:
+    out: list[list[int]] = []
+    level = [()]
+    for _ in range(depth):
+        level = [p + (r,) for p in level for r in range(width)]
+        out += [list(p) for p in level]
+    return out
+
+
+def spec_paths(spec: str) -> list[list[int]]:
+    """Rank paths of a data-independent tree spec (chain:K, full:D,W, static:FILE)."""
+    from arborspec.runtime.trees import ChainTree, FullTree, StaticTree, parse_tree_spec
+
+    pol = parse_tree_spec(spec)
+    if isinstance(pol, StaticTree):
+        return [list(p) for p in pol.paths]
+    if isinstance(pol, (ChainTree, FullTree)):
+        return full_tree_paths(pol.depth, pol.w)
+    raise ValueError(f"tree {spec!r} depends on draft scores: it cannot be simulated, only run")
+
+
 # ----------------------------------------------------------------------------- tuning
 def choose_tree(q, verify: dict, dcost: dict, max_nodes: int, max_depth: int) -> dict:
     """Every (n, D): DP tree, expected tokens/step, predicted step ms and tokens/s; the best."""
