@@ -153,7 +153,7 @@ def run(args) -> int:
     for i in range(args.n):
         seed = args.seed + i
         toks: list[int] = []
-        sd = tok.stream_decoder() if stream_text else None
+        sd = tok.stream_decoder(skip_special_tokens=True) if stream_text else None
         for chunk in dec.stream(ids, args.max_new_tokens, eos, seed):
             toks += chunk
             if sd is not None:
