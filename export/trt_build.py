@@ -21,7 +21,6 @@ saves on the GPU (`<engine>.runtime.cache`).
 """
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import os
@@ -31,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+from .onnx_export import sha256_file
 
 MANIFEST_NAME = "engines.json"
 MANIFEST_FORMAT = 1
@@ -283,17 +284,6 @@ def _shapes_for(profile: Profile, name: str, net_shape: tuple[int, ...]) -> dict
 
 
 # --------------------------------------------------------------------------- helpers
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
-            h.update(b)
-    return h.hexdigest()
-
 
 def _onnx_metadata(path: Path) -> dict[str, str]:
     """metadata_props of the ONNX (contract version, model config, tokenizer), if onnx is
