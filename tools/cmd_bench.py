@@ -147,7 +147,8 @@ def run(args) -> int:
             if not args.no_progress:
                 print(f"loading the transformers baselines from {mdir / gguf if gguf else mdir} ...", file=sys.stderr)
             hf = bench.HFBaselines(mdir, gguf, k, "hf-assisted" in baselines, args.hf_lookup_tokens)
-            notes.append(f"transformers model loaded in {hf.load_s:.1f} s; hf-assisted assistant = first {k} layers")
+            notes.append(f"transformers model loaded in {hf.load_s:.1f} s" +
+                         (f"; hf-assisted assistant = its first {k} layers" if "hf-assisted" in baselines else ""))
 
     load_before = bench.machine(args.device).get("loadavg_1_5_15")
     per_prompt, warnings = bench.run_bench(models, configs, prompts, max_new_tokens=args.max_new_tokens,
