@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .accept import accept
-from .drafts import CANDIDATE_MODES, BigramDraft, ModelDraft, draft_tree
+from .drafts import CANDIDATE_MODES, BigramDraft, LookupDraft, ModelDraft, draft_tree
 from .kvcache import KVCache
 from .sampling import SamplingParams
 from .stats import GenerationStats, Timer
@@ -55,7 +55,8 @@ class _ClockedEngine:
 class SpeculativeDecoder:
     """Embeddable generator.
 
-    target: an Engine; draft: an Engine (neural draft), a BigramDraft, or None (vanilla only).
+    target: an Engine; draft: an Engine (neural draft), a BigramDraft or LookupDraft (no model
+    calls), or None (vanilla only).
     mode: vanilla | chain | tree; tree: a spec string or TreePolicy (chain mode wants chain:K).
     candidates: topk | sample | sample-unique (how draft children are produced when sampling).
     """
@@ -86,10 +87,10 @@ class SpeculativeDecoder:
                 raise ValueError(f"tree {policy.spec} needs {policy.max_nodes + 1} tokens per verify call, "
                                  f"over the engine's limit of {target.info.max_tokens}")
             self.policy = policy
-            dv = draft.vocab_size if isinstance(draft, BigramDraft) else draft.info.vocab_size
+            dv = draft.vocab_size if isinstance(draft, (BigramDraft, LookupDraft)) else draft.info.vocab_size
             if dv != target.info.vocab_size:
                 raise ValueError(f"draft vocabulary ({dv}) differs from the target's ({target.info.vocab_size})")
-        if draft is not None and not isinstance(draft, BigramDraft):
+        if draft is not None and not isinstance(draft, (BigramDraft, LookupDraft)):
             draft = ModelDraft(_ClockedEngine(draft, self._stats_ref, "draft_model_s", sync), 1)
         self.draft = draft
         self.keep_draft_probs = False  # keep q for top-k candidates too (analysis, tests)

@@ -202,21 +202,26 @@ def draft_tree(draft, policy: TreePolicy, root: int, sp: SamplingParams,
             # handles). Normalise to log-probs only where a policy ranks by cumulative score.
             vals, toks = torch.topk(logits, k, dim=-1)
             if policy.data_dependent or keep_q:
-                vals = vals - torch.logsumexp(logits, -1, keepdim=True)
+                lse = torch.logsumexp(logits, -1, keepdim=True)
+                vals = vals - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
             if keep_q:
                 qs.append(torch.softmax(warp_logits(logits, sp), -1))
         else:
             warped = warp_logits(logits, sp)
-            q = torch.softmax(warped, -1)
+            # a table draft may have no opinion at a node (every logit -inf): no candidates there
+            empty = ~torch.isfinite(warped).any(-1, keepdim=True)
+            q = torch.softmax(warped.masked_fill(empty, 0.0), -1)
             logq = torch.log(q)
             if mode == "sample":
                 toks = torch.multinomial(q, k, replacement=True, generator=rng)
             else:  # without replacement: Gumbel-top-k == sequential draws without replacement
                 toks = torch.topk(logq + _gumbel(logq.shape, rng), k, dim=-1).indices
-            vals = logq.gather(1, toks)
-            qs.append(q)
+            vals = logq.gather(1, toks).masked_fill(empty, float("-inf"))
+            qs.append(q.masked_fill(empty, 0.0))
         scores = f_score[:, None] + vals
         keep = policy.select(level, scores)
+        if policy.kind != "static":  # a fixed structure keeps its shape; others drop q = 0
+            keep = keep & torch.isfinite(vals)
         fi, ci = keep.nonzero(as_tuple=True)
         m = int(fi.numel())
         new = torch.arange(n, n + m)
@@ -266,3 +271,72 @@ def load_bigram_table(path) -> BigramDraft:
         indices = f.get_tensor("indices") if "indices" in f.keys() else None
     vocab = int(meta.get("vocab_size", logits.shape[-1]))
     return BigramDraft(indices, logits, vocab)
+
+
+class LookupDraft:
+    """Prompt-lookup (n-gram) draft: proposes the tokens that followed earlier occurrences of
+    the current suffix in the sequence itself (prompt lookup decoding, Saxena 2023), as a tree:
+    several earlier continuations become sibling branches, ranked by how often they occurred.
+
+    No model and no cache: an index from each n-gram (n = min_ngram..max_ngram) of the
+    committed tokens to the counts of the tokens that followed it is updated as tokens are
+    committed. A node's distribution comes from the longest n-gram of its own context (the
+    committed tokens + its tree path) found in the index; tokens never seen there get -inf,
+    or, with a `fallback` draft (e.g. a BigramDraft), the fallback's log-probs shifted far
+    below every lookup candidate."""
+
+    kind = "lookup"
+
+    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1, fallback=None):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("lookup draft needs 1 <= min_ngram <= max_ngram")
+        self.vocab_size, self.max_n, self.min_n, self.fallback = vocab_size, max_ngram, min_ngram, fallback
+        self.ctx: list[int] = []
+        self.index: dict[tuple, dict[int, int]] = {}
+        self._root: list[int] = []
+
+    def _append(self, t: int) -> None:
+        ctx = self.ctx
+        j = len(ctx)
+        for n in range(self.min_n, self.max_n + 1):
+            if j >= n:
+                nxt = self.index.setdefault(tuple(ctx[j - n:]), {})
+                nxt[t] = nxt.get(t, 0) + 1
+        ctx.append(t)
+
+    def reset(self, committed: list[int]) -> None:
+        self.ctx, self.index = [], {}
+        for t in committed:
+            self._append(int(t))
+        if self.fallback is not None:
+            self.fallback.reset(committed)
+
+    def _rows(self, tails: list[list[int]]) -> torch.Tensor:
+        out = torch.full((len(tails), self.vocab_size), float("-inf"))
+        if self.fallback is not None:
+            last = torch.tensor([t[-1] for t in tails])
+            out = torch.log_softmax(self.fallback._rows(last), -1) - 1e4
+        for r, tail in enumerate(tails):
+            for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
+                hit = self.index.get(tuple(tail[-n:]))
+                if hit:
+                    toks = torch.tensor(list(hit.keys()))
+                    cnt = torch.tensor(list(hit.values()), dtype=torch.float32)
+                    out[r, toks] = torch.log(cnt / cnt.sum())
+                    break
+        return out
+
+    def start(self, root: int) -> torch.Tensor:
+        self._root = self.ctx[-(self.max_n - 1):] + [int(root)] if self.max_n > 1 else [int(root)]
+        return self._rows([self._root])[0]
+
+    def expand(self, tree_anc, slot, frontier, tokens, depth) -> torch.Tensor:
+        tails = []
+        for f in frontier.tolist():
+            path = tokens[tree_anc[f].nonzero().flatten()].tolist()  # ancestors in level order
+            tails.append((self._root + path)[-self.max_n:])
+        return self._rows(tails)
+
+    def commit(self, tree: Tree, path: torch.Tensor) -> None:
+        for t in [self._root[-1]] + (tree.tokens[path].tolist() if path.numel() else []):
+            self._append(int(t))

@@ -130,3 +130,16 @@ def test_smollm2_greedy_tree_equals_vanilla():
         r = SpeculativeDecoder(target, draft, mode=mode, tree=spec).generate(ids, 40, eos)
         assert r.tokens == ref.tokens, spec
         assert r.stats.steps <= len(ref.tokens) and r.stats.mean_accepted >= 1.0, spec
+
+
+def test_lookup_draft_matches_vanilla_and_accepts_repeats(llama_pair):
+    from arborspec.runtime.drafts import LookupDraft
+
+    target, _ = llama_pair
+    prompt = [1, 5, 7, 9, 3, 11] * 4
+    ref = SpeculativeDecoder(target, mode="vanilla").generate(prompt, 40)
+    for spec in ["chain:4", "full:3,2", "beam:4,8,8", "dynamic:3,4,10"]:
+        mode = "chain" if spec.startswith("chain") else "tree"
+        r = SpeculativeDecoder(target, LookupDraft(target.info.vocab_size), mode=mode, tree=spec).generate(prompt, 40)
+        assert r.tokens == ref.tokens, spec
+        assert r.stats.draft_model_s == 0.0  # no model behind it

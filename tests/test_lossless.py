@@ -67,6 +67,21 @@ def test_seed_rule_fails(pair, cand):
     assert chi_square_pvalue(counts, exact) < 1e-6
 
 
+@pytest.mark.parametrize("cand", ["topk", "sample"])
+def test_lossless_lookup_draft(pair, cand):
+    """A table draft with no model (n-gram lookup, most candidates at q = 0) is lossless too."""
+    from arborspec.runtime.drafts import LookupDraft
+
+    target, _ = pair
+    sp = SamplingParams(1.0)
+    prompt = [1, 3, 2, 1, 3, 5, 1, 3]
+    exact = exact_two_token_distribution(target, prompt, sp)
+    dec = SpeculativeDecoder(target, LookupDraft(8, max_ngram=2), mode="tree", tree="full:2,2",
+                             candidates=cand, sampling=sp)
+    counts = sample_two_tokens(dec, prompt, N, seed0=4242)
+    assert chi_square_pvalue(counts, exact) > PASS_P
+
+
 def test_sampled_candidates_need_a_fixed_structure(pair):
     target, draft = pair
     dec = SpeculativeDecoder(target, draft, mode="tree", tree="beam:3,4", candidates="sample",

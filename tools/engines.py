@@ -32,7 +32,8 @@ def add_model_args(p, draft_default: str | None = None) -> None:
                                     "(torch backend)")
     g.add_argument("--draft", default=draft_default,
                    help="draft: layers:K (first K target layers), bigram (table from the target), "
-                        "none, or a model name/path with the same vocabulary (torch backend)")
+                        "lookup[:N] (n-gram prompt lookup, any backend), none, or a model name/path "
+                        "with the same vocabulary (torch backend)")
     g.add_argument("--export-dir", type=Path, help="export folder from `arborspec export` "
                                                    "(onnxruntime and tensorrt backends)")
     g.add_argument("--engine-dir", type=Path, help="TensorRT engines folder (default EXPORT_DIR/engines)")
@@ -73,7 +74,36 @@ def _bigram_from_target(engine, source: dict, progress: bool = True):
     return BigramDraft(idx, logits, engine.info.vocab_size)
 
 
+def lookup_spec(spec: str | None) -> int | None:
+    """`lookup` / `lookup:N` (prompt-lookup n-gram draft, n <= N) -> N, else None."""
+    if not spec or not spec.strip().lower().startswith("lookup"):
+        return None
+    _, _, n = spec.strip().partition(":")
+    try:
+        n = int(n) if n else 3
+    except ValueError:
+        raise ValueError(f"bad draft spec {spec!r}: expected lookup or lookup:N") from None
+    if n < 1:
+        raise ValueError(f"bad draft spec {spec!r}: N must be >= 1")
+    return n
+
+
 def open_models(args, need_draft: bool = True) -> OpenModels:
+    """Engines for the arguments. `--draft lookup[:N]` (a runtime-only n-gram draft) works with
+    every backend, also on top of an export folder whose own draft it replaces."""
+    n_lookup = lookup_spec(getattr(args, "draft", None))
+    if n_lookup is not None:
+        from arborspec.runtime.drafts import LookupDraft
+
+        saved = args.draft
+        args.draft = "none" if (args.backend or ("torch" if args.model else "onnxruntime")) == "torch" else None
+        try:
+            models = open_models(args, need_draft=False)
+        finally:
+            args.draft = saved
+        if need_draft:
+            models.draft = LookupDraft(models.target.info.vocab_size, max_ngram=n_lookup)
+        return models
     backend = args.backend or ("torch" if args.model else "onnxruntime")
     if backend == "torch":
         if not args.model:
