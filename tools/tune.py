@@ -239,6 +239,9 @@ def _draft_topk_ranks(draft, seq: list[int], k: int, chunk: int = 128) -> torch.
     from arborspec.runtime.kvcache import KVCache
 
     n = len(seq)
+    if not isinstance(draft, BigramDraft) and not (hasattr(draft, "forward") and hasattr(draft, "info")):
+        raise ValueError(f"tune measures model and bigram drafts; the {getattr(draft, 'kind', type(draft).__name__)} "
+                         "draft is not supported (give --tree explicitly)")
     if isinstance(draft, BigramDraft):
         logits = draft._rows(torch.tensor(seq[:-1]))
     else:
