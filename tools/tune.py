@@ -397,7 +397,7 @@ def auto_tree_path(args) -> Path:
     from arborspec.models.registry import cache_dir
 
     key = _key(args)
-    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{Path(str(args.model)).name}-{args.draft or 'none'}")[:80]
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{Path(str(args.model)).name}-{Path(str(args.draft or 'none')).name}")[:80]
     return cache_dir() / "tune" / f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
 
 
