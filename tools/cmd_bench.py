@@ -37,7 +37,7 @@ def register(sub) -> None:
                    help="comma-separated subset of vanilla,chain,tree (vanilla always runs: the reference)")
     g.add_argument("--tree", action="append", default=None, metavar="SPEC",
                    help="tree policy to run in tree mode; repeat the flag or separate specs with ';' "
-                        "(default: the export's tree, else full:3,2)")
+                        "(`auto`: the tree `arborspec tune` chose; default: the export's tree, else full:3,2)")
     g.add_argument("--chain", default="chain:4", help="chain mode spec (default chain:4)")
     g.add_argument("--baselines", default="",
                    help="comma-separated transformers baselines: hf-greedy,hf-assisted,hf-lookup "
@@ -98,7 +98,9 @@ def run(args) -> int:
     trees = bench.split_tree_specs(args.tree)
     entries, prompts_path = bench.read_prompts_file(args.prompts)  # cheap checks before loading models
     # validate specs before loading models (the export default tree is filled in below)
-    bench.build_configs(modes, trees or ["full:3,2"], args.chain, baselines)
+    # (`auto` stands for the tuned tree, resolved once the models are open)
+    bench.build_configs(modes, [("full:3,2" if t.lower() == "auto" else t) for t in trees] or ["full:3,2"],
+                        args.chain, baselines)
     torch.set_num_threads(args.threads)
 
     need_draft = any(m != "vanilla" for m in modes)
@@ -109,6 +111,9 @@ def run(args) -> int:
         raise ValueError("modes chain/tree need a draft: give --draft layers:K|bigram|MODEL (or --modes vanilla)")
     if not trees:
         trees = [models.tree_default or "full:3,2"]
+    from .tune import resolve_tree
+
+    trees = [resolve_tree(t, models, args) for t in trees]
     configs = bench.build_configs(modes, trees, args.chain, baselines)
     prompts = bench.encode_prompts(bench.select_prompts(entries, args.limit_prompts), models.tokenizer)
     notes: list[str] = []
