@@ -163,14 +163,10 @@ def test_missing_files(folder, tmp_path):
 def test_missing_external_data(folder, tmp_path):
     from arborspec.runtime.backends.onnxruntime import OrtEngine
 
+    from conftest import externalize_target
+
     d = _copy(folder[0], tmp_path)
-    m = onnx.load(str(d / "target.onnx"))
-    onnx.save(m, str(d / "target.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
-              location="target.onnx.data", size_threshold=1024)
-    man = json.loads((d / "manifest.json").read_text())
-    man["target"]["external_data"] = ["target.onnx.data"]
-    man["target"]["bytes"] = (d / "target.onnx").stat().st_size
-    (d / "manifest.json").write_text(json.dumps(man))
+    externalize_target(d)
     read_manifest(d)
     OrtEngine(d / "target.onnx")  # loads with its data file
     (d / "target.onnx.data").unlink()

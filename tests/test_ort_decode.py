@@ -225,23 +225,18 @@ def test_cli_other_contract_version(cli_export, tmp_path, capsys):
 
 
 def test_cli_missing_external_data(cli_export, tmp_path, capsys):
-    import onnx
+    from conftest import externalize_target
 
     d = tmp_path / "e"
     shutil.copytree(cli_export, d)
-    m = onnx.load(str(d / "target.onnx"))
-    onnx.save(m, str(d / "target.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
-              location="target.onnx.data", size_threshold=1024)
-    man = json.loads((d / "manifest.json").read_text())
-    man["target"]["external_data"] = ["target.onnx.data"]
-    man["target"]["bytes"] = (d / "target.onnx").stat().st_size
-    (d / "manifest.json").write_text(json.dumps(man))
+    externalize_target(d)
     assert _gen(d, capsys)[0] == 0  # runs with its data file
     (d / "target.onnx.data").unlink()
     rc, err = _gen(d, capsys)
     _one_line(rc, err)
     assert "external-data" in err and "target.onnx.data" in err
     # a manifest that does not list the data file: ONNX Runtime's failure, still one line
+    man = json.loads((d / "manifest.json").read_text())
     man["target"]["external_data"] = []
     (d / "manifest.json").write_text(json.dumps(man))
     rc, err = _gen(d, capsys)
