@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .accept import accept
-from .drafts import CANDIDATE_MODES, BigramDraft, LookupDraft, ModelDraft, draft_tree
+from .drafts import CANDIDATE_MODES, BigramDraft, LookupDraft, ModelDraft, tree_capacity, draft_tree
 from .kvcache import KVCache
 from .sampling import SamplingParams
 from .stats import GenerationStats, Timer
@@ -126,7 +126,11 @@ class SpeculativeDecoder:
                 st.target_calls += 1
             if self.draft is not None and self.mode != "vanilla":
                 if isinstance(self.draft, ModelDraft):
-                    self.draft.cache = KVCache(self.draft.engine.info.cache, cap, 1, self.draft.engine.device)
+                    # the draft's scratch holds every node it expands (dynamic trees expand
+                    # more nodes than they keep), on top of the committed tokens
+                    scratch = tree_capacity(self.policy, self.draft.vocab_size) + 2
+                    dcap = min(len(prompt) + max_new_tokens, tgt.info.max_position) + scratch
+                    self.draft.cache = KVCache(self.draft.engine.info.cache, dcap, 1, self.draft.engine.device)
                 self.draft.reset(prompt[:-1])
         root = prompt[-1]
         produced = 0

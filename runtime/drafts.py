@@ -179,7 +179,7 @@ def draft_tree(draft, policy: TreePolicy, root: int, sp: SamplingParams,
         raise ValueError(f"tree policy {policy.kind} ranks candidates by score: use --candidates topk with it")
     mode = candidates if sampled else "topk"
     vocab = draft.vocab_size
-    cap = _capacity(policy, vocab)
+    cap = tree_capacity(policy, vocab)
     tokens = torch.zeros(cap, dtype=torch.long)
     parents = torch.zeros(cap, dtype=torch.long)
     depth = torch.zeros(cap, dtype=torch.long)
@@ -247,7 +247,7 @@ def draft_tree(draft, policy: TreePolicy, root: int, sp: SamplingParams,
     return tree.prune(keep) if keep is not None else tree
 
 
-def _capacity(policy: TreePolicy, vocab: int) -> int:
+def tree_capacity(policy: TreePolicy, vocab: int) -> int:
     """Upper bound on nodes before final pruning."""
     kind = policy.kind
     if kind == "dynamic":

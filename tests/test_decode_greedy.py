@@ -10,7 +10,8 @@ from arborspec.runtime.decode import SpeculativeDecoder
 from arborspec.runtime.drafts import BigramDraft, bigram_table_from_target
 from arborspec.runtime.kvcache import KVCache
 
-POLICIES = ["chain:1", "chain:4", "full:3,2", "full:2,4", "beam:4,8,8", "dynamic:3,4,10"]
+POLICIES = ["chain:1", "chain:4", "full:3,2", "full:2,4", "beam:4,8,8", "dynamic:3,4,10",
+            "dynamic:4,4,6"]  # the last expands more nodes than it keeps
 PROMPT = [1, 5, 7, 9, 3, 11]
 
 
