@@ -67,7 +67,6 @@ class KVCache:
         if n == 0:
             return
         src = src.to(self.device)
-        # Fast path: accepted entries already in place (a prefix of the scratch region).
         idx = src + p
         self.k[:, p : p + n] = self.k.index_select(1, idx)
         self.v[:, p : p + n] = self.v.index_select(1, idx)
