@@ -12,7 +12,6 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .config import ModelConfig
 from .llama import additive_mask, attend, merge_past

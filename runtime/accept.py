@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams, probs, sample, warp_logits
+from .sampling import SamplingParams, probs, sample
 from .trees import Tree
 
 

@@ -13,7 +13,7 @@ The loop is backend-agnostic: engines follow runtime/backends/base.Engine.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch

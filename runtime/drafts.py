@@ -17,7 +17,6 @@ trick). The accept rule must match (runtime/accept.py).
 """
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -137,8 +136,6 @@ def bigram_table_from_target(engine, top_k: int = 32, batch: int = 256, progress
     """Derive the bigram table from the target itself: for every token v, the target's
     next-token logits given the one-token context [v] (position 0). Returns (indices [V, K],
     logits [V, K]) float32, or dense (None, logits [V, V]) when V <= top_k."""
-    from .kvcache import KVCache
-
     v = engine.info.vocab_size
     k = min(top_k, v)
     idx_out = torch.empty(v, k, dtype=torch.long)

@@ -8,7 +8,6 @@ budgets and depths, and writes the winner as a static tree spec: EXPORT_DIR/tree
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from .engines import add_model_args, open_models

@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 # Simple seeds: plain-text openings in a few registers (stories, facts, code, dialogue, lists).
 SEEDS = [

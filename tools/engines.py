@@ -44,7 +44,6 @@ def add_model_args(p, draft_default: str | None = None) -> None:
 
 def _bigram_from_target(engine, source: dict, progress: bool = True):
     """The bigram draft of a torch target, cached in the user cache by the weights' sha256."""
-    import torch
 
     from arborspec.runtime.drafts import BigramDraft, bigram_table_from_target, load_bigram_table
 
@@ -117,7 +116,6 @@ def open_models(args, need_draft: bool = True) -> OpenModels:
 
 
 def _open_torch(args, need_draft: bool) -> OpenModels:
-    import torch
 
     from arborspec.models.registry import load_model
     from arborspec.runtime.backends.torch_backend import TorchEngine

@@ -16,7 +16,6 @@ import argparse
 import json
 import platform
 import sys
-import time
 
 import torch
 

@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import re
-import statistics
 import sys
 import time
 from dataclasses import dataclass
