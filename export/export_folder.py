@@ -100,18 +100,13 @@ def _json_safe(obj):
 
 
 def _save_bigram(module, path: Path, top_k: int = 32) -> dict[str, Any]:
-    from safetensors.torch import save_file
-
     from arborspec.runtime.backends.torch_backend import TorchEngine
-    from arborspec.runtime.drafts import bigram_table_from_target
+    from arborspec.runtime.drafts import bigram_table_from_target, save_bigram_table
 
     engine = TorchEngine(module)
     indices, logits = bigram_table_from_target(engine, top_k=top_k)
-    tensors = {"logits": logits.contiguous()}
-    if indices is not None:
-        tensors["indices"] = indices.contiguous()
     vocab = module.config.vocab_size
-    save_file(tensors, str(path), metadata={"vocab_size": str(vocab), "top_k": str(logits.shape[1])})
+    save_bigram_table(path, indices, logits, vocab)
     return {"kind": "bigram", "file": path.name, "vocab_size": vocab, "top_k": int(logits.shape[1]),
             "dense": indices is None, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
 

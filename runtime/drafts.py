@@ -258,6 +258,20 @@ def tree_capacity(policy: TreePolicy, vocab: int) -> int:
     return sum(w ** l for l in range(1, policy.depth + 1))
 
 
+def save_bigram_table(path, indices: torch.Tensor | None, logits: torch.Tensor, vocab_size: int) -> None:
+    """Write a bigram table (the format `load_bigram_table` reads), atomically."""
+    import os
+
+    from safetensors.torch import save_file
+
+    tensors = {"logits": logits.contiguous()}
+    if indices is not None:
+        tensors["indices"] = indices.contiguous()
+    tmp = f"{path}.tmp"
+    save_file(tensors, tmp, metadata={"vocab_size": str(vocab_size), "top_k": str(logits.shape[1])})
+    os.replace(tmp, path)
+
+
 def load_bigram_table(path) -> BigramDraft:
     """A BigramDraft from an exported table file (safetensors: `logits`, optional `indices`)."""
     from safetensors import safe_open

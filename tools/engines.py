@@ -7,7 +7,6 @@ folder (`--export-dir DIR`) and only the runtime is imported (no model code, no 
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,13 +44,14 @@ def add_model_args(p, draft_default: str | None = None) -> None:
 def _bigram_from_target(engine, source: dict, progress: bool = True):
     """The bigram draft of a torch target, cached in the user cache by the weights' sha256."""
 
-    from arborspec.runtime.drafts import BigramDraft, bigram_table_from_target, load_bigram_table
+    from arborspec.models.registry import cache_dir
+    from arborspec.runtime.drafts import (BigramDraft, bigram_table_from_target, load_bigram_table,
+                                          save_bigram_table)
 
     sha = source.get("sha256")
     cache = None
     if sha:
-        root = Path(os.environ.get("ARBORSPEC_CACHE") or Path.home() / ".cache" / "arborspec")
-        cache = root / "bigram" / f"{sha[:32]}.safetensors"
+        cache = cache_dir() / "bigram" / f"{sha[:32]}.safetensors"
         if cache.is_file():
             return load_bigram_table(cache)
     bar = None
@@ -61,15 +61,8 @@ def _bigram_from_target(engine, source: dict, progress: bool = True):
         bar = lambda it: tqdm(it, desc="bigram table from the target", unit="batch", leave=False)  # noqa: E731
     idx, logits = bigram_table_from_target(engine, progress=bar)
     if cache is not None:
-        from safetensors.torch import save_file
-
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(".tmp")
-        t = {"logits": logits.contiguous()}
-        if idx is not None:
-            t["indices"] = idx.contiguous()
-        save_file(t, str(tmp), metadata={"vocab_size": str(engine.info.vocab_size)})
-        os.replace(tmp, cache)
+        save_bigram_table(cache, idx, logits, engine.info.vocab_size)
     return BigramDraft(idx, logits, engine.info.vocab_size)
 
 
