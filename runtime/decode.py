@@ -19,7 +19,9 @@ from typing import Iterator, Sequence
 import torch
 
 from .accept import accept
-from .drafts import CANDIDATE_MODES, BigramDraft, LookupDraft, ModelDraft, tree_capacity, draft_tree
+from .drafts import CANDIDATE_MODES, BigramDraft, LookupDraft, ModelDraft, draft_tree, tree_capacity
+
+TABLE_DRAFTS = (BigramDraft, LookupDraft)  # draft sources with no model behind them
 from .kvcache import KVCache
 from .sampling import SamplingParams
 from .stats import GenerationStats, Timer
@@ -87,10 +89,10 @@ class SpeculativeDecoder:
                 raise ValueError(f"tree {policy.spec} needs {policy.max_nodes + 1} tokens per verify call, "
                                  f"over the engine's limit of {target.info.max_tokens}")
             self.policy = policy
-            dv = draft.vocab_size if isinstance(draft, (BigramDraft, LookupDraft)) else draft.info.vocab_size
+            dv = draft.vocab_size if isinstance(draft, TABLE_DRAFTS) else draft.info.vocab_size
             if dv != target.info.vocab_size:
                 raise ValueError(f"draft vocabulary ({dv}) differs from the target's ({target.info.vocab_size})")
-        if draft is not None and not isinstance(draft, (BigramDraft, LookupDraft)):
+        if draft is not None and not isinstance(draft, TABLE_DRAFTS):
             draft = ModelDraft(_ClockedEngine(draft, self._stats_ref, "draft_model_s", sync), 1)
         self.draft = draft
         self.keep_draft_probs = False  # keep q for top-k candidates too (analysis, tests)
