@@ -552,16 +552,11 @@ def read_manifest(folder_or_engine: str | os.PathLike) -> dict[str, Any]:
 
 
 def engine_entry(engine_path: str | os.PathLike) -> dict[str, Any] | None:
-    """The manifest entry of one engine file, or None when there is no manifest / entry."""
-    p = Path(engine_path)
-    try:
-        m = read_manifest(p)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    for e in m.get("engines", {}).values():
-        if e.get("file") == p.name:
-            return e
-    return None
+    """The manifest entry of one engine file, or None when there is no manifest / entry
+    (the runtime's reader: the backend looks entries up the same way)."""
+    from ..runtime.backends.tensorrt import manifest_entry
+
+    return manifest_entry(engine_path)
 
 
 def _main(argv=None) -> int:  # python -m arborspec.export.trt_build ONNX ENGINE [CC]

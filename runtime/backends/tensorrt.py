@@ -45,7 +45,9 @@ def _import_trt(flavour: str | None):
     raise ImportError(f"cannot import TensorRT ({'; '.join(errors)}); {_INSTALL_HINT}")
 
 
-def _manifest_entry(engine_path: Path) -> dict[str, Any] | None:
+def manifest_entry(engine_path: str | os.PathLike) -> dict[str, Any] | None:
+    """The engines.json entry of one engine file, or None when there is no manifest / entry."""
+    engine_path = Path(engine_path)
     path = engine_path.with_name("engines.json")
     try:
         data = json.loads(path.read_text())
@@ -115,7 +117,7 @@ class TrtEngine:
             raise RuntimeError("TrtEngine needs a CUDA GPU and none is visible to torch")
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.entry = _manifest_entry(self.path)
+        self.entry = manifest_entry(self.path)
         recorded = (self.entry or {}).get("trt", {}).get("module")
         trt, self.flavour = _import_trt(flavour or os.environ.get(_ENV_MODULE) or recorded)
         self.trt = trt
