@@ -1,0 +1,42 @@
+"""User-facing errors: what a caller (or the CLI) reports as one line.
+
+Role in one decode step: none directly; every check that guards a step (bad prompt, tree spec,
+export folder, engine, NaN logits) raises one of these, and the CLI turns exactly these into
+one line and exit status 2. Anything else is a bug and keeps its traceback.
+
+`ArborspecError` subclasses ValueError so `except ValueError` in existing callers keeps
+working; the file errors also subclass FileNotFoundError.
+"""
+from __future__ import annotations
+
+
+class ArborspecError(ValueError):
+    """A mistake in the caller's input or files, reported as one line."""
+
+
+class InputError(ArborspecError):
+    """Bad call arguments: prompt, sampling values, token budget, mode, draft spec."""
+
+
+class TreeSpecError(ArborspecError):
+    """A malformed or impossible tree spec."""
+
+
+class ExportDirError(ArborspecError):
+    """An export folder (or engines folder) that cannot be used."""
+
+
+class MissingFileError(ArborspecError, FileNotFoundError):
+    """A file or folder the caller named (or a manifest lists) does not exist."""
+
+
+class EngineError(ArborspecError):
+    """An engine that cannot be built, loaded or called with these shapes."""
+
+
+class NumericalError(ArborspecError):
+    """NaN or Inf in an engine's output: reported with the step and the engine."""
+
+
+class OutputError(ArborspecError):
+    """Output that cannot be written (full disk, file-size limit, permissions)."""

@@ -1,0 +1,85 @@
+"""Files the runtime and the exporters write and check: atomic writes and checksums.
+
+Role in one decode step: none; before the first step an export folder's files are checked
+with `sha256_file`, and everything arborspec writes (manifests, tables, caches, engines) goes
+through `atomic_write_*`: a temporary sibling, fsync, rename. A failed write (full disk,
+file-size limit) removes the temporary file and raises one `OutputError` line, so no reader
+ever sees half a file.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import OutputError
+
+CHUNK = 1 << 22
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = CHUNK) -> str:
+    """Hex sha256 of a file, read in 4 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def describe_os_error(e: OSError, path: str | os.PathLike) -> str:
+    """One line for a failed write: names the path and the cause."""
+    if e.errno == errno.ENOSPC:
+        why = "no space left on the device"
+    elif e.errno == errno.EFBIG:
+        why = "file too large (file-size limit)"
+    elif e.errno == errno.EDQUOT:
+        why = "disk quota exceeded"
+    elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        why = "permission denied" if e.errno != errno.EROFS else "read-only file system"
+    else:
+        why = e.strerror or type(e).__name__
+    return f"cannot write {path}: {why}"
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: str = "wb") -> Path:
+    """Write `path` through `write(fileobj)` into a hidden temporary sibling, fsync, rename.
+    On any failure the temporary file is removed; OS errors become one OutputError line."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        _unlink(tmp)
+        raise OutputError(describe_os_error(e, path)) from e
+    except BaseException:
+        _unlink(tmp)
+        raise
+    return path
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    return atomic_write(path, lambda f: f.write(data), "wb")
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    return atomic_write(path, lambda f: f.write(text), "w")
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int = 2, sort_keys: bool = False) -> Path:
+    return atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n")
+
+
+def _unlink(p: str) -> None:
+    try:
+        os.unlink(p)
+    except OSError:
+        pass
