@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from arborspec.runtime.errors import InputError
 
 from .manifest import build_manifest, graph_entry, write_manifest
 from .onnx_export import DEFAULT_OPSET, DTYPES, export_contract_onnx, sha256_file
@@ -52,7 +53,7 @@ def truncated_draft(module: torch.nn.Module, k: int) -> torch.nn.Module:
 
     cfg = module.config
     if not 1 <= k <= cfg.n_layers:
-        raise ValueError(f"draft layers:{k} needs 1 <= K <= {cfg.n_layers} (the target's layer count)")
+        raise InputError(f"draft layers:{k} needs 1 <= K <= {cfg.n_layers} (the target's layer count)")
     draft = build_model(cfg.truncated(k))
     sd = {}
     for name, t in module.state_dict().items():
@@ -73,7 +74,7 @@ def parse_draft_spec(spec: str | None) -> tuple[str, Any]:
         try:
             k = int(s.split(":", 1)[1])
         except ValueError:
-            raise ValueError(f"bad draft spec {spec!r}: expected layers:K with an integer K") from None
+            raise InputError(f"bad draft spec {spec!r}: expected layers:K with an integer K") from None
         return "layers", k
     if s.lower() == "bigram":
         return "bigram", None
@@ -114,9 +115,9 @@ def _save_bigram(module, path: Path, top_k: int = 32) -> dict[str, Any]:
 def _prepare_out(out: Path, force: bool) -> Path:
     if out.exists():
         if not out.is_dir():
-            raise ValueError(f"{out} exists and is not a folder")
+            raise InputError(f"{out} exists and is not a folder")
         if any(out.iterdir()) and not force:
-            raise ValueError(f"{out} exists and is not empty (pass --force to replace it)")
+            raise InputError(f"{out} exists and is not empty (pass --force to replace it)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
@@ -146,7 +147,7 @@ def export_folder(model, out: str | os.PathLike, draft: str | None = "layers:2",
     from tqdm.auto import tqdm
 
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
+        raise InputError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
     kind, arg = parse_draft_spec(draft)
     out = Path(out)
     stages = ["load model", "build draft", "tokenizer", "export target", "export draft", "manifest"]
@@ -162,12 +163,12 @@ def export_folder(model, out: str | os.PathLike, draft: str | None = "layers:2",
         module, cfg = lm.module.float().eval(), lm.config
         max_context = int(max_context or cfg.max_position)
         if max_context < 1 or max_tree_nodes < 1:
-            raise ValueError("--max-context and --max-tree-nodes must be >= 1")
+            raise InputError("--max-context and --max-tree-nodes must be >= 1")
         if cfg.family == "gpt2" and max_context > cfg.max_position:
-            raise ValueError(f"--max-context {max_context} exceeds the model's {cfg.max_position} "
+            raise InputError(f"--max-context {max_context} exceeds the model's {cfg.max_position} "
                              "learned positions")
         if max_tree_nodes + 1 > max_context:
-            raise ValueError(f"--max-tree-nodes {max_tree_nodes} does not fit in --max-context {max_context}")
+            raise InputError(f"--max-tree-nodes {max_tree_nodes} does not fit in --max-context {max_context}")
         bar.update(1)
 
         stage("build draft")
@@ -177,7 +178,7 @@ def export_folder(model, out: str | os.PathLike, draft: str | None = "layers:2",
         elif kind == "model":
             dl = draft_model if draft_model is not None else _load(arg)
             if dl.config.vocab_size != cfg.vocab_size:
-                raise ValueError(f"draft vocabulary {dl.config.vocab_size} != target vocabulary "
+                raise InputError(f"draft vocabulary {dl.config.vocab_size} != target vocabulary "
                                  f"{cfg.vocab_size}: the draft must share the target's tokenizer")
             draft_module = dl.module.float().eval()
         elif kind == "bigram":

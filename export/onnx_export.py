@@ -16,7 +16,6 @@ exporter is only a fallback when the dynamo export raises (it is deprecated in t
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import logging
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from arborspec.runtime.errors import InputError
 
 log = logging.getLogger("arborspec.export")
 
@@ -33,41 +33,20 @@ DEFAULT_OPSET = 23
 MAX_IR_VERSION = 13  # onnxruntime 1.31 loads IR <= 13 (onnx 1.23 may write 14)
 EXTERNAL_DATA_THRESHOLD = 2 * 1024**3 - 64 * 1024**2  # protobuf limit 2 GiB, minus headroom
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-# metadata_props keys (read back by arborspec.runtime.export_dir without importing onnx)
-META_CONTRACT = "arborspec.contract_version"
-META_CONFIG = "arborspec.config"
-META_DTYPE = "arborspec.dtype"
-META_TOKENIZER = "arborspec.tokenizer_sha256"
-META_ROLE = "arborspec.role"
-META_EXPORTER = "arborspec.exporter"
-META_VERSION = "arborspec.version"
-
-
-def input_names(n_layers: int) -> list[str]:
-    names = ["input_ids", "position_ids", "attention_mask"]
-    for i in range(n_layers):
-        names += [f"past_key.{i}", f"past_value.{i}"]
-    return names
-
-
-def output_names(n_layers: int) -> list[str]:
-    names = ["logits"]
-    for i in range(n_layers):
-        names += [f"new_key.{i}", f"new_value.{i}"]
-    return names
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
-            h.update(b)
-    return h.hexdigest()
+from arborspec.runtime.contract import (  # noqa: F401,E402
+    CONTRACT_VERSION,
+    DTYPES,
+    META_CONFIG,
+    META_CONTRACT,
+    META_DTYPE,
+    META_EXPORTER,
+    META_ROLE,
+    META_TOKENIZER,
+    META_VERSION,
+    input_names,
+    output_names,
+)
+from arborspec.runtime.fileio import sha256_file  # noqa: F401,E402
 
 
 @dataclass
@@ -244,9 +223,9 @@ def export_contract_onnx(module: torch.nn.Module, path: str | os.PathLike, opset
     tree steps (bf16 is not verified: ORT CPU has few bf16 kernels).
     """
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
+        raise InputError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
     if exporter not in ("auto", "dynamo", "legacy"):
-        raise ValueError(f"unknown exporter {exporter!r}")
+        raise InputError(f"unknown exporter {exporter!r}")
     import arborspec
 
     path = Path(path)
@@ -285,7 +264,7 @@ def export_contract_onnx(module: torch.nn.Module, path: str | os.PathLike, opset
                       location=path.name + ".data", size_threshold=1024)
 
     meta = {
-        META_CONTRACT: str(arborspec.CONTRACT_VERSION),
+        META_CONTRACT: str(CONTRACT_VERSION),
         META_CONFIG: cfg.to_json(),
         META_DTYPE: dtype,
         META_TOKENIZER: tokenizer_sha256 or "",

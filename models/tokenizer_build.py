@@ -13,6 +13,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from arborspec.runtime.errors import InputError
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from ..runtime.tokenizer import TextTokenizer
@@ -44,7 +45,7 @@ def tokenizer_from_gguf_meta(meta: dict[str, Any]) -> tuple[Tokenizer, dict[str,
     """GGUF metadata -> (tokenizers.Tokenizer, {bos_token_id, eos_token_ids, chat_template, add_bos})."""
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE 'gpt2' is supported)")
+        raise InputError(f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE 'gpt2' is supported)")
     tokens = list(meta["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     types = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))

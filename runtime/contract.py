@@ -134,33 +134,34 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 # ----------------------------------------------------------------------------- version
-def check_contract_version(found: Any, where: str | os.PathLike) -> None:
+def check_contract_version(found: Any, where: str | os.PathLike, expected: int | None = None) -> None:
     """Raise one line when `found` (from a manifest or metadata) is not this contract version."""
-    if str(found) != str(CONTRACT_VERSION):
+    expected = CONTRACT_VERSION if expected is None else expected
+    if str(found) != str(expected):
         raise ExportDirError(f"{where} uses engine contract version {found}, this arborspec reads "
-                             f"version {CONTRACT_VERSION}: re-export it with `arborspec export`")
+                             f"version {expected}: re-export it with `arborspec export`")
 
 
-def check_metadata(meta: dict[str, str], where: str | os.PathLike) -> dict[str, Any]:
+def check_metadata(meta: dict[str, str], where: str | os.PathLike, expected_version: int | None = None) -> dict[str, Any]:
     """Check an ONNX graph's metadata_props; return its model config (a dict)."""
     if META_CONTRACT not in meta or META_CONFIG not in meta:
         raise ExportDirError(f"{where} is not an arborspec export (no arborspec metadata in the ONNX "
                              "file): export it with `arborspec export`")
-    check_contract_version(meta[META_CONTRACT], where)
+    check_contract_version(meta[META_CONTRACT], where, expected_version)
     try:
         return json.loads(meta[META_CONFIG])
     except json.JSONDecodeError:
         raise ExportDirError(f"{where}: the model config in its metadata is not JSON") from None
 
 
-def check_arborspec_onnx(path: str | os.PathLike) -> dict[str, str]:
+def check_arborspec_onnx(path: str | os.PathLike, expected_version: int | None = None) -> dict[str, str]:
     """metadata_props of an arborspec ONNX graph; one line for a foreign file or another
     contract version."""
     path = Path(path)
     if not path.is_file():
         raise MissingFileError(f"{path}: no such file")
     meta = read_onnx_metadata(path)["metadata"]
-    check_metadata(meta, path)
+    check_metadata(meta, path, expected_version)
     return meta
 
 

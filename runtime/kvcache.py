@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import InputError
+
 
 @dataclass(frozen=True)
 class CacheSpec:
@@ -27,7 +29,7 @@ class CacheSpec:
 class KVCache:
     def __init__(self, spec: CacheSpec, max_len: int, batch: int = 1, device: str | torch.device = "cpu"):
         if max_len < 1:
-            raise ValueError("max_len must be >= 1")
+            raise InputError("max_len must be >= 1")
         self.spec, self.max_len, self.batch = spec, max_len, batch
         shape = (spec.n_layers, max_len, batch, spec.n_kv_heads, spec.head_dim)
         self.k = torch.zeros(shape, dtype=spec.dtype, device=device)
@@ -44,7 +46,7 @@ class KVCache:
     def room(self, t: int) -> None:
         """Raise if T new tokens do not fit after the committed prefix."""
         if self.length + t > self.max_len:
-            raise ValueError(f"KV cache full: {self.length} committed + {t} new > capacity {self.max_len}")
+            raise InputError(f"KV cache full: {self.length} committed + {t} new > capacity {self.max_len}")
 
     def past(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer's committed K/V [P, B, Hkv, D] (views, no copy)."""
@@ -55,19 +57,24 @@ class KVCache:
         p = self.length
         return self.k[layer, p : p + t], self.v[layer, p : p + t]
 
-    def commit(self, src: torch.Tensor | None, n_written: int) -> None:
-        """Keep the new entries at offsets `src` (relative to the committed length, in order)
-        and drop the rest of the n_written scratch entries. One gather over all layers for keys
-        and one for values. `src=None` keeps all n_written entries (a prefill or a chain)."""
+    def commit(self, src, n_written: int) -> None:
+        """Keep the new entries at offsets `src` (a list or tensor of offsets relative to the
+        committed length, in order) and drop the rest of the n_written scratch entries. One
+        gather over all layers for keys and one for values; none when `src` is 0..n-1 (a chain
+        accepted from its start). `src=None` keeps all n_written entries (a prefill)."""
         p = self.length
         if src is None:
             self.length = p + n_written
             return
-        n = int(src.numel())
+        if isinstance(src, torch.Tensor):
+            src = src.tolist()
+        n = len(src)
         if n == 0:
             return
-        src = src.to(self.device)
-        idx = src + p
+        if src[-1] == n - 1 and src == list(range(n)):
+            self.length = p + n
+            return
+        idx = torch.tensor(src, dtype=torch.long, device=self.device) + p
         self.k[:, p : p + n] = self.k.index_select(1, idx)
         self.v[:, p : p + n] = self.v.index_select(1, idx)
         self.length = p + n

@@ -24,9 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-class TreeSpecError(ValueError):
-    pass
+from .errors import MissingFileError, TreeSpecError
 
 
 # ----------------------------------------------------------------------------- policies
@@ -214,7 +212,7 @@ def parse_tree_spec(spec: str, base_dir: str | None = None) -> TreePolicy:
     if kind == "static":
         path = rest if os.path.isabs(rest) or base_dir is None else os.path.join(base_dir, rest)
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"static tree file not found: {path}")
+            raise MissingFileError(f"static tree file not found: {path}")
         try:
             with open(path) as f:
                 data = json.load(f)
@@ -246,19 +244,30 @@ class Tree:
     """Draft nodes in level order (the root, the last committed token, is implicit: index -1).
 
     tokens/parents/depth/score: [N]; anc: bool [N, N], anc[i, j] = j is i or an ancestor of i;
-    slot: [N] the node's row in the draft's scratch cache (-1: not run through the draft);
-    qrow: [N] row of `q` holding the draft distribution its candidate was drawn from."""
+    origin: [N] the node's index as drafted (before a policy's final pruning), which is how a
+    draft source finds its own bookkeeping for a node; qrow: [N] row of `q` holding the draft
+    distribution its candidate was drawn from."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
     depth: torch.Tensor
     score: torch.Tensor
     anc: torch.Tensor
-    slot: torch.Tensor
+    origin: torch.Tensor
     qrow: torch.Tensor
     q: torch.Tensor | None = None  # [R, V] warped draft distributions (sampled candidates only)
     candidates: str = "topk"
     draft_calls: int = 0
+    plan: object = None  # the TreePlan this tree follows (fixed-shape policies), else None
+
+    def children(self) -> list[list[int]]:
+        """Child node indices per parent; index 0 is the root, index i + 1 is node i."""
+        if self.plan is not None:
+            return self.plan.children
+        kids: list[list[int]] = [[] for _ in range(self.n + 1)]
+        for i, p in enumerate(self.parents.tolist()):
+            kids[p + 1].append(i)
+        return kids
 
     @property
     def n(self) -> int:
@@ -277,7 +286,7 @@ class Tree:
         par = self.parents[idx]
         new_par = torch.where(par >= 0, remap[par.clamp(min=0)], par)
         return Tree(self.tokens[idx], new_par, self.depth[idx], self.score[idx],
-                    self.anc[idx][:, idx], self.slot[idx], self.qrow[idx], self.q,
+                    self.anc[idx][:, idx], self.origin[idx], self.qrow[idx], self.q,
                     self.candidates, self.draft_calls)
 
 

@@ -9,12 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arborspec.runtime.drafts import draft_tree
+from arborspec.runtime.drafting import draft_tree
+from arborspec.runtime.drafts import DraftSource
 from arborspec.runtime.sampling import SamplingParams
 from arborspec.runtime.trees import TreeSpecError, parse_tree_spec, verify_inputs
 
 
-class RandomDraft:
+class RandomDraft(DraftSource):
     """A draft source with random (seeded) logits: enough to exercise the tree code."""
 
     kind = "fake"
@@ -26,10 +27,8 @@ class RandomDraft:
     def start(self, root):
         return torch.randn(self.vocab_size, generator=self.g)
 
-    def expand(self, anc, slot, frontier, tokens, depth):
-        f = frontier.numel()
-        slot[frontier] = torch.arange(f) + int(slot.max().clamp(min=-1)) + 1
-        return torch.randn(f, self.vocab_size, generator=self.g)
+    def expand(self, nodes, frontier):
+        return torch.randn(frontier.numel(), self.vocab_size, generator=self.g)
 
 
 specs = st.one_of(

@@ -2,8 +2,9 @@
 
 Each command lives in its own module `arborspec.tools.cmd_<name>` exposing
 `register(subparsers)` (adds its parser, with an example in the help) and `run(args) -> int`.
-A user mistake raises `UserError` (or ValueError/FileNotFoundError from our own checks) and
-ends as one clear line on stderr and exit status 2: never a traceback.
+A user mistake raises an `ArborspecError` (arborspec.runtime.errors; `UserError` here is one)
+and ends as one clear line on stderr and exit status 2: never a traceback. Anything else is a
+bug and keeps its traceback.
 """
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ import sys
 COMMANDS = ["export", "build", "generate", "compare", "bench", "tune"]
 
 
-class UserError(Exception):
-    """A mistake in the user's input: reported as one line, exit status 2."""
+from arborspec.runtime.errors import ArborspecError, InputError  # noqa: E402
+
+
+class UserError(InputError):
+    """A mistake in the user's command-line input: reported as one line, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("arborspec: interrupted\n")
         return 130
-    except (UserError, ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+    except ArborspecError as e:
         if debug:
             raise
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -13,6 +13,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from arborspec.runtime.errors import InputError
+
 from .engines import add_model_args, open_models
 
 EXAMPLE = """examples:
@@ -84,15 +86,15 @@ def run(args) -> int:
     from . import bench
 
     if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.limit_prompts is not None and args.limit_prompts < 1:
-        raise ValueError(f"--limit-prompts must be >= 1, got {args.limit_prompts}")
+        raise InputError(f"--limit-prompts must be >= 1, got {args.limit_prompts}")
     if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+        raise InputError(f"--temperature must be >= 0, got {args.temperature}")
     if args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        raise InputError(f"--threads must be >= 1, got {args.threads}")
     if args.plot is not None and args.plot.suffix.lower() != ".png":
-        raise ValueError(f"--plot writes a PNG: give a .png path, got {args.plot}")
+        raise InputError(f"--plot writes a PNG: give a .png path, got {args.plot}")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
     trees = bench.split_tree_specs(args.tree)
@@ -108,7 +110,7 @@ def run(args) -> int:
         args.draft = "layers:4"
     models = open_models(args, need_draft=need_draft)
     if need_draft and models.draft is None:
-        raise ValueError("modes chain/tree need a draft: give --draft layers:K|bigram|MODEL (or --modes vanilla)")
+        raise InputError("modes chain/tree need a draft: give --draft layers:K|bigram|MODEL (or --modes vanilla)")
     if not trees:
         trees = [models.tree_default or "full:3,2"]
     from .tune import resolve_tree
@@ -124,7 +126,7 @@ def run(args) -> int:
             notes.append(f"prompt {p['id']} skipped: {len(p['ids'])} tokens + {args.max_new_tokens} new exceed "
                          f"the context limit of {limit}")
     if not kept:
-        raise ValueError(f"no prompt fits the context limit of {limit} tokens with --max-new-tokens "
+        raise InputError(f"no prompt fits the context limit of {limit} tokens with --max-new-tokens "
                          f"{args.max_new_tokens}")
     prompts = kept
 

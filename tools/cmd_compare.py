@@ -10,6 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from arborspec.runtime.errors import InputError, MissingFileError
+
 EXAMPLE = """examples:
   arborspec compare --export-dir ~/.cache/arborspec/exports/smollm2-135m-layers4 --atol 1e-2
   arborspec compare --export-dir out/tiny --runners torch,onnxruntime --trees 3 \\
@@ -50,10 +52,10 @@ def run(args) -> int:
 
     parse_runners(args.runners)  # cheap checks first
     if args.trees < 1:
-        raise ValueError(f"--trees must be >= 1, got {args.trees}")
+        raise InputError(f"--trees must be >= 1, got {args.trees}")
     for p in (args.save_inputs, args.save_outputs):
         if p is not None and not p.parent.is_dir():
-            raise FileNotFoundError(f"{p.parent}: no such folder for {p.name}")
+            raise MissingFileError(f"{p.parent}: no such folder for {p.name}")
     rep = compare_export(args.export_dir, args.runners, trees=args.trees, atol=args.atol, rtol=args.rtol,
                          seed=args.seed, model=args.model, save_inputs=args.save_inputs,
                          save_outputs=args.save_outputs, engine_dir=args.engine_dir,

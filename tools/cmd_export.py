@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from arborspec.runtime.errors import InputError
+
 EXAMPLE = """examples:
   arborspec export --model smollm2-135m --draft layers:4 --out out/smollm2
   arborspec export --model ./my-hf-folder --draft bigram --out out/m --dtype fp16
@@ -48,7 +50,7 @@ def run(args) -> int:
     from arborspec.export.onnx_export import DEFAULT_OPSET
 
     if args.opset is not None and not 14 <= args.opset <= 23:
-        raise ValueError(f"--opset {args.opset} is not supported (14..23)")
+        raise InputError(f"--opset {args.opset} is not supported (14..23)")
     s = export_folder(args.model, args.out, args.draft, dtype=args.dtype,
                       opset=args.opset or DEFAULT_OPSET, max_context=args.max_context,
                       max_tree_nodes=args.max_tree_nodes or DEFAULT_MAX_TREE_NODES,

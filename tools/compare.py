@@ -118,7 +118,8 @@ def build_feeds(target, draft=None, *, max_tree_nodes: int = 64, max_context: in
     target: an Engine; draft: an Engine (neural draft: its calls are recorded), a BigramDraft,
     or None (the target itself shapes the trees). `trees` trees per policy, each over a cache
     of P > 0 random past tokens (P differs from tree to tree)."""
-    from arborspec.runtime.drafts import BigramDraft, ModelDraft, draft_tree
+    from arborspec.runtime.drafting import draft_tree
+    from arborspec.runtime.drafts import BigramDraft, ModelDraft
     from arborspec.runtime.kvcache import KVCache
     from arborspec.runtime.sampling import SamplingParams
     from arborspec.runtime.trees import Tree, parse_tree_spec, verify_inputs
@@ -171,8 +172,8 @@ def build_feeds(target, draft=None, *, max_tree_nodes: int = 64, max_context: in
                 if dsrc_engine is None:
                     src = draft
                 else:
-                    src = ModelDraft(dsrc_engine, 1)
-                    src.cache = KVCache(dsrc_engine.info.cache, cap, 1, dsrc_engine.device)
+                    src = ModelDraft(dsrc_engine, cap)
+                src.prepare(pol, cap)
                 src.reset(past)
                 name = pol.spec if pol.kind != "static" else "static:file"
                 if rec_d is not None:

@@ -11,18 +11,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .cli import UserError
+
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
 
 
 @dataclass
 class OpenModels:
     target: Any
-    draft: Any  # an Engine, a BigramDraft or None
+    draft: Any  # a DraftSource, an Engine or None
     tokenizer: Any
     limits: dict = field(default_factory=dict)
     tree_default: str | None = None
     describe: str = ""
     source: dict = field(default_factory=dict)
+    owner: Any = None  # the OpenedExport holding the engines (export folders), closed by close()
+
+    def close(self) -> None:
+        if self.owner is not None:
+            self.owner.close()
+            self.owner = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def add_model_args(p, draft_default: str | None = None) -> None:
@@ -68,43 +82,31 @@ def _bigram_from_target(engine, source: dict, progress: bool = True):
 
 def lookup_spec(spec: str | None) -> int | None:
     """`lookup` / `lookup:N` (prompt-lookup n-gram draft, n <= N) -> N, else None."""
-    if not spec or not spec.strip().lower().startswith("lookup"):
-        return None
-    _, _, n = spec.strip().partition(":")
-    try:
-        n = int(n) if n else 3
-    except ValueError:
-        raise ValueError(f"bad draft spec {spec!r}: expected lookup or lookup:N") from None
-    if n < 1:
-        raise ValueError(f"bad draft spec {spec!r}: N must be >= 1")
-    return n
+    from arborspec.runtime.lookup import parse_lookup_spec
+
+    return parse_lookup_spec(spec)
 
 
 def open_models(args, need_draft: bool = True) -> OpenModels:
     """Engines for the arguments. `--draft lookup[:N]` (a runtime-only n-gram draft) works with
     every backend, also on top of an export folder whose own draft it replaces."""
-    n_lookup = lookup_spec(getattr(args, "draft", None))
-    if n_lookup is not None:
-        from arborspec.runtime.drafts import LookupDraft
-
-        saved = args.draft
-        args.draft = "none" if (args.backend or ("torch" if args.model else "onnxruntime")) == "torch" else None
-        try:
-            models = open_models(args, need_draft=False)
-        finally:
-            args.draft = saved
-        if need_draft:
-            models.draft = LookupDraft(models.target.info.vocab_size, max_ngram=n_lookup)
-        return models
     backend = args.backend or ("torch" if args.model else "onnxruntime")
     if backend == "torch":
         if not args.model:
-            raise ValueError("--backend torch needs --model NAME|PATH")
+            raise UserError("--backend torch needs --model NAME|PATH")
+        n_lookup = lookup_spec(getattr(args, "draft", None))
+        if n_lookup is not None:
+            from arborspec.runtime.lookup import LookupDraft
+
+            models = _open_torch(args, need_draft=False)
+            if need_draft:
+                models.draft = LookupDraft(models.target.info.vocab_size, max_ngram=n_lookup)
+            return models
         return _open_torch(args, need_draft)
     if args.export_dir is None:
-        raise ValueError(f"--backend {backend} needs --export-dir DIR (make one with `arborspec export`)")
+        raise UserError(f"--backend {backend} needs --export-dir DIR (make one with `arborspec export`)")
     if args.model:
-        raise ValueError(f"--model is for the torch backend; --backend {backend} reads --export-dir")
+        raise UserError(f"--model is for the torch backend; --backend {backend} reads --export-dir")
     return _open_export(args, backend, need_draft)
 
 
@@ -129,7 +131,7 @@ def _open_torch(args, need_draft: bool) -> OpenModels:
         elif kind == "model":
             d = load_model(val)
             if d.config.vocab_size != loaded.config.vocab_size:
-                raise ValueError(f"draft vocabulary ({d.config.vocab_size}) differs from the target's "
+                raise UserError(f"draft vocabulary ({d.config.vocab_size}) differs from the target's "
                                  f"({loaded.config.vocab_size})")
             draft = TorchEngine(d.module, device=device)
     return OpenModels(target, draft, loaded.tokenizer, describe=f"{args.model} (torch, {device})",
@@ -137,37 +139,10 @@ def _open_torch(args, need_draft: bool) -> OpenModels:
 
 
 def _open_export(args, backend: str, need_draft: bool) -> OpenModels:
-    from arborspec.runtime.drafts import load_bigram_table
-    from arborspec.runtime.export_dir import load_export_dir, read_manifest
+    from arborspec.runtime.export_dir import open_export
 
-    if args.draft not in (None, "", "export") and need_draft:
-        raise ValueError("--draft is fixed by the export folder with --export-dir (re-export to change it)")
-    if backend == "onnxruntime":
-        target, draft, tok, man = load_export_dir(args.export_dir, device=args.device)
-    else:
-        from arborspec.runtime.backends.tensorrt import TrtEngine
-
-        man = read_manifest(args.export_dir)
-        edir = args.engine_dir or (Path(args.export_dir) / "engines")
-        if not (edir / "target.engine").is_file():
-            raise FileNotFoundError(f"no TensorRT engines in {edir}: run `arborspec build --export-dir "
-                                    f"{args.export_dir}` first")
-        device = args.device if args.device.startswith("cuda") else "cuda"
-        target = TrtEngine(edir / "target.engine", device=device)
-        d = man.draft
-        if d.get("kind") == "onnx":
-            draft = TrtEngine(edir / "draft.engine", device=device)
-        elif d.get("kind") == "bigram":
-            draft = man.path(d["file"])
-        else:
-            draft = None
-        from arborspec.runtime.export_dir import _load_tokenizer
-
-        tok = _load_tokenizer(man)
-    if isinstance(draft, (str, Path)):
-        draft = load_bigram_table(draft)
-    if not need_draft:
-        draft = None
-    tree_default = (man.tree_defaults or {}).get("tree")
-    return OpenModels(target, draft, tok, limits=dict(man.limits or {}), tree_default=tree_default,
-                      describe=f"{args.export_dir} ({backend}, {args.device})")
+    draft = (args.draft or "export") if need_draft else "none"
+    ex = open_export(args.export_dir, backend, args.device, draft=draft,
+                     engine_dir=getattr(args, "engine_dir", None), verify=bool(getattr(args, "verify", False)))
+    return OpenModels(ex.target, ex.draft, ex.tokenizer, limits=ex.limits, tree_default=ex.tree_default,
+                      describe=f"{args.export_dir} ({backend}, {args.device})", owner=ex)

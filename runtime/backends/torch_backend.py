@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 
 from ..kvcache import CacheSpec, KVCache
-from .base import EngineInfo, check_call
+from .base import EngineBase, EngineInfo, check_call
 
 
-class TorchEngine:
+class TorchEngine(EngineBase):
     def __init__(self, module: torch.nn.Module, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32):
         cfg = module.config
@@ -24,6 +24,7 @@ class TorchEngine:
 
     @torch.inference_mode()
     def forward(self, input_ids, position_ids, mask, cache: KVCache) -> torch.Tensor:
+        self._check_open()
         check_call(self.info, input_ids, position_ids, mask, cache)
         n = self.info.cache.n_layers
         past = []
