@@ -96,6 +96,7 @@ class SpeculativeDecoder:
         self.draft = draft
         self.keep_draft_probs = False  # keep q for top-k candidates too (analysis, tests)
         self._vbuf = VerifyBuffers(target.device)
+        self._cache: KVCache | None = None  # the target's cache, reused by the next generation
         self._ws = TreeWorkspace(tree_capacity(self.policy, target.info.vocab_size)) if self.policy else None
 
     @property
@@ -125,9 +126,12 @@ class SpeculativeDecoder:
         speculating = policy is not None
         extra = (policy.max_nodes if policy else 0) + 2
         cap = min(len(prompt) + max_new_tokens + extra, tgt.info.max_position + extra)
-        cache = KVCache(tgt.info.cache, cap, 1, tgt.device)
         model_s0 = draft.model_s if draft is not None else 0.0
         with timer("prefill_s"):
+            cache = self._cache
+            if cache is None or not cache.fits(tgt.info.cache, cap, 1, tgt.device):
+                cache = self._cache = KVCache(tgt.info.cache, cap, 1, tgt.device)
+            cache.reset()
             feats = None
             if len(prompt) > 1:
                 feats = self._prefill(prompt[:-1], cache)

@@ -14,9 +14,10 @@ trick). The accept rule must match (runtime/accept.py).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from .drafts import DraftSource, NodeView, tree_capacity
+from .drafts import DraftSource, NodeView, topk_of, tree_capacity
 from .errors import InputError
 from .sampling import SamplingParams, warp_logits
 from .tree_plan import PLANNED_KINDS, plan_for
@@ -26,17 +27,18 @@ CANDIDATE_MODES = ("topk", "sample", "sample-unique")
 
 
 class TreeWorkspace:
-    """Per-step node buffers of capacity `cap`, allocated once and reused."""
+    """Per-step node buffers of capacity `cap` (numpy: the bookkeeping of a few dozen nodes costs
+    a tenth as much as with torch ops), allocated once and reused."""
 
     def __init__(self, cap: int):
         self.cap = cap
-        self.tokens = torch.zeros(cap, dtype=torch.long)
-        self.parents = torch.zeros(cap, dtype=torch.long)
-        self.depth = torch.zeros(cap, dtype=torch.long)
-        self.score = torch.zeros(cap, dtype=torch.float32)
-        self.qrow = torch.full((cap,), -1, dtype=torch.long)
-        self.anc = torch.zeros(cap, cap, dtype=torch.bool)
-        self.arange = torch.arange(cap)
+        self.tokens = np.zeros(cap, dtype=np.int64)
+        self.parents = np.zeros(cap, dtype=np.int64)
+        self.depth = np.zeros(cap, dtype=np.int64)
+        self.score = np.zeros(cap, dtype=np.float32)
+        self.qrow = np.full(cap, -1, dtype=np.int64)
+        self.anc = np.zeros((cap, cap), dtype=bool)
+        self.arange = np.arange(cap, dtype=np.int64)
 
     @staticmethod
     def get(ws: "TreeWorkspace | None", cap: int) -> "TreeWorkspace":
@@ -89,21 +91,26 @@ def _draft_planned(draft, policy, root, sp, keep_q, out_vocab) -> Tree:
     qs: list[torch.Tensor] = []
     qrow = torch.full((plan.n,), -1, dtype=torch.long)
     n_q = 0
-    logits = draft.start(root)[None]
+    levels = plan.levels
+    k0 = levels[0].k
+    out = draft.start(root)[None] if keep_q else draft.start_topk(root, k0)
     calls = 1
-    last = len(plan.levels) - 1
-    for li, lv in enumerate(plan.levels):
-        toks = torch.topk(logits, lv.k, dim=-1).indices
-        tokens[lv.start:lv.end] = _to_target(toks, tmap).cpu()[lv.rows, lv.ranks]
+    last = len(levels) - 1
+    for li, lv in enumerate(levels):
         if keep_q:
-            qs.append(_full_vocab(torch.softmax(warp_logits(logits.float(), sp), -1), tmap, out_vocab).cpu())
+            toks = torch.topk(out, lv.k, dim=-1).indices
+            qs.append(_full_vocab(torch.softmax(warp_logits(out.float(), sp), -1), tmap, out_vocab).cpu())
             qrow[lv.start:lv.end] = n_q + lv.rows
-            n_q += logits.shape[0]
+            n_q += out.shape[0]
+        else:
+            toks = out.indices[:, :lv.k]
+        tokens[lv.start:lv.end] = _to_target(toks, tmap).cpu()[lv.rows, lv.ranks]
         if li == last or lv.frontier.numel() == 0:
             break
         e = lv.end
-        logits = draft.expand(NodeView(tokens[:e], plan.depth[:e], plan.parents[:e], plan.anc[:e, :e]),
-                              lv.frontier)
+        nodes = NodeView(tokens[:e], plan.depth[:e], plan.parents[:e], plan.anc[:e, :e])
+        nk = levels[li + 1].k
+        out = draft.expand(nodes, lv.frontier) if keep_q else draft.expand_topk(nodes, lv.frontier, nk)
         calls += 1
     tree = Tree(tokens, plan.parents, plan.depth, torch.zeros(plan.n), plan.anc, plan.origin, qrow,
                 torch.cat(qs) if qs else None, "topk", calls)
@@ -115,27 +122,29 @@ def _draft_dynamic(draft, policy, root, sp, mode, rng, keep_q, ws: TreeWorkspace
     vocab = draft.vocab_size
     tmap = draft.token_map
     tokens, parents, depth, score, qrow, anc = ws.tokens, ws.parents, ws.depth, ws.score, ws.qrow, ws.anc
+    topk_only = mode == "topk" and not keep_q  # no full rows needed: the source may fuse top-k
+    logprobs = policy.data_dependent
     qs: list[torch.Tensor] = []
     n_q = 0
     n = 0
-    logits = draft.start(root)[None].float()
+    k = min(policy.width(1), vocab)
+    out = draft.start_topk(root, k, logprobs) if topk_only else draft.start(root)[None].float()
     calls = 1
-    frontier = torch.tensor([-1])
-    f_score = torch.zeros(1)
+    frontier = np.array([-1], dtype=np.int64)
+    f_score = np.zeros(1, dtype=np.float32)
     for level in range(1, policy.depth + 1):
         k = min(policy.width(level), vocab)
-        if mode == "topk":
+        if topk_only:
+            vals, toks = out.values[:, :k], out.indices[:, :k]
+        elif mode == "topk":
             # deterministic candidates: the draft's top-k by raw logits (the ranking does not
             # depend on the temperature; top-k/top-p only mask a tail that the accept rule
-            # handles). Normalise to log-probs only where a policy ranks by cumulative score.
-            vals, toks = torch.topk(logits, k, dim=-1)
-            if policy.data_dependent or keep_q:
-                lse = torch.logsumexp(logits, -1, keepdim=True)
-                vals = vals - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-            if keep_q:
-                qs.append(_full_vocab(torch.softmax(warp_logits(logits, sp), -1), tmap, out_vocab).cpu())
+            # handles), normalised to log-probs (keep_q: analysis and tests)
+            t = topk_of(out, k, True)
+            vals, toks = t.values, t.indices
+            qs.append(_full_vocab(torch.softmax(warp_logits(out, sp), -1), tmap, out_vocab).cpu())
         else:
-            warped = warp_logits(logits, sp)
+            warped = warp_logits(out, sp)
             # a table draft may have no opinion at a node (every logit -inf): no candidates there
             empty = ~torch.isfinite(warped).any(-1, keepdim=True)
             q = torch.softmax(warped.masked_fill(empty, 0.0), -1)
@@ -146,33 +155,46 @@ def _draft_dynamic(draft, policy, root, sp, mode, rng, keep_q, ws: TreeWorkspace
                 toks = torch.topk(logq + _gumbel(logq.shape, rng), k, dim=-1).indices
             vals = logq.gather(1, toks).masked_fill(empty, float("-inf"))
             qs.append(_full_vocab(q.masked_fill(empty, 0.0), tmap, out_vocab).cpu())
-        vals, toks = vals.cpu(), _to_target(toks, tmap).cpu()
+        vals = vals.float().cpu().numpy()
+        toks = _to_target(toks, tmap).cpu().numpy()
         scores = f_score[:, None] + vals
         keep = policy.select(level, scores)
         if policy.kind != "static":  # a fixed structure keeps its shape; others drop q = 0
-            keep = keep & torch.isfinite(vals)
-        fi, ci = keep.nonzero(as_tuple=True)
-        m = int(fi.numel())
+            keep &= np.isfinite(vals)
+        fi, ci = np.nonzero(keep)
+        m = fi.size
         new = ws.arange[n:n + m]
         par = frontier[fi]
         tokens[n:n + m], parents[n:n + m], depth[n:n + m] = toks[fi, ci], par, level
         score[n:n + m] = scores[fi, ci]
         if qs:
             qrow[n:n + m] = n_q + fi
-            n_q += int(frontier.numel())
+            n_q += frontier.size
         anc[n:n + m] = False
         has_par = par >= 0
         anc[new[has_par]] = anc[par[has_par]]
         anc[new, new] = True
         n += m
-        expand = policy.expand(level, score[n - m:n]) if m else torch.zeros(0, dtype=torch.bool)
+        expand = policy.expand(level, score[n - m:n]) if m else np.zeros(0, dtype=bool)
         frontier, f_score = new[expand], score[n - m:n][expand]
-        if level == policy.depth or frontier.numel() == 0:
+        if level == policy.depth or frontier.size == 0:
             break
-        logits = draft.expand(NodeView(tokens[:n], depth[:n], parents[:n], anc[:n, :n]), frontier).float()
+        nodes = NodeView(torch.from_numpy(tokens[:n]), torch.from_numpy(depth[:n]),
+                         torch.from_numpy(parents[:n]), torch.from_numpy(anc[:n, :n]))
+        fr = torch.from_numpy(frontier)
+        if topk_only:
+            out = draft.expand_topk(nodes, fr, min(policy.width(level + 1), vocab), logprobs)
+        else:
+            out = draft.expand(nodes, fr).float()
         calls += 1
-    tree = Tree(tokens[:n].clone(), parents[:n].clone(), depth[:n].clone(), score[:n].clone(),
-                anc[:n, :n].clone(), ws.arange[:n].clone(), qrow[:n].clone() if qs else torch.full((n,), -1),
+    keep = policy.finalize(score[:n], depth[:n])
+    idx = ws.arange[:n] if keep is None else np.nonzero(keep)[0]  # ancestor-closed, in order
+    par = parents[idx]
+    if keep is not None:  # renumber parents after the final pruning
+        remap = np.full(n, -1, dtype=np.int64)
+        remap[idx] = np.arange(idx.size)
+        par = np.where(par >= 0, remap[np.maximum(par, 0)], par)
+    return Tree(torch.from_numpy(tokens[idx]), torch.from_numpy(par), torch.from_numpy(depth[idx]),
+                torch.from_numpy(score[idx]), torch.from_numpy(anc[np.ix_(idx, idx)]), torch.from_numpy(idx.copy()),
+                torch.from_numpy(qrow[idx]) if qs else torch.full((idx.size,), -1, dtype=torch.long),
                 torch.cat(qs) if qs else None, mode, calls)
-    keep = policy.finalize(tree.score, tree.depth)
-    return tree.prune(keep) if keep is not None else tree

@@ -18,11 +18,31 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .kvcache import KVCache
 from .tree_plan import MaskBuffer
 from .trees import Tree, TreePolicy
+
+
+@dataclass
+class TopK:
+    """A draft call's top-k per row: `values` [F, k] (log-probs when asked for, else raw
+    logits), `indices` [F, k] draft-vocabulary ids; computed where the logits are."""
+
+    values: torch.Tensor
+    indices: torch.Tensor
+
+
+def topk_of(logits: torch.Tensor, k: int, logprobs: bool = False) -> TopK:
+    """Top-k of logits [F, V] on their device; log-probs (values minus the log-normaliser) when
+    `logprobs` (rows with no finite logit keep -inf)."""
+    vals, idx = torch.topk(logits.float(), min(k, logits.shape[-1]), dim=-1)
+    if logprobs:
+        lse = torch.logsumexp(logits.float(), -1, keepdim=True)
+        vals = vals - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return TopK(vals, idx)
 
 
 @dataclass
@@ -67,6 +87,15 @@ class DraftSource:
         """Logits [F, vocab_size] for the frontier node indices (one draft call)."""
         raise NotImplementedError
 
+    # Top-k candidates only (what deterministic trees need): a source whose engine computes
+    # them where the logits are (in the graph, on the GPU) overrides these, so the host never
+    # touches a vocabulary-wide row.
+    def start_topk(self, root: int, k: int, logprobs: bool = False) -> TopK:
+        return topk_of(self.start(root)[None], k, logprobs)
+
+    def expand_topk(self, nodes: NodeView, frontier: torch.Tensor, k: int, logprobs: bool = False) -> TopK:
+        return topk_of(self.expand(nodes, frontier), k, logprobs)
+
     def commit(self, tree: Tree, path: torch.Tensor, features: torch.Tensor | None = None) -> None:
         """Keep the accepted path (node indices, root excluded); `features` are the verify
         call's target features over [root, nodes...] when `needs_target_features`."""
@@ -107,9 +136,9 @@ class ModelDraft(DraftSource):
         self.pending: list[int] = []
         self._base = 0  # committed length before this step's chain
         self._chain = 0  # tokens of the first call (pending + root)
-        self._slot = torch.full((64,), -1, dtype=torch.long)  # node -> scratch row
-        self._slot_node = torch.zeros(64, dtype=torch.long)  # scratch row -> node
-        self._eye: dict[int, torch.Tensor] = {}
+        # node -> scratch row and scratch row -> node (numpy: tiny arrays, cheap ops)
+        self._slot = np.full(64, -1, dtype=np.int64)
+        self._slot_node = np.zeros(64, dtype=np.int64)
         self.model_s = 0.0
 
     def prepare(self, policy: TreePolicy, max_len: int) -> None:
@@ -117,9 +146,9 @@ class ModelDraft(DraftSource):
         need = max_len + cap + 2
         if self.cache is None or self.cache.max_len < need:
             self.cache = KVCache(self.engine.info.cache, need, 1, self.engine.device)
-        if self._slot.numel() < cap:
-            self._slot = torch.full((cap,), -1, dtype=torch.long)
-            self._slot_node = torch.zeros(cap, dtype=torch.long)
+        if self._slot.size < cap:
+            self._slot = np.full(cap, -1, dtype=np.int64)
+            self._slot_node = np.zeros(cap, dtype=np.int64)
 
     def reset(self, committed: list[int], features=None) -> None:
         if self.cache is None:
@@ -127,16 +156,19 @@ class ModelDraft(DraftSource):
         self.cache.reset()
         self.pending = list(committed)
 
-    def _forward(self, ids, pos, mask):
+    def _forward(self, ids, pos, mask, k: int | None = None, logprobs: bool = False):
         t0 = time.perf_counter()
-        out = self.engine.forward(ids, pos, mask, self.cache)
+        if k is None:
+            out = self.engine.forward(ids, pos, mask, self.cache)
+        else:
+            out = TopK(*self.engine.forward_topk(ids, pos, mask, self.cache, k, logprobs))
         if self._sync:
             self._sync()
         self.model_s += time.perf_counter() - t0
         return out
 
-    def start(self, root: int) -> torch.Tensor:
-        """Run the pending tokens and the root as a causal chain; return the root's logits."""
+    def _start(self, root: int, k: int | None = None, logprobs: bool = False):
+        """Run the pending tokens and the root as a causal chain; the root's row of the output."""
         chain = self.pending + [root]
         m = len(chain)
         c = self.cache
@@ -146,50 +178,67 @@ class ModelDraft(DraftSource):
         pos = torch.arange(p, p + m, device=dev)[None]
         mask = self.mask.view(m, p)
         mask[0, :, p:] = torch.ones(m, m, dtype=torch.bool, device=dev).tril()
-        logits = self._forward(ids, pos, mask)
+        out = self._forward(ids, pos, mask, k, logprobs)
         self.mask.release()
         self._base, self._chain = p, m
         c.length = p + m
-        self._slot.fill_(-1)
-        return logits[0, -1]
+        self._slot.fill(-1)
+        if k is None:
+            return out[0, -1]
+        return TopK(out.values[0, -1:], out.indices[0, -1:])
 
-    def _eye_block(self, f: int) -> torch.Tensor:
-        e = self._eye.get(f)
-        if e is None:
-            e = self._eye[f] = torch.eye(f, dtype=torch.bool, device=self.engine.device)
-        return e
-
-    def expand(self, nodes: NodeView, frontier: torch.Tensor) -> torch.Tensor:
+    def _expand(self, nodes: NodeView, frontier: torch.Tensor, k: int | None = None, logprobs: bool = False):
         f = int(frontier.numel())
         c = self.cache
         p = c.length
         dev = self.engine.device
         scratch0 = self._base + self._chain
         n_slots = p - scratch0
-        mask = self.mask.view(f, p, col0=scratch0)
-        block = mask[0, :, scratch0:]
+        fr = frontier.numpy()
+        # the block over this step's scratch rows: each frontier node sees the scratch rows of
+        # its ancestors and itself (the committed prefix stays True in the mask buffer)
+        block = np.zeros((f, n_slots + f), dtype=bool)
         if n_slots:
-            block[:, :n_slots].copy_(nodes.anc[frontier][:, self._slot_node[:n_slots]])
-        block[:, n_slots:].copy_(self._eye_block(f))
-        ids = nodes.tokens[frontier][None].to(dev)
-        pos = (nodes.depth[frontier] + (scratch0 - 1))[None].to(dev)
-        logits = self._forward(ids, pos, mask)
+            block[:, :n_slots] = nodes.anc.numpy()[fr[:, None], self._slot_node[:n_slots]]
+        block[:, n_slots:] = np.eye(f, dtype=bool)
+        mask = self.mask.view(f, p, col0=scratch0)
+        mask[0, :, scratch0:].copy_(torch.from_numpy(block))
+        ids = torch.from_numpy(nodes.tokens.numpy()[fr][None]).to(dev)
+        pos = torch.from_numpy(nodes.depth.numpy()[fr][None] + (scratch0 - 1)).to(dev)
+        out = self._forward(ids, pos, mask, k, logprobs)
         self.mask.release()
-        self._slot[frontier] = torch.arange(n_slots, n_slots + f)
-        self._slot_node[n_slots:n_slots + f] = frontier
+        self._slot[fr] = np.arange(n_slots, n_slots + f)
+        self._slot_node[n_slots:n_slots + f] = fr
         c.length = p + f
-        return logits[0]
+        return out[0] if k is None else TopK(out.values[0], out.indices[0])
+
+    def start(self, root: int) -> torch.Tensor:
+        return self._start(root)
+
+    def expand(self, nodes: NodeView, frontier: torch.Tensor) -> torch.Tensor:
+        return self._expand(nodes, frontier)
+
+    def start_topk(self, root: int, k: int, logprobs: bool = False) -> TopK:
+        if not hasattr(self.engine, "forward_topk"):
+            return super().start_topk(root, k, logprobs)
+        return self._start(root, k, logprobs)
+
+    def expand_topk(self, nodes: NodeView, frontier: torch.Tensor, k: int, logprobs: bool = False) -> TopK:
+        if not hasattr(self.engine, "forward_topk"):
+            return super().expand_topk(nodes, frontier, k, logprobs)
+        return self._expand(nodes, frontier, k, logprobs)
 
     def commit(self, tree: Tree, path: torch.Tensor, features=None) -> None:
         """Keep the chain and the accepted path's scratch rows; drop the rest."""
         c = self.cache
         c.length = self._base
         if path.numel():
-            slots = self._slot[tree.origin[path]]
+            pth = path.numpy()
+            slots = self._slot[tree.origin.numpy()[pth]]
             ran = slots >= 0
             src = list(range(self._chain)) + (slots[ran] + self._chain).tolist()
             # accepted nodes never run through the draft (leaves) are run at the next start
-            self.pending = tree.tokens[path[~ran]].tolist()
+            self.pending = tree.tokens.numpy()[pth[~ran]].tolist()
         else:
             src, self.pending = list(range(self._chain)), []
         c.commit(src, 0)

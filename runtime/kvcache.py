@@ -32,8 +32,9 @@ class KVCache:
             raise InputError("max_len must be >= 1")
         self.spec, self.max_len, self.batch = spec, max_len, batch
         shape = (spec.n_layers, max_len, batch, spec.n_kv_heads, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=spec.dtype, device=device)
-        self.v = torch.zeros(shape, dtype=spec.dtype, device=device)
+        # uninitialised: engines read only the committed prefix, which was written first
+        self.k = torch.empty(shape, dtype=spec.dtype, device=device)
+        self.v = torch.empty(shape, dtype=spec.dtype, device=device)
         self.length = 0  # committed positions [0, length)
 
     @property
@@ -42,6 +43,11 @@ class KVCache:
 
     def reset(self) -> None:
         self.length = 0
+
+    def fits(self, spec: CacheSpec, max_len: int, batch: int, device) -> bool:
+        """Whether this cache can serve a sequence of max_len (reuse instead of reallocating)."""
+        return (self.spec == spec and self.max_len >= max_len and self.batch == batch
+                and self.device == torch.device(device))
 
     def room(self, t: int) -> None:
         """Raise if T new tokens do not fit after the committed prefix."""

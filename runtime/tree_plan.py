@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .trees import TreePolicy
@@ -47,14 +48,14 @@ class TreePlan:
         frontier = [-1]
         for level in range(1, policy.depth + 1):
             k = min(policy.width(level), vocab)
-            keep = policy.select(level, torch.zeros(len(frontier), k))
-            rows, ranks = keep.nonzero(as_tuple=True)
+            keep = policy.select(level, np.zeros((len(frontier), k), dtype=np.float32))
+            rows, ranks = (torch.from_numpy(a.astype(np.int64)) for a in np.nonzero(keep))
             start = len(parents)
             parents += [frontier[r] for r in rows.tolist()]
             depth += [level] * int(rows.numel())
             end = len(parents)
-            expand = policy.expand(level, torch.zeros(end - start))
-            frontier = [start + i for i in expand.nonzero().flatten().tolist()]
+            expand = policy.expand(level, np.zeros(end - start, dtype=np.float32))
+            frontier = [start + int(i) for i in np.nonzero(expand)[0]]
             self.levels.append(PlanLevel(k, rows, ranks, start, end, torch.tensor(frontier, dtype=torch.long)))
             if not frontier:
                 break

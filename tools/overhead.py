@@ -26,8 +26,10 @@ from arborspec.runtime.sampling import SamplingParams
 
 
 class NullEngine:
-    """Returns logits from a fixed random bank (peaked so trees get accepted), writes
-    nothing: the cache slabs still have real shapes so KV commits cost what they cost."""
+    """Returns logits from a fixed random bank (peaked so trees get accepted) and writes zeros
+    where a real engine writes the new tokens' K/V (the cache tail: so the memory a commit
+    gathers from was touched by the engine call, as in real decoding); the slabs have real
+    shapes, so KV commits cost what they cost."""
 
     def __init__(self, vocab=49152, layers=30, kv_heads=3, head_dim=64, seed=0, copy_of=None):
         if copy_of is not None:
@@ -39,8 +41,28 @@ class NullEngine:
         # the same bank agrees with the target and trees get accepted
         self.bank = copy_of.bank if copy_of is not None else torch.randn(512, vocab, generator=g) * 4
 
+        self._top: dict = {}
+
     def forward(self, ids, pos, mask, cache):
+        p, t = cache.length, ids.shape[1]
+        cache.k[:, p:p + t].zero_()
+        cache.v[:, p:p + t].zero_()
         return self.bank[ids % self.bank.shape[0]]
+
+    def forward_topk(self, ids, pos, mask, cache, k, logprobs=False):
+        """A draft engine that computes its top-k where its logits are (fused in the ONNX graph,
+        on the GPU): precomputed here, so the host sees only [F, k]."""
+        if (k, logprobs) not in self._top:
+            from arborspec.runtime.drafts import topk_of
+
+            t = topk_of(self.bank, k, logprobs)
+            self._top[(k, logprobs)] = (t.values, t.indices)
+        v, i = self._top[(k, logprobs)]
+        p, t = cache.length, ids.shape[1]
+        cache.k[:, p:p + t].zero_()
+        cache.v[:, p:p + t].zero_()
+        r = ids % self.bank.shape[0]
+        return v[r], i[r]
 
 
 def measure(tree: str, steps: int, sp: SamplingParams, prompt_len: int = 256, mode: str = "tree",

@@ -38,3 +38,14 @@ class TorchEngine(EngineBase):
         cache.k[:, p : p + t] = new_k
         cache.v[:, p : p + t] = new_v
         return out[0]
+
+    @torch.inference_mode()
+    def forward_topk(self, input_ids, position_ids, mask, cache: KVCache, k: int, logprobs: bool = False):
+        """forward + the top-k of every row, on the module's device (a CUDA draft never copies
+        a vocabulary-wide row to the host): (values [B, T, k], indices [B, T, k])."""
+        from ..drafts import topk_of
+
+        logits = self.forward(input_ids, position_ids, mask, cache)
+        b, t, v = logits.shape
+        top = topk_of(logits.view(b * t, v), k, logprobs)
+        return top.values.view(b, t, -1), top.indices.view(b, t, -1)
