@@ -7,9 +7,10 @@ earlier continuations become sibling branches, ranked by how often they occurred
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from .drafts import DraftSource, NodeView
+from .drafts import DraftSource, NodeView, TopK, topk_of
 from .errors import InputError
 
 
@@ -68,26 +69,59 @@ class LookupDraft(DraftSource):
             last = torch.tensor([t[-1] for t in tails])
             out = torch.log_softmax(self.fallback._rows(last), -1) - 1e4
         for r, tail in enumerate(tails):
-            for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
-                hit = self.index.get(tuple(tail[-n:]))
-                if hit:
-                    toks = torch.tensor(list(hit.keys()))
-                    cnt = torch.tensor(list(hit.values()), dtype=torch.float32)
-                    out[r, toks] = torch.log(cnt / cnt.sum())
-                    break
+            hit = self._hit(tail)
+            if hit:
+                toks = torch.tensor(list(hit.keys()))
+                cnt = torch.tensor(list(hit.values()), dtype=torch.float32)
+                out[r, toks] = torch.log(cnt / cnt.sum())
         return out
 
-    def start(self, root: int) -> torch.Tensor:
+    def _hit(self, tail: list[int]) -> dict[int, int] | None:
+        """Continuation counts of the longest n-gram suffix of `tail` found in the index."""
+        for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
+            hit = self.index.get(tuple(tail[-n:]))
+            if hit:
+                return hit
+        return None
+
+    def _topk(self, tails: list[list[int]], k: int, logprobs: bool) -> TopK:
+        """Top-k candidates straight from the counts (no vocabulary-wide row): values are
+        log(count / total), missing entries -inf."""
+        if self.fallback is not None:
+            return topk_of(self._rows(tails), k, logprobs)
+        vals = torch.full((len(tails), k), float("-inf"))
+        idx = torch.zeros((len(tails), k), dtype=torch.long)
+        for r, tail in enumerate(tails):
+            hit = self._hit(tail)
+            if hit:
+                best = sorted(hit.items(), key=lambda kv: -kv[1])[:k]
+                total = sum(hit.values())
+                idx[r, :len(best)] = torch.tensor([t for t, _ in best])
+                vals[r, :len(best)] = torch.log(torch.tensor([c / total for _, c in best]))
+        return TopK(vals, idx)
+
+    def _tails(self, nodes: NodeView, frontier: torch.Tensor) -> list[list[int]]:
+        toks = nodes.tokens.tolist()
+        anc = nodes.anc.numpy()
+        return [(self._root + [toks[j] for j in np.flatnonzero(anc[f])])[-self.max_n:]  # level order
+                for f in frontier.tolist()]
+
+    def _set_root(self, root: int) -> None:
         self._root = self.ctx[-(self.max_n - 1):] + [int(root)] if self.max_n > 1 else [int(root)]
+
+    def start(self, root: int) -> torch.Tensor:
+        self._set_root(root)
         return self._rows([self._root])[0]
 
     def expand(self, nodes: NodeView, frontier: torch.Tensor) -> torch.Tensor:
-        tails = []
-        toks = nodes.tokens.tolist()
-        for f in frontier.tolist():
-            path = [toks[j] for j in nodes.anc[f].nonzero().flatten().tolist()]  # level order
-            tails.append((self._root + path)[-self.max_n:])
-        return self._rows(tails)
+        return self._rows(self._tails(nodes, frontier))
+
+    def start_topk(self, root: int, k: int, logprobs: bool = False) -> TopK:
+        self._set_root(root)
+        return self._topk([self._root], k, logprobs)
+
+    def expand_topk(self, nodes: NodeView, frontier: torch.Tensor, k: int, logprobs: bool = False) -> TopK:
+        return self._topk(self._tails(nodes, frontier), k, logprobs)
 
     def commit(self, tree, path: torch.Tensor, features=None) -> None:
         for t in [self._root[-1]] + (tree.tokens[path].tolist() if path.numel() else []):

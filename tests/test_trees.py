@@ -115,3 +115,26 @@ def test_static_errors(tmp_path):
     f.write_text("{not json")
     with pytest.raises(TreeSpecError, match="not valid JSON"):
         parse_tree_spec(f"static:{f}")
+
+
+def test_lookup_topk_equals_topk_of_its_rows():
+    """LookupDraft's direct top-k (no vocabulary-wide row) gives the same values as the top-k of
+    its full rows, and candidates with the same counts."""
+    from arborspec.runtime.drafts import NodeView, topk_of
+    from arborspec.runtime.lookup import LookupDraft
+
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, 6, (80,), generator=g).tolist()
+    d = LookupDraft(50, max_ngram=3)
+    d.reset(seq)
+    for root in range(6):
+        full = topk_of(d.start(root)[None], 4, True)
+        got = d.start_topk(root, 4, True)
+        assert torch.allclose(got.values, full.values, equal_nan=True)
+        fin = torch.isfinite(full.values)
+        assert set(got.indices[fin].tolist()) == set(full.indices[fin].tolist())
+    nodes = NodeView(torch.tensor([1, 2]), torch.tensor([1, 2]), torch.tensor([-1, 0]),
+                     torch.tensor([[True, False], [True, True]]))
+    fr = torch.tensor([0, 1])
+    d.start(3)
+    assert torch.allclose(d.expand_topk(nodes, fr, 3).values, topk_of(d.expand(nodes, fr), 3).values)
