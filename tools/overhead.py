@@ -8,7 +8,7 @@ vocabulary 49152) that return precomputed logits instantly, so what is timed is 
 the runtime's overhead.
 
     python -m arborspec.tools.overhead --trees chain:4 full:3,2 beam:4,8,8 dynamic:8,6,64 \
-        --steps 200 [--vocab 49152] [--threads 1] [--temperature 0.8] [--json OUT]
+        --steps 200 [--vocab 49152] [--threads 1] [--temperature 0.8] [--host-topk] [--json OUT]
 """
 from __future__ import annotations
 
@@ -23,6 +23,17 @@ from arborspec.runtime.backends.base import EngineInfo
 from arborspec.runtime.decode import SpeculativeDecoder
 from arborspec.runtime.kvcache import CacheSpec
 from arborspec.runtime.sampling import SamplingParams
+
+
+class HostTopkNullEngine:
+    """The same null engine without `forward_topk`: the runtime takes the draft's top-k from
+    the full logits rows on the host (what an ONNX Runtime CPU draft without fused top-k costs)."""
+
+    def __init__(self, inner):
+        self.inner, self.info, self.device = inner, inner.info, inner.device
+
+    def forward(self, *a):
+        return self.inner.forward(*a)
 
 
 class NullEngine:
@@ -66,9 +77,11 @@ class NullEngine:
 
 
 def measure(tree: str, steps: int, sp: SamplingParams, prompt_len: int = 256, mode: str = "tree",
-            vocab: int = 49152) -> dict:
+            vocab: int = 49152, host_topk: bool = False) -> dict:
     target = NullEngine(vocab=vocab)
     draft = NullEngine(copy_of=target)
+    if host_topk:
+        draft = HostTopkNullEngine(draft)
     dec = SpeculativeDecoder(target, draft, mode=mode, tree=tree, sampling=sp)
     prompt = list(range(prompt_len))
     dec.generate(prompt, 16)  # warm-up
@@ -92,12 +105,15 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=49152,
                    help="vocabulary of the null models (49152 = SmolLM2; a small one isolates the "
                         "tree bookkeeping from the vocabulary-wide top-k/argmax)")
+    p.add_argument("--host-topk", action="store_true",
+                   help="the draft engine returns full logits rows and the runtime takes their top-k on the "
+                        "host (default: the draft engine returns its top-k, as a fused graph or a GPU does)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     sp = SamplingParams(a.temperature)
-    rows = [measure(t, a.steps, sp, vocab=a.vocab) for t in a.trees]
+    rows = [measure(t, a.steps, sp, vocab=a.vocab, host_topk=a.host_topk) for t in a.trees]
     print(f"{'tree':22s} {'nodes':>6s} {'acc/step':>8s} {'overhead ms':>11s} {'tree':>7s} {'accept+kv':>9s} {'other':>7s}")
     for r in rows:
         print(f"{r['tree']:22s} {r['nodes_per_step']:6.1f} {r['mean_accepted']:8.2f} {r['overhead_ms_per_step']:11.3f} "
@@ -105,7 +121,7 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-                       "threads": torch.get_num_threads(), "vocab": a.vocab, "temperature": a.temperature, "rows": rows}, f, indent=1)
+                       "threads": torch.get_num_threads(), "vocab": a.vocab, "host_topk": a.host_topk, "temperature": a.temperature, "rows": rows}, f, indent=1)
     return 0
 
 
