@@ -34,6 +34,7 @@ TARGET_FILE = "target.onnx"
 DRAFT_FILE = "draft.onnx"
 BIGRAM_FILE = "draft_bigram.safetensors"
 DEFAULT_MAX_TREE_NODES = 64
+DEFAULT_DRAFT_TOPK = 16  # K of the draft graph's fused top-k outputs (the widest tree level)
 
 
 @dataclass
@@ -138,7 +139,7 @@ def export_folder(model, out: str | os.PathLike, draft: str | None = "layers:2",
                   dtype: str = "fp32", opset: int = DEFAULT_OPSET, max_context: int | None = None,
                   max_tree_nodes: int = DEFAULT_MAX_TREE_NODES, tree_defaults: dict | None = None,
                   force: bool = False, progress: bool = True, verify: bool = True,
-                  exporter: str = "auto", draft_model=None) -> ExportSummary:
+                  exporter: str = "auto", draft_model=None, draft_topk: int = DEFAULT_DRAFT_TOPK) -> ExportSummary:
     """Export target (+ draft, tokenizer, manifest) into the folder `out`, atomically.
 
     model: a spec for load_model (registry name, HF folder, .gguf, nanoGPT .pt) or an
@@ -210,8 +211,10 @@ def export_folder(model, out: str | os.PathLike, draft: str | None = "layers:2",
         if draft_module is not None:
             res_d = export_contract_onnx(draft_module, tmp / DRAFT_FILE, opset=opset, dtype=dtype,
                                          tokenizer_sha256=tok_sha, role="draft", max_context=max_context,
-                                         exporter=exporter, verify=verify)
+                                         exporter=exporter, verify=verify, topk=draft_topk)
             draft_entry = graph_entry(tmp, res_d, draft_module.config.to_dict(), spec=draft)
+            if draft_topk:
+                draft_entry["topk"] = min(int(draft_topk), draft_module.config.vocab_size)
         bar.update(1)
 
         stage("manifest")

@@ -42,7 +42,9 @@ from arborspec.runtime.contract import (  # noqa: F401,E402
     META_EXPORTER,
     META_ROLE,
     META_TOKENIZER,
+    META_TOPK,
     META_VERSION,
+    TOPK_OUTPUTS,
     input_names,
     output_names,
 )
@@ -90,6 +92,22 @@ def _dims(cfg, max_context: int):
     return b, t, p, s
 
 
+class WithTopK(torch.nn.Module):
+    """A contract module plus its own top-K per row (log-probs, ids): the draft graph's fused
+    `topk_logprobs` / `topk_ids` outputs (runtime/contract.py TOPK_OUTPUTS)."""
+
+    def __init__(self, module: torch.nn.Module, k: int):
+        super().__init__()
+        self.inner, self.k, self.config = module, k, module.config
+
+    def forward(self, *args):
+        out = self.inner(*args)
+        logits = out[0]
+        logprobs = logits - torch.logsumexp(logits, -1, keepdim=True)
+        vals, ids = torch.topk(logprobs, self.k, dim=-1)
+        return (*out, vals, ids)
+
+
 def _export_dynamo(module, args, names_in, names_out, cfg, opset, max_context):
     b, t, p, s = _dims(cfg, max_context)
     n_past = len(args) - 3
@@ -115,7 +133,7 @@ def _export_legacy(module, args, names_in, names_out, path, opset):
     for n in names_in[3:]:
         axes[n] = {0: "past", 1: "batch"}
     for n in names_out[1:]:
-        axes[n] = {0: "tokens", 1: "batch"}
+        axes[n] = {0: "batch", 1: "tokens"} if n in TOPK_OUTPUTS else {0: "tokens", 1: "batch"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(module, args, str(path), input_names=names_in, output_names=names_out,
@@ -206,6 +224,8 @@ def verify_against_torch(module, path: str | os.PathLike, cfg, dtype: torch.dtyp
         if np.isnan(out[0]).any():
             raise RuntimeError(f"{path}: NaN in ORT logits (B={b}, T={t}, P={p}, one row fully masked)")
         for o, r in zip(out, ref):
+            if not np.issubdtype(o.dtype, np.floating):  # top-k ids: near-ties may swap
+                continue
             worst = max(worst, float(np.abs(o.astype(np.float32) - r.float().numpy()).max()))
     return worst
 
@@ -213,14 +233,15 @@ def verify_against_torch(module, path: str | os.PathLike, cfg, dtype: torch.dtyp
 def export_contract_onnx(module: torch.nn.Module, path: str | os.PathLike, opset: int = DEFAULT_OPSET,
                          dtype: str = "fp32", *, tokenizer_sha256: str | None = None,
                          role: str = "", max_context: int | None = None, exporter: str = "auto",
-                         verify: bool = True, tolerance: float | None = None) -> ExportResult:
+                         verify: bool = True, tolerance: float | None = None, topk: int = 0) -> ExportResult:
     """Export a contract nn.Module (models/llama.py, models/gpt2.py) to `path`.
 
     exporter: "dynamo" (torch.export + onnxscript), "legacy" (TorchScript), or "auto"
     (dynamo, falling back to legacy opset min(opset, 17) if the dynamo export raises).
     dtype: fp32 | fp16 | bf16; the module is cast (a copy is not made: pass a module you own),
     logits stay float32 (the decoders cast them). verify: compare ORT with PyTorch on random
-    tree steps (bf16 is not verified: ORT CPU has few bf16 kernels).
+    tree steps (bf16 is not verified: ORT CPU has few bf16 kernels). topk: K > 0 adds the fused
+    `topk_logprobs` / `topk_ids` outputs (draft graphs: the host never reads a full row).
     """
     if dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
@@ -235,6 +256,10 @@ def export_contract_onnx(module: torch.nn.Module, path: str | os.PathLike, opset
     module = module.to(dtype=tdtype).eval()
     max_context = int(max_context or cfg.max_position)
     names_in, names_out = input_names(cfg.n_layers), output_names(cfg.n_layers)
+    topk = min(int(topk or 0), cfg.vocab_size)
+    if topk > 0:
+        module = WithTopK(module, topk).eval()
+        names_out = names_out + list(TOPK_OUTPUTS)
     ids, pos, mask, past = example_inputs(cfg, tdtype)
     args = (ids, pos, mask, *past)
     big = _param_bytes(module) > EXTERNAL_DATA_THRESHOLD
@@ -272,6 +297,8 @@ def export_contract_onnx(module: torch.nn.Module, path: str | os.PathLike, opset
         META_EXPORTER: f"{used}:opset{opset}",
         META_VERSION: arborspec.__version__,
     }
+    if topk > 0:
+        meta[META_TOPK] = str(topk)
     ir, nodes = _finalize(path, meta, big)
     import onnx
 

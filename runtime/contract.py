@@ -6,7 +6,8 @@ prefills) binds tensors by the names below, and before the first step the opener
 version and the manifest. The exporter (arborspec.export), every backend, `compare` and the
 tests import these names from here; nothing else spells them.
 
-Graph I/O (version 1), one graph per model, target and draft alike:
+Graph I/O (version 1), one graph per model, target and draft alike (a draft graph may add
+`topk_logprobs` float32 [B, T, K] and `topk_ids` int64 [B, T, K], see TOPK_OUTPUTS):
 
     input_ids        int64 [B, T]        the T new tokens (prompt, chain, or flattened tree)
     position_ids     int64 [B, T]        past_len + depth in the tree
@@ -97,6 +98,14 @@ def output_names(n_layers: int) -> list[str]:
     return names
 
 
+# Optional draft outputs (metadata `arborspec.topk` = K): the graph's own top-K per row, so the
+# host never reads a vocabulary-wide row. Log-probs (logits minus the row's log-normaliser),
+# sorted descending, and their vocabulary ids.
+TOPK_LOGPROBS = "topk_logprobs"  # float32 [B, T, K]
+TOPK_IDS = "topk_ids"  # int64 [B, T, K]
+TOPK_OUTPUTS = (TOPK_LOGPROBS, TOPK_IDS)
+
+
 def count_layers(names) -> int:
     """Number of layers of a graph from its I/O names (the past_key.{i} inputs)."""
     return sum(1 for n in names if n.startswith("past_key."))
@@ -110,6 +119,7 @@ META_TOKENIZER = "arborspec.tokenizer_sha256"
 META_ROLE = "arborspec.role"
 META_EXPORTER = "arborspec.exporter"
 META_VERSION = "arborspec.version"
+META_TOPK = "arborspec.topk"  # K of the fused top-k outputs (draft graphs), absent: none
 
 # ----------------------------------------------------------------------------- dtypes
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -218,13 +218,17 @@ class ModelDraft(DraftSource):
     def expand(self, nodes: NodeView, frontier: torch.Tensor) -> torch.Tensor:
         return self._expand(nodes, frontier)
 
+    def _fused(self, k: int) -> bool:
+        """Whether the engine returns its own top-k (fused in the graph, or on its device)."""
+        return getattr(self.engine, "max_topk", 0) >= k and hasattr(self.engine, "forward_topk")
+
     def start_topk(self, root: int, k: int, logprobs: bool = False) -> TopK:
-        if not hasattr(self.engine, "forward_topk"):
+        if not self._fused(k):
             return super().start_topk(root, k, logprobs)
         return self._start(root, k, logprobs)
 
     def expand_topk(self, nodes: NodeView, frontier: torch.Tensor, k: int, logprobs: bool = False) -> TopK:
-        if not hasattr(self.engine, "forward_topk"):
+        if not self._fused(k):
             return super().expand_topk(nodes, frontier, k, logprobs)
         return self._expand(nodes, frontier, k, logprobs)
 

@@ -40,6 +40,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from arborspec.runtime.errors import InputError, MissingFileError
+
 SCHEMA_VERSION = 1
 BASELINES = ("hf-greedy", "hf-assisted", "hf-lookup")
 SPLIT_KEYS = ("draft_s", "verify_s", "accept_kv_s", "other_s")
@@ -84,17 +86,17 @@ def read_prompts_file(path: str | os.PathLike | None) -> tuple[list[dict], str]:
     entry has "id", "category" and either "text" (+ optional "chat": true, "system") or "ids"."""
     p = Path(path) if path else default_prompts_path()
     if not p.is_file():
-        raise FileNotFoundError(f"prompts file not found: {p}")
+        raise MissingFileError(f"prompts file not found: {p}")
     try:
         data = json.loads(p.read_text())
     except ValueError as e:
-        raise ValueError(f"{p}: not valid JSON ({e})") from None
+        raise InputError(f"{p}: not valid JSON ({e})") from None
     entries = data.get("prompts") if isinstance(data, dict) else data
     if not isinstance(entries, list) or not entries:
-        raise ValueError(f"{p}: expected a non-empty list of prompts (or {{\"prompts\": [...]}})")
+        raise InputError(f"{p}: expected a non-empty list of prompts (or {{\"prompts\": [...]}})")
     for i, e in enumerate(entries):
         if not isinstance(e, dict) or ("text" not in e and "ids" not in e):
-            raise ValueError(f"{p}: prompt #{i} needs a \"text\" or an \"ids\" entry")
+            raise InputError(f"{p}: prompt #{i} needs a \"text\" or an \"ids\" entry")
     return entries, str(p)
 
 
@@ -104,7 +106,7 @@ def select_prompts(entries: list[dict], limit: int | None) -> list[dict]:
     if not limit or limit >= len(entries):
         return list(entries)
     if limit < 1:
-        raise ValueError(f"--limit-prompts must be >= 1, got {limit}")
+        raise InputError(f"--limit-prompts must be >= 1, got {limit}")
     by_cat: dict[str, list[dict]] = {}
     for e in entries:
         by_cat.setdefault(str(e.get("category", "other")), []).append(e)
@@ -126,7 +128,7 @@ def encode_prompts(entries: list[dict], tok) -> list[dict]:
             ids = [int(t) for t in e["ids"]]
         else:
             if tok is None:
-                raise ValueError(f"prompt {pid!r} is text but this model has no tokenizer: "
+                raise InputError(f"prompt {pid!r} is text but this model has no tokenizer: "
                                  "use a prompts file with \"ids\" entries")
             text = e["text"]
             if e.get("chat"):
@@ -136,7 +138,7 @@ def encode_prompts(entries: list[dict], tok) -> list[dict]:
             else:
                 ids = tok.encode(text)
         if not ids:
-            raise ValueError(f"prompt {pid!r} is empty")
+            raise InputError(f"prompt {pid!r} is empty")
         out.append({"id": pid, "category": str(e.get("category", "other")), "ids": ids})
     return out
 
@@ -169,19 +171,19 @@ def build_configs(modes: list[str], trees: list[str], chain: str, baselines: lis
 
     bad = [m for m in modes if m not in ("vanilla", "chain", "tree")]
     if bad:
-        raise ValueError(f"unknown mode {bad[0]!r} in --modes (expected vanilla, chain, tree)")
+        raise InputError(f"unknown mode {bad[0]!r} in --modes (expected vanilla, chain, tree)")
     badb = [b for b in baselines if b not in BASELINES]
     if badb:
-        raise ValueError(f"unknown baseline {badb[0]!r} in --baselines (expected {', '.join(BASELINES)})")
+        raise InputError(f"unknown baseline {badb[0]!r} in --baselines (expected {', '.join(BASELINES)})")
     cfgs = [BenchConfig("vanilla", "ours", "vanilla", None, "vanilla", 0)]  # always: the reference
     if "chain" in modes:
         pol = parse_tree_spec(chain)
         if not isinstance(pol, ChainTree):
-            raise ValueError(f"--chain needs a chain:K spec, got {chain!r}")
+            raise InputError(f"--chain needs a chain:K spec, got {chain!r}")
         cfgs.append(BenchConfig(pol.spec, "ours", "chain", pol.spec, "chain", pol.max_nodes))
     if "tree" in modes:
         if not trees:
-            raise ValueError("mode tree needs at least one --tree SPEC")
+            raise InputError("mode tree needs at least one --tree SPEC")
         for spec in trees:
             pol = parse_tree_spec(spec)
             if any(c.name == pol.spec for c in cfgs):
@@ -320,7 +322,7 @@ def truncated_hf(model, k: int):
     (embeddings, final norm and head shared in value with the target: same tokenizer)."""
     n = model.config.num_hidden_layers
     if not 1 <= k <= n:
-        raise ValueError(f"--hf-assistant-layers {k}: needs 1 <= K <= {n}")
+        raise InputError(f"--hf-assistant-layers {k}: needs 1 <= K <= {n}")
     a = copy.deepcopy(model)
     a.model.layers = a.model.layers[:k]
     a.config.num_hidden_layers = k

@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
+from arborspec.runtime.errors import InputError
 
 DEFAULT_TOLERANCES = {"fp32": (1e-4, 1e-3), "fp16": (2e-2, 2e-2)}
 RUNNERS = ("torch", "onnxruntime", "tensorrt")
@@ -125,7 +126,7 @@ def build_feeds(target, draft=None, *, max_tree_nodes: int = 64, max_context: in
     from arborspec.runtime.trees import Tree, parse_tree_spec, verify_inputs
 
     if trees < 1:
-        raise ValueError(f"--trees must be >= 1, got {trees}")
+        raise InputError(f"--trees must be >= 1, got {trees}")
     g = torch.Generator().manual_seed(int(seed))
     vocab = target.info.vocab_size
     limit = min(target.info.max_position, max_context or target.info.max_position)
@@ -147,7 +148,7 @@ def build_feeds(target, draft=None, *, max_tree_nodes: int = 64, max_context: in
         biggest = max([p.max_nodes for p in pols] + [1]) + 1
         p0 = 9
         if p0 + 3 * (trees - 1) + biggest + 2 > limit:
-            raise ValueError(f"the feeds need a context of {p0 + 3 * (trees - 1) + biggest + 2} "
+            raise InputError(f"the feeds need a context of {p0 + 3 * (trees - 1) + biggest + 2} "
                              f"positions, the export allows {limit}")
         sp = SamplingParams()
         for i in range(trees):
@@ -351,11 +352,11 @@ def reference_modules(man, model: str | None = None):
 
     spec = model or source_spec(man)
     if spec is None:
-        raise ValueError(f"{man.root}: the manifest records no source model (exported from an "
+        raise InputError(f"{man.root}: the manifest records no source model (exported from an "
                          "in-memory module): pass --model NAME|PATH")
     lm = load_model(spec)
     if _shape_keys(lm.config.to_dict()) != _shape_keys(man.target.get("config", {})):
-        raise ValueError(f"model {spec} does not match the export's target config "
+        raise InputError(f"model {spec} does not match the export's target config "
                          f"({_shape_keys(lm.config.to_dict())} vs {_shape_keys(man.target.get('config', {}))})")
     target = lm.module.float().eval()
     d = man.draft
@@ -369,9 +370,9 @@ def reference_modules(man, model: str | None = None):
             dspec = dsrc.get("path") or dsrc.get("model") or arg
             draft = load_model(dspec).module.float().eval()
         else:
-            raise ValueError(f"{man.root}: cannot rebuild the draft {d.get('spec')!r} in PyTorch")
+            raise InputError(f"{man.root}: cannot rebuild the draft {d.get('spec')!r} in PyTorch")
         if _shape_keys(draft.config.to_dict()) != _shape_keys(d.get("config", {})):
-            raise ValueError(f"the rebuilt draft {d.get('spec')} does not match the export's draft config")
+            raise InputError(f"the rebuilt draft {d.get('spec')} does not match the export's draft config")
     return target, draft, spec
 
 
@@ -475,9 +476,9 @@ def parse_runners(text: str | Iterable[str] | None) -> tuple[list[str], bool]:
     names = [alias.get(n, n) for n in names]
     bad = [n for n in names if n not in RUNNERS]
     if bad:
-        raise ValueError(f"unknown runner {bad[0]!r} (expected some of {', '.join(RUNNERS)})")
+        raise InputError(f"unknown runner {bad[0]!r} (expected some of {', '.join(RUNNERS)})")
     if len(set(names)) < 2:
-        raise ValueError("--runners needs at least two different runners to compare")
+        raise InputError("--runners needs at least two different runners to compare")
     return list(dict.fromkeys(names)), True
 
 
@@ -497,6 +498,9 @@ def compare_export(export_dir: str | os.PathLike, runners: str | Iterable[str] |
     target_module/draft_module: PyTorch references given directly (tests, embedding apps);
     otherwise rebuilt from the manifest's source (or `model`)."""
     _polygraphy()
+    from arborspec.runtime.backends.torch_backend import TorchEngine
+    from arborspec.runtime.drafts import load_bigram_table
+    from arborspec.runtime.export_dir import read_manifest
     from polygraphy.backend.onnxrt import SessionFromOnnx
     from polygraphy.comparator import Comparator
     from polygraphy.comparator.compare import SimpleCompareFunc
@@ -504,20 +508,16 @@ def compare_export(export_dir: str | os.PathLike, runners: str | Iterable[str] |
     from polygraphy.json import save_json
     from polygraphy.logger import G_LOGGER
 
-    from arborspec.runtime.backends.torch_backend import TorchEngine
-    from arborspec.runtime.drafts import load_bigram_table
-    from arborspec.runtime.export_dir import read_manifest
-
     names, explicit = parse_runners(runners)
     man = read_manifest(export_dir)
     dtype = man.target.get("dtype", "fp32")
     if dtype not in DEFAULT_TOLERANCES:
-        raise ValueError(f"compare supports fp32 and fp16 exports, not {dtype} (numpy has no bfloat16)")
+        raise InputError(f"compare supports fp32 and fp16 exports, not {dtype} (numpy has no bfloat16)")
     d_atol, d_rtol = DEFAULT_TOLERANCES[dtype]
     atol = d_atol if atol is None else float(atol)
     rtol = d_rtol if rtol is None else float(rtol)
     if atol < 0 or rtol < 0:
-        raise ValueError("--atol and --rtol must be >= 0")
+        raise InputError("--atol and --rtol must be >= 0")
     kv_dtype = np.float16 if dtype == "fp16" else np.float32
     report = CompareReport(atol=atol, rtol=rtol)
 
@@ -535,12 +535,12 @@ def compare_export(export_dir: str | os.PathLike, runners: str | Iterable[str] |
                 why = f"no engines in {edir} (run `arborspec build --export-dir {man.root}`)"
             if why:
                 if explicit:
-                    raise ValueError(f"runner tensorrt was requested but cannot run: {why}")
+                    raise InputError(f"runner tensorrt was requested but cannot run: {why}")
                 report.skipped.append(("tensorrt", why))
                 continue
         active.append(n)
     if len(active) < 2:
-        raise ValueError(f"need at least two runners, only {', '.join(active)} can run here")
+        raise InputError(f"need at least two runners, only {', '.join(active)} can run here")
 
     # PyTorch reference (also the source of the feeds, whichever runners run)
     if target_module is None:
@@ -551,7 +551,7 @@ def compare_export(export_dir: str | os.PathLike, runners: str | Iterable[str] |
     dkind = man.draft.get("kind", "none")
     if dkind == "onnx":
         if draft_module is None:
-            raise ValueError("the export has a draft graph: give its PyTorch module too")
+            raise InputError("the export has a draft graph: give its PyTorch module too")
         feed_draft = TorchEngine(draft_module.float().eval())
     elif dkind == "bigram":
         feed_draft = load_bigram_table(man.path(man.draft["file"]))
@@ -597,7 +597,7 @@ def compare_export(export_dir: str | os.PathLike, runners: str | Iterable[str] |
                                                   compare_func=SimpleCompareFunc(atol=atol, rtol=rtol))
             except PolygraphyException as e:
                 msg = str(e).strip().splitlines()[0] if str(e).strip() else "Polygraphy failed"
-                raise ValueError(f"{graph}: {msg}") from None
+                raise InputError(f"{graph}: {msg}") from None
             for pair, iters in acc[0].items():
                 label = f"{pair[0]} vs {pair[1]}"
                 for feed, outs in zip(feeds[graph], iters):

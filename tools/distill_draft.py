@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from arborspec.runtime.errors import InputError, MissingFileError
 
 # Simple seeds: plain-text openings in a few registers (stories, facts, code, dialogue, lists).
 SEEDS = [
@@ -66,7 +67,7 @@ def load_prompt_entries(path: str | Path | None) -> list[dict]:
     p = Path(path) if path else default_prompts_file()
     if not p.is_file():
         if path:
-            raise FileNotFoundError(f"prompts file not found: {p}")
+            raise MissingFileError(f"prompts file not found: {p}")
         return []
     data = json.loads(p.read_text())
     if isinstance(data, dict):
@@ -216,11 +217,11 @@ def make_draft(target_module, n_layers: int, init: str = "target", seed: int = 0
 
     cfg = target_module.config
     if cfg.family != "llama":
-        raise ValueError(f"distillation builds a Llama draft: target family {cfg.family!r} is not llama")
+        raise InputError(f"distillation builds a Llama draft: target family {cfg.family!r} is not llama")
     if not 1 <= n_layers <= cfg.n_layers:
-        raise ValueError(f"--layers must be in 1..{cfg.n_layers}, got {n_layers}")
+        raise InputError(f"--layers must be in 1..{cfg.n_layers}, got {n_layers}")
     if init not in ("target", "random"):
-        raise ValueError(f"--init must be target or random, got {init!r}")
+        raise InputError(f"--init must be target or random, got {init!r}")
     torch.manual_seed(seed)
     dcfg = cfg.truncated(n_layers)
     dcfg.name = f"{cfg.name or 'target'}-distilled-L{n_layers}"
@@ -574,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
             tok = load_model(args.model).tokenizer
             prompts = eval_prompt_ids(tok, args.prompts, args.n_eval)
             if not prompts:
-                raise ValueError("no held-out prompts to evaluate on (the model has no tokenizer and the "
+                raise InputError("no held-out prompts to evaluate on (the model has no tokenizer and the "
                                  "prompts file has no 'ids' entries)")
             drafts = [os.path.expanduser(d.strip()) for d in args.drafts.split(",") if d.strip()]
             trees = [t.strip() for t in args.trees.split(";") if t.strip()]
@@ -585,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
                 Path(args.json_out).write_text(json.dumps(rows, indent=1))
             return 0
         if args.steps < 1 or args.seq_len < 2 or args.batch < 1 or args.corpus_tokens < 1:
-            raise ValueError("--steps, --batch and --corpus-tokens must be >= 1 and --seq-len >= 2")
+            raise InputError("--steps, --batch and --corpus-tokens must be >= 1 and --seq-len >= 2")
         distill(args)
         return 0
     except (ValueError, FileNotFoundError) as e:

@@ -53,6 +53,7 @@ class NullEngine:
         self.bank = copy_of.bank if copy_of is not None else torch.randn(512, vocab, generator=g) * 4
 
         self._top: dict = {}
+        self.max_topk = vocab
 
     def forward(self, ids, pos, mask, cache):
         p, t = cache.length, ids.shape[1]

@@ -29,6 +29,8 @@ import os
 import sys
 from pathlib import Path
 
+from arborspec.runtime.errors import InputError, MissingFileError
+
 
 def _locate() -> tuple[Path, str | None]:
     env = os.environ.get("ARBORSPEC_EXPORT_DIR")
@@ -38,7 +40,7 @@ def _locate() -> tuple[Path, str | None]:
     elif onnx_arg:
         root = Path(onnx_arg).resolve().parent
     else:
-        raise FileNotFoundError("arborspec data loader: set ARBORSPEC_EXPORT_DIR or run it on DIR/target.onnx")
+        raise MissingFileError("arborspec data loader: set ARBORSPEC_EXPORT_DIR or run it on DIR/target.onnx")
     return root, onnx_arg
 
 
@@ -47,7 +49,6 @@ def feeds(export_dir: str | os.PathLike | None = None, graph: str | None = None,
     """The feed dicts (OrderedDict[str, numpy.ndarray]) for one graph of an export folder."""
     from arborspec.runtime.drafts import load_bigram_table
     from arborspec.runtime.export_dir import load_export_dir
-
     from arborspec.tools.compare import build_feeds
 
     root, onnx_arg = _locate() if export_dir is None else (Path(export_dir), None)
@@ -59,9 +60,9 @@ def feeds(export_dir: str | os.PathLike | None = None, graph: str | None = None,
         graph = "draft" if name == man.draft.get("file") else "target"
     graph = graph or "target"
     if graph not in ("target", "draft"):
-        raise ValueError(f"ARBORSPEC_GRAPH must be target or draft, got {graph!r}")
+        raise InputError(f"ARBORSPEC_GRAPH must be target or draft, got {graph!r}")
     if graph == "draft" and man.draft.get("kind") != "onnx":
-        raise ValueError(f"{root} has no draft graph (draft kind {man.draft.get('kind')})")
+        raise InputError(f"{root} has no draft graph (draft kind {man.draft.get('kind')})")
     if isinstance(draft, (str, Path)):
         draft = load_bigram_table(draft)
     import numpy as np

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+from arborspec.runtime.errors import InputError, MissingFileError
 
 FORMAT = 1
 AUTO_FILE = "tree_auto.json"
@@ -239,7 +240,7 @@ def _draft_topk_ranks(draft, seq: list[int], k: int, chunk: int = 128) -> torch.
 
     n = len(seq)
     if not isinstance(draft, BigramDraft) and not (hasattr(draft, "forward") and hasattr(draft, "info")):
-        raise ValueError(f"tune measures model and bigram drafts; the {getattr(draft, 'kind', type(draft).__name__)} "
+        raise InputError(f"tune measures model and bigram drafts; the {getattr(draft, 'kind', type(draft).__name__)} "
                          "draft is not supported (give --tree explicitly)")
     if isinstance(draft, BigramDraft):
         logits = draft._rows(torch.tensor(seq[:-1]))
@@ -352,7 +353,7 @@ def spec_paths(spec: str) -> list[list[int]]:
         return [list(p) for p in pol.paths]
     if isinstance(pol, (ChainTree, FullTree)):
         return full_tree_paths(pol.depth, pol.w)
-    raise ValueError(f"tree {spec!r} depends on draft scores: it cannot be simulated, only run")
+    raise InputError(f"tree {spec!r} depends on draft scores: it cannot be simulated, only run")
 
 
 # ----------------------------------------------------------------------------- tuning
@@ -406,18 +407,18 @@ def resolve_tree(spec: str | None, models=None, args=None) -> str | None:
     if spec is None or str(spec).strip().lower() != "auto":
         return spec
     if args is None:
-        raise ValueError("--tree auto needs the model arguments to find the tuned tree")
+        raise InputError("--tree auto needs the model arguments to find the tuned tree")
     path = auto_tree_path(args)
     if not path.is_file():
         if getattr(args, "export_dir", None):
             how = f"arborspec tune --export-dir {args.export_dir}" + (f" --backend {args.backend}" if args.backend else "")
         else:
             how = f"arborspec tune --model {args.model} --draft {args.draft}" + (f" --backend {args.backend}" if args.backend else "")
-        raise FileNotFoundError(f"--tree auto: no tuned tree for these models ({path}); run `{how}` first")
+        raise MissingFileError(f"--tree auto: no tuned tree for these models ({path}); run `{how}` first")
     try:
         meta = json.loads(path.read_text())
     except ValueError:
-        raise ValueError(f"--tree auto: {path} is not valid JSON; re-run `arborspec tune`") from None
+        raise InputError(f"--tree auto: {path} is not valid JSON; re-run `arborspec tune`") from None
     tuned_backend = meta.get("backend") if isinstance(meta, dict) else None
     backend = args.backend or ("torch" if getattr(args, "model", None) else "onnxruntime")
     if tuned_backend and tuned_backend != backend:
@@ -430,7 +431,13 @@ def calibration_prompts(tok, prompts_file=None, n: int = 8, chat: bool = False, 
                         seed: int = 0) -> list[list[int]]:
     """Calibration prompts: the prompts file's training split (tools/data/prompts.json by
     default; held-out entries are left for evaluation), then built-in seeds."""
-    from .distill_draft import SEEDS, _random_seed_ids, encode_entry, load_prompt_entries, split_prompts
+    from .distill_draft import (
+        SEEDS,
+        _random_seed_ids,
+        encode_entry,
+        load_prompt_entries,
+        split_prompts,
+    )
 
     entries = load_prompt_entries(prompts_file)
     train, _ = split_prompts(entries) if entries else ([], [])
@@ -450,7 +457,7 @@ def tune(models, args, progress: bool = True) -> dict:
     """Measure, optimise, and write the tuned tree file(s). Returns the written document."""
     target, draft = models.target, models.draft
     if draft is None:
-        raise ValueError("tune needs a draft: give --draft layers:K|bigram|MODEL (or an export with a draft)")
+        raise InputError("tune needs a draft: give --draft layers:K|bigram|MODEL (or an export with a draft)")
     max_nodes = int(args.max_nodes)
     lim = models.limits.get("max_tree_nodes")
     if lim and max_nodes > lim:
@@ -458,7 +465,7 @@ def tune(models, args, progress: bool = True) -> dict:
     if target.info.max_tokens is not None:
         max_nodes = min(max_nodes, target.info.max_tokens - 1)
     if max_nodes < 1 or args.max_depth < 1 or args.max_width < 1:
-        raise ValueError("--max-nodes, --max-depth and --max-width must be >= 1")
+        raise InputError("--max-nodes, --max-depth and --max-width must be >= 1")
     bar = None
     if progress:
         from tqdm import tqdm
@@ -530,7 +537,7 @@ def plot_tuning(doc: dict, out: str | Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ValueError("--plot needs matplotlib (pip install matplotlib)") from None
+        raise InputError("--plot needs matplotlib (pip install matplotlib)") from None
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     v = {int(k): x for k, x in doc["cost_curve_ms"].items()}
     d = {int(k): x for k, x in doc["draft_cost_ms"].items()}

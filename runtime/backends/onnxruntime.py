@@ -93,6 +93,12 @@ class OrtEngine(EngineBase):
         self.output_names = C.output_names(n)
         got_in = [x.name for x in self.session.get_inputs()]
         got_out = [x.name for x in self.session.get_outputs()]
+        # a draft graph may carry its own top-k (contract TOPK_OUTPUTS, K in the metadata)
+        self.max_topk = 0
+        if got_out[len(self.output_names):] == list(C.TOPK_OUTPUTS) and C.META_TOPK in meta:
+            self.max_topk = int(meta[C.META_TOPK])
+            got_out = got_out[:len(self.output_names)]
+        self._logits_scratch: torch.Tensor | None = None
         if got_in != self.input_names or got_out != self.output_names:
             raise ExportDirError(f"{path}: graph inputs/outputs {got_in} -> {got_out} do not follow the "
                                  f"contract for {n} layers")
@@ -142,6 +148,17 @@ class OrtEngine(EngineBase):
                 cache: KVCache) -> torch.Tensor:
         """See Engine.forward: writes new K/V onto cache[:, P:P+T] (cache.length unchanged)
         and returns logits float32 [B, T, V] on self.device."""
+        return self._run(input_ids, position_ids, mask, cache, None)[0]
+
+    def forward_topk(self, input_ids, position_ids, mask, cache: KVCache, k: int, logprobs: bool = True):
+        """A draft graph with fused top-k (max_topk >= k): (log-probs [B, T, k], ids [B, T, k])
+        straight from the graph; the vocabulary-wide logits go to a reused scratch buffer."""
+        if k > self.max_topk:
+            raise EngineError(f"{self.path.name} returns its top-{self.max_topk} only, {k} were asked for")
+        _, vals, ids = self._run(input_ids, position_ids, mask, cache, k)
+        return vals[..., :k], ids[..., :k]
+
+    def _run(self, input_ids, position_ids, mask, cache: KVCache, k: int | None):
         self._check(input_ids, position_ids, mask, cache)
         b, t = input_ids.shape
         p = cache.length
@@ -158,8 +175,21 @@ class OrtEngine(EngineBase):
             self._bind_in(io, C.past_value(i), cache.v[i, :p])
             self._bind_out(io, C.new_key(i), cache.k[i, p:p + t])
             self._bind_out(io, C.new_value(i), cache.v[i, p:p + t])
-        logits = torch.empty((b, t, self.info.vocab_size), dtype=torch.float32, device=self.device)
+        n_logits = b * t * self.info.vocab_size
+        if k is None:
+            logits = torch.empty((b, t, self.info.vocab_size), dtype=torch.float32, device=self.device)
+        else:  # nobody reads these logits: a scratch buffer reused across calls
+            if self._logits_scratch is None or self._logits_scratch.numel() < n_logits:
+                self._logits_scratch = torch.empty(n_logits, dtype=torch.float32, device=self.device)
+            logits = self._logits_scratch[:n_logits].view(b, t, self.info.vocab_size)
         self._bind_out(io, C.LOGITS, logits)
+        vals = idx = None
+        if self.max_topk:
+            kk = self.max_topk
+            vals = torch.empty((b, t, kk), dtype=torch.float32, device=self.device)
+            idx = torch.empty((b, t, kk), dtype=torch.int64, device=self.device)
+            self._bind_out(io, C.TOPK_LOGPROBS, vals)
+            self._bind_out(io, C.TOPK_IDS, idx)
         if self._device_type == "cuda":
             # ORT runs on its own stream: torch's pending writes (ids, mask, cache commit)
             # must be done before ORT reads the buffers.
@@ -170,7 +200,7 @@ class OrtEngine(EngineBase):
             self.session.run_with_iobinding(io)
         # keep the bound tensors alive until the run has finished
         del ids, pos, msk
-        return logits
+        return logits, vals, idx
 
     __call__ = forward
 

@@ -21,6 +21,7 @@ class TorchEngine(EngineBase):
         self.info = EngineInfo(
             vocab_size=cfg.vocab_size, max_position=cfg.max_position,
             cache=CacheSpec(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, dtype), name=cfg.name)
+        self.max_topk = cfg.vocab_size  # forward_topk: any k, on the module's device
 
     @torch.inference_mode()
     def forward(self, input_ids, position_ids, mask, cache: KVCache) -> torch.Tensor:
