@@ -5,9 +5,7 @@ import json
 
 import pytest
 import torch
-
 from arborspec.tools.cli import main
-
 from conftest import random_model, tiny_config
 
 

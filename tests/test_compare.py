@@ -19,7 +19,6 @@ pytest.importorskip("polygraphy")
 
 from arborspec.export.export_folder import export_folder  # noqa: E402
 from arborspec.tools.cli import main  # noqa: E402
-
 from conftest import random_model, tiny_config  # noqa: E402
 
 POLYGRAPHY = Path(sys.executable).parent / "polygraphy"
@@ -86,9 +85,8 @@ def _perturb(src: Path, dst: Path) -> str:
     """Copy an export and add noise to one target initializer (manifest size/sha updated, as a
     broken exporter would have written them)."""
     import onnx
-    from onnx import numpy_helper
-
     from arborspec.export.onnx_export import sha256_file
+    from onnx import numpy_helper
 
     shutil.copytree(src, dst)
     path = dst / "target.onnx"

@@ -7,14 +7,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-import arborspec
 from arborspec.runtime.backends.torch_backend import TorchEngine
 from arborspec.runtime.decode import SpeculativeDecoder
-from arborspec.runtime.errors import ArborspecError, InputError, MissingFileError, TreeSpecError
+from arborspec.runtime.errors import (
+    ArborspecError,
+    InputError,
+    MissingFileError,
+    TreeSpecError,
+)
 from arborspec.runtime.generator import Completion, Generator
-
 from conftest import random_model, tiny_config, truncated
+
+import arborspec
 
 PROMPT = [1, 5, 7, 9, 3, 11]
 

@@ -15,8 +15,8 @@ pytest.importorskip("onnxscript")
 from arborspec.models import ModelConfig, build_model  # noqa: E402
 from arborspec.runtime.backends.onnxruntime import OrtEngine  # noqa: E402
 from arborspec.runtime.backends.torch_backend import TorchEngine  # noqa: E402
-from arborspec.runtime.kvcache import KVCache  # noqa: E402
 from arborspec.runtime.errors import ArborspecError  # noqa: E402
+from arborspec.runtime.kvcache import KVCache  # noqa: E402
 
 TOL = 1e-4
 

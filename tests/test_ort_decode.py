@@ -24,10 +24,14 @@ from arborspec.runtime.decode import SpeculativeDecoder  # noqa: E402
 from arborspec.runtime.export_dir import load_export_dir  # noqa: E402
 from arborspec.runtime.sampling import SamplingParams  # noqa: E402
 from arborspec.tools.cli import main  # noqa: E402
-
 from conftest import random_model, tiny_config  # noqa: E402
-from lossless_util import (PROMPT, chi_square_pvalue, exact_two_token_distribution,  # noqa: E402
-                           sample_two_tokens, use_seed_rule)
+from lossless_util import (  # noqa: E402
+    PROMPT,
+    chi_square_pvalue,
+    exact_two_token_distribution,
+    sample_two_tokens,
+    use_seed_rule,
+)
 
 STATIC = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 POLICIES = ["chain:3", "full:2,2", "full:3,2", "beam:2,3,3", "dynamic:3,3,10", "static"]

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from arborspec.models import ModelConfig, build_model
 
 HAS_RTX = importlib.util.find_spec("tensorrt_rtx") is not None
@@ -115,7 +114,8 @@ def test_limits_no_profile_can_hold(kw, msg):
 
 
 def test_compute_capability_spelling():
-    from arborspec.export.trt_build import EngineBuildError, normalize_compute_capability as n
+    from arborspec.export.trt_build import EngineBuildError
+    from arborspec.export.trt_build import normalize_compute_capability as n
     assert n("8.9") == n("89") == n("sm_89") == n("SM89") == n((8, 9)) == "8.9"
     assert n("12.0") == n("sm120") == "12.0"
     with pytest.raises(EngineBuildError, match="bad compute capability"):

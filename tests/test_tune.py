@@ -3,10 +3,8 @@ from __future__ import annotations
 
 import json
 import random
-from argparse import Namespace
 
 import pytest
-
 from arborspec.runtime.trees import StaticTree, parse_tree_spec
 from arborspec.tools import tune as T
 
@@ -96,13 +94,13 @@ def test_tuned_file_loads_via_parse_tree_spec(tmp_path):
 
 def test_tree_auto_missing_is_one_clean_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
-    args = Namespace(model="nope-model", draft="layers:1", export_dir=None, backend=None, device="cpu")
+    args = T.ModelsKey(model="nope-model", draft="layers:1", export_dir=None, backend=None, device="cpu")
     with pytest.raises(FileNotFoundError, match="arborspec tune --model nope-model --draft layers:1"):
-        T.resolve_tree("auto", None, args)
-    assert T.resolve_tree("full:3,2", None, args) == "full:3,2"
-    eargs = Namespace(model=None, draft=None, export_dir=tmp_path / "exp", backend=None, device="cpu")
+        T.resolve_tree("auto", args)
+    assert T.resolve_tree("full:3,2", args) == "full:3,2"
+    eargs = T.ModelsKey(model=None, draft=None, export_dir=tmp_path / "exp", backend=None, device="cpu")
     with pytest.raises(FileNotFoundError, match="tree_auto.json"):
-        T.resolve_tree("auto", None, eargs)
+        T.resolve_tree("auto", eargs)
     # through the CLI: one line on stderr, exit 2 (before any model is loaded would be nicer,
     # but the export dir does not exist anyway)
     from arborspec.tools.cli import main
@@ -114,9 +112,8 @@ def test_tree_auto_missing_is_one_clean_error(tmp_path, monkeypatch, capsys):
 
 
 def _tiny_models(tmp_path):
-    from conftest import random_model, tiny_config
-
     from arborspec.tools.distill_draft import save_hf_folder
+    from conftest import random_model, tiny_config
 
     m = random_model(tiny_config("llama", vocab=96, layers=3, hidden=64))
     return save_hf_folder(m, tmp_path / "tiny")
@@ -160,10 +157,9 @@ def test_tune_end_to_end_and_tree_auto(tmp_path, monkeypatch, capsys):
 
 def test_acceptance_of_the_target_itself_is_one_at_rank_zero():
     """Drafting with the target: its greedy token is always its own rank-0 candidate."""
-    from conftest import random_model, tiny_config
-
     from arborspec.runtime.backends.torch_backend import TorchEngine
     from arborspec.runtime.drafts import BigramDraft
+    from conftest import random_model, tiny_config
 
     eng = TorchEngine(random_model(tiny_config("llama", vocab=96, layers=2, hidden=64)))
     acc = T.measure_acceptance(eng, eng, [[1, 2, 3], [4, 5]], max_new_tokens=20, k=4, max_depth=3)
@@ -194,10 +190,9 @@ def test_acceptance_of_the_target_itself_is_one_at_rank_zero():
 def test_simulated_steps_equal_real_greedy_decoding(tree):
     """The cheap acceptance simulation (teacher-forced draft ranks) counts exactly the verify
     steps of real greedy tree decoding."""
-    from conftest import random_model, tiny_config, truncated
-
     from arborspec.runtime.backends.torch_backend import TorchEngine
     from arborspec.runtime.decode import SpeculativeDecoder
+    from conftest import random_model, tiny_config, truncated
 
     m = random_model(tiny_config("llama", vocab=96, layers=3, hidden=64), seed=3)
     tgt, dft = TorchEngine(m), TorchEngine(truncated(m, 1))
@@ -207,5 +202,5 @@ def test_simulated_steps_equal_real_greedy_decoding(tree):
     for prompt in ([1, 2, 3], [9, 8, 7, 6, 5]):
         res = SpeculativeDecoder(tgt, dft, mode=mode, tree=tree).generate(prompt, 40)
         seq = prompt + res.tokens
-        rank = T._draft_topk_ranks(dft, seq, k).tolist()
+        rank = T.draft_topk_ranks(dft, seq, k).tolist()
         assert T.simulate_greedy_steps(rank, len(prompt), len(seq), paths) == res.stats.steps

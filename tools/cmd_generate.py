@@ -12,7 +12,7 @@ from pathlib import Path
 
 from arborspec.runtime.errors import InputError, MissingFileError
 
-from .engines import add_model_args, open_models
+from .engines import add_model_args, models_key, open_models
 
 EXAMPLE = """examples:
   arborspec generate --model smollm2-135m --draft layers:4 --mode tree --tree full:3,2 \\
@@ -96,7 +96,7 @@ def resolve_tree_arg(models, args, mode: str):
         raise InputError("--tree auto picks a static tree: use it with --mode tree")
     from .tune import resolve_tree
 
-    return resolve_tree(args.tree, models, args)
+    return resolve_tree(args.tree, models_key(args))
 
 
 def make_decoder(models, args, mode: str | None = None):

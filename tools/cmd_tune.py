@@ -12,7 +12,7 @@ from pathlib import Path
 
 from arborspec.runtime.errors import InputError, MissingFileError
 
-from .engines import add_model_args, open_models
+from .engines import add_model_args, models_key, open_models
 
 EXAMPLE = """examples:
   arborspec tune --model smollm2-135m --draft layers:2 --plot tune.png
@@ -58,10 +58,14 @@ def run(args) -> int:
     if args.model and not args.draft:
         raise InputError("tune needs a draft: give --draft layers:K|bigram|MODEL")
     models = open_models(args)
-    from .tune import tune
+    from .tune import TuneOptions, tune
 
+    opts = TuneOptions(max_nodes=args.max_nodes, max_depth=args.max_depth, max_width=args.max_width,
+                       past=args.past, reps=args.reps, prompts=args.prompts, n_prompts=args.n_prompts,
+                       chat=args.chat, calib_tokens=args.calib_tokens, seed=args.seed, out=args.out,
+                       plot=args.plot)
     try:
-        doc = tune(models, args, progress=not args.quiet)
+        doc = tune(models, models_key(args), opts, progress=not args.quiet)
     finally:
         models.close()
     if args.json:

@@ -59,8 +59,12 @@ def _bigram_from_target(engine, source: dict, progress: bool = True):
     """The bigram draft of a torch target, cached in the user cache by the weights' sha256."""
 
     from arborspec.models.registry import cache_dir
-    from arborspec.runtime.drafts import (BigramDraft, bigram_table_from_target, load_bigram_table,
-                                          save_bigram_table)
+    from arborspec.runtime.drafts import (
+        BigramDraft,
+        bigram_table_from_target,
+        load_bigram_table,
+        save_bigram_table,
+    )
 
     sha = source.get("sha256")
     cache = None
@@ -88,38 +92,50 @@ def lookup_spec(spec: str | None) -> int | None:
 
 
 def open_models(args, need_draft: bool = True) -> OpenModels:
-    """Engines for the arguments. `--draft lookup[:N]` (a runtime-only n-gram draft) works with
-    every backend, also on top of an export folder whose own draft it replaces."""
-    backend = args.backend or ("torch" if args.model else "onnxruntime")
+    """Engines for CLI-style arguments (see `open_engines`)."""
+    return open_engines(model=args.model, draft=getattr(args, "draft", None), export_dir=args.export_dir,
+                        backend=args.backend, device=args.device, engine_dir=getattr(args, "engine_dir", None),
+                        verify=bool(getattr(args, "verify", False)), need_draft=need_draft)
+
+
+def open_engines(model=None, draft: str | None = None, export_dir=None, backend: str | None = None,
+                 device: str = "cpu", engine_dir=None, verify: bool = False, need_draft: bool = True) -> OpenModels:
+    """Target and draft for a backend: `model` (torch backend: registry name or path) or
+    `export_dir` (onnxruntime, tensorrt). `draft lookup[:N]` (a runtime-only n-gram draft)
+    works with every backend, also on top of an export folder whose own draft it replaces."""
+    backend = backend or ("torch" if model else "onnxruntime")
     if backend == "torch":
-        if not args.model:
+        if not model:
             raise UserError("--backend torch needs --model NAME|PATH")
-        n_lookup = lookup_spec(getattr(args, "draft", None))
+        n_lookup = lookup_spec(draft)
         if n_lookup is not None:
             from arborspec.runtime.lookup import LookupDraft
 
-            models = _open_torch(args, need_draft=False)
+            models = _open_torch(model, None, device, need_draft=False)
             if need_draft:
                 models.draft = LookupDraft(models.target.info.vocab_size, max_ngram=n_lookup)
             return models
-        return _open_torch(args, need_draft)
-    if args.export_dir is None:
+        return _open_torch(model, draft, device, need_draft)
+    if export_dir is None:
         raise UserError(f"--backend {backend} needs --export-dir DIR (make one with `arborspec export`)")
-    if args.model:
+    if model:
         raise UserError(f"--model is for the torch backend; --backend {backend} reads --export-dir")
-    return _open_export(args, backend, need_draft)
+    from arborspec.runtime.export_dir import open_export
+
+    ex = open_export(export_dir, backend, device, draft=(draft or "export") if need_draft else "none",
+                     engine_dir=engine_dir, verify=verify)
+    return OpenModels(ex.target, ex.draft, ex.tokenizer, limits=ex.limits, tree_default=ex.tree_default,
+                      describe=f"{export_dir} ({backend}, {device})", owner=ex)
 
 
-def _open_torch(args, need_draft: bool) -> OpenModels:
-
+def _open_torch(model, draft_spec: str | None, device: str, need_draft: bool) -> OpenModels:
     from arborspec.models.registry import load_model
     from arborspec.runtime.backends.torch_backend import TorchEngine
 
-    loaded = load_model(args.model)
-    device = args.device
+    loaded = load_model(model)
     target = TorchEngine(loaded.module, device=device)
     draft = None
-    spec = (args.draft or "none").strip()
+    spec = (draft_spec or "none").strip()
     if need_draft and spec.lower() != "none":
         from arborspec.export.export_folder import parse_draft_spec, truncated_draft
 
@@ -134,15 +150,14 @@ def _open_torch(args, need_draft: bool) -> OpenModels:
                 raise UserError(f"draft vocabulary ({d.config.vocab_size}) differs from the target's "
                                  f"({loaded.config.vocab_size})")
             draft = TorchEngine(d.module, device=device)
-    return OpenModels(target, draft, loaded.tokenizer, describe=f"{args.model} (torch, {device})",
+    return OpenModels(target, draft, loaded.tokenizer, describe=f"{model} (torch, {device})",
                       source=loaded.source)
 
 
-def _open_export(args, backend: str, need_draft: bool) -> OpenModels:
-    from arborspec.runtime.export_dir import open_export
+def models_key(args):
+    """The tuned-tree key (arborspec.tools.tune.ModelsKey) of CLI-style model arguments."""
+    from .tune import ModelsKey
 
-    draft = (args.draft or "export") if need_draft else "none"
-    ex = open_export(args.export_dir, backend, args.device, draft=draft,
-                     engine_dir=getattr(args, "engine_dir", None), verify=bool(getattr(args, "verify", False)))
-    return OpenModels(ex.target, ex.draft, ex.tokenizer, limits=ex.limits, tree_default=ex.tree_default,
-                      describe=f"{args.export_dir} ({backend}, {args.device})", owner=ex)
+    return ModelsKey(model=getattr(args, "model", None), draft=getattr(args, "draft", None),
+                     backend=getattr(args, "backend", None), device=getattr(args, "device", "cpu") or "cpu",
+                     export_dir=getattr(args, "export_dir", None))

@@ -18,7 +18,6 @@ import platform
 import sys
 
 import torch
-
 from arborspec.runtime.backends.base import EngineInfo
 from arborspec.runtime.decode import SpeculativeDecoder
 from arborspec.runtime.kvcache import CacheSpec
