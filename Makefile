@@ -17,7 +17,7 @@ DEMO_TREE ?= beam:4,8,8
 DEMO_EXPORT := $(CACHE)/exports/smollm2-135m-$(subst :,,$(EXPORT_DRAFT))
 DEMO_PROMPT ?= Sort this shopping list alphabetically, one item per line, and keep each quantity: 2 pears, 6 eggs, 1 loaf of bread, 3 lemons, 500 g of flour, 1 bag of rice, 4 apples, 2 onions, 1 jar of honey, 3 carrots.
 
-.PHONY: demo test install clean bench
+.PHONY: demo test lint install clean bench
 
 install: $(STAMP)
 
@@ -39,7 +39,10 @@ demo: $(STAMP)
 	$(ARBOR) generate --export-dir "$(DEMO_EXPORT)" --backend onnxruntime --draft $(DEMO_DRAFT) --mode tree --tree "$(DEMO_TREE)" \
 	  --chat --prompt "$(DEMO_PROMPT)" --max-new-tokens 96 --vs-vanilla
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: lint
 	$(PY) -m pytest -q -ra --durations=15
 
 bench: $(STAMP)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from arborspec.runtime.errors import InputError
 
 from .manifest import build_manifest, graph_entry, write_manifest

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
 from arborspec.runtime.errors import InputError
 
 log = logging.getLogger("arborspec.export")

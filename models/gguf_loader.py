@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from arborspec.runtime.errors import InputError, MissingFileError
 
 from .config import ModelConfig

@@ -12,6 +12,7 @@ import math
 
 import torch
 import torch.nn as nn
+
 from arborspec.runtime.errors import InputError
 
 from .config import ModelConfig

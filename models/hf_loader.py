@@ -13,8 +13,9 @@ import json
 from pathlib import Path
 
 import torch
-from arborspec.runtime.errors import InputError, MissingFileError
 from safetensors.torch import load_file
+
+from arborspec.runtime.errors import InputError, MissingFileError
 
 from .config import ModelConfig
 from .gpt2 import GPT2Decoder

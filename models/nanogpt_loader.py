@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from arborspec.runtime.errors import InputError, MissingFileError
 
 from .config import ModelConfig

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from arborspec.runtime.errors import InputError, MissingFileError
 
 from ..runtime.tokenizer import TextTokenizer

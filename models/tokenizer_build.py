@@ -13,8 +13,9 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from arborspec.runtime.errors import InputError
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from arborspec.runtime.errors import InputError
 
 from ..runtime.tokenizer import TextTokenizer
 

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .contract import (FORMAT, MANIFEST_NAME, Manifest, check_arborspec_onnx,  # noqa: F401
-                       read_engines_manifest, read_manifest)
+from .contract import FORMAT, MANIFEST_NAME, Manifest, check_arborspec_onnx, read_engines_manifest, read_manifest  # noqa: F401
 from .errors import ExportDirError, InputError, MissingFileError
 from .onnx_meta import read_onnx_metadata  # noqa: F401
 

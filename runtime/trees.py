@@ -27,7 +27,6 @@ import torch
 
 from .errors import MissingFileError, TreeSpecError
 
-
 # ----------------------------------------------------------------------------- policies
 
 class TreePolicy:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from arborspec.models import ModelConfig, build_model
 from arborspec.runtime.backends.torch_backend import TorchEngine
 

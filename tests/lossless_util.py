@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from scipy import stats
+
 from arborspec.runtime import decode as decode_mod
 from arborspec.runtime.accept import Acceptance
 from arborspec.runtime.kvcache import KVCache
 from arborspec.runtime.sampling import SamplingParams, probs, sample
-from scipy import stats
 
 PROMPT = [1, 3, 2]
 

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+
 from arborspec.tools import bench, bench_report
 from arborspec.tools import prompts as prompt_sets
 from arborspec.tools.cli import main

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+
 from arborspec.runtime.decode import SpeculativeDecoder
 from arborspec.runtime.drafts import BigramDraft, bigram_table_from_target
 from arborspec.runtime.kvcache import KVCache

@@ -4,12 +4,13 @@ from __future__ import annotations
 import json
 
 import torch
+from conftest import random_model, tiny_config
+
 from arborspec.models.registry import load_model
 from arborspec.tools import distill_cli as cli
 from arborspec.tools import distill_draft as dd
 from arborspec.tools import distill_eval as de
 from arborspec.tools import prompts
-from conftest import random_model, tiny_config
 
 
 def _tiny_target(tmp_path):

@@ -15,14 +15,13 @@ onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
+from arborspec import CONTRACT_VERSION  # noqa: E402
 from arborspec.export.export_folder import export_folder, truncated_draft  # noqa: E402
 from arborspec.export.onnx_export import MAX_IR_VERSION, check_symbolic_inputs  # noqa: E402
 from arborspec.models import ModelConfig, build_model  # noqa: E402
 from arborspec.runtime.backends.torch_backend import TorchEngine  # noqa: E402
 from arborspec.runtime.export_dir import ExportDirError, load_export_dir, read_manifest  # noqa: E402
 from arborspec.runtime.kvcache import KVCache  # noqa: E402
-
-from arborspec import CONTRACT_VERSION  # noqa: E402
 
 
 @dataclass
@@ -40,8 +39,9 @@ def tiny(family: str, vocab: int = 64) -> ModelConfig:
 
 
 def word_tokenizer(vocab: int):
-    from arborspec.runtime.tokenizer import TextTokenizer
     from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from arborspec.runtime.tokenizer import TextTokenizer
 
     words = {f"w{i}": i for i in range(vocab - 1)}
     words["<unk>"] = vocab - 1
@@ -161,8 +161,9 @@ def test_missing_files(folder, tmp_path):
 
 
 def test_missing_external_data(folder, tmp_path):
-    from arborspec.runtime.backends.onnxruntime import OrtEngine
     from conftest import externalize_target
+
+    from arborspec.runtime.backends.onnxruntime import OrtEngine
 
     d = _copy(folder[0], tmp_path)
     externalize_target(d)

@@ -7,6 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import random_model, tiny_config, truncated
+
+import arborspec
 from arborspec.runtime.backends.torch_backend import TorchEngine
 from arborspec.runtime.decode import SpeculativeDecoder
 from arborspec.runtime.errors import (
@@ -16,17 +19,15 @@ from arborspec.runtime.errors import (
     TreeSpecError,
 )
 from arborspec.runtime.generator import Completion, Generator
-from conftest import random_model, tiny_config, truncated
-
-import arborspec
 
 PROMPT = [1, 5, 7, 9, 3, 11]
 
 
 @pytest.fixture(scope="module")
 def tok():
-    from arborspec.models.tokenizer_build import text_tokenizer_from_gguf_meta
     from test_tokenizer import synthetic_meta
+
+    from arborspec.models.tokenizer_build import text_tokenizer_from_gguf_meta
 
     return text_tokenizer_from_gguf_meta(synthetic_meta())
 

@@ -13,6 +13,7 @@ import os
 import numpy as np
 import pytest
 import torch
+
 from arborspec.models import build_model, registry
 from arborspec.models.config import ModelConfig
 from arborspec.models.gguf_loader import llamacpp_permute, load_gguf, reverse_permute

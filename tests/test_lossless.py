@@ -8,9 +8,6 @@ import zlib
 
 import pytest
 import torch
-from arborspec.runtime.backends.torch_backend import TorchEngine
-from arborspec.runtime.decode import SpeculativeDecoder
-from arborspec.runtime.sampling import SamplingParams
 from conftest import random_model, tiny_config, truncated
 from lossless_util import (
     PROMPT,
@@ -19,6 +16,10 @@ from lossless_util import (
     sample_two_tokens,
     use_seed_rule,
 )
+
+from arborspec.runtime.backends.torch_backend import TorchEngine
+from arborspec.runtime.decode import SpeculativeDecoder
+from arborspec.runtime.sampling import SamplingParams
 
 N = 2000
 PASS_P = 1e-3

@@ -12,13 +12,14 @@ import subprocess
 import sys
 
 import pytest
+from tokenizers import pre_tokenizers
+
 from arborspec.models import registry
 from arborspec.models.tokenizer_build import (
     text_tokenizer_from_gguf_meta,
     tokenizer_from_gguf_meta,
 )
 from arborspec.runtime.tokenizer import StreamDecoder, TextTokenizer
-from tokenizers import pre_tokenizers
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -141,6 +142,7 @@ needs_smollm2 = pytest.mark.skipif(not registry.smollm2_available(),
 def smol_pair():
     transformers = pytest.importorskip("transformers")
     import gguf
+
     from arborspec.models.gguf_loader import read_metadata
 
     os.environ["HF_HUB_OFFLINE"] = "1"

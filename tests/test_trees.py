@@ -6,12 +6,13 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from arborspec.runtime.drafting import draft_tree
 from arborspec.runtime.drafts import DraftSource
 from arborspec.runtime.sampling import SamplingParams
 from arborspec.runtime.trees import TreeSpecError, parse_tree_spec, verify_inputs
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 
 class RandomDraft(DraftSource):

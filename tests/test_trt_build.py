@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from arborspec.models import ModelConfig, build_model
 
 HAS_RTX = importlib.util.find_spec("tensorrt_rtx") is not None
@@ -223,6 +224,7 @@ def test_unsupported_compute_capability(export_dir, tmp_path):
 @needs_rtx
 def test_static_batch_onnx_cannot_hold_max_batch(export_dir, tmp_path):
     import onnx
+
     from arborspec.export.trt_build import EngineBuildError, build_engine
     m = onnx.load(str(export_dir / "target.onnx"))
     for inp in m.graph.input:  # B exported with size 1 (the silent-constant trap)
@@ -238,6 +240,7 @@ def test_static_batch_onnx_cannot_hold_max_batch(export_dir, tmp_path):
 @needs_rtx
 def test_unsupported_op_is_named(export_dir, tmp_path):
     import onnx
+
     from arborspec.export.trt_build import EngineBuildError, build_engine
     m = onnx.load(str(export_dir / "draft.onnx"))
     node = next(n for n in m.graph.node if n.op_type == "Softmax")

@@ -5,6 +5,7 @@ import json
 import random
 
 import pytest
+
 from arborspec.runtime.trees import StaticTree, parse_tree_spec
 from arborspec.tools import tune as T
 
@@ -112,8 +113,9 @@ def test_tree_auto_missing_is_one_clean_error(tmp_path, monkeypatch, capsys):
 
 
 def _tiny_models(tmp_path):
-    from arborspec.tools.distill_draft import save_hf_folder
     from conftest import random_model, tiny_config
+
+    from arborspec.tools.distill_draft import save_hf_folder
 
     m = random_model(tiny_config("llama", vocab=96, layers=3, hidden=64))
     return save_hf_folder(m, tmp_path / "tiny")
@@ -157,9 +159,10 @@ def test_tune_end_to_end_and_tree_auto(tmp_path, monkeypatch, capsys):
 
 def test_acceptance_of_the_target_itself_is_one_at_rank_zero():
     """Drafting with the target: its greedy token is always its own rank-0 candidate."""
+    from conftest import random_model, tiny_config
+
     from arborspec.runtime.backends.torch_backend import TorchEngine
     from arborspec.runtime.drafts import BigramDraft
-    from conftest import random_model, tiny_config
 
     eng = TorchEngine(random_model(tiny_config("llama", vocab=96, layers=2, hidden=64)))
     acc = T.measure_acceptance(eng, eng, [[1, 2, 3], [4, 5]], max_new_tokens=20, k=4, max_depth=3)
@@ -190,9 +193,10 @@ def test_acceptance_of_the_target_itself_is_one_at_rank_zero():
 def test_simulated_steps_equal_real_greedy_decoding(tree):
     """The cheap acceptance simulation (teacher-forced draft ranks) counts exactly the verify
     steps of real greedy tree decoding."""
+    from conftest import random_model, tiny_config, truncated
+
     from arborspec.runtime.backends.torch_backend import TorchEngine
     from arborspec.runtime.decode import SpeculativeDecoder
-    from conftest import random_model, tiny_config, truncated
 
     m = random_model(tiny_config("llama", vocab=96, layers=3, hidden=64), seed=3)
     tgt, dft = TorchEngine(m), TorchEngine(truncated(m, 1))

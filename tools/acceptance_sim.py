@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+
 from arborspec.runtime.errors import InputError
 
 

@@ -5,11 +5,6 @@ Role in one decode step: none; reports what the measured steps cost and bought.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .bench import BenchConfig
-
 import datetime as _dt
 import os
 import platform
@@ -61,7 +56,7 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-def aggregate(per_prompt: list[dict], configs: list[BenchConfig]) -> dict:
+def aggregate(per_prompt: list[dict], configs: list) -> dict:
     names = [c.name for c in configs if per_prompt and c.name in per_prompt[0]["runs"]]
     out: dict[str, dict] = {}
     for name in names:

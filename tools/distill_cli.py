@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 from arborspec.runtime.errors import ArborspecError, InputError
 
 from . import distill_draft

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from arborspec.runtime.errors import InputError
 
 from .distill_corpus import (

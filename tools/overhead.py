@@ -18,6 +18,7 @@ import platform
 import sys
 
 import torch
+
 from arborspec.runtime.backends.base import EngineInfo
 from arborspec.runtime.decode import SpeculativeDecoder
 from arborspec.runtime.kvcache import CacheSpec

@@ -11,6 +11,7 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+
 from arborspec.runtime.errors import InputError, MissingFileError
 
 
