@@ -101,8 +101,8 @@ class WithTopK(torch.nn.Module):
         super().__init__()
         self.inner, self.k, self.config = module, k, module.config
 
-    def forward(self, *args):
-        out = self.inner(*args)
+    def forward(self, input_ids, position_ids, attention_mask, *past):  # the contract's argument names
+        out = self.inner(input_ids, position_ids, attention_mask, *past)
         logits = out[0]
         logprobs = logits - torch.logsumexp(logits, -1, keepdim=True)
         vals, ids = torch.topk(logprobs, self.k, dim=-1)
