@@ -27,7 +27,7 @@ import torch
 from arborspec.runtime.errors import InputError
 
 from .manifest import build_manifest, graph_entry, write_manifest
-from .onnx_export import DEFAULT_OPSET, DTYPES, export_contract_onnx, sha256_file
+from .onnx_export import DEFAULT_OPSET, DTYPES, export_contract_onnx, export_gqa_onnx, sha256_file
 
 log = logging.getLogger("arborspec.export")
 
@@ -35,7 +35,8 @@ TARGET_FILE = "target.onnx"
 DRAFT_FILE = "draft.onnx"
 BIGRAM_FILE = "draft_bigram.safetensors"
 DEFAULT_MAX_TREE_NODES = 64
-DEFAULT_DRAFT_TOPK = 16  # K of the draft graph's fused top-k outputs (the widest tree level)
+DEFAULT_DRAFT_TOPK = 16
+ATTENTIONS = ("auto", "gqa", "onnx")  # K of the draft graph's fused top-k outputs (the widest tree level)
 
 
 @dataclass
@@ -140,8 +141,13 @@ def export_folder(model, out: str | os.PathLike, draft: str | None = "layers:2",
                   dtype: str = "fp32", opset: int = DEFAULT_OPSET, max_context: int | None = None,
                   max_tree_nodes: int = DEFAULT_MAX_TREE_NODES, tree_defaults: dict | None = None,
                   force: bool = False, progress: bool = True, verify: bool = True,
-                  exporter: str = "auto", draft_model=None, draft_topk: int = DEFAULT_DRAFT_TOPK) -> ExportSummary:
+                  exporter: str = "auto", draft_model=None, draft_topk: int = DEFAULT_DRAFT_TOPK,
+                  attention: str = "auto") -> ExportSummary:
     """Export target (+ draft, tokenizer, manifest) into the folder `out`, atomically.
+
+    attention: "gqa" (ONNX Runtime's fast graph: GroupQueryAttention reading and writing the
+    cache in place, kv layout "bhsd"; Llama family, fp32), "onnx" (the portable graph from
+    torch.onnx.export that TensorRT builds, kv layout "sbhd"), or "auto" (gqa where it applies).
 
     model: a spec for load_model (registry name, HF folder, .gguf, nanoGPT .pt) or an
     already loaded object with .module/.config/.tokenizer/.source. draft_model: an already
@@ -150,6 +156,8 @@ def export_folder(model, out: str | os.PathLike, draft: str | None = "layers:2",
 
     if dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
+    if attention not in ATTENTIONS:
+        raise InputError(f"unknown attention {attention!r} (expected one of {', '.join(ATTENTIONS)})")
     kind, arg = parse_draft_spec(draft)
     out = Path(out)
     stages = ["load model", "build draft", "tokenizer", "export target", "export draft", "manifest"]
@@ -202,17 +210,30 @@ def export_folder(model, out: str | os.PathLike, draft: str | None = "layers:2",
         bar.update(1)
 
         stage("export target")
-        res_t = export_contract_onnx(module, tmp / TARGET_FILE, opset=opset, dtype=dtype,
-                                     tokenizer_sha256=tok_sha, role="target", max_context=max_context,
-                                     exporter=exporter, verify=verify)
+        from .gqa_graph import gqa_unsupported
+
+        why_not = gqa_unsupported(cfg, dtype)
+        use_gqa = attention == "gqa" or (attention == "auto" and why_not is None)
+        if attention == "gqa" and why_not:
+            raise InputError(f"--attention gqa: {why_not} (use --attention onnx)")
+
+        def export_graph(m, path, role, topk=0):
+            if use_gqa:
+                return export_gqa_onnx(m, path, dtype, tokenizer_sha256=tok_sha, role=role,
+                                       max_context=max_context, verify=verify, topk=topk)
+            return export_contract_onnx(m, path, opset=opset, dtype=dtype, tokenizer_sha256=tok_sha, role=role,
+                                        max_context=max_context, exporter=exporter, verify=verify, topk=topk)
+
+        res_t = export_graph(module, tmp / TARGET_FILE, "target")
         target_entry = graph_entry(tmp, res_t, cfg.to_dict())
         bar.update(1)
 
         stage("export draft")
         if draft_module is not None:
-            res_d = export_contract_onnx(draft_module, tmp / DRAFT_FILE, opset=opset, dtype=dtype,
-                                         tokenizer_sha256=tok_sha, role="draft", max_context=max_context,
-                                         exporter=exporter, verify=verify, topk=draft_topk)
+            if use_gqa and gqa_unsupported(draft_module.config, dtype):
+                raise InputError(f"--attention gqa: the draft: {gqa_unsupported(draft_module.config, dtype)} "
+                                 "(use --attention onnx)")
+            res_d = export_graph(draft_module, tmp / DRAFT_FILE, "draft", draft_topk)
             draft_entry = graph_entry(tmp, res_d, draft_module.config.to_dict(), spec=draft)
             if draft_topk:
                 draft_entry["topk"] = min(int(draft_topk), draft_module.config.vocab_size)

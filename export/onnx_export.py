@@ -41,6 +41,7 @@ from arborspec.runtime.contract import (  # noqa: F401,E402
     META_CONTRACT,
     META_DTYPE,
     META_EXPORTER,
+    META_KV_LAYOUT,
     META_ROLE,
     META_TOKENIZER,
     META_TOPK,
@@ -297,6 +298,7 @@ def export_contract_onnx(module: torch.nn.Module, path: str | os.PathLike, opset
         META_ROLE: role,
         META_EXPORTER: f"{used}:opset{opset}",
         META_VERSION: arborspec.__version__,
+        META_KV_LAYOUT: "sbhd",
     }
     if topk > 0:
         meta[META_TOPK] = str(topk)
@@ -313,6 +315,49 @@ def export_contract_onnx(module: torch.nn.Module, path: str | os.PathLike, opset
         if not diff <= tol:
             raise RuntimeError(f"{path.name}: ONNX Runtime differs from PyTorch by {diff:.3g} "
                                f"(> {tol:g}) on random tree steps")
+    return res
+
+
+def export_gqa_onnx(module: torch.nn.Module, path: str | os.PathLike, dtype: str = "fp32", *,
+                    tokenizer_sha256: str | None = None, role: str = "", max_context: int | None = None,
+                    verify: bool = True, tolerance: float | None = None, topk: int = 0) -> ExportResult:
+    """Export a Llama-family module as ONNX Runtime's fast graph (export/gqa_graph.py: cache read
+    and written in place, kv layout "bhsd"). fp32 only for now."""
+    import arborspec
+
+    from . import gqa_graph
+
+    if dtype != "fp32":
+        raise InputError(f"--attention gqa exports fp32 only (got {dtype}); use --attention onnx for {dtype}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cfg = module.config
+    module = module.float().eval()
+    max_context = int(max_context or cfg.max_position)
+    topk = min(int(topk or 0), cfg.vocab_size)
+    model = gqa_graph.build_gqa_model(module, max_context, topk)
+    ext = gqa_graph.save_model(model, path)
+    meta = {
+        META_CONTRACT: str(CONTRACT_VERSION),
+        META_CONFIG: cfg.to_json(),
+        META_DTYPE: dtype,
+        META_TOKENIZER: tokenizer_sha256 or "",
+        META_ROLE: role,
+        META_EXPORTER: f"gqa:opset{gqa_graph.OPSET}",
+        META_VERSION: arborspec.__version__,
+        META_KV_LAYOUT: "bhsd",
+    }
+    if topk > 0:
+        meta[META_TOPK] = str(topk)
+    ir, nodes = _finalize(path, meta, bool(ext))
+    res = ExportResult(path=path, opset=gqa_graph.OPSET, exporter="gqa", dtype=dtype, ir_version=ir,
+                       n_nodes=nodes, external_data=ext)
+    if verify:
+        diff = gqa_graph.verify_gqa_against_torch(module, path)
+        res.max_abs_diff = diff
+        tol = tolerance if tolerance is not None else 1e-2
+        if not diff <= tol:
+            raise RuntimeError(f"{path.name}: ONNX Runtime differs from PyTorch by {diff:.3g} (> {tol:g}) on random steps")
     return res
 
 

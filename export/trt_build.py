@@ -370,6 +370,10 @@ def build_engine(onnx_path: str | os.PathLike, out_path: str | os.PathLike, *, m
     onnx_path, out_path = Path(onnx_path), Path(out_path)
     if not onnx_path.is_file():
         raise MissingFileError(f"ONNX file not found: {onnx_path}")
+    if _onnx_metadata(onnx_path).get(C.META_KV_LAYOUT) == "bhsd":
+        raise EngineBuildError(f"{onnx_path.name} is ONNX Runtime's fast graph (GroupQueryAttention, a contrib "
+                               "op TensorRT cannot parse): export with `arborspec export --attention onnx` "
+                               "to build TensorRT engines")
     profiles = plan_profiles(max_batch, max_tree_nodes, max_context)
     cc = normalize_compute_capability(compute_capability)
 

@@ -58,7 +58,16 @@ from .errors import ExportDirError, MissingFileError
 from .fileio import sha256_file
 from .onnx_meta import read_onnx_metadata
 
-CONTRACT_VERSION = 1
+CONTRACT_VERSION = 2  # written by this arborspec
+SUPPORTED_VERSIONS = (1, 2)  # read by this arborspec (version 1: kv layout "sbhd" only)
+
+# Cache layouts (metadata `arborspec.kv_layout`; version 1 graphs are "sbhd"):
+#   "sbhd": past_key.{i} is the committed prefix [P, B, Hkv, D] of a [S_max, B, Hkv, D] slab and
+#           new_key.{i} only the new tokens [T, B, Hkv, D] (portable: torch.onnx export, TensorRT)
+#   "bhsd": past_key.{i} is the layer's whole slab [B, Hkv, S_max, D] and new_key.{i} is bound
+#           to the same buffer: the graph writes the new tokens at [P, P+T) in place (ONNX
+#           Runtime GroupQueryAttention with a shared past/present buffer, export/gqa_graph.py)
+KV_LAYOUTS = ("sbhd", "bhsd")
 
 # ----------------------------------------------------------------------------- graph I/O
 INPUT_IDS = "input_ids"
@@ -119,6 +128,7 @@ META_TOKENIZER = "arborspec.tokenizer_sha256"
 META_ROLE = "arborspec.role"
 META_EXPORTER = "arborspec.exporter"
 META_VERSION = "arborspec.version"
+META_KV_LAYOUT = "arborspec.kv_layout"
 META_TOPK = "arborspec.topk"  # K of the fused top-k outputs (draft graphs), absent: none
 
 # ----------------------------------------------------------------------------- dtypes
@@ -146,10 +156,10 @@ def dtype_from_name(name: str) -> torch.dtype:
 # ----------------------------------------------------------------------------- version
 def check_contract_version(found: Any, where: str | os.PathLike, expected: int | None = None) -> None:
     """Raise one line when `found` (from a manifest or metadata) is not this contract version."""
-    expected = CONTRACT_VERSION if expected is None else expected
-    if str(found) != str(expected):
+    ok = [str(v) for v in (SUPPORTED_VERSIONS if expected is None else (expected,))]
+    if str(found) not in ok:
         raise ExportDirError(f"{where} uses engine contract version {found}, this arborspec reads "
-                             f"version {expected}: re-export it with `arborspec export`")
+                             f"version {' or '.join(ok)}: re-export it with `arborspec export`")
 
 
 def check_metadata(meta: dict[str, str], where: str | os.PathLike, expected_version: int | None = None) -> dict[str, Any]:
@@ -162,6 +172,14 @@ def check_metadata(meta: dict[str, str], where: str | os.PathLike, expected_vers
         return json.loads(meta[META_CONFIG])
     except json.JSONDecodeError:
         raise ExportDirError(f"{where}: the model config in its metadata is not JSON") from None
+
+
+def kv_layout(meta: dict[str, str], where: str | os.PathLike = "") -> str:
+    """The cache layout a graph's metadata declares ("sbhd" when absent: version 1)."""
+    layout = meta.get(META_KV_LAYOUT, "sbhd") or "sbhd"
+    if layout not in KV_LAYOUTS:
+        raise ExportDirError(f"{where}: unknown kv layout {layout!r} (this arborspec reads {', '.join(KV_LAYOUTS)})")
+    return layout
 
 
 def check_arborspec_onnx(path: str | os.PathLike, expected_version: int | None = None) -> dict[str, str]:
@@ -260,9 +278,9 @@ def read_manifest(dir: str | os.PathLike, check_checksums: bool = False) -> Mani
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ExportDirError(f"{mf} is not an arborspec manifest (format != {FORMAT!r})")
     ver = data.get("contract_version")
-    if ver != CONTRACT_VERSION:
+    if ver not in SUPPORTED_VERSIONS:
         raise ExportDirError(f"{mf}: exported for engine contract version {ver}, this arborspec "
-                             f"reads version {CONTRACT_VERSION}: re-export the model")
+                             f"reads version {' or '.join(map(str, SUPPORTED_VERSIONS))}: re-export the model")
     for key in ("target", "limits"):
         if key not in data:
             raise ExportDirError(f"{mf}: missing {key!r}")

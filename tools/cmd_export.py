@@ -14,6 +14,7 @@ EXAMPLE = """examples:
   arborspec export --model smollm2-135m --draft layers:4 --out out/smollm2
   arborspec export --model ./my-hf-folder --draft bigram --out out/m --dtype fp16
   arborspec export --model big.gguf --draft small.gguf --out out/pair --max-context 4096
+  arborspec export --model smollm2-135m --draft layers:4 --attention onnx --out out/trt  # for `arborspec build`
 """
 
 
@@ -32,6 +33,10 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
                    help="weights and KV cache dtype (logits stay float32); default fp32")
+    p.add_argument("--attention", choices=["auto", "gqa", "onnx"], default="auto",
+                   help="gqa: ONNX Runtime's fast graph (GroupQueryAttention reads and writes the KV cache in "
+                        "place; Llama family, fp32); onnx: the portable graph TensorRT builds; auto (default): "
+                        "gqa where it applies")
     p.add_argument("--opset", type=int, default=None, metavar="N",
                    help="ONNX opset (default 23: fused RMSNormalization/RotaryEmbedding)")
     p.add_argument("--max-context", type=int, default=None, metavar="N",
@@ -54,7 +59,8 @@ def run(args) -> int:
     s = export_folder(args.model, args.out, args.draft, dtype=args.dtype,
                       opset=args.opset or DEFAULT_OPSET, max_context=args.max_context,
                       max_tree_nodes=args.max_tree_nodes or DEFAULT_MAX_TREE_NODES,
-                      force=args.force, progress=not args.quiet, verify=not args.no_verify)
+                      force=args.force, progress=not args.quiet, verify=not args.no_verify,
+                      attention=args.attention)
     t = s.manifest["target"]
     d = s.manifest["draft"]
     print(f"wrote {s.out}: {', '.join(s.files)}")

@@ -43,7 +43,14 @@ import numpy as np
 
 from arborspec.runtime.errors import InputError
 
-from .compare_feeds import STATIC_PATHS, Feed, build_feeds, default_policies  # noqa: F401 - public API
+from .compare_feeds import (  # noqa: F401 - public API
+    STATIC_PATHS,
+    Feed,
+    build_feeds,
+    default_policies,
+    feed_in_layout,
+    outputs_in_layout,
+)
 from .compare_runners import (
     _gpu_available,
     _polygraphy,
@@ -280,10 +287,14 @@ def compare_export(export_dir: str | os.PathLike, runners: str | Iterable[str] |
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total, desc="compare", unit="run", disable=not progress, leave=False)
-    TorchRunner, OrtRunner, TrtEngineRunner = _runner_classes()
+    TorchRunner, OrtRunner, TrtEngineRunner, OrtEngineRunner = _runner_classes()
     old_sev = G_LOGGER.module_severity
     if not os.environ.get("ARBORSPEC_DEBUG"):
         G_LOGGER.module_severity = G_LOGGER.ERROR
+    from arborspec.runtime.contract import kv_layout
+    from arborspec.runtime.onnx_meta import read_onnx_metadata
+
+    layouts = {g: kv_layout(read_onnx_metadata(man.path(f))["metadata"]) for g, f, _, _ in graphs}
     try:
         for graph, fname, module, engine_name in graphs:
             bar.set_description(f"compare {graph}")
@@ -292,6 +303,8 @@ def compare_export(export_dir: str | os.PathLike, runners: str | Iterable[str] |
                 tick = lambda: bar.update(1)  # noqa: E731
                 if n == "torch":
                     rs.append(TorchRunner(module, kv_dtype, name="torch", on_infer=tick))
+                elif n == "onnxruntime" and layouts.get(graph) == "bhsd":
+                    rs.append(OrtEngineRunner(man.path(fname), kv_dtype, name="onnxruntime", on_infer=tick))
                 elif n == "onnxruntime":
                     rs.append(OrtRunner(SessionFromOnnx(str(man.path(fname)), providers=["CPUExecutionProvider"]),
                                         name="onnxruntime", on_infer=tick))
@@ -313,12 +326,19 @@ def compare_export(export_dir: str | os.PathLike, runners: str | Iterable[str] |
                     for out_name, res in outs.items():
                         report.rows.append(Row(graph, feed.name, out_name, label, float(res.max_absdiff),
                                                float(res.max_reldiff), bool(res)))
+            # saved files replay with `polygraphy run` on the graph itself: its own I/O layout
+            layout = layouts[graph]
             if save_inputs:
                 p = _suffixed(save_inputs, graph)
-                save_json(data, str(p), description=f"{graph} inputs")
+                save_json([feed_in_layout(d, layout) for d in data], str(p), description=f"{graph} inputs")
                 report.saved.append(str(p))
             if save_outputs:
                 p = _suffixed(save_outputs, graph)
+                for _, iters in results.items():
+                    for it, d in zip(iters, data):
+                        conv = outputs_in_layout(dict(it), d, layout)
+                        for k, v in conv.items():
+                            it[k] = v
                 results.save(str(p))
                 report.saved.append(str(p))
     finally:

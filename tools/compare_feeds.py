@@ -38,15 +38,50 @@ class Feed:
 
 
 def _feed(ids, pos, mask, cache, kv_dtype=np.float32) -> "OrderedDict[str, np.ndarray]":
-    p = cache.length
     d = OrderedDict()
     d[C.INPUT_IDS] = np.ascontiguousarray(ids.detach().cpu().numpy().astype(np.int64))
     d[C.POSITION_IDS] = np.ascontiguousarray(pos.detach().cpu().numpy().astype(np.int64))
     d[C.ATTENTION_MASK] = np.ascontiguousarray(mask.detach().cpu().numpy().astype(bool))
     for i in range(cache.spec.n_layers):
-        d[C.past_key(i)] = np.ascontiguousarray(cache.k[i, :p].detach().float().cpu().numpy().astype(kv_dtype))
-        d[C.past_value(i)] = np.ascontiguousarray(cache.v[i, :p].detach().float().cpu().numpy().astype(kv_dtype))
+        k, v = cache.past(i)  # [P, B, Hkv, D] whatever the cache's layout
+        d[C.past_key(i)] = np.ascontiguousarray(k.detach().float().cpu().numpy().astype(kv_dtype))
+        d[C.past_value(i)] = np.ascontiguousarray(v.detach().float().cpu().numpy().astype(kv_dtype))
     return d
+
+
+def _is_kv(name: str, kind: str) -> bool:
+    return name.startswith(f"{kind}_key.") or name.startswith(f"{kind}_value.")
+
+
+def feed_in_layout(feed: dict, layout: str) -> "OrderedDict[str, np.ndarray]":
+    """A recorded feed (past K/V [P, B, Hkv, D]) in a graph's own input layout: for "bhsd"
+    graphs each past becomes the layer's slab [B, Hkv, P+T, D] holding the past at [0, P)."""
+    if layout != "bhsd":
+        return feed
+    t = feed[C.INPUT_IDS].shape[1]
+    out = OrderedDict()
+    for name, x in feed.items():
+        if _is_kv(name, "past"):
+            p, b, h, d = x.shape
+            slab = np.zeros((b, h, p + t, d), dtype=x.dtype)
+            slab[:, :, :p] = x.transpose(1, 2, 0, 3)
+            x = slab
+        out[name] = x
+    return out
+
+
+def outputs_in_layout(outputs: dict, feed: dict, layout: str) -> "OrderedDict[str, np.ndarray]":
+    """Reference outputs (new K/V [T, B, Hkv, D]) in a graph's own output layout: for "bhsd"
+    graphs each new_key/new_value is the layer's whole slab after the call (past + new)."""
+    if layout != "bhsd":
+        return outputs
+    out = OrderedDict()
+    for name, x in outputs.items():
+        if _is_kv(name, "new"):
+            past = feed[name.replace("new_", "past_", 1)]
+            x = np.ascontiguousarray(np.concatenate([past, x], axis=0).transpose(1, 2, 0, 3))
+        out[name] = x
+    return out
 
 
 class _Recorder:

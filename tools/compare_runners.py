@@ -90,18 +90,19 @@ def _runner_classes():
                 self.on_infer()
             return out
 
-    class TrtEngineRunner(BaseRunner):
-        """A built TensorRT engine through runtime.backends.tensorrt.TrtEngine (the runtime's own
-        bindings: past K/V bound by address, new K/V written onto the cache tail)."""
+    class EngineRunner(BaseRunner):
+        """A runtime engine (TrtEngine, or OrtEngine for ONNX Runtime's in-place "bhsd" graphs)
+        as a Polygraphy runner: the feed's past K/V go into a runtime KVCache of the engine's
+        layout, the engine writes the new K/V there, and they come back in the contract's
+        [T, B, Hkv, D] form, comparable with the PyTorch reference."""
 
-        def __init__(self, engine_path, kv_dtype=np.float32, name=None, on_infer: Callable | None = None):
-            super().__init__(name=name, prefix="trt-runner")
-            self.engine_path, self.kv_dtype, self.on_infer = Path(engine_path), np.dtype(kv_dtype), on_infer
+        def __init__(self, factory: Callable, kv_dtype=np.float32, name=None, on_infer: Callable | None = None,
+                     sync: bool = False):
+            super().__init__(name=name, prefix="engine-runner")
+            self.factory, self.kv_dtype, self.on_infer, self.sync = factory, np.dtype(kv_dtype), on_infer, sync
 
         def activate_impl(self):
-            from arborspec.runtime.backends.tensorrt import TrtEngine
-
-            self.engine = TrtEngine(self.engine_path, device="cuda")
+            self.engine = self.factory()
 
         def get_input_metadata_impl(self):
             return contract_meta(self.engine.info.cache.n_layers, self.kv_dtype)
@@ -118,34 +119,53 @@ def _runner_classes():
             p = mask.shape[2] - t
             spec = eng.info.cache
             cache = KVCache(spec, p + t, b, dev)
-            for i in range(spec.n_layers):
-                cache.k[i, :p] = torch.from_numpy(np.asarray(feed_dict[C.past_key(i)])).to(dev, spec.dtype)
-                cache.v[i, :p] = torch.from_numpy(np.asarray(feed_dict[C.past_value(i)])).to(dev, spec.dtype)
+            if p:
+                past = [[torch.from_numpy(np.asarray(feed_dict[f(i)])).to(dev, spec.dtype) for i in range(spec.n_layers)]
+                        for f in (C.past_key, C.past_value)]
+                cache.write_tail(torch.stack(past[0]), torch.stack(past[1]))
             cache.length = p
-            torch.cuda.synchronize()
+            if self.sync:
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
             logits = eng.forward(ids, pos, mask, cache)
-            torch.cuda.synchronize()
+            if self.sync:
+                torch.cuda.synchronize()
             self.inference_time = time.perf_counter() - t0
             res = OrderedDict({C.LOGITS: np.ascontiguousarray(logits.float().cpu().numpy())})
             for i in range(spec.n_layers):
-                res[C.new_key(i)] = np.ascontiguousarray(cache.k[i, p:p + t].float().cpu().numpy().astype(self.kv_dtype))
-                res[C.new_value(i)] = np.ascontiguousarray(cache.v[i, p:p + t].float().cpu().numpy().astype(self.kv_dtype))
+                k, v = cache.tail(i, t)
+                res[C.new_key(i)] = np.ascontiguousarray(k.float().cpu().numpy().astype(self.kv_dtype))
+                res[C.new_value(i)] = np.ascontiguousarray(v.float().cpu().numpy().astype(self.kv_dtype))
             if self.on_infer:
                 self.on_infer()
             return res
 
         def deactivate_impl(self):
+            self.engine.close()
             del self.engine
 
-    return TorchRunner, OrtRunner, TrtEngineRunner
+    def TrtEngineRunner(engine_path, kv_dtype=np.float32, name=None, on_infer: Callable | None = None):
+        """A built TensorRT engine through runtime.backends.tensorrt.TrtEngine (the runtime's own
+        bindings: past K/V bound by address, new K/V written onto the cache tail)."""
+        from arborspec.runtime.backends.tensorrt import TrtEngine
+
+        return EngineRunner(lambda: TrtEngine(Path(engine_path), device="cuda"), kv_dtype, name, on_infer, sync=True)
+
+    def OrtEngineRunner(onnx_path, kv_dtype=np.float32, name=None, on_infer: Callable | None = None):
+        """An ONNX graph through the runtime's OrtEngine (needed for "bhsd" graphs, whose past
+        inputs are whole cache slabs bound to the outputs)."""
+        from arborspec.runtime.backends.onnxruntime import OrtEngine
+
+        return EngineRunner(lambda: OrtEngine(Path(onnx_path)), kv_dtype, name, on_infer)
+
+    return TorchRunner, OrtRunner, TrtEngineRunner, OrtEngineRunner
 
 
 def __getattr__(name):  # TorchRunner & co. import polygraphy lazily
-    if name in ("TorchRunner", "OrtRunner", "TrtEngineRunner"):
+    names = ("TorchRunner", "OrtRunner", "TrtEngineRunner", "OrtEngineRunner")
+    if name in names:
         _polygraphy()
-        t, o, r = _runner_classes()
-        return {"TorchRunner": t, "OrtRunner": o, "TrtEngineRunner": r}[name]
+        return dict(zip(names, _runner_classes()))[name]
     raise AttributeError(name)
 
 

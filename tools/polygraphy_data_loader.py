@@ -72,7 +72,13 @@ def feeds(export_dir: str | os.PathLike | None = None, graph: str | None = None,
                       max_context=man.limits.get("max_context"),
                       trees=int(trees if trees is not None else os.environ.get("ARBORSPEC_TREES", 1)),
                       seed=int(seed if seed is not None else os.environ.get("ARBORSPEC_SEED", 0)), kv_dtype=kv)
-    return [f.data for f in out[graph]]
+    from arborspec.runtime.contract import kv_layout
+    from arborspec.runtime.onnx_meta import read_onnx_metadata
+    from arborspec.tools.compare_feeds import feed_in_layout
+
+    entry = man.target if graph == "target" else man.draft
+    layout = kv_layout(read_onnx_metadata(man.path(entry["file"]))["metadata"])
+    return [feed_in_layout(f.data, layout) for f in out[graph]]
 
 
 def load_data():

@@ -36,6 +36,12 @@ def _import_ort():
     return ort
 
 
+def _is_causal(mask: torch.Tensor) -> bool:
+    """Whether a [B, T, T] mask (P = 0) is the causal one."""
+    t = mask.shape[1]
+    return bool(torch.equal(mask, torch.ones(t, t, dtype=torch.bool, device=mask.device).tril().expand_as(mask)))
+
+
 class OrtEngine(EngineBase):
     """Engine protocol over an ONNX Runtime session of an arborspec contract graph."""
 
@@ -109,9 +115,10 @@ class OrtEngine(EngineBase):
         logits_type = self.session.get_outputs()[0].type
         if logits_type != "tensor(float)":
             raise ExportDirError(f"{path}: logits are {logits_type}, the contract wants float32")
+        self.kv_layout = C.kv_layout(meta, path)
         self.info = EngineInfo(
             vocab_size=int(cfg["vocab_size"]), max_position=int(cfg["max_position"]),
-            cache=CacheSpec(n, int(cfg["n_kv_heads"]), int(cfg["head_dim"]), self.kv_dtype),
+            cache=CacheSpec(n, int(cfg["n_kv_heads"]), int(cfg["head_dim"]), self.kv_dtype, self.kv_layout),
             name=cfg.get("name", "") or path.stem)
 
     # ------------------------------------------------------------------ checks
@@ -124,10 +131,13 @@ class OrtEngine(EngineBase):
         spec = self.info.cache
         if cache.k.dtype != self.kv_dtype or cache.v.dtype != self.kv_dtype:
             raise InputError(f"KV cache dtype {cache.k.dtype} != engine dtype {self.kv_dtype}")
-        exp = (spec.n_layers, cache.max_len, cache.batch, spec.n_kv_heads, spec.head_dim)
+        if self.kv_layout == "bhsd":
+            exp, names = (spec.n_layers, cache.batch, spec.n_kv_heads, cache.max_len, spec.head_dim), "[L, B, Hkv, S, D]"
+        else:
+            exp, names = (spec.n_layers, cache.max_len, cache.batch, spec.n_kv_heads, spec.head_dim), "[L, S, B, Hkv, D]"
         if tuple(cache.k.shape) != exp or tuple(cache.v.shape) != exp:
             raise InputError(f"KV cache shape {tuple(cache.k.shape)} does not fit this engine "
-                             f"(expected [L, S, B, Hkv, D] = {exp})")
+                             f"(expected {names} = {exp})")
         if not (cache.k.is_contiguous() and cache.v.is_contiguous()):
             raise InputError("KV cache slabs must be contiguous (they are bound by address)")
         for name, t in (("input_ids", input_ids), ("position_ids", position_ids),
@@ -162,6 +172,8 @@ class OrtEngine(EngineBase):
         self._check(input_ids, position_ids, mask, cache)
         b, t = input_ids.shape
         p = cache.length
+        if self.kv_layout == "bhsd" and p == 0 and t > 1 and not _is_causal(mask):
+            return self._split_first_row(input_ids, position_ids, mask, cache, k)
         ids = input_ids.contiguous()
         pos = position_ids.contiguous()
         msk = mask.contiguous()
@@ -170,6 +182,13 @@ class OrtEngine(EngineBase):
         self._bind_in(io, C.POSITION_IDS, pos)
         self._bind_in(io, C.ATTENTION_MASK, msk)
         for i in range(self.info.cache.n_layers):
+            if self.kv_layout == "bhsd":
+                # the layer's whole slab, in and out: the graph writes [P, P+T) in place
+                for name_in, name_out, slab in ((C.past_key(i), C.new_key(i), cache.k[i]),
+                                                (C.past_value(i), C.new_value(i), cache.v[i])):
+                    self._bind_in(io, name_in, slab)
+                    self._bind_out(io, name_out, slab)
+                continue
             # dense prefix [0, P) of the layer's slab (a zero-size tensor when P == 0)
             self._bind_in(io, C.past_key(i), cache.k[i, :p])
             self._bind_in(io, C.past_value(i), cache.v[i, :p])
@@ -201,6 +220,21 @@ class OrtEngine(EngineBase):
         # keep the bound tensors alive until the run has finished
         del ids, pos, msk
         return logits, vals, idx
+
+    def _split_first_row(self, input_ids, position_ids, mask, cache: KVCache, k: int | None):
+        """GroupQueryAttention treats a call with an empty cache as a causal prompt and ignores
+        the attention bias there, so a tree verified at P = 0 (a one-token prompt) runs as two
+        calls: the root alone, then the nodes over it. Exact: the first row of any valid mask at
+        P = 0 sees only itself."""
+        if bool(mask[:, 0, 1:].any()):
+            raise InputError("the first row of a mask at P = 0 may see only itself")
+        first = self._run(input_ids[:, :1], position_ids[:, :1], mask[:, :1, :1], cache, k)
+        cache.length = 1
+        try:
+            rest = self._run(input_ids[:, 1:], position_ids[:, 1:], mask[:, 1:, :], cache, k)
+        finally:
+            cache.length = 0
+        return tuple(None if a is None else torch.cat([a, r], 1) for a, r in zip(first, rest))
 
     __call__ = forward
 

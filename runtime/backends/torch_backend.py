@@ -32,12 +32,7 @@ class TorchEngine(EngineBase):
         for i in range(n):
             past += list(cache.past(i))
         out = self.module(input_ids, position_ids, mask, *past)
-        t = input_ids.shape[1]
-        p = cache.length
-        new_k = torch.stack(out[1::2])  # [L, T, B, H, D]
-        new_v = torch.stack(out[2::2])
-        cache.k[:, p : p + t] = new_k
-        cache.v[:, p : p + t] = new_v
+        cache.write_tail(torch.stack(out[1::2]), torch.stack(out[2::2]))  # [L, T, B, H, D]
         return out[0]
 
     @torch.inference_mode()
