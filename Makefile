@@ -14,7 +14,7 @@ CACHE ?= $(if $(ARBORSPEC_CACHE),$(ARBORSPEC_CACHE),$(HOME)/.cache/arborspec)
 EXPORT_DRAFT ?= layers:4
 DEMO_DRAFT ?= lookup
 DEMO_TREE ?= beam:4,8,8
-DEMO_EXPORT := $(CACHE)/exports/smollm2-135m-$(subst :,,$(EXPORT_DRAFT))
+DEMO_EXPORT := $(CACHE)/exports/smollm2-135m-$(subst :,,$(EXPORT_DRAFT))-v2
 DEMO_PROMPT ?= Sort this shopping list alphabetically, one item per line, and keep each quantity: 2 pears, 6 eggs, 1 loaf of bread, 3 lemons, 500 g of flour, 1 bag of rice, 4 apples, 2 onions, 1 jar of honey, 3 carrots.
 
 .PHONY: demo test lint install clean bench
@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	@if [ ! -f "$(DEMO_EXPORT)/manifest.json" ]; then \
 	  echo "exporting SmolLM2-135M + draft $(EXPORT_DRAFT) to $(DEMO_EXPORT) (once, a few minutes)"; \
-	  $(ARBOR) export --model smollm2-135m --draft $(EXPORT_DRAFT) --out "$(DEMO_EXPORT)" --max-context 2048; \
+	  $(ARBOR) export --model smollm2-135m --draft $(EXPORT_DRAFT) --out "$(DEMO_EXPORT)"; \
 	fi
 	$(ARBOR) generate --export-dir "$(DEMO_EXPORT)" --backend onnxruntime --draft $(DEMO_DRAFT) --mode tree --tree "$(DEMO_TREE)" \
 	  --chat --prompt "$(DEMO_PROMPT)" --max-new-tokens 96 --vs-vanilla

@@ -142,7 +142,8 @@ def export_folder(model, out: str | os.PathLike, draft: str | None = "layers:2",
                   max_tree_nodes: int = DEFAULT_MAX_TREE_NODES, tree_defaults: dict | None = None,
                   force: bool = False, progress: bool = True, verify: bool = True,
                   exporter: str = "auto", draft_model=None, draft_topk: int = DEFAULT_DRAFT_TOPK,
-                  attention: str = "auto") -> ExportSummary:
+                  attention: str = "auto", quantize: str | None = None, block_size: int = 32,
+                  accuracy_level: int = 0) -> ExportSummary:
     """Export target (+ draft, tokenizer, manifest) into the folder `out`, atomically.
 
     attention: "gqa" (ONNX Runtime's fast graph: GroupQueryAttention reading and writing the
@@ -217,10 +218,18 @@ def export_folder(model, out: str | os.PathLike, draft: str | None = "layers:2",
         if attention == "gqa" and why_not:
             raise InputError(f"--attention gqa: {why_not} (use --attention onnx)")
 
+        if quantize and not use_gqa:
+            raise InputError("--quantize needs ONNX Runtime's graph (--attention gqa): "
+                             + (why_not or "--attention onnx was asked for"))
+        src = getattr(lm, "source", {}) or {}
+        gguf_path = src.get("path") if src.get("kind") == "gguf" else None
+
         def export_graph(m, path, role, topk=0):
             if use_gqa:
                 return export_gqa_onnx(m, path, dtype, tokenizer_sha256=tok_sha, role=role,
-                                       max_context=max_context, verify=verify, topk=topk)
+                                       max_context=max_context, verify=verify, topk=topk, quantize=quantize,
+                                       block_size=block_size, accuracy_level=accuracy_level,
+                                       gguf_path=gguf_path if kind != "model" or role == "target" else None)
             return export_contract_onnx(m, path, opset=opset, dtype=dtype, tokenizer_sha256=tok_sha, role=role,
                                         max_context=max_context, exporter=exporter, verify=verify, topk=topk)
 

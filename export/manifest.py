@@ -53,6 +53,8 @@ def graph_entry(root: Path, result, config: dict[str, Any], spec: str | None = N
          "bytes": path.stat().st_size, "inputs": inputs, "outputs": outputs}
     if result.fallback_reason:
         e["fallback_reason"] = result.fallback_reason
+    if getattr(result, "quantization", None):
+        e["quantization"] = result.quantization
     if result.max_abs_diff is not None:
         e["self_check_max_abs_diff"] = result.max_abs_diff
     if checksum:

