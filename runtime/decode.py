@@ -26,6 +26,7 @@ from .accept import accept
 from .drafting import CANDIDATE_MODES, TreeWorkspace, draft_tree
 from .drafts import DraftSource, ModelDraft, tree_capacity
 from .errors import InputError
+from .guards import check_logits
 from .kvcache import KVCache
 from .sampling import SamplingParams
 from .stats import GenerationStats, Timer
@@ -169,6 +170,9 @@ class SpeculativeDecoder:
                 with timer("accept_kv_s"):
                     vbuf.release()
                     acc = accept(logits[0], tree, self.sampling, rng)
+                    # the rows the accept rule read: the accepted path's and the next token's
+                    check_logits(logits[0], [0] + [i + 1 for i in acc.path.tolist()], st.steps + 1,
+                                 tgt.info.name)
                     new, stop = self._truncate(acc.tokens, eos, max_new_tokens - produced)
                     # the caches keep every committed token but the last (the next root)
                     path = acc.path[: len(new) - 1]

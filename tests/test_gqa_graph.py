@@ -12,14 +12,14 @@ import torch
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
+from conftest import random_model, tiny_config, truncated  # noqa: E402
+
 from arborspec.export.onnx_export import export_contract_onnx, export_gqa_onnx  # noqa: E402
 from arborspec.runtime.backends.onnxruntime import OrtEngine  # noqa: E402
 from arborspec.runtime.backends.torch_backend import TorchEngine  # noqa: E402
 from arborspec.runtime.decode import SpeculativeDecoder  # noqa: E402
 from arborspec.runtime.errors import ArborspecError  # noqa: E402
 from arborspec.runtime.kvcache import KVCache  # noqa: E402
-
-from conftest import random_model, tiny_config, truncated  # noqa: E402
 
 CONFIGS = {
     "gqa-tied": tiny_config("llama", vocab=80, layers=2, hidden=64, heads=4, kv=2),
