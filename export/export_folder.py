@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from arborspec.runtime.errors import InputError
+from arborspec.runtime.errors import InputError, OutputError
+from arborspec.runtime.fileio import describe_os_error, partial_dir, remove_stale_partials
 
 from .manifest import build_manifest, graph_entry, write_manifest
 from .onnx_export import DEFAULT_OPSET, DTYPES, export_contract_onnx, export_gqa_onnx, sha256_file
@@ -121,10 +122,9 @@ def _prepare_out(out: Path, force: bool) -> Path:
             raise InputError(f"{out} exists and is not a folder")
         if any(out.iterdir()) and not force:
             raise InputError(f"{out} exists and is not empty (pass --force to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    return tmp
+    for stale in remove_stale_partials(out):
+        log.warning("removed %s, a partial export left by a run that was killed", stale)
+    return partial_dir(out)
 
 
 def _swap_in(tmp: Path, out: Path) -> None:
@@ -263,6 +263,9 @@ def export_folder(model, out: str | os.PathLike, draft: str | None = "layers:2",
         bar.update(1)
         files = sorted(p.name for p in tmp.iterdir())
         _swap_in(tmp, out)
+    except OSError as e:  # a full disk, a file-size limit: one line, nothing half-written left
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OutputError(describe_os_error(e, out) + " (nothing was written)") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -61,9 +61,19 @@ def load_tokenizer(man: Manifest):
     tok = man.tokenizer
     if not tok or not tok.get("files"):
         return None
+    from .fileio import sha256_file
     from .tokenizer import TextTokenizer
 
-    return TextTokenizer.load(man.root)
+    tj = man.root / "tokenizer.json"
+    if tok.get("sha256") and tj.is_file() and sha256_file(tj) != tok["sha256"]:
+        raise ExportDirError(f"{tj} is not the tokenizer this model was exported with (sha256 differs from "
+                             "the manifest): the ids would be wrong; re-export or restore the file")
+    try:
+        return TextTokenizer.load(man.root)
+    except (ValueError, OSError) as e:
+        if isinstance(e, ExportDirError):
+            raise
+        raise ExportDirError(f"{man.root}: cannot read the tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
 
 
 def _engine(backend: str, man: Manifest, role: str, device: str, providers, engine_dir: Path | None):

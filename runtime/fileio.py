@@ -90,3 +90,48 @@ def _unlink(p: str) -> None:
         os.unlink(p)
     except OSError:
         pass
+
+
+# ----------------------------------------------------------------------------- partial folders
+PARTIAL_TAG = ".partial-"
+
+
+def partial_dir(out: str | os.PathLike) -> Path:
+    """A fresh hidden sibling `.NAME.partial-<pid>-<random>` to write a folder into before it is
+    renamed into place; the pid lets a later run recognise one left by a killed process."""
+    import uuid
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}{PARTIAL_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_partials(out: str | os.PathLike) -> list[Path]:
+    """Remove `.NAME.partial-*` siblings whose writer is gone (killed, power loss); returns them.
+    Partials of a live process (a concurrent run) are left alone."""
+    import shutil
+
+    out = Path(out)
+    removed = []
+    if not out.parent.is_dir():
+        return removed
+    for p in out.parent.glob(f".{out.name}{PARTIAL_TAG}*"):
+        rest = p.name[len(f".{out.name}{PARTIAL_TAG}"):]
+        pid = rest.split("-", 1)[0]
+        if pid.isdigit() and _pid_alive(int(pid)):
+            continue
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed

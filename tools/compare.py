@@ -207,7 +207,7 @@ def compare_export(export_dir: str | os.PathLike, runners: str | Iterable[str] |
                    model: str | None = None, save_inputs: str | os.PathLike | None = None,
                    save_outputs: str | os.PathLike | None = None, progress: bool = True,
                    engine_dir: str | os.PathLike | None = None, target_module=None,
-                   draft_module=None, policies: list[str] | None = None) -> CompareReport:
+                   draft_module=None, policies: list[str] | None = None, verify: bool = False) -> CompareReport:
     """Compare every graph of an export folder across runners on runtime-made feeds.
 
     target_module/draft_module: PyTorch references given directly (tests, embedding apps);
@@ -225,7 +225,7 @@ def compare_export(export_dir: str | os.PathLike, runners: str | Iterable[str] |
     from arborspec.runtime.export_dir import read_manifest
 
     names, explicit = parse_runners(runners)
-    man = read_manifest(export_dir)
+    man = read_manifest(export_dir, check_checksums=verify)
     dtype = man.target.get("dtype", "fp32")
     if dtype not in DEFAULT_TOLERANCES:
         raise InputError(f"compare supports fp32 and fp16 exports, not {dtype} (numpy has no bfloat16)")

@@ -53,6 +53,9 @@ def add_model_args(p, draft_default: str | None = None) -> None:
     g.add_argument("--backend", choices=BACKENDS, default=None,
                    help="torch (default with --model) | onnxruntime (default with --export-dir) | tensorrt")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    g.add_argument("--verify", action="store_true",
+                   help="check the sha256 of every file of the export folder against its manifest before "
+                        "loading (default: cheap checks only: presence, sizes, ONNX metadata)")
 
 
 def _bigram_from_target(engine, source: dict, progress: bool = True):
