@@ -50,7 +50,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: st
     On any failure the temporary file is removed; OS errors become one OutputError line."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    remove_stale_temps(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
     try:
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files: give the usual permissions
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
@@ -83,6 +84,19 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def remove_stale_temps(path: str | os.PathLike) -> list[Path]:
+    """Remove `.NAME.<pid>.*.tmp` siblings left by a writer that was killed (its pid is gone):
+    every atomic write of a file first sweeps what an earlier, killed write of it left."""
+    path = Path(path)
+    removed = []
+    for p in path.parent.glob(f".{path.name}.*.tmp"):
+        pid = p.name[len(path.name) + 2:].split(".", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            _unlink(str(p))
+            removed.append(p)
+    return removed
 
 
 def _unlink(p: str) -> None:

@@ -214,3 +214,16 @@ def test_stale_partial_of_a_live_process_is_left_alone(tmp_path):
     dead.mkdir()
     assert remove_stale_partials(out) == [dead] and mine.exists() and not dead.exists()
     os.rmdir(mine)
+
+
+def test_atomic_writes_sweep_what_a_killed_writer_left(tmp_path):
+    from arborspec.runtime.fileio import atomic_write_bytes
+
+    target = tmp_path / "target.engine"
+    dead = tmp_path / ".target.engine.999999999.abc.tmp"  # a build killed mid-write
+    dead.write_bytes(b"half")
+    live = tmp_path / f".target.engine.{os.getpid()}.xyz.tmp"  # a write in progress here
+    live.write_bytes(b"busy")
+    atomic_write_bytes(target, b"engine")
+    assert target.read_bytes() == b"engine" and not dead.exists() and live.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp") and p != live]
