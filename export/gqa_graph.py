@@ -107,7 +107,7 @@ def build_gqa_model(module: torch.nn.Module, max_context: int, topk: int = 0, li
         if len({(q.bits, q.k) for q in parts}) != 1:
             return None
         if parts[0].bits == 8 and accuracy_level < 4:
-            # ONNX Runtime 1.31 has no fast 8-bit kernel with float activations (measured on the
+            # ONNX Runtime 1.32 has no fast 8-bit kernel with float activations (measured on the
             # 49152 x 576 head: 96 ms vs 3.4 ms for the float MatMul of the same, exact, weights)
             return None
         from .quantize import NBits

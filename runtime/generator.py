@@ -97,6 +97,10 @@ class Generator:
             self._decoders[sp] = dec
         return dec
 
+    def encode_prompt(self, prompt) -> list[int]:
+        """Token ids of a text or id prompt (one InputError line for anything else)."""
+        return self._ids(prompt)
+
     def _ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -127,8 +131,8 @@ class Generator:
 
     def stream(self, prompt, max_new_tokens: int = 64, *, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int = 0, ids: bool = False) -> Iterator:
-        """Text chunks as they become final (or lists of token ids with ids=True). Stats of the
-        last stream: `last_stats`."""
+        """Text chunks as they become final (or lists of token ids with ids=True). Stats and stop
+        reason of the last stream: `last_stats`, `last_stop_reason`."""
         prompt_ids = self._ids(prompt)
         sp = SamplingParams(temperature, top_k, top_p)
         with self._lock:
@@ -146,7 +150,7 @@ class Generator:
                 rest = sd.finish()
                 if rest:
                     yield rest
-            self.last_stats = dec.last_stats
+            self.last_stats, self.last_stop_reason = dec.last_stats, dec.last_stop_reason
 
     def chat(self, messages: list[dict], max_new_tokens: int = 256, **kw) -> Completion:
         """A completion of a conversation [{"role", "content"}, ...] through the chat template."""

@@ -13,7 +13,7 @@ import importlib
 import os
 import sys
 
-COMMANDS = ["export", "build", "generate", "compare", "bench", "tune"]
+COMMANDS = ["export", "build", "generate", "compare", "bench", "tune", "serve", "loadtest"]
 
 
 from arborspec.runtime.errors import ArborspecError, InputError  # noqa: E402
