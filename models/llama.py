@@ -161,14 +161,22 @@ class LlamaDecoder(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # target features for an EAGLE-3 draft: the hidden states entering these layers,
+        # concatenated [B, T, len * H], returned as one more output (None: no such output)
+        self.feature_layers: list[int] | None = None
 
     def forward(self, input_ids, position_ids, attention_mask, *past):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(position_ids)
         bias = additive_mask(attention_mask)
-        new = []
+        new, feats = [], {}
+        wanted = set(self.feature_layers or ())
         for i, layer in enumerate(self.model.layers):
+            if i in wanted:
+                feats[i] = x
             x, k, v = layer(x, cos, sin, bias, past[2 * i], past[2 * i + 1])
             new += [k, v]
         logits = self.lm_head(self.model.norm(x)).float()
+        if self.feature_layers:
+            return (logits, *new, torch.cat([feats[i] for i in self.feature_layers], dim=-1))
         return (logits, *new)
