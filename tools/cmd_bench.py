@@ -8,12 +8,12 @@ a figure. Tree specs contain commas, so `--tree` is given once per spec and/or a
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError
+from arborspec.runtime.fileio import atomic_write_json
 
 from .engines import add_model_args, models_key, open_models
 
@@ -188,7 +188,7 @@ def run(args) -> int:
             print(f"note: {n}", file=sys.stderr)
         if args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(results, indent=1) + "\n")
+            atomic_write_json(args.json, results, indent=1)
         if args.plot is not None:
             bench_report.plot(results, args.plot)
         return 0

@@ -14,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from arborspec.runtime.errors import InputError
+from arborspec.runtime.fileio import atomic_write_json
 
 EXAMPLE = """examples:
   arborspec loadtest --url http://127.0.0.1:8000 --concurrency 4 --requests 40 --stream --max-tokens 64
@@ -139,8 +140,7 @@ def run(args) -> int:
           f"= {res['tokens_per_s']:.1f} tok/s | latency p50 {f(res['latency_p50_s'])} s p99 {f(res['latency_p99_s'])} s"
           f" | ttft p50 {f(res['ttft_p50_s'])} s p99 {f(res['ttft_p99_s'])} s")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(res, fh, indent=1)
+        atomic_write_json(args.json, res, indent=1)
     return 0 if res["errors"] == 0 else 1
 
 

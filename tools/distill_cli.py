@@ -7,14 +7,13 @@ tools/distill_eval.py (evaluation) and tools/distill_corpus.py (data).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-from pathlib import Path
 
 import torch
 
 from arborspec.runtime.errors import ArborspecError, InputError
+from arborspec.runtime.fileio import atomic_write_json
 
 from . import distill_draft
 from .distill_draft import DistillOptions, distill
@@ -86,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = run(args.model, drafts, prompts, trees, args.max_new_tokens, not args.quiet)
             print(markdown_table(rows))
             if args.json_out:
-                Path(args.json_out).write_text(json.dumps(rows, indent=1))
+                atomic_write_json(args.json_out, rows, indent=1)
             return 0
         if args.steps < 1 or args.seq_len < 2 or args.batch < 1 or args.corpus_tokens < 1:
             raise InputError("--steps, --batch and --corpus-tokens must be >= 1 and --seq-len >= 2")
