@@ -54,6 +54,7 @@ def warp_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
         p = torch.softmax(sorted_x, dim=-1)
         # drop a token when the mass strictly before it already reaches top_p (keeps >= 1)
         drop_sorted = (torch.cumsum(p, dim=-1) - p) >= sp.top_p
+        drop_sorted[..., 0] = False  # the most likely token always stays (a top_p below float32's range)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     return x

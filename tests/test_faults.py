@@ -227,3 +227,14 @@ def test_atomic_writes_sweep_what_a_killed_writer_left(tmp_path):
     atomic_write_bytes(target, b"engine")
     assert target.read_bytes() == b"engine" and not dead.exists() and live.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp") and p != live]
+
+
+def test_a_top_p_below_float32_range_keeps_the_top_token():
+    """Found by the hypothesis suite: top_p = 2e-313 rounds to 0 in float32 and used to drop every
+    token (NaN probabilities). The most likely token always stays."""
+    import torch
+
+    from arborspec.runtime.sampling import SamplingParams, probs
+
+    p = probs(torch.tensor([[1.0, 3.0, 2.0]]), SamplingParams(1.0, 0, 2.2250738585e-313))
+    assert torch.equal(p, torch.tensor([[0.0, 1.0, 0.0]]))

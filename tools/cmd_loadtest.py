@@ -53,6 +53,8 @@ def one_request(client, i: int, chat: bool, stream: bool, max_tokens: int, tempe
     """One request tagged with its index (the nonce in the prompt lets the check tell answers apart)."""
     prompt = f"[{i}] {PROMPTS[i % len(PROMPTS)]}"
     body = {"max_tokens": max_tokens, "temperature": temperature, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}  # exact token counts (a chunk may hold several)
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -73,12 +75,13 @@ def one_request(client, i: int, chat: bool, stream: bool, max_tokens: int, tempe
                     obj = json.loads(line[6:])
                     if "error" in obj:
                         return {"i": i, "ok": False, "status": status, "error": obj["error"]["message"]}
+                    if obj.get("usage"):
+                        tokens = obj["usage"]["completion_tokens"]
                     for ch in obj.get("choices", []):
                         piece = ch["delta"].get("content", "") if chat else ch.get("text", "")
                         if piece and ttft is None:
                             ttft = time.perf_counter() - t0
                         text += piece
-                        tokens += 1 if piece else 0
         else:
             r = client.post(route, json=body)
             status = r.status_code
