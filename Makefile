@@ -41,7 +41,7 @@ demo: $(STAMP)
 	  --chat --prompt "$(DEMO_PROMPT)" --max-new-tokens 96 --vs-vanilla
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check .
+	$(PY) -m ruff check .
 
 test: lint
 	$(PY) -m pytest -q -ra --durations=15

@@ -116,9 +116,11 @@ def teacher_topk(target_module, ids: torch.Tensor, k: int, batch: int = 8, progr
 
 
 # ----------------------------------------------------------------------------- main flow
-def corpus_key(source: dict, target_name: str, entries: list[dict], args) -> str:
+def corpus_key(source: dict, target_name: str, entries: list[dict], *, corpus_tokens: int, gen_len: int,
+               seed: int, temperature: float) -> str:
+    """Cache key of a generated corpus: target weights, prompts and generation settings."""
     h = hashlib.sha256()
     h.update(json.dumps({"target": source.get("sha256") or target_name, "entries": entries,
-                         "seeds": SEEDS, "tokens": args.corpus_tokens, "gen_len": args.gen_len,
-                         "seed": args.seed, "temperature": args.temperature}, sort_keys=True).encode())
+                         "seeds": SEEDS, "tokens": corpus_tokens, "gen_len": gen_len,
+                         "seed": seed, "temperature": temperature}, sort_keys=True).encode())
     return h.hexdigest()[:24]

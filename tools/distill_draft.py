@@ -187,8 +187,9 @@ def distill(opts: DistillOptions) -> dict:
     progress = not opts.quiet
 
     # corpus: cached by target, prompts, and generation settings
-    corpus_file = Path(opts.corpus) if opts.corpus else (
-        cache_root() / "distill" / f"corpus-{corpus_key(loaded.source, opts.model, train_entries, opts)}.json")
+    key = corpus_key(loaded.source, opts.model, train_entries, corpus_tokens=opts.corpus_tokens,
+                     gen_len=opts.gen_len, seed=opts.seed, temperature=opts.temperature)
+    corpus_file = Path(opts.corpus) if opts.corpus else cache_root() / "distill" / f"corpus-{key}.json"
     if corpus_file.is_file():
         seqs = json.loads(corpus_file.read_text())["sequences"]
         _log(opts, f"corpus: {sum(map(len, seqs))} tokens in {len(seqs)} sequences (cached {corpus_file})")

@@ -106,15 +106,10 @@ EVAL_PROMPTS = [
 ]
 
 
-# ----------------------------------------------------------------------------- prompts
-def default_prompts_file() -> Path:
-    return Path(__file__).resolve().parent / "data" / "prompts.json"
-
-
 def load_prompt_entries(path: str | Path | None) -> list[dict]:
     """Entries of a prompts file: a JSON list of strings or of dicts with "prompt"/"text"
     (optionally "chat": bool) or "ids"; or {"prompts": [...]}. Missing file -> []."""
-    p = Path(path) if path else default_prompts_file()
+    p = Path(path) if path else default_prompts_path()
     if not p.is_file():
         if path:
             raise MissingFileError(f"prompts file not found: {p}")
