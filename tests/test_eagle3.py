@@ -174,3 +174,24 @@ def test_bad_checkpoints_are_one_line(target, tmp_path):
     assert Eagle3Config.from_json({"hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2,
                                    "vocab_size": 10}, 6).aux_layers == [2, 3, 3]
     assert np.all(np.asarray(default_aux_layers(30)) == [2, 15, 27])
+
+
+def test_cli_generate_with_an_eagle3_checkpoint(tmp_path, capsys):
+    """`arborspec generate --model HF_FOLDER --draft eagle3:CKPT` on the torch backend equals
+    vanilla, and a checkpoint for another model is one line."""
+    from arborspec.tools.cli import main
+    from arborspec.tools.distill_draft import save_hf_folder
+
+    m = random_model(tiny_config("llama", vocab=96, layers=4, hidden=64, heads=4, kv=2), seed=3)
+    save_hf_folder(m, tmp_path / "hf")
+    checkpoint(tmp_path / "e3", m.config, draft_vocab=40)
+    base = ["generate", "--model", str(tmp_path / "hf"), "--prompt-ids", "5,9,2,7", "--max-new-tokens", "16", "--json"]
+    assert main(base + ["--mode", "vanilla"]) == 0
+    ref = json.loads(capsys.readouterr().out)["tokens"]
+    assert main(base + ["--draft", f"eagle3:{tmp_path / 'e3'}", "--tree", "full:2,2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == ref and out["stats"]["draft_calls"] > 0
+    checkpoint(tmp_path / "bad", tiny_config("llama", vocab=50, layers=4, hidden=64, heads=4, kv=2), draft_vocab=10)
+    assert main(base + ["--draft", f"eagle3:{tmp_path / 'bad'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "vocabulary" in err

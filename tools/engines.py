@@ -45,8 +45,9 @@ def add_model_args(p, draft_default: str | None = None) -> None:
                                     "(torch backend)")
     g.add_argument("--draft", default=draft_default,
                    help="draft: layers:K (first K target layers), bigram (table from the target), "
-                        "lookup[:N] (n-gram prompt lookup, any backend), none, or a model name/path "
-                        "with the same vocabulary (torch backend)")
+                        "lookup[:N] (n-gram prompt lookup, any backend), eagle3:FOLDER (an EAGLE-3 "
+                        "checkpoint, torch backend), none, or a model name/path with the same vocabulary "
+                        "(torch backend)")
     g.add_argument("--export-dir", type=Path, help="export folder from `arborspec export` "
                                                    "(onnxruntime and tensorrt backends)")
     g.add_argument("--engine-dir", type=Path, help="TensorRT engines folder (default EXPORT_DIR/engines)")
@@ -136,9 +137,23 @@ def _open_torch(model, draft_spec: str | None, device: str, need_draft: bool) ->
     from arborspec.runtime.backends.torch_backend import TorchEngine
 
     loaded = load_model(model)
+    spec = (draft_spec or "none").strip()
+    if need_draft and spec.lower().startswith("eagle3:"):
+        # an EAGLE-3 head reads the target's features: the target module must output them
+        from arborspec.models.eagle3 import load_eagle3
+        from arborspec.runtime.drafts_eagle3 import Eagle3Draft
+
+        path = spec.split(":", 1)[1]
+        if not path:
+            raise UserError("--draft eagle3:PATH needs the checkpoint folder")
+        head = load_eagle3(Path(path).expanduser(), loaded.config)
+        loaded.module.feature_layers = list(head.config.aux_layers)
+        target = TorchEngine(loaded.module, device=device)
+        draft = Eagle3Draft(head, loaded.module.model.embed_tokens.weight.detach(), device=device)
+        return OpenModels(target, draft, loaded.tokenizer, describe=f"{model} + eagle3 (torch, {device})",
+                          source=loaded.source)
     target = TorchEngine(loaded.module, device=device)
     draft = None
-    spec = (draft_spec or "none").strip()
     if need_draft and spec.lower() != "none":
         from arborspec.export.export_folder import parse_draft_spec, truncated_draft
 
