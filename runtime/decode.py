@@ -187,6 +187,8 @@ class SpeculativeDecoder:
                 st.new_tokens = produced
                 st.accepted_hist[len(new)] = st.accepted_hist.get(len(new), 0) + 1
                 st.total_s = time.perf_counter() - t_start
+                if st.ttft_s is None:
+                    st.ttft_s = st.total_s
                 yield new
                 if stop:
                     self.last_stop_reason = stop

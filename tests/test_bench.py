@@ -66,6 +66,9 @@ def _check_schema(res, names):
     assert agg["greedy_match"] is True
     assert agg["configs"]["vanilla"]["mean_accepted"] == pytest.approx(1.0)
     assert agg["configs"]["vanilla"]["speedup_vs_vanilla_total"] == pytest.approx(1.0)
+    ttft = agg["configs"]["vanilla"]["ttft_s_median"]  # time to first token, reported by bench
+    assert ttft is not None and 0 < ttft <= max(r["runs"]["vanilla"]["decode_s"] + r["runs"]["vanilla"]["prefill_s"]
+                                                 for r in res["per_prompt"])
 
 
 def test_bench_torch_with_hf_baselines(tiny, capsys):

@@ -54,6 +54,7 @@ def test_generate_stream_chat_match_the_decoder(pair, tok):
     assert isinstance(c, Completion) and c.tokens == ref and c.prompt_tokens == len(ids)
     assert c.text == tok.decode(ref, skip_special_tokens=True)
     assert c.stats.steps < len(ref) or c.stop_reason == "eos"  # the draft was used
+    assert 0 < c.stats.ttft_s <= c.stats.total_s and c.stats.prefill_s <= c.stats.ttft_s  # time to first token
     assert "".join(gen.stream(text, max_new_tokens=24)) == c.text
     assert sum(gen.stream(ids, max_new_tokens=24, ids=True), []) == ref
     msgs = [{"role": "user", "content": text}]

@@ -95,6 +95,7 @@ def _our_run(st, tokens: list[int], stop: str) -> dict:
     return {"new_tokens": st.new_tokens, "tokens_per_s": st.tokens_per_s, "mean_accepted": st.mean_accepted,
             "target_calls": st.target_calls, "draft_calls": st.draft_calls, "steps": st.steps,
             "tree_nodes": st.tree_nodes, "decode_s": d["decode_s"], "prefill_s": st.prefill_s,
+            "ttft_s": st.ttft_s,
             "time_split": {k: d[k] for k in SPLIT_KEYS}, "draft_model_s": st.draft_model_s,
             "overhead_per_step_ms": st.overhead_per_step_ms,
             "accepted_hist": {str(k): v for k, v in sorted(st.accepted_hist.items())},

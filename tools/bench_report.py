@@ -88,6 +88,7 @@ def aggregate(per_prompt: list[dict], configs: list) -> dict:
             "overhead_per_step_ms": (sum(own) / steps) if own and steps else None,
             "accepted_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
             "greedy_match": None if any(g is None for g in gm) else all(gm),
+            "ttft_s_median": _median([r.get("ttft_s") for r in runs if r.get("ttft_s") is not None]),
         }
     van = out.get("vanilla", {}).get("tokens_per_s_total")
     hfg = out.get("hf-greedy", {}).get("tokens_per_s_total")
@@ -122,7 +123,7 @@ def format_table(results: dict) -> str:
     cfgs = {c["name"]: c for c in results["configs"]}
     head = ("| config | nodes | tok/s median | tok/s total | speed-up vs vanilla (median / total) | "
             "vs hf-greedy (total) | accepted/call | target calls | ms/token draft / verify / accept+KV / other "
-            "| overhead ms/step | greedy = vanilla |")
+            "| overhead ms/step | TTFT ms median | greedy = vanilla |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, a in agg.items():
         c = cfgs.get(name, {})
@@ -134,7 +135,9 @@ def format_table(results: dict) -> str:
             f"{_f(a['speedup_vs_vanilla_total'])}x | {_f(a['speedup_vs_hf_greedy_total'])}x | "
             f"{_f(a['mean_accepted'])} | {a['target_calls']} | "
             + " / ".join(_f(mpt[k], '{:.1f}') for k in SPLIT_KEYS)
-            + f" | {_f(a['overhead_per_step_ms'])} | {'—' if gm is None else ('yes' if gm else 'NO')} |")
+            + f" | {_f(a['overhead_per_step_ms'])} | "
+            + f"{_f(None if a.get('ttft_s_median') is None else 1e3 * a['ttft_s_median'], '{:.0f}')} | "
+            + f"{'—' if gm is None else ('yes' if gm else 'NO')} |")
     return "\n".join(lines)
 
 

@@ -125,7 +125,7 @@ def _stats_line(st) -> str:
             f"= {st.tokens_per_s:.1f} tok/s | mean accepted {st.mean_accepted:.2f}/target call | "
             f"target calls {st.target_calls} draft calls {st.draft_calls} | split: draft {st.draft_s:.2f}s "
             f"verify {st.verify_s:.2f}s accept+kv {st.accept_kv_s:.3f}s other {st.other_s:.3f}s | "
-            f"prefill {st.prefill_s:.2f}s")
+            f"prefill {st.prefill_s:.2f}s" + (f" | first token {1e3 * st.ttft_s:.0f} ms" if st.ttft_s is not None else ""))
 
 
 def run(args) -> int:
