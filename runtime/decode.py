@@ -136,7 +136,7 @@ class SpeculativeDecoder:
             feats = None
             if len(prompt) > 1:
                 feats = self._prefill(prompt[:-1], cache)
-                st.target_calls += 1
+                st.target_calls += self._prefill_calls
             if speculating:
                 draft.prepare(policy, min(len(prompt) + max_new_tokens, tgt.info.max_position))
                 draft.reset(prompt[:-1], feats)
@@ -237,19 +237,30 @@ class SpeculativeDecoder:
             raise InputError(f"prompt of {len(prompt)} tokens is beyond the model's max context of {ctx}")
         return prompt
 
+    prefill_chunk = 512  # tokens per prefill call (long prompts run as several causal chunks)
+
     def _prefill(self, tokens: list[int], cache: KVCache):
-        """Run the prompt (all but its last token) as one causal call; returns the target
-        features of those tokens [n, F] when the draft reads them, else None."""
+        """Run the prompt (all but its last token) as causal calls of at most `prefill_chunk`
+        tokens (a 4k-token prompt in one call builds a 4k x 4k attention; in chunks each call
+        sees only its own rows); returns the target features of those tokens [n, F] when the
+        draft reads them, else None."""
         dev = self.target.device
         n = len(tokens)
-        ids = torch.tensor([tokens], dtype=torch.long, device=dev)
-        pos = torch.arange(n, device=dev)[None]
-        mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None]
-        feats = None
-        if self._features:
-            _, f = self.target.forward_features(ids, pos, mask, cache)
-            feats = f[0]
-        else:
-            self.target.forward(ids, pos, mask, cache)
-        cache.commit(None, n)
-        return feats
+        chunk = max(1, int(self.prefill_chunk or n))
+        feats = []
+        self._prefill_calls = -(-n // chunk)
+        for s in range(0, n, chunk):
+            part = tokens[s:s + chunk]
+            c = len(part)
+            p = cache.length
+            ids = torch.tensor([part], dtype=torch.long, device=dev)
+            pos = torch.arange(p, p + c, device=dev)[None]
+            mask = torch.ones(1, c, p + c, dtype=torch.bool, device=dev)
+            mask[0, :, p:] = torch.ones(c, c, dtype=torch.bool, device=dev).tril()
+            if self._features:
+                _, f = self.target.forward_features(ids, pos, mask, cache)
+                feats.append(f[0])
+            else:
+                self.target.forward(ids, pos, mask, cache)
+            cache.commit(None, c)
+        return torch.cat(feats) if feats else None
