@@ -45,7 +45,11 @@ def warp_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     x = logits.float()
     if sp.greedy:
         return x
-    x = x / sp.temperature
+    # shift each row's maximum to 0 first (softmax does not change): a tiny temperature then
+    # sends the other logits to -inf instead of the maximum to +inf (NaN probabilities)
+    m = x.max(-1, keepdim=True).values
+    # (and a temperature below float32's range, which would round to 0, divides as 1e-30)
+    x = (x - torch.where(torch.isfinite(m), m, torch.zeros_like(m))) / max(sp.temperature, 1e-30)
     if sp.top_k and sp.top_k < x.shape[-1]:
         kth = torch.topk(x, sp.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -238,3 +238,13 @@ def test_a_top_p_below_float32_range_keeps_the_top_token():
 
     p = probs(torch.tensor([[1.0, 3.0, 2.0]]), SamplingParams(1.0, 0, 2.2250738585e-313))
     assert torch.equal(p, torch.tensor([[0.0, 1.0, 0.0]]))
+
+
+def test_a_temperature_near_zero_is_nearly_greedy_not_nan():
+    """Found by the hypothesis suite: temperature 1e-308 overflowed the logits to +inf (NaN)."""
+    import torch
+
+    from arborspec.runtime.sampling import SamplingParams, probs
+
+    p = probs(torch.tensor([[1.0, 3.0, 2.0], [float("-inf")] * 3]), SamplingParams(1.1125369292536007e-308))
+    assert torch.equal(p[0], torch.tensor([0.0, 1.0, 0.0]))
