@@ -22,6 +22,7 @@ class EngineInfo:
     cache: CacheSpec
     max_tokens: int | None = None  # largest T the engine accepts in one call (None: no limit)
     name: str = ""
+    n_features: int = 0  # width F of forward_features' target features (0: none)
 
 
 class Engine(Protocol):
