@@ -24,8 +24,11 @@ from typing import Any
 
 import torch
 
+from arborspec.runtime.errors import InputError, OutputError
+from arborspec.runtime.fileio import describe_os_error, partial_dir, remove_stale_partials
+
 from .manifest import build_manifest, graph_entry, write_manifest
-from .onnx_export import DEFAULT_OPSET, DTYPES, export_contract_onnx, sha256_file
+from .onnx_export import DEFAULT_OPSET, DTYPES, export_contract_onnx, export_gqa_onnx, sha256_file
 
 log = logging.getLogger("arborspec.export")
 
@@ -33,6 +36,8 @@ TARGET_FILE = "target.onnx"
 DRAFT_FILE = "draft.onnx"
 BIGRAM_FILE = "draft_bigram.safetensors"
 DEFAULT_MAX_TREE_NODES = 64
+DEFAULT_DRAFT_TOPK = 16
+ATTENTIONS = ("auto", "gqa", "onnx")  # K of the draft graph's fused top-k outputs (the widest tree level)
 
 
 @dataclass
@@ -52,7 +57,7 @@ def truncated_draft(module: torch.nn.Module, k: int) -> torch.nn.Module:
 
     cfg = module.config
     if not 1 <= k <= cfg.n_layers:
-        raise ValueError(f"draft layers:{k} needs 1 <= K <= {cfg.n_layers} (the target's layer count)")
+        raise InputError(f"draft layers:{k} needs 1 <= K <= {cfg.n_layers} (the target's layer count)")
     draft = build_model(cfg.truncated(k))
     sd = {}
     for name, t in module.state_dict().items():
@@ -73,7 +78,7 @@ def parse_draft_spec(spec: str | None) -> tuple[str, Any]:
         try:
             k = int(s.split(":", 1)[1])
         except ValueError:
-            raise ValueError(f"bad draft spec {spec!r}: expected layers:K with an integer K") from None
+            raise InputError(f"bad draft spec {spec!r}: expected layers:K with an integer K") from None
         return "layers", k
     if s.lower() == "bigram":
         return "bigram", None
@@ -114,13 +119,12 @@ def _save_bigram(module, path: Path, top_k: int = 32) -> dict[str, Any]:
 def _prepare_out(out: Path, force: bool) -> Path:
     if out.exists():
         if not out.is_dir():
-            raise ValueError(f"{out} exists and is not a folder")
+            raise InputError(f"{out} exists and is not a folder")
         if any(out.iterdir()) and not force:
-            raise ValueError(f"{out} exists and is not empty (pass --force to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    return tmp
+            raise InputError(f"{out} exists and is not empty (pass --force to replace it)")
+    for stale in remove_stale_partials(out):
+        log.warning("removed %s, a partial export left by a run that was killed", stale)
+    return partial_dir(out)
 
 
 def _swap_in(tmp: Path, out: Path) -> None:
@@ -137,8 +141,14 @@ def export_folder(model, out: str | os.PathLike, draft: str | None = "layers:2",
                   dtype: str = "fp32", opset: int = DEFAULT_OPSET, max_context: int | None = None,
                   max_tree_nodes: int = DEFAULT_MAX_TREE_NODES, tree_defaults: dict | None = None,
                   force: bool = False, progress: bool = True, verify: bool = True,
-                  exporter: str = "auto", draft_model=None) -> ExportSummary:
+                  exporter: str = "auto", draft_model=None, draft_topk: int = DEFAULT_DRAFT_TOPK,
+                  attention: str = "auto", quantize: str | None = None, block_size: int = 32,
+                  accuracy_level: int = 0) -> ExportSummary:
     """Export target (+ draft, tokenizer, manifest) into the folder `out`, atomically.
+
+    attention: "gqa" (ONNX Runtime's fast graph: GroupQueryAttention reading and writing the
+    cache in place, kv layout "bhsd"; Llama family, fp32), "onnx" (the portable graph from
+    torch.onnx.export that TensorRT builds, kv layout "sbhd"), or "auto" (gqa where it applies).
 
     model: a spec for load_model (registry name, HF folder, .gguf, nanoGPT .pt) or an
     already loaded object with .module/.config/.tokenizer/.source. draft_model: an already
@@ -146,7 +156,9 @@ def export_folder(model, out: str | os.PathLike, draft: str | None = "layers:2",
     from tqdm.auto import tqdm
 
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
+        raise InputError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
+    if attention not in ATTENTIONS:
+        raise InputError(f"unknown attention {attention!r} (expected one of {', '.join(ATTENTIONS)})")
     kind, arg = parse_draft_spec(draft)
     out = Path(out)
     stages = ["load model", "build draft", "tokenizer", "export target", "export draft", "manifest"]
@@ -162,12 +174,12 @@ def export_folder(model, out: str | os.PathLike, draft: str | None = "layers:2",
         module, cfg = lm.module.float().eval(), lm.config
         max_context = int(max_context or cfg.max_position)
         if max_context < 1 or max_tree_nodes < 1:
-            raise ValueError("--max-context and --max-tree-nodes must be >= 1")
+            raise InputError("--max-context and --max-tree-nodes must be >= 1")
         if cfg.family == "gpt2" and max_context > cfg.max_position:
-            raise ValueError(f"--max-context {max_context} exceeds the model's {cfg.max_position} "
+            raise InputError(f"--max-context {max_context} exceeds the model's {cfg.max_position} "
                              "learned positions")
         if max_tree_nodes + 1 > max_context:
-            raise ValueError(f"--max-tree-nodes {max_tree_nodes} does not fit in --max-context {max_context}")
+            raise InputError(f"--max-tree-nodes {max_tree_nodes} does not fit in --max-context {max_context}")
         bar.update(1)
 
         stage("build draft")
@@ -177,7 +189,7 @@ def export_folder(model, out: str | os.PathLike, draft: str | None = "layers:2",
         elif kind == "model":
             dl = draft_model if draft_model is not None else _load(arg)
             if dl.config.vocab_size != cfg.vocab_size:
-                raise ValueError(f"draft vocabulary {dl.config.vocab_size} != target vocabulary "
+                raise InputError(f"draft vocabulary {dl.config.vocab_size} != target vocabulary "
                                  f"{cfg.vocab_size}: the draft must share the target's tokenizer")
             draft_module = dl.module.float().eval()
         elif kind == "bigram":
@@ -199,18 +211,41 @@ def export_folder(model, out: str | os.PathLike, draft: str | None = "layers:2",
         bar.update(1)
 
         stage("export target")
-        res_t = export_contract_onnx(module, tmp / TARGET_FILE, opset=opset, dtype=dtype,
-                                     tokenizer_sha256=tok_sha, role="target", max_context=max_context,
-                                     exporter=exporter, verify=verify)
+        from .gqa_graph import gqa_unsupported
+
+        why_not = gqa_unsupported(cfg, dtype)
+        use_gqa = attention == "gqa" or (attention == "auto" and why_not is None)
+        if attention == "gqa" and why_not:
+            raise InputError(f"--attention gqa: {why_not} (use --attention onnx)")
+
+        if quantize and not use_gqa:
+            raise InputError("--quantize needs ONNX Runtime's graph (--attention gqa): "
+                             + (why_not or "--attention onnx was asked for"))
+        src = getattr(lm, "source", {}) or {}
+        gguf_path = src.get("path") if src.get("kind") == "gguf" else None
+
+        def export_graph(m, path, role, topk=0):
+            if use_gqa:
+                return export_gqa_onnx(m, path, dtype, tokenizer_sha256=tok_sha, role=role,
+                                       max_context=max_context, verify=verify, topk=topk, quantize=quantize,
+                                       block_size=block_size, accuracy_level=accuracy_level,
+                                       gguf_path=gguf_path if kind != "model" or role == "target" else None)
+            return export_contract_onnx(m, path, opset=opset, dtype=dtype, tokenizer_sha256=tok_sha, role=role,
+                                        max_context=max_context, exporter=exporter, verify=verify, topk=topk)
+
+        res_t = export_graph(module, tmp / TARGET_FILE, "target")
         target_entry = graph_entry(tmp, res_t, cfg.to_dict())
         bar.update(1)
 
         stage("export draft")
         if draft_module is not None:
-            res_d = export_contract_onnx(draft_module, tmp / DRAFT_FILE, opset=opset, dtype=dtype,
-                                         tokenizer_sha256=tok_sha, role="draft", max_context=max_context,
-                                         exporter=exporter, verify=verify)
+            if use_gqa and gqa_unsupported(draft_module.config, dtype):
+                raise InputError(f"--attention gqa: the draft: {gqa_unsupported(draft_module.config, dtype)} "
+                                 "(use --attention onnx)")
+            res_d = export_graph(draft_module, tmp / DRAFT_FILE, "draft", draft_topk)
             draft_entry = graph_entry(tmp, res_d, draft_module.config.to_dict(), spec=draft)
+            if draft_topk:
+                draft_entry["topk"] = min(int(draft_topk), draft_module.config.vocab_size)
         bar.update(1)
 
         stage("manifest")
@@ -228,6 +263,9 @@ def export_folder(model, out: str | os.PathLike, draft: str | None = "layers:2",
         bar.update(1)
         files = sorted(p.name for p in tmp.iterdir())
         _swap_in(tmp, out)
+    except OSError as e:  # a full disk, a file-size limit: one line, nothing half-written left
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OutputError(describe_os_error(e, out) + " (nothing was written)") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -3,19 +3,25 @@
 Role in one decoding step: none directly. The manifest tells the runtime, before the first
 step, which graphs to open (target, draft or bigram table), their dtypes and I/O, the limits
 that size the KV caches and trees (max_context, max_tree_nodes), the tree defaults, and which
-tokenizer the ids belong to. The schema is documented in arborspec.runtime.export_dir, whose
-`read_manifest` (no onnx import) is re-exported here.
+tokenizer the ids belong to. The schema and the reader live in arborspec.runtime.contract
+(the one place the contract is written); `read_manifest` is re-exported here.
 """
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 from pathlib import Path
 from typing import Any
 
-from arborspec.runtime.export_dir import (FORMAT, MANIFEST_NAME, ExportDirError, Manifest,  # noqa: F401
-                                          read_manifest)
+from arborspec.runtime.contract import (  # noqa: F401
+    CONTRACT_VERSION,
+    FORMAT,
+    MANIFEST_NAME,
+    Manifest,
+    read_manifest,
+)
+from arborspec.runtime.errors import ExportDirError, InputError  # noqa: F401
+from arborspec.runtime.fileio import atomic_write_json, sha256_file
 
 DEFAULT_TREE = {"mode": "tree", "tree": "full:3,2"}
 
@@ -39,8 +45,6 @@ def graph_io(path: str | os.PathLike) -> tuple[list[dict], list[dict]]:
 def graph_entry(root: Path, result, config: dict[str, Any], spec: str | None = None,
                 checksum: bool = True) -> dict[str, Any]:
     """Manifest entry for one exported graph (an onnx_export.ExportResult inside root)."""
-    from .onnx_export import sha256_file
-
     path = Path(result.path)
     inputs, outputs = graph_io(path)
     e = {"kind": "onnx", "file": path.name, "config": config, "dtype": result.dtype,
@@ -49,6 +53,8 @@ def graph_entry(root: Path, result, config: dict[str, Any], spec: str | None = N
          "bytes": path.stat().st_size, "inputs": inputs, "outputs": outputs}
     if result.fallback_reason:
         e["fallback_reason"] = result.fallback_reason
+    if getattr(result, "quantization", None):
+        e["quantization"] = result.quantization
     if result.max_abs_diff is not None:
         e["self_check_max_abs_diff"] = result.max_abs_diff
     if checksum:
@@ -65,10 +71,10 @@ def build_manifest(*, target: dict[str, Any], draft: dict[str, Any] | None, max_
     import arborspec
 
     if max_context < 1 or max_tree_nodes < 1:
-        raise ValueError("max_context and max_tree_nodes must be >= 1")
+        raise InputError("max_context and max_tree_nodes must be >= 1")
     return {
         "format": FORMAT,
-        "contract_version": arborspec.CONTRACT_VERSION,
+        "contract_version": CONTRACT_VERSION,
         "arborspec_version": arborspec.__version__,
         "created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "target": target,
@@ -81,11 +87,7 @@ def build_manifest(*, target: dict[str, Any], draft: dict[str, Any] | None, max_
 
 
 def write_manifest(dir: str | os.PathLike, manifest: dict[str, Any]) -> Path:
-    path = Path(dir) / MANIFEST_NAME
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
-    return path
+    return atomic_write_json(Path(dir) / MANIFEST_NAME, manifest)
 
 
 __all__ = ["graph_io", "graph_entry", "build_manifest", "write_manifest", "read_manifest",

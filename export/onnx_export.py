@@ -16,7 +16,6 @@ exporter is only a fallback when the dynamo export raises (it is deprecated in t
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import logging
@@ -27,47 +26,31 @@ from pathlib import Path
 
 import torch
 
+from arborspec.runtime.errors import InputError
+
 log = logging.getLogger("arborspec.export")
 
 DEFAULT_OPSET = 23
 MAX_IR_VERSION = 13  # onnxruntime 1.31 loads IR <= 13 (onnx 1.23 may write 14)
 EXTERNAL_DATA_THRESHOLD = 2 * 1024**3 - 64 * 1024**2  # protobuf limit 2 GiB, minus headroom
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-# metadata_props keys (read back by arborspec.runtime.export_dir without importing onnx)
-META_CONTRACT = "arborspec.contract_version"
-META_CONFIG = "arborspec.config"
-META_DTYPE = "arborspec.dtype"
-META_TOKENIZER = "arborspec.tokenizer_sha256"
-META_ROLE = "arborspec.role"
-META_EXPORTER = "arborspec.exporter"
-META_VERSION = "arborspec.version"
-
-
-def input_names(n_layers: int) -> list[str]:
-    names = ["input_ids", "position_ids", "attention_mask"]
-    for i in range(n_layers):
-        names += [f"past_key.{i}", f"past_value.{i}"]
-    return names
-
-
-def output_names(n_layers: int) -> list[str]:
-    names = ["logits"]
-    for i in range(n_layers):
-        names += [f"new_key.{i}", f"new_value.{i}"]
-    return names
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
-            h.update(b)
-    return h.hexdigest()
+from arborspec.runtime.contract import (  # noqa: F401,E402
+    CONTRACT_VERSION,
+    DTYPES,
+    META_CONFIG,
+    META_CONTRACT,
+    META_DTYPE,
+    META_EXPORTER,
+    META_KV_LAYOUT,
+    META_ROLE,
+    META_TOKENIZER,
+    META_TOPK,
+    META_VERSION,
+    TOPK_OUTPUTS,
+    input_names,
+    output_names,
+)
+from arborspec.runtime.fileio import sha256_file  # noqa: F401,E402
 
 
 @dataclass
@@ -81,6 +64,7 @@ class ExportResult:
     external_data: list[str] = field(default_factory=list)  # file names beside path
     fallback_reason: str | None = None
     max_abs_diff: float | None = None  # self-check vs PyTorch (None: not run)
+    quantization: dict | None = None  # weight-only quantisation scheme (None: float weights)
 
 
 def example_inputs(cfg, dtype: torch.dtype, b: int = 2, t: int = 3, p: int = 5, seed: int = 0,
@@ -111,6 +95,22 @@ def _dims(cfg, max_context: int):
     return b, t, p, s
 
 
+class WithTopK(torch.nn.Module):
+    """A contract module plus its own top-K per row (log-probs, ids): the draft graph's fused
+    `topk_logprobs` / `topk_ids` outputs (runtime/contract.py TOPK_OUTPUTS)."""
+
+    def __init__(self, module: torch.nn.Module, k: int):
+        super().__init__()
+        self.inner, self.k, self.config = module, k, module.config
+
+    def forward(self, input_ids, position_ids, attention_mask, *past):  # the contract's argument names
+        out = self.inner(input_ids, position_ids, attention_mask, *past)
+        logits = out[0]
+        logprobs = logits - torch.logsumexp(logits, -1, keepdim=True)
+        vals, ids = torch.topk(logprobs, self.k, dim=-1)
+        return (*out, vals, ids)
+
+
 def _export_dynamo(module, args, names_in, names_out, cfg, opset, max_context):
     b, t, p, s = _dims(cfg, max_context)
     n_past = len(args) - 3
@@ -136,7 +136,7 @@ def _export_legacy(module, args, names_in, names_out, path, opset):
     for n in names_in[3:]:
         axes[n] = {0: "past", 1: "batch"}
     for n in names_out[1:]:
-        axes[n] = {0: "tokens", 1: "batch"}
+        axes[n] = {0: "batch", 1: "tokens"} if n in TOPK_OUTPUTS else {0: "tokens", 1: "batch"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(module, args, str(path), input_names=names_in, output_names=names_out,
@@ -227,6 +227,8 @@ def verify_against_torch(module, path: str | os.PathLike, cfg, dtype: torch.dtyp
         if np.isnan(out[0]).any():
             raise RuntimeError(f"{path}: NaN in ORT logits (B={b}, T={t}, P={p}, one row fully masked)")
         for o, r in zip(out, ref):
+            if not np.issubdtype(o.dtype, np.floating):  # top-k ids: near-ties may swap
+                continue
             worst = max(worst, float(np.abs(o.astype(np.float32) - r.float().numpy()).max()))
     return worst
 
@@ -234,19 +236,20 @@ def verify_against_torch(module, path: str | os.PathLike, cfg, dtype: torch.dtyp
 def export_contract_onnx(module: torch.nn.Module, path: str | os.PathLike, opset: int = DEFAULT_OPSET,
                          dtype: str = "fp32", *, tokenizer_sha256: str | None = None,
                          role: str = "", max_context: int | None = None, exporter: str = "auto",
-                         verify: bool = True, tolerance: float | None = None) -> ExportResult:
+                         verify: bool = True, tolerance: float | None = None, topk: int = 0) -> ExportResult:
     """Export a contract nn.Module (models/llama.py, models/gpt2.py) to `path`.
 
     exporter: "dynamo" (torch.export + onnxscript), "legacy" (TorchScript), or "auto"
     (dynamo, falling back to legacy opset min(opset, 17) if the dynamo export raises).
     dtype: fp32 | fp16 | bf16; the module is cast (a copy is not made: pass a module you own),
     logits stay float32 (the decoders cast them). verify: compare ORT with PyTorch on random
-    tree steps (bf16 is not verified: ORT CPU has few bf16 kernels).
+    tree steps (bf16 is not verified: ORT CPU has few bf16 kernels). topk: K > 0 adds the fused
+    `topk_logprobs` / `topk_ids` outputs (draft graphs: the host never reads a full row).
     """
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
+        raise InputError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
     if exporter not in ("auto", "dynamo", "legacy"):
-        raise ValueError(f"unknown exporter {exporter!r}")
+        raise InputError(f"unknown exporter {exporter!r}")
     import arborspec
 
     path = Path(path)
@@ -256,6 +259,10 @@ def export_contract_onnx(module: torch.nn.Module, path: str | os.PathLike, opset
     module = module.to(dtype=tdtype).eval()
     max_context = int(max_context or cfg.max_position)
     names_in, names_out = input_names(cfg.n_layers), output_names(cfg.n_layers)
+    topk = min(int(topk or 0), cfg.vocab_size)
+    if topk > 0:
+        module = WithTopK(module, topk).eval()
+        names_out = names_out + list(TOPK_OUTPUTS)
     ids, pos, mask, past = example_inputs(cfg, tdtype)
     args = (ids, pos, mask, *past)
     big = _param_bytes(module) > EXTERNAL_DATA_THRESHOLD
@@ -285,14 +292,17 @@ def export_contract_onnx(module: torch.nn.Module, path: str | os.PathLike, opset
                       location=path.name + ".data", size_threshold=1024)
 
     meta = {
-        META_CONTRACT: str(arborspec.CONTRACT_VERSION),
+        META_CONTRACT: str(CONTRACT_VERSION),
         META_CONFIG: cfg.to_json(),
         META_DTYPE: dtype,
         META_TOKENIZER: tokenizer_sha256 or "",
         META_ROLE: role,
         META_EXPORTER: f"{used}:opset{opset}",
         META_VERSION: arborspec.__version__,
+        META_KV_LAYOUT: "sbhd",
     }
+    if topk > 0:
+        meta[META_TOPK] = str(topk)
     ir, nodes = _finalize(path, meta, big)
     import onnx
 
@@ -306,6 +316,88 @@ def export_contract_onnx(module: torch.nn.Module, path: str | os.PathLike, opset
         if not diff <= tol:
             raise RuntimeError(f"{path.name}: ONNX Runtime differs from PyTorch by {diff:.3g} "
                                f"(> {tol:g}) on random tree steps")
+    return res
+
+
+def export_gqa_onnx(module: torch.nn.Module, path: str | os.PathLike, dtype: str = "fp32", *,
+                    tokenizer_sha256: str | None = None, role: str = "", max_context: int | None = None,
+                    verify: bool = True, tolerance: float | None = None, topk: int = 0,
+                    quantize: str | None = None, block_size: int = 32, accuracy_level: int = 0,
+                    gguf_path: str | None = None) -> ExportResult:
+    """Export a Llama-family module as ONNX Runtime's fast graph (export/gqa_graph.py: cache read
+    and written in place, kv layout "bhsd"). fp32 activations; quantize: None, "int4" or "int8"
+    weight-only MatMulNBits (export/quantize.py): with `gguf_path` (a GGUF whose tensors are
+    Q4_0/Q4_1/Q8_0) its blocks are carried over as they are for "int4" (the GGUF's own weights);
+    otherwise ONNX Runtime's blockwise round-to-nearest of the float weights."""
+    import arborspec
+
+    from . import gqa_graph
+
+    if dtype != "fp32":
+        raise InputError(f"--attention gqa exports fp32 only (got {dtype}); use --attention onnx for {dtype}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cfg = module.config
+    module = module.float().eval()
+    max_context = int(max_context or cfg.max_position)
+    topk = min(int(topk or 0), cfg.vocab_size)
+    qinfo = None
+    if quantize not in (None, "int4", "int8"):
+        raise InputError(f"unknown --quantize {quantize!r} (expected int4 or int8)")
+    if block_size not in (16, 32, 64, 128, 256):
+        raise InputError(f"--block-size must be 16, 32, 64, 128 or 256, got {block_size}")
+    if accuracy_level not in (0, 1, 2, 3, 4):
+        raise InputError(f"--accuracy-level must be 0..4, got {accuracy_level}")
+    linears = None
+    if quantize == "int4" and gguf_path:
+        from .quantize import GGUFBlocks
+
+        src = GGUFBlocks(gguf_path, cfg.n_heads, cfg.n_kv_heads)
+        sources: dict = {}
+
+        def linears(name):
+            q = src.linear(name)
+            if q is not None:
+                sources[q.source] = sources.get(q.source, 0) + 1
+            return q
+        if block_size != 32:
+            raise InputError("a GGUF's blocks are 32 wide: --block-size 32 (or quantise from float weights)")
+    model = gqa_graph.build_gqa_model(module, max_context, topk, linears, accuracy_level)
+    if linears is not None:
+        qinfo = {"scheme": quantize, "format": "matmulnbits", "block_size": 32, "accuracy_level": accuracy_level,
+                 "source": "gguf-blocks", "layers_by_source": sources}
+    elif quantize:
+        from .quantize import quantize_float_model
+
+        model = quantize_float_model(model, bits=4 if quantize == "int4" else 8, block_size=block_size,
+                                     accuracy_level=accuracy_level)
+        qinfo = {"scheme": quantize, "format": "matmulnbits", "block_size": block_size,
+                 "accuracy_level": accuracy_level, "source": "onnxruntime-rtn"}
+    ext = gqa_graph.save_model(model, path)
+    meta = {
+        META_CONTRACT: str(CONTRACT_VERSION),
+        META_CONFIG: cfg.to_json(),
+        META_DTYPE: dtype,
+        META_TOKENIZER: tokenizer_sha256 or "",
+        META_ROLE: role,
+        META_EXPORTER: f"gqa:opset{gqa_graph.OPSET}",
+        META_VERSION: arborspec.__version__,
+        META_KV_LAYOUT: "bhsd",
+    }
+    if topk > 0:
+        meta[META_TOPK] = str(topk)
+    ir, nodes = _finalize(path, meta, bool(ext))
+    res = ExportResult(path=path, opset=gqa_graph.OPSET, exporter="gqa", dtype=dtype, ir_version=ir,
+                       n_nodes=nodes, external_data=ext, quantization=qinfo)
+    if verify:
+        diff = gqa_graph.verify_gqa_against_torch(module, path)
+        res.max_abs_diff = diff
+        # the GGUF's own blocks compute the module's (dequantised) weights: fp32 tolerance;
+        # round-to-nearest from floats changes the weights: a loose sanity bound only
+        tol = tolerance if tolerance is not None else (1e-2 if qinfo is None or qinfo["source"] == "gguf-blocks"
+                                                       and accuracy_level == 0 else 5.0)
+        if not diff <= tol:
+            raise RuntimeError(f"{path.name}: ONNX Runtime differs from PyTorch by {diff:.3g} (> {tol:g}) on random steps")
     return res
 
 

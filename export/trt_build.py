@@ -21,7 +21,6 @@ saves on the GPU (`<engine>.runtime.cache`).
 """
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import re
@@ -31,25 +30,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .onnx_export import sha256_file
+from arborspec.runtime import contract as C
+from arborspec.runtime.errors import EngineError, MissingFileError
+from arborspec.runtime.fileio import atomic_write_bytes, atomic_write_json, sha256_file
 
-MANIFEST_NAME = "engines.json"
-MANIFEST_FORMAT = 1
-FLAVOURS = ("tensorrt", "tensorrt_rtx")
+MANIFEST_NAME = C.ENGINES_NAME
+MANIFEST_FORMAT = C.ENGINES_FORMAT
 ENV_MODULE = "ARBORSPEC_TRT_MODULE"
-INSTALL_HINT = ("install TensorRT-RTX with `pip install tensorrt-rtx` (or `pip install "
-                "'arborspec[trt]'`), or NVIDIA TensorRT (`tensorrt` 10.x/11.x) from NVIDIA's index")
 
-# contract input names (DESIGN.md): ids/positions [B,T], mask [B,T,P+T], past K/V [P,B,Hkv,D]
-IDS, POS, MASK = "input_ids", "position_ids", "attention_mask"
+IDS, POS, MASK = C.INPUT_IDS, C.POSITION_IDS, C.ATTENTION_MASK
 _PAST_RE = re.compile(r"^past_(key|value)\.(\d+)$")
 
 
-class TensorRTNotInstalled(ImportError):
+class TensorRTNotInstalled(EngineError, ImportError):
     """Neither `tensorrt` nor `tensorrt_rtx` can be imported (message says how to install)."""
 
 
-class EngineBuildError(ValueError):
+class EngineBuildError(EngineError):
     """A build that cannot proceed: bad limits, an unsupported compute capability, an ONNX the
     parser rejects, a failed build. The first line of the message is self-contained."""
 
@@ -59,26 +56,15 @@ class EngineBuildError(ValueError):
 def import_tensorrt(flavour: str = "auto"):
     """(module, flavour) for `flavour` in auto|tensorrt|tensorrt_rtx; env ARBORSPEC_TRT_MODULE
     overrides auto. auto prefers `tensorrt` when importable, else `tensorrt_rtx`."""
-    env = os.environ.get(ENV_MODULE, "").strip()
-    if flavour in (None, "", "auto") and env:
-        flavour = env
-    flavour = (flavour or "auto").replace("-", "_").lower()
-    if flavour not in ("auto",) + FLAVOURS:
-        raise EngineBuildError(f"unknown TensorRT flavour {flavour!r} (expected auto, tensorrt or "
-                               f"tensorrt_rtx; set by flavour= or ${ENV_MODULE})")
-    tries = FLAVOURS if flavour == "auto" else (flavour,)
-    errors = []
-    for name in tries:
-        try:
-            mod = importlib.import_module(name)
-            # PyPI's `tensorrt` stub packages can import without the real bindings
-            if not hasattr(mod, "Builder"):
-                raise ImportError(f"{name} has no Builder (a stub package?)")
-            return mod, name
-        except Exception as e:  # noqa: BLE001 - a broken install must not stop the fallback
-            errors.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    raise TensorRTNotInstalled(f"no usable TensorRT Python module ({'; '.join(errors)}); "
-                               + INSTALL_HINT)
+    from arborspec.runtime.backends.tensorrt import import_trt
+    from arborspec.runtime.errors import EngineError
+
+    try:
+        return import_trt(None if flavour in (None, "", "auto") else flavour, need="Builder")
+    except EngineError as e:
+        if str(e).startswith("unknown TensorRT flavour"):
+            raise EngineBuildError(str(e)) from None
+        raise TensorRTNotInstalled(str(e)) from None
 
 
 def supported_compute_capabilities(trt) -> list[str]:
@@ -128,38 +114,11 @@ def _local_gpu_cc() -> str | None:
 
 # --------------------------------------------------------------------------- logging
 
-_LOGGER = None
-
-
 def _logger(trt):
-    """One process-wide collecting logger (TensorRT keeps the first logger it is given)."""
-    global _LOGGER
-    if _LOGGER is not None and _LOGGER.trt is trt:
-        return _LOGGER
+    """The process-wide collecting TensorRT logger (shared with the runtime's engines)."""
+    from arborspec.runtime.backends.tensorrt import trt_logger
 
-    class _Collect(trt.ILogger):
-        def __init__(self):
-            trt.ILogger.__init__(self)
-            self.trt = trt
-            self.errors: list[str] = []
-            self.echo: Callable[[str], None] | None = None
-            self.verbose = False
-
-        def log(self, severity, msg):  # called by TensorRT
-            S = trt.ILogger.Severity
-            if severity in (S.INTERNAL_ERROR, S.ERROR):
-                self.errors.append(msg)
-                if self.echo:
-                    self.echo(f"[TensorRT] error: {msg}")
-            elif severity == S.WARNING and self.verbose and self.echo:
-                self.echo(f"[TensorRT] warning: {msg}")
-
-        def take(self) -> list[str]:
-            e, self.errors = self.errors, []
-            return e
-
-    _LOGGER = _Collect()
-    return _LOGGER
+    return trt_logger(trt)
 
 
 def _progress_monitor(trt, echo: Callable[[str], None]):
@@ -410,7 +369,11 @@ def build_engine(onnx_path: str | os.PathLike, out_path: str | os.PathLike, *, m
     say = log or (lambda s: None)
     onnx_path, out_path = Path(onnx_path), Path(out_path)
     if not onnx_path.is_file():
-        raise FileNotFoundError(f"ONNX file not found: {onnx_path}")
+        raise MissingFileError(f"ONNX file not found: {onnx_path}")
+    if _onnx_metadata(onnx_path).get(C.META_KV_LAYOUT) == "bhsd":
+        raise EngineBuildError(f"{onnx_path.name} is ONNX Runtime's fast graph (GroupQueryAttention, a contrib "
+                               "op TensorRT cannot parse): export with `arborspec export --attention onnx` "
+                               "to build TensorRT engines")
     profiles = plan_profiles(max_batch, max_tree_nodes, max_context)
     cc = normalize_compute_capability(compute_capability)
 
@@ -492,12 +455,9 @@ def build_engine(onnx_path: str | os.PathLike, out_path: str | os.PathLike, *, m
                                + ("; ".join(e.splitlines()[0] for e in errors[:4]) or "no reason given")
                                + ("\n" + "\n".join(errors) if errors else ""))
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(memoryview(serialized))
-    os.replace(tmp, out_path)
+    atomic_write_bytes(out_path, memoryview(serialized))
     if timing_cache is not None:
-        cache_path.write_bytes(bytes(memoryview(timing_cache.serialize())))
+        atomic_write_bytes(cache_path, bytes(memoryview(timing_cache.serialize())))
 
     entry = {
         "file": out_path.name,
@@ -525,38 +485,18 @@ def build_engine(onnx_path: str | os.PathLike, out_path: str | os.PathLike, *, m
 
 def update_manifest(folder: str | os.PathLike, key: str, entry: dict[str, Any]) -> Path:
     """Merge one engine's entry into `<folder>/engines.json` (atomic rewrite)."""
-    path = Path(folder) / MANIFEST_NAME
-    data: dict[str, Any] = {"format": MANIFEST_FORMAT, "engines": {}}
-    if path.is_file():
-        try:
-            old = json.loads(path.read_text())
-            if isinstance(old, dict) and isinstance(old.get("engines"), dict):
-                data = old
-        except json.JSONDecodeError:
-            pass
-    data["format"] = MANIFEST_FORMAT
-    data["engines"][key] = entry
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    return path
+    man = C.read_engines_manifest(folder, missing_ok=True) or C.EnginesManifest(Path(folder))
+    man.data["format"] = MANIFEST_FORMAT
+    man.engines[key] = entry
+    return atomic_write_json(Path(folder) / MANIFEST_NAME, man.data, sort_keys=True)
 
 
 def read_manifest(folder_or_engine: str | os.PathLike) -> dict[str, Any]:
-    """The engines.json of a folder (or of the folder holding an engine file)."""
-    p = Path(folder_or_engine)
-    path = p / MANIFEST_NAME if p.is_dir() else p.with_name(MANIFEST_NAME)
-    if not path.is_file():
-        raise FileNotFoundError(f"no {MANIFEST_NAME} beside {p}")
-    return json.loads(path.read_text())
+    """The engines.json of a folder (or of the folder holding an engine file), as a dict."""
+    return C.read_engines_manifest(folder_or_engine).data
 
 
-def engine_entry(engine_path: str | os.PathLike) -> dict[str, Any] | None:
-    """The manifest entry of one engine file, or None when there is no manifest / entry
-    (the runtime's reader: the backend looks entries up the same way)."""
-    from ..runtime.backends.tensorrt import manifest_entry
-
-    return manifest_entry(engine_path)
+engine_entry = C.engine_entry  # the engines.json entry of one engine file, or None
 
 
 def _main(argv=None) -> int:  # python -m arborspec.export.trt_build ONNX ENGINE [CC]

@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from arborspec.runtime.errors import InputError
+
 
 @dataclass
 class ModelConfig:
@@ -35,9 +37,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.family not in ("llama", "gpt2"):
-            raise ValueError(f"unknown model family {self.family!r} (expected llama or gpt2)")
+            raise InputError(f"unknown model family {self.family!r} (expected llama or gpt2)")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+            raise InputError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from arborspec.runtime.errors import InputError, MissingFileError
+
 from .config import ModelConfig
 from .hf_loader import build_from_state
 
@@ -69,18 +71,18 @@ def read_metadata(reader) -> dict[str, Any]:
 def config_from_gguf(meta: dict[str, Any], name: str = "") -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
+        raise InputError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
 
     def get(key, default=None):
         return meta.get(f"{arch}.{key}", default)
 
     scaling = get("rope.scaling.type", "none")
     if scaling not in ("none", None):
-        raise ValueError(f"unsupported rope scaling type {scaling!r} in GGUF (only default RoPE is supported)")
+        raise InputError(f"unsupported rope scaling type {scaling!r} in GGUF (only default RoPE is supported)")
     hidden, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // n_heads))
     if int(get("rope.dimension_count", head_dim)) != head_dim:
-        raise ValueError("unsupported partial RoPE (rope.dimension_count != head dim)")
+        raise InputError("unsupported partial RoPE (rope.dimension_count != head dim)")
     vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
     eos = meta.get("tokenizer.ggml.eos_token_id")
     eot = meta.get("tokenizer.ggml.eot_token_id")
@@ -109,8 +111,8 @@ def gguf_state_dict(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
             parts = t.name.split(".", 2)  # blk, i, rest
             if parts[0] != "blk" or parts[2] not in LAYER_NAMES:
                 if t.name.startswith("rope_freqs"):
-                    raise ValueError("unsupported GGUF tensor rope_freqs (scaled RoPE, e.g. Llama 3.1)")
-                raise ValueError(f"unsupported GGUF tensor {t.name!r}")
+                    raise InputError("unsupported GGUF tensor rope_freqs (scaled RoPE, e.g. Llama 3.1)")
+                raise InputError(f"unsupported GGUF tensor {t.name!r}")
             name = f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
         w = dequantize(t.data, t.tensor_type)
         w = np.array(w, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])  # copy: reader is a read-only mmap
@@ -130,7 +132,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[tor
 
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such GGUF file")
+        raise MissingFileError(f"{path}: no such GGUF file")
     reader = GGUFReader(str(path))
     meta = read_metadata(reader)
     cfg = config_from_gguf(meta)

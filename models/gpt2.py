@@ -13,6 +13,8 @@ import math
 import torch
 import torch.nn as nn
 
+from arborspec.runtime.errors import InputError
+
 from .config import ModelConfig
 from .llama import additive_mask, attend, merge_past
 
@@ -70,7 +72,7 @@ class GPT2Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         if cfg.n_kv_heads != cfg.n_heads:
-            raise ValueError("GPT-2 has no grouped-query attention: n_kv_heads must equal n_heads")
+            raise InputError("GPT-2 has no grouped-query attention: n_kv_heads must equal n_heads")
         self.config = cfg
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(cfg.vocab_size, cfg.hidden_size),

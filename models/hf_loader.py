@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from arborspec.runtime.errors import InputError, MissingFileError
+
 from .config import ModelConfig
 from .gpt2 import GPT2Decoder
 from .llama import LlamaDecoder
@@ -33,7 +35,7 @@ def weight_files(folder: str | Path) -> list[Path]:
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [folder / s for s in shards]
-    raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json "
+    raise MissingFileError(f"{folder}: no model.safetensors or model.safetensors.index.json "
                             "(only safetensors checkpoints are supported)")
 
 
@@ -56,7 +58,7 @@ def _rope_theta(hf: dict) -> float:
     scaling = hf.get("rope_scaling") or {}
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type != "default":
-        raise ValueError(f"unsupported rope scaling type {rope_type!r} (only default RoPE is supported)")
+        raise InputError(f"unsupported rope scaling type {rope_type!r} (only default RoPE is supported)")
     return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
@@ -67,7 +69,7 @@ def config_from_hf(hf: dict, name: str = "") -> ModelConfig:
                   tie_embeddings=bool(hf.get("tie_word_embeddings", True)), name=name or hf.get("_name_or_path", ""))
     if mt in LLAMA_TYPES:
         if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} for {mt} (only silu)")
+            raise InputError(f"unsupported hidden_act {hf['hidden_act']!r} for {mt} (only silu)")
         n_heads = hf["num_attention_heads"]
         max_pos = hf.get("max_position_embeddings", 2048)
         window = hf.get("sliding_window")
@@ -85,9 +87,9 @@ def config_from_hf(hf: dict, name: str = "") -> ModelConfig:
     if mt in GPT2_TYPES:
         act = hf.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"unsupported GPT-2 activation_function {act!r} (only gelu_new / tanh GELU)")
+            raise InputError(f"unsupported GPT-2 activation_function {act!r} (only gelu_new / tanh GELU)")
         if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn") or not hf.get("scale_attn_weights", True):
-            raise ValueError("unsupported GPT-2 attention variant (scale_attn_by_inverse_layer_idx / "
+            raise InputError("unsupported GPT-2 attention variant (scale_attn_by_inverse_layer_idx / "
                              "reorder_and_upcast_attn / scale_attn_weights=False)")
         c = hf["n_embd"]
         return ModelConfig(
@@ -95,7 +97,7 @@ def config_from_hf(hf: dict, name: str = "") -> ModelConfig:
             n_heads=hf["n_head"], n_kv_heads=hf["n_head"], head_dim=c // hf["n_head"],
             intermediate_size=hf.get("n_inner") or 4 * c, max_position=hf["n_positions"],
             norm_eps=hf.get("layer_norm_epsilon", 1e-5), bias=True, **common)
-    raise ValueError(f"unsupported model_type {mt!r} (supported: {', '.join(LLAMA_TYPES + GPT2_TYPES)})")
+    raise InputError(f"unsupported model_type {mt!r} (supported: {', '.join(LLAMA_TYPES + GPT2_TYPES)})")
 
 
 def gpt2_hf_to_ours(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -122,12 +124,12 @@ def load_state(module: torch.nn.Module, sd: dict[str, torch.Tensor], dtype: torc
     bad = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in sd.items()
            if k in own and tuple(v.shape) != tuple(own[k].shape)]
     if bad:
-        raise ValueError(f"{where}: weights do not fit the {cfg.family} config: checkpoint vs model shape "
+        raise InputError(f"{where}: weights do not fit the {cfg.family} config: checkpoint vs model shape "
                          f"{bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
     missing, unexpected = module.load_state_dict(sd, strict=False, assign=True)  # no second copy
     missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
-        raise ValueError(f"{where}: weights do not match the {cfg.family} config: "
+        raise InputError(f"{where}: weights do not match the {cfg.family} config: "
                          f"missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
@@ -149,12 +151,12 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32) -> tupl
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
-        raise FileNotFoundError(f"{path}: no config.json (not a Hugging Face model folder)")
+        raise MissingFileError(f"{path}: no config.json (not a Hugging Face model folder)")
     hf = json.loads(cfg_file.read_text())
     cfg = config_from_hf(hf, name=hf.get("_name_or_path") or path.name)
     sd = read_state_dict(path)
     if cfg.family == "gpt2":
         sd = gpt2_hf_to_ours(sd)
     elif "lm_head.weight" not in sd and not cfg.tie_embeddings:
-        raise ValueError(f"{path}: tie_word_embeddings is false but there is no lm_head.weight")
+        raise InputError(f"{path}: tie_word_embeddings is false but there is no lm_head.weight")
     return build_from_state(cfg, sd, dtype, str(path)), cfg

@@ -161,37 +161,22 @@ class LlamaDecoder(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # None: no feature output. A tuple of layer ids: forward also returns, last, the
-        # hidden states entering those layers concatenated [B, T, len(ids) * H] (EAGLE-3).
-        self.feature_layers: tuple[int, ...] | None = None
-
-    def set_feature_layers(self, ids=None) -> tuple[int, ...]:
-        """Turn on the feature output; ids default to EAGLE-3's (2, L//2, L-3)."""
-        self.feature_layers = feature_layer_ids(self.config.n_layers, ids)
-        return self.feature_layers
+        # target features for an EAGLE-3 draft: the hidden states entering these layers,
+        # concatenated [B, T, len * H], returned as one more output (None: no such output)
+        self.feature_layers: list[int] | None = None
 
     def forward(self, input_ids, position_ids, attention_mask, *past):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(position_ids)
         bias = additive_mask(attention_mask)
         new, feats = [], {}
-        want = self.feature_layers or ()
+        wanted = set(self.feature_layers or ())
         for i, layer in enumerate(self.model.layers):
-            if i in want:
+            if i in wanted:
                 feats[i] = x
             x, k, v = layer(x, cos, sin, bias, past[2 * i], past[2 * i + 1])
             new += [k, v]
         logits = self.lm_head(self.model.norm(x)).float()
-        if self.feature_layers is None:
-            return (logits, *new)
-        return (logits, *new, torch.cat([feats[i] for i in want], dim=-1))
-
-
-def feature_layer_ids(n_layers: int, ids=None) -> tuple[int, ...]:
-    """EAGLE-3 target feature layers: the hidden states *entering* these layers. Default
-    (2, L//2, L-3), as vLLM; ids given (e.g. a checkpoint's eagle_aux_hidden_state_layer_ids)
-    are used as they are and must lie in [0, L)."""
-    out = tuple(int(i) for i in ids) if ids is not None else (2, n_layers // 2, n_layers - 3)
-    if not out or any(not 0 <= i < n_layers for i in out):
-        raise ValueError(f"feature layer ids {list(out)} do not fit a {n_layers}-layer model")
-    return out
+        if self.feature_layers:
+            return (logits, *new, torch.cat([feats[i] for i in self.feature_layers], dim=-1))
+        return (logits, *new)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from arborspec.runtime.errors import InputError, MissingFileError
+
 from .config import ModelConfig
 from .hf_loader import build_from_state
 
@@ -21,7 +23,7 @@ PREFIX = "_orig_mod."
 def config_from_model_args(args: dict, name: str = "") -> ModelConfig:
     missing = [k for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size") if k not in args]
     if missing:
-        raise ValueError(f"nanoGPT model_args lack {missing}")
+        raise InputError(f"nanoGPT model_args lack {missing}")
     c = int(args["n_embd"])
     bias = bool(args.get("bias", True))
     return ModelConfig(family="gpt2", vocab_size=int(args["vocab_size"]), hidden_size=c,
@@ -35,10 +37,10 @@ def load_nanogpt(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[
     """A nanoGPT ckpt.pt -> (GPT2Decoder in eval mode, ModelConfig)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such nanoGPT checkpoint")
+        raise MissingFileError(f"{path}: no such nanoGPT checkpoint")
     ckpt = torch.load(str(path), map_location="cpu", weights_only=True)
     if not isinstance(ckpt, dict) or "model_args" not in ckpt or "model" not in ckpt:
-        raise ValueError(f"{path}: not a nanoGPT checkpoint (expected a dict with 'model_args' and 'model')")
+        raise InputError(f"{path}: not a nanoGPT checkpoint (expected a dict with 'model_args' and 'model')")
     cfg = config_from_model_args(ckpt["model_args"], name=path.stem)
     sd = {k.removeprefix(PREFIX): v for k, v in ckpt["model"].items()}
     sd = {k: v for k, v in sd.items() if not k.endswith(".attn.bias")}  # old causal-mask buffers

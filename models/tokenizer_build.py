@@ -15,6 +15,8 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from arborspec.runtime.errors import InputError
+
 from ..runtime.tokenizer import TextTokenizer
 
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -44,7 +46,7 @@ def tokenizer_from_gguf_meta(meta: dict[str, Any]) -> tuple[Tokenizer, dict[str,
     """GGUF metadata -> (tokenizers.Tokenizer, {bos_token_id, eos_token_ids, chat_template, add_bos})."""
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE 'gpt2' is supported)")
+        raise InputError(f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE 'gpt2' is supported)")
     tokens = list(meta["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     types = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))

@@ -6,7 +6,8 @@ prefills) binds tensors by the names below, and before the first step the opener
 version and the manifest. The exporter (arborspec.export), every backend, `compare` and the
 tests import these names from here; nothing else spells them.
 
-Graph I/O (version 1), one graph per model, target and draft alike:
+Graph I/O (version 1), one graph per model, target and draft alike (a draft graph may add
+`topk_logprobs` float32 [B, T, K] and `topk_ids` int64 [B, T, K], see TOPK_OUTPUTS):
 
     input_ids        int64 [B, T]        the T new tokens (prompt, chain, or flattened tree)
     position_ids     int64 [B, T]        past_len + depth in the tree
@@ -57,7 +58,16 @@ from .errors import ExportDirError, MissingFileError
 from .fileio import sha256_file
 from .onnx_meta import read_onnx_metadata
 
-CONTRACT_VERSION = 1
+CONTRACT_VERSION = 2  # written by this arborspec
+SUPPORTED_VERSIONS = (1, 2)  # read by this arborspec (version 1: kv layout "sbhd" only)
+
+# Cache layouts (metadata `arborspec.kv_layout`; version 1 graphs are "sbhd"):
+#   "sbhd": past_key.{i} is the committed prefix [P, B, Hkv, D] of a [S_max, B, Hkv, D] slab and
+#           new_key.{i} only the new tokens [T, B, Hkv, D] (portable: torch.onnx export, TensorRT)
+#   "bhsd": past_key.{i} is the layer's whole slab [B, Hkv, S_max, D] and new_key.{i} is bound
+#           to the same buffer: the graph writes the new tokens at [P, P+T) in place (ONNX
+#           Runtime GroupQueryAttention with a shared past/present buffer, export/gqa_graph.py)
+KV_LAYOUTS = ("sbhd", "bhsd")
 
 # ----------------------------------------------------------------------------- graph I/O
 INPUT_IDS = "input_ids"
@@ -97,6 +107,14 @@ def output_names(n_layers: int) -> list[str]:
     return names
 
 
+# Optional draft outputs (metadata `arborspec.topk` = K): the graph's own top-K per row, so the
+# host never reads a vocabulary-wide row. Log-probs (logits minus the row's log-normaliser),
+# sorted descending, and their vocabulary ids.
+TOPK_LOGPROBS = "topk_logprobs"  # float32 [B, T, K]
+TOPK_IDS = "topk_ids"  # int64 [B, T, K]
+TOPK_OUTPUTS = (TOPK_LOGPROBS, TOPK_IDS)
+
+
 def count_layers(names) -> int:
     """Number of layers of a graph from its I/O names (the past_key.{i} inputs)."""
     return sum(1 for n in names if n.startswith("past_key."))
@@ -110,6 +128,8 @@ META_TOKENIZER = "arborspec.tokenizer_sha256"
 META_ROLE = "arborspec.role"
 META_EXPORTER = "arborspec.exporter"
 META_VERSION = "arborspec.version"
+META_KV_LAYOUT = "arborspec.kv_layout"
+META_TOPK = "arborspec.topk"  # K of the fused top-k outputs (draft graphs), absent: none
 
 # ----------------------------------------------------------------------------- dtypes
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -134,33 +154,42 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 # ----------------------------------------------------------------------------- version
-def check_contract_version(found: Any, where: str | os.PathLike) -> None:
+def check_contract_version(found: Any, where: str | os.PathLike, expected: int | None = None) -> None:
     """Raise one line when `found` (from a manifest or metadata) is not this contract version."""
-    if str(found) != str(CONTRACT_VERSION):
+    ok = [str(v) for v in (SUPPORTED_VERSIONS if expected is None else (expected,))]
+    if str(found) not in ok:
         raise ExportDirError(f"{where} uses engine contract version {found}, this arborspec reads "
-                             f"version {CONTRACT_VERSION}: re-export it with `arborspec export`")
+                             f"version {' or '.join(ok)}: re-export it with `arborspec export`")
 
 
-def check_metadata(meta: dict[str, str], where: str | os.PathLike) -> dict[str, Any]:
+def check_metadata(meta: dict[str, str], where: str | os.PathLike, expected_version: int | None = None) -> dict[str, Any]:
     """Check an ONNX graph's metadata_props; return its model config (a dict)."""
     if META_CONTRACT not in meta or META_CONFIG not in meta:
         raise ExportDirError(f"{where} is not an arborspec export (no arborspec metadata in the ONNX "
                              "file): export it with `arborspec export`")
-    check_contract_version(meta[META_CONTRACT], where)
+    check_contract_version(meta[META_CONTRACT], where, expected_version)
     try:
         return json.loads(meta[META_CONFIG])
     except json.JSONDecodeError:
         raise ExportDirError(f"{where}: the model config in its metadata is not JSON") from None
 
 
-def check_arborspec_onnx(path: str | os.PathLike) -> dict[str, str]:
+def kv_layout(meta: dict[str, str], where: str | os.PathLike = "") -> str:
+    """The cache layout a graph's metadata declares ("sbhd" when absent: version 1)."""
+    layout = meta.get(META_KV_LAYOUT, "sbhd") or "sbhd"
+    if layout not in KV_LAYOUTS:
+        raise ExportDirError(f"{where}: unknown kv layout {layout!r} (this arborspec reads {', '.join(KV_LAYOUTS)})")
+    return layout
+
+
+def check_arborspec_onnx(path: str | os.PathLike, expected_version: int | None = None) -> dict[str, str]:
     """metadata_props of an arborspec ONNX graph; one line for a foreign file or another
     contract version."""
     path = Path(path)
     if not path.is_file():
         raise MissingFileError(f"{path}: no such file")
     meta = read_onnx_metadata(path)["metadata"]
-    check_metadata(meta, path)
+    check_metadata(meta, path, expected_version)
     return meta
 
 
@@ -249,9 +278,9 @@ def read_manifest(dir: str | os.PathLike, check_checksums: bool = False) -> Mani
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ExportDirError(f"{mf} is not an arborspec manifest (format != {FORMAT!r})")
     ver = data.get("contract_version")
-    if ver != CONTRACT_VERSION:
+    if ver not in SUPPORTED_VERSIONS:
         raise ExportDirError(f"{mf}: exported for engine contract version {ver}, this arborspec "
-                             f"reads version {CONTRACT_VERSION}: re-export the model")
+                             f"reads version {' or '.join(map(str, SUPPORTED_VERSIONS))}: re-export the model")
     for key in ("target", "limits"):
         if key not in data:
             raise ExportDirError(f"{mf}: missing {key!r}")

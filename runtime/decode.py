@@ -1,14 +1,18 @@
 """The decode loop: vanilla, chain and tree speculative decoding around engine calls.
 
-Role: one step is (1) draft a tree level by level (runtime/drafts.py), (2) flatten it into
-ids / positions / tree mask (runtime/trees.py), (3) verify it with ONE target call, (4) accept
-the longest valid path plus one target token (runtime/accept.py), (5) commit the accepted K/V
-with one gather in the target's and the draft's caches and stream the tokens out.
+Role: one step is (1) draft a tree level by level (runtime/drafting.py, through the draft
+source's interface, runtime/drafts.py), (2) flatten it into ids / positions / tree mask in the
+preallocated verify buffers (runtime/tree_plan.py), (3) verify it with ONE target call, (4)
+accept the longest valid path plus one target token (runtime/accept.py), (5) commit the
+accepted K/V with one gather in the target's cache, tell the draft source which path won,
+and stream the tokens out.
 
 The last committed token (the root) is not yet in the target cache: each verify call runs
 [root, nodes...] so the root's K/V and every node's are written together. `vanilla` is the
 same loop with an empty tree (one token per target call); `chain` is a depth-K, width-1 tree.
-The loop is backend-agnostic: engines follow runtime/backends/base.Engine.
+The loop is backend-agnostic (engines follow runtime/backends/base.Engine) and draft-agnostic
+(sources follow runtime/drafts.DraftSource). A decoder runs one sequence at a time: use one
+per thread (runtime/generator.Generator serialises calls with a lock).
 """
 from __future__ import annotations
 
@@ -19,13 +23,15 @@ from typing import Iterator, Sequence
 import torch
 
 from .accept import accept
-from .drafts import CANDIDATE_MODES, BigramDraft, LookupDraft, ModelDraft, draft_tree, tree_capacity
-
-TABLE_DRAFTS = (BigramDraft, LookupDraft)  # draft sources with no model behind them
+from .drafting import CANDIDATE_MODES, TreeWorkspace, draft_tree
+from .drafts import DraftSource, ModelDraft, tree_capacity
+from .errors import InputError
+from .guards import check_logits
 from .kvcache import KVCache
 from .sampling import SamplingParams
 from .stats import GenerationStats, Timer
-from .trees import ChainTree, Tree, TreePolicy, parse_tree_spec, verify_inputs
+from .tree_plan import VerifyBuffers
+from .trees import ChainTree, Tree, TreePolicy, parse_tree_spec
 
 MODES = ("vanilla", "chain", "tree")
 
@@ -37,28 +43,20 @@ class GenerationResult:
     stop_reason: str = "length"  # "eos", "length" or "context"
 
 
-class _ClockedEngine:
-    """Adds the time spent inside an engine's forward to a stats field (draft model time)."""
-
-    def __init__(self, engine, stats_ref: list, name: str, sync=None):
-        self.engine, self._stats_ref, self._name, self._sync = engine, stats_ref, name, sync
-        self.info, self.device = engine.info, engine.device
-
-    def forward(self, *args):
-        t0 = time.perf_counter()
-        out = self.engine.forward(*args)
-        if self._sync:
-            self._sync()
-        st = self._stats_ref[0]
-        setattr(st, self._name, getattr(st, self._name) + time.perf_counter() - t0)
-        return out
+def as_draft_source(draft) -> DraftSource | None:
+    """A draft source from a source (returned as is), an engine (wrapped in ModelDraft) or None."""
+    if draft is None or (hasattr(draft, "start") and hasattr(draft, "expand")):
+        return draft
+    if hasattr(draft, "forward") and hasattr(draft, "info"):
+        return ModelDraft(draft)
+    raise InputError(f"not a draft source or engine: {type(draft).__name__}")
 
 
 class SpeculativeDecoder:
-    """Embeddable generator.
+    """Generates from token ids with a target engine and an optional draft.
 
-    target: an Engine; draft: an Engine (neural draft), a BigramDraft or LookupDraft (no model
-    calls), or None (vanilla only).
+    target: an Engine; draft: a DraftSource (ModelDraft, BigramDraft, LookupDraft, ...), an
+    Engine (wrapped in a ModelDraft), or None (vanilla only).
     mode: vanilla | chain | tree; tree: a spec string or TreePolicy (chain mode wants chain:K).
     candidates: topk | sample | sample-unique (how draft children are produced when sampling).
     """
@@ -67,42 +65,50 @@ class SpeculativeDecoder:
                  candidates: str = "topk", sampling: SamplingParams | None = None,
                  max_tree_nodes: int | None = None):
         if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r} (expected one of {', '.join(MODES)})")
+            raise InputError(f"unknown mode {mode!r} (expected one of {', '.join(MODES)})")
         if candidates not in CANDIDATE_MODES:
-            raise ValueError(f"unknown candidate mode {candidates!r} (expected one of {', '.join(CANDIDATE_MODES)})")
+            raise InputError(f"unknown candidate mode {candidates!r} (expected one of {', '.join(CANDIDATE_MODES)})")
         self.target = target
         self.mode, self.candidates = mode, candidates
         self.sampling = sampling or SamplingParams()
         self.policy: TreePolicy | None = None
-        self._stats_ref = [GenerationStats()]
-        sync = torch.cuda.synchronize if target.device.type == "cuda" else None
-        self._timer_sync = sync
+        self._timer_sync = torch.cuda.synchronize if target.device.type == "cuda" else None
+        draft = as_draft_source(draft)
         if mode != "vanilla":
             if draft is None:
-                raise ValueError(f"mode {mode} needs a draft (--draft)")
+                raise InputError(f"mode {mode} needs a draft (--draft)")
             policy = parse_tree_spec(tree) if isinstance(tree, str) else tree
             if mode == "chain" and not isinstance(policy, ChainTree):
-                raise ValueError(f"mode chain needs a chain:K tree spec, got {policy.spec!r}")
+                raise InputError(f"mode chain needs a chain:K tree spec, got {policy.spec!r}")
             if max_tree_nodes is not None and policy.max_nodes > max_tree_nodes:
-                raise ValueError(f"tree {policy.spec} has up to {policy.max_nodes} nodes, over the limit of {max_tree_nodes}")
+                raise InputError(f"tree {policy.spec} has up to {policy.max_nodes} nodes, over the limit of {max_tree_nodes}")
             if target.info.max_tokens is not None and policy.max_nodes + 1 > target.info.max_tokens:
-                raise ValueError(f"tree {policy.spec} needs {policy.max_nodes + 1} tokens per verify call, "
+                raise InputError(f"tree {policy.spec} needs {policy.max_nodes + 1} tokens per verify call, "
                                  f"over the engine's limit of {target.info.max_tokens}")
             self.policy = policy
-            dv = draft.vocab_size if isinstance(draft, TABLE_DRAFTS) else draft.info.vocab_size
-            if dv != target.info.vocab_size:
-                raise ValueError(f"draft vocabulary ({dv}) differs from the target's ({target.info.vocab_size})")
-        if draft is not None and not isinstance(draft, TABLE_DRAFTS):
-            draft = ModelDraft(_ClockedEngine(draft, self._stats_ref, "draft_model_s", sync), 1)
+            tv = target.info.vocab_size
+            if draft.token_map is None and draft.vocab_size != tv:
+                raise InputError(f"draft vocabulary ({draft.vocab_size}) differs from the target's ({tv})")
+            if draft.token_map is not None and int(draft.token_map.max()) >= tv:
+                raise InputError(f"draft token map points outside the target vocabulary ({tv})")
+            if getattr(draft, "needs_target_features", False) and not getattr(target.info, "n_features", 0):
+                raise InputError(f"draft {getattr(draft, 'kind', '')} reads target features, but the "
+                                 "target engine has no feature output (re-export the target for it)")
         self.draft = draft
         self.keep_draft_probs = False  # keep q for top-k candidates too (analysis, tests)
+        self._vbuf = VerifyBuffers(target.device)
+        self._cache: KVCache | None = None  # the target's cache, reused by the next generation
+        self._ws = TreeWorkspace(tree_capacity(self.policy, target.info.vocab_size)) if self.policy else None
+
+    @property
+    def _features(self) -> bool:
+        return self.policy is not None and getattr(self.draft, "needs_target_features", False)
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 64,
                  eos_token_ids: Sequence[int] = (), seed: int = 0) -> GenerationResult:
         out: list[int] = []
-        it = self.stream(prompt_ids, max_new_tokens, eos_token_ids, seed)
-        for chunk in it:
+        for chunk in self.stream(prompt_ids, max_new_tokens, eos_token_ids, seed):
             out += chunk
         return GenerationResult(out, self.last_stats, self.last_stop_reason)
 
@@ -113,53 +119,66 @@ class SpeculativeDecoder:
         eos = set(int(e) for e in eos_token_ids)
         st = GenerationStats(mode=self.mode, tree=self.policy.spec if self.policy else "",
                              prompt_tokens=len(prompt))
-        self._stats_ref[0] = st
         self.last_stats, self.last_stop_reason = st, "length"
         timer = Timer(st, self._timer_sync)
         rng = torch.Generator().manual_seed(int(seed))
         t_start = time.perf_counter()
-        tgt = self.target
-        extra = (self.policy.max_nodes if self.policy else 0) + 2
+        tgt, draft, policy = self.target, self.draft, self.policy
+        speculating = policy is not None
+        extra = (policy.max_nodes if policy else 0) + 2
         cap = min(len(prompt) + max_new_tokens + extra, tgt.info.max_position + extra)
-        cache = KVCache(tgt.info.cache, cap, 1, tgt.device)
+        model_s0 = draft.model_s if draft is not None else 0.0
         with timer("prefill_s"):
+            cache = self._cache
+            if cache is None or not cache.fits(tgt.info.cache, cap, 1, tgt.device):
+                cache = self._cache = KVCache(tgt.info.cache, cap, 1, tgt.device)
+            cache.reset()
+            feats = None
             if len(prompt) > 1:
-                self._prefill(prompt[:-1], cache)
-                st.target_calls += 1
-            if self.draft is not None and self.mode != "vanilla":
-                if isinstance(self.draft, ModelDraft):
-                    # the draft's scratch holds every node it expands (dynamic trees expand
-                    # more nodes than they keep), on top of the committed tokens
-                    scratch = tree_capacity(self.policy, self.draft.vocab_size) + 2
-                    dcap = min(len(prompt) + max_new_tokens, tgt.info.max_position) + scratch
-                    self.draft.cache = KVCache(self.draft.engine.info.cache, dcap, 1, self.draft.engine.device)
-                self.draft.reset(prompt[:-1])
+                feats = self._prefill(prompt[:-1], cache)
+                st.target_calls += self._prefill_calls
+            if speculating:
+                draft.prepare(policy, min(len(prompt) + max_new_tokens, tgt.info.max_position))
+                draft.reset(prompt[:-1], feats)
         root = prompt[-1]
         produced = 0
         max_pos = tgt.info.max_position
+        vbuf = self._vbuf
         try:
             while produced < max_new_tokens:
                 past = cache.length
                 if past >= max_pos:
                     self.last_stop_reason = "context"
                     break
-                speculate = self.policy is not None and past + self.policy.depth < max_pos
+                speculate = speculating and past + policy.depth < max_pos
                 with timer("draft_s"):
-                    tree = (draft_tree(self.draft, self.policy, root, self.sampling, self.candidates, rng,
-                                       self.keep_draft_probs)
+                    tree = (draft_tree(draft, policy, root, self.sampling, self.candidates, rng,
+                                       self.keep_draft_probs, self._ws, tgt.info.vocab_size)
                             if speculate else Tree.empty())
-                with timer("other_s"):
-                    ids, pos, mask = verify_inputs(root, tree, past, tgt.device)
+                # flattening lands in other_s (the runtime's own time), the call in verify_s
+                if tree.plan is not None:
+                    offsets, block = tree.plan.verify_block(tgt.device)
+                    ids, pos, mask = vbuf.fill(root, tree.tokens, offsets, block, None, past)
+                else:
+                    offsets = torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])
+                    ids, pos, mask = vbuf.fill(root, tree.tokens, offsets, None, tree.anc, past)
                 with timer("verify_s"):
-                    logits = tgt.forward(ids, pos, mask, cache)[0]
+                    if self._features:
+                        logits, feats = tgt.forward_features(ids, pos, mask, cache)
+                    else:
+                        logits = tgt.forward(ids, pos, mask, cache)
                 with timer("accept_kv_s"):
-                    acc = accept(logits, tree, self.sampling, rng)
+                    vbuf.release()
+                    acc = accept(logits[0], tree, self.sampling, rng)
+                    # the rows the accept rule read: the accepted path's and the next token's
+                    check_logits(logits[0], [0] + [i + 1 for i in acc.path.tolist()], st.steps + 1,
+                                 tgt.info.name)
                     new, stop = self._truncate(acc.tokens, eos, max_new_tokens - produced)
                     # the caches keep every committed token but the last (the next root)
                     path = acc.path[: len(new) - 1]
-                    cache.commit(torch.cat([torch.zeros(1, dtype=torch.long), path + 1]), tree.n + 1)
+                    cache.commit([0] + [i + 1 for i in path.tolist()], tree.n + 1)
                     if speculate:
-                        self.draft.commit(tree, path)
+                        draft.commit(tree, path, feats[0] if self._features else None)
                 st.steps += 1
                 st.target_calls += 1
                 st.draft_calls += tree.draft_calls
@@ -168,6 +187,8 @@ class SpeculativeDecoder:
                 st.new_tokens = produced
                 st.accepted_hist[len(new)] = st.accepted_hist.get(len(new), 0) + 1
                 st.total_s = time.perf_counter() - t_start
+                if st.ttft_s is None:
+                    st.ttft_s = st.total_s
                 yield new
                 if stop:
                     self.last_stop_reason = stop
@@ -175,7 +196,16 @@ class SpeculativeDecoder:
                 root = new[-1]
         finally:
             st.total_s = time.perf_counter() - t_start
+            if draft is not None:
+                st.draft_model_s = draft.model_s - model_s0
             st.other_s = max(0.0, st.total_s - st.prefill_s - st.draft_s - st.verify_s - st.accept_kv_s)
+
+    def close(self) -> None:
+        """Close the engines and the draft source."""
+        for obj in (self.draft, self.target):
+            close = getattr(obj, "close", None)
+            if close:
+                close()
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -190,25 +220,47 @@ class SpeculativeDecoder:
         return tokens, None
 
     def _check_prompt(self, prompt_ids, max_new_tokens) -> list[int]:
-        prompt = [int(t) for t in prompt_ids]
+        try:
+            prompt = [int(t) for t in prompt_ids]
+        except (TypeError, ValueError):
+            raise InputError("prompt ids must be integers") from None
         if not prompt:
-            raise ValueError("empty prompt: give at least one token")
-        if max_new_tokens < 1:
-            raise ValueError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
+            raise InputError("empty prompt: give at least one token")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InputError(f"max-new-tokens must be an integer >= 1, got {max_new_tokens!r}")
         v = self.target.info.vocab_size
         bad = [t for t in prompt if not 0 <= t < v]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {v})")
+            raise InputError(f"prompt token id {bad[0]} is outside the vocabulary [0, {v})")
         ctx = self.target.info.max_position
         if len(prompt) > ctx:
-            raise ValueError(f"prompt of {len(prompt)} tokens is beyond the model's max context of {ctx}")
+            raise InputError(f"prompt of {len(prompt)} tokens is beyond the model's max context of {ctx}")
         return prompt
 
-    def _prefill(self, tokens: list[int], cache: KVCache) -> None:
+    prefill_chunk = 512  # tokens per prefill call (long prompts run as several causal chunks)
+
+    def _prefill(self, tokens: list[int], cache: KVCache):
+        """Run the prompt (all but its last token) as causal calls of at most `prefill_chunk`
+        tokens (a 4k-token prompt in one call builds a 4k x 4k attention; in chunks each call
+        sees only its own rows); returns the target features of those tokens [n, F] when the
+        draft reads them, else None."""
         dev = self.target.device
         n = len(tokens)
-        ids = torch.tensor([tokens], dtype=torch.long, device=dev)
-        pos = torch.arange(n, device=dev)[None]
-        mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None]
-        self.target.forward(ids, pos, mask, cache)
-        cache.commit(None, n)
+        chunk = max(1, int(self.prefill_chunk or n))
+        feats = []
+        self._prefill_calls = -(-n // chunk)
+        for s in range(0, n, chunk):
+            part = tokens[s:s + chunk]
+            c = len(part)
+            p = cache.length
+            ids = torch.tensor([part], dtype=torch.long, device=dev)
+            pos = torch.arange(p, p + c, device=dev)[None]
+            mask = torch.ones(1, c, p + c, dtype=torch.bool, device=dev)
+            mask[0, :, p:] = torch.ones(c, c, dtype=torch.bool, device=dev).tril()
+            if self._features:
+                _, f = self.target.forward_features(ids, pos, mask, cache)
+                feats.append(f[0])
+            else:
+                self.target.forward(ids, pos, mask, cache)
+            cache.commit(None, c)
+        return torch.cat(feats) if feats else None

@@ -1,112 +1,266 @@
-"""Draft sources and the level-by-level tree drafting loop.
+"""Draft sources: what proposes the tree's candidate tokens.
 
-Role in one decoding step: step 1. `draft_tree` asks a draft source for the root's
-distribution (one call over the tokens committed since the last step, ending with the root),
-then expands the tree level by level under a policy: each level is ONE draft call over the
-frontier, with a tree mask over the draft's own scratch cache (each frontier node sees the
-committed context, its ancestors and itself). After acceptance, `commit` keeps the accepted
-path's draft K/V with one gather, exactly like the target's cache.
+Role in one decode step: step 1 asks a draft source for the root's distribution (`start`,
+one call over the tokens committed since the last step, ending with the root) and then, level
+by level, for the frontier's distributions (`expand`, ONE call per level, each frontier node
+seeing the committed context, its ancestors and itself); step 5 tells it which path was
+accepted (`commit`), so it keeps exactly that path in its own cache. The decode loop
+(runtime/decode.py) and the tree builder (runtime/drafting.py) know nothing else about a draft:
+a new draft kind implements `DraftSource` and plugs in without touching them.
 
-Sources: `ModelDraft` (any contract engine with the target's vocabulary: a smaller model, or
-a `layers:K` truncated copy of the target) and `BigramDraft` (the seed's table draft, here a
-table of the target's own next-token top-k given one token; no cache).
-
-Candidates: `topk` (deterministic: the policy's top children), `sample` (i.i.d. draws from the
-draft, with replacement) or `sample-unique` (draws without replacement, by the Gumbel-top-k
-trick). The accept rule must match (runtime/accept.py).
+Sources here: `ModelDraft` (any contract engine with the target's vocabulary: a smaller model,
+or a `layers:K` truncated copy of the target), `BigramDraft` (the seed's table draft: the
+target's own next-token top-k given one token; no cache). `LookupDraft` (prompt lookup) lives
+in runtime/lookup.py.
 """
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .kvcache import KVCache
-from .sampling import SamplingParams, warp_logits
+from .tree_plan import MaskBuffer
 from .trees import Tree, TreePolicy
 
-CANDIDATE_MODES = ("topk", "sample", "sample-unique")
+
+@dataclass
+class TopK:
+    """A draft call's top-k per row: `values` [F, k] (log-probs when asked for, else raw
+    logits), `indices` [F, k] draft-vocabulary ids; computed where the logits are."""
+
+    values: torch.Tensor
+    indices: torch.Tensor
 
 
-class ModelDraft:
-    """A neural draft behind the engine protocol, with its own preallocated cache."""
+def topk_of(logits: torch.Tensor, k: int, logprobs: bool = False) -> TopK:
+    """Top-k of logits [F, V] on their device; log-probs (values minus the log-normaliser) when
+    `logprobs` (rows with no finite logit keep -inf)."""
+    vals, idx = torch.topk(logits.float(), min(k, logits.shape[-1]), dim=-1)
+    if logprobs:
+        lse = torch.logsumexp(logits.float(), -1, keepdim=True)
+        vals = vals - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return TopK(vals, idx)
+
+
+@dataclass
+class NodeView:
+    """The nodes drafted so far in this step, level order (views, no copies)."""
+
+    tokens: torch.Tensor  # [n] target token ids
+    depth: torch.Tensor  # [n] 1 for the root's children
+    parents: torch.Tensor  # [n] parent node index, -1 for the root
+    anc: torch.Tensor  # bool [n, n]: anc[i, j] = j is i or an ancestor of i
+
+
+class DraftSource:
+    """Base of every draft source. Subclasses override the methods they need.
+
+    vocab_size: width of the logits rows it returns; token_map: [vocab_size] target id of each
+    row entry (None: the rows are over the target vocabulary); needs_target_features: the
+    decode loop passes the target's features (hidden states) to reset/commit; finite_logits:
+    False for tables whose rows may have no candidates (all -inf), so trees are pruned per step
+    instead of following a fixed plan; model_s: seconds spent inside model calls (stats)."""
+
+    kind = "draft"
+    vocab_size: int = 0
+    token_map: torch.Tensor | None = None
+    needs_target_features = False
+    finite_logits = True
+    model_s = 0.0
+
+    def prepare(self, policy: TreePolicy, max_len: int) -> None:
+        """Once per generation, before `reset`: size scratch space for `policy` and a committed
+        context of up to `max_len` tokens."""
+
+    def reset(self, committed: list[int], features: torch.Tensor | None = None) -> None:
+        """Start a sequence: `committed` are the tokens before the first root; `features` the
+        target's features for them (from the prefill) when `needs_target_features`."""
+
+    def start(self, root: int) -> torch.Tensor:
+        """The root's draft logits [vocab_size] (one draft call)."""
+        raise NotImplementedError
+
+    def expand(self, nodes: NodeView, frontier: torch.Tensor) -> torch.Tensor:
+        """Logits [F, vocab_size] for the frontier node indices (one draft call)."""
+        raise NotImplementedError
+
+    # Top-k candidates only (what deterministic trees need): a source whose engine computes
+    # them where the logits are (in the graph, on the GPU) overrides these, so the host never
+    # touches a vocabulary-wide row.
+    def start_topk(self, root: int, k: int, logprobs: bool = False) -> TopK:
+        return topk_of(self.start(root)[None], k, logprobs)
+
+    def expand_topk(self, nodes: NodeView, frontier: torch.Tensor, k: int, logprobs: bool = False) -> TopK:
+        return topk_of(self.expand(nodes, frontier), k, logprobs)
+
+    def commit(self, tree: Tree, path: torch.Tensor, features: torch.Tensor | None = None) -> None:
+        """Keep the accepted path (node indices, root excluded); `features` are the verify
+        call's target features over [root, nodes...] when `needs_target_features`."""
+
+    def close(self) -> None:
+        """Release engines and buffers."""
+
+
+def tree_capacity(policy: TreePolicy, vocab: int) -> int:
+    """Upper bound on the nodes a policy drafts in one step, before its final pruning."""
+    kind = policy.kind
+    if kind == "dynamic":
+        k = min(policy.k, vocab)
+        return k + (policy.depth - 1) * k * k
+    if kind == "beam":
+        return sum(policy.widths)
+    if kind == "static":
+        return len(policy.paths)
+    w = min(policy.w, vocab)
+    return sum(w ** lvl for lvl in range(1, policy.depth + 1))
+
+
+class ModelDraft(DraftSource):
+    """A neural draft behind the engine protocol, with its own preallocated cache.
+
+    Cache layout: committed tokens [0, base), then this step's chain (the pending tokens and
+    the root) [base, base + chain), then one scratch row per expanded node. Node -> scratch row
+    bookkeeping lives here (`_slot`), keyed by the node's drafted index (`Tree.origin`)."""
 
     kind = "model"
 
-    def __init__(self, engine, max_len: int):
+    def __init__(self, engine, max_len: int | None = None):
         self.engine = engine
         self.vocab_size = engine.info.vocab_size
-        self.cache = KVCache(engine.info.cache, max_len, 1, engine.device)
+        self.cache = KVCache(engine.info.cache, max_len, 1, engine.device) if max_len else None
+        self.mask = MaskBuffer(engine.device, 1 << 12)
+        self._sync = torch.cuda.synchronize if engine.device.type == "cuda" else None
         self.pending: list[int] = []
-        self._base = 0  # committed length before this step's scratch
-        self._chain = 0  # tokens of the first call (pending + root), in cache after _base
+        self._base = 0  # committed length before this step's chain
+        self._chain = 0  # tokens of the first call (pending + root)
+        # node -> scratch row and scratch row -> node (numpy: tiny arrays, cheap ops)
+        self._slot = np.full(64, -1, dtype=np.int64)
+        self._slot_node = np.zeros(64, dtype=np.int64)
+        self.model_s = 0.0
 
-    def reset(self, committed: list[int]) -> None:
-        """Start a sequence: `committed` are the tokens before the first root (run lazily)."""
+    def prepare(self, policy: TreePolicy, max_len: int) -> None:
+        cap = tree_capacity(policy, self.vocab_size)
+        need = max_len + cap + 2
+        if self.cache is None or self.cache.max_len < need:
+            self.cache = KVCache(self.engine.info.cache, need, 1, self.engine.device)
+        if self._slot.size < cap:
+            self._slot = np.full(cap, -1, dtype=np.int64)
+            self._slot_node = np.zeros(cap, dtype=np.int64)
+
+    def reset(self, committed: list[int], features=None) -> None:
+        if self.cache is None:
+            raise RuntimeError("ModelDraft.prepare() must run before reset()")  # a caller bug
         self.cache.reset()
         self.pending = list(committed)
 
-    def start(self, root: int) -> torch.Tensor:
-        """Run the pending tokens and the root as a causal chain; return the root's logits [V]."""
+    def _forward(self, ids, pos, mask, k: int | None = None, logprobs: bool = False):
+        t0 = time.perf_counter()
+        if k is None:
+            out = self.engine.forward(ids, pos, mask, self.cache)
+        else:
+            out = TopK(*self.engine.forward_topk(ids, pos, mask, self.cache, k, logprobs))
+        if self._sync:
+            self._sync()
+        self.model_s += time.perf_counter() - t0
+        return out
+
+    def _start(self, root: int, k: int | None = None, logprobs: bool = False):
+        """Run the pending tokens and the root as a causal chain; the root's row of the output."""
         chain = self.pending + [root]
         m = len(chain)
-        p = self.cache.length
+        c = self.cache
+        p = c.length
         dev = self.engine.device
         ids = torch.tensor([chain], dtype=torch.long, device=dev)
         pos = torch.arange(p, p + m, device=dev)[None]
-        mask = torch.ones(1, m, p + m, dtype=torch.bool, device=dev)
+        mask = self.mask.view(m, p)
         mask[0, :, p:] = torch.ones(m, m, dtype=torch.bool, device=dev).tril()
-        logits = self.engine.forward(ids, pos, mask, self.cache)
+        out = self._forward(ids, pos, mask, k, logprobs)
+        self.mask.release()
         self._base, self._chain = p, m
-        self.cache.length = p + m
-        return logits[0, -1]
+        c.length = p + m
+        self._slot.fill(-1)
+        if k is None:
+            return out[0, -1]
+        return TopK(out.values[0, -1:], out.indices[0, -1:])
 
-    def expand(self, tree_anc: torch.Tensor, slot: torch.Tensor, frontier: torch.Tensor,
-               tokens: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
-        """One draft call over the frontier nodes; returns their logits [F, V].
-
-        tree_anc: ancestor matrix over the nodes so far; slot: each node's scratch slot (-1
-        when not run yet); frontier: node indices to run now."""
+    def _expand(self, nodes: NodeView, frontier: torch.Tensor, k: int | None = None, logprobs: bool = False):
         f = int(frontier.numel())
         c = self.cache
         p = c.length
         dev = self.engine.device
         scratch0 = self._base + self._chain
         n_slots = p - scratch0
-        mask = torch.zeros(1, f, p + f, dtype=torch.bool)
-        mask[0, :, :scratch0] = True
+        fr = frontier.numpy()
+        # the block over this step's scratch rows: each frontier node sees the scratch rows of
+        # its ancestors and itself (the committed prefix stays True in the mask buffer)
+        block = np.zeros((f, n_slots + f), dtype=bool)
         if n_slots:
-            slot_node = torch.empty(n_slots, dtype=torch.long)
-            run = slot >= 0
-            slot_node[slot[run]] = run.nonzero().flatten()
-            mask[0, :, scratch0:p] = tree_anc[frontier][:, slot_node]
-        mask[0, :, p:] = torch.eye(f, dtype=torch.bool)
-        root_pos = self._base + self._chain - 1
-        ids = tokens[frontier][None].to(dev)
-        pos = (depth[frontier] + root_pos)[None].to(dev)
-        logits = self.engine.forward(ids, pos, mask.to(dev), c)
-        slot[frontier] = torch.arange(n_slots, n_slots + f)
+            block[:, :n_slots] = nodes.anc.numpy()[fr[:, None], self._slot_node[:n_slots]]
+        block[:, n_slots:] = np.eye(f, dtype=bool)
+        mask = self.mask.view(f, p, col0=scratch0)
+        mask[0, :, scratch0:].copy_(torch.from_numpy(block))
+        ids = torch.from_numpy(nodes.tokens.numpy()[fr][None]).to(dev)
+        pos = torch.from_numpy(nodes.depth.numpy()[fr][None] + (scratch0 - 1)).to(dev)
+        out = self._forward(ids, pos, mask, k, logprobs)
+        self.mask.release()
+        self._slot[fr] = np.arange(n_slots, n_slots + f)
+        self._slot_node[n_slots:n_slots + f] = fr
         c.length = p + f
-        return logits[0]
+        return out[0] if k is None else TopK(out.values[0], out.indices[0])
 
-    def commit(self, tree: Tree, path: torch.Tensor) -> None:
-        """Keep the chain and the accepted path's scratch entries; drop the rest."""
+    def start(self, root: int) -> torch.Tensor:
+        return self._start(root)
+
+    def expand(self, nodes: NodeView, frontier: torch.Tensor) -> torch.Tensor:
+        return self._expand(nodes, frontier)
+
+    def _fused(self, k: int) -> bool:
+        """Whether the engine returns its own top-k (fused in the graph, or on its device)."""
+        return getattr(self.engine, "max_topk", 0) >= k and hasattr(self.engine, "forward_topk")
+
+    def start_topk(self, root: int, k: int, logprobs: bool = False) -> TopK:
+        if not self._fused(k):
+            return super().start_topk(root, k, logprobs)
+        return self._start(root, k, logprobs)
+
+    def expand_topk(self, nodes: NodeView, frontier: torch.Tensor, k: int, logprobs: bool = False) -> TopK:
+        if not self._fused(k):
+            return super().expand_topk(nodes, frontier, k, logprobs)
+        return self._expand(nodes, frontier, k, logprobs)
+
+    def commit(self, tree: Tree, path: torch.Tensor, features=None) -> None:
+        """Keep the chain and the accepted path's scratch rows; drop the rest."""
         c = self.cache
         c.length = self._base
-        slots = tree.slot[path] if path.numel() else path
-        ran = slots >= 0
-        src = torch.cat([torch.arange(self._chain), slots[ran] + self._chain])
+        if path.numel():
+            pth = path.numpy()
+            slots = self._slot[tree.origin.numpy()[pth]]
+            ran = slots >= 0
+            src = list(range(self._chain)) + (slots[ran] + self._chain).tolist()
+            # accepted nodes never run through the draft (leaves) are run at the next start
+            self.pending = tree.tokens.numpy()[pth[~ran]].tolist()
+        else:
+            src, self.pending = list(range(self._chain)), []
         c.commit(src, 0)
-        # accepted nodes never run through the draft (a leaf) are run at the next start
-        self.pending = tree.tokens[path[~ran]].tolist() if path.numel() else []
+
+    def close(self) -> None:
+        close = getattr(self.engine, "close", None)
+        if close:
+            close()
 
 
-class BigramDraft:
+class BigramDraft(DraftSource):
     """The seed's table draft: next-token logits given only the previous token.
 
     `table` is either dense logits [V, V] or a sparse (indices [V, K], logits [V, K]) top-K;
     missing entries are -inf. Cost per level: a gather, no model call."""
 
     kind = "bigram"
+    finite_logits = False
 
     def __init__(self, indices: torch.Tensor | None, logits: torch.Tensor, vocab_size: int):
         self.vocab_size = vocab_size
@@ -118,17 +272,11 @@ class BigramDraft:
         out = torch.full((toks.numel(), self.vocab_size), float("-inf"))
         return out.scatter_(1, self.indices[toks], self.logits[toks])
 
-    def reset(self, committed: list[int]) -> None:
-        pass
-
     def start(self, root: int) -> torch.Tensor:
         return self._rows(torch.tensor([root]))[0]
 
-    def expand(self, tree_anc, slot, frontier, tokens, depth) -> torch.Tensor:
-        return self._rows(tokens[frontier])
-
-    def commit(self, tree: Tree, path: torch.Tensor) -> None:
-        pass
+    def expand(self, nodes: NodeView, frontier: torch.Tensor) -> torch.Tensor:
+        return self._rows(nodes.tokens[frontier])
 
 
 @torch.inference_mode()
@@ -156,198 +304,45 @@ def bigram_table_from_target(engine, top_k: int = 32, batch: int = 256, progress
     return idx_out, val_out
 
 
-def _gumbel(shape, rng) -> torch.Tensor:
-    u = torch.rand(shape, generator=rng).clamp_(1e-20, 1.0)
-    return -torch.log(-torch.log(u))
-
-
-@torch.inference_mode()
-def draft_tree(draft, policy: TreePolicy, root: int, sp: SamplingParams,
-               candidates: str = "topk", rng: torch.Generator | None = None,
-               keep_q: bool = False) -> Tree:
-    """Build one step's tree: D levels, one draft call per level over the frontier.
-
-    keep_q: also keep the draft distributions for top-k candidates (analysis and tests; the
-    sampled modes always keep them, the accept rule needs them)."""
-    if candidates not in CANDIDATE_MODES:
-        raise ValueError(f"unknown candidate mode {candidates!r} (expected one of {', '.join(CANDIDATE_MODES)})")
-    sampled = candidates != "topk" and not sp.greedy
-    if sampled and policy.data_dependent:
-        raise ValueError(f"tree policy {policy.kind} ranks candidates by score: use --candidates topk with it")
-    mode = candidates if sampled else "topk"
-    vocab = draft.vocab_size
-    cap = tree_capacity(policy, vocab)
-    tokens = torch.zeros(cap, dtype=torch.long)
-    parents = torch.zeros(cap, dtype=torch.long)
-    depth = torch.zeros(cap, dtype=torch.long)
-    score = torch.zeros(cap, dtype=torch.float32)
-    qrow = torch.full((cap,), -1, dtype=torch.long)
-    slot = torch.full((cap,), -1, dtype=torch.long)
-    anc = torch.zeros(cap, cap, dtype=torch.bool)
-    qs: list[torch.Tensor] = []
-    n_q = 0
-    n = 0
-    logits = draft.start(root)[None].float().cpu()
-    calls = 1
-    frontier = torch.tensor([-1])
-    f_score = torch.zeros(1)
-    for level in range(1, policy.depth + 1):
-        k = min(policy.width(level), vocab)
-        if mode == "topk":
-            # deterministic candidates: the draft's top-k by raw logits (the ranking does not
-            # depend on the temperature; top-k/top-p only mask a tail that the accept rule
-            # handles). Normalise to log-probs only where a policy ranks by cumulative score.
-            vals, toks = torch.topk(logits, k, dim=-1)
-            if policy.data_dependent or keep_q:
-                lse = torch.logsumexp(logits, -1, keepdim=True)
-                vals = vals - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-            if keep_q:
-                qs.append(torch.softmax(warp_logits(logits, sp), -1))
-        else:
-            warped = warp_logits(logits, sp)
-            # a table draft may have no opinion at a node (every logit -inf): no candidates there
-            empty = ~torch.isfinite(warped).any(-1, keepdim=True)
-            q = torch.softmax(warped.masked_fill(empty, 0.0), -1)
-            logq = torch.log(q)
-            if mode == "sample":
-                toks = torch.multinomial(q, k, replacement=True, generator=rng)
-            else:  # without replacement: Gumbel-top-k == sequential draws without replacement
-                toks = torch.topk(logq + _gumbel(logq.shape, rng), k, dim=-1).indices
-            vals = logq.gather(1, toks).masked_fill(empty, float("-inf"))
-            qs.append(q.masked_fill(empty, 0.0))
-        scores = f_score[:, None] + vals
-        keep = policy.select(level, scores)
-        if policy.kind != "static":  # a fixed structure keeps its shape; others drop q = 0
-            keep = keep & torch.isfinite(vals)
-        fi, ci = keep.nonzero(as_tuple=True)
-        m = int(fi.numel())
-        new = torch.arange(n, n + m)
-        par = frontier[fi]
-        tokens[new], parents[new], depth[new], score[new] = toks[fi, ci], par, level, scores[fi, ci]
-        if qs:
-            qrow[new] = n_q + fi
-            n_q += int(frontier.numel())
-        has_par = par >= 0
-        anc[new[has_par]] = anc[par[has_par]]
-        anc[new, new] = True
-        n += m
-        expand = policy.expand(level, scores[fi, ci]) if m else torch.zeros(0, dtype=torch.bool)
-        frontier, f_score = new[expand], scores[fi, ci][expand]
-        if level == policy.depth or frontier.numel() == 0:
-            break
-        logits = draft.expand(anc[:n, :n], slot[:n], frontier, tokens[:n], depth[:n]).float().cpu()
-        calls += 1
-    tree = Tree(tokens[:n].clone(), parents[:n].clone(), depth[:n].clone(), score[:n].clone(),
-                anc[:n, :n].clone(), slot[:n].clone(), qrow[:n].clone(),
-                torch.cat(qs) if qs else None, mode, calls)
-    keep = policy.finalize(tree.score, tree.depth)
-    return tree.prune(keep) if keep is not None else tree
-
-
-def tree_capacity(policy: TreePolicy, vocab: int) -> int:
-    """Upper bound on nodes before final pruning."""
-    kind = policy.kind
-    if kind == "dynamic":
-        k = min(policy.k, vocab)
-        return k + (policy.depth - 1) * k * k
-    if kind == "beam":
-        return sum(policy.widths)
-    if kind == "static":
-        return len(policy.paths)
-    w = min(policy.w, vocab)
-    return sum(w ** l for l in range(1, policy.depth + 1))
-
-
 def save_bigram_table(path, indices: torch.Tensor | None, logits: torch.Tensor, vocab_size: int) -> None:
     """Write a bigram table (the format `load_bigram_table` reads), atomically."""
-    import os
+    from safetensors.torch import save
 
-    from safetensors.torch import save_file
+    from .fileio import atomic_write_bytes
 
     tensors = {"logits": logits.contiguous()}
     if indices is not None:
         tensors["indices"] = indices.contiguous()
-    tmp = f"{path}.tmp"
-    save_file(tensors, tmp, metadata={"vocab_size": str(vocab_size), "top_k": str(logits.shape[1])})
-    os.replace(tmp, path)
+    atomic_write_bytes(path, save(tensors, metadata={"vocab_size": str(vocab_size),
+                                                     "top_k": str(logits.shape[1])}))
 
 
 def load_bigram_table(path) -> BigramDraft:
     """A BigramDraft from an exported table file (safetensors: `logits`, optional `indices`)."""
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        logits = f.get_tensor("logits")
-        indices = f.get_tensor("indices") if "indices" in f.keys() else None
+    from .errors import ExportDirError
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            logits = f.get_tensor("logits")
+            indices = f.get_tensor("indices") if "indices" in f.keys() else None
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise ExportDirError(f"{path}: not a readable bigram table ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     vocab = int(meta.get("vocab_size", logits.shape[-1]))
     return BigramDraft(indices, logits, vocab)
 
 
-class LookupDraft:
-    """Prompt-lookup (n-gram) draft: proposes the tokens that followed earlier occurrences of
-    the current suffix in the sequence itself (prompt lookup decoding, Saxena 2023), as a tree:
-    several earlier continuations become sibling branches, ranked by how often they occurred.
+def __getattr__(name):  # older import paths
+    if name == "LookupDraft":
+        from .lookup import LookupDraft
 
-    No model and no cache: an index from each n-gram (n = min_ngram..max_ngram) of the
-    committed tokens to the counts of the tokens that followed it is updated as tokens are
-    committed. A node's distribution comes from the longest n-gram of its own context (the
-    committed tokens + its tree path) found in the index; tokens never seen there get -inf,
-    or, with a `fallback` draft (e.g. a BigramDraft), the fallback's log-probs shifted far
-    below every lookup candidate."""
+        return LookupDraft
+    if name in ("draft_tree", "CANDIDATE_MODES"):
+        from . import drafting
 
-    kind = "lookup"
-
-    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1, fallback=None):
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError("lookup draft needs 1 <= min_ngram <= max_ngram")
-        self.vocab_size, self.max_n, self.min_n, self.fallback = vocab_size, max_ngram, min_ngram, fallback
-        self.ctx: list[int] = []
-        self.index: dict[tuple, dict[int, int]] = {}
-        self._root: list[int] = []
-
-    def _append(self, t: int) -> None:
-        ctx = self.ctx
-        j = len(ctx)
-        for n in range(self.min_n, self.max_n + 1):
-            if j >= n:
-                nxt = self.index.setdefault(tuple(ctx[j - n:]), {})
-                nxt[t] = nxt.get(t, 0) + 1
-        ctx.append(t)
-
-    def reset(self, committed: list[int]) -> None:
-        self.ctx, self.index = [], {}
-        for t in committed:
-            self._append(int(t))
-        if self.fallback is not None:
-            self.fallback.reset(committed)
-
-    def _rows(self, tails: list[list[int]]) -> torch.Tensor:
-        out = torch.full((len(tails), self.vocab_size), float("-inf"))
-        if self.fallback is not None:
-            last = torch.tensor([t[-1] for t in tails])
-            out = torch.log_softmax(self.fallback._rows(last), -1) - 1e4
-        for r, tail in enumerate(tails):
-            for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
-                hit = self.index.get(tuple(tail[-n:]))
-                if hit:
-                    toks = torch.tensor(list(hit.keys()))
-                    cnt = torch.tensor(list(hit.values()), dtype=torch.float32)
-                    out[r, toks] = torch.log(cnt / cnt.sum())
-                    break
-        return out
-
-    def start(self, root: int) -> torch.Tensor:
-        self._root = self.ctx[-(self.max_n - 1):] + [int(root)] if self.max_n > 1 else [int(root)]
-        return self._rows([self._root])[0]
-
-    def expand(self, tree_anc, slot, frontier, tokens, depth) -> torch.Tensor:
-        tails = []
-        for f in frontier.tolist():
-            path = tokens[tree_anc[f].nonzero().flatten()].tolist()  # ancestors in level order
-            tails.append((self._root + path)[-self.max_n:])
-        return self._rows(tails)
-
-    def commit(self, tree: Tree, path: torch.Tensor) -> None:
-        for t in [self._root[-1]] + (tree.tokens[path].tolist() if path.numel() else []):
-            self._append(int(t))
+        return getattr(drafting, name)
+    raise AttributeError(name)

@@ -40,3 +40,7 @@ class NumericalError(ArborspecError):
 
 class OutputError(ArborspecError):
     """Output that cannot be written (full disk, file-size limit, permissions)."""
+
+
+class DeviceError(EngineError, RuntimeError):
+    """The device asked for is not usable here (no CUDA GPU, a CPU-only ONNX Runtime)."""

@@ -1,289 +1,154 @@
-"""Open an export folder (manifest.json + target.onnx + draft + tokenizer) for decoding.
+"""Open an export folder on any backend: target engine, draft source, tokenizer, manifest.
 
-Role in one decoding step: this runs before the first step. It reads and checks the
-manifest (contract version, files, external data, ONNX metadata), then builds the engines
-that every step calls (the draft per tree level, the target once to verify) and the
-tokenizer. It is on the runtime path, so it never imports onnx, polygraphy, transformers,
-arborspec.models or arborspec.export: ONNX metadata is read by scanning the protobuf's
-top-level fields (the graph is skipped by seeking), and ONNX Runtime is imported lazily.
+Role in one decode step: this runs before the first step. `open_export` reads and checks the
+manifest (runtime/contract.py), then builds the engines that every step calls (the target once
+per step to verify; the draft source once per tree level) and the tokenizer, for ONNX Runtime
+(the ONNX graphs) or TensorRT (the engines `arborspec build` wrote into DIR/engines). It is
+on the runtime path, so it never imports onnx, polygraphy, transformers, arborspec.models or
+arborspec.export.
 
-The manifest schema (written by arborspec.export.manifest, read here):
-
-    {
-      "format": "arborspec-export",
-      "contract_version": 1,                  # arborspec.CONTRACT_VERSION at export time
-      "arborspec_version": "0.1.0",
-      "created": "2026-11-21T20:00:00Z",
-      "target": {"kind": "onnx", "file": "target.onnx", "config": {ModelConfig},
-                 "dtype": "fp32", "opset": 23, "exporter": "dynamo", "ir_version": 10,
-                 "external_data": [], "sha256": "...", "bytes": 123,
-                 "inputs": [{"name", "dtype", "shape"}], "outputs": [...]},
-      "draft": {"kind": "onnx", "spec": "layers:2", ...same keys as target...}
-             | {"kind": "bigram", "spec": "bigram", "file": "draft_bigram.safetensors", ...}
-             | {"kind": "none"},
-      "limits": {"max_context": 2048, "max_tree_nodes": 64},
-      "tree_defaults": {"mode": "tree", "tree": "full:3,2"},
-      "source": {"model": "smollm2-135m", "location": "...", "checksums": {"file": "sha256"}},
-      "tokenizer": {"files": ["tokenizer.json", ...], "sha256": "..."} | null
-    }
+    with open_export("exports/smollm2", backend="onnxruntime", draft="lookup") as ex:
+        ex.target, ex.draft, ex.tokenizer, ex.manifest
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-MANIFEST_NAME = "manifest.json"
-FORMAT = "arborspec-export"
-META_CONTRACT = "arborspec.contract_version"
-META_CONFIG = "arborspec.config"
+from .contract import FORMAT, MANIFEST_NAME, Manifest, check_arborspec_onnx, read_engines_manifest, read_manifest  # noqa: F401
+from .errors import ExportDirError, InputError, MissingFileError
+from .onnx_meta import read_onnx_metadata  # noqa: F401
 
-
-class ExportDirError(ValueError):
-    """An export folder that cannot be used (reported as one line by the CLI)."""
+BACKENDS = ("onnxruntime", "tensorrt")
 
 
 @dataclass
-class Manifest:
-    root: Path
-    data: dict[str, Any] = field(default_factory=dict)
+class OpenedExport:
+    """An opened export folder. `draft` is a DraftSource or None; close() closes every engine."""
+
+    target: Any
+    draft: Any
+    tokenizer: Any
+    manifest: Manifest
+    backend: str
+    device: str
+    engines: list = field(default_factory=list)
 
     @property
-    def contract_version(self) -> int:
-        return int(self.data["contract_version"])
+    def limits(self) -> dict:
+        return dict(self.manifest.limits or {})
 
     @property
-    def target(self) -> dict[str, Any]:
-        return self.data["target"]
+    def tree_default(self) -> str | None:
+        return (self.manifest.tree_defaults or {}).get("tree")
 
-    @property
-    def draft(self) -> dict[str, Any]:
-        return self.data.get("draft") or {"kind": "none"}
+    def close(self) -> None:
+        for e in self.engines:
+            e.close()
+        self.engines = []
 
-    @property
-    def limits(self) -> dict[str, Any]:
-        return self.data.get("limits", {})
+    def __enter__(self) -> "OpenedExport":
+        return self
 
-    @property
-    def tree_defaults(self) -> dict[str, Any]:
-        return self.data.get("tree_defaults", {})
-
-    @property
-    def tokenizer(self) -> dict[str, Any] | None:
-        return self.data.get("tokenizer")
-
-    def path(self, name: str) -> Path:
-        return self.root / name
-
-    def __getitem__(self, key: str) -> Any:
-        return self.data[key]
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-# ----------------------------------------------------------------------------- ONNX metadata
-def _varint(f) -> int:
-    shift = result = 0
-    while True:
-        b = f.read(1)
-        if not b:
-            raise EOFError
-        result |= (b[0] & 0x7F) << shift
-        if not b[0] & 0x80:
-            return result
-        shift += 7
-
-
-def _fields(buf: bytes):
-    """(field number, wire type, value) over a small protobuf message held in memory."""
-    import io
-
-    f = io.BytesIO(buf)
-    while f.tell() < len(buf):
-        key = _varint(f)
-        num, wt = key >> 3, key & 7
-        if wt == 0:
-            yield num, wt, _varint(f)
-        elif wt == 2:
-            yield num, wt, f.read(_varint(f))
-        elif wt == 1:
-            yield num, wt, f.read(8)
-        elif wt == 5:
-            yield num, wt, f.read(4)
-        else:
-            raise ValueError("bad wire type")
-
-
-def read_onnx_metadata(path: str | os.PathLike) -> dict[str, Any]:
-    """Top-level facts of an ONNX file without onnx: {"ir_version", "opsets", "metadata"}.
-    Seeks over the graph, so it costs a few reads even for a 2 GB file. Raises ExportDirError
-    if the file is not an ONNX model."""
-    path = Path(path)
-    out: dict[str, Any] = {"ir_version": None, "opsets": {}, "metadata": {}}
-    size = path.stat().st_size
-    try:
-        with open(path, "rb") as f:
-            while f.tell() < size:
-                key = _varint(f)
-                num, wt = key >> 3, key & 7
-                if wt == 0:
-                    v = _varint(f)
-                    if num == 1:
-                        out["ir_version"] = v
-                elif wt == 2:
-                    n = _varint(f)
-                    if num in (8, 14):
-                        sub = dict((k, v) for k, _, v in _fields(f.read(n)))
-                        if num == 14:
-                            out["metadata"][sub.get(1, b"").decode()] = sub.get(2, b"").decode()
-                        else:
-                            out["opsets"][sub.get(1, b"").decode()] = sub.get(2, 0)
-                    else:
-                        f.seek(n, 1)
-                elif wt == 1:
-                    f.seek(8, 1)
-                elif wt == 5:
-                    f.seek(4, 1)
-                else:
-                    raise ValueError(f"wire type {wt}")
-                if f.tell() > size:
-                    raise EOFError
-    except (EOFError, ValueError, UnicodeDecodeError) as e:
-        raise ExportDirError(f"{path} is not a readable ONNX model ({e or 'truncated'})") from None
-    if out["ir_version"] is None:
-        raise ExportDirError(f"{path} is not an ONNX model (no IR version)")
-    return out
-
-
-def check_arborspec_onnx(path: str | os.PathLike, expected_version: int | None = None) -> dict[str, Any]:
-    """Metadata of an arborspec ONNX graph; raises ExportDirError for a foreign file or another
-    contract version. Returns the metadata_props dict."""
-    from arborspec import CONTRACT_VERSION
-
-    expected_version = CONTRACT_VERSION if expected_version is None else expected_version
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
-    meta = read_onnx_metadata(path)["metadata"]
-    if META_CONTRACT not in meta or META_CONFIG not in meta:
-        raise ExportDirError(f"{path} is not an arborspec export (no arborspec metadata in the ONNX "
-                             "file): export it with `arborspec export`")
-    if str(meta[META_CONTRACT]) != str(expected_version):
-        raise ExportDirError(f"{path} uses engine contract version {meta[META_CONTRACT]}, this "
-                             f"arborspec reads version {expected_version}: re-export it")
-    return meta
-
-
-# ----------------------------------------------------------------------------- manifest
-def _check_graph_entry(root: Path, entry: dict[str, Any], role: str, check_checksums: bool) -> None:
-    name = entry.get("file")
-    if not name:
-        raise ExportDirError(f"manifest {role} entry names no file")
-    f = root / name
-    if not f.is_file():
-        raise FileNotFoundError(f"{f}: {role} file listed in the manifest is missing")
-    if entry.get("kind", "onnx") == "onnx":
-        for ext in entry.get("external_data", []):
-            if not (root / ext).is_file():
-                raise FileNotFoundError(f"{root / ext}: external-data file of {name} is missing "
-                                        "(copy the whole export folder)")
-        meta = check_arborspec_onnx(f)
-        cfg = json.loads(meta[META_CONFIG])
-        if "config" in entry and cfg != entry["config"]:
-            raise ExportDirError(f"{f}: model config in the ONNX metadata differs from manifest.json")
-    if "bytes" in entry and f.stat().st_size != entry["bytes"]:
-        raise ExportDirError(f"{f}: size {f.stat().st_size} differs from the manifest's {entry['bytes']}")
-    if check_checksums and entry.get("sha256"):
-        import hashlib
-
-        h = hashlib.sha256()
-        with open(f, "rb") as fh:
-            for b in iter(lambda: fh.read(1 << 22), b""):
-                h.update(b)
-        if h.hexdigest() != entry["sha256"]:
-            raise ExportDirError(f"{f}: sha256 differs from the manifest (file changed or corrupt)")
-
-
-def read_manifest(dir: str | os.PathLike, check_checksums: bool = False) -> Manifest:
-    """Read and validate DIR/manifest.json and the files it lists. Raises FileNotFoundError
-    (folder, manifest or a listed file missing) or ExportDirError (a ValueError: not an
-    arborspec folder, another contract version, a foreign ONNX file)."""
-    from arborspec import CONTRACT_VERSION
-
-    root = Path(dir)
-    if not root.exists():
-        raise FileNotFoundError(f"{root}: export folder does not exist")
-    if not root.is_dir():
-        raise NotADirectoryError(f"{root}: expected an export folder, got a file")
-    mf = root / MANIFEST_NAME
-    if not mf.is_file():
-        raise FileNotFoundError(f"{root} has no {MANIFEST_NAME}: not an arborspec export folder "
-                                "(create one with `arborspec export`)")
-    try:
-        data = json.loads(mf.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ExportDirError(f"{mf}: not valid JSON ({e})") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ExportDirError(f"{mf} is not an arborspec manifest (format != {FORMAT!r})")
-    ver = data.get("contract_version")
-    if ver != CONTRACT_VERSION:
-        raise ExportDirError(f"{mf}: exported for engine contract version {ver}, this arborspec "
-                             f"reads version {CONTRACT_VERSION}: re-export the model")
-    for key in ("target", "limits"):
-        if key not in data:
-            raise ExportDirError(f"{mf}: missing {key!r}")
-    man = Manifest(root=root, data=data)
-    _check_graph_entry(root, man.target, "target", check_checksums)
-    if man.draft.get("kind", "none") != "none":
-        _check_graph_entry(root, man.draft, "draft", check_checksums)
-    tok = man.tokenizer
-    if tok:
-        for name in tok.get("files", []):
-            if not (root / name).is_file():
-                raise FileNotFoundError(f"{root / name}: tokenizer file listed in the manifest is missing")
-    return man
-
-
-# ----------------------------------------------------------------------------- loading
-def _load_tokenizer(man: Manifest):
+def load_tokenizer(man: Manifest):
+    """The export's TextTokenizer, or None when it exported none."""
     tok = man.tokenizer
     if not tok or not tok.get("files"):
         return None
-    from arborspec.runtime.tokenizer import TextTokenizer  # written by the models/loaders owner
+    from .fileio import sha256_file
+    from .tokenizer import TextTokenizer
 
-    loader = getattr(TextTokenizer, "load", None) or TextTokenizer.from_files
-    return loader(man.root)
+    tj = man.root / "tokenizer.json"
+    if tok.get("sha256") and tj.is_file() and sha256_file(tj) != tok["sha256"]:
+        raise ExportDirError(f"{tj} is not the tokenizer this model was exported with (sha256 differs from "
+                             "the manifest): the ids would be wrong; re-export or restore the file")
+    try:
+        return TextTokenizer.load(man.root)
+    except (ValueError, OSError) as e:
+        if isinstance(e, ExportDirError):
+            raise
+        raise ExportDirError(f"{man.root}: cannot read the tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+
+def _engine(backend: str, man: Manifest, role: str, device: str, providers, engine_dir: Path | None):
+    if backend == "onnxruntime":
+        from .backends.onnxruntime import OrtEngine
+
+        return OrtEngine(man.path(man.data[role]["file"]), providers=providers, device=device)
+    from .backends.tensorrt import TrtEngine
+
+    edir = engine_dir or man.root / "engines"
+    emf = read_engines_manifest(edir, missing_ok=True)
+    path = emf.path(role) if emf else None
+    if path is None or not path.is_file():
+        raise MissingFileError(f"no TensorRT {role} engine in {edir}: run `arborspec build --export-dir "
+                               f"{man.root}` first")
+    return TrtEngine(path, device=device if device.startswith("cuda") else "cuda")
+
+
+def open_export(dir: str | os.PathLike, backend: str = "onnxruntime", device: str = "cpu", *,
+                draft: str | None = None, providers: list | None = None,
+                engine_dir: str | os.PathLike | None = None, load_tok: bool = True,
+                verify: bool = False) -> OpenedExport:
+    """Open an export folder. draft: None or "export" (the export's own draft), "none",
+    "lookup[:N]" (prompt lookup, no model). verify: check every file's sha256 too."""
+    from .drafts import ModelDraft, load_bigram_table
+    from .lookup import LookupDraft, parse_lookup_spec
+
+    if backend not in BACKENDS:
+        raise InputError(f"backend {backend!r} cannot open an export folder (expected one of "
+                         f"{', '.join(BACKENDS)}; the torch backend loads models with --model)")
+    man = read_manifest(dir, check_checksums=verify)
+    engine_dir = Path(engine_dir) if engine_dir else None
+    opened = OpenedExport(None, None, None, man, backend, device)
+    try:
+        target = _engine(backend, man, "target", device, providers, engine_dir)
+        opened.target = target
+        opened.engines.append(target)
+        spec = (draft or "export").strip()
+        n_lookup = parse_lookup_spec(spec)
+        kind = man.draft.get("kind", "none")
+        if n_lookup is not None:
+            opened.draft = LookupDraft(target.info.vocab_size, max_ngram=n_lookup)
+        elif spec.lower() == "none":
+            opened.draft = None
+        elif spec.lower() != "export":
+            raise InputError(f"--draft {spec!r} cannot be used with an export folder: its draft is "
+                             "fixed at export time (use `export`, `none` or `lookup[:N]`, or re-export)")
+        elif kind == "onnx":
+            d = _engine(backend, man, "draft", device, providers, engine_dir)
+            opened.engines.append(d)
+            if d.info.vocab_size != target.info.vocab_size:
+                raise ExportDirError(f"draft vocabulary {d.info.vocab_size} != target "
+                                     f"vocabulary {target.info.vocab_size}")
+            opened.draft = ModelDraft(d)
+        elif kind == "bigram":
+            opened.draft = load_bigram_table(man.path(man.draft["file"]))
+        elif kind != "none":
+            raise ExportDirError(f"unknown draft kind {kind!r} in {man.root / MANIFEST_NAME}")
+        opened.tokenizer = load_tokenizer(man) if load_tok else None
+    except BaseException:
+        opened.close()
+        raise
+    return opened
 
 
 def load_export_dir(dir: str | os.PathLike, backend: str = "onnxruntime", device: str = "cpu",
                     providers: list | None = None, load_tokenizer: bool = True):
-    """-> (target_engine, draft, tokenizer, manifest).
-
-    draft is an Engine (ONNX draft), a Path to the bigram table file, or None (no draft).
-    tokenizer is a TextTokenizer or None (no tokenizer files exported)."""
-    man = read_manifest(dir)
-    if backend != "onnxruntime":
-        raise ExportDirError(f"backend {backend!r} cannot run an export folder here (expected "
-                             "onnxruntime; tensorrt engines are built with `arborspec build`)")
-    from .backends.onnxruntime import OrtEngine
-
-    target = OrtEngine(man.path(man.target["file"]), providers=providers, device=device)
-    d = man.draft
-    kind = d.get("kind", "none")
-    if kind == "onnx":
-        draft = OrtEngine(man.path(d["file"]), providers=providers, device=device)
-        if draft.info.vocab_size != target.info.vocab_size:
-            raise ExportDirError(f"draft vocabulary {draft.info.vocab_size} != target "
-                                 f"vocabulary {target.info.vocab_size}")
-    elif kind == "bigram":
-        draft = man.path(d["file"])
-    elif kind == "none":
-        draft = None
-    else:
-        raise ExportDirError(f"unknown draft kind {kind!r} in the manifest")
-    tokenizer = _load_tokenizer(man) if load_tokenizer else None
-    return target, draft, tokenizer, man
+    """The older form of `open_export`: -> (target_engine, draft, tokenizer, manifest), where
+    draft is the ONNX draft's engine, the bigram table's path, or None."""
+    ex = open_export(dir, backend, device, providers=providers, load_tok=load_tokenizer)
+    d = ex.draft.engine if hasattr(ex.draft, "engine") else ex.draft
+    if ex.manifest.draft.get("kind") == "bigram":
+        d = ex.manifest.path(ex.manifest.draft["file"])
+    return ex.target, d, ex.tokenizer, ex.manifest
 
 
-__all__ = ["Manifest", "ExportDirError", "read_manifest", "read_onnx_metadata",
-           "check_arborspec_onnx", "load_export_dir", "MANIFEST_NAME", "FORMAT"]
+__all__ = ["OpenedExport", "open_export", "load_export_dir", "load_tokenizer", "Manifest", "ExportDirError",
+           "read_manifest", "read_onnx_metadata", "check_arborspec_onnx", "MANIFEST_NAME", "FORMAT"]

@@ -50,8 +50,10 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: st
     On any failure the temporary file is removed; OS errors become one OutputError line."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    remove_stale_temps(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files: give the usual permissions
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             write(f)
             f.flush()
@@ -78,8 +80,72 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int = 2, sort_k
     return atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def remove_stale_temps(path: str | os.PathLike) -> list[Path]:
+    """Remove `.NAME.<pid>.*.tmp` siblings left by a writer that was killed (its pid is gone):
+    every atomic write of a file first sweeps what an earlier, killed write of it left."""
+    path = Path(path)
+    removed = []
+    for p in path.parent.glob(f".{path.name}.*.tmp"):
+        pid = p.name[len(path.name) + 2:].split(".", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            _unlink(str(p))
+            removed.append(p)
+    return removed
+
+
 def _unlink(p: str) -> None:
     try:
         os.unlink(p)
     except OSError:
         pass
+
+
+# ----------------------------------------------------------------------------- partial folders
+PARTIAL_TAG = ".partial-"
+
+
+def partial_dir(out: str | os.PathLike) -> Path:
+    """A fresh hidden sibling `.NAME.partial-<pid>-<random>` to write a folder into before it is
+    renamed into place; the pid lets a later run recognise one left by a killed process."""
+    import uuid
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}{PARTIAL_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_partials(out: str | os.PathLike) -> list[Path]:
+    """Remove `.NAME.partial-*` siblings whose writer is gone (killed, power loss); returns them.
+    Partials of a live process (a concurrent run) are left alone."""
+    import shutil
+
+    out = Path(out)
+    removed = []
+    if not out.parent.is_dir():
+        return removed
+    for p in out.parent.glob(f".{out.name}{PARTIAL_TAG}*"):
+        rest = p.name[len(f".{out.name}{PARTIAL_TAG}"):]
+        pid = rest.split("-", 1)[0]
+        if pid.isdigit() and _pid_alive(int(pid)):
+            continue
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import InputError
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -18,12 +20,20 @@ class SamplingParams:
     top_p: float = 1.0  # 1.0: off
 
     def __post_init__(self):
+        import math
+
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or math.isinf(v):
+                raise InputError(f"{name.replace('_', '-')} must be a finite number, got {v!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise InputError(f"top-k must be an integer, got {self.top_k!r}")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InputError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top-k must be >= 0, got {self.top_k}")
+            raise InputError(f"top-k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
+            raise InputError(f"top-p must be in (0, 1], got {self.top_p}")
 
     @property
     def greedy(self) -> bool:
@@ -44,6 +54,7 @@ def warp_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
         p = torch.softmax(sorted_x, dim=-1)
         # drop a token when the mass strictly before it already reaches top_p (keeps >= 1)
         drop_sorted = (torch.cumsum(p, dim=-1) - p) >= sp.top_p
+        drop_sorted[..., 0] = False  # the most likely token always stays (a top_p below float32's range)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     return x

@@ -28,6 +28,7 @@ class GenerationStats:
     accept_kv_s: float = 0.0
     other_s: float = 0.0
     total_s: float = 0.0
+    ttft_s: float | None = None  # time to first token: from the call to the first committed token
     accepted_hist: dict = field(default_factory=dict)  # tokens committed per step -> count
 
     @property

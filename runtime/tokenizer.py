@@ -11,12 +11,13 @@ On disk, next to an export: `tokenizer.json` (a `tokenizers` file) and `tokenize
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
+
+from .errors import InputError
+from .fileio import atomic_write_text
 
 META_FILE = "tokenizer_meta.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -24,7 +25,7 @@ META_KEYS = ("bos_token_id", "eos_token_ids", "chat_template", "add_bos")
 
 
 def _raise_exception(message: str):
-    raise ValueError(f"chat template error: {message}")
+    raise InputError(f"chat template error: {message}")
 
 
 class TextTokenizer:
@@ -65,10 +66,7 @@ class TextTokenizer:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         for name, text in ((TOKENIZER_FILE, self.tokenizer.to_str()), (META_FILE, json.dumps(self.meta, indent=1))):
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.")
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(tmp, folder / name)
+            atomic_write_text(folder / name, text)
 
     # -- ids <-> text --------------------------------------------------------------------
     @property
@@ -99,7 +97,7 @@ class TextTokenizer:
     def _compiled_template(self):
         if self._template is None:
             if not self.chat_template:
-                raise ValueError("this tokenizer has no chat template")
+                raise InputError("this tokenizer has no chat template")
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)

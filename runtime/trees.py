@@ -22,12 +22,10 @@ import json
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-
-class TreeSpecError(ValueError):
-    pass
-
+from .errors import MissingFileError, TreeSpecError
 
 # ----------------------------------------------------------------------------- policies
 
@@ -42,15 +40,17 @@ class TreePolicy:
     def width(self, level: int) -> int:
         raise NotImplementedError
 
-    def select(self, level: int, scores: torch.Tensor) -> torch.Tensor:
+    # Selection works on small numpy arrays (the tree's bookkeeping, not the vocabulary): a
+    # numpy op costs about a tenth of a torch op on tensors this size.
+    def select(self, level: int, scores: np.ndarray) -> np.ndarray:
         """scores [F, k] cumulative log-probs of the candidates -> bool keep mask [F, k]."""
-        return torch.ones_like(scores, dtype=torch.bool)
+        return np.ones(scores.shape, dtype=bool)
 
-    def expand(self, level: int, scores: torch.Tensor) -> torch.Tensor:
+    def expand(self, level: int, scores: np.ndarray) -> np.ndarray:
         """scores [n] of the nodes just added at `level` -> bool mask of nodes to expand."""
-        return torch.ones_like(scores, dtype=torch.bool)
+        return np.ones(scores.shape, dtype=bool)
 
-    def finalize(self, scores: torch.Tensor, depth: torch.Tensor) -> torch.Tensor | None:
+    def finalize(self, scores: np.ndarray, depth: np.ndarray) -> np.ndarray | None:
         """Optional final pruning: bool keep mask over all nodes (must be ancestor-closed)."""
         return None
 
@@ -103,10 +103,7 @@ class BeamTree(TreePolicy):
         return self.widths[level - 1]
 
     def select(self, level, scores):
-        n = min(self.widths[level - 1], scores.numel())
-        keep = torch.zeros(scores.numel(), dtype=torch.bool)
-        keep[torch.topk(scores.flatten(), n).indices] = True
-        return keep.view_as(scores)
+        return _top_mask(scores.ravel(), self.widths[level - 1]).reshape(scores.shape)
 
     @property
     def max_nodes(self):
@@ -127,20 +124,14 @@ class DynamicTree(TreePolicy):
         return self.k
 
     def expand(self, level, scores):
-        keep = torch.zeros(scores.numel(), dtype=torch.bool)
-        keep[torch.topk(scores, min(self.k, scores.numel())).indices] = True
-        return keep
+        return _top_mask(scores, self.k)
 
     def finalize(self, scores, depth):
-        n = scores.numel()
-        if n <= self.budget:
+        if scores.size <= self.budget:
             return None
         # rank by score, ties broken towards shallower nodes: a child never outranks its parent
         # (cumulative log-probs only decrease along a path), so the top N is ancestor-closed
-        key = scores.double() - depth.double() * 1e-9
-        keep = torch.zeros(n, dtype=torch.bool)
-        keep[torch.topk(key, self.budget).indices] = True
-        return keep
+        return _top_mask(scores.astype(np.float64) - depth.astype(np.float64) * 1e-9, self.budget)
 
     @property
     def max_nodes(self):
@@ -171,15 +162,15 @@ class StaticTree(TreePolicy):
         for level in range(1, self.depth + 1):
             kids = [p for p in self.paths if len(p) == level]
             w = max(p[-1] for p in kids) + 1
-            keep = torch.zeros(len(frontier), w, dtype=torch.bool)
+            keep = np.zeros((len(frontier), w), dtype=bool)
             index = {f: i for i, f in enumerate(frontier)}
             for p in kids:
                 keep[index[p[:-1]], p[-1]] = True
-            added = [frontier[i] + (r,) for i, r in keep.nonzero().tolist()]
+            added = [frontier[i] + (int(r),) for i, r in zip(*np.nonzero(keep))]
             parents = {p[:-1] for p in self.paths if len(p) == level + 1}
-            expand = torch.tensor([a in parents for a in added], dtype=torch.bool)
+            expand = np.array([a in parents for a in added], dtype=bool)
             self._levels.append((w, keep, expand))
-            frontier = [a for a, e in zip(added, expand.tolist()) if e]
+            frontier = [a for a, e in zip(added, expand) if e]
 
     def width(self, level):
         return self._levels[level - 1][0]
@@ -193,6 +184,16 @@ class StaticTree(TreePolicy):
     @property
     def max_nodes(self):
         return len(self.paths)
+
+
+def _top_mask(x: np.ndarray, n: int) -> np.ndarray:
+    """bool mask of the n largest entries of a 1-D array (all of them when n >= size)."""
+    keep = np.zeros(x.shape, dtype=bool)
+    if n >= x.size:
+        keep[:] = True
+    elif n > 0:
+        keep[np.argpartition(-x, n - 1)[:n]] = True
+    return keep
 
 
 def _ints(text: str, spec: str) -> list[int]:
@@ -214,7 +215,7 @@ def parse_tree_spec(spec: str, base_dir: str | None = None) -> TreePolicy:
     if kind == "static":
         path = rest if os.path.isabs(rest) or base_dir is None else os.path.join(base_dir, rest)
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"static tree file not found: {path}")
+            raise MissingFileError(f"static tree file not found: {path}")
         try:
             with open(path) as f:
                 data = json.load(f)
@@ -246,19 +247,30 @@ class Tree:
     """Draft nodes in level order (the root, the last committed token, is implicit: index -1).
 
     tokens/parents/depth/score: [N]; anc: bool [N, N], anc[i, j] = j is i or an ancestor of i;
-    slot: [N] the node's row in the draft's scratch cache (-1: not run through the draft);
-    qrow: [N] row of `q` holding the draft distribution its candidate was drawn from."""
+    origin: [N] the node's index as drafted (before a policy's final pruning), which is how a
+    draft source finds its own bookkeeping for a node; qrow: [N] row of `q` holding the draft
+    distribution its candidate was drawn from."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
     depth: torch.Tensor
     score: torch.Tensor
     anc: torch.Tensor
-    slot: torch.Tensor
+    origin: torch.Tensor
     qrow: torch.Tensor
     q: torch.Tensor | None = None  # [R, V] warped draft distributions (sampled candidates only)
     candidates: str = "topk"
     draft_calls: int = 0
+    plan: object = None  # the TreePlan this tree follows (fixed-shape policies), else None
+
+    def children(self) -> list[list[int]]:
+        """Child node indices per parent; index 0 is the root, index i + 1 is node i."""
+        if self.plan is not None:
+            return self.plan.children
+        kids: list[list[int]] = [[] for _ in range(self.n + 1)]
+        for i, p in enumerate(self.parents.tolist()):
+            kids[p + 1].append(i)
+        return kids
 
     @property
     def n(self) -> int:
@@ -269,15 +281,15 @@ class Tree:
         z = torch.zeros(0, dtype=torch.long, device=device)
         return Tree(z, z, z, z.float(), torch.zeros(0, 0, dtype=torch.bool, device=device), z, z)
 
-    def prune(self, keep: torch.Tensor) -> "Tree":
-        """Keep an ancestor-closed subset of nodes, remapping parent indices."""
-        idx = keep.nonzero().flatten()
+    def prune(self, keep) -> "Tree":
+        """Keep an ancestor-closed subset of nodes (a bool mask), remapping parent indices."""
+        idx = torch.as_tensor(np.asarray(keep)).nonzero().flatten()
         remap = torch.full((self.n + 1,), -1, dtype=torch.long)
         remap[idx] = torch.arange(idx.numel())
         par = self.parents[idx]
         new_par = torch.where(par >= 0, remap[par.clamp(min=0)], par)
         return Tree(self.tokens[idx], new_par, self.depth[idx], self.score[idx],
-                    self.anc[idx][:, idx], self.slot[idx], self.qrow[idx], self.q,
+                    self.anc[idx][:, idx], self.origin[idx], self.qrow[idx], self.q,
                     self.candidates, self.draft_calls)
 
 

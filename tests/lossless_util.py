@@ -1,7 +1,6 @@
 """Helpers for the lossless chi-square tests (shared by the torch and ONNX Runtime suites)."""
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 from scipy import stats

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from arborspec.tools import bench
+from arborspec.tools import bench, bench_report
+from arborspec.tools import prompts as prompt_sets
 from arborspec.tools.cli import main
 
 PROMPTS = {"prompts": [
@@ -43,7 +44,7 @@ def tiny(tmp_path_factory):
 
 
 def _check_schema(res, names):
-    assert res["schema_version"] == bench.SCHEMA_VERSION
+    assert res["schema_version"] == bench_report.SCHEMA_VERSION
     for k in ("machine", "backend", "model", "draft", "versions", "command", "date"):
         assert k in res["meta"], k
     assert [c["name"] for c in res["configs"]] == names
@@ -65,6 +66,9 @@ def _check_schema(res, names):
     assert agg["greedy_match"] is True
     assert agg["configs"]["vanilla"]["mean_accepted"] == pytest.approx(1.0)
     assert agg["configs"]["vanilla"]["speedup_vs_vanilla_total"] == pytest.approx(1.0)
+    ttft = agg["configs"]["vanilla"]["ttft_s_median"]  # time to first token, reported by bench
+    assert ttft is not None and 0 < ttft <= max(r["runs"]["vanilla"]["decode_s"] + r["runs"]["vanilla"]["prefill_s"]
+                                                 for r in res["per_prompt"])
 
 
 def test_bench_torch_with_hf_baselines(tiny, capsys):
@@ -123,13 +127,13 @@ def test_bench_user_errors(tiny, capsys):
 
 def test_select_prompts_round_robin():
     entries = [{"id": str(i), "category": c, "ids": [1]} for i, c in enumerate("aaabbc")]
-    assert [e["id"] for e in bench.select_prompts(entries, 3)] == ["0", "3", "5"]
-    assert [e["id"] for e in bench.select_prompts(entries, 4)] == ["0", "1", "3", "5"]
+    assert [e["id"] for e in prompt_sets.select_prompts(entries, 3)] == ["0", "3", "5"]
+    assert [e["id"] for e in prompt_sets.select_prompts(entries, 4)] == ["0", "1", "3", "5"]
     assert bench.split_tree_specs(["full:3,2;beam:4,8", "chain:2"]) == ["full:3,2", "beam:4,8", "chain:2"]
 
 
 def test_packaged_prompts():
-    entries, _ = bench.read_prompts_file(None)
+    entries, _ = prompt_sets.read_prompts_file(None)
     cats = {e["category"] for e in entries}
     assert {"chat", "code", "summarisation", "repetitive"} <= cats
     assert len(entries) >= 25

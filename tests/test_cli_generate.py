@@ -5,10 +5,9 @@ import json
 
 import pytest
 import torch
+from conftest import random_model, tiny_config
 
 from arborspec.tools.cli import main
-
-from conftest import random_model, tiny_config
 
 
 def save_nanogpt(module, path):

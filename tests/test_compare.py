@@ -17,10 +17,10 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 pytest.importorskip("polygraphy")
 
+from conftest import random_model, tiny_config  # noqa: E402
+
 from arborspec.export.export_folder import export_folder  # noqa: E402
 from arborspec.tools.cli import main  # noqa: E402
-
-from conftest import random_model, tiny_config  # noqa: E402
 
 POLYGRAPHY = Path(sys.executable).parent / "polygraphy"
 
@@ -145,8 +145,9 @@ def test_save_and_replay_with_polygraphy_cli(export, tmp_path, capsys):
 
 def test_polygraphy_run_with_data_loader_script(export, tmp_path):
     """The command documented in arborspec.tools.polygraphy_data_loader runs our feeds."""
-    import arborspec.tools.polygraphy_data_loader as dl
     from polygraphy.comparator import RunResults
+
+    import arborspec.tools.polygraphy_data_loader as dl
 
     if "gpt2" not in str(export):
         pytest.skip("one family is enough for the CLI run")
@@ -170,9 +171,10 @@ def test_polygraphy_run_with_data_loader_script(export, tmp_path):
 
 
 def test_feeds_cover_every_policy():
+    from conftest import truncated
+
     from arborspec.runtime.backends.torch_backend import TorchEngine
     from arborspec.tools.compare import build_feeds
-    from conftest import truncated
 
     m = random_model(tiny_config("llama"))
     f = build_feeds(TorchEngine(m), TorchEngine(truncated(m, 1)), max_tree_nodes=20, trees=2)

@@ -144,3 +144,19 @@ def test_lookup_draft_matches_vanilla_and_accepts_repeats(llama_pair):
         r = SpeculativeDecoder(target, LookupDraft(target.info.vocab_size), mode=mode, tree=spec).generate(prompt, 40)
         assert r.tokens == ref.tokens, spec
         assert r.stats.draft_model_s == 0.0  # no model behind it
+
+
+def test_chunked_prefill_equals_one_call(llama_pair):
+    """Long prompts prefill in chunks of `prefill_chunk` tokens: same cache, same tokens."""
+    target, draft = llama_pair
+    prompt = [(7 * i + 3) % 90 for i in range(23)]
+    one = SpeculativeDecoder(target, draft, tree="full:2,2")
+    one.prefill_chunk = None
+    chunked = SpeculativeDecoder(target, draft, tree="full:2,2")
+    chunked.prefill_chunk = 5
+    a, b = one.generate(prompt, 12), chunked.generate(prompt, 12)
+    assert a.tokens == b.tokens and a.stats.target_calls + 4 == b.stats.target_calls  # 22 tokens: 5 calls, not 1
+    n = len(prompt) - 1
+    for i in range(target.info.cache.n_layers):
+        for x, y in zip(one._cache.past(i), chunked._cache.past(i)):
+            assert torch.allclose(x[:n], y[:n], atol=1e-5)

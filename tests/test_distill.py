@@ -4,11 +4,13 @@ from __future__ import annotations
 import json
 
 import torch
+from conftest import random_model, tiny_config
 
 from arborspec.models.registry import load_model
+from arborspec.tools import distill_cli as cli
 from arborspec.tools import distill_draft as dd
-
-from conftest import random_model, tiny_config
+from arborspec.tools import distill_eval as de
+from arborspec.tools import prompts
 
 
 def _tiny_target(tmp_path):
@@ -24,7 +26,7 @@ def test_distill_runs_and_loads(tmp_path, monkeypatch):
     prompts.write_text(json.dumps([{"ids": [1, 2, 3]}, {"ids": [5, 6]}, {"ids": [7, 8, 9, 10]}]))
     out = tmp_path / "draft"
     corpus = tmp_path / "corpus.json"
-    rc = dd.main(["--model", str(folder), "--layers", "1", "--steps", "3", "--seq-len", "16", "--batch", "2",
+    rc = cli.main(["--model", str(folder), "--layers", "1", "--steps", "3", "--seq-len", "16", "--batch", "2",
                   "--corpus-tokens", "64", "--gen-len", "16", "--topk", "8", "--prompts", str(prompts),
                   "--corpus", str(corpus), "--out", str(out), "--quiet"])
     assert rc == 0
@@ -42,7 +44,7 @@ def test_distill_runs_and_loads(tmp_path, monkeypatch):
     assert not torch.equal(dsd["model.layers.0.mlp.up_proj.weight"], tsd["model.layers.0.mlp.up_proj.weight"])
     # second run reuses the cached corpus and is reproducible
     out2 = tmp_path / "draft2"
-    rc = dd.main(["--model", str(folder), "--layers", "1", "--steps", "3", "--seq-len", "16", "--batch", "2",
+    rc = cli.main(["--model", str(folder), "--layers", "1", "--steps", "3", "--seq-len", "16", "--batch", "2",
                   "--corpus-tokens", "64", "--gen-len", "16", "--topk", "8", "--prompts", str(prompts),
                   "--corpus", str(corpus), "--out", str(out2), "--quiet"])
     assert rc == 0
@@ -68,10 +70,10 @@ def test_distilled_draft_exports(tmp_path, monkeypatch):
 
 def test_split_prompts_holds_out_even_entries():
     entries = [{"text": f"p{i}"} for i in range(6)]
-    train, held = dd.split_prompts(entries, 8)
+    train, held = prompts.split_prompts(entries, 8)
     assert [e["text"] for e in held] == ["p0", "p2", "p4"]
     assert [e["text"] for e in train] == ["p1", "p3", "p5"]
-    _, held = dd.split_prompts([], 3)
+    _, held = prompts.split_prompts([], 3)
     assert len(held) == 3
 
 
@@ -82,7 +84,7 @@ def test_eval_mode_compares_drafts(tmp_path, monkeypatch, capsys):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([{"ids": [1, 2, 3]}, {"ids": [5, 6]}, {"ids": [7, 8, 9, 10]}]))
     rows_file = tmp_path / "rows.json"
-    rc = dd.main(["--model", str(folder), "--eval", "--drafts", f"layers:1,{dfolder}", "--trees", "vanilla;chain:2",
+    rc = cli.main(["--model", str(folder), "--eval", "--drafts", f"layers:1,{dfolder}", "--trees", "vanilla;chain:2",
                   "--prompts", str(prompts), "--max-new-tokens", "8", "--json-out", str(rows_file), "--quiet"])
     assert rc == 0
     rows = json.loads(rows_file.read_text())
@@ -98,6 +100,6 @@ def test_eval_simulate_matches_real_decoding(tmp_path, monkeypatch):
     monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
     target, folder = _tiny_target(tmp_path)
     prompts = [[1, 2, 3], [7, 8, 9, 10]]
-    real = dd.evaluate_drafts(str(folder), ["layers:1", "layers:2"], prompts, ["full:2,2", "chain:3"], 12, False)
-    sim = dd.simulate_drafts(str(folder), ["layers:1", "layers:2"], prompts, ["full:2,2", "chain:3"], 12, False)
+    real = de.evaluate_drafts(str(folder), ["layers:1", "layers:2"], prompts, ["full:2,2", "chain:3"], 12, False)
+    sim = de.simulate_drafts(str(folder), ["layers:1", "layers:2"], prompts, ["full:2,2", "chain:3"], 12, False)
     assert [(r["draft"], r["tree"], r["steps"]) for r in real] == [(r["draft"], r["tree"], r["steps"]) for r in sim]

@@ -161,9 +161,9 @@ def test_missing_files(folder, tmp_path):
 
 
 def test_missing_external_data(folder, tmp_path):
-    from arborspec.runtime.backends.onnxruntime import OrtEngine
-
     from conftest import externalize_target
+
+    from arborspec.runtime.backends.onnxruntime import OrtEngine
 
     d = _copy(folder[0], tmp_path)
     externalize_target(d)

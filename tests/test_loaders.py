@@ -14,12 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from arborspec.models import build_model
+from arborspec.models import build_model, registry
 from arborspec.models.config import ModelConfig
 from arborspec.models.gguf_loader import llamacpp_permute, load_gguf, reverse_permute
 from arborspec.models.hf_loader import config_from_hf, load_hf_folder
 from arborspec.models.nanogpt_loader import load_nanogpt
-from arborspec.models import registry
 
 transformers = pytest.importorskip("transformers")
 from test_models import compare_with_hf, tiny_gpt2, tiny_llama  # noqa: E402

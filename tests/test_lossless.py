@@ -8,13 +8,18 @@ import zlib
 
 import pytest
 import torch
+from conftest import random_model, tiny_config, truncated
+from lossless_util import (
+    PROMPT,
+    chi_square_pvalue,
+    exact_two_token_distribution,
+    sample_two_tokens,
+    use_seed_rule,
+)
 
 from arborspec.runtime.backends.torch_backend import TorchEngine
 from arborspec.runtime.decode import SpeculativeDecoder
 from arborspec.runtime.sampling import SamplingParams
-
-from conftest import random_model, tiny_config, truncated
-from lossless_util import PROMPT, chi_square_pvalue, exact_two_token_distribution, sample_two_tokens, use_seed_rule
 
 N = 2000
 PASS_P = 1e-3

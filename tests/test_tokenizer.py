@@ -15,7 +15,10 @@ import pytest
 from tokenizers import pre_tokenizers
 
 from arborspec.models import registry
-from arborspec.models.tokenizer_build import text_tokenizer_from_gguf_meta, tokenizer_from_gguf_meta
+from arborspec.models.tokenizer_build import (
+    text_tokenizer_from_gguf_meta,
+    tokenizer_from_gguf_meta,
+)
 from arborspec.runtime.tokenizer import StreamDecoder, TextTokenizer
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "

@@ -9,12 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arborspec.runtime.drafts import draft_tree
+from arborspec.runtime.drafting import draft_tree
+from arborspec.runtime.drafts import DraftSource
 from arborspec.runtime.sampling import SamplingParams
 from arborspec.runtime.trees import TreeSpecError, parse_tree_spec, verify_inputs
 
 
-class RandomDraft:
+class RandomDraft(DraftSource):
     """A draft source with random (seeded) logits: enough to exercise the tree code."""
 
     kind = "fake"
@@ -26,10 +27,8 @@ class RandomDraft:
     def start(self, root):
         return torch.randn(self.vocab_size, generator=self.g)
 
-    def expand(self, anc, slot, frontier, tokens, depth):
-        f = frontier.numel()
-        slot[frontier] = torch.arange(f) + int(slot.max().clamp(min=-1)) + 1
-        return torch.randn(f, self.vocab_size, generator=self.g)
+    def expand(self, nodes, frontier):
+        return torch.randn(frontier.numel(), self.vocab_size, generator=self.g)
 
 
 specs = st.one_of(
@@ -116,3 +115,26 @@ def test_static_errors(tmp_path):
     f.write_text("{not json")
     with pytest.raises(TreeSpecError, match="not valid JSON"):
         parse_tree_spec(f"static:{f}")
+
+
+def test_lookup_topk_equals_topk_of_its_rows():
+    """LookupDraft's direct top-k (no vocabulary-wide row) gives the same values as the top-k of
+    its full rows, and candidates with the same counts."""
+    from arborspec.runtime.drafts import NodeView, topk_of
+    from arborspec.runtime.lookup import LookupDraft
+
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, 6, (80,), generator=g).tolist()
+    d = LookupDraft(50, max_ngram=3)
+    d.reset(seq)
+    for root in range(6):
+        full = topk_of(d.start(root)[None], 4, True)
+        got = d.start_topk(root, 4, True)
+        assert torch.allclose(got.values, full.values, equal_nan=True)
+        fin = torch.isfinite(full.values)
+        assert set(got.indices[fin].tolist()) == set(full.indices[fin].tolist())
+    nodes = NodeView(torch.tensor([1, 2]), torch.tensor([1, 2]), torch.tensor([-1, 0]),
+                     torch.tensor([[True, False], [True, True]]))
+    fr = torch.tensor([0, 1])
+    d.start(3)
+    assert torch.allclose(d.expand_topk(nodes, fr, 3).values, topk_of(d.expand(nodes, fr), 3).values)

@@ -115,7 +115,8 @@ def test_limits_no_profile_can_hold(kw, msg):
 
 
 def test_compute_capability_spelling():
-    from arborspec.export.trt_build import EngineBuildError, normalize_compute_capability as n
+    from arborspec.export.trt_build import EngineBuildError
+    from arborspec.export.trt_build import normalize_compute_capability as n
     assert n("8.9") == n("89") == n("sm_89") == n("SM89") == n((8, 9)) == "8.9"
     assert n("12.0") == n("sm120") == "12.0"
     with pytest.raises(EngineBuildError, match="bad compute capability"):
@@ -223,6 +224,7 @@ def test_unsupported_compute_capability(export_dir, tmp_path):
 @needs_rtx
 def test_static_batch_onnx_cannot_hold_max_batch(export_dir, tmp_path):
     import onnx
+
     from arborspec.export.trt_build import EngineBuildError, build_engine
     m = onnx.load(str(export_dir / "target.onnx"))
     for inp in m.graph.input:  # B exported with size 1 (the silent-constant trap)
@@ -238,6 +240,7 @@ def test_static_batch_onnx_cannot_hold_max_batch(export_dir, tmp_path):
 @needs_rtx
 def test_unsupported_op_is_named(export_dir, tmp_path):
     import onnx
+
     from arborspec.export.trt_build import EngineBuildError, build_engine
     m = onnx.load(str(export_dir / "draft.onnx"))
     node = next(n for n in m.graph.node if n.op_type == "Softmax")

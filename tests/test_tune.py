@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import random
-from argparse import Namespace
 
 import pytest
 
@@ -96,13 +95,13 @@ def test_tuned_file_loads_via_parse_tree_spec(tmp_path):
 
 def test_tree_auto_missing_is_one_clean_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
-    args = Namespace(model="nope-model", draft="layers:1", export_dir=None, backend=None, device="cpu")
+    args = T.ModelsKey(model="nope-model", draft="layers:1", export_dir=None, backend=None, device="cpu")
     with pytest.raises(FileNotFoundError, match="arborspec tune --model nope-model --draft layers:1"):
-        T.resolve_tree("auto", None, args)
-    assert T.resolve_tree("full:3,2", None, args) == "full:3,2"
-    eargs = Namespace(model=None, draft=None, export_dir=tmp_path / "exp", backend=None, device="cpu")
+        T.resolve_tree("auto", args)
+    assert T.resolve_tree("full:3,2", args) == "full:3,2"
+    eargs = T.ModelsKey(model=None, draft=None, export_dir=tmp_path / "exp", backend=None, device="cpu")
     with pytest.raises(FileNotFoundError, match="tree_auto.json"):
-        T.resolve_tree("auto", None, eargs)
+        T.resolve_tree("auto", eargs)
     # through the CLI: one line on stderr, exit 2 (before any model is loaded would be nicer,
     # but the export dir does not exist anyway)
     from arborspec.tools.cli import main
@@ -207,5 +206,5 @@ def test_simulated_steps_equal_real_greedy_decoding(tree):
     for prompt in ([1, 2, 3], [9, 8, 7, 6, 5]):
         res = SpeculativeDecoder(tgt, dft, mode=mode, tree=tree).generate(prompt, 40)
         seq = prompt + res.tokens
-        rank = T._draft_topk_ranks(dft, seq, k).tolist()
+        rank = T.draft_topk_ranks(dft, seq, k).tolist()
         assert T.simulate_greedy_steps(rank, len(prompt), len(seq), paths) == res.stats.steps

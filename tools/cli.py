@@ -2,8 +2,9 @@
 
 Each command lives in its own module `arborspec.tools.cmd_<name>` exposing
 `register(subparsers)` (adds its parser, with an example in the help) and `run(args) -> int`.
-A user mistake raises `UserError` (or ValueError/FileNotFoundError from our own checks) and
-ends as one clear line on stderr and exit status 2: never a traceback.
+A user mistake raises an `ArborspecError` (arborspec.runtime.errors; `UserError` here is one)
+and ends as one clear line on stderr and exit status 2: never a traceback. Anything else is a
+bug and keeps its traceback.
 """
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ import importlib
 import os
 import sys
 
-COMMANDS = ["export", "build", "generate", "compare", "bench", "tune"]
+COMMANDS = ["export", "build", "generate", "compare", "bench", "tune", "serve", "loadtest"]
 
 
-class UserError(Exception):
-    """A mistake in the user's input: reported as one line, exit status 2."""
+from arborspec.runtime.errors import ArborspecError, InputError  # noqa: E402
+
+
+class UserError(InputError):
+    """A mistake in the user's command-line input: reported as one line, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -42,21 +46,53 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so every `finally` and cleanup of partial output runs."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
+def _install_signal_handlers() -> dict:
+    """SIGTERM -> Terminated (cleanups run, exit 143); SIGXFSZ ignored, so a write past a
+    file-size limit fails with EFBIG (one line) instead of killing the process mid-write.
+    Main thread only; returns the previous handlers."""
+    import signal
+    import threading
+
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        old[signal.SIGTERM] = signal.signal(signal.SIGTERM, _on_sigterm)
+        if hasattr(signal, "SIGXFSZ"):
+            old[signal.SIGXFSZ] = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    return old
+
+
 def main(argv: list[str] | None = None) -> int:
+    import signal
+
     parser = build_parser()
     args = parser.parse_args(argv)
     debug = bool(os.environ.get("ARBORSPEC_DEBUG"))
+    old = _install_signal_handlers()
     try:
         return int(args.run(args) or 0)
+    except Terminated:
+        sys.stderr.write("arborspec: terminated (SIGTERM); partial output was removed\n")
+        return 143
     except KeyboardInterrupt:
-        sys.stderr.write("arborspec: interrupted\n")
+        sys.stderr.write("arborspec: interrupted; partial output was removed\n")
         return 130
-    except (UserError, ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+    except ArborspecError as e:
         if debug:
             raise
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         sys.stderr.write(f"arborspec: error: {msg}\n")
         return 2
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

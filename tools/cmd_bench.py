@@ -8,12 +8,14 @@ a figure. Tree specs contain commas, so `--tree` is given once per spec and/or a
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
 
-from .engines import add_model_args, open_models
+from arborspec.runtime.errors import InputError
+from arborspec.runtime.fileio import atomic_write_json
+
+from .engines import add_model_args, models_key, open_models
 
 EXAMPLE = """examples:
   arborspec bench --model smollm2-135m --draft layers:4 --modes vanilla,chain,tree \\
@@ -81,22 +83,23 @@ def _command_line(args) -> str:
 def run(args) -> int:
     import torch
 
-    from . import bench
+    from . import bench, bench_baselines, bench_report
+    from . import prompts as prompt_sets
 
     if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.limit_prompts is not None and args.limit_prompts < 1:
-        raise ValueError(f"--limit-prompts must be >= 1, got {args.limit_prompts}")
+        raise InputError(f"--limit-prompts must be >= 1, got {args.limit_prompts}")
     if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+        raise InputError(f"--temperature must be >= 0, got {args.temperature}")
     if args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        raise InputError(f"--threads must be >= 1, got {args.threads}")
     if args.plot is not None and args.plot.suffix.lower() != ".png":
-        raise ValueError(f"--plot writes a PNG: give a .png path, got {args.plot}")
+        raise InputError(f"--plot writes a PNG: give a .png path, got {args.plot}")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
     trees = bench.split_tree_specs(args.tree)
-    entries, prompts_path = bench.read_prompts_file(args.prompts)  # cheap checks before loading models
+    entries, prompts_path = prompt_sets.read_prompts_file(args.prompts)  # cheap checks before loading models
     # validate specs before loading models (the export default tree is filled in below)
     # (`auto` stands for the tuned tree, resolved once the models are open)
     bench.build_configs(modes, [("full:3,2" if t.lower() == "auto" else t) for t in trees] or ["full:3,2"],
@@ -107,87 +110,88 @@ def run(args) -> int:
     if args.draft is None and args.export_dir is None:
         args.draft = "layers:4"
     models = open_models(args, need_draft=need_draft)
-    if need_draft and models.draft is None:
-        raise ValueError("modes chain/tree need a draft: give --draft layers:K|bigram|MODEL (or --modes vanilla)")
-    if not trees:
-        trees = [models.tree_default or "full:3,2"]
-    from .tune import resolve_tree
+    with models:  # closes the engines it opened
+        if need_draft and models.draft is None:
+            raise InputError("modes chain/tree need a draft: give --draft layers:K|bigram|MODEL (or --modes vanilla)")
+        if not trees:
+            trees = [models.tree_default or "full:3,2"]
+        from .tune import resolve_tree
 
-    trees = [resolve_tree(t, models, args) for t in trees]
-    configs = bench.build_configs(modes, trees, args.chain, baselines)
-    prompts = bench.encode_prompts(bench.select_prompts(entries, args.limit_prompts), models.tokenizer)
-    notes: list[str] = []
-    limit = min(x for x in (models.limits.get("max_context"), models.target.info.max_position) if x)
-    kept = [p for p in prompts if len(p["ids"]) + args.max_new_tokens <= limit]
-    for p in prompts:
-        if p not in kept:
-            notes.append(f"prompt {p['id']} skipped: {len(p['ids'])} tokens + {args.max_new_tokens} new exceed "
-                         f"the context limit of {limit}")
-    if not kept:
-        raise ValueError(f"no prompt fits the context limit of {limit} tokens with --max-new-tokens "
-                         f"{args.max_new_tokens}")
-    prompts = kept
+        trees = [resolve_tree(t, models_key(args)) for t in trees]
+        configs = bench.build_configs(modes, trees, args.chain, baselines)
+        prompts = prompt_sets.encode_prompts(prompt_sets.select_prompts(entries, args.limit_prompts), models.tokenizer)
+        notes: list[str] = []
+        limit = min(x for x in (models.limits.get("max_context"), models.target.info.max_position) if x)
+        kept = [p for p in prompts if len(p["ids"]) + args.max_new_tokens <= limit]
+        for p in prompts:
+            if p not in kept:
+                notes.append(f"prompt {p['id']} skipped: {len(p['ids'])} tokens + {args.max_new_tokens} new exceed "
+                             f"the context limit of {limit}")
+        if not kept:
+            raise InputError(f"no prompt fits the context limit of {limit} tokens with --max-new-tokens "
+                             f"{args.max_new_tokens}")
+        prompts = kept
 
-    backend = args.backend or ("torch" if args.model else "onnxruntime")
-    source = dict(models.source or {})
-    if args.export_dir is not None:
-        try:
-            from arborspec.runtime.export_dir import read_manifest
+        backend = args.backend or ("torch" if args.model else "onnxruntime")
+        source = dict(models.source or {})
+        if args.export_dir is not None:
+            try:
+                from arborspec.runtime.export_dir import read_manifest
 
-            source = dict(read_manifest(args.export_dir).data.get("source") or {})
-        except (KeyError, ValueError, FileNotFoundError, TypeError):
-            source = {}
-    hf = None
-    if baselines:
-        mdir, gguf, why = bench.hf_source_path(source)
-        if mdir is None:
-            notes.append(f"baselines {', '.join(baselines)} skipped: {why}")
-            print(f"arborspec bench: note: HF baselines skipped: {why}", file=sys.stderr)
-            configs = [c for c in configs if c.kind != "hf"]
-        else:
-            k = args.hf_assistant_layers
-            if k is None:
-                d = (args.draft or "").strip().lower()
-                k = int(d.split(":", 1)[1]) if d.startswith("layers:") and d.split(":", 1)[1].isdigit() else 4
-            if not args.no_progress:
-                print(f"loading the transformers baselines from {mdir / gguf if gguf else mdir} ...", file=sys.stderr)
-            hf = bench.HFBaselines(mdir, gguf, k, "hf-assisted" in baselines, args.hf_lookup_tokens)
-            notes.append(f"transformers model loaded in {hf.load_s:.1f} s" +
-                         (f"; hf-assisted assistant = its first {k} layers" if "hf-assisted" in baselines else ""))
+                source = dict(read_manifest(args.export_dir).data.get("source") or {})
+            except (KeyError, ValueError, FileNotFoundError, TypeError):
+                source = {}
+        hf = None
+        if baselines:
+            mdir, gguf, why = bench_baselines.hf_source_path(source)
+            if mdir is None:
+                notes.append(f"baselines {', '.join(baselines)} skipped: {why}")
+                print(f"arborspec bench: note: HF baselines skipped: {why}", file=sys.stderr)
+                configs = [c for c in configs if c.kind != "hf"]
+            else:
+                k = args.hf_assistant_layers
+                if k is None:
+                    d = (args.draft or "").strip().lower()
+                    k = int(d.split(":", 1)[1]) if d.startswith("layers:") and d.split(":", 1)[1].isdigit() else 4
+                if not args.no_progress:
+                    print(f"loading the transformers baselines from {mdir / gguf if gguf else mdir} ...", file=sys.stderr)
+                hf = bench_baselines.HFBaselines(mdir, gguf, k, "hf-assisted" in baselines, args.hf_lookup_tokens)
+                notes.append(f"transformers model loaded in {hf.load_s:.1f} s" +
+                             (f"; hf-assisted assistant = its first {k} layers" if "hf-assisted" in baselines else ""))
 
-    load_before = bench.machine(args.device).get("loadavg_1_5_15")
-    per_prompt, warnings = bench.run_bench(models, configs, prompts, max_new_tokens=args.max_new_tokens,
-                                           temperature=args.temperature, seed=args.seed, hf=hf,
-                                           warmup=args.warmup, progress=not args.no_progress)
-    agg = bench.aggregate(per_prompt, configs)
-    results = {
-        "schema_version": bench.SCHEMA_VERSION,
-        "meta": {"machine": bench.machine(args.device) | {"loadavg_before": load_before}, "backend": backend,
-                 "model": str(args.model or args.export_dir), "draft": _draft_name(args, models),
-                 "describe": models.describe, "source": {k: v for k, v in source.items() if k != "files"},
-                 "versions": bench.versions(), "command": _command_line(args),
-                 "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                          if k not in ("run",)},
-                 "date": bench.now_iso(), "temperature": args.temperature,
-                 "max_new_tokens": args.max_new_tokens, "seed": args.seed, "prompts_file": prompts_path,
-                 "notes": notes + warnings},
-        "configs": [c.to_dict() for c in configs],
-        "per_prompt": per_prompt,
-        "aggregate": agg,
-    }
-    table = bench.format_table(results)
-    print(table)
-    if agg["greedy_match"] is False:
-        print("WARNING: greedy_match is FALSE: some configuration's tokens differ from vanilla's "
-              "(see the warnings above)", file=sys.stderr)
-    for n in notes:
-        print(f"note: {n}", file=sys.stderr)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
-    if args.plot is not None:
-        bench.plot(results, args.plot)
-    return 0
+        load_before = bench_report.machine(args.device).get("loadavg_1_5_15")
+        per_prompt, warnings = bench.run_bench(models, configs, prompts, max_new_tokens=args.max_new_tokens,
+                                               temperature=args.temperature, seed=args.seed, hf=hf,
+                                               warmup=args.warmup, progress=not args.no_progress)
+        agg = bench_report.aggregate(per_prompt, configs)
+        results = {
+            "schema_version": bench_report.SCHEMA_VERSION,
+            "meta": {"machine": bench_report.machine(args.device) | {"loadavg_before": load_before}, "backend": backend,
+                     "model": str(args.model or args.export_dir), "draft": _draft_name(args, models),
+                     "describe": models.describe, "source": {k: v for k, v in source.items() if k != "files"},
+                     "versions": bench_report.versions(), "command": _command_line(args),
+                     "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                              if k not in ("run",)},
+                     "date": bench_report.now_iso(), "temperature": args.temperature,
+                     "max_new_tokens": args.max_new_tokens, "seed": args.seed, "prompts_file": prompts_path,
+                     "notes": notes + warnings},
+            "configs": [c.to_dict() for c in configs],
+            "per_prompt": per_prompt,
+            "aggregate": agg,
+        }
+        table = bench_report.format_table(results)
+        print(table)
+        if agg["greedy_match"] is False:
+            print("WARNING: greedy_match is FALSE: some configuration's tokens differ from vanilla's "
+                  "(see the warnings above)", file=sys.stderr)
+        for n in notes:
+            print(f"note: {n}", file=sys.stderr)
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(args.json, results, indent=1)
+        if args.plot is not None:
+            bench_report.plot(results, args.plot)
+        return 0
 
 
 def _draft_name(args, models) -> str | None:

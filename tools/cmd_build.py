@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+from arborspec.runtime.errors import InputError, MissingFileError
+
 EXAMPLE = """example:
   arborspec build --export-dir exports/smollm2 --max-tree-nodes 32 --max-context 2048
   # ahead of time on a machine without a GPU (TensorRT-RTX), for an RTX 4090 / L4 (SM 8.9):
@@ -88,18 +90,18 @@ def run(args) -> int:
 
     d: Path = args.export_dir
     if not d.exists():
-        raise FileNotFoundError(f"export folder not found: {d}")
+        raise MissingFileError(f"export folder not found: {d}")
     if not d.is_dir():
-        raise NotADirectoryError(f"--export-dir is not a folder: {d}")
+        raise MissingFileError(f"--export-dir is not a folder: {d}")
     target = d / "target.onnx"
     if not target.is_file():
-        raise FileNotFoundError(f"{d} has no target.onnx (run `arborspec export` first)")
+        raise MissingFileError(f"{d} has no target.onnx (run `arborspec export` first)")
     draft = d / "draft.onnx"
     jobs = [("target", target)]
     if draft.is_file():
         jobs.append(("draft", draft))
     elif args.only == "draft":
-        raise FileNotFoundError(f"{d} has no draft.onnx (a bigram/table draft needs no engine)")
+        raise MissingFileError(f"{d} has no draft.onnx (a bigram/table draft needs no engine)")
     if args.only:
         jobs = [j for j in jobs if j[0] == args.only]
 
@@ -107,7 +109,7 @@ def run(args) -> int:
         tb.normalize_compute_capability(args.compute_capability)
         trt, flavour = tb.import_tensorrt(args.trt_module)
     except tb.TensorRTNotInstalled as e:
-        raise ValueError(str(e)) from None
+        raise InputError(str(e)) from None
     cc = tb.normalize_compute_capability(args.compute_capability)
     if cc is not None and flavour == "tensorrt_rtx":
         tb._cc_enum(trt, cc)  # unsupported -> one clear line before any work
@@ -117,7 +119,7 @@ def run(args) -> int:
     if max_context is None:
         max_context = min(DEFAULT_MAX_CONTEXT, max_pos) if max_pos else DEFAULT_MAX_CONTEXT
     elif max_pos and max_context > max_pos:
-        raise ValueError(f"--max-context {max_context} exceeds the model's {max_pos} positions")
+        raise InputError(f"--max-context {max_context} exceeds the model's {max_pos} positions")
 
     tb.plan_profiles(args.max_batch, args.max_tree_nodes, max_context)  # limits: fail early
     out = args.out or (d / "engines")

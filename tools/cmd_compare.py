@@ -10,6 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from arborspec.runtime.errors import InputError, MissingFileError
+
 EXAMPLE = """examples:
   arborspec compare --export-dir ~/.cache/arborspec/exports/smollm2-135m-layers4 --atol 1e-2
   arborspec compare --export-dir out/tiny --runners torch,onnxruntime --trees 3 \\
@@ -42,6 +44,7 @@ def register(sub) -> None:
     p.add_argument("--save-outputs", type=Path, default=None, help="Polygraphy RunResults JSON")
     p.add_argument("--all-outputs", action="store_true", help="one row per K/V output (default: folded per kind)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--verify", action="store_true", help="check every file's sha256 against the manifest first")
     p.set_defaults(run=run)
 
 
@@ -50,13 +53,13 @@ def run(args) -> int:
 
     parse_runners(args.runners)  # cheap checks first
     if args.trees < 1:
-        raise ValueError(f"--trees must be >= 1, got {args.trees}")
+        raise InputError(f"--trees must be >= 1, got {args.trees}")
     for p in (args.save_inputs, args.save_outputs):
         if p is not None and not p.parent.is_dir():
-            raise FileNotFoundError(f"{p.parent}: no such folder for {p.name}")
+            raise MissingFileError(f"{p.parent}: no such folder for {p.name}")
     rep = compare_export(args.export_dir, args.runners, trees=args.trees, atol=args.atol, rtol=args.rtol,
                          seed=args.seed, model=args.model, save_inputs=args.save_inputs,
-                         save_outputs=args.save_outputs, engine_dir=args.engine_dir,
+                         save_outputs=args.save_outputs, engine_dir=args.engine_dir, verify=args.verify,
                          progress=not args.no_progress and sys.stderr.isatty())
     print(rep.table(all_outputs=args.all_outputs))
     for s in rep.saved:

@@ -8,10 +8,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from arborspec.runtime.errors import InputError
+
 EXAMPLE = """examples:
   arborspec export --model smollm2-135m --draft layers:4 --out out/smollm2
   arborspec export --model ./my-hf-folder --draft bigram --out out/m --dtype fp16
   arborspec export --model big.gguf --draft small.gguf --out out/pair --max-context 4096
+  arborspec export --model smollm2-135m --draft layers:4 --attention onnx --out out/trt  # for `arborspec build`
+  arborspec export --model smollm2-135m --draft layers:4 --quantize int4 --out out/int4  # the GGUF's Q4_1 blocks
 """
 
 
@@ -30,6 +34,16 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
                    help="weights and KV cache dtype (logits stay float32); default fp32")
+    p.add_argument("--attention", choices=["auto", "gqa", "onnx"], default="auto",
+                   help="gqa: ONNX Runtime's fast graph (GroupQueryAttention reads and writes the KV cache in "
+                        "place; Llama family, fp32); onnx: the portable graph TensorRT builds; auto (default): "
+                        "gqa where it applies")
+    p.add_argument("--quantize", choices=["int4", "int8"], default=None,
+                   help="weight-only quantisation of the linear layers (ONNX Runtime MatMulNBits); from a GGUF "
+                        "with Q4_0/Q4_1/Q8_0 tensors, int4 carries the GGUF's own blocks over exactly")
+    p.add_argument("--block-size", type=int, default=32, metavar="N", help="quantisation block size (default 32)")
+    p.add_argument("--accuracy-level", type=int, default=0, metavar="N",
+                   help="MatMulNBits compute: 0 fp32 (default, exact), 4 int8 activations (faster, rounds)")
     p.add_argument("--opset", type=int, default=None, metavar="N",
                    help="ONNX opset (default 23: fused RMSNormalization/RotaryEmbedding)")
     p.add_argument("--max-context", type=int, default=None, metavar="N",
@@ -48,15 +62,19 @@ def run(args) -> int:
     from arborspec.export.onnx_export import DEFAULT_OPSET
 
     if args.opset is not None and not 14 <= args.opset <= 23:
-        raise ValueError(f"--opset {args.opset} is not supported (14..23)")
+        raise InputError(f"--opset {args.opset} is not supported (14..23)")
     s = export_folder(args.model, args.out, args.draft, dtype=args.dtype,
                       opset=args.opset or DEFAULT_OPSET, max_context=args.max_context,
                       max_tree_nodes=args.max_tree_nodes or DEFAULT_MAX_TREE_NODES,
-                      force=args.force, progress=not args.quiet, verify=not args.no_verify)
+                      force=args.force, progress=not args.quiet, verify=not args.no_verify,
+                      attention=args.attention, quantize=args.quantize, block_size=args.block_size,
+                      accuracy_level=args.accuracy_level)
     t = s.manifest["target"]
     d = s.manifest["draft"]
     print(f"wrote {s.out}: {', '.join(s.files)}")
-    print(f"  target: {t['nodes']} nodes, opset {t['opset']} ({t['exporter']}), {t['dtype']}")
+    q = t.get("quantization")
+    qs = f", {q['scheme']} weights ({q['source']})" if q else ""
+    print(f"  target: {t['nodes']} nodes, opset {t['opset']} ({t['exporter']}), {t['dtype']}{qs}")
     if d.get("kind") == "onnx":
         print(f"  draft ({d.get('spec')}): {d['nodes']} nodes")
     elif d.get("kind") == "bigram":

@@ -10,7 +10,9 @@ import json
 import sys
 from pathlib import Path
 
-from .engines import add_model_args, open_models
+from arborspec.runtime.errors import InputError, MissingFileError
+
+from .engines import add_model_args, models_key, open_models
 
 EXAMPLE = """examples:
   arborspec generate --model smollm2-135m --draft layers:4 --mode tree --tree full:3,2 \\
@@ -55,20 +57,20 @@ def register(sub) -> None:
 def prompt_ids(args, tok) -> list[int]:
     given = [x for x in (args.prompt, args.prompt_file, args.prompt_ids) if x is not None]
     if len(given) != 1:
-        raise ValueError("give exactly one of --prompt, --prompt-file, --prompt-ids")
+        raise InputError("give exactly one of --prompt, --prompt-file, --prompt-ids")
     if args.prompt_ids is not None:
         try:
             ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
         except ValueError:
-            raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+            raise InputError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
         if not ids:
-            raise ValueError("empty prompt: --prompt-ids has no ids")
+            raise InputError("empty prompt: --prompt-ids has no ids")
         return ids
     text = args.prompt if args.prompt is not None else _read(args.prompt_file)
     if not text.strip():
-        raise ValueError("empty prompt")
+        raise InputError("empty prompt")
     if tok is None:
-        raise ValueError("this model has no tokenizer: give --prompt-ids")
+        raise InputError("this model has no tokenizer: give --prompt-ids")
     if args.chat:
         msgs = ([{"role": "system", "content": args.system}] if args.system else [])
         msgs.append({"role": "user", "content": text})
@@ -79,7 +81,7 @@ def prompt_ids(args, tok) -> list[int]:
 
 def _read(path: Path) -> str:
     if not path.is_file():
-        raise FileNotFoundError(f"prompt file not found: {path}")
+        raise MissingFileError(f"prompt file not found: {path}")
     return path.read_text()
 
 
@@ -91,10 +93,10 @@ def resolve_tree_arg(models, args, mode: str):
     if mode == "vanilla":
         return None
     if mode != "tree":
-        raise ValueError("--tree auto picks a static tree: use it with --mode tree")
+        raise InputError("--tree auto picks a static tree: use it with --mode tree")
     from .tune import resolve_tree
 
-    return resolve_tree(args.tree, models, args)
+    return resolve_tree(args.tree, models_key(args))
 
 
 def make_decoder(models, args, mode: str | None = None):
@@ -114,7 +116,7 @@ def make_decoder(models, args, mode: str | None = None):
 def _check_limits(models, n_prompt: int, max_new: int) -> None:
     ctx = models.limits.get("max_context")
     if ctx and n_prompt + max_new > ctx:
-        raise ValueError(f"prompt ({n_prompt} tokens) + max-new-tokens ({max_new}) exceeds the export's "
+        raise InputError(f"prompt ({n_prompt} tokens) + max-new-tokens ({max_new}) exceeds the export's "
                          f"max context of {ctx}")
 
 
@@ -123,14 +125,14 @@ def _stats_line(st) -> str:
             f"= {st.tokens_per_s:.1f} tok/s | mean accepted {st.mean_accepted:.2f}/target call | "
             f"target calls {st.target_calls} draft calls {st.draft_calls} | split: draft {st.draft_s:.2f}s "
             f"verify {st.verify_s:.2f}s accept+kv {st.accept_kv_s:.3f}s other {st.other_s:.3f}s | "
-            f"prefill {st.prefill_s:.2f}s")
+            f"prefill {st.prefill_s:.2f}s" + (f" | first token {1e3 * st.ttft_s:.0f} ms" if st.ttft_s is not None else ""))
 
 
 def run(args) -> int:
     if args.n < 1:
-        raise ValueError(f"--n must be >= 1, got {args.n}")
+        raise InputError(f"--n must be >= 1, got {args.n}")
     if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     # validate the cheap things before loading models
     from arborspec.runtime.sampling import SamplingParams
     from arborspec.runtime.trees import parse_tree_spec
@@ -139,66 +141,67 @@ def run(args) -> int:
     if args.tree and args.tree.strip().lower() != "auto":
         parse_tree_spec(args.tree)
     if args.prompt_file is not None and not args.prompt_file.is_file():
-        raise FileNotFoundError(f"prompt file not found: {args.prompt_file}")
+        raise MissingFileError(f"prompt file not found: {args.prompt_file}")
     models = open_models(args, need_draft=args.mode != "vanilla")
-    if args.mode != "vanilla" and models.draft is None:
-        raise ValueError(f"mode {args.mode} needs a draft: give --draft layers:K|bigram|MODEL (or --mode vanilla)")
-    tok = models.tokenizer
-    ids = prompt_ids(args, tok)
-    _check_limits(models, len(ids), args.max_new_tokens)
-    dec = make_decoder(models, args)
-    eos = list(tok.meta.get("eos_token_ids") or []) if tok is not None else []
-    runs = []
-    stream_text = not args.json and args.n == 1 and tok is not None
-    for i in range(args.n):
-        seed = args.seed + i
-        toks: list[int] = []
-        sd = tok.stream_decoder(skip_special_tokens=True) if stream_text else None
-        for chunk in dec.stream(ids, args.max_new_tokens, eos, seed):
-            toks += chunk
+    with models:  # closes the engines it opened (TensorRT-RTX saves its runtime cache)
+        if args.mode != "vanilla" and models.draft is None:
+            raise InputError(f"mode {args.mode} needs a draft: give --draft layers:K|bigram|MODEL (or --mode vanilla)")
+        tok = models.tokenizer
+        ids = prompt_ids(args, tok)
+        _check_limits(models, len(ids), args.max_new_tokens)
+        dec = make_decoder(models, args)
+        eos = list(tok.meta.get("eos_token_ids") or []) if tok is not None else []
+        runs = []
+        stream_text = not args.json and args.n == 1 and tok is not None
+        for i in range(args.n):
+            seed = args.seed + i
+            toks: list[int] = []
+            sd = tok.stream_decoder(skip_special_tokens=True) if stream_text else None
+            for chunk in dec.stream(ids, args.max_new_tokens, eos, seed):
+                toks += chunk
+                if sd is not None:
+                    sys.stdout.write(sd.push(chunk))
+                    sys.stdout.flush()
             if sd is not None:
-                sys.stdout.write(sd.push(chunk))
-                sys.stdout.flush()
-        if sd is not None:
-            sys.stdout.write(sd.finish() + "\n")
-        runs.append((toks, dec.last_stats, dec.last_stop_reason))
-    vanilla = None
-    if args.vs_vanilla and args.mode != "vanilla":
-        vdec = make_decoder(models, args, mode="vanilla")
-        vres = vdec.generate(ids, args.max_new_tokens, eos, args.seed)
-        vanilla = vres
-    texts = [tok.decode(t, skip_special_tokens=True) if tok is not None else None for t, _, _ in runs]
-    if args.json:
-        stats = [s.to_dict() | {"stop_reason": r} for _, s, r in runs]
-        out = {
-            "prompt_tokens": len(ids),
-            "text": texts[0] if args.n == 1 else texts,
-            "tokens": runs[0][0] if args.n == 1 else [t for t, _, _ in runs],
-            "stats": stats[0] if args.n == 1 else _aggregate(stats),
-            "model": models.describe,
-        }
-        if args.n > 1:
-            out["stats_per_run"] = stats
-        if vanilla is not None:
-            out["vanilla"] = {"text": tok.decode(vanilla.tokens, skip_special_tokens=True) if tok else None,
-                              "tokens": vanilla.tokens, "stats": vanilla.stats.to_dict(),
-                              "speedup": (runs[0][1].tokens_per_s / vanilla.stats.tokens_per_s
-                                          if vanilla.stats.tokens_per_s else None)}
-        print(json.dumps(out))
-        return 0
-    for i, (toks, st, reason) in enumerate(runs):
-        if not stream_text:
+                sys.stdout.write(sd.finish() + "\n")
+            runs.append((toks, dec.last_stats, dec.last_stop_reason))
+        vanilla = None
+        if args.vs_vanilla and args.mode != "vanilla":
+            vdec = make_decoder(models, args, mode="vanilla")
+            vres = vdec.generate(ids, args.max_new_tokens, eos, args.seed)
+            vanilla = vres
+        texts = [tok.decode(t, skip_special_tokens=True) if tok is not None else None for t, _, _ in runs]
+        if args.json:
+            stats = [s.to_dict() | {"stop_reason": r} for _, s, r in runs]
+            out = {
+                "prompt_tokens": len(ids),
+                "text": texts[0] if args.n == 1 else texts,
+                "tokens": runs[0][0] if args.n == 1 else [t for t, _, _ in runs],
+                "stats": stats[0] if args.n == 1 else _aggregate(stats),
+                "model": models.describe,
+            }
             if args.n > 1:
-                print(f"--- completion {i + 1} (seed {args.seed + i})")
-            print(texts[i] if texts[i] is not None else ",".join(map(str, toks)))
-        print(_stats_line(st) + f" | stop: {reason}", file=sys.stderr)
-    if vanilla is not None:
-        st = runs[0][1]
-        print(_stats_line(vanilla.stats), file=sys.stderr)
-        same = vanilla.tokens == runs[0][0]
-        sp = st.tokens_per_s / vanilla.stats.tokens_per_s if vanilla.stats.tokens_per_s else float("nan")
-        print(f"speed-up {sp:.2f}x vs vanilla" + (" | identical tokens" if same else ""), file=sys.stderr)
-    return 0
+                out["stats_per_run"] = stats
+            if vanilla is not None:
+                out["vanilla"] = {"text": tok.decode(vanilla.tokens, skip_special_tokens=True) if tok else None,
+                                  "tokens": vanilla.tokens, "stats": vanilla.stats.to_dict(),
+                                  "speedup": (runs[0][1].tokens_per_s / vanilla.stats.tokens_per_s
+                                              if vanilla.stats.tokens_per_s else None)}
+            print(json.dumps(out))
+            return 0
+        for i, (toks, st, reason) in enumerate(runs):
+            if not stream_text:
+                if args.n > 1:
+                    print(f"--- completion {i + 1} (seed {args.seed + i})")
+                print(texts[i] if texts[i] is not None else ",".join(map(str, toks)))
+            print(_stats_line(st) + f" | stop: {reason}", file=sys.stderr)
+        if vanilla is not None:
+            st = runs[0][1]
+            print(_stats_line(vanilla.stats), file=sys.stderr)
+            same = vanilla.tokens == runs[0][0]
+            sp = st.tokens_per_s / vanilla.stats.tokens_per_s if vanilla.stats.tokens_per_s else float("nan")
+            print(f"speed-up {sp:.2f}x vs vanilla" + (" | identical tokens" if same else ""), file=sys.stderr)
+        return 0
 
 
 def _aggregate(stats: list[dict]) -> dict:

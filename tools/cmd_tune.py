@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .engines import add_model_args, open_models
+from arborspec.runtime.errors import InputError, MissingFileError
+
+from .engines import add_model_args, models_key, open_models
 
 EXAMPLE = """examples:
   arborspec tune --model smollm2-135m --draft layers:2 --plot tune.png
@@ -48,17 +50,24 @@ def register(sub) -> None:
 def run(args) -> int:
     for name in ("n_prompts", "calib_tokens", "max_nodes", "max_depth", "max_width", "reps"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+            raise InputError(f"--{name.replace('_', '-')} must be >= 1")
     if args.past < 0:
-        raise ValueError("--past must be >= 0")
+        raise InputError("--past must be >= 0")
     if args.prompts is not None and not args.prompts.is_file():
-        raise FileNotFoundError(f"prompts file not found: {args.prompts}")
+        raise MissingFileError(f"prompts file not found: {args.prompts}")
     if args.model and not args.draft:
-        raise ValueError("tune needs a draft: give --draft layers:K|bigram|MODEL")
+        raise InputError("tune needs a draft: give --draft layers:K|bigram|MODEL")
     models = open_models(args)
-    from .tune import tune
+    from .tune import TuneOptions, tune
 
-    doc = tune(models, args, progress=not args.quiet)
+    opts = TuneOptions(max_nodes=args.max_nodes, max_depth=args.max_depth, max_width=args.max_width,
+                       past=args.past, reps=args.reps, prompts=args.prompts, n_prompts=args.n_prompts,
+                       chat=args.chat, calib_tokens=args.calib_tokens, seed=args.seed, out=args.out,
+                       plot=args.plot)
+    try:
+        doc = tune(models, models_key(args), opts, progress=not args.quiet)
+    finally:
+        models.close()
     if args.json:
         print(json.dumps(doc))
         return 0

@@ -33,297 +33,33 @@ suffix, so the CLI can replay them:
 """
 from __future__ import annotations
 
-import json
 import os
-import tempfile
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Iterable
 
 import numpy as np
-import torch
+
+from arborspec.runtime.errors import InputError
+
+from .compare_feeds import (  # noqa: F401 - public API
+    STATIC_PATHS,
+    Feed,
+    build_feeds,
+    default_policies,
+    feed_in_layout,
+    outputs_in_layout,
+)
+from .compare_runners import (
+    _gpu_available,
+    _polygraphy,
+    _runner_classes,
+    _trt_available,
+)
 
 DEFAULT_TOLERANCES = {"fp32": (1e-4, 1e-3), "fp16": (2e-2, 2e-2)}
 RUNNERS = ("torch", "onnxruntime", "tensorrt")
-STATIC_PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]
-
-
-# ----------------------------------------------------------------------------- feeds
-@dataclass
-class Feed:
-    name: str
-    data: "OrderedDict[str, np.ndarray]"
-
-    @property
-    def t(self) -> int:
-        return int(self.data["input_ids"].shape[1])
-
-    @property
-    def p(self) -> int:
-        return int(self.data["attention_mask"].shape[2]) - self.t
-
-
-def _feed(ids, pos, mask, cache, kv_dtype=np.float32) -> "OrderedDict[str, np.ndarray]":
-    p = cache.length
-    d = OrderedDict()
-    d["input_ids"] = np.ascontiguousarray(ids.detach().cpu().numpy().astype(np.int64))
-    d["position_ids"] = np.ascontiguousarray(pos.detach().cpu().numpy().astype(np.int64))
-    d["attention_mask"] = np.ascontiguousarray(mask.detach().cpu().numpy().astype(bool))
-    for i in range(cache.spec.n_layers):
-        d[f"past_key.{i}"] = np.ascontiguousarray(cache.k[i, :p].detach().float().cpu().numpy().astype(kv_dtype))
-        d[f"past_value.{i}"] = np.ascontiguousarray(cache.v[i, :p].detach().float().cpu().numpy().astype(kv_dtype))
-    return d
-
-
-class _Recorder:
-    """An engine wrapper that records every call's inputs as a contract feed."""
-
-    def __init__(self, engine, kv_dtype=np.float32):
-        self.engine, self.info, self.device = engine, engine.info, engine.device
-        self.kv_dtype = kv_dtype
-        self.label = ""
-        self.feeds: list[Feed] = []
-        self._seen: set = set()
-        self.enabled = True
-
-    def forward(self, ids, pos, mask, cache):
-        if self.enabled:
-            f = _feed(ids, pos, mask, cache, self.kv_dtype)
-            key = (cache.length, f["input_ids"].tobytes(), f["position_ids"].tobytes(),
-                   f["attention_mask"].tobytes())
-            if key not in self._seen:  # e.g. the same draft prefill before every policy
-                self._seen.add(key)
-                self.feeds.append(Feed(f"{self.label} T={ids.shape[1]} P={cache.length}", f))
-        return self.engine.forward(ids, pos, mask, cache)
-
-
-def default_policies(max_tree_nodes: int, static_file: str | os.PathLike | None = None) -> list[str]:
-    """Tree specs covering every policy, the largest (dynamic) at max_tree_nodes nodes."""
-    m = int(max_tree_nodes)
-    specs = [f"chain:{min(4, m)}", "full:2,3", "beam:2,4,4", f"dynamic:8,3,{m}"]
-    if static_file is not None:
-        specs.insert(3, f"static:{static_file}")
-    from arborspec.runtime.trees import parse_tree_spec
-
-    return [s for s in specs if parse_tree_spec(s).max_nodes <= m]
-
-
-def build_feeds(target, draft=None, *, max_tree_nodes: int = 64, max_context: int | None = None,
-                trees: int = 1, seed: int = 0, policies: list[str] | None = None,
-                kv_dtype=np.float32) -> dict[str, list[Feed]]:
-    """The feeds the runtime produces, for {"target": [...], "draft": [...]}.
-
-    target: an Engine; draft: an Engine (neural draft: its calls are recorded), a BigramDraft,
-    or None (the target itself shapes the trees). `trees` trees per policy, each over a cache
-    of P > 0 random past tokens (P differs from tree to tree)."""
-    from arborspec.runtime.drafts import BigramDraft, ModelDraft, draft_tree
-    from arborspec.runtime.kvcache import KVCache
-    from arborspec.runtime.sampling import SamplingParams
-    from arborspec.runtime.trees import Tree, parse_tree_spec, verify_inputs
-
-    if trees < 1:
-        raise ValueError(f"--trees must be >= 1, got {trees}")
-    g = torch.Generator().manual_seed(int(seed))
-    vocab = target.info.vocab_size
-    limit = min(target.info.max_position, max_context or target.info.max_position)
-    rec_t = _Recorder(target, kv_dtype)
-    rec_d = None
-    if draft is None:
-        dsrc_engine = target
-    elif isinstance(draft, BigramDraft):
-        dsrc_engine = None
-    else:
-        rec_d = _Recorder(draft, kv_dtype)
-        dsrc_engine = rec_d
-    tmp = tempfile.TemporaryDirectory(prefix="arborspec-compare-")
-    try:
-        static = Path(tmp.name) / "static_tree.json"
-        static.write_text(json.dumps(STATIC_PATHS))
-        specs = policies if policies is not None else default_policies(max_tree_nodes, static)
-        pols = [parse_tree_spec(s) for s in specs]
-        biggest = max([p.max_nodes for p in pols] + [1]) + 1
-        p0 = 9
-        if p0 + 3 * (trees - 1) + biggest + 2 > limit:
-            raise ValueError(f"the feeds need a context of {p0 + 3 * (trees - 1) + biggest + 2} "
-                             f"positions, the export allows {limit}")
-        sp = SamplingParams()
-        for i in range(trees):
-            p = p0 + 3 * i
-            past = torch.randint(0, vocab, (p,), generator=g).tolist()
-            root = int(torch.randint(0, vocab, (1,), generator=g))
-            cap = p + biggest + 1
-            cache = KVCache(target.info.cache, cap, 1, target.device)
-            # prefill: a prompt chain over an empty cache (P = 0)
-            rec_t.enabled, rec_t.label = i == 0, "prefill (chain)"
-            ids = torch.tensor([past], device=target.device)
-            pos = torch.arange(p, device=target.device)[None]
-            mask = torch.ones(p, p, dtype=torch.bool, device=target.device).tril()[None]
-            rec_t.forward(ids, pos, mask, cache)
-            cache.commit(None, p)
-            rec_t.enabled = True
-            if i == 0:  # vanilla's step: the root alone over the cache
-                rec_t.label = "decode (vanilla)"
-                ids, pos, mask = verify_inputs(root, Tree.empty(), p, target.device)
-                rec_t.forward(ids, pos, mask, cache)
-            for pol in pols:
-                if dsrc_engine is None:
-                    src = draft
-                else:
-                    src = ModelDraft(dsrc_engine, 1)
-                    src.cache = KVCache(dsrc_engine.info.cache, cap, 1, dsrc_engine.device)
-                src.reset(past)
-                name = pol.spec if pol.kind != "static" else "static:file"
-                if rec_d is not None:
-                    rec_d.label = f"draft for {name}"
-                prev = rec_t.enabled
-                rec_t.enabled = dsrc_engine is not target
-                tree = draft_tree(src, pol, root, sp, "topk", torch.Generator().manual_seed(seed))
-                rec_t.enabled = prev
-                ids, pos, mask = verify_inputs(root, tree, p, target.device)
-                rec_t.label = f"verify {name} ({tree.n} nodes)"
-                # record only: the verify call itself need not run here
-                rec_t.feeds.append(Feed(f"{rec_t.label} T={ids.shape[1]} P={p}",
-                                        _feed(ids, pos, mask, cache, kv_dtype)))
-    finally:
-        tmp.cleanup()
-    out = {"target": rec_t.feeds}
-    if rec_d is not None:
-        out["draft"] = rec_d.feeds
-    return out
-
-
-# ----------------------------------------------------------------------------- runners
-def _polygraphy():
-    try:
-        from polygraphy.backend.base import BaseRunner  # noqa: F401
-    except ImportError as e:  # pragma: no cover - environment
-        raise ImportError("arborspec compare needs polygraphy: pip install 'arborspec[export]'") from e
-
-
-def _runner_classes():
-    from polygraphy.backend.base import BaseRunner
-    from polygraphy.backend.onnxrt import OnnxrtRunner
-    from polygraphy.common import TensorMetadata
-    from polygraphy.datatype import DataType
-
-    def contract_meta(n_layers: int, kv_dtype) -> Any:
-        meta = TensorMetadata()
-        meta.add("input_ids", DataType.INT64, ["B", "T"])
-        meta.add("position_ids", DataType.INT64, ["B", "T"])
-        meta.add("attention_mask", DataType.BOOL, ["B", "T", "PT"])
-        kv = DataType.from_dtype(np.dtype(kv_dtype))
-        for i in range(n_layers):
-            meta.add(f"past_key.{i}", kv, ["P", "B", "H", "D"])
-            meta.add(f"past_value.{i}", kv, ["P", "B", "H", "D"])
-        return meta
-
-    class TorchRunner(BaseRunner):
-        """A contract nn.Module as a Polygraphy runner (fp32 reference; feeds and outputs in
-        the graph's K/V dtype)."""
-
-        def __init__(self, module, kv_dtype=np.float32, name=None, on_infer: Callable | None = None):
-            super().__init__(name=name, prefix="torch-runner")
-            self.module, self.kv_dtype, self.on_infer = module, np.dtype(kv_dtype), on_infer
-
-        def activate_impl(self):
-            self.module = self.module.float().eval()
-
-        def get_input_metadata_impl(self):
-            return contract_meta(self.module.config.n_layers, self.kv_dtype)
-
-        def infer_impl(self, feed_dict):
-            n = self.module.config.n_layers
-            dev = next(self.module.parameters()).device
-            args = [torch.from_numpy(np.asarray(feed_dict[k])).to(dev)
-                    for k in ("input_ids", "position_ids", "attention_mask")]
-            for i in range(n):
-                for kind in ("key", "value"):
-                    args.append(torch.from_numpy(np.asarray(feed_dict[f"past_{kind}.{i}"], dtype=np.float32)).to(dev))
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                out = self.module(*args)
-            self.inference_time = time.perf_counter() - t0
-            res = OrderedDict()
-            res["logits"] = np.ascontiguousarray(out[0].float().cpu().numpy())
-            for i in range(n):
-                res[f"new_key.{i}"] = np.ascontiguousarray(out[1 + 2 * i].float().cpu().numpy().astype(self.kv_dtype))
-                res[f"new_value.{i}"] = np.ascontiguousarray(out[2 + 2 * i].float().cpu().numpy().astype(self.kv_dtype))
-            if self.on_infer:
-                self.on_infer()
-            return res
-
-    class OrtRunner(OnnxrtRunner):
-        """Polygraphy's OnnxrtRunner with a progress callback."""
-
-        def __init__(self, sess, name=None, on_infer: Callable | None = None):
-            super().__init__(sess, name=name)
-            self.on_infer = on_infer
-
-        def infer_impl(self, feed_dict):
-            out = super().infer_impl(feed_dict)
-            if self.on_infer:
-                self.on_infer()
-            return out
-
-    class TrtEngineRunner(BaseRunner):
-        """A built TensorRT engine through runtime.backends.tensorrt.TrtEngine (the runtime's own
-        bindings: past K/V bound by address, new K/V written onto the cache tail)."""
-
-        def __init__(self, engine_path, kv_dtype=np.float32, name=None, on_infer: Callable | None = None):
-            super().__init__(name=name, prefix="trt-runner")
-            self.engine_path, self.kv_dtype, self.on_infer = Path(engine_path), np.dtype(kv_dtype), on_infer
-
-        def activate_impl(self):
-            from arborspec.runtime.backends.tensorrt import TrtEngine
-
-            self.engine = TrtEngine(self.engine_path, device="cuda")
-
-        def get_input_metadata_impl(self):
-            return contract_meta(self.engine.info.cache.n_layers, self.kv_dtype)
-
-        def infer_impl(self, feed_dict):
-            from arborspec.runtime.kvcache import KVCache
-
-            eng = self.engine
-            dev = eng.device
-            ids = torch.from_numpy(np.asarray(feed_dict["input_ids"])).to(dev)
-            pos = torch.from_numpy(np.asarray(feed_dict["position_ids"])).to(dev)
-            mask = torch.from_numpy(np.asarray(feed_dict["attention_mask"])).to(dev)
-            b, t = ids.shape
-            p = mask.shape[2] - t
-            spec = eng.info.cache
-            cache = KVCache(spec, p + t, b, dev)
-            for i in range(spec.n_layers):
-                cache.k[i, :p] = torch.from_numpy(np.asarray(feed_dict[f"past_key.{i}"])).to(dev, spec.dtype)
-                cache.v[i, :p] = torch.from_numpy(np.asarray(feed_dict[f"past_value.{i}"])).to(dev, spec.dtype)
-            cache.length = p
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            logits = eng.forward(ids, pos, mask, cache)
-            torch.cuda.synchronize()
-            self.inference_time = time.perf_counter() - t0
-            res = OrderedDict(logits=np.ascontiguousarray(logits.float().cpu().numpy()))
-            for i in range(spec.n_layers):
-                res[f"new_key.{i}"] = np.ascontiguousarray(cache.k[i, p:p + t].float().cpu().numpy().astype(self.kv_dtype))
-                res[f"new_value.{i}"] = np.ascontiguousarray(cache.v[i, p:p + t].float().cpu().numpy().astype(self.kv_dtype))
-            if self.on_infer:
-                self.on_infer()
-            return res
-
-        def deactivate_impl(self):
-            del self.engine
-
-    return TorchRunner, OrtRunner, TrtEngineRunner
-
-
-def __getattr__(name):  # TorchRunner & co. import polygraphy lazily
-    if name in ("TorchRunner", "OrtRunner", "TrtEngineRunner"):
-        _polygraphy()
-        t, o, r = _runner_classes()
-        return {"TorchRunner": t, "OrtRunner": o, "TrtEngineRunner": r}[name]
-    raise AttributeError(name)
 
 
 # ----------------------------------------------------------------------------- reference
@@ -350,11 +86,11 @@ def reference_modules(man, model: str | None = None):
 
     spec = model or source_spec(man)
     if spec is None:
-        raise ValueError(f"{man.root}: the manifest records no source model (exported from an "
+        raise InputError(f"{man.root}: the manifest records no source model (exported from an "
                          "in-memory module): pass --model NAME|PATH")
     lm = load_model(spec)
     if _shape_keys(lm.config.to_dict()) != _shape_keys(man.target.get("config", {})):
-        raise ValueError(f"model {spec} does not match the export's target config "
+        raise InputError(f"model {spec} does not match the export's target config "
                          f"({_shape_keys(lm.config.to_dict())} vs {_shape_keys(man.target.get('config', {}))})")
     target = lm.module.float().eval()
     d = man.draft
@@ -368,9 +104,9 @@ def reference_modules(man, model: str | None = None):
             dspec = dsrc.get("path") or dsrc.get("model") or arg
             draft = load_model(dspec).module.float().eval()
         else:
-            raise ValueError(f"{man.root}: cannot rebuild the draft {d.get('spec')!r} in PyTorch")
+            raise InputError(f"{man.root}: cannot rebuild the draft {d.get('spec')!r} in PyTorch")
         if _shape_keys(draft.config.to_dict()) != _shape_keys(d.get("config", {})):
-            raise ValueError(f"the rebuilt draft {d.get('spec')} does not match the export's draft config")
+            raise InputError(f"the rebuilt draft {d.get('spec')} does not match the export's draft config")
     return target, draft, spec
 
 
@@ -446,25 +182,6 @@ def _fold(rows: list[Row]) -> list[Row]:
     return out
 
 
-# ----------------------------------------------------------------------------- compare
-def _gpu_available() -> bool:
-    try:
-        return bool(torch.cuda.is_available())
-    except Exception:  # noqa: BLE001
-        return False
-
-
-def _trt_available() -> str | None:
-    """None when a TensorRT module imports, else why not."""
-    try:
-        from arborspec.runtime.backends.tensorrt import _import_trt
-
-        _import_trt(None)
-        return None
-    except ImportError as e:
-        return str(e)
-
-
 def parse_runners(text: str | Iterable[str] | None) -> tuple[list[str], bool]:
     """-> (runner names, explicitly requested)."""
     if text is None:
@@ -474,9 +191,9 @@ def parse_runners(text: str | Iterable[str] | None) -> tuple[list[str], bool]:
     names = [alias.get(n, n) for n in names]
     bad = [n for n in names if n not in RUNNERS]
     if bad:
-        raise ValueError(f"unknown runner {bad[0]!r} (expected some of {', '.join(RUNNERS)})")
+        raise InputError(f"unknown runner {bad[0]!r} (expected some of {', '.join(RUNNERS)})")
     if len(set(names)) < 2:
-        raise ValueError("--runners needs at least two different runners to compare")
+        raise InputError("--runners needs at least two different runners to compare")
     return list(dict.fromkeys(names)), True
 
 
@@ -490,7 +207,7 @@ def compare_export(export_dir: str | os.PathLike, runners: str | Iterable[str] |
                    model: str | None = None, save_inputs: str | os.PathLike | None = None,
                    save_outputs: str | os.PathLike | None = None, progress: bool = True,
                    engine_dir: str | os.PathLike | None = None, target_module=None,
-                   draft_module=None, policies: list[str] | None = None) -> CompareReport:
+                   draft_module=None, policies: list[str] | None = None, verify: bool = False) -> CompareReport:
     """Compare every graph of an export folder across runners on runtime-made feeds.
 
     target_module/draft_module: PyTorch references given directly (tests, embedding apps);
@@ -508,15 +225,15 @@ def compare_export(export_dir: str | os.PathLike, runners: str | Iterable[str] |
     from arborspec.runtime.export_dir import read_manifest
 
     names, explicit = parse_runners(runners)
-    man = read_manifest(export_dir)
+    man = read_manifest(export_dir, check_checksums=verify)
     dtype = man.target.get("dtype", "fp32")
     if dtype not in DEFAULT_TOLERANCES:
-        raise ValueError(f"compare supports fp32 and fp16 exports, not {dtype} (numpy has no bfloat16)")
+        raise InputError(f"compare supports fp32 and fp16 exports, not {dtype} (numpy has no bfloat16)")
     d_atol, d_rtol = DEFAULT_TOLERANCES[dtype]
     atol = d_atol if atol is None else float(atol)
     rtol = d_rtol if rtol is None else float(rtol)
     if atol < 0 or rtol < 0:
-        raise ValueError("--atol and --rtol must be >= 0")
+        raise InputError("--atol and --rtol must be >= 0")
     kv_dtype = np.float16 if dtype == "fp16" else np.float32
     report = CompareReport(atol=atol, rtol=rtol)
 
@@ -534,12 +251,12 @@ def compare_export(export_dir: str | os.PathLike, runners: str | Iterable[str] |
                 why = f"no engines in {edir} (run `arborspec build --export-dir {man.root}`)"
             if why:
                 if explicit:
-                    raise ValueError(f"runner tensorrt was requested but cannot run: {why}")
+                    raise InputError(f"runner tensorrt was requested but cannot run: {why}")
                 report.skipped.append(("tensorrt", why))
                 continue
         active.append(n)
     if len(active) < 2:
-        raise ValueError(f"need at least two runners, only {', '.join(active)} can run here")
+        raise InputError(f"need at least two runners, only {', '.join(active)} can run here")
 
     # PyTorch reference (also the source of the feeds, whichever runners run)
     if target_module is None:
@@ -550,7 +267,7 @@ def compare_export(export_dir: str | os.PathLike, runners: str | Iterable[str] |
     dkind = man.draft.get("kind", "none")
     if dkind == "onnx":
         if draft_module is None:
-            raise ValueError("the export has a draft graph: give its PyTorch module too")
+            raise InputError("the export has a draft graph: give its PyTorch module too")
         feed_draft = TorchEngine(draft_module.float().eval())
     elif dkind == "bigram":
         feed_draft = load_bigram_table(man.path(man.draft["file"]))
@@ -570,10 +287,14 @@ def compare_export(export_dir: str | os.PathLike, runners: str | Iterable[str] |
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total, desc="compare", unit="run", disable=not progress, leave=False)
-    TorchRunner, OrtRunner, TrtEngineRunner = _runner_classes()
+    TorchRunner, OrtRunner, TrtEngineRunner, OrtEngineRunner = _runner_classes()
     old_sev = G_LOGGER.module_severity
     if not os.environ.get("ARBORSPEC_DEBUG"):
         G_LOGGER.module_severity = G_LOGGER.ERROR
+    from arborspec.runtime.contract import kv_layout
+    from arborspec.runtime.onnx_meta import read_onnx_metadata
+
+    layouts = {g: kv_layout(read_onnx_metadata(man.path(f))["metadata"]) for g, f, _, _ in graphs}
     try:
         for graph, fname, module, engine_name in graphs:
             bar.set_description(f"compare {graph}")
@@ -582,6 +303,8 @@ def compare_export(export_dir: str | os.PathLike, runners: str | Iterable[str] |
                 tick = lambda: bar.update(1)  # noqa: E731
                 if n == "torch":
                     rs.append(TorchRunner(module, kv_dtype, name="torch", on_infer=tick))
+                elif n == "onnxruntime" and layouts.get(graph) == "bhsd":
+                    rs.append(OrtEngineRunner(man.path(fname), kv_dtype, name="onnxruntime", on_infer=tick))
                 elif n == "onnxruntime":
                     rs.append(OrtRunner(SessionFromOnnx(str(man.path(fname)), providers=["CPUExecutionProvider"]),
                                         name="onnxruntime", on_infer=tick))
@@ -596,19 +319,26 @@ def compare_export(export_dir: str | os.PathLike, runners: str | Iterable[str] |
                                                   compare_func=SimpleCompareFunc(atol=atol, rtol=rtol))
             except PolygraphyException as e:
                 msg = str(e).strip().splitlines()[0] if str(e).strip() else "Polygraphy failed"
-                raise ValueError(f"{graph}: {msg}") from None
+                raise InputError(f"{graph}: {msg}") from None
             for pair, iters in acc[0].items():
                 label = f"{pair[0]} vs {pair[1]}"
                 for feed, outs in zip(feeds[graph], iters):
                     for out_name, res in outs.items():
                         report.rows.append(Row(graph, feed.name, out_name, label, float(res.max_absdiff),
                                                float(res.max_reldiff), bool(res)))
+            # saved files replay with `polygraphy run` on the graph itself: its own I/O layout
+            layout = layouts[graph]
             if save_inputs:
                 p = _suffixed(save_inputs, graph)
-                save_json(data, str(p), description=f"{graph} inputs")
+                save_json([feed_in_layout(d, layout) for d in data], str(p), description=f"{graph} inputs")
                 report.saved.append(str(p))
             if save_outputs:
                 p = _suffixed(save_outputs, graph)
+                for _, iters in results.items():
+                    for it, d in zip(iters, data):
+                        conv = outputs_in_layout(dict(it), d, layout)
+                        for k, v in conv.items():
+                            it[k] = v
                 results.save(str(p))
                 report.saved.append(str(p))
     finally:
@@ -619,4 +349,10 @@ def compare_export(export_dir: str | os.PathLike, runners: str | Iterable[str] |
 
 __all__ = ["compare_export", "build_feeds", "reference_modules", "default_policies", "source_spec",
            "parse_runners", "CompareReport", "Row", "Feed", "DEFAULT_TOLERANCES", "RUNNERS",
-           "TorchRunner", "OrtRunner", "TrtEngineRunner"]
+           "STATIC_PATHS"]  # TorchRunner, OrtRunner, TrtEngineRunner: lazily, see __getattr__
+
+
+def __getattr__(name):  # TorchRunner & co. import polygraphy lazily
+    from . import compare_runners
+
+    return getattr(compare_runners, name)

@@ -9,9 +9,9 @@ continuations of the prompts file and of simple seeds, produced with our runtime
 decoding on the torch backend and cached), with KL(target || draft) on the target's top-k
 log-probs plus a cross-entropy term on the target's own tokens.
 
-    python -m arborspec.tools.distill_draft --model smollm2-135m --layers 1 \\
+    python -m arborspec.tools.distill_cli --model smollm2-135m --layers 1 \\
         --time-budget-min 30                    # -> ~/.cache/arborspec/drafts/smollm2-135m-distilled-L1
-    python -m arborspec.tools.distill_draft --model smollm2-135m --eval \\
+    python -m arborspec.tools.distill_cli --model smollm2-135m --eval \\
         --drafts bigram,layers:2,layers:4,~/.cache/arborspec/drafts/smollm2-135m-distilled-L1
 
 The output folder is Hugging Face style (config.json with model_type llama, model.safetensors,
@@ -21,192 +21,27 @@ CPU, deterministic data order.
 """
 from __future__ import annotations
 
-import argparse
-import hashlib
 import json
 import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-# Simple seeds: plain-text openings in a few registers (stories, facts, code, dialogue, lists).
-SEEDS = [
-    "Once upon a time", "The history of", "In this tutorial, we will", "def main():",
-    "Here is a list of", "The weather today is", "Dear friend,", "Scientists have discovered",
-    "The best way to learn", "Q: What is the capital of France?\nA:", "Chapter 1\n\n",
-    "import numpy as np\n", "My favourite recipe is", "The meeting was", "In conclusion,",
-    "How to write a good essay:", "The city of", "Water is", "Photosynthesis is the process",
-    "The main idea of the story is", "She opened the door and", "Step 1:", "The president said",
-    "An apple a day", "The quick brown fox", "There are three reasons why", "Machine learning is",
-    "Yesterday I went to", "Summary:", "The following code", "It was a dark and stormy night",
-    "A good friend is someone who",
-]
+from arborspec.runtime.errors import InputError
 
-# Held-out prompts used when no prompts file is given (never used to build the corpus).
-EVAL_PROMPTS = [
-    "Write a short poem about the sea.", "Explain how a rainbow forms.",
-    "The three most important inventions of the twentieth century are",
-    "Give me a recipe for pancakes.", "Tell me a story about a robot who learns to paint.",
-    "What are the benefits of regular exercise?", "Describe the water cycle in simple terms.",
-    "List five tips for studying effectively.",
-]
-
-
-# ----------------------------------------------------------------------------- prompts
-def default_prompts_file() -> Path:
-    return Path(__file__).resolve().parent / "data" / "prompts.json"
-
-
-def load_prompt_entries(path: str | Path | None) -> list[dict]:
-    """Entries of a prompts file: a JSON list of strings or of dicts with "prompt"/"text"
-    (optionally "chat": bool) or "ids"; or {"prompts": [...]}. Missing file -> []."""
-    p = Path(path) if path else default_prompts_file()
-    if not p.is_file():
-        if path:
-            raise FileNotFoundError(f"prompts file not found: {p}")
-        return []
-    data = json.loads(p.read_text())
-    if isinstance(data, dict):
-        data = data.get("prompts", data.get("items", []))
-    out = []
-    for e in data:
-        if isinstance(e, str):
-            out.append({"text": e})
-        elif isinstance(e, dict):
-            if "ids" in e:
-                out.append({"ids": [int(i) for i in e["ids"]]})
-            elif e.get("prompt") or e.get("text"):
-                out.append({"text": e.get("prompt") or e.get("text"), "chat": bool(e.get("chat", False))})
-    return out
-
-
-def encode_entry(entry: dict, tok, chat: bool | None = None) -> list[int] | None:
-    if "ids" in entry:
-        return list(entry["ids"])
-    if tok is None:
-        return None
-    use_chat = entry.get("chat", False) if chat is None else chat
-    if use_chat and tok.meta.get("chat_template"):
-        return tok.encode(tok.apply_chat([{"role": "user", "content": entry["text"]}]), add_bos=False)
-    return tok.encode(entry["text"])
-
-
-def split_prompts(entries: list[dict], n_eval: int = 8) -> tuple[list[dict], list[dict]]:
-    """(train, held-out): even-indexed entries are held out (up to n_eval), the rest train."""
-    if not entries:
-        return [], [{"text": t} for t in EVAL_PROMPTS[:n_eval]]
-    held = entries[0::2][:n_eval]
-    held_ids = {id(e) for e in held}
-    return [e for e in entries if id(e) not in held_ids], held
-
-
-def _random_seed_ids(vocab: int, n: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (int(torch.randint(2, 8, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
-
-
-# ----------------------------------------------------------------------------- corpus
-def cache_root() -> Path:
-    return Path(os.environ.get("ARBORSPEC_CACHE") or Path.home() / ".cache" / "arborspec")
-
-
-def generate_corpus(target_module, tok, train_entries: list[dict], corpus_tokens: int, gen_len: int,
-                    seed: int = 0, temperature: float = 0.8, top_p: float = 0.95,
-                    progress: bool = True) -> list[list[int]]:
-    """Sequences prompt + continuation, generated by the target with the runtime's vanilla
-    decoding (torch backend): for each seed/prompt one greedy continuation, then sampled ones
-    (seeds seed, seed+1, ...) until `corpus_tokens` generated tokens."""
-    from arborspec.runtime.backends.torch_backend import TorchEngine
-    from arborspec.runtime.decode import SpeculativeDecoder
-    from arborspec.runtime.sampling import SamplingParams
-
-    eng = TorchEngine(target_module)
-    vocab = eng.info.vocab_size
-    prompts: list[list[int]] = []
-    for e in train_entries:
-        ids = encode_entry(e, tok)
-        if ids:
-            prompts.append(ids)
-        if tok is not None and "text" in e and tok.meta.get("chat_template"):
-            prompts.append(encode_entry(e, tok, chat=not e.get("chat", False)))
-    if tok is not None:
-        prompts += [tok.encode(s) for s in SEEDS]
-    else:
-        prompts += _random_seed_ids(vocab, len(SEEDS), seed)
-    prompts = [p[-(eng.info.max_position - gen_len - 1):] for p in prompts if p]
-    eos = list(tok.meta.get("eos_token_ids") or []) if tok is not None else []
-    greedy = SpeculativeDecoder(eng, mode="vanilla")
-    sampled = SpeculativeDecoder(eng, mode="vanilla", sampling=SamplingParams(temperature, 0, top_p))
-    seqs: list[list[int]] = []
-    made = 0
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=corpus_tokens, desc="corpus (target generations)", unit="tok", leave=False)
-    rnd = 0
-    while made < corpus_tokens:
-        for i, p in enumerate(prompts):
-            dec = greedy if rnd == 0 else sampled
-            res = dec.generate(p, min(gen_len, corpus_tokens - made), eos, seed=seed + 1000 * rnd + i)
-            seqs.append(p + res.tokens)
-            made += len(res.tokens)
-            if bar is not None:
-                bar.update(len(res.tokens))
-            if made >= corpus_tokens:
-                break
-        rnd += 1
-    if bar is not None:
-        bar.close()
-    return seqs
-
-
-def _windows(seqs: list[list[int]], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Non-overlapping windows of seq_len+1 tokens (inputs + next-token targets), right-padded;
-    returns ids [N, S+1] and a loss mask [N, S] (1 where the target token is real)."""
-    rows, masks = [], []
-    for s in seqs:
-        for a in range(0, max(1, len(s) - 1), seq_len):
-            w = s[a : a + seq_len + 1]
-            if len(w) < 2:
-                continue
-            m = [1] * (len(w) - 1) + [0] * (seq_len + 1 - len(w))
-            rows.append(w + [0] * (seq_len + 1 - len(w)))
-            masks.append(m)
-    return torch.tensor(rows, dtype=torch.long), torch.tensor(masks, dtype=torch.float32)
-
-
-def _causal_forward(module, ids: torch.Tensor) -> torch.Tensor:
-    """Contract module over [B, T] ids from position 0 with a causal mask -> logits [B, T, V]."""
-    cfg = module.config
-    b, t = ids.shape
-    pos = torch.arange(t)[None].expand(b, t)
-    mask = torch.ones(t, t, dtype=torch.bool).tril()[None].expand(b, t, t)
-    empty = torch.zeros(0, b, cfg.n_kv_heads, cfg.head_dim, dtype=next(module.parameters()).dtype)
-    past = [empty] * (2 * cfg.n_layers)
-    return module(ids, pos, mask, *past)[0]
-
-
-@torch.inference_mode()
-def teacher_topk(target_module, ids: torch.Tensor, k: int, batch: int = 8, progress: bool = True):
-    """The target's top-k log-probs (full-vocabulary normalised) for every window position."""
-    n, t1 = ids.shape
-    idx = torch.empty(n, t1 - 1, k, dtype=torch.int32)
-    lp = torch.empty(n, t1 - 1, k, dtype=torch.float32)
-    starts = range(0, n, batch)
-    if progress:
-        from tqdm import tqdm
-
-        starts = tqdm(starts, desc="teacher logits", unit="batch", leave=False)
-    for s in starts:
-        logits = _causal_forward(target_module, ids[s : s + batch, :-1]).float()
-        top = torch.topk(torch.log_softmax(logits, -1), k, dim=-1)
-        idx[s : s + batch], lp[s : s + batch] = top.indices.int(), top.values
-    return idx, lp
+from .distill_corpus import (
+    cache_root,
+    causal_forward,
+    corpus_key,
+    generate_corpus,
+    teacher_topk,
+    windows,
+)
+from .prompts import load_prompt_entries, split_prompts
 
 
 # ----------------------------------------------------------------------------- the draft
@@ -216,11 +51,11 @@ def make_draft(target_module, n_layers: int, init: str = "target", seed: int = 0
 
     cfg = target_module.config
     if cfg.family != "llama":
-        raise ValueError(f"distillation builds a Llama draft: target family {cfg.family!r} is not llama")
+        raise InputError(f"distillation builds a Llama draft: target family {cfg.family!r} is not llama")
     if not 1 <= n_layers <= cfg.n_layers:
-        raise ValueError(f"--layers must be in 1..{cfg.n_layers}, got {n_layers}")
+        raise InputError(f"--layers must be in 1..{cfg.n_layers}, got {n_layers}")
     if init not in ("target", "random"):
-        raise ValueError(f"--init must be target or random, got {init!r}")
+        raise InputError(f"--init must be target or random, got {init!r}")
     torch.manual_seed(seed)
     dcfg = cfg.truncated(n_layers)
     dcfg.name = f"{cfg.name or 'target'}-distilled-L{n_layers}"
@@ -304,77 +139,99 @@ def distill_loss(logits: torch.Tensor, t_idx: torch.Tensor, t_lp: torch.Tensor, 
     return kl_m + ce_weight * ce_m, {"kl": float(kl_m.detach()), "ce": float(ce_m.detach()), "top1": float(agree)}
 
 
-# ----------------------------------------------------------------------------- main flow
-def _corpus_key(source: dict, target_name: str, entries: list[dict], args) -> str:
-    h = hashlib.sha256()
-    h.update(json.dumps({"target": source.get("sha256") or target_name, "entries": entries,
-                         "seeds": SEEDS, "tokens": args.corpus_tokens, "gen_len": args.gen_len,
-                         "seed": args.seed, "temperature": args.temperature}, sort_keys=True).encode())
-    return h.hexdigest()[:24]
+@dataclass
+class DistillOptions:
+    """Settings of one distillation run (the flags of `python -m arborspec.tools.distill_cli`)."""
+
+    model: str = "smollm2-135m"
+    layers: int = 1
+    init: str = "target"
+    out: str | None = None
+    prompts: str | None = None
+    n_eval: int = 8
+    corpus: str | None = None
+    corpus_tokens: int = 12288
+    gen_len: int = 128
+    temperature: float = 0.8
+    steps: int = 400
+    seq_len: int = 128
+    batch: int = 8
+    lr: float = 5e-4
+    topk: int = 64
+    ce_weight: float = 0.2
+    time_budget_min: float = 50.0
+    seed: int = 0
+    threads: int = 0
+    quiet: bool = False
+
+    @classmethod
+    def from_namespace(cls, ns) -> "DistillOptions":
+        return cls(**{f: getattr(ns, f) for f in cls.__dataclass_fields__ if hasattr(ns, f)})
 
 
-def distill(args) -> dict:
+def distill(opts: DistillOptions) -> dict:
     from arborspec.models.registry import load_model
 
-    torch.manual_seed(args.seed)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.manual_seed(opts.seed)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
     t0 = time.perf_counter()
-    budget_s = args.time_budget_min * 60.0
-    loaded = load_model(args.model)
+    budget_s = opts.time_budget_min * 60.0
+    loaded = load_model(opts.model)
     target = loaded.module.float().eval()
     for p in target.parameters():
         p.requires_grad_(False)
     tok = loaded.tokenizer
-    entries = load_prompt_entries(args.prompts)
-    train_entries, _ = split_prompts(entries, args.n_eval)
-    progress = not args.quiet
+    entries = load_prompt_entries(opts.prompts)
+    train_entries, _ = split_prompts(entries, opts.n_eval)
+    progress = not opts.quiet
 
     # corpus: cached by target, prompts, and generation settings
-    corpus_file = Path(args.corpus) if args.corpus else (
-        cache_root() / "distill" / f"corpus-{_corpus_key(loaded.source, args.model, train_entries, args)}.json")
+    key = corpus_key(loaded.source, opts.model, train_entries, corpus_tokens=opts.corpus_tokens,
+                     gen_len=opts.gen_len, seed=opts.seed, temperature=opts.temperature)
+    corpus_file = Path(opts.corpus) if opts.corpus else cache_root() / "distill" / f"corpus-{key}.json"
     if corpus_file.is_file():
         seqs = json.loads(corpus_file.read_text())["sequences"]
-        _log(args, f"corpus: {sum(map(len, seqs))} tokens in {len(seqs)} sequences (cached {corpus_file})")
+        _log(opts, f"corpus: {sum(map(len, seqs))} tokens in {len(seqs)} sequences (cached {corpus_file})")
     else:
-        seqs = generate_corpus(target, tok, train_entries, args.corpus_tokens, args.gen_len, args.seed,
-                               args.temperature, progress=progress)
+        seqs = generate_corpus(target, tok, train_entries, opts.corpus_tokens, opts.gen_len, opts.seed,
+                               opts.temperature, progress=progress)
         corpus_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = corpus_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"model": args.model, "sequences": seqs}))
+        tmp.write_text(json.dumps({"model": opts.model, "sequences": seqs}))
         os.replace(tmp, corpus_file)
-        _log(args, f"corpus: generated {sum(map(len, seqs))} tokens in {len(seqs)} sequences "
+        _log(opts, f"corpus: generated {sum(map(len, seqs))} tokens in {len(seqs)} sequences "
                    f"({time.perf_counter() - t0:.0f} s) -> {corpus_file}")
-    ids, lmask = _windows(seqs, args.seq_len)
-    t_idx, t_lp = teacher_topk(target, ids, args.topk, batch=args.batch, progress=progress)
-    _log(args, f"teacher top-{args.topk} log-probs for {ids.shape[0]} windows x {args.seq_len} "
+    ids, lmask = windows(seqs, opts.seq_len)
+    t_idx, t_lp = teacher_topk(target, ids, opts.topk, batch=opts.batch, progress=progress)
+    _log(opts, f"teacher top-{opts.topk} log-probs for {ids.shape[0]} windows x {opts.seq_len} "
                f"({time.perf_counter() - t0:.0f} s so far)")
 
-    draft = make_draft(target, args.layers, args.init, args.seed)
+    draft = make_draft(target, opts.layers, opts.init, opts.seed)
     params = trainable_parameters(draft)
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
-    warm = max(1, min(20, args.steps // 10))
+    opt = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    warm = max(1, min(20, opts.steps // 10))
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, args.steps))))))
-    g = torch.Generator().manual_seed(args.seed)
+        opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, opts.steps))))))
+    g = torch.Generator().manual_seed(opts.seed)
     n = ids.shape[0]
     order = torch.randperm(n, generator=g)
     pos = 0
-    bar = range(args.steps)
+    bar = range(opts.steps)
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(bar, desc=f"distil L{args.layers}", unit="step")
+        bar = tqdm(bar, desc=f"distil L{opts.layers}", unit="step")
     hist = []
     steps_done = 0
     draft.train()
     for step in bar:
-        if pos + args.batch > n:
+        if pos + opts.batch > n:
             order, pos = torch.randperm(n, generator=g), 0
-        b = order[pos : pos + args.batch]
-        pos += args.batch
-        logits = _causal_forward(draft, ids[b, :-1])
-        loss, parts = distill_loss(logits, t_idx[b], t_lp[b], ids[b, 1:], lmask[b], args.ce_weight)
+        b = order[pos : pos + opts.batch]
+        pos += opts.batch
+        logits = causal_forward(draft, ids[b, :-1])
+        loss, parts = distill_loss(logits, t_idx[b], t_lp[b], ids[b, 1:], lmask[b], opts.ce_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -385,23 +242,23 @@ def distill(args) -> dict:
         if progress:
             bar.set_postfix(kl=f"{parts['kl']:.3f}", top1=f"{parts['top1']:.3f}")
         if time.perf_counter() - t0 > budget_s:
-            _log(args, f"time budget of {args.time_budget_min} min reached after {steps_done} steps")
+            _log(opts, f"time budget of {opts.time_budget_min} min reached after {steps_done} steps")
             break
     draft.eval()
     last = hist[-min(20, len(hist)):] if hist else [{}]
     summary = {
-        "target": args.model, "target_sha256": loaded.source.get("sha256"), "layers": args.layers,
-        "init": args.init, "steps": steps_done, "seq_len": args.seq_len, "batch": args.batch,
-        "lr": args.lr, "topk": args.topk, "ce_weight": args.ce_weight, "seed": args.seed,
+        "target": opts.model, "target_sha256": loaded.source.get("sha256"), "layers": opts.layers,
+        "init": opts.init, "steps": steps_done, "seq_len": opts.seq_len, "batch": opts.batch,
+        "lr": opts.lr, "topk": opts.topk, "ce_weight": opts.ce_weight, "seed": opts.seed,
         "corpus_tokens": sum(map(len, seqs)), "windows": int(n),
         "final_kl": sum(h.get("kl", 0) for h in last) / len(last),
         "final_top1": sum(h.get("top1", 0) for h in last) / len(last),
         "first_kl": hist[0]["kl"] if hist else None, "first_top1": hist[0]["top1"] if hist else None,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
-    out = Path(args.out).expanduser() if args.out else default_out(args.model, args.layers)
+    out = Path(opts.out).expanduser() if opts.out else default_out(opts.model, opts.layers)
     save_hf_folder(draft, out, tok, extra={"distilled": summary})
-    _log(args, f"saved {out}: {json.dumps(summary)}")
+    _log(opts, f"saved {out}: {json.dumps(summary)}")
     summary["out"] = str(out)
     return summary
 
@@ -411,187 +268,9 @@ def default_out(model: str, layers: int) -> Path:
     return cache_root() / "drafts" / f"{name}-distilled-L{layers}"
 
 
-def _log(args, msg: str) -> None:
-    if not getattr(args, "quiet", False):
+def _log(opts, msg: str) -> None:
+    if not getattr(opts, "quiet", False):
         print(f"[distill] {msg}", file=sys.stderr, flush=True)
 
 
-# ----------------------------------------------------------------------------- evaluation
-def evaluate_drafts(model: str, drafts: list[str], prompts: list[list[int]], trees=("full:3,2", "chain:4"),
-                    max_new_tokens: int = 64, progress: bool = True) -> list[dict]:
-    """Greedy speculative decoding (torch backend) of each prompt with each draft and tree:
-    mean accepted tokens per target call (the target's bonus token included) and tok/s."""
-    from argparse import Namespace
-
-    from arborspec.runtime.decode import SpeculativeDecoder
-
-    from .engines import open_models
-
-    rows = []
-    base = None
-    for spec in drafts:
-        ns = Namespace(model=model, draft=spec, export_dir=None, engine_dir=None, backend="torch", device="cpu")
-        om = open_models(ns)
-        if base is None:
-            base = om
-        eos = list(om.tokenizer.meta.get("eos_token_ids") or []) if om.tokenizer is not None else []
-        for tree in trees:
-            mode = "vanilla" if tree == "vanilla" else "chain" if tree.startswith("chain:") else "tree"
-            dec = SpeculativeDecoder(om.target, om.draft if mode != "vanilla" else None, mode=mode,
-                                     tree=tree if mode != "vanilla" else "chain:1")
-            toks = steps = 0
-            dec_s = draft_s = 0.0
-            for p in prompts:
-                r = dec.generate(p, max_new_tokens, eos)
-                toks += r.stats.new_tokens
-                steps += r.stats.steps
-                dec_s += r.stats.decode_s
-                draft_s += r.stats.draft_s
-            row = {"draft": spec, "tree": tree, "mean_accepted": toks / max(1, steps),
-                   "tokens_per_s": toks / dec_s if dec_s else 0.0, "draft_share": draft_s / dec_s if dec_s else 0.0,
-                   "tokens": toks, "steps": steps}
-            rows.append(row)
-            if progress:
-                print(f"[eval] {spec:>40s} {tree:10s} mean accepted {row['mean_accepted']:.2f} "
-                      f"{row['tokens_per_s']:.1f} tok/s (draft {100 * row['draft_share']:.0f}% of time)",
-                      file=sys.stderr, flush=True)
-    return rows
-
-
-def simulate_drafts(model: str, drafts: list[str], prompts: list[list[int]], trees=("full:3,2", "chain:4"),
-                    max_new_tokens: int = 64, progress: bool = True) -> list[dict]:
-    """Mean accepted tokens per verify step of greedy decoding, without running the tree
-    loop: the target's greedy text once per prompt (vanilla runtime decoding), then each
-    draft teacher-forced over it once; `tune.simulate_greedy_steps` counts the steps each
-    static-shaped tree (chain, full, static) would take. Equal to real decoding's steps
-    (tests/test_tune.py checks it)."""
-    from argparse import Namespace
-
-    from arborspec.runtime.decode import SpeculativeDecoder
-
-    from .engines import open_models
-    from .tune import _draft_topk_ranks, simulate_greedy_steps, spec_paths
-
-    tree_paths = {t: spec_paths(t) for t in trees}
-    k = max(max(p[-1] for p in ps) for ps in tree_paths.values()) + 1
-    seqs = None
-    rows = []
-    for spec in drafts:
-        ns = Namespace(model=model, draft=spec, export_dir=None, engine_dir=None, backend="torch", device="cpu")
-        om = open_models(ns)
-        if seqs is None:
-            eos = list(om.tokenizer.meta.get("eos_token_ids") or []) if om.tokenizer is not None else []
-            dec = SpeculativeDecoder(om.target, mode="vanilla")
-            seqs = []
-            for p in prompts:
-                r = dec.generate(p, max_new_tokens, eos)
-                seqs.append((len(p), list(p) + r.tokens))
-        ranks = [_draft_topk_ranks(om.draft, s, k).tolist() for _, s in seqs]
-        for t, paths in tree_paths.items():
-            steps = sum(simulate_greedy_steps(rk, a, len(s), paths) for rk, (a, s) in zip(ranks, seqs))
-            toks = sum(len(s) - a for a, s in seqs)
-            row = {"draft": spec, "tree": t, "mean_accepted": toks / max(1, steps), "tokens": toks,
-                   "steps": steps, "tokens_per_s": float("nan"), "simulated": True}
-            rows.append(row)
-            if progress:
-                print(f"[eval/sim] {spec:>40s} {t:10s} mean accepted {row['mean_accepted']:.2f}",
-                      file=sys.stderr, flush=True)
-    return rows
-
-
-def eval_prompt_ids(model_tok, prompts_file, n_eval: int) -> list[list[int]]:
-    _, held = split_prompts(load_prompt_entries(prompts_file), n_eval)
-    out = [encode_entry(e, model_tok) for e in held]
-    return [p for p in out if p]
-
-
-def markdown_table(rows: list[dict]) -> str:
-    trees = list(dict.fromkeys(r["tree"] for r in rows))
-    drafts = list(dict.fromkeys(r["draft"] for r in rows))
-    head = "| draft | " + " | ".join(f"{t} accepted | {t} tok/s" for t in trees) + " |"
-    sep = "|---|" + "---|---|" * len(trees)
-    lines = [head, sep]
-    for d in drafts:
-        cells = []
-        for t in trees:
-            r = next((r for r in rows if r["draft"] == d and r["tree"] == t), None)
-            tps = "" if not r or r["tokens_per_s"] != r["tokens_per_s"] else f"{r['tokens_per_s']:.1f}"
-            cells += [f"{r['mean_accepted']:.2f}", tps] if r else ["", ""]
-        lines.append(f"| {d} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 # ----------------------------------------------------------------------------- CLI
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m arborspec.tools.distill_draft",
-                                description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 2)[2])
-    p.add_argument("--model", default="smollm2-135m", help="target (registry name or path; llama family)")
-    p.add_argument("--layers", type=int, default=1, help="draft decoder layers (default 1)")
-    p.add_argument("--init", choices=["target", "random"], default="target",
-                   help="initialise the draft's layers from target layers 0..K-1 (default) or randomly")
-    p.add_argument("--out", help="output folder (default ~/.cache/arborspec/drafts/NAME-distilled-LK)")
-    p.add_argument("--prompts", help="prompts file (default tools/data/prompts.json when present)")
-    p.add_argument("--n-eval", type=int, default=8, help="held-out prompts (never in the corpus)")
-    p.add_argument("--corpus", help="corpus JSON file to use/write (default: cached by settings)")
-    p.add_argument("--corpus-tokens", type=int, default=12288, help="generated tokens in the corpus")
-    p.add_argument("--gen-len", type=int, default=128, help="tokens per generated continuation")
-    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature after the greedy round")
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--topk", type=int, default=64, help="target log-probs kept per position for the KL")
-    p.add_argument("--ce-weight", type=float, default=0.2, help="weight of the CE on the target's tokens")
-    p.add_argument("--time-budget-min", type=float, default=50.0, help="stop training after this much wall time")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
-    p.add_argument("--quiet", action="store_true")
-    e = p.add_argument_group("evaluation (--eval: no training)")
-    e.add_argument("--eval", action="store_true", help="compare drafts' mean accepted length on held-out prompts")
-    e.add_argument("--drafts", default="bigram,layers:2,layers:4",
-                   help="comma-separated drafts for --eval (layers:K, bigram, or model folders)")
-    e.add_argument("--trees", default="full:3,2;chain:4",
-                   help="semicolon-separated tree specs for --eval (default 'full:3,2;chain:4'; "
-                        "'vanilla' = no draft, static:FILE.json for a tuned tree)")
-    e.add_argument("--max-new-tokens", type=int, default=64)
-    e.add_argument("--simulate", action="store_true",
-                   help="count greedy steps from teacher-forced draft ranks (fast, exact for chain/full/static "
-                        "trees) instead of running the decode loop; no tok/s")
-    e.add_argument("--json-out", help="write the --eval rows as JSON here")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
-        if args.eval:
-            from arborspec.models.registry import load_model
-
-            tok = load_model(args.model).tokenizer
-            prompts = eval_prompt_ids(tok, args.prompts, args.n_eval)
-            if not prompts:
-                raise ValueError("no held-out prompts to evaluate on (the model has no tokenizer and the "
-                                 "prompts file has no 'ids' entries)")
-            drafts = [os.path.expanduser(d.strip()) for d in args.drafts.split(",") if d.strip()]
-            trees = [t.strip() for t in args.trees.split(";") if t.strip()]
-            run = simulate_drafts if args.simulate else evaluate_drafts
-            rows = run(args.model, drafts, prompts, trees, args.max_new_tokens, not args.quiet)
-            print(markdown_table(rows))
-            if args.json_out:
-                Path(args.json_out).write_text(json.dumps(rows, indent=1))
-            return 0
-        if args.steps < 1 or args.seq_len < 2 or args.batch < 1 or args.corpus_tokens < 1:
-            raise ValueError("--steps, --batch and --corpus-tokens must be >= 1 and --seq-len >= 2")
-        distill(args)
-        return 0
-    except (ValueError, FileNotFoundError) as e:
-        print(f"distill_draft: error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,18 +11,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .cli import UserError
+
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
 
 
 @dataclass
 class OpenModels:
     target: Any
-    draft: Any  # an Engine, a BigramDraft or None
+    draft: Any  # a DraftSource, an Engine or None
     tokenizer: Any
     limits: dict = field(default_factory=dict)
     tree_default: str | None = None
     describe: str = ""
     source: dict = field(default_factory=dict)
+    owner: Any = None  # the OpenedExport holding the engines (export folders), closed by close()
+
+    def close(self) -> None:
+        if self.owner is not None:
+            self.owner.close()
+            self.owner = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def add_model_args(p, draft_default: str | None = None) -> None:
@@ -31,22 +45,30 @@ def add_model_args(p, draft_default: str | None = None) -> None:
                                     "(torch backend)")
     g.add_argument("--draft", default=draft_default,
                    help="draft: layers:K (first K target layers), bigram (table from the target), "
-                        "lookup[:N] (n-gram prompt lookup, any backend), none, or a model name/path "
-                        "with the same vocabulary (torch backend)")
+                        "lookup[:N] (n-gram prompt lookup, any backend), eagle3:FOLDER (an EAGLE-3 "
+                        "checkpoint, torch backend), none, or a model name/path with the same vocabulary "
+                        "(torch backend)")
     g.add_argument("--export-dir", type=Path, help="export folder from `arborspec export` "
                                                    "(onnxruntime and tensorrt backends)")
     g.add_argument("--engine-dir", type=Path, help="TensorRT engines folder (default EXPORT_DIR/engines)")
     g.add_argument("--backend", choices=BACKENDS, default=None,
                    help="torch (default with --model) | onnxruntime (default with --export-dir) | tensorrt")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    g.add_argument("--verify", action="store_true",
+                   help="check the sha256 of every file of the export folder against its manifest before "
+                        "loading (default: cheap checks only: presence, sizes, ONNX metadata)")
 
 
 def _bigram_from_target(engine, source: dict, progress: bool = True):
     """The bigram draft of a torch target, cached in the user cache by the weights' sha256."""
 
     from arborspec.models.registry import cache_dir
-    from arborspec.runtime.drafts import (BigramDraft, bigram_table_from_target, load_bigram_table,
-                                          save_bigram_table)
+    from arborspec.runtime.drafts import (
+        BigramDraft,
+        bigram_table_from_target,
+        load_bigram_table,
+        save_bigram_table,
+    )
 
     sha = source.get("sha256")
     cache = None
@@ -68,56 +90,70 @@ def _bigram_from_target(engine, source: dict, progress: bool = True):
 
 def lookup_spec(spec: str | None) -> int | None:
     """`lookup` / `lookup:N` (prompt-lookup n-gram draft, n <= N) -> N, else None."""
-    if not spec or not spec.strip().lower().startswith("lookup"):
-        return None
-    _, _, n = spec.strip().partition(":")
-    try:
-        n = int(n) if n else 3
-    except ValueError:
-        raise ValueError(f"bad draft spec {spec!r}: expected lookup or lookup:N") from None
-    if n < 1:
-        raise ValueError(f"bad draft spec {spec!r}: N must be >= 1")
-    return n
+    from arborspec.runtime.lookup import parse_lookup_spec
+
+    return parse_lookup_spec(spec)
 
 
 def open_models(args, need_draft: bool = True) -> OpenModels:
-    """Engines for the arguments. `--draft lookup[:N]` (a runtime-only n-gram draft) works with
-    every backend, also on top of an export folder whose own draft it replaces."""
-    n_lookup = lookup_spec(getattr(args, "draft", None))
-    if n_lookup is not None:
-        from arborspec.runtime.drafts import LookupDraft
+    """Engines for CLI-style arguments (see `open_engines`)."""
+    return open_engines(model=args.model, draft=getattr(args, "draft", None), export_dir=args.export_dir,
+                        backend=args.backend, device=args.device, engine_dir=getattr(args, "engine_dir", None),
+                        verify=bool(getattr(args, "verify", False)), need_draft=need_draft)
 
-        saved = args.draft
-        args.draft = "none" if (args.backend or ("torch" if args.model else "onnxruntime")) == "torch" else None
-        try:
-            models = open_models(args, need_draft=False)
-        finally:
-            args.draft = saved
-        if need_draft:
-            models.draft = LookupDraft(models.target.info.vocab_size, max_ngram=n_lookup)
-        return models
-    backend = args.backend or ("torch" if args.model else "onnxruntime")
+
+def open_engines(model=None, draft: str | None = None, export_dir=None, backend: str | None = None,
+                 device: str = "cpu", engine_dir=None, verify: bool = False, need_draft: bool = True) -> OpenModels:
+    """Target and draft for a backend: `model` (torch backend: registry name or path) or
+    `export_dir` (onnxruntime, tensorrt). `draft lookup[:N]` (a runtime-only n-gram draft)
+    works with every backend, also on top of an export folder whose own draft it replaces."""
+    backend = backend or ("torch" if model else "onnxruntime")
     if backend == "torch":
-        if not args.model:
-            raise ValueError("--backend torch needs --model NAME|PATH")
-        return _open_torch(args, need_draft)
-    if args.export_dir is None:
-        raise ValueError(f"--backend {backend} needs --export-dir DIR (make one with `arborspec export`)")
-    if args.model:
-        raise ValueError(f"--model is for the torch backend; --backend {backend} reads --export-dir")
-    return _open_export(args, backend, need_draft)
+        if not model:
+            raise UserError("--backend torch needs --model NAME|PATH")
+        n_lookup = lookup_spec(draft)
+        if n_lookup is not None:
+            from arborspec.runtime.lookup import LookupDraft
+
+            models = _open_torch(model, None, device, need_draft=False)
+            if need_draft:
+                models.draft = LookupDraft(models.target.info.vocab_size, max_ngram=n_lookup)
+            return models
+        return _open_torch(model, draft, device, need_draft)
+    if export_dir is None:
+        raise UserError(f"--backend {backend} needs --export-dir DIR (make one with `arborspec export`)")
+    if model:
+        raise UserError(f"--model is for the torch backend; --backend {backend} reads --export-dir")
+    from arborspec.runtime.export_dir import open_export
+
+    ex = open_export(export_dir, backend, device, draft=(draft or "export") if need_draft else "none",
+                     engine_dir=engine_dir, verify=verify)
+    return OpenModels(ex.target, ex.draft, ex.tokenizer, limits=ex.limits, tree_default=ex.tree_default,
+                      describe=f"{export_dir} ({backend}, {device})", owner=ex)
 
 
-def _open_torch(args, need_draft: bool) -> OpenModels:
-
+def _open_torch(model, draft_spec: str | None, device: str, need_draft: bool) -> OpenModels:
     from arborspec.models.registry import load_model
     from arborspec.runtime.backends.torch_backend import TorchEngine
 
-    loaded = load_model(args.model)
-    device = args.device
+    loaded = load_model(model)
+    spec = (draft_spec or "none").strip()
+    if need_draft and spec.lower().startswith("eagle3:"):
+        # an EAGLE-3 head reads the target's features: the target module must output them
+        from arborspec.models.eagle3 import load_eagle3
+        from arborspec.runtime.drafts_eagle3 import Eagle3Draft
+
+        path = spec.split(":", 1)[1]
+        if not path:
+            raise UserError("--draft eagle3:PATH needs the checkpoint folder")
+        head = load_eagle3(Path(path).expanduser(), loaded.config)
+        loaded.module.feature_layers = list(head.config.aux_layers)
+        target = TorchEngine(loaded.module, device=device)
+        draft = Eagle3Draft(head, loaded.module.model.embed_tokens.weight.detach(), device=device)
+        return OpenModels(target, draft, loaded.tokenizer, describe=f"{model} + eagle3 (torch, {device})",
+                          source=loaded.source)
     target = TorchEngine(loaded.module, device=device)
     draft = None
-    spec = (args.draft or "none").strip()
     if need_draft and spec.lower() != "none":
         from arborspec.export.export_folder import parse_draft_spec, truncated_draft
 
@@ -129,45 +165,17 @@ def _open_torch(args, need_draft: bool) -> OpenModels:
         elif kind == "model":
             d = load_model(val)
             if d.config.vocab_size != loaded.config.vocab_size:
-                raise ValueError(f"draft vocabulary ({d.config.vocab_size}) differs from the target's "
+                raise UserError(f"draft vocabulary ({d.config.vocab_size}) differs from the target's "
                                  f"({loaded.config.vocab_size})")
             draft = TorchEngine(d.module, device=device)
-    return OpenModels(target, draft, loaded.tokenizer, describe=f"{args.model} (torch, {device})",
+    return OpenModels(target, draft, loaded.tokenizer, describe=f"{model} (torch, {device})",
                       source=loaded.source)
 
 
-def _open_export(args, backend: str, need_draft: bool) -> OpenModels:
-    from arborspec.runtime.drafts import load_bigram_table
-    from arborspec.runtime.export_dir import load_export_dir, read_manifest
+def models_key(args):
+    """The tuned-tree key (arborspec.tools.tune.ModelsKey) of CLI-style model arguments."""
+    from .tune import ModelsKey
 
-    if args.draft not in (None, "", "export") and need_draft:
-        raise ValueError("--draft is fixed by the export folder with --export-dir (re-export to change it)")
-    if backend == "onnxruntime":
-        target, draft, tok, man = load_export_dir(args.export_dir, device=args.device)
-    else:
-        from arborspec.runtime.backends.tensorrt import TrtEngine
-
-        man = read_manifest(args.export_dir)
-        edir = args.engine_dir or (Path(args.export_dir) / "engines")
-        if not (edir / "target.engine").is_file():
-            raise FileNotFoundError(f"no TensorRT engines in {edir}: run `arborspec build --export-dir "
-                                    f"{args.export_dir}` first")
-        device = args.device if args.device.startswith("cuda") else "cuda"
-        target = TrtEngine(edir / "target.engine", device=device)
-        d = man.draft
-        if d.get("kind") == "onnx":
-            draft = TrtEngine(edir / "draft.engine", device=device)
-        elif d.get("kind") == "bigram":
-            draft = man.path(d["file"])
-        else:
-            draft = None
-        from arborspec.runtime.export_dir import _load_tokenizer
-
-        tok = _load_tokenizer(man)
-    if isinstance(draft, (str, Path)):
-        draft = load_bigram_table(draft)
-    if not need_draft:
-        draft = None
-    tree_default = (man.tree_defaults or {}).get("tree")
-    return OpenModels(target, draft, tok, limits=dict(man.limits or {}), tree_default=tree_default,
-                      describe=f"{args.export_dir} ({backend}, {args.device})")
+    return ModelsKey(model=getattr(args, "model", None), draft=getattr(args, "draft", None),
+                     backend=getattr(args, "backend", None), device=getattr(args, "device", "cpu") or "cpu",
+                     export_dir=getattr(args, "export_dir", None))

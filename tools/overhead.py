@@ -8,7 +8,7 @@ vocabulary 49152) that return precomputed logits instantly, so what is timed is 
 the runtime's overhead.
 
     python -m arborspec.tools.overhead --trees chain:4 full:3,2 beam:4,8,8 dynamic:8,6,64 \
-        --steps 200 [--vocab 49152] [--threads 1] [--temperature 0.8] [--json OUT]
+        --steps 200 [--vocab 49152] [--threads 1] [--temperature 0.8] [--host-topk] [--json OUT]
 """
 from __future__ import annotations
 
@@ -25,9 +25,22 @@ from arborspec.runtime.kvcache import CacheSpec
 from arborspec.runtime.sampling import SamplingParams
 
 
+class HostTopkNullEngine:
+    """The same null engine without `forward_topk`: the runtime takes the draft's top-k from
+    the full logits rows on the host (what an ONNX Runtime CPU draft without fused top-k costs)."""
+
+    def __init__(self, inner):
+        self.inner, self.info, self.device = inner, inner.info, inner.device
+
+    def forward(self, *a):
+        return self.inner.forward(*a)
+
+
 class NullEngine:
-    """Returns logits from a fixed random bank (peaked so trees get accepted), writes
-    nothing: the cache slabs still have real shapes so KV commits cost what they cost."""
+    """Returns logits from a fixed random bank (peaked so trees get accepted) and writes zeros
+    where a real engine writes the new tokens' K/V (the cache tail: so the memory a commit
+    gathers from was touched by the engine call, as in real decoding); the slabs have real
+    shapes, so KV commits cost what they cost."""
 
     def __init__(self, vocab=49152, layers=30, kv_heads=3, head_dim=64, seed=0, copy_of=None):
         if copy_of is not None:
@@ -39,14 +52,37 @@ class NullEngine:
         # the same bank agrees with the target and trees get accepted
         self.bank = copy_of.bank if copy_of is not None else torch.randn(512, vocab, generator=g) * 4
 
+        self._top: dict = {}
+        self.max_topk = vocab
+
     def forward(self, ids, pos, mask, cache):
+        p, t = cache.length, ids.shape[1]
+        cache.k[:, p:p + t].zero_()
+        cache.v[:, p:p + t].zero_()
         return self.bank[ids % self.bank.shape[0]]
+
+    def forward_topk(self, ids, pos, mask, cache, k, logprobs=False):
+        """A draft engine that computes its top-k where its logits are (fused in the ONNX graph,
+        on the GPU): precomputed here, so the host sees only [F, k]."""
+        if (k, logprobs) not in self._top:
+            from arborspec.runtime.drafts import topk_of
+
+            t = topk_of(self.bank, k, logprobs)
+            self._top[(k, logprobs)] = (t.values, t.indices)
+        v, i = self._top[(k, logprobs)]
+        p, t = cache.length, ids.shape[1]
+        cache.k[:, p:p + t].zero_()
+        cache.v[:, p:p + t].zero_()
+        r = ids % self.bank.shape[0]
+        return v[r], i[r]
 
 
 def measure(tree: str, steps: int, sp: SamplingParams, prompt_len: int = 256, mode: str = "tree",
-            vocab: int = 49152) -> dict:
+            vocab: int = 49152, host_topk: bool = False) -> dict:
     target = NullEngine(vocab=vocab)
     draft = NullEngine(copy_of=target)
+    if host_topk:
+        draft = HostTopkNullEngine(draft)
     dec = SpeculativeDecoder(target, draft, mode=mode, tree=tree, sampling=sp)
     prompt = list(range(prompt_len))
     dec.generate(prompt, 16)  # warm-up
@@ -70,12 +106,15 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=49152,
                    help="vocabulary of the null models (49152 = SmolLM2; a small one isolates the "
                         "tree bookkeeping from the vocabulary-wide top-k/argmax)")
+    p.add_argument("--host-topk", action="store_true",
+                   help="the draft engine returns full logits rows and the runtime takes their top-k on the "
+                        "host (default: the draft engine returns its top-k, as a fused graph or a GPU does)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     sp = SamplingParams(a.temperature)
-    rows = [measure(t, a.steps, sp, vocab=a.vocab) for t in a.trees]
+    rows = [measure(t, a.steps, sp, vocab=a.vocab, host_topk=a.host_topk) for t in a.trees]
     print(f"{'tree':22s} {'nodes':>6s} {'acc/step':>8s} {'overhead ms':>11s} {'tree':>7s} {'accept+kv':>9s} {'other':>7s}")
     for r in rows:
         print(f"{r['tree']:22s} {r['nodes_per_step']:6.1f} {r['mean_accepted']:8.2f} {r['overhead_ms_per_step']:11.3f} "
@@ -83,7 +122,7 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-                       "threads": torch.get_num_threads(), "vocab": a.vocab, "temperature": a.temperature, "rows": rows}, f, indent=1)
+                       "threads": torch.get_num_threads(), "vocab": a.vocab, "host_topk": a.host_topk, "temperature": a.temperature, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -29,6 +29,8 @@ import os
 import sys
 from pathlib import Path
 
+from arborspec.runtime.errors import InputError, MissingFileError
+
 
 def _locate() -> tuple[Path, str | None]:
     env = os.environ.get("ARBORSPEC_EXPORT_DIR")
@@ -38,7 +40,7 @@ def _locate() -> tuple[Path, str | None]:
     elif onnx_arg:
         root = Path(onnx_arg).resolve().parent
     else:
-        raise FileNotFoundError("arborspec data loader: set ARBORSPEC_EXPORT_DIR or run it on DIR/target.onnx")
+        raise MissingFileError("arborspec data loader: set ARBORSPEC_EXPORT_DIR or run it on DIR/target.onnx")
     return root, onnx_arg
 
 
@@ -47,7 +49,6 @@ def feeds(export_dir: str | os.PathLike | None = None, graph: str | None = None,
     """The feed dicts (OrderedDict[str, numpy.ndarray]) for one graph of an export folder."""
     from arborspec.runtime.drafts import load_bigram_table
     from arborspec.runtime.export_dir import load_export_dir
-
     from arborspec.tools.compare import build_feeds
 
     root, onnx_arg = _locate() if export_dir is None else (Path(export_dir), None)
@@ -59,9 +60,9 @@ def feeds(export_dir: str | os.PathLike | None = None, graph: str | None = None,
         graph = "draft" if name == man.draft.get("file") else "target"
     graph = graph or "target"
     if graph not in ("target", "draft"):
-        raise ValueError(f"ARBORSPEC_GRAPH must be target or draft, got {graph!r}")
+        raise InputError(f"ARBORSPEC_GRAPH must be target or draft, got {graph!r}")
     if graph == "draft" and man.draft.get("kind") != "onnx":
-        raise ValueError(f"{root} has no draft graph (draft kind {man.draft.get('kind')})")
+        raise InputError(f"{root} has no draft graph (draft kind {man.draft.get('kind')})")
     if isinstance(draft, (str, Path)):
         draft = load_bigram_table(draft)
     import numpy as np
@@ -71,7 +72,13 @@ def feeds(export_dir: str | os.PathLike | None = None, graph: str | None = None,
                       max_context=man.limits.get("max_context"),
                       trees=int(trees if trees is not None else os.environ.get("ARBORSPEC_TREES", 1)),
                       seed=int(seed if seed is not None else os.environ.get("ARBORSPEC_SEED", 0)), kv_dtype=kv)
-    return [f.data for f in out[graph]]
+    from arborspec.runtime.contract import kv_layout
+    from arborspec.runtime.onnx_meta import read_onnx_metadata
+    from arborspec.tools.compare_feeds import feed_in_layout
+
+    entry = man.target if graph == "target" else man.draft
+    layout = kv_layout(read_onnx_metadata(man.path(entry["file"]))["metadata"])
+    return [feed_in_layout(f.data, layout) for f in out[graph]]
 
 
 def load_data():

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from ..errors import EngineError, InputError
 from ..kvcache import CacheSpec, KVCache
 
 
@@ -22,7 +23,27 @@ class EngineInfo:
     cache: CacheSpec
     max_tokens: int | None = None  # largest T the engine accepts in one call (None: no limit)
     name: str = ""
-    n_features: int = 0  # width F of forward_features' target features (0: none)
+    n_features: int = 0  # width of the target-feature output (forward_features), 0: none
+
+
+class EngineBase:
+    """Lifecycle shared by every backend class (Polygraphy spirit): an engine is usable once
+    constructed, `close()` releases it (idempotent), and it is a context manager."""
+
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise EngineError(f"{type(self).__name__} {getattr(self.info, 'name', '')!s} is closed")
 
 
 class Engine(Protocol):
@@ -36,6 +57,9 @@ class Engine(Protocol):
         float32 [B,T,V] on self.device."""
         ...
 
+    def close(self) -> None:
+        ...
+
 
 def check_call(info: EngineInfo, input_ids: torch.Tensor, position_ids: torch.Tensor,
                mask: torch.Tensor, cache: KVCache) -> None:
@@ -43,13 +67,13 @@ def check_call(info: EngineInfo, input_ids: torch.Tensor, position_ids: torch.Te
     b, t = input_ids.shape
     p = cache.length
     if position_ids.shape != (b, t):
-        raise ValueError(f"position_ids shape {tuple(position_ids.shape)} != input_ids {(b, t)}")
+        raise InputError(f"position_ids shape {tuple(position_ids.shape)} != input_ids {(b, t)}")
     if mask.shape != (b, t, p + t):
-        raise ValueError(f"attention_mask shape {tuple(mask.shape)} != {(b, t, p + t)} (B, T, P+T)")
+        raise InputError(f"attention_mask shape {tuple(mask.shape)} != {(b, t, p + t)} (B, T, P+T)")
     if mask.dtype != torch.bool:
-        raise ValueError(f"attention_mask must be bool, got {mask.dtype}")
+        raise InputError(f"attention_mask must be bool, got {mask.dtype}")
     if cache.batch != b:
-        raise ValueError(f"cache batch {cache.batch} != input batch {b}")
+        raise InputError(f"cache batch {cache.batch} != input batch {b}")
     cache.room(t)
     if info.max_tokens is not None and t > info.max_tokens:
-        raise ValueError(f"{t} tokens in one call exceed this engine's limit of {info.max_tokens}")
+        raise EngineError(f"{t} tokens in one call exceed this engine's limit of {info.max_tokens}")

@@ -13,33 +13,36 @@ Never imports onnx: the model's config is read from the session's metadata_props
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
 
-from ... import CONTRACT_VERSION
+from .. import contract as C
+from ..errors import DeviceError, EngineError, ExportDirError, InputError, MissingFileError
 from ..kvcache import CacheSpec, KVCache
-from .base import EngineInfo, check_call
+from .base import EngineBase, EngineInfo, check_call
 
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_ORT_TYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16,
-              "tensor(bfloat16)": torch.bfloat16}
-# ONNX TensorProto element types (ORT's bind_* accepts these ints; numpy has no bfloat16)
-_ELEM = {torch.float32: 1, torch.int64: 7, torch.bool: 9, torch.float16: 10, torch.bfloat16: 16}
+_ORT_TYPES = C.ORT_TYPES
+_ELEM = C.ONNX_ELEM
 
 
 def _import_ort():
     try:
         import onnxruntime as ort
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("the onnxruntime backend needs `pip install onnxruntime` "
+        raise EngineError("the onnxruntime backend needs `pip install onnxruntime` "
                           "(or onnxruntime-gpu for CUDA)") from e
     return ort
 
 
-class OrtEngine:
+def _is_causal(mask: torch.Tensor) -> bool:
+    """Whether a [B, T, T] mask (P = 0) is the causal one."""
+    t = mask.shape[1]
+    return bool(torch.equal(mask, torch.ones(t, t, dtype=torch.bool, device=mask.device).tril().expand_as(mask)))
+
+
+class OrtEngine(EngineBase):
     """Engine protocol over an ONNX Runtime session of an arborspec contract graph."""
 
     def __init__(self, path: str | os.PathLike, providers: list | None = None,
@@ -47,10 +50,10 @@ class OrtEngine:
         ort = _import_ort()
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: no such ONNX file")
+            raise MissingFileError(f"{path}: no such ONNX file")
         self.device = torch.device(device)
         if self.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"onnxruntime backend supports cpu or cuda devices, not {device!r}")
+            raise InputError(f"onnxruntime backend supports cpu or cuda devices, not {device!r}")
         want_cuda = self.device.type == "cuda"
         if providers is None:
             if want_cuda:
@@ -74,13 +77,13 @@ class OrtEngine:
         except Exception as e:  # ORT raises its own exception types (Fail, InvalidGraph...)
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             if "external" in msg.lower() or "No such file" in msg or "open file" in msg.lower():
-                raise FileNotFoundError(f"{path}: cannot load the model, an external-data file is "
-                                        f"missing or unreadable ({msg})") from None
-            raise ValueError(f"{path}: ONNX Runtime cannot load the model: {msg}") from None
+                raise MissingFileError(f"{path}: cannot load the model, an external-data file is "
+                                       f"missing or unreadable ({msg})") from None
+            raise ExportDirError(f"{path}: ONNX Runtime cannot load the model: {msg}") from None
         active = self.session.get_providers()
         if want_cuda and "CUDAExecutionProvider" not in active:
             # onnxruntime-gpu silently falls back to CPU when CUDA libraries are missing
-            raise RuntimeError(f"CUDA was requested but ONNX Runtime runs on {active} "
+            raise DeviceError(f"CUDA was requested but ONNX Runtime runs on {active} "
                                "(install onnxruntime-gpu with matching CUDA/cuDNN libraries)")
         self.path = path
         self.providers = active
@@ -88,57 +91,59 @@ class OrtEngine:
         self._device_id = (self.device.index or 0) if want_cuda else 0
 
         meta = self.session.get_modelmeta().custom_metadata_map
-        if "arborspec.contract_version" not in meta or "arborspec.config" not in meta:
-            raise ValueError(f"{path} is not an arborspec export (no arborspec metadata in the "
-                             "ONNX file): export it with `arborspec export`")
-        if meta["arborspec.contract_version"] != str(CONTRACT_VERSION):
-            raise ValueError(f"{path} uses engine contract version {meta['arborspec.contract_version']}"
-                             f", this arborspec reads version {CONTRACT_VERSION}: re-export it")
+        cfg = C.check_metadata(meta, path)
         self.metadata = dict(meta)
-        cfg = json.loads(meta["arborspec.config"])
         self.config = cfg
         n = int(cfg["n_layers"])
-        self.input_names = ["input_ids", "position_ids", "attention_mask"]
-        self.output_names = ["logits"]
-        for i in range(n):
-            self.input_names += [f"past_key.{i}", f"past_value.{i}"]
-            self.output_names += [f"new_key.{i}", f"new_value.{i}"]
+        self.input_names = C.input_names(n)
+        self.output_names = C.output_names(n)
         got_in = [x.name for x in self.session.get_inputs()]
         got_out = [x.name for x in self.session.get_outputs()]
+        # a draft graph may carry its own top-k (contract TOPK_OUTPUTS, K in the metadata)
+        self.max_topk = 0
+        if got_out[len(self.output_names):] == list(C.TOPK_OUTPUTS) and C.META_TOPK in meta:
+            self.max_topk = int(meta[C.META_TOPK])
+            got_out = got_out[:len(self.output_names)]
+        self._logits_scratch: torch.Tensor | None = None
         if got_in != self.input_names or got_out != self.output_names:
-            raise ValueError(f"{path}: graph inputs/outputs {got_in} -> {got_out} do not follow the "
-                             f"contract for {n} layers")
+            raise ExportDirError(f"{path}: graph inputs/outputs {got_in} -> {got_out} do not follow the "
+                                 f"contract for {n} layers")
         kv_type = self.session.get_inputs()[3].type if n else "tensor(float)"
         if kv_type not in _ORT_TYPES:
-            raise ValueError(f"{path}: unsupported KV element type {kv_type}")
+            raise ExportDirError(f"{path}: unsupported KV element type {kv_type}")
         self.kv_dtype = _ORT_TYPES[kv_type]
         logits_type = self.session.get_outputs()[0].type
         if logits_type != "tensor(float)":
-            raise ValueError(f"{path}: logits are {logits_type}, the contract wants float32")
+            raise ExportDirError(f"{path}: logits are {logits_type}, the contract wants float32")
+        self.kv_layout = C.kv_layout(meta, path)
         self.info = EngineInfo(
             vocab_size=int(cfg["vocab_size"]), max_position=int(cfg["max_position"]),
-            cache=CacheSpec(n, int(cfg["n_kv_heads"]), int(cfg["head_dim"]), self.kv_dtype),
+            cache=CacheSpec(n, int(cfg["n_kv_heads"]), int(cfg["head_dim"]), self.kv_dtype, self.kv_layout),
             name=cfg.get("name", "") or path.stem)
 
     # ------------------------------------------------------------------ checks
     def _check(self, input_ids, position_ids, mask, cache: KVCache) -> None:
+        self._check_open()
         check_call(self.info, input_ids, position_ids, mask, cache)
         if input_ids.dtype != torch.int64 or position_ids.dtype != torch.int64:
-            raise ValueError(f"input_ids/position_ids must be int64, got {input_ids.dtype}/"
+            raise InputError(f"input_ids/position_ids must be int64, got {input_ids.dtype}/"
                              f"{position_ids.dtype}")
         spec = self.info.cache
         if cache.k.dtype != self.kv_dtype or cache.v.dtype != self.kv_dtype:
-            raise ValueError(f"KV cache dtype {cache.k.dtype} != engine dtype {self.kv_dtype}")
-        exp = (spec.n_layers, cache.max_len, cache.batch, spec.n_kv_heads, spec.head_dim)
+            raise InputError(f"KV cache dtype {cache.k.dtype} != engine dtype {self.kv_dtype}")
+        if self.kv_layout == "bhsd":
+            exp, names = (spec.n_layers, cache.batch, spec.n_kv_heads, cache.max_len, spec.head_dim), "[L, B, Hkv, S, D]"
+        else:
+            exp, names = (spec.n_layers, cache.max_len, cache.batch, spec.n_kv_heads, spec.head_dim), "[L, S, B, Hkv, D]"
         if tuple(cache.k.shape) != exp or tuple(cache.v.shape) != exp:
-            raise ValueError(f"KV cache shape {tuple(cache.k.shape)} does not fit this engine "
-                             f"(expected [L, S, B, Hkv, D] = {exp})")
+            raise InputError(f"KV cache shape {tuple(cache.k.shape)} does not fit this engine "
+                             f"(expected {names} = {exp})")
         if not (cache.k.is_contiguous() and cache.v.is_contiguous()):
-            raise ValueError("KV cache slabs must be contiguous (they are bound by address)")
+            raise InputError("KV cache slabs must be contiguous (they are bound by address)")
         for name, t in (("input_ids", input_ids), ("position_ids", position_ids),
                         ("attention_mask", mask), ("KV cache", cache.k)):
             if t.device.type != self._device_type:
-                raise ValueError(f"{name} is on {t.device}, this engine runs on {self.device}")
+                raise InputError(f"{name} is on {t.device}, this engine runs on {self.device}")
 
     # ------------------------------------------------------------------ call
     def _bind_in(self, io, name: str, t: torch.Tensor) -> None:
@@ -153,24 +158,57 @@ class OrtEngine:
                 cache: KVCache) -> torch.Tensor:
         """See Engine.forward: writes new K/V onto cache[:, P:P+T] (cache.length unchanged)
         and returns logits float32 [B, T, V] on self.device."""
+        return self._run(input_ids, position_ids, mask, cache, None)[0]
+
+    def forward_topk(self, input_ids, position_ids, mask, cache: KVCache, k: int, logprobs: bool = True):
+        """A draft graph with fused top-k (max_topk >= k): (log-probs [B, T, k], ids [B, T, k])
+        straight from the graph; the vocabulary-wide logits go to a reused scratch buffer."""
+        if k > self.max_topk:
+            raise EngineError(f"{self.path.name} returns its top-{self.max_topk} only, {k} were asked for")
+        _, vals, ids = self._run(input_ids, position_ids, mask, cache, k)
+        return vals[..., :k], ids[..., :k]
+
+    def _run(self, input_ids, position_ids, mask, cache: KVCache, k: int | None):
         self._check(input_ids, position_ids, mask, cache)
         b, t = input_ids.shape
         p = cache.length
+        if self.kv_layout == "bhsd" and p == 0 and t > 1 and not _is_causal(mask):
+            return self._split_first_row(input_ids, position_ids, mask, cache, k)
         ids = input_ids.contiguous()
         pos = position_ids.contiguous()
         msk = mask.contiguous()
         io = self.session.io_binding()
-        self._bind_in(io, "input_ids", ids)
-        self._bind_in(io, "position_ids", pos)
-        self._bind_in(io, "attention_mask", msk)
+        self._bind_in(io, C.INPUT_IDS, ids)
+        self._bind_in(io, C.POSITION_IDS, pos)
+        self._bind_in(io, C.ATTENTION_MASK, msk)
         for i in range(self.info.cache.n_layers):
+            if self.kv_layout == "bhsd":
+                # the layer's whole slab, in and out: the graph writes [P, P+T) in place
+                for name_in, name_out, slab in ((C.past_key(i), C.new_key(i), cache.k[i]),
+                                                (C.past_value(i), C.new_value(i), cache.v[i])):
+                    self._bind_in(io, name_in, slab)
+                    self._bind_out(io, name_out, slab)
+                continue
             # dense prefix [0, P) of the layer's slab (a zero-size tensor when P == 0)
-            self._bind_in(io, f"past_key.{i}", cache.k[i, :p])
-            self._bind_in(io, f"past_value.{i}", cache.v[i, :p])
-            self._bind_out(io, f"new_key.{i}", cache.k[i, p:p + t])
-            self._bind_out(io, f"new_value.{i}", cache.v[i, p:p + t])
-        logits = torch.empty((b, t, self.info.vocab_size), dtype=torch.float32, device=self.device)
-        self._bind_out(io, "logits", logits)
+            self._bind_in(io, C.past_key(i), cache.k[i, :p])
+            self._bind_in(io, C.past_value(i), cache.v[i, :p])
+            self._bind_out(io, C.new_key(i), cache.k[i, p:p + t])
+            self._bind_out(io, C.new_value(i), cache.v[i, p:p + t])
+        n_logits = b * t * self.info.vocab_size
+        if k is None:
+            logits = torch.empty((b, t, self.info.vocab_size), dtype=torch.float32, device=self.device)
+        else:  # nobody reads these logits: a scratch buffer reused across calls
+            if self._logits_scratch is None or self._logits_scratch.numel() < n_logits:
+                self._logits_scratch = torch.empty(n_logits, dtype=torch.float32, device=self.device)
+            logits = self._logits_scratch[:n_logits].view(b, t, self.info.vocab_size)
+        self._bind_out(io, C.LOGITS, logits)
+        vals = idx = None
+        if self.max_topk:
+            kk = self.max_topk
+            vals = torch.empty((b, t, kk), dtype=torch.float32, device=self.device)
+            idx = torch.empty((b, t, kk), dtype=torch.int64, device=self.device)
+            self._bind_out(io, C.TOPK_LOGPROBS, vals)
+            self._bind_out(io, C.TOPK_IDS, idx)
         if self._device_type == "cuda":
             # ORT runs on its own stream: torch's pending writes (ids, mask, cache commit)
             # must be done before ORT reads the buffers.
@@ -181,9 +219,29 @@ class OrtEngine:
             self.session.run_with_iobinding(io)
         # keep the bound tensors alive until the run has finished
         del ids, pos, msk
-        return logits
+        return logits, vals, idx
+
+    def _split_first_row(self, input_ids, position_ids, mask, cache: KVCache, k: int | None):
+        """GroupQueryAttention treats a call with an empty cache as a causal prompt and ignores
+        the attention bias there, so a tree verified at P = 0 (a one-token prompt) runs as two
+        calls: the root alone, then the nodes over it. Exact: the first row of any valid mask at
+        P = 0 sees only itself."""
+        if bool(mask[:, 0, 1:].any()):
+            raise InputError("the first row of a mask at P = 0 may see only itself")
+        first = self._run(input_ids[:, :1], position_ids[:, :1], mask[:, :1, :1], cache, k)
+        cache.length = 1
+        try:
+            rest = self._run(input_ids[:, 1:], position_ids[:, 1:], mask[:, 1:, :], cache, k)
+        finally:
+            cache.length = 0
+        return tuple(None if a is None else torch.cat([a, r], 1) for a, r in zip(first, rest))
 
     __call__ = forward
+
+    def close(self) -> None:
+        """Release the ONNX Runtime session."""
+        self.session = None
+        super().close()
 
     def __repr__(self) -> str:
         return f"OrtEngine({str(self.path)!r}, providers={self.providers})"

@@ -22,55 +22,57 @@ from typing import Any
 
 import torch
 
+from .. import contract as C
+from ..errors import DeviceError, EngineError, InputError, MissingFileError
+from ..fileio import atomic_write_bytes
 from ..kvcache import CacheSpec, KVCache
-from .base import EngineInfo, check_call
+from .base import EngineBase, EngineInfo, check_call
 
 _ENV_MODULE = "ARBORSPEC_TRT_MODULE"
-_INSTALL_HINT = "install TensorRT-RTX (`pip install tensorrt-rtx`) or NVIDIA TensorRT 10.x/11.x"
+_INSTALL_HINT = ("install TensorRT-RTX with `pip install tensorrt-rtx` (or `pip install "
+                 "'arborspec[trt]'`), or NVIDIA TensorRT (`tensorrt` 10.x/11.x) from NVIDIA's index")
 
 
-def _import_trt(flavour: str | None):
+FLAVOURS = ("tensorrt", "tensorrt_rtx")
+
+
+def import_trt(flavour: str | None = None, need: str = "Runtime"):
+    """(module, name) of TensorRT: `tensorrt`, else `tensorrt_rtx` (flavour or
+    ARBORSPEC_TRT_MODULE forces one). The one place that imports it (build and run); `need`
+    is an attribute the module must have (PyPI's stub packages import without bindings)."""
     env = os.environ.get(_ENV_MODULE, "").strip()
     flavour = (flavour or env or "auto").replace("-", "_").lower()
-    names = ("tensorrt", "tensorrt_rtx") if flavour == "auto" else (flavour,)
+    if flavour not in ("auto",) + FLAVOURS:
+        raise EngineError(f"unknown TensorRT flavour {flavour!r} (expected auto, tensorrt or "
+                          f"tensorrt_rtx; set by flavour= or ${_ENV_MODULE})")
+    names = FLAVOURS if flavour == "auto" else (flavour,)
     errors = []
     for name in names:
         try:
             mod = importlib.import_module(name)
-            if hasattr(mod, "Runtime"):
+            if hasattr(mod, need):
                 return mod, name
-            errors.append(f"{name}: no Runtime (a stub package?)")
+            errors.append(f"{name}: ImportError: {name} has no {need} (a stub package?)")
         except Exception as e:  # noqa: BLE001 - a broken install must not stop the fallback
-            errors.append(f"{name}: {type(e).__name__}: {e}")
-    raise ImportError(f"cannot import TensorRT ({'; '.join(errors)}); {_INSTALL_HINT}")
+            errors.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    raise EngineError(f"no usable TensorRT Python module ({'; '.join(errors)}); {_INSTALL_HINT}")
 
 
-def manifest_entry(engine_path: str | os.PathLike) -> dict[str, Any] | None:
-    """The engines.json entry of one engine file, or None when there is no manifest / entry."""
-    engine_path = Path(engine_path)
-    path = engine_path.with_name("engines.json")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    for e in data.get("engines", {}).values():
-        if e.get("file") == engine_path.name:
-            return e
-    return None
+_import_trt = import_trt
+manifest_entry = C.engine_entry  # the engines.json entry of one engine file, or None
 
 
 def _torch_dtype(trt, dt) -> torch.dtype:
-    table = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16,
-             "INT8": torch.int8, "INT32": torch.int32, "INT64": torch.int64,
-             "BOOL": torch.bool, "UINT8": torch.uint8}
     name = str(dt).split(".")[-1]
-    if name not in table:
-        raise TypeError(f"TensorRT dtype {name} has no torch equivalent here")
-    return table[name]
+    if name not in C.TRT_DTYPES:
+        raise EngineError(f"TensorRT dtype {name} has no torch equivalent here")
+    return C.TRT_DTYPES[name]
 
 
 class _Log:
-    """A TensorRT logger keeping errors, so failures can say why (one per module)."""
+    """One collecting TensorRT logger per module (TensorRT keeps the first logger it is given),
+    shared by the engine builder and the runtime: errors are kept so failures can say why;
+    `echo` (a callable) also prints errors, and warnings when `verbose`."""
 
     _by_module: dict[str, Any] = {}
 
@@ -81,12 +83,20 @@ class _Log:
             class Collect(trt.ILogger):
                 def __init__(self):
                     trt.ILogger.__init__(self)
+                    self.trt = trt
                     self.errors: list[str] = []
+                    self.echo = None
+                    self.verbose = False
 
                 def log(self, severity, msg):
-                    if severity in (trt.ILogger.Severity.INTERNAL_ERROR, trt.ILogger.Severity.ERROR):
+                    S = trt.ILogger.Severity
+                    if severity in (S.INTERNAL_ERROR, S.ERROR):
                         self.errors.append(msg)
                         del self.errors[:-20]
+                        if self.echo:
+                            self.echo(f"[TensorRT] error: {msg}")
+                    elif severity == S.WARNING and self.verbose and self.echo:
+                        self.echo(f"[TensorRT] warning: {msg}")
 
                 def take(self) -> list[str]:
                     e, self.errors = self.errors, []
@@ -95,7 +105,10 @@ class _Log:
         return cls._by_module[key]
 
 
-class TrtEngine:
+trt_logger = _Log.get
+
+
+class TrtEngine(EngineBase):
     """Engine protocol over a TensorRT engine file.
 
     engine_path: a `.engine` written by `arborspec build` (engines.json beside it is read for
@@ -109,12 +122,12 @@ class TrtEngine:
                  flavour: str | None = None, clone_logits: bool = True):
         self.path = Path(engine_path)
         if not self.path.is_file():
-            raise FileNotFoundError(f"TensorRT engine not found: {self.path}")
+            raise MissingFileError(f"TensorRT engine not found: {self.path}")
         self.device = torch.device(device)
         if self.device.type != "cuda":
-            raise ValueError(f"TrtEngine runs on a CUDA device, not {self.device}")
+            raise InputError(f"TrtEngine runs on a CUDA device, not {self.device}")
         if not torch.cuda.is_available():
-            raise RuntimeError("TrtEngine needs a CUDA GPU and none is visible to torch")
+            raise DeviceError("TrtEngine needs a CUDA GPU and none is visible to torch")
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.entry = manifest_entry(self.path)
@@ -130,7 +143,7 @@ class TrtEngine:
             self.runtime = trt.Runtime(log)
             self.engine = self.runtime.deserialize_cuda_engine(self.path.read_bytes())
             if self.engine is None:
-                raise RuntimeError(self._deserialize_error(log.take()))
+                raise EngineError(self._deserialize_error(log.take()))
             self._read_io()
             self._make_context()
         self._active_profile = 0
@@ -147,13 +160,13 @@ class TrtEngine:
             return
         built_cc, gpu_cc = e.get("compute_capability"), self._gpu_cc()
         if built_cc and built_cc != gpu_cc:
-            raise RuntimeError(
+            raise EngineError(
                 f"{self.path.name} was built for compute capability {built_cc} but "
                 f"{torch.cuda.get_device_name(self.device)} is {gpu_cc}: rebuild it with "
                 f"`arborspec build --compute-capability {gpu_cc}` (or on this GPU)")
         built = e.get("trt", {})
         if built.get("module") and built["module"] != self.flavour:
-            raise RuntimeError(f"{self.path.name} was built with {built['module']} but "
+            raise EngineError(f"{self.path.name} was built with {built['module']} but "
                                f"{self.flavour} is loaded: use the same module "
                                f"({_ENV_MODULE}={built['module']}) or rebuild")
 
@@ -181,13 +194,13 @@ class TrtEngine:
             need += [f"past_key.{i}", f"past_value.{i}", f"new_key.{i}", f"new_value.{i}"]
         missing = [n for n in need if n not in names]
         if missing or n_layers == 0:
-            raise RuntimeError(f"{self.path.name} does not follow the engine contract: missing "
+            raise EngineError(f"{self.path.name} does not follow the engine contract: missing "
                                f"{', '.join(missing) or 'past_key.0'}")
         kv_shape = tuple(eng.get_tensor_shape("past_key.0"))
         h_kv, d = kv_shape[2], kv_shape[3]
         vocab = tuple(eng.get_tensor_shape("logits"))[-1]
         if min(h_kv, d, vocab) < 1:
-            raise RuntimeError(f"{self.path.name}: KV heads/head dim/vocab must be static "
+            raise EngineError(f"{self.path.name}: KV heads/head dim/vocab must be static "
                                f"(got {kv_shape}, vocab {vocab})")
         # profile ranges over (B, T, P), from the engine itself (min, opt, max)
         self.profiles: list[dict[str, tuple[int, int]]] = []
@@ -236,7 +249,7 @@ class TrtEngine:
         else:
             self.context = eng.create_execution_context()
         if self.context is None:
-            raise RuntimeError(f"cannot create an execution context for {self.path.name} "
+            raise EngineError(f"cannot create an execution context for {self.path.name} "
                                "(out of GPU memory?): " + "; ".join(_Log.get(trt).take()))
 
     def save_runtime_cache(self) -> Path | None:
@@ -246,18 +259,18 @@ class TrtEngine:
         blob = self._runtime_cache.serialize()
         if blob is None:
             return None
-        tmp = self._runtime_cache_path.with_name(self._runtime_cache_path.name + ".tmp")
-        tmp.write_bytes(bytes(memoryview(blob)))
-        os.replace(tmp, self._runtime_cache_path)
-        return self._runtime_cache_path
+        return atomic_write_bytes(self._runtime_cache_path, bytes(memoryview(blob)))
 
     def close(self) -> None:
         """Save the RTX runtime cache and release the context and engine."""
+        if self.closed:
+            return
         try:
             self.save_runtime_cache()
         finally:
             self.context = None
             self.engine = None
+            super().close()
 
     # ------------------------------------------------------------------ calls
 
@@ -269,7 +282,7 @@ class TrtEngine:
                 return k
         ranges = "; ".join(f"#{k}: B {r['B'][0]}..{r['B'][1]}, T {r['T'][0]}..{r['T'][1]}, "
                            f"P {r['P'][0]}..{r['P'][1]}" for k, r in enumerate(self.profiles))
-        raise ValueError(f"no optimisation profile of {self.path.name} covers B={b}, T={t}, P={p} "
+        raise EngineError(f"no optimisation profile of {self.path.name} covers B={b}, T={t}, P={p} "
                          f"({ranges}); rebuild with larger --max-batch/--max-tree-nodes/"
                          f"--max-context")
 
@@ -283,20 +296,21 @@ class TrtEngine:
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
                 cache: KVCache) -> torch.Tensor:
+        self._check_open()
         check_call(self.info, input_ids, position_ids, mask, cache)
         if cache.device != self.device:
-            raise ValueError(f"KV cache is on {cache.device}, the engine on {self.device}")
+            raise InputError(f"KV cache is on {cache.device}, the engine on {self.device}")
         if cache.k.dtype != self.dtypes["past_key.0"]:
-            raise ValueError(f"KV cache dtype {cache.k.dtype} != engine's "
+            raise InputError(f"KV cache dtype {cache.k.dtype} != engine's "
                              f"{self.dtypes['past_key.0']}")
         spec = self.info.cache
         if tuple(cache.k.shape[3:]) != (spec.n_kv_heads, spec.head_dim) or \
                 cache.k.shape[0] != spec.n_layers:
-            raise ValueError(f"KV cache shape {tuple(cache.k.shape)} does not match the engine "
+            raise InputError(f"KV cache shape {tuple(cache.k.shape)} does not match the engine "
                              f"({spec.n_layers} layers, {spec.n_kv_heads} KV heads, "
                              f"head dim {spec.head_dim})")
         if not (cache.k.is_contiguous() and cache.v.is_contiguous()):
-            raise ValueError("KV cache slabs must be contiguous to be bound by address")
+            raise InputError("KV cache slabs must be contiguous to be bound by address")
         b, t = input_ids.shape
         p = cache.length
         ctx = self.context
@@ -306,7 +320,7 @@ class TrtEngine:
         with torch.cuda.device(self.device):
             if k != self._active_profile:
                 if not ctx.set_optimization_profile_async(k, stream.cuda_stream):
-                    raise RuntimeError(f"cannot switch {self.path.name} to profile {k}: "
+                    raise EngineError(f"cannot switch {self.path.name} to profile {k}: "
                                        + "; ".join(_Log.get(self.trt).take()))
                 self._active_profile = k
             # inputs on the device, in the engine's dtypes, contiguous (kept alive below)
@@ -315,36 +329,37 @@ class TrtEngine:
             msk = mask.to(self.device, torch.bool).contiguous()
             keep = [ids, pos, msk]
             binds: list[tuple[str, tuple[int, ...] | None, int]] = [
-                ("input_ids", (b, t), ids.data_ptr()),
-                ("position_ids", (b, t), pos.data_ptr()),
-                ("attention_mask", (b, t, p + t), msk.data_ptr()),
+                (C.INPUT_IDS, (b, t), ids.data_ptr()),
+                (C.POSITION_IDS, (b, t), pos.data_ptr()),
+                (C.ATTENTION_MASK, (b, t, p + t), msk.data_ptr()),
             ]
             kv_tail = (spec.n_kv_heads, spec.head_dim)
             for i in range(spec.n_layers):
-                for kind, slab in (("key", cache.k), ("value", cache.v)):
+                for past_name, new_name, slab in ((C.past_key(i), C.new_key(i), cache.k),
+                                                  (C.past_value(i), C.new_value(i), cache.v)):
                     layer = slab[i]  # [S_max, B, Hkv, D], contiguous
                     # P = 0: a zero-size input still needs a valid, non-null address
                     past_ptr = layer.data_ptr() if p == 0 else layer[:p].data_ptr()
-                    binds.append((f"past_{kind}.{i}", (p, b) + kv_tail, past_ptr))
-                    binds.append((f"new_{kind}.{i}", None, layer[p:p + t].data_ptr()))
+                    binds.append((past_name, (p, b) + kv_tail, past_ptr))
+                    binds.append((new_name, None, layer[p:p + t].data_ptr()))
             logits = self._logits_out(b, t)
-            binds.append(("logits", None, logits.data_ptr()))
+            binds.append((C.LOGITS, None, logits.data_ptr()))
 
             for name, shape, ptr in binds:
                 if shape is not None and not ctx.set_input_shape(name, shape):
-                    raise RuntimeError(f"{self.path.name}: shape {shape} rejected for {name}: "
+                    raise EngineError(f"{self.path.name}: shape {shape} rejected for {name}: "
                                        + "; ".join(_Log.get(self.trt).take()))
                 if not ctx.set_tensor_address(name, ptr):
-                    raise RuntimeError(f"{self.path.name}: cannot bind {name}: "
+                    raise EngineError(f"{self.path.name}: cannot bind {name}: "
                                        + "; ".join(_Log.get(self.trt).take()))
             # output shapes follow from the inputs; check them against the buffers once bound
             for name, want in (("logits", (b, t, self.info.vocab_size)),
                                ("new_key.0", (t, b) + kv_tail)):
                 got = tuple(ctx.get_tensor_shape(name))
                 if got != want:
-                    raise RuntimeError(f"{self.path.name}: {name} would be {got}, expected {want}")
+                    raise EngineError(f"{self.path.name}: {name} would be {got}, expected {want}")
             if not ctx.execute_async_v3(stream.cuda_stream):
-                raise RuntimeError(f"{self.path.name}: execute_async_v3 failed: "
+                raise EngineError(f"{self.path.name}: execute_async_v3 failed: "
                                    + "; ".join(_Log.get(self.trt).take()))
             # the temporaries were allocated on this stream: the caching allocator will not
             # hand their memory out to other streams before this work is done

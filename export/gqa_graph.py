@@ -1,0 +1,303 @@
+"""ONNX Runtime's fast decoder graph: Llama-family weights written straight into an ONNX graph
+around com.microsoft GroupQueryAttention, with the KV cache read and written in place.
+
+Role in one decode step: this is the graph ONNX Runtime runs for every model call of a step
+(the target's verify over root + tree, each draft level, prefills), when the export was made
+with `--attention gqa` (the default for Llama-family models). Compared with the portable graph
+(torch.onnx.export of models/llama.py, kv layout "sbhd"), each layer here:
+
+* reads its cache in place: `past_key.{i}` is the layer's whole preallocated slab
+  [B, Hkv, S_max, D] (kv layout "bhsd") and `new_key.{i}` is bound to the SAME buffer
+  (GroupQueryAttention's shared past/present buffer): the new T tokens' K/V are written at
+  [P, P+T) and nothing of the past is copied (the portable graph transposes and concatenates
+  the whole past of every layer, every call: O(P) per layer and step);
+* applies RoPE inside the attention kernel from cos/sin tables built once, indexed by
+  `position_ids` (siblings of a tree share a position);
+* turns the tree mask into GroupQueryAttention's `attention_bias` (0 / float32 min: a fully
+  masked row gives a uniform attention, never NaN), with `causal=0`;
+* packs q/k/v into one MatMul and fuses each residual Add into the following RMSNorm
+  (SkipSimplifiedLayerNormalization).
+
+The contract's names, dtypes and mask are unchanged; only the cache inputs/outputs differ, and
+the metadata records it (`arborspec.kv_layout` = "bhsd", contract version 2). TensorRT cannot
+build this graph (GroupQueryAttention is an ONNX Runtime contrib op): export with
+`--attention onnx` for `arborspec build`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from arborspec.runtime import contract as C
+from arborspec.runtime.errors import InputError
+
+IR_VERSION = 10
+OPSET = 23
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().float().cpu().contiguous().numpy()
+
+
+def rope_tables(head_dim: int, theta: float, max_position: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [max_position, D/2] computed exactly as models/llama.Rotary does (float32)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq
+    return freqs.cos().numpy(), freqs.sin().numpy()
+
+
+def gqa_unsupported(cfg, dtype: str = "fp32") -> str | None:
+    """Why this model cannot use the GroupQueryAttention graph, or None when it can."""
+    if cfg.family != "llama":
+        return f"needs a Llama-family model, not {cfg.family}"
+    if dtype != "fp32":
+        return f"exports fp32 only, not {dtype}"
+    if cfg.head_dim % 16:
+        return f"ONNX Runtime's GroupQueryAttention needs a head size that is a multiple of 16 (this model: {cfg.head_dim})"
+    return None
+
+
+def build_gqa_model(module: torch.nn.Module, max_context: int, topk: int = 0, linears=None,
+                    accuracy_level: int = 0):
+    """An onnx.ModelProto of the module (models/llama.LlamaDecoder) in the "bhsd" contract.
+
+    linears: None (float MatMuls from the module's weights) or a callable hf_name -> NBits | None
+    giving a layer's MatMulNBits blocks (export/quantize.py; None keeps that layer float)."""
+    import onnx
+    from onnx import TensorProto as TP
+    from onnx import helper as h
+    from onnx import numpy_helper
+
+    cfg = module.config
+    why_not = gqa_unsupported(cfg)
+    if why_not:
+        raise InputError(f"--attention gqa: {why_not} (use --attention onnx)")
+    sd = {k: v for k, v in module.state_dict().items()}
+    nq, nkv, d, hs = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_size
+    inits: list = []
+    nodes: list = []
+
+    def init(name: str, arr: np.ndarray) -> str:
+        inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+        return name
+
+    def node(op, ins, outs, domain="", **attrs):
+        nodes.append(h.make_node(op, ins, outs, domain=domain, **attrs))
+        return outs[0] if len(outs) == 1 else outs
+
+    def linear_t(w: torch.Tensor) -> np.ndarray:  # nn.Linear [out, in] -> MatMul [in, out]
+        return _np(w).T
+
+    memo: dict = {}
+
+    def blocks(names: list[str]):
+        """The layers' MatMulNBits blocks concatenated along N, or None (float)."""
+        if linears is None:
+            return None
+        if tuple(names) not in memo:
+            memo[tuple(names)] = _blocks(names)
+        return memo[tuple(names)]
+
+    def _blocks(names: list[str]):
+        parts = [linears(n) for n in names]
+        if any(q is None for q in parts):
+            return None
+        if len({(q.bits, q.k) for q in parts}) != 1:
+            return None
+        if parts[0].bits == 8 and accuracy_level < 4:
+            # ONNX Runtime 1.32 has no fast 8-bit kernel with float activations (measured on the
+            # 49152 x 576 head: 96 ms vs 3.4 ms for the float MatMul of the same, exact, weights)
+            return None
+        from .quantize import NBits
+
+        zps = [q.zero_points for q in parts]
+        offs = [q.offsets for q in parts]
+        if any(o is not None for o in offs):
+            offs = [o if o is not None else np.zeros((q.n, q.k // 32), np.float32) for o, q in zip(offs, parts)]
+            offsets = np.concatenate(offs)
+        else:
+            offsets = None
+        return NBits(np.concatenate([q.blob for q in parts]), np.concatenate([q.scales for q in parts]),
+                     None if any(z is None for z in zps) else np.concatenate(zps),
+                     parts[0].bits, sum(q.n for q in parts), parts[0].k, parts[0].source, offsets)
+
+    def matmul(x: str, hf_names: list[str], name: str) -> str:
+        """x @ W^T for the (concatenated) weights: MatMulNBits when blocks exist, else MatMul."""
+        q = blocks(hf_names)
+        if q is None:
+            w = np.concatenate([linear_t(sd[n]) for n in hf_names], axis=1)
+            return node("MatMul", [x, init(name, w)], [name + "_out"])
+        ins = [x, init(name + ".blob", q.blob), init(name + ".scales", q.scales.astype(np.float32))]
+        if q.zero_points is not None:
+            ins.append(init(name + ".zp", q.zero_points))
+        y = node("MatMulNBits", ins, [name + "_nbits"], domain="com.microsoft", K=q.k, N=q.n, bits=q.bits,
+                 block_size=32, accuracy_level=accuracy_level)
+        if q.offsets is None:
+            return y
+        # per-block offsets (GGUF Q4_1's m): + (sums of x over each block of 32) @ M^T
+        nb = q.k // 32
+        shape = init(name + ".blk_shape", np.array([0, 0, nb, 32], np.int64))
+        xb = node("Reshape", [x, shape], [name + "_xb"])
+        sums = node("ReduceSum", [xb, "c_axes_m1"], [name + "_xsum"], keepdims=0)
+        corr = node("MatMul", [sums, init(name + ".offsets", np.ascontiguousarray(q.offsets.T))], [name + "_corr"])
+        return node("Add", [y, corr], [name + "_out"])
+
+    # ---- inputs, scalars derived from shapes
+    inputs = [h.make_tensor_value_info(C.INPUT_IDS, TP.INT64, ["batch", "tokens"]),
+              h.make_tensor_value_info(C.POSITION_IDS, TP.INT64, ["batch", "tokens"]),
+              h.make_tensor_value_info(C.ATTENTION_MASK, TP.BOOL, ["batch", "tokens", "context"])]
+    outputs = [h.make_tensor_value_info(C.LOGITS, TP.FLOAT, ["batch", "tokens", cfg.vocab_size])]
+    for i in range(cfg.n_layers):
+        for name in (C.past_key(i), C.past_value(i)):
+            inputs.append(h.make_tensor_value_info(name, TP.FLOAT, ["batch", nkv, "max_seq", d]))
+        for name in (C.new_key(i), C.new_value(i)):
+            outputs.append(h.make_tensor_value_info(name, TP.FLOAT, ["batch", nkv, "max_seq", d]))
+
+    init("c_i2", np.array([2], np.int64))
+    init("c_i0", np.array([0], np.int64))
+    init("c_i1", np.array([1], np.int64))
+    init("c_one_i32", np.array(1, np.int32))
+    init("c_zero_f", np.array(0.0, np.float32))
+    init("c_min_f", np.array(np.finfo(np.float32).min, np.float32))
+    init("c_axes1", np.array([1], np.int64))
+    init("c_axes_m1", np.array([-1], np.int64))
+    mshape = node("Shape", [C.ATTENTION_MASK], ["mask_shape"])
+    total64 = node("Gather", [mshape, "c_i2"], ["total64"], axis=0)  # [1]
+    total32 = node("Cast", [total64], ["total32_1"], to=TP.INT32)
+    total = node("Squeeze", [total32, "c_i0"], ["total_len"])  # scalar int32
+    ishape = node("Shape", [C.INPUT_IDS], ["ids_shape"])
+    batch = node("Gather", [ishape, "c_i0"], ["batch1"], axis=0)  # [1]
+    last = node("Sub", [total32, "c_one_i32"], ["last1"])  # [1] int32
+    seqlens = node("Expand", [last, batch], ["seqlens_k"])  # [B] int32
+    mask4 = node("Unsqueeze", [C.ATTENTION_MASK, "c_axes1"], ["mask4"])
+    bias = node("Where", [mask4, "c_zero_f", "c_min_f"], ["attn_bias"])  # [B,1,T,S]
+    cos, sin = rope_tables(d, cfg.rope_theta, max(max_context, 1))
+    init("cos_cache", cos)
+    init("sin_cache", sin)
+
+    emb = init("embed_tokens", _np(sd["model.embed_tokens.weight"]))
+    x = node("Gather", [emb, C.INPUT_IDS], ["x0"], axis=0)
+    eps = float(cfg.norm_eps)
+    normed = node("RMSNormalization", [x, init("l0.in_norm", _np(sd["model.layers.0.input_layernorm.weight"]))],
+                  ["l0.normed"], axis=-1, epsilon=eps, stash_type=1)
+    residual = x
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        qkv = matmul(normed, [p + f"self_attn.{n}_proj.weight" for n in "qkv"], f"l{i}.qkv")
+        if cfg.attention_bias:
+            bqkv = np.concatenate([_np(sd[p + f"self_attn.{n}_proj.bias"]) for n in "qkv"])
+            qkv = node("Add", [qkv, init(f"l{i}.qkv_b", bqkv)], [f"l{i}.qkv_biased"])
+        attn = node("GroupQueryAttention",
+                    [qkv, "", "", C.past_key(i), C.past_value(i), seqlens, total, "cos_cache", "sin_cache",
+                     C.POSITION_IDS, bias],
+                    [f"l{i}.attn", C.new_key(i), C.new_value(i)], domain="com.microsoft",
+                    num_heads=nq, kv_num_heads=nkv, do_rotary=1, rotary_interleaved=0, causal=0,
+                    scale=float(d) ** -0.5)
+        o = matmul(attn[0], [p + "self_attn.o_proj.weight"], f"l{i}.o")
+        post = node("SkipSimplifiedLayerNormalization",
+                    [o, residual, init(f"l{i}.post_norm", _np(sd[p + "post_attention_layernorm.weight"]))],
+                    [f"l{i}.post_normed", "", "", f"l{i}.res1"], domain="com.microsoft", epsilon=eps)
+        normed2, residual = post[0], post[3]
+        gate = matmul(normed2, [p + "mlp.gate_proj.weight"], f"l{i}.gate")
+        up = matmul(normed2, [p + "mlp.up_proj.weight"], f"l{i}.up")
+        if cfg.mlp_bias:
+            gate = node("Add", [gate, init(f"l{i}.gate_b", _np(sd[p + "mlp.gate_proj.bias"]))], [f"l{i}.gate_b_out"])
+            up = node("Add", [up, init(f"l{i}.up_b", _np(sd[p + "mlp.up_proj.bias"]))], [f"l{i}.up_b_out"])
+        sig = node("Sigmoid", [gate], [f"l{i}.sig"])
+        silu = node("Mul", [gate, sig], [f"l{i}.silu"])
+        act = node("Mul", [silu, up], [f"l{i}.act"])
+        down = matmul(act, [p + "mlp.down_proj.weight"], f"l{i}.down")
+        if cfg.mlp_bias:
+            down = node("Add", [down, init(f"l{i}.down_b", _np(sd[p + "mlp.down_proj.bias"]))], [f"l{i}.down_b_out"])
+        last_layer = i == cfg.n_layers - 1
+        gamma = _np(sd["model.norm.weight"]) if last_layer else _np(sd[f"model.layers.{i + 1}.input_layernorm.weight"])
+        nxt = node("SkipSimplifiedLayerNormalization", [down, residual, init(f"l{i}.next_norm", gamma)],
+                   [f"l{i}.next_normed", "", "", f"l{i}.res2"], domain="com.microsoft", epsilon=eps)
+        normed, residual = nxt[0], nxt[3]
+
+    if blocks(["lm_head.weight"]) is not None:  # the head's own blocks (a tied head: the embedding's)
+        logits = matmul(normed, ["lm_head.weight"], "lm_head")
+    else:  # Gemm with transB over the [B*T, H] rows (a tied head reuses the embedding)
+        head = emb if cfg.tie_embeddings else init("lm_head", _np(sd["lm_head.weight"]))
+        init("c_rows", np.array([-1, hs], np.int64))
+        init("c_vocab", np.array([cfg.vocab_size], np.int64))
+        rows = node("Reshape", [normed, "c_rows"], ["final_rows"])
+        flat = node("Gemm", [rows, head], ["logits_rows"], transB=1)
+        bt = node("Shape", [C.INPUT_IDS], ["bt_shape"])
+        out_shape = node("Concat", [bt, "c_vocab"], ["logits_shape"], axis=0)
+        logits = node("Reshape", [flat, out_shape], ["logits_raw"])
+    if topk:
+        node("Identity", [logits], [C.LOGITS])
+        lse = node("ReduceLogSumExp", [logits, init("c_axes_last", np.array([-1], np.int64))], ["lse"], keepdims=1)
+        lp = node("Sub", [logits, lse], ["logprobs"])
+        init("c_k", np.array([topk], np.int64))
+        node("TopK", [lp, "c_k"], [C.TOPK_LOGPROBS, C.TOPK_IDS], axis=-1, largest=1, sorted=1)
+        outputs += [h.make_tensor_value_info(C.TOPK_LOGPROBS, TP.FLOAT, ["batch", "tokens", topk]),
+                    h.make_tensor_value_info(C.TOPK_IDS, TP.INT64, ["batch", "tokens", topk])]
+    else:
+        node("Identity", [logits], [C.LOGITS])
+    graph = h.make_graph(nodes, f"arborspec_{cfg.name or 'llama'}_gqa", inputs, outputs, inits)
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", OPSET), h.make_opsetid("com.microsoft", 1)],
+                         producer_name="arborspec")
+    model.ir_version = IR_VERSION
+    onnx.checker.check_model(model)  # structure (the contrib ops are checked by ONNX Runtime)
+    return model
+
+
+def save_model(model, path: str | Path) -> list[str]:
+    """Write the model; weights go to `<name>.data` when the protobuf would pass 2 GiB.
+    Returns the external-data file names."""
+    import onnx
+
+    path = Path(path)
+    size = sum(t.ByteSize() for t in model.graph.initializer)
+    if size > 2 * 1024**3 - 64 * 1024**2:
+        onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                  location=path.name + ".data", size_threshold=1024)
+        return [path.name + ".data"]
+    onnx.save(model, str(path))
+    return []
+
+
+def verify_gqa_against_torch(module: torch.nn.Module, path: str | Path, seed: int = 0) -> float:
+    """Run the graph through the runtime's OrtEngine and the module through TorchEngine on the
+    same steps (a prefill at P = 0, a one-token step, a random tree step over P > 0 with a fully
+    masked row); return the max abs logit difference. Raises on NaN."""
+    from arborspec.runtime.backends.onnxruntime import OrtEngine
+    from arborspec.runtime.backends.torch_backend import TorchEngine
+    from arborspec.runtime.kvcache import KVCache
+
+    cfg = module.config
+    ort_e, ref_e = OrtEngine(path), TorchEngine(module)
+    g = torch.Generator().manual_seed(seed)
+    c_o, c_r = KVCache(ort_e.info.cache, 48, 1), KVCache(ref_e.info.cache, 48, 1)
+    worst = 0.0
+    steps = [(9, "prefill"), (1, "decode"), (6, "tree")]
+    for t, kind in steps:
+        p = c_o.length
+        ids = torch.randint(0, cfg.vocab_size, (1, t), generator=g)
+        if kind == "tree":
+            tri = torch.rand(t, t, generator=g) < 0.5
+            block = torch.tril(tri) | torch.eye(t, dtype=torch.bool)
+            block[:, 0] = True
+            pos = (p + torch.arange(t) // 2)[None]
+        else:
+            block = torch.ones(t, t, dtype=torch.bool).tril()
+            pos = (p + torch.arange(t))[None]
+        mask = torch.cat([torch.ones(t, p, dtype=torch.bool), block], 1)[None]
+        if kind == "tree":
+            mask[0, -1] = False  # a fully masked row must stay finite
+        lo, lr = ort_e.forward(ids, pos, mask, c_o), ref_e.forward(ids, pos, mask, c_r)
+        if torch.isnan(lo).any():
+            raise RuntimeError(f"{path}: NaN in ONNX Runtime logits ({kind} step)")
+        rows = slice(0, t - 1) if kind == "tree" else slice(0, t)  # the masked row is arbitrary
+        worst = max(worst, float((lo[0, rows] - lr[0, rows]).abs().max()))
+        c_o.commit(None, t)
+        c_r.commit(None, t)
+    for i in range(cfg.n_layers):  # the caches hold the same K/V
+        ko, kr = c_o.past(i)[0], c_r.past(i)[0]
+        worst = max(worst, float((ko[:-1] - kr[:-1]).abs().max()))
+    ort_e.close()
+    return worst

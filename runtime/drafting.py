@@ -1,0 +1,200 @@
+"""Building one step's tree from a draft source: the level loop.
+
+Role in one decode step: step 1. `draft_tree` asks the draft source for the root's
+distribution, then expands the tree level by level under a policy, ONE draft call per level
+over the frontier. Fixed-shape policies (chain, full, static) with top-k candidates follow
+their `TreePlan` (runtime/tree_plan.py): per level one top-k where the logits are and one
+gather into the plan's token slots, nothing else. Data-dependent trees (beam, dynamic, sampled
+candidates, table drafts whose rows may be empty) are built in a preallocated `TreeWorkspace`
+reused every step.
+
+Candidates: `topk` (deterministic: the policy's top children), `sample` (i.i.d. draws from the
+draft, with replacement) or `sample-unique` (draws without replacement, by the Gumbel-top-k
+trick). The accept rule must match (runtime/accept.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .drafts import DraftSource, NodeView, topk_of, tree_capacity
+from .errors import InputError
+from .sampling import SamplingParams, warp_logits
+from .tree_plan import PLANNED_KINDS, plan_for
+from .trees import Tree, TreePolicy
+
+CANDIDATE_MODES = ("topk", "sample", "sample-unique")
+
+
+class TreeWorkspace:
+    """Per-step node buffers of capacity `cap` (numpy: the bookkeeping of a few dozen nodes costs
+    a tenth as much as with torch ops), allocated once and reused."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.tokens = np.zeros(cap, dtype=np.int64)
+        self.parents = np.zeros(cap, dtype=np.int64)
+        self.depth = np.zeros(cap, dtype=np.int64)
+        self.score = np.zeros(cap, dtype=np.float32)
+        self.qrow = np.full(cap, -1, dtype=np.int64)
+        self.anc = np.zeros((cap, cap), dtype=bool)
+        self.arange = np.arange(cap, dtype=np.int64)
+
+    @staticmethod
+    def get(ws: "TreeWorkspace | None", cap: int) -> "TreeWorkspace":
+        return ws if ws is not None and ws.cap >= cap else TreeWorkspace(cap)
+
+
+def _gumbel(shape, rng) -> torch.Tensor:
+    u = torch.rand(shape, generator=rng).clamp_(1e-20, 1.0)
+    return -torch.log(-torch.log(u))
+
+
+def _to_target(toks: torch.Tensor, token_map: torch.Tensor | None) -> torch.Tensor:
+    return toks if token_map is None else token_map[toks]
+
+
+def _full_vocab(q: torch.Tensor, token_map: torch.Tensor | None, out_vocab: int) -> torch.Tensor:
+    """A draft distribution over the target vocabulary (zeros outside the draft's)."""
+    if token_map is None:
+        return q
+    full = torch.zeros(q.shape[0], out_vocab, dtype=q.dtype, device=q.device)
+    return full.index_copy_(1, token_map.to(q.device), q)
+
+
+@torch.inference_mode()
+def draft_tree(draft: DraftSource, policy: TreePolicy, root: int, sp: SamplingParams,
+               candidates: str = "topk", rng: torch.Generator | None = None,
+               keep_q: bool = False, workspace: TreeWorkspace | None = None,
+               out_vocab: int | None = None) -> Tree:
+    """Build one step's tree: D levels, one draft call per level over the frontier.
+
+    keep_q: also keep the draft distributions for top-k candidates (analysis and tests; the
+    sampled modes always keep them, the accept rule needs them). out_vocab: the target's
+    vocabulary, when the draft's rows are over a reduced one (`draft.token_map`)."""
+    if candidates not in CANDIDATE_MODES:
+        raise InputError(f"unknown candidate mode {candidates!r} (expected one of {', '.join(CANDIDATE_MODES)})")
+    sampled = candidates != "topk" and not sp.greedy
+    if sampled and policy.data_dependent:
+        raise InputError(f"tree policy {policy.kind} ranks candidates by score: use --candidates topk with it")
+    out_vocab = out_vocab or draft.vocab_size
+    if not sampled and policy.kind in PLANNED_KINDS and draft.finite_logits:
+        return _draft_planned(draft, policy, root, sp, keep_q, out_vocab)
+    return _draft_dynamic(draft, policy, root, sp, candidates if sampled else "topk", rng, keep_q,
+                          TreeWorkspace.get(workspace, tree_capacity(policy, draft.vocab_size)), out_vocab)
+
+
+def _draft_planned(draft, policy, root, sp, keep_q, out_vocab) -> Tree:
+    plan = plan_for(policy, draft.vocab_size)
+    tmap = draft.token_map
+    tokens = torch.zeros(plan.n, dtype=torch.long)
+    qs: list[torch.Tensor] = []
+    qrow = torch.full((plan.n,), -1, dtype=torch.long)
+    n_q = 0
+    levels = plan.levels
+    k0 = levels[0].k
+    out = draft.start(root)[None] if keep_q else draft.start_topk(root, k0)
+    calls = 1
+    last = len(levels) - 1
+    for li, lv in enumerate(levels):
+        if keep_q:
+            toks = torch.topk(out, lv.k, dim=-1).indices
+            qs.append(_full_vocab(torch.softmax(warp_logits(out.float(), sp), -1), tmap, out_vocab).cpu())
+            qrow[lv.start:lv.end] = n_q + lv.rows
+            n_q += out.shape[0]
+        else:
+            toks = out.indices[:, :lv.k]
+        tokens[lv.start:lv.end] = _to_target(toks, tmap).cpu()[lv.rows, lv.ranks]
+        if li == last or lv.frontier.numel() == 0:
+            break
+        e = lv.end
+        nodes = NodeView(tokens[:e], plan.depth[:e], plan.parents[:e], plan.anc[:e, :e])
+        nk = levels[li + 1].k
+        out = draft.expand(nodes, lv.frontier) if keep_q else draft.expand_topk(nodes, lv.frontier, nk)
+        calls += 1
+    tree = Tree(tokens, plan.parents, plan.depth, torch.zeros(plan.n), plan.anc, plan.origin, qrow,
+                torch.cat(qs) if qs else None, "topk", calls)
+    tree.plan = plan
+    return tree
+
+
+def _draft_dynamic(draft, policy, root, sp, mode, rng, keep_q, ws: TreeWorkspace, out_vocab) -> Tree:
+    vocab = draft.vocab_size
+    tmap = draft.token_map
+    tokens, parents, depth, score, qrow, anc = ws.tokens, ws.parents, ws.depth, ws.score, ws.qrow, ws.anc
+    topk_only = mode == "topk" and not keep_q  # no full rows needed: the source may fuse top-k
+    logprobs = policy.data_dependent
+    qs: list[torch.Tensor] = []
+    n_q = 0
+    n = 0
+    k = min(policy.width(1), vocab)
+    out = draft.start_topk(root, k, logprobs) if topk_only else draft.start(root)[None].float()
+    calls = 1
+    frontier = np.array([-1], dtype=np.int64)
+    f_score = np.zeros(1, dtype=np.float32)
+    for level in range(1, policy.depth + 1):
+        k = min(policy.width(level), vocab)
+        if topk_only:
+            vals, toks = out.values[:, :k], out.indices[:, :k]
+        elif mode == "topk":
+            # deterministic candidates: the draft's top-k by raw logits (the ranking does not
+            # depend on the temperature; top-k/top-p only mask a tail that the accept rule
+            # handles), normalised to log-probs (keep_q: analysis and tests)
+            t = topk_of(out, k, True)
+            vals, toks = t.values, t.indices
+            qs.append(_full_vocab(torch.softmax(warp_logits(out, sp), -1), tmap, out_vocab).cpu())
+        else:
+            warped = warp_logits(out, sp)
+            # a table draft may have no opinion at a node (every logit -inf): no candidates there
+            empty = ~torch.isfinite(warped).any(-1, keepdim=True)
+            q = torch.softmax(warped.masked_fill(empty, 0.0), -1)
+            logq = torch.log(q)
+            if mode == "sample":
+                toks = torch.multinomial(q, k, replacement=True, generator=rng)
+            else:  # without replacement: Gumbel-top-k == sequential draws without replacement
+                toks = torch.topk(logq + _gumbel(logq.shape, rng), k, dim=-1).indices
+            vals = logq.gather(1, toks).masked_fill(empty, float("-inf"))
+            qs.append(_full_vocab(q.masked_fill(empty, 0.0), tmap, out_vocab).cpu())
+        vals = vals.float().cpu().numpy()
+        toks = _to_target(toks, tmap).cpu().numpy()
+        scores = f_score[:, None] + vals
+        keep = policy.select(level, scores)
+        if policy.kind != "static":  # a fixed structure keeps its shape; others drop q = 0
+            keep &= np.isfinite(vals)
+        fi, ci = np.nonzero(keep)
+        m = fi.size
+        new = ws.arange[n:n + m]
+        par = frontier[fi]
+        tokens[n:n + m], parents[n:n + m], depth[n:n + m] = toks[fi, ci], par, level
+        score[n:n + m] = scores[fi, ci]
+        if qs:
+            qrow[n:n + m] = n_q + fi
+            n_q += frontier.size
+        anc[n:n + m] = False
+        has_par = par >= 0
+        anc[new[has_par]] = anc[par[has_par]]
+        anc[new, new] = True
+        n += m
+        expand = policy.expand(level, score[n - m:n]) if m else np.zeros(0, dtype=bool)
+        frontier, f_score = new[expand], score[n - m:n][expand]
+        if level == policy.depth or frontier.size == 0:
+            break
+        nodes = NodeView(torch.from_numpy(tokens[:n]), torch.from_numpy(depth[:n]),
+                         torch.from_numpy(parents[:n]), torch.from_numpy(anc[:n, :n]))
+        fr = torch.from_numpy(frontier)
+        if topk_only:
+            out = draft.expand_topk(nodes, fr, min(policy.width(level + 1), vocab), logprobs)
+        else:
+            out = draft.expand(nodes, fr).float()
+        calls += 1
+    keep = policy.finalize(score[:n], depth[:n])
+    idx = ws.arange[:n] if keep is None else np.nonzero(keep)[0]  # ancestor-closed, in order
+    par = parents[idx]
+    if keep is not None:  # renumber parents after the final pruning
+        remap = np.full(n, -1, dtype=np.int64)
+        remap[idx] = np.arange(idx.size)
+        par = np.where(par >= 0, remap[np.maximum(par, 0)], par)
+    return Tree(torch.from_numpy(tokens[idx]), torch.from_numpy(par), torch.from_numpy(depth[idx]),
+                torch.from_numpy(score[idx]), torch.from_numpy(anc[np.ix_(idx, idx)]), torch.from_numpy(idx.copy()),
+                torch.from_numpy(qrow[idx]) if qs else torch.full((idx.size,), -1, dtype=torch.long),
+                torch.cat(qs) if qs else None, mode, calls)

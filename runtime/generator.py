@@ -1,0 +1,194 @@
+"""The one-call embedding API: text (or ids) in, text out, with tree speculative decoding.
+
+Role in one decode step: none of its own; it owns a `SpeculativeDecoder` (runtime/decode.py)
+per sampling configuration, the tokenizer and the engines, and turns each call into one
+generation. Typical use in a production app:
+
+    from arborspec import Generator
+    with Generator.from_export("exports/smollm2", backend="onnxruntime", draft="lookup",
+                               tree="full:3,2") as gen:
+        c = gen.generate("Write a haiku about trees.", max_new_tokens=64)
+        print(c.text, c.stats.tokens_per_s)
+        for chunk in gen.stream("Once upon a time", temperature=0.8, seed=1):
+            print(chunk, end="")
+        c = gen.chat([{"role": "user", "content": "Hello!"}])
+
+Thread safety: one Generator may be shared by several threads; its calls are serialised by a
+lock (a decoder runs one sequence at a time). A `stream()` holds the lock until the iterator
+is exhausted or closed. For parallel decoding use one Generator per thread (they can open the
+same export folder).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from .decode import MODES, SpeculativeDecoder
+from .errors import InputError, MissingFileError
+from .sampling import SamplingParams
+from .stats import GenerationStats
+
+AUTO_TREE_FILE = "tree_auto.json"  # written by `arborspec tune --export-dir DIR`
+
+
+@dataclass
+class Completion:
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    stop_reason: str  # "eos", "length" or "context"
+    stats: GenerationStats = field(repr=False, default_factory=GenerationStats)
+
+
+class Generator:
+    """target: an Engine; draft: a DraftSource, an Engine or None; tokenizer: a TextTokenizer
+    (needed for text prompts and `chat`). mode defaults to "tree" with a draft, else
+    "vanilla". `owns` are closed by close()."""
+
+    def __init__(self, target, draft=None, tokenizer=None, *, mode: str | None = None,
+                 tree: str = "full:3,2", candidates: str = "topk", max_tree_nodes: int | None = None,
+                 eos_token_ids: Sequence[int] | None = None, owns: Sequence = ()):
+        mode = mode or ("tree" if draft is not None else "vanilla")
+        if mode not in MODES:
+            raise InputError(f"unknown mode {mode!r} (expected one of {', '.join(MODES)})")
+        self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self.mode, self.tree, self.candidates, self.max_tree_nodes = mode, tree, candidates, max_tree_nodes
+        if eos_token_ids is None:
+            eos_token_ids = list(getattr(tokenizer, "eos_token_ids", []) or [])
+        self.eos_token_ids = [int(e) for e in eos_token_ids]
+        self._owns = list(owns)
+        self._lock = threading.RLock()
+        self._decoders: dict[SamplingParams, SpeculativeDecoder] = {}
+        self._decoder(SamplingParams())  # validates mode / tree / draft now, not at the first call
+        self.closed = False
+
+    @classmethod
+    def from_export(cls, dir, backend: str = "onnxruntime", device: str = "cpu", *, draft: str | None = None,
+                    tree: str | None = None, mode: str | None = None, candidates: str = "topk",
+                    verify: bool = False, engine_dir=None) -> "Generator":
+        """Open an export folder (runtime/export_dir.open_export) and wrap it. tree: a spec,
+        "auto" (the tree `arborspec tune --export-dir DIR` chose), or None (the export's
+        default tree)."""
+        from .export_dir import open_export
+
+        ex = open_export(dir, backend, device, draft=draft, verify=verify, engine_dir=engine_dir)
+        try:
+            tree = tree or ex.tree_default or "full:3,2"
+            if str(tree).strip().lower() == "auto":
+                tree = auto_tree_spec(dir)
+            return cls(ex.target, ex.draft, ex.tokenizer, mode=mode or ("tree" if ex.draft is not None else "vanilla"),
+                       tree=tree, candidates=candidates,
+                       max_tree_nodes=ex.limits.get("max_tree_nodes"), owns=[ex])
+        except BaseException:
+            ex.close()
+            raise
+
+    # ------------------------------------------------------------------ calls
+    def _decoder(self, sp: SamplingParams) -> SpeculativeDecoder:
+        dec = self._decoders.get(sp)
+        if dec is None:
+            dec = SpeculativeDecoder(self.target, self.draft, mode=self.mode, tree=self.tree,
+                                     candidates=self.candidates, sampling=sp,
+                                     max_tree_nodes=self.max_tree_nodes)
+            if self._decoders:  # share one draft wrapper between sampling configurations
+                dec.draft = next(iter(self._decoders.values())).draft
+            self._decoders[sp] = dec
+        return dec
+
+    def encode_prompt(self, prompt) -> list[int]:
+        """Token ids of a text or id prompt (one InputError line for anything else)."""
+        return self._ids(prompt)
+
+    def _ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InputError("this generator has no tokenizer: give prompt token ids")
+            ids = self.tokenizer.encode(prompt)
+            if not ids:
+                raise InputError("empty prompt: give at least one token")
+            return ids
+        if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
+            raise InputError(f"prompt must be text or a sequence of token ids, not {type(prompt).__name__}")
+        return list(prompt)
+
+    def _text(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def generate(self, prompt, max_new_tokens: int = 64, *, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0) -> Completion:
+        """One completion of a text or token-id prompt."""
+        ids = self._ids(prompt)
+        sp = SamplingParams(temperature, top_k, top_p)
+        with self._lock:
+            self._check_open()
+            dec = self._decoder(sp)
+            r = dec.generate(ids, max_new_tokens, self.eos_token_ids, seed)
+        return Completion(self._text(r.tokens), r.tokens, len(ids), r.stop_reason, r.stats)
+
+    def stream(self, prompt, max_new_tokens: int = 64, *, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int = 0, ids: bool = False) -> Iterator:
+        """Text chunks as they become final (or lists of token ids with ids=True). Stats and stop
+        reason of the last stream: `last_stats`, `last_stop_reason`."""
+        prompt_ids = self._ids(prompt)
+        sp = SamplingParams(temperature, top_k, top_p)
+        with self._lock:
+            self._check_open()
+            dec = self._decoder(sp)
+            sd = self.tokenizer.stream_decoder(skip_special_tokens=True) if (self.tokenizer and not ids) else None
+            for chunk in dec.stream(prompt_ids, max_new_tokens, self.eos_token_ids, seed):
+                if sd is None:
+                    yield chunk
+                else:
+                    text = sd.push(chunk)
+                    if text:
+                        yield text
+            if sd is not None:
+                rest = sd.finish()
+                if rest:
+                    yield rest
+            self.last_stats, self.last_stop_reason = dec.last_stats, dec.last_stop_reason
+
+    def chat(self, messages: list[dict], max_new_tokens: int = 256, **kw) -> Completion:
+        """A completion of a conversation [{"role", "content"}, ...] through the chat template."""
+        if self.tokenizer is None:
+            raise InputError("chat needs a tokenizer (this generator has none)")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                      for m in messages):
+            raise InputError('messages must be a list of {"role": ..., "content": ...} objects')
+        try:
+            text = self.tokenizer.apply_chat(messages)
+        except ValueError as e:
+            raise InputError(str(e)) from None
+        return self.generate(text, max_new_tokens, **kw)
+
+    # ------------------------------------------------------------------ lifecycle
+    def _check_open(self) -> None:
+        if self.closed:
+            raise InputError("this Generator is closed")
+
+    def close(self) -> None:
+        with self._lock:
+            for o in self._owns:
+                o.close()
+            self._owns = []
+            self.closed = True
+
+    def __enter__(self) -> "Generator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def auto_tree_spec(export_dir) -> str:
+    """`static:DIR/tree_auto.json`, the tree `arborspec tune` chose, or one line saying how to
+    make it."""
+    path = Path(export_dir) / AUTO_TREE_FILE
+    if not path.is_file():
+        raise MissingFileError(f"tree auto: no tuned tree in {export_dir} (run `arborspec tune --export-dir "
+                               f"{export_dir}` first)")
+    return f"static:{path}"

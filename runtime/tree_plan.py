@@ -1,0 +1,171 @@
+"""Tree plans and verify buffers: what depends only on a tree's shape, computed once.
+
+Role in one decode step: steps 1-3. For policies whose structure never changes (chain, full,
+static) with deterministic top-k candidates, a `TreePlan` holds the node layout (parents,
+depths, ancestor matrix, which frontier row and rank each node comes from, what is expanded
+next), the position offsets and the [T, T] mask block of the verify call, built once per
+(policy, vocabulary) and reused every step, as Medusa and TensorRT-LLM do. Per step only the
+drafted tokens change.
+
+`MaskBuffer` keeps one preallocated boolean buffer on the engine's device for the verify (or a
+draft level's) attention mask [1, T, P+T]. Its invariant is "all True except the current
+block", so the cache-prefix columns are never rewritten: each call writes only the block over
+the new tokens' columns and puts it back to True afterwards (O(T^2) per step, not O(T*(P+T))).
+`VerifyBuffers` adds the input-id and position buffers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .trees import TreePolicy
+
+PLANNED_KINDS = ("chain", "full", "static")
+
+
+@dataclass
+class PlanLevel:
+    k: int  # candidates per frontier node
+    rows: torch.Tensor  # [m] frontier row of each new node
+    ranks: torch.Tensor  # [m] candidate rank of each new node
+    start: int  # new nodes are [start, end)
+    end: int
+    frontier: torch.Tensor  # node indices expanded at the next level (one draft call)
+
+
+class TreePlan:
+    """A fixed-shape tree: built by running the policy's selection once, on no scores."""
+
+    def __init__(self, policy: TreePolicy, vocab: int):
+        if policy.kind not in PLANNED_KINDS:
+            raise ValueError(f"tree policy {policy.kind} has no fixed shape")
+        self.spec = policy.spec
+        parents: list[int] = []
+        depth: list[int] = []
+        self.levels: list[PlanLevel] = []
+        frontier = [-1]
+        for level in range(1, policy.depth + 1):
+            k = min(policy.width(level), vocab)
+            keep = policy.select(level, np.zeros((len(frontier), k), dtype=np.float32))
+            rows, ranks = (torch.from_numpy(a.astype(np.int64)) for a in np.nonzero(keep))
+            start = len(parents)
+            parents += [frontier[r] for r in rows.tolist()]
+            depth += [level] * int(rows.numel())
+            end = len(parents)
+            expand = policy.expand(level, np.zeros(end - start, dtype=np.float32))
+            frontier = [start + int(i) for i in np.nonzero(expand)[0]]
+            self.levels.append(PlanLevel(k, rows, ranks, start, end, torch.tensor(frontier, dtype=torch.long)))
+            if not frontier:
+                break
+        n = len(parents)
+        self.n = n
+        self.parents = torch.tensor(parents, dtype=torch.long)
+        self.depth = torch.tensor(depth, dtype=torch.long)
+        anc = torch.zeros(n, n, dtype=torch.bool)
+        for i, p in enumerate(parents):
+            if p >= 0:
+                anc[i] = anc[p]
+            anc[i, i] = True
+        self.anc = anc
+        self.origin = torch.arange(n)
+        self.children: list[list[int]] = [[] for _ in range(n + 1)]  # index 0: the root
+        for i, p in enumerate(parents):
+            self.children[p + 1].append(i)
+        self._device_cache: dict = {}
+
+    def verify_block(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(position offsets [T], mask block [T, T]) of the verify call over [root, nodes...],
+        on `device`, built once."""
+        key = str(device)
+        if key not in self._device_cache:
+            offsets = torch.cat([torch.zeros(1, dtype=torch.long), self.depth])
+            self._device_cache[key] = (offsets.to(device), verify_block(self.anc).to(device))
+        return self._device_cache[key]
+
+
+def plan_for(policy: TreePolicy, vocab: int) -> TreePlan:
+    """The policy's plan for this vocabulary size, built on first use and kept on the policy."""
+    plans = policy.__dict__.setdefault("_plans", {})
+    if vocab not in plans:
+        plans[vocab] = TreePlan(policy, vocab)
+    return plans[vocab]
+
+
+def verify_block(anc: torch.Tensor) -> torch.Tensor:
+    """[T, T] mask block over [root, nodes...]: every row sees the root, nodes see their
+    ancestors and themselves."""
+    n = anc.shape[0]
+    block = torch.zeros(n + 1, n + 1, dtype=torch.bool, device=anc.device)
+    block[:, 0] = True
+    block[1:, 1:] = anc
+    return block
+
+
+class MaskBuffer:
+    """A [1, T, P+T] bool mask over a preallocated buffer that is True outside the block."""
+
+    def __init__(self, device, capacity: int = 1 << 16):
+        self.device = torch.device(device)
+        self.buf = torch.ones(capacity, dtype=torch.bool, device=self.device)
+        self._open: tuple[int, int, int] | None = None
+
+    def view(self, t: int, p: int, col0: int | None = None) -> torch.Tensor:
+        """The mask [1, T, P+T]; all True, except the block columns [col0, P+T) which the
+        caller writes (col0 defaults to P). Call `release()` after the engine call."""
+        need = t * (p + t)
+        if need > self.buf.numel():
+            self.buf = torch.ones(max(need, 2 * self.buf.numel()), dtype=torch.bool, device=self.device)
+        col0 = p if col0 is None else col0
+        self._open = (t, p, col0)
+        return self.buf[:need].view(1, t, p + t)
+
+    def release(self) -> None:
+        """Restore the invariant: the block columns of the last view back to True."""
+        if self._open is not None:
+            t, p, col0 = self._open
+            self.buf[: t * (p + t)].view(t, p + t)[:, col0:].fill_(True)
+            self._open = None
+
+
+class VerifyBuffers:
+    """Input ids, positions and the mask of the target's verify call, preallocated on the
+    target's device and reused every step."""
+
+    def __init__(self, device, max_tokens: int = 1024):
+        self.device = torch.device(device)
+        self.ids = torch.empty(max_tokens, dtype=torch.long, device=self.device)
+        self.pos = torch.empty(max_tokens, dtype=torch.long, device=self.device)
+        self.mask = MaskBuffer(self.device)
+
+    def _grow(self, t: int) -> None:
+        if t > self.ids.numel():
+            self.ids = torch.empty(2 * t, dtype=torch.long, device=self.device)
+            self.pos = torch.empty(2 * t, dtype=torch.long, device=self.device)
+
+    def fill(self, root: int, tokens: torch.Tensor, offsets: torch.Tensor, block: torch.Tensor | None,
+             anc: torch.Tensor | None, past: int):
+        """-> input_ids [1, T], position_ids [1, T], mask [1, T, P+T] for [root, nodes...].
+        offsets [T]: depth of each row (0 for the root); either the full `block` [T, T]
+        (a plan's, on the device) or the nodes' `anc` [N, N]."""
+        t = int(tokens.numel()) + 1
+        self._grow(t)
+        ids = self.ids[:t]
+        ids[0] = root
+        if t > 1:
+            ids[1:].copy_(tokens)
+        pos = self.pos[:t]
+        torch.add(offsets.to(self.device), past, out=pos)
+        mask = self.mask.view(t, past)
+        if block is not None:
+            mask[0, :, past:].copy_(block)
+        else:
+            m = mask[0, :, past:]
+            m[0, 1:] = False
+            if t > 1:
+                m[1:, 1:].copy_(anc)
+        return ids.view(1, t), pos.view(1, t), mask
+
+    def release(self) -> None:
+        self.mask.release()

@@ -1,0 +1,197 @@
+"""EAGLE-3 drafts: the loader against a plain re-implementation of the published EAGLE-3 forward;
+greedy tree (every policy) and chain with an EAGLE-3 draft == vanilla; lossless sampling with a
+draft vocabulary smaller than the target's; the draft cache equals a fresh draft prefill of the
+committed tokens and target features; mismatched and corrupt checkpoints are one line."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import random_model, tiny_config
+from lossless_util import PROMPT, chi_square_pvalue, exact_two_token_distribution, sample_two_tokens
+
+from arborspec.models.eagle3 import Eagle3Config, default_aux_layers, load_eagle3
+from arborspec.runtime.backends.torch_backend import TorchEngine
+from arborspec.runtime.decode import SpeculativeDecoder
+from arborspec.runtime.drafts_eagle3 import Eagle3Draft
+from arborspec.runtime.errors import ArborspecError
+from arborspec.runtime.kvcache import KVCache
+from arborspec.runtime.sampling import SamplingParams
+
+
+def checkpoint(folder, target_cfg, draft_vocab: int, seed: int = 0, scale: float = 1.0):
+    """A random EAGLE-3 checkpoint in the public layout (config.json + model.safetensors)."""
+    from safetensors.torch import save_file
+
+    h, inter, heads, kv = target_cfg.hidden_size, 2 * target_cfg.hidden_size, target_cfg.n_heads, target_cfg.n_kv_heads
+    hd = h // heads
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g) * scale / s[-1] ** 0.5  # noqa: E731
+    chosen = torch.randperm(target_cfg.vocab_size, generator=g)[:draft_vocab].sort().values
+    sd = {"fc.weight": r(h, 3 * h), "midlayer.hidden_norm.weight": torch.ones(h) + 0.1 * torch.randn(h, generator=g),
+          "midlayer.input_layernorm.weight": torch.ones(h), "midlayer.post_attention_layernorm.weight": torch.ones(h),
+          "midlayer.self_attn.q_proj.weight": r(heads * hd, 2 * h), "midlayer.self_attn.k_proj.weight": r(kv * hd, 2 * h),
+          "midlayer.self_attn.v_proj.weight": r(kv * hd, 2 * h), "midlayer.self_attn.o_proj.weight": r(h, heads * hd),
+          "midlayer.mlp.gate_proj.weight": r(inter, h), "midlayer.mlp.up_proj.weight": r(inter, h),
+          "midlayer.mlp.down_proj.weight": r(h, inter), "norm.weight": torch.ones(h),
+          "lm_head.weight": r(draft_vocab, h) * 8, "d2t": chosen - torch.arange(draft_vocab),
+          "t2d": torch.zeros(target_cfg.vocab_size, dtype=torch.bool).index_fill_(0, chosen, True)}
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(folder / "model.safetensors"))
+    cfg = {"hidden_size": h, "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv,
+           "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": target_cfg.vocab_size,
+           "draft_vocab_size": draft_vocab, "max_position_embeddings": 512,
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": default_aux_layers(target_cfg.n_layers)}}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return sd, cfg
+
+
+def reference_forward(sd, cfg, embeds, hidden, positions):
+    """The published EAGLE-3 layer, written from the format description with plain ops
+    (causal, no cache)."""
+    def rms(x, w):
+        return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg["rms_norm_eps"])
+
+    h, nh, nkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = h // nh
+    t = embeds.shape[0]
+    x = torch.cat([rms(embeds, sd["midlayer.input_layernorm.weight"]), rms(hidden, sd["midlayer.hidden_norm.weight"])], -1)
+    q = (x @ sd["midlayer.self_attn.q_proj.weight"].T).view(t, nh, d)
+    k = (x @ sd["midlayer.self_attn.k_proj.weight"].T).view(t, nkv, d)
+    v = (x @ sd["midlayer.self_attn.v_proj.weight"].T).view(t, nkv, d)
+    inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, d, 2).float() / d))
+    ang = positions.float()[:, None] * inv
+    cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
+    rot = lambda z: torch.cat([-z[..., d // 2:], z[..., :d // 2]], -1)  # noqa: E731
+    q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
+    k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
+    att = torch.einsum("thd,shd->hts", q, k) / d ** 0.5
+    att = att.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+    a = torch.einsum("hts,shd->thd", att, v).reshape(t, nh * d) @ sd["midlayer.self_attn.o_proj.weight"].T
+    x1 = hidden + a
+    m = rms(x1, sd["midlayer.post_attention_layernorm.weight"])
+    out = x1 + (torch.nn.functional.silu(m @ sd["midlayer.mlp.gate_proj.weight"].T) * (m @ sd["midlayer.mlp.up_proj.weight"].T)) @ sd["midlayer.mlp.down_proj.weight"].T
+    return rms(out, sd["norm.weight"]) @ sd["lm_head.weight"].T, out
+
+
+@pytest.fixture(scope="module")
+def target():
+    m = random_model(tiny_config("llama", vocab=96, layers=4, hidden=64, heads=4, kv=2), seed=3)
+    m.feature_layers = default_aux_layers(4)
+    return m
+
+
+def test_loader_matches_the_published_forward(target, tmp_path):
+    sd, cfg = checkpoint(tmp_path / "e3", target.config, draft_vocab=40)
+    head = load_eagle3(tmp_path / "e3", target.config)
+    g = torch.Generator().manual_seed(1)
+    t = 7
+    feats = torch.randn(t, 3 * 64, generator=g)
+    ids = torch.randint(0, 96, (t,), generator=g)
+    embeds = target.model.embed_tokens.weight[ids].detach()
+    hidden = head.project(feats)
+    pos = torch.arange(t)
+    mask = torch.ones(t, t, dtype=torch.bool).tril()[None]
+    empty = torch.zeros(0, 1, 2, 16)
+    with torch.no_grad():
+        logits, out, k, v = head(embeds[None], hidden[None], pos[None], mask, empty, empty)
+        ref_logits, ref_out = reference_forward(sd, cfg, embeds, feats @ sd["fc.weight"].T, pos)
+    assert torch.allclose(logits[0], ref_logits, atol=1e-4) and torch.allclose(out[0], ref_out, atol=1e-4)
+    assert torch.equal(head.token_map(), torch.arange(40) + sd["d2t"])
+
+
+def _draft(target, tmp_path, draft_vocab=40, seed=0, scale=1.0):
+    checkpoint(tmp_path / f"e3-{seed}", target.config, draft_vocab, seed=seed, scale=scale)
+    head = load_eagle3(tmp_path / f"e3-{seed}", target.config)
+    return Eagle3Draft(head, target.model.embed_tokens.weight.detach())
+
+
+@pytest.mark.parametrize("spec", ["chain:3", "full:2,3", "beam:3,4,4", "dynamic:3,3,10"])
+def test_greedy_with_eagle3_equals_vanilla(target, tmp_path, spec):
+    eng = TorchEngine(target)
+    assert eng.info.n_features == 3 * 64
+    prompt = [5, 9, 2, 7, 1]
+    ref = SpeculativeDecoder(eng, mode="vanilla").generate(prompt, 30).tokens
+    mode = "chain" if spec.startswith("chain") else "tree"
+    dec = SpeculativeDecoder(eng, _draft(target, tmp_path), mode=mode, tree=spec)
+    assert dec.generate(prompt, 30).tokens == ref
+    assert dec.generate([4], 12).tokens == SpeculativeDecoder(eng, mode="vanilla").generate([4], 12).tokens
+
+
+def test_draft_cache_equals_a_fresh_prefill(target, tmp_path):
+    eng = TorchEngine(target)
+    draft = _draft(target, tmp_path)
+    prompt = [5, 9, 2, 7, 1]
+    r = SpeculativeDecoder(eng, draft, tree="full:2,2").generate(prompt, 25)
+    seq = prompt + r.tokens
+    n = draft.cache.length  # entries (x[j+1], f[j]) for j < n
+    full = KVCache(eng.info.cache, len(seq) + 1, 1)
+    ids = torch.tensor([seq])
+    _, feats = eng.forward_features(ids, torch.arange(len(seq))[None],
+                                    torch.ones(len(seq), len(seq), dtype=torch.bool).tril()[None], full)
+    fresh = KVCache(draft.spec, n + 1, 1)
+    with torch.no_grad():
+        _, _, k, v = draft.head(draft.embed[torch.tensor(seq[1:n + 1])][None], draft.head.project(feats[0, :n])[None],
+                                torch.arange(n)[None], torch.ones(n, n, dtype=torch.bool).tril()[None], *fresh.past(0))
+    assert torch.allclose(draft.cache.k[0, :n], k, atol=1e-4) and torch.allclose(draft.cache.v[0, :n], v, atol=1e-4)
+
+
+@pytest.mark.parametrize("cand,sp,spec", [("topk", SamplingParams(1.0), "full:2,3"),
+                                          ("sample", SamplingParams(0.8, 0, 0.9), "full:2,3"),
+                                          ("sample-unique", SamplingParams(1.0), "chain:2")])
+def test_eagle3_sampling_is_lossless(tmp_path, cand, sp, spec):
+    cfg = dataclasses.replace(tiny_config("llama", vocab=8, layers=4, hidden=64, heads=4, kv=2), tie_embeddings=False)
+    m = random_model(cfg, seed=5, scale=2.0)
+    m.feature_layers = default_aux_layers(4)
+    eng = TorchEngine(m)
+    draft = _draft(m, tmp_path, draft_vocab=5, seed=2, scale=0.3)  # 3 target tokens can never be drafted
+    exact = exact_two_token_distribution(eng, PROMPT, sp)
+    assert (exact > 0.01).sum() >= 4  # a spread distribution: the test has something to detect
+    mode = "chain" if spec.startswith("chain") else "tree"
+    dec = SpeculativeDecoder(eng, draft, mode=mode, tree=spec, candidates=cand, sampling=sp)
+    counts = sample_two_tokens(dec, PROMPT, 2000, seed0=300)
+    assert chi_square_pvalue(counts, exact) > 1e-3
+
+
+def test_bad_checkpoints_are_one_line(target, tmp_path):
+    checkpoint(tmp_path / "ok", target.config, draft_vocab=40)
+    other = tiny_config("llama", vocab=96, layers=4, hidden=32, heads=4, kv=2)
+    with pytest.raises(ArborspecError, match="hidden size"):
+        load_eagle3(tmp_path / "ok", other)
+    with pytest.raises(ArborspecError, match="vocabulary"):
+        load_eagle3(tmp_path / "ok", tiny_config("llama", vocab=50, layers=4, hidden=64, heads=4, kv=2))
+    (tmp_path / "ok" / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ArborspecError, match="cannot read"):
+        load_eagle3(tmp_path / "ok", target.config)
+    with pytest.raises(ArborspecError, match="config.json"):
+        load_eagle3(tmp_path / "nope", target.config)
+    with pytest.raises(ArborspecError, match="target features"):
+        plain = random_model(tiny_config("llama", vocab=96, layers=4, hidden=64, heads=4, kv=2))
+        SpeculativeDecoder(TorchEngine(plain), _draft(target, tmp_path, seed=7), tree="full:2,2")
+    assert Eagle3Config.from_json({"hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2,
+                                   "vocab_size": 10}, 6).aux_layers == [2, 3, 3]
+    assert np.all(np.asarray(default_aux_layers(30)) == [2, 15, 27])
+
+
+def test_cli_generate_with_an_eagle3_checkpoint(tmp_path, capsys):
+    """`arborspec generate --model HF_FOLDER --draft eagle3:CKPT` on the torch backend equals
+    vanilla, and a checkpoint for another model is one line."""
+    from arborspec.tools.cli import main
+    from arborspec.tools.distill_draft import save_hf_folder
+
+    m = random_model(tiny_config("llama", vocab=96, layers=4, hidden=64, heads=4, kv=2), seed=3)
+    save_hf_folder(m, tmp_path / "hf")
+    checkpoint(tmp_path / "e3", m.config, draft_vocab=40)
+    base = ["generate", "--model", str(tmp_path / "hf"), "--prompt-ids", "5,9,2,7", "--max-new-tokens", "16", "--json"]
+    assert main(base + ["--mode", "vanilla"]) == 0
+    ref = json.loads(capsys.readouterr().out)["tokens"]
+    assert main(base + ["--draft", f"eagle3:{tmp_path / 'e3'}", "--tree", "full:2,2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == ref and out["stats"]["draft_calls"] > 0
+    checkpoint(tmp_path / "bad", tiny_config("llama", vocab=50, layers=4, hidden=64, heads=4, kv=2), draft_vocab=10)
+    assert main(base + ["--draft", f"eagle3:{tmp_path / 'bad'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "vocabulary" in err

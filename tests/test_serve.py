@@ -1,0 +1,177 @@
+"""`arborspec serve`: a real uvicorn server on 127.0.0.1 over a tiny export. Concurrent greedy
+requests equal the single-sequence output; streamed chunks concatenate to the full text; bad
+requests get an OpenAI-style 4xx and the server keeps serving; a client that disconnects
+mid-stream frees its generator; the API key guards every route but /health; /metrics speaks
+Prometheus."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+pytest.importorskip("prometheus_client")
+
+from conftest import random_model, tiny_config  # noqa: E402
+
+from arborspec.runtime.generator import Generator  # noqa: E402
+from arborspec.tools.serve_app import GeneratorPool, create_app  # noqa: E402
+
+KEY = "sekrit"
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory):
+    from types import SimpleNamespace
+
+    from test_tokenizer import synthetic_meta
+
+    from arborspec.export.export_folder import export_folder
+    from arborspec.models.tokenizer_build import text_tokenizer_from_gguf_meta
+
+    tok = text_tokenizer_from_gguf_meta(synthetic_meta())
+    m = random_model(tiny_config("llama", vocab=tok.vocab_size, layers=2, hidden=64, heads=4, kv=2), seed=9)
+    d = tmp_path_factory.mktemp("serve") / "export"
+    export_folder(SimpleNamespace(module=m, config=m.config, tokenizer=tok, source={"kind": "test"}), d,
+                  draft="layers:1", progress=False, verify=False)
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(export_dir):
+    pool = GeneratorPool(lambda: Generator.from_export(export_dir, tree="full:2,2"), 2)
+    app = create_app(pool, "tiny", api_key=KEY, max_context=512)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    assert srv.started
+    yield f"http://127.0.0.1:{port}", pool
+    srv.should_exit = True
+    t.join(timeout=30)
+    pool.close()
+
+
+def client(base):
+    return httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+
+
+def test_health_models_and_auth(server):
+    base, _ = server
+    assert httpx.get(base + "/health").json()["status"] == "ok"  # no key needed
+    r = httpx.get(base + "/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    with client(base) as c:
+        assert c.get("/v1/models").json()["data"][0]["id"] == "tiny"
+
+
+def test_concurrent_greedy_requests_equal_single(server, export_dir):
+    base, _ = server
+    prompts = ["hello", "the world", "hell the", "12 the", "hello hello", "w"]
+    ref = {}
+    with Generator.from_export(export_dir, tree="full:2,2") as g:
+        for p in prompts:
+            ref[p] = g.generate(p, 12).text
+
+    def one(p):
+        with client(base) as c:
+            r = c.post("/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": 12, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return p, r.json()["choices"][0]["text"], r.json()["usage"]
+
+    with ThreadPoolExecutor(6) as ex:
+        got = list(ex.map(one, prompts * 2))
+    for p, text, usage in got:
+        assert text == ref[p], p
+        assert usage["completion_tokens"] >= 1
+
+
+def test_stream_concatenates_to_the_full_text(server):
+    base, _ = server
+    with client(base) as c:
+        full = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello"}],
+                                                    "max_tokens": 16, "temperature": 0}).json()
+        text = full["choices"][0]["message"]["content"]
+        parts, done = [], False
+        with c.stream("POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello"}],
+                                                           "max_tokens": 16, "temperature": 0, "stream": True,
+                                                           "stream_options": {"include_usage": True}}) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                obj = json.loads(line[6:])
+                for ch in obj["choices"]:
+                    parts.append(ch["delta"].get("content", ""))
+        assert done and "".join(parts) == text
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ("{not json", 400, None),
+    ({"prompt": "hi", "model": "other"}, 404, "model"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": "hi", "n": 2}, 400, "n"),
+    ({"prompt": [10**7]}, 400, None),
+])
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, body, status, param):
+    base, _ = server
+    with client(base) as c:
+        data = body if isinstance(body, str) else json.dumps(body)
+        r = c.post("/v1/completions", content=data, headers={"content-type": "application/json"})
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert err["message"] and "type" in err and (param is None or err["param"] == param)
+        assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_disconnect_mid_stream_frees_the_generator(server):
+    base, pool = server
+    with client(base) as c:
+        with c.stream("POST", "/v1/completions", json={"prompt": "hello", "max_tokens": 400, "stream": True,
+                                                      "temperature": 0}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # one chunk, then hang up
+    for _ in range(100):
+        if pool.busy == 0:
+            break
+        time.sleep(0.1)
+    assert pool.busy == 0
+    with client(base) as c:
+        assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        m = c.get("/metrics").text
+    assert "arborspec_generated_tokens_total" in m and "arborspec_queue_depth" in m and "arborspec_mean_accepted" in m
+
+
+def test_loadtest_against_the_server(server, tmp_path, capsys):
+    from arborspec.tools.cli import main
+
+    base, _ = server
+    out = tmp_path / "lt.json"
+    rc = main(["loadtest", "--url", base, "--concurrency", "3", "--requests", "6", "--max-tokens", "6", "--stream",
+               "--api-key", KEY, "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert rc == 0 and res["ok"] == 6 and res["errors"] == 0 and res["all_answered_once"]
+    assert res["tokens"] > 0 and res["ttft_p50_s"] is not None and res["latency_p99_s"] >= res["latency_p50_s"]
+    rc = main(["loadtest", "--url", base, "--requests", "2", "--max-tokens", "2"])  # no key: 401s counted
+    assert rc == 1
+    assert main(["loadtest", "--url", "ftp://x", "--requests", "1"]) == 2

@@ -1,0 +1,149 @@
+"""`arborspec loadtest`: concurrent clients against an OpenAI-compatible server (ours or another).
+
+Role in one decode step: none; measures what a server's steps deliver to C concurrent clients:
+aggregate tokens/s, latency and time-to-first-token percentiles, errors, and whether every
+response came back to the request that asked for it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from arborspec.runtime.errors import InputError
+from arborspec.runtime.fileio import atomic_write_json
+
+EXAMPLE = """examples:
+  arborspec loadtest --url http://127.0.0.1:8000 --concurrency 4 --requests 40 --stream --max-tokens 64
+  arborspec loadtest --url http://127.0.0.1:8000 --concurrency 1 --requests 10 --json one.json
+"""
+PROMPTS = ["Write a haiku about trees.", "Explain why the sky is blue in two sentences.",
+           "List three uses of a paperclip.", "Summarise: the harbour was quiet at dawn, the boats rocked.",
+           "Count from one to ten in words.", "What is the capital of France?"]
+
+
+def register(sub) -> None:
+    p = sub.add_parser("loadtest", help="concurrent clients against an OpenAI-compatible server",
+                       description=__doc__.split("\n")[0], epilog=EXAMPLE,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--requests", type=int, default=20)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--stream", action="store_true", help="stream (measures time to first token)")
+    p.add_argument("--chat", action="store_true", help="/v1/chat/completions instead of /v1/completions")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the results here")
+    p.set_defaults(run=run)
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def one_request(client, i: int, chat: bool, stream: bool, max_tokens: int, temperature: float) -> dict:
+    """One request tagged with its index (the nonce in the prompt lets the check tell answers apart)."""
+    prompt = f"[{i}] {PROMPTS[i % len(PROMPTS)]}"
+    body = {"max_tokens": max_tokens, "temperature": temperature, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}  # exact token counts (a chunk may hold several)
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    route = "/v1/chat/completions" if chat else "/v1/completions"
+    t0 = time.perf_counter()
+    ttft, text, tokens, status = None, "", 0, None
+    try:
+        if stream:
+            with client.stream("POST", route, json=body) as r:
+                status = r.status_code
+                if status != 200:
+                    r.read()
+                    return {"i": i, "ok": False, "status": status, "error": r.text[:200]}
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    obj = json.loads(line[6:])
+                    if "error" in obj:
+                        return {"i": i, "ok": False, "status": status, "error": obj["error"]["message"]}
+                    if obj.get("usage"):
+                        tokens = obj["usage"]["completion_tokens"]
+                    for ch in obj.get("choices", []):
+                        piece = ch["delta"].get("content", "") if chat else ch.get("text", "")
+                        if piece and ttft is None:
+                            ttft = time.perf_counter() - t0
+                        text += piece
+        else:
+            r = client.post(route, json=body)
+            status = r.status_code
+            if status != 200:
+                return {"i": i, "ok": False, "status": status, "error": r.text[:200]}
+            obj = r.json()
+            ch = obj["choices"][0]
+            text = ch["message"]["content"] if chat else ch["text"]
+            tokens = obj["usage"]["completion_tokens"]
+    except Exception as e:  # noqa: BLE001 - a failed request is a measured error, not a crash
+        return {"i": i, "ok": False, "status": status, "error": f"{type(e).__name__}: {e}"[:200]}
+    return {"i": i, "ok": True, "status": status, "latency_s": time.perf_counter() - t0, "ttft_s": ttft,
+            "tokens": tokens, "text": text}
+
+
+def loadtest(url: str, concurrency: int, requests: int, *, max_tokens: int = 64, stream: bool = False,
+             chat: bool = False, temperature: float = 0.0, api_key: str | None = None, timeout: float = 600.0) -> dict:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    local = threading.local()
+
+    def work(i):
+        if not hasattr(local, "c"):
+            local.c = httpx.Client(base_url=url, headers=headers, timeout=timeout)
+        return one_request(local.c, i, chat, stream, max_tokens, temperature)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as ex:
+        results = list(ex.map(work, range(requests)))
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if r["ok"]]
+    lat = [r["latency_s"] for r in ok]
+    ttft = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None]
+    toks = sum(r["tokens"] for r in ok)
+    seen = sorted(r["i"] for r in results)
+    return {
+        "url": url, "concurrency": concurrency, "requests": requests, "stream": stream, "chat": chat,
+        "max_tokens": max_tokens, "wall_s": wall, "ok": len(ok), "errors": len(results) - len(ok),
+        "tokens": toks, "tokens_per_s": toks / wall if wall else 0.0,
+        "latency_p50_s": _pct(lat, 0.5), "latency_p99_s": _pct(lat, 0.99),
+        "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
+        "mean_latency_s": statistics.mean(lat) if lat else None,
+        "all_answered_once": seen == list(range(requests)),
+        "error_samples": [r["error"] for r in results if not r["ok"]][:5],
+    }
+
+
+def run(args) -> int:
+    if args.concurrency < 1 or args.requests < 1 or args.max_tokens < 1:
+        raise InputError("--concurrency, --requests and --max-tokens must be >= 1")
+    if not args.url.startswith(("http://", "https://")):
+        raise InputError(f"--url must start with http:// or https://, got {args.url!r}")
+    res = loadtest(args.url.rstrip("/"), args.concurrency, args.requests, max_tokens=args.max_tokens,
+                   stream=args.stream, chat=args.chat, temperature=args.temperature, api_key=args.api_key,
+                   timeout=args.timeout)
+    f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    print(f"{res['ok']}/{res['requests']} ok, {res['errors']} errors, {res['tokens']} tokens in {res['wall_s']:.1f} s "
+          f"= {res['tokens_per_s']:.1f} tok/s | latency p50 {f(res['latency_p50_s'])} s p99 {f(res['latency_p99_s'])} s"
+          f" | ttft p50 {f(res['ttft_p50_s'])} s p99 {f(res['ttft_p99_s'])} s")
+    if args.json:
+        atomic_write_json(args.json, res, indent=1)
+    return 0 if res["errors"] == 0 else 1
+
+

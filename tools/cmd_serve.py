@@ -1,0 +1,63 @@
+"""`arborspec serve`: an OpenAI-compatible HTTP server over an export folder.
+
+Role in one decode step: none of its own; each request is one generation (tools/serve_app.py).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from arborspec.runtime.errors import InputError
+
+EXAMPLE = """examples:
+  arborspec serve --export-dir ~/.cache/arborspec/exports/smollm2-135m-layers4-v2 --draft lookup --port 8000
+  curl -s localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'
+  arborspec serve --export-dir DIR --host 0.0.0.0 --api-key "$KEY" --workers 2
+"""
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, SSE, metrics)",
+                       description=__doc__.split("\n")[0], epilog=EXAMPLE,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--export-dir", type=Path, required=True, help="export folder from `arborspec export`")
+    p.add_argument("--backend", choices=["onnxruntime", "tensorrt"], default="onnxruntime")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--draft", default=None, help="export (default), none, or lookup[:N]")
+    p.add_argument("--tree", default=None, help="tree spec (default: the export's)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--workers", "--max-batch", dest="workers", type=int, default=1,
+                   help="sequences decoded at once, one generator each (default 1; more requests queue)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $ARBORSPEC_API_KEY)")
+    p.add_argument("--model-name", default=None, help="the model id clients send (default: the export's name)")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError:
+        raise InputError("arborspec serve needs FastAPI and uvicorn: pip install 'arborspec[serve]'") from None
+    if not 1 <= args.port <= 65535:
+        raise InputError(f"--port must be in 1..65535, got {args.port}")
+    if args.workers < 1:
+        raise InputError(f"--workers must be >= 1, got {args.workers}")
+    from arborspec.runtime.contract import read_manifest
+    from arborspec.runtime.generator import Generator
+
+    from .serve_app import GeneratorPool, create_app
+
+    man = read_manifest(args.export_dir)
+    name = args.model_name or man.data.get("source", {}).get("model") or Path(args.export_dir).name
+    pool = GeneratorPool(lambda: Generator.from_export(args.export_dir, args.backend, args.device, draft=args.draft,
+                                                       tree=args.tree), args.workers)
+    try:
+        app = create_app(pool, str(name), api_key=args.api_key or os.environ.get("ARBORSPEC_API_KEY"),
+                         max_context=int(man.limits.get("max_context", 2048)))
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10)
+    finally:
+        pool.close()
+    return 0

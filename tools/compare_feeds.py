@@ -1,0 +1,202 @@
+"""The inputs `arborspec compare` feeds every graph: the runtime's own calls of a decode (a
+prefill, a one-token step, one verify per tree policy, and the draft's calls while drafting),
+recorded as Polygraphy feed dicts.
+
+Role in one decode step: none; it replays steps 1-3 of real decoding for the comparison.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from arborspec.runtime import contract as C
+from arborspec.runtime.errors import InputError
+
+STATIC_PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]
+
+
+# ----------------------------------------------------------------------------- feeds
+@dataclass
+class Feed:
+    name: str
+    data: "OrderedDict[str, np.ndarray]"
+
+    @property
+    def t(self) -> int:
+        return int(self.data[C.INPUT_IDS].shape[1])
+
+    @property
+    def p(self) -> int:
+        return int(self.data[C.ATTENTION_MASK].shape[2]) - self.t
+
+
+def _feed(ids, pos, mask, cache, kv_dtype=np.float32) -> "OrderedDict[str, np.ndarray]":
+    d = OrderedDict()
+    d[C.INPUT_IDS] = np.ascontiguousarray(ids.detach().cpu().numpy().astype(np.int64))
+    d[C.POSITION_IDS] = np.ascontiguousarray(pos.detach().cpu().numpy().astype(np.int64))
+    d[C.ATTENTION_MASK] = np.ascontiguousarray(mask.detach().cpu().numpy().astype(bool))
+    for i in range(cache.spec.n_layers):
+        k, v = cache.past(i)  # [P, B, Hkv, D] whatever the cache's layout
+        d[C.past_key(i)] = np.ascontiguousarray(k.detach().float().cpu().numpy().astype(kv_dtype))
+        d[C.past_value(i)] = np.ascontiguousarray(v.detach().float().cpu().numpy().astype(kv_dtype))
+    return d
+
+
+def _is_kv(name: str, kind: str) -> bool:
+    return name.startswith(f"{kind}_key.") or name.startswith(f"{kind}_value.")
+
+
+def feed_in_layout(feed: dict, layout: str) -> "OrderedDict[str, np.ndarray]":
+    """A recorded feed (past K/V [P, B, Hkv, D]) in a graph's own input layout: for "bhsd"
+    graphs each past becomes the layer's slab [B, Hkv, P+T, D] holding the past at [0, P)."""
+    if layout != "bhsd":
+        return feed
+    t = feed[C.INPUT_IDS].shape[1]
+    out = OrderedDict()
+    for name, x in feed.items():
+        if _is_kv(name, "past"):
+            p, b, h, d = x.shape
+            slab = np.zeros((b, h, p + t, d), dtype=x.dtype)
+            slab[:, :, :p] = x.transpose(1, 2, 0, 3)
+            x = slab
+        out[name] = x
+    return out
+
+
+def outputs_in_layout(outputs: dict, feed: dict, layout: str) -> "OrderedDict[str, np.ndarray]":
+    """Reference outputs (new K/V [T, B, Hkv, D]) in a graph's own output layout: for "bhsd"
+    graphs each new_key/new_value is the layer's whole slab after the call (past + new)."""
+    if layout != "bhsd":
+        return outputs
+    out = OrderedDict()
+    for name, x in outputs.items():
+        if _is_kv(name, "new"):
+            past = feed[name.replace("new_", "past_", 1)]
+            x = np.ascontiguousarray(np.concatenate([past, x], axis=0).transpose(1, 2, 0, 3))
+        out[name] = x
+    return out
+
+
+class _Recorder:
+    """An engine wrapper that records every call's inputs as a contract feed."""
+
+    def __init__(self, engine, kv_dtype=np.float32):
+        self.engine, self.info, self.device = engine, engine.info, engine.device
+        self.kv_dtype = kv_dtype
+        self.label = ""
+        self.feeds: list[Feed] = []
+        self._seen: set = set()
+        self.enabled = True
+
+    def forward(self, ids, pos, mask, cache):
+        if self.enabled:
+            f = _feed(ids, pos, mask, cache, self.kv_dtype)
+            key = (cache.length, f[C.INPUT_IDS].tobytes(), f[C.POSITION_IDS].tobytes(),
+                   f[C.ATTENTION_MASK].tobytes())
+            if key not in self._seen:  # e.g. the same draft prefill before every policy
+                self._seen.add(key)
+                self.feeds.append(Feed(f"{self.label} T={ids.shape[1]} P={cache.length}", f))
+        return self.engine.forward(ids, pos, mask, cache)
+
+
+def default_policies(max_tree_nodes: int, static_file: str | os.PathLike | None = None) -> list[str]:
+    """Tree specs covering every policy, the largest (dynamic) at max_tree_nodes nodes."""
+    m = int(max_tree_nodes)
+    specs = [f"chain:{min(4, m)}", "full:2,3", "beam:2,4,4", f"dynamic:8,3,{m}"]
+    if static_file is not None:
+        specs.insert(3, f"static:{static_file}")
+    from arborspec.runtime.trees import parse_tree_spec
+
+    return [s for s in specs if parse_tree_spec(s).max_nodes <= m]
+
+
+def build_feeds(target, draft=None, *, max_tree_nodes: int = 64, max_context: int | None = None,
+                trees: int = 1, seed: int = 0, policies: list[str] | None = None,
+                kv_dtype=np.float32) -> dict[str, list[Feed]]:
+    """The feeds the runtime produces, for {"target": [...], "draft": [...]}.
+
+    target: an Engine; draft: an Engine (neural draft: its calls are recorded), a BigramDraft,
+    or None (the target itself shapes the trees). `trees` trees per policy, each over a cache
+    of P > 0 random past tokens (P differs from tree to tree)."""
+    from arborspec.runtime.drafting import draft_tree
+    from arborspec.runtime.drafts import BigramDraft, ModelDraft
+    from arborspec.runtime.kvcache import KVCache
+    from arborspec.runtime.sampling import SamplingParams
+    from arborspec.runtime.trees import Tree, parse_tree_spec, verify_inputs
+
+    if trees < 1:
+        raise InputError(f"--trees must be >= 1, got {trees}")
+    g = torch.Generator().manual_seed(int(seed))
+    vocab = target.info.vocab_size
+    limit = min(target.info.max_position, max_context or target.info.max_position)
+    rec_t = _Recorder(target, kv_dtype)
+    rec_d = None
+    if draft is None:
+        dsrc_engine = target
+    elif isinstance(draft, BigramDraft):
+        dsrc_engine = None
+    else:
+        rec_d = _Recorder(draft, kv_dtype)
+        dsrc_engine = rec_d
+    tmp = tempfile.TemporaryDirectory(prefix="arborspec-compare-")
+    try:
+        static = Path(tmp.name) / "static_tree.json"
+        static.write_text(json.dumps(STATIC_PATHS))
+        specs = policies if policies is not None else default_policies(max_tree_nodes, static)
+        pols = [parse_tree_spec(s) for s in specs]
+        biggest = max([p.max_nodes for p in pols] + [1]) + 1
+        p0 = 9
+        if p0 + 3 * (trees - 1) + biggest + 2 > limit:
+            raise InputError(f"the feeds need a context of {p0 + 3 * (trees - 1) + biggest + 2} "
+                             f"positions, the export allows {limit}")
+        sp = SamplingParams()
+        for i in range(trees):
+            p = p0 + 3 * i
+            past = torch.randint(0, vocab, (p,), generator=g).tolist()
+            root = int(torch.randint(0, vocab, (1,), generator=g))
+            cap = p + biggest + 1
+            cache = KVCache(target.info.cache, cap, 1, target.device)
+            # prefill: a prompt chain over an empty cache (P = 0)
+            rec_t.enabled, rec_t.label = i == 0, "prefill (chain)"
+            ids = torch.tensor([past], device=target.device)
+            pos = torch.arange(p, device=target.device)[None]
+            mask = torch.ones(p, p, dtype=torch.bool, device=target.device).tril()[None]
+            rec_t.forward(ids, pos, mask, cache)
+            cache.commit(None, p)
+            rec_t.enabled = True
+            if i == 0:  # vanilla's step: the root alone over the cache
+                rec_t.label = "decode (vanilla)"
+                ids, pos, mask = verify_inputs(root, Tree.empty(), p, target.device)
+                rec_t.forward(ids, pos, mask, cache)
+            for pol in pols:
+                if dsrc_engine is None:
+                    src = draft
+                else:
+                    src = ModelDraft(dsrc_engine, cap)
+                src.prepare(pol, cap)
+                src.reset(past)
+                name = pol.spec if pol.kind != "static" else "static:file"
+                if rec_d is not None:
+                    rec_d.label = f"draft for {name}"
+                prev = rec_t.enabled
+                rec_t.enabled = dsrc_engine is not target
+                tree = draft_tree(src, pol, root, sp, "topk", torch.Generator().manual_seed(seed))
+                rec_t.enabled = prev
+                ids, pos, mask = verify_inputs(root, tree, p, target.device)
+                rec_t.label = f"verify {name} ({tree.n} nodes)"
+                # record only: the verify call itself need not run here
+                rec_t.feeds.append(Feed(f"{rec_t.label} T={ids.shape[1]} P={p}",
+                                        _feed(ids, pos, mask, cache, kv_dtype)))
+    finally:
+        tmp.cleanup()
+    out = {"target": rec_t.feeds}
+    if rec_d is not None:
+        out["draft"] = rec_d.feeds
+    return out

@@ -1,0 +1,80 @@
+"""Measured cost curves: a verify call's time c(T) and a draft level's time d(F) on a backend.
+
+Role in one decode step: none at run time; measures what steps 1 and 3 cost, for `tune`.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+
+def sample_sizes(max_size: int) -> list[int]:
+    base = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+    return sorted({s for s in base if s <= max_size} | {max_size})
+
+
+def _sync_of(engine):
+    dev = getattr(engine, "device", None)
+    return torch.cuda.synchronize if dev is not None and getattr(dev, "type", "") == "cuda" else None
+
+
+def _time_sizes(calls: dict, reps: int, sync=None) -> dict:
+    """{size: ms}: every call warmed up, then timed `reps` times in round-robin rounds (so a
+    burst of load from other processes hits all sizes alike); the minimum per size (the
+    least-disturbed run), then made non-decreasing in size (a slower small call is noise:
+    it is capped by the cost of the next larger size)."""
+    times: dict = {s: [] for s in calls}
+    for fn in calls.values():
+        fn()
+    if sync:
+        sync()
+    for _ in range(reps):
+        for s, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            if sync:
+                sync()
+            times[s].append(time.perf_counter() - t0)
+    out = {s: 1e3 * min(ts) for s, ts in times.items()}
+    run = float("inf")
+    for s in sorted(out, reverse=True):
+        run = min(run, out[s])
+        out[s] = run
+    return dict(sorted(out.items()))
+
+
+def engine_cost_curve(engine, sizes: Sequence[int], past: int = 256, reps: int = 5, progress=None) -> dict:
+    """{T: ms} of one engine call with T new tokens after `past` cached positions (cache
+    contents are zeros: the cost does not depend on them)."""
+    from arborspec.runtime.kvcache import KVCache
+
+    past = max(0, min(past, engine.info.max_position - max(sizes) - 1))
+    cache = KVCache(engine.info.cache, past + max(sizes) + 1, 1, engine.device)
+    dev = engine.device
+    calls = {}
+    for t in sizes:
+        ids = torch.randint(0, engine.info.vocab_size, (1, t), generator=torch.Generator().manual_seed(t)).to(dev)
+        pos = (torch.arange(t) + past)[None].to(dev)
+        mask = torch.ones(1, t, past + t, dtype=torch.bool, device=dev)
+
+        def call(ids=ids, pos=pos, mask=mask):
+            cache.length = past
+            engine.forward(ids, pos, mask, cache)
+
+        calls[int(t)] = call
+    return _time_sizes(calls, reps, _sync_of(engine))
+
+
+def draft_cost_curve(draft, sizes: Sequence[int], past: int = 256, reps: int = 5, progress=None) -> dict:
+    """{F: ms} of one draft level call over F frontier nodes (an engine call, or a table gather)."""
+    from arborspec.runtime.drafts import BigramDraft
+
+    if isinstance(draft, BigramDraft):
+        calls = {}
+        for f in sizes:
+            toks = torch.randint(0, draft.vocab_size, (f,), generator=torch.Generator().manual_seed(f))
+            calls[int(f)] = lambda toks=toks: draft._rows(toks)
+        return _time_sizes(calls, reps)
+    return engine_cost_curve(draft, sizes, past, reps, progress)

@@ -1,0 +1,83 @@
+"""Profile one exported graph with ONNX Runtime's profiler: time per op type at (T, P).
+
+Role in one decode step: none; measures what one model call of a step (T new tokens over P
+cached ones) spends in each operator, the way the README's base-engine profile was taken.
+
+    python -m arborspec.tools.profile_ort EXPORT_DIR/target.onnx --tokens 1 --past 256 --reps 20
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import tempfile
+import time
+
+import torch
+
+from arborspec.runtime.errors import ArborspecError
+
+
+def profile(path: str, tokens: int = 1, past: int = 256, reps: int = 20, threads: int = 2) -> dict:
+    """{"median_ms", "min_ms", "ops": [(op type, share, ms per call)]} for one call shape."""
+    import onnxruntime as ort
+
+    from arborspec.runtime.backends.onnxruntime import OrtEngine
+    from arborspec.runtime.kvcache import KVCache
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.intra_op_num_threads = threads
+    so.enable_profiling = True
+    so.profile_file_prefix = tempfile.mkdtemp() + "/ort"
+    e = OrtEngine(path, session_options=so)
+    c = KVCache(e.info.cache, past + tokens + 1, 1)
+    c.k.normal_()
+    c.v.normal_()
+    c.length = past
+    ids = torch.randint(0, e.info.vocab_size, (1, tokens))
+    pos = (past + torch.arange(tokens))[None]
+    mask = torch.ones(1, tokens, past + tokens, dtype=torch.bool)
+    for _ in range(3):
+        e.forward(ids, pos, mask, c)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        e.forward(ids, pos, mask, c)
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    events = json.load(open(e.session.end_profiling()))
+    by: collections.Counter = collections.Counter()
+    for x in events:
+        if x.get("cat") == "Node" and x["name"].endswith("_kernel_time"):
+            by[x["args"]["op_name"]] += x["dur"]
+    total = sum(by.values()) or 1
+    calls = reps + 3
+    return {"median_ms": 1e3 * ts[len(ts) // 2], "min_ms": 1e3 * ts[0],
+            "ops": [(op, d / total, d / calls / 1e3) for op, d in by.most_common()]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n\n")[-1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("onnx")
+    p.add_argument("--tokens", type=int, default=1)
+    p.add_argument("--past", type=int, default=256)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args(argv)
+    try:
+        r = profile(a.onnx, a.tokens, a.past, a.reps, a.threads)
+    except ArborspecError as e:
+        print(f"profile_ort: error: {e}", file=sys.stderr)
+        return 2
+    print(f"T={a.tokens} P={a.past}: median {r['median_ms']:.2f} ms, min {r['min_ms']:.2f} ms")
+    for op, share, ms in r["ops"][:15]:
+        print(f"  {op:34s} {100 * share:5.1f}%  {ms:.3f} ms/call")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

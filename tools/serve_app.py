@@ -1,0 +1,316 @@
+"""The OpenAI-compatible HTTP app of `arborspec serve` (FastAPI, run by uvicorn).
+
+Role in one decode step: none of its own; each request becomes one generation on a
+`Generator` (runtime/generator.py) taken from a pool, run in a worker thread, its steps streamed
+out as server-sent events when asked. Routes: POST /v1/completions, POST /v1/chat/completions
+(streaming and not), GET /v1/models, GET /health, GET /metrics (Prometheus text).
+
+Concurrency: `workers` generators, each decoding one sequence at a time; requests beyond that
+wait in a queue (`arborspec_queue_depth`). Batched verify calls across requests are not done yet.
+Errors have OpenAI's shape: {"error": {"message", "type", "param", "code"}} with a 4xx status;
+an API key, when set, is checked on every route but /health.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+from fastapi import Request  # module level: FastAPI resolves the (string) annotations here
+
+from arborspec.runtime.errors import ArborspecError
+
+
+class GeneratorPool:
+    """N generators; `acquire()` blocks until one is free (the queue depth is what waits)."""
+
+    def __init__(self, factory: Callable[[], Any], workers: int):
+        self.free: queue.Queue = queue.Queue()
+        self.all = [factory() for _ in range(workers)]
+        for g in self.all:
+            self.free.put(g)
+        self.waiting = 0
+        self._lock = threading.Lock()
+
+    def acquire(self, timeout: float | None = None):
+        with self._lock:
+            self.waiting += 1
+        try:
+            return self.free.get(timeout=timeout)
+        finally:
+            with self._lock:
+                self.waiting -= 1
+
+    def release(self, g) -> None:
+        self.free.put(g)
+
+    @property
+    def busy(self) -> int:
+        return len(self.all) - self.free.qsize()
+
+    def close(self) -> None:
+        for g in self.all:
+            g.close()
+
+
+def create_app(pool: GeneratorPool, model_name: str, *, api_key: str | None = None, max_context: int = 2048):
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    reg = CollectorRegistry()
+    m_requests = Counter("arborspec_requests", "requests served", ["route"], registry=reg)
+    m_errors = Counter("arborspec_request_errors", "requests that failed", ["status"], registry=reg)
+    m_tokens = Counter("arborspec_generated_tokens", "tokens generated", registry=reg)
+    m_steps = Counter("arborspec_verify_steps", "target verify calls", registry=reg)
+    m_decode_s = Counter("arborspec_decode_seconds", "time spent decoding", registry=reg)
+    g_queue = Gauge("arborspec_queue_depth", "requests waiting for a generator", registry=reg)
+    g_active = Gauge("arborspec_active_sequences", "sequences being decoded", registry=reg)
+    g_tps = Gauge("arborspec_tokens_per_second", "decode tokens/s of the last request", registry=reg)
+    g_acc = Gauge("arborspec_mean_accepted", "tokens per verify call over all requests", registry=reg)
+    g_queue.set_function(lambda: pool.waiting)
+    g_active.set_function(lambda: pool.busy)
+    totals = {"tokens": 0, "steps": 0}
+
+    app = FastAPI(title="arborspec", docs_url=None, redoc_url=None)
+
+    def error(status: int, message: str, etype: str = "invalid_request_error", param: str | None = None,
+              code: str | None = None):
+        m_errors.labels(str(status)).inc()
+        return JSONResponse({"error": {"message": message, "type": etype, "param": param, "code": code}},
+                            status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        msg = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            msg = "malformed JSON body"
+        return error(400, f"{msg}" + (f" ({loc})" if loc else ""), param=loc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc):
+        return error(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error")
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.url.path != "/health":
+            got = request.headers.get("authorization", "")
+            if got != f"Bearer {api_key}":
+                return error(401, "invalid or missing API key (Authorization: Bearer KEY)", "authentication_error",
+                             code="invalid_api_key")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_name}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "arborspec",
+                                            "created": 0}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        g_acc.set(totals["tokens"] / totals["steps"] if totals["steps"] else 0.0)
+        return PlainTextResponse(generate_latest(reg).decode(), media_type="text/plain; version=0.0.4")
+
+    async def _body(request: Request) -> dict | JSONResponse:
+        try:
+            body = json.loads(await request.body() or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error(400, "malformed JSON body")
+        if not isinstance(body, dict):
+            return error(400, "the request body must be a JSON object")
+        return body
+
+    def _params(body: dict) -> dict | JSONResponse:
+        model = body.get("model")
+        if model not in (None, model_name):
+            return error(404, f"model {model!r} does not exist (this server serves {model_name!r})",
+                         param="model", code="model_not_found")
+        n = body.get("n", 1)
+        if n != 1:
+            return error(400, "only n = 1 is supported", param="n")
+        mt = body.get("max_tokens", body.get("max_completion_tokens", 64))
+        if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
+            return error(400, "max_tokens must be an integer >= 1", param="max_tokens")
+        if mt > max_context:
+            return error(400, f"max_tokens {mt} is beyond the model's context of {max_context}", param="max_tokens")
+        out = {"max_new_tokens": mt}
+        for key, default in (("temperature", 1.0), ("top_p", 1.0)):
+            v = body.get(key, default)
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                return error(400, f"{key} must be a number", param=key)
+            out[key] = float(v)
+        if not 0 <= out["temperature"] <= 2:
+            return error(400, "temperature must be in [0, 2]", param="temperature")
+        if not 0 < out["top_p"] <= 1:
+            return error(400, "top_p must be in (0, 1]", param="top_p")
+        seed = body.get("seed", 0)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            return error(400, "seed must be an integer", param="seed")
+        out["seed"] = seed
+        return out
+
+    def _run(prompt, params: dict, chat: bool, on_chunk=None, cancelled=lambda: False) -> dict:
+        """One generation on a pooled generator (a worker thread): text, tokens, stats."""
+        g = pool.acquire()
+        try:
+            if chat:
+                prompt = g.tokenizer.apply_chat(prompt) if g.tokenizer is not None else None
+                if prompt is None:
+                    raise ArborspecError("this model has no tokenizer: chat needs one")
+            ids = g.encode_prompt(prompt)
+            if len(ids) + params["max_new_tokens"] > max_context:
+                raise ArborspecError(f"the prompt ({len(ids)} tokens) plus max_tokens ({params['max_new_tokens']}) "
+                                     f"is beyond the model's context of {max_context}")
+            text = []
+            it = g.stream(ids, params["max_new_tokens"], temperature=params["temperature"], top_p=params["top_p"],
+                          seed=params["seed"])
+            try:
+                for chunk in it:
+                    text.append(chunk)
+                    if on_chunk:
+                        on_chunk(chunk)
+                    if cancelled():
+                        break
+            finally:
+                it.close()  # a disconnect frees the generator here
+            st = g.last_stats
+            totals["tokens"] += st.new_tokens
+            totals["steps"] += st.steps
+            m_tokens.inc(st.new_tokens)
+            m_steps.inc(st.steps)
+            m_decode_s.inc(st.decode_s)
+            g_tps.set(st.tokens_per_s)
+            reason = "stop" if getattr(g, "last_stop_reason", "") == "eos" else "length"
+            return {"text": "".join(text), "prompt_tokens": len(ids), "completion_tokens": st.new_tokens,
+                    "finish_reason": reason, "mean_accepted": st.mean_accepted}
+        finally:
+            pool.release(g)
+
+    def _response(kind: str, rid: str, created: int, r: dict) -> dict:
+        usage = {"prompt_tokens": r["prompt_tokens"], "completion_tokens": r["completion_tokens"],
+                 "total_tokens": r["prompt_tokens"] + r["completion_tokens"]}
+        if kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": r["text"]},
+                      "finish_reason": r["finish_reason"]}
+            return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
+                    "choices": [choice], "usage": usage}
+        return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                "choices": [{"index": 0, "text": r["text"], "finish_reason": r["finish_reason"], "logprobs": None}],
+                "usage": usage}
+
+    async def _handle(request: Request, chat: bool):
+        import anyio
+
+        route = "chat" if chat else "completions"
+        m_requests.labels(route).inc()
+        body = await _body(request)
+        if not isinstance(body, dict):
+            return body
+        params = _params(body)
+        if not isinstance(params, dict):
+            return params
+        if chat:
+            msgs = body.get("messages")
+            if not isinstance(msgs, list) or not msgs or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in msgs):
+                return error(400, 'messages must be a non-empty list of {"role", "content"} strings', param="messages")
+            prompt = [{"role": m["role"], "content": m["content"]} for m in msgs]
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if not (isinstance(prompt, str) and prompt) and not (
+                    isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+                return error(400, "prompt must be a non-empty string or a list of token ids", param="prompt")
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        if not body.get("stream"):
+            try:
+                r = await anyio.to_thread.run_sync(lambda: _run(prompt, params, chat))
+            except ArborspecError as e:
+                return error(400, str(e).splitlines()[0])
+            return _response("chat" if chat else "text", rid, created, r)
+
+        # streaming: the generation runs in a worker thread and hands chunks over a queue
+        q: queue.Queue = queue.Queue()
+        stop = threading.Event()
+
+        def work():
+            try:
+                r = _run(prompt, params, chat, on_chunk=lambda c: q.put(("chunk", c)), cancelled=stop.is_set)
+                q.put(("done", r))
+            except ArborspecError as e:
+                q.put(("error", str(e).splitlines()[0]))
+            except Exception as e:  # noqa: BLE001 - a bug: reported to the client, logged by uvicorn
+                q.put(("error", f"internal error: {type(e).__name__}"))
+                raise
+
+        threading.Thread(target=work, daemon=True).start()
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+        def event(delta: dict | None = None, finish=None, usage=None) -> str:
+            if chat:
+                choice = {"index": 0, "delta": delta or {}, "finish_reason": finish}
+                obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                       "choices": [choice]}
+            else:
+                choice = {"index": 0, "text": (delta or {}).get("content", ""), "finish_reason": finish,
+                          "logprobs": None}
+                obj = {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                       "choices": [choice]}
+            if usage is not None:
+                obj["choices"], obj["usage"] = [], usage
+            return f"data: {json.dumps(obj)}\n\n"
+
+        async def sse():
+            try:
+                if chat:
+                    yield event({"role": "assistant", "content": ""})
+                while True:
+                    if await request.is_disconnected():
+                        stop.set()
+                        return
+                    try:
+                        kind, payload = await anyio.to_thread.run_sync(lambda: q.get(timeout=0.2))
+                    except queue.Empty:
+                        continue
+                    if kind == "chunk":
+                        yield event({"content": payload})
+                    elif kind == "error":
+                        m_errors.labels("stream").inc()
+                        yield f"data: {json.dumps({'error': {'message': payload, 'type': 'invalid_request_error', 'param': None, 'code': None}})}\n\n"
+                        yield "data: [DONE]\n\n"
+                        return
+                    else:
+                        yield event(finish=payload["finish_reason"])
+                        if include_usage:
+                            yield event(usage={"prompt_tokens": payload["prompt_tokens"],
+                                               "completion_tokens": payload["completion_tokens"],
+                                               "total_tokens": payload["prompt_tokens"] + payload["completion_tokens"]})
+                        yield "data: [DONE]\n\n"
+                        return
+            finally:
+                stop.set()  # client gone or server shutting down: the worker stops after its step
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _handle(request, chat=True)
+
+    return app
