@@ -1,12 +1,10 @@
 """Target features for EAGLE-3: hidden states entering layers (2, L//2, L-3), via TorchEngine."""
-import pytest
 import torch
+from conftest import random_model, tiny_config
 
 from arborspec.models.eagle3 import default_aux_layers as feature_layer_ids
 from arborspec.runtime.backends.torch_backend import TorchEngine
 from arborspec.runtime.kvcache import KVCache
-
-from conftest import random_model, tiny_config
 
 
 def _mask(p, t):
