@@ -233,6 +233,19 @@ def verify_against_torch(module, path: str | os.PathLike, cfg, dtype: torch.dtyp
     return worst
 
 
+def contract_metadata(cfg, dtype: str, tokenizer_sha256: str | None, role: str, exporter: str, kv_layout: str,
+                      topk: int = 0) -> dict[str, str]:
+    """The metadata_props every exported graph carries (runtime/contract.py names them)."""
+    import arborspec
+
+    meta = {META_CONTRACT: str(CONTRACT_VERSION), META_CONFIG: cfg.to_json(), META_DTYPE: dtype,
+            META_TOKENIZER: tokenizer_sha256 or "", META_ROLE: role, META_EXPORTER: exporter,
+            META_VERSION: arborspec.__version__, META_KV_LAYOUT: kv_layout}
+    if topk > 0:
+        meta[META_TOPK] = str(topk)
+    return meta
+
+
 def export_contract_onnx(module: torch.nn.Module, path: str | os.PathLike, opset: int = DEFAULT_OPSET,
                          dtype: str = "fp32", *, tokenizer_sha256: str | None = None,
                          role: str = "", max_context: int | None = None, exporter: str = "auto",
@@ -250,7 +263,6 @@ def export_contract_onnx(module: torch.nn.Module, path: str | os.PathLike, opset
         raise InputError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
     if exporter not in ("auto", "dynamo", "legacy"):
         raise InputError(f"unknown exporter {exporter!r}")
-    import arborspec
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -291,18 +303,7 @@ def export_contract_onnx(module: torch.nn.Module, path: str | os.PathLike, opset
             onnx.save(m, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                       location=path.name + ".data", size_threshold=1024)
 
-    meta = {
-        META_CONTRACT: str(CONTRACT_VERSION),
-        META_CONFIG: cfg.to_json(),
-        META_DTYPE: dtype,
-        META_TOKENIZER: tokenizer_sha256 or "",
-        META_ROLE: role,
-        META_EXPORTER: f"{used}:opset{opset}",
-        META_VERSION: arborspec.__version__,
-        META_KV_LAYOUT: "sbhd",
-    }
-    if topk > 0:
-        meta[META_TOPK] = str(topk)
+    meta = contract_metadata(cfg, dtype, tokenizer_sha256, role, f"{used}:opset{opset}", "sbhd", topk)
     ir, nodes = _finalize(path, meta, big)
     import onnx
 
@@ -329,7 +330,6 @@ def export_gqa_onnx(module: torch.nn.Module, path: str | os.PathLike, dtype: str
     weight-only MatMulNBits (export/quantize.py): with `gguf_path` (a GGUF whose tensors are
     Q4_0/Q4_1/Q8_0) its blocks are carried over as they are for "int4" (the GGUF's own weights);
     otherwise ONNX Runtime's blockwise round-to-nearest of the float weights."""
-    import arborspec
 
     from . import gqa_graph
 
@@ -374,18 +374,7 @@ def export_gqa_onnx(module: torch.nn.Module, path: str | os.PathLike, dtype: str
         qinfo = {"scheme": quantize, "format": "matmulnbits", "block_size": block_size,
                  "accuracy_level": accuracy_level, "source": "onnxruntime-rtn"}
     ext = gqa_graph.save_model(model, path)
-    meta = {
-        META_CONTRACT: str(CONTRACT_VERSION),
-        META_CONFIG: cfg.to_json(),
-        META_DTYPE: dtype,
-        META_TOKENIZER: tokenizer_sha256 or "",
-        META_ROLE: role,
-        META_EXPORTER: f"gqa:opset{gqa_graph.OPSET}",
-        META_VERSION: arborspec.__version__,
-        META_KV_LAYOUT: "bhsd",
-    }
-    if topk > 0:
-        meta[META_TOPK] = str(topk)
+    meta = contract_metadata(cfg, dtype, tokenizer_sha256, role, f"gqa:opset{gqa_graph.OPSET}", "bhsd", topk)
     ir, nodes = _finalize(path, meta, bool(ext))
     res = ExportResult(path=path, opset=gqa_graph.OPSET, exporter="gqa", dtype=dtype, ir_version=ir,
                        n_nodes=nodes, external_data=ext, quantization=qinfo)

@@ -104,6 +104,21 @@ class DraftSource:
         """Release engines and buffers."""
 
 
+def scratch_mask(buf: MaskBuffer, anc: torch.Tensor, frontier: np.ndarray, slot_node: np.ndarray,
+                 scratch0: int, p: int) -> torch.Tensor:
+    """The mask [1, F, p+F] of a draft level's call over a scratch cache: every row sees the
+    committed prefix [0, scratch0) (True in the buffer), the scratch rows [scratch0, p) of its
+    ancestors (slot_node: scratch row -> node) and itself. Call `buf.release()` after the call."""
+    f, n_slots = int(frontier.size), p - scratch0
+    block = np.zeros((f, n_slots + f), dtype=bool)
+    if n_slots:
+        block[:, :n_slots] = anc.numpy()[frontier[:, None], slot_node[:n_slots]]
+    block[:, n_slots:] = np.eye(f, dtype=bool)
+    mask = buf.view(f, p, col0=scratch0)
+    mask[0, :, scratch0:].copy_(torch.from_numpy(block))
+    return mask
+
+
 def tree_capacity(policy: TreePolicy, vocab: int) -> int:
     """Upper bound on the nodes a policy drafts in one step, before its final pruning."""
     kind = policy.kind
@@ -195,14 +210,7 @@ class ModelDraft(DraftSource):
         scratch0 = self._base + self._chain
         n_slots = p - scratch0
         fr = frontier.numpy()
-        # the block over this step's scratch rows: each frontier node sees the scratch rows of
-        # its ancestors and itself (the committed prefix stays True in the mask buffer)
-        block = np.zeros((f, n_slots + f), dtype=bool)
-        if n_slots:
-            block[:, :n_slots] = nodes.anc.numpy()[fr[:, None], self._slot_node[:n_slots]]
-        block[:, n_slots:] = np.eye(f, dtype=bool)
-        mask = self.mask.view(f, p, col0=scratch0)
-        mask[0, :, scratch0:].copy_(torch.from_numpy(block))
+        mask = scratch_mask(self.mask, nodes.anc, fr, self._slot_node, scratch0, p)
         ids = torch.from_numpy(nodes.tokens.numpy()[fr][None]).to(dev)
         pos = torch.from_numpy(nodes.depth.numpy()[fr][None] + (scratch0 - 1)).to(dev)
         out = self._forward(ids, pos, mask, k, logprobs)

@@ -28,7 +28,7 @@ import time
 import numpy as np
 import torch
 
-from .drafts import DraftSource, NodeView, tree_capacity
+from .drafts import DraftSource, NodeView, scratch_mask, tree_capacity
 from .kvcache import CacheSpec, KVCache
 from .tree_plan import MaskBuffer
 from .trees import Tree, TreePolicy
@@ -115,12 +115,7 @@ class Eagle3Draft(DraftSource):
         scratch0 = self._base + self._chain
         n_slots = p - scratch0
         fr = frontier.numpy()
-        block = np.zeros((f, n_slots + f), dtype=bool)
-        if n_slots:
-            block[:, :n_slots] = nodes.anc.numpy()[fr[:, None], self._slot_node[:n_slots]]
-        block[:, n_slots:] = np.eye(f, dtype=bool)
-        mask = self.mask.view(f, p, col0=scratch0)
-        mask[0, :, scratch0:].copy_(torch.from_numpy(block))
+        mask = scratch_mask(self.mask, nodes.anc, fr, self._slot_node, scratch0, p)
         parents = nodes.parents.numpy()[fr]
         hidden = torch.stack([self._root_hidden if q < 0 else self._node_hidden[q] for q in parents.tolist()])
         pos = nodes.depth[frontier] + (scratch0 - 1)

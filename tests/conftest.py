@@ -62,3 +62,20 @@ def externalize_target(d):
     man["target"]["external_data"] = ["target.onnx.data"]
     man["target"]["bytes"] = (d / "target.onnx").stat().st_size
     (d / "manifest.json").write_text(json.dumps(man))
+
+
+def tiny_text_export(folder, seed: int = 0):
+    """An export folder (target + layers:1 draft + a real byte-level BPE tokenizer) of a tiny
+    random Llama: what the CLI, server and embedding-API tests run text through."""
+    from types import SimpleNamespace
+
+    from test_tokenizer import synthetic_meta
+
+    from arborspec.export.export_folder import export_folder
+    from arborspec.models.tokenizer_build import text_tokenizer_from_gguf_meta
+
+    tok = text_tokenizer_from_gguf_meta(synthetic_meta())
+    m = random_model(tiny_config("llama", vocab=tok.vocab_size, layers=2, hidden=64, heads=4, kv=2), seed=seed)
+    export_folder(SimpleNamespace(module=m, config=m.config, tokenizer=tok, source={"kind": "test"}), folder,
+                  draft="layers:1", progress=False, verify=False)
+    return folder

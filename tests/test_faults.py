@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import random_model, tiny_config
+from conftest import random_model, tiny_config, tiny_text_export
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -93,19 +93,7 @@ def test_file_size_limit_is_one_line_and_leaves_nothing(big_hf, tmp_path):
 
 @pytest.fixture(scope="module")
 def small_export(tmp_path_factory):
-    from types import SimpleNamespace
-
-    from test_tokenizer import synthetic_meta
-
-    from arborspec.export.export_folder import export_folder
-    from arborspec.models.tokenizer_build import text_tokenizer_from_gguf_meta
-
-    tok = text_tokenizer_from_gguf_meta(synthetic_meta())
-    m = random_model(tiny_config("llama", vocab=tok.vocab_size, layers=2, hidden=64, heads=4, kv=2), seed=2)
-    d = tmp_path_factory.mktemp("faults") / "export"
-    export_folder(SimpleNamespace(module=m, config=m.config, tokenizer=tok, source={"kind": "test"}), d,
-                  draft="layers:1", progress=False, verify=False)
-    return d
+    return tiny_text_export(tmp_path_factory.mktemp("faults") / "export", seed=2)
 
 
 def _copy(src: Path, dst: Path) -> Path:

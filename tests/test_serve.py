@@ -18,7 +18,7 @@ uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 pytest.importorskip("prometheus_client")
 
-from conftest import random_model, tiny_config  # noqa: E402
+from conftest import tiny_text_export  # noqa: E402
 
 from arborspec.runtime.generator import Generator  # noqa: E402
 from arborspec.tools.serve_app import GeneratorPool, create_app  # noqa: E402
@@ -28,19 +28,7 @@ KEY = "sekrit"
 
 @pytest.fixture(scope="module")
 def export_dir(tmp_path_factory):
-    from types import SimpleNamespace
-
-    from test_tokenizer import synthetic_meta
-
-    from arborspec.export.export_folder import export_folder
-    from arborspec.models.tokenizer_build import text_tokenizer_from_gguf_meta
-
-    tok = text_tokenizer_from_gguf_meta(synthetic_meta())
-    m = random_model(tiny_config("llama", vocab=tok.vocab_size, layers=2, hidden=64, heads=4, kv=2), seed=9)
-    d = tmp_path_factory.mktemp("serve") / "export"
-    export_folder(SimpleNamespace(module=m, config=m.config, tokenizer=tok, source={"kind": "test"}), d,
-                  draft="layers:1", progress=False, verify=False)
-    return d
+    return tiny_text_export(tmp_path_factory.mktemp("serve") / "export", seed=9)
 
 
 @pytest.fixture(scope="module")
