@@ -135,8 +135,8 @@ class SpeculativeDecoder:
             cache.reset()
             feats = None
             if len(prompt) > 1:
-                feats = self._prefill(prompt[:-1], cache)
-                st.target_calls += self._prefill_calls
+                feats, calls = self._prefill(prompt[:-1], cache)
+                st.target_calls += calls
             if speculating:
                 draft.prepare(policy, min(len(prompt) + max_new_tokens, tgt.info.max_position))
                 draft.reset(prompt[:-1], feats)
@@ -200,13 +200,6 @@ class SpeculativeDecoder:
                 st.draft_model_s = draft.model_s - model_s0
             st.other_s = max(0.0, st.total_s - st.prefill_s - st.draft_s - st.verify_s - st.accept_kv_s)
 
-    def close(self) -> None:
-        """Close the engines and the draft source."""
-        for obj in (self.draft, self.target):
-            close = getattr(obj, "close", None)
-            if close:
-                close()
-
     # ------------------------------------------------------------------ helpers
     @staticmethod
     def _truncate(tokens: list[int], eos: set, room: int) -> tuple[list[int], str | None]:
@@ -242,14 +235,14 @@ class SpeculativeDecoder:
     def _prefill(self, tokens: list[int], cache: KVCache):
         """Run the prompt (all but its last token) as causal calls of at most `prefill_chunk`
         tokens (a 4k-token prompt in one call builds a 4k x 4k attention; in chunks each call
-        sees only its own rows); returns the target features of those tokens [n, F] when the
-        draft reads them, else None."""
+        sees only its own rows). Returns (the target features of those tokens [n, F] when the
+        draft reads them, else None; the number of target calls)."""
         dev = self.target.device
         n = len(tokens)
         chunk = max(1, int(self.prefill_chunk or n))
         feats = []
-        self._prefill_calls = -(-n // chunk)
-        for s in range(0, n, chunk):
+        starts = range(0, n, chunk)
+        for s in starts:
             part = tokens[s:s + chunk]
             c = len(part)
             p = cache.length
@@ -263,4 +256,4 @@ class SpeculativeDecoder:
             else:
                 self.target.forward(ids, pos, mask, cache)
             cache.commit(None, c)
-        return torch.cat(feats) if feats else None
+        return (torch.cat(feats) if feats else None), len(starts)
