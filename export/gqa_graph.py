@@ -60,8 +60,11 @@ def gqa_unsupported(cfg, dtype: str = "fp32") -> str | None:
 
 
 def build_gqa_model(module: torch.nn.Module, max_context: int, topk: int = 0, linears=None,
-                    accuracy_level: int = 0):
+                    accuracy_level: int = 0, feature_layers: list[int] | None = None):
     """An onnx.ModelProto of the module (models/llama.LlamaDecoder) in the "bhsd" contract.
+
+    feature_layers: add the contract's `hidden_states` output, the hidden states entering those
+    layers concatenated [B, T, len * H] (the features an EAGLE-3 draft reads).
 
     linears: None (float MatMuls from the module's weights) or a callable hf_name -> NBits | None
     giving a layer's MatMulNBits blocks (export/quantize.py; None keeps that layer float)."""
@@ -183,8 +186,13 @@ def build_gqa_model(module: torch.nn.Module, max_context: int, topk: int = 0, li
     normed = node("RMSNormalization", [x, init("l0.in_norm", _np(sd["model.layers.0.input_layernorm.weight"]))],
                   ["l0.normed"], axis=-1, epsilon=eps, stash_type=1)
     residual = x
+    feature_layers = [int(i) for i in feature_layers or []]
+    if any(not 0 <= i < cfg.n_layers for i in feature_layers):
+        raise InputError(f"feature layers {feature_layers} are outside the model's {cfg.n_layers} layers")
+    feats: dict[int, str] = {}
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
+        feats[i] = residual  # the hidden state entering layer i
         qkv = matmul(normed, [p + f"self_attn.{n}_proj.weight" for n in "qkv"], f"l{i}.qkv")
         if cfg.attention_bias:
             bqkv = np.concatenate([_np(sd[p + f"self_attn.{n}_proj.bias"]) for n in "qkv"])
@@ -238,6 +246,11 @@ def build_gqa_model(module: torch.nn.Module, max_context: int, topk: int = 0, li
                     h.make_tensor_value_info(C.TOPK_IDS, TP.INT64, ["batch", "tokens", topk])]
     else:
         node("Identity", [logits], [C.LOGITS])
+    if feature_layers:
+        parts = [feats[i] for i in feature_layers]
+        node("Concat", parts, [C.HIDDEN_STATES], axis=-1) if len(parts) > 1 else node("Identity", parts, [C.HIDDEN_STATES])
+        outputs.append(h.make_tensor_value_info(C.HIDDEN_STATES, TP.FLOAT,
+                                                ["batch", "tokens", len(feature_layers) * hs]))
     graph = h.make_graph(nodes, f"arborspec_{cfg.name or 'llama'}_gqa", inputs, outputs, inits)
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", OPSET), h.make_opsetid("com.microsoft", 1)],
                          producer_name="arborspec")

@@ -114,6 +114,22 @@ TOPK_LOGPROBS = "topk_logprobs"  # float32 [B, T, K]
 TOPK_IDS = "topk_ids"  # int64 [B, T, K]
 TOPK_OUTPUTS = (TOPK_LOGPROBS, TOPK_IDS)
 
+# Target features (version 2, optional; metadata `arborspec.feature_layers` = JSON list of layer
+# ids): one more output after the K/V outputs, the hidden states ENTERING those layers at every
+# row, concatenated [B, T, len * H] float32. An EAGLE-3 draft reads them (EAGLE-3: layers 2,
+# L//2, L-3). The verify call that accepts a path returns the features of that path's rows.
+HIDDEN_STATES = "hidden_states"
+# EAGLE-3 draft graphs (metadata `arborspec.role` = "eagle3"): one more input after the K/V
+# inputs, the hidden state each row pairs with its token [B, T, H] float32 (the target's
+# features already projected by the head's `fc`, or the draft's own output of the row's
+# parent), and one more output after the K/V outputs, the layer's output hidden state
+# `hidden_states` [B, T, H]; `logits` are over the draft vocabulary, and the draft-to-target
+# id map travels in the metadata (`arborspec.d2t`: base64 of int64 offsets, target id = draft id
+# + d2t[draft id]). A second graph `<draft>_fc.onnx` holds the projection:
+# `target_features` [N, F] -> `hidden_states` [N, H].
+HIDDEN_IN = "hidden_in"
+TARGET_FEATURES = "target_features"
+
 
 def count_layers(names) -> int:
     """Number of layers of a graph from its I/O names (the past_key.{i} inputs)."""
@@ -130,6 +146,9 @@ META_EXPORTER = "arborspec.exporter"
 META_VERSION = "arborspec.version"
 META_KV_LAYOUT = "arborspec.kv_layout"
 META_TOPK = "arborspec.topk"  # K of the fused top-k outputs (draft graphs), absent: none
+META_FEATURE_LAYERS = "arborspec.feature_layers"  # JSON list: the target-feature output's layers
+META_D2T = "arborspec.d2t"  # EAGLE-3 draft graphs: base64 int64 draft -> target id offsets
+ROLE_EAGLE3 = "eagle3"
 
 # ----------------------------------------------------------------------------- dtypes
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

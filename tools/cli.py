@@ -13,7 +13,7 @@ import importlib
 import os
 import sys
 
-COMMANDS = ["export", "build", "generate", "compare", "bench", "tune", "serve", "loadtest"]
+COMMANDS = ["export", "build", "generate", "compare", "bench", "tune", "train-draft", "serve", "loadtest"]
 
 
 from arborspec.runtime.errors import ArborspecError, InputError  # noqa: E402
@@ -37,9 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in COMMANDS:
         try:
-            mod = importlib.import_module(f"arborspec.tools.cmd_{name}")
+            mod = importlib.import_module(f"arborspec.tools.cmd_{name.replace('-', '_')}")
         except ModuleNotFoundError as e:
-            if e.name == f"arborspec.tools.cmd_{name}":
+            if e.name == f"arborspec.tools.cmd_{name.replace('-', '_')}":
                 continue
             raise
         mod.register(sub)

@@ -99,13 +99,26 @@ class OrtEngine(EngineBase):
         self.output_names = C.output_names(n)
         got_in = [x.name for x in self.session.get_inputs()]
         got_out = [x.name for x in self.session.get_outputs()]
-        # a draft graph may carry its own top-k (contract TOPK_OUTPUTS, K in the metadata)
+        # optional outputs after the K/V ones: a draft graph's own top-k (contract TOPK_OUTPUTS,
+        # K in the metadata), then the target features / an EAGLE-3 head's output hidden state
+        # (HIDDEN_STATES); an EAGLE-3 head graph has one more input (HIDDEN_IN)
+        extra_out = got_out[len(self.output_names):]
         self.max_topk = 0
-        if got_out[len(self.output_names):] == list(C.TOPK_OUTPUTS) and C.META_TOPK in meta:
+        if extra_out[:2] == list(C.TOPK_OUTPUTS) and C.META_TOPK in meta:
             self.max_topk = int(meta[C.META_TOPK])
-            got_out = got_out[:len(self.output_names)]
+            extra_out = extra_out[2:]
+        n_features = 0
+        if extra_out == [C.HIDDEN_STATES]:
+            dims = self.session.get_outputs()[-1].shape
+            n_features = int(dims[-1]) if isinstance(dims[-1], int) else 0
+            extra_out = []
+        extra_in = got_in[len(self.input_names):]
+        self.has_hidden_in = extra_in == [C.HIDDEN_IN]
+        if self.has_hidden_in:
+            extra_in = []
         self._logits_scratch: torch.Tensor | None = None
-        if got_in != self.input_names or got_out != self.output_names:
+        if (got_in[:len(self.input_names)] != self.input_names or extra_in
+                or got_out[:len(self.output_names)] != self.output_names or extra_out):
             raise ExportDirError(f"{path}: graph inputs/outputs {got_in} -> {got_out} do not follow the "
                                  f"contract for {n} layers")
         kv_type = self.session.get_inputs()[3].type if n else "tensor(float)"
@@ -119,7 +132,7 @@ class OrtEngine(EngineBase):
         self.info = EngineInfo(
             vocab_size=int(cfg["vocab_size"]), max_position=int(cfg["max_position"]),
             cache=CacheSpec(n, int(cfg["n_kv_heads"]), int(cfg["head_dim"]), self.kv_dtype, self.kv_layout),
-            name=cfg.get("name", "") or path.stem)
+            name=cfg.get("name", "") or path.stem, n_features=n_features)
 
     # ------------------------------------------------------------------ checks
     def _check(self, input_ids, position_ids, mask, cache: KVCache) -> None:
@@ -160,20 +173,40 @@ class OrtEngine(EngineBase):
         and returns logits float32 [B, T, V] on self.device."""
         return self._run(input_ids, position_ids, mask, cache, None)[0]
 
+    def forward_features(self, input_ids, position_ids, mask, cache: KVCache):
+        """-> (logits [B, T, V], target features [B, T, F]) from a graph with the contract's
+        `hidden_states` output (an EAGLE-3 draft's target); (logits, None) without one."""
+        logits, _, _, feats = self._run(input_ids, position_ids, mask, cache, None)
+        return logits, feats
+
+    def forward_hidden(self, input_ids, hidden, position_ids, mask, cache: KVCache):
+        """An EAGLE-3 head graph: rows pair tokens with hidden states [B, T, H] -> (logits over
+        the draft vocabulary [B, T, Vd], the layer's output hidden states [B, T, H])."""
+        if not self.has_hidden_in:
+            raise EngineError(f"{self.path.name} is not an EAGLE-3 head graph (no {C.HIDDEN_IN} input)")
+        logits, _, _, out = self._run(input_ids, position_ids, mask, cache, None, hidden)
+        return logits, out
+
     def forward_topk(self, input_ids, position_ids, mask, cache: KVCache, k: int, logprobs: bool = True):
         """A draft graph with fused top-k (max_topk >= k): (log-probs [B, T, k], ids [B, T, k])
         straight from the graph; the vocabulary-wide logits go to a reused scratch buffer."""
         if k > self.max_topk:
             raise EngineError(f"{self.path.name} returns its top-{self.max_topk} only, {k} were asked for")
-        _, vals, ids = self._run(input_ids, position_ids, mask, cache, k)
+        _, vals, ids, _ = self._run(input_ids, position_ids, mask, cache, k)
         return vals[..., :k], ids[..., :k]
 
-    def _run(self, input_ids, position_ids, mask, cache: KVCache, k: int | None):
+    def _run(self, input_ids, position_ids, mask, cache: KVCache, k: int | None, hidden=None):
         self._check(input_ids, position_ids, mask, cache)
         b, t = input_ids.shape
         p = cache.length
+        if self.has_hidden_in:
+            if hidden is None:
+                raise EngineError(f"{self.path.name} is an EAGLE-3 head graph: call forward_hidden")
+            hidden = hidden.to(device=self.device, dtype=torch.float32).contiguous()
+            if tuple(hidden.shape[:2]) != (b, t):
+                raise InputError(f"hidden states {tuple(hidden.shape)} do not match input_ids {tuple(input_ids.shape)}")
         if self.kv_layout == "bhsd" and p == 0 and t > 1 and not _is_causal(mask):
-            return self._split_first_row(input_ids, position_ids, mask, cache, k)
+            return self._split_first_row(input_ids, position_ids, mask, cache, k, hidden)
         ids = input_ids.contiguous()
         pos = position_ids.contiguous()
         msk = mask.contiguous()
@@ -209,6 +242,12 @@ class OrtEngine(EngineBase):
             idx = torch.empty((b, t, kk), dtype=torch.int64, device=self.device)
             self._bind_out(io, C.TOPK_LOGPROBS, vals)
             self._bind_out(io, C.TOPK_IDS, idx)
+        if hidden is not None:
+            self._bind_in(io, C.HIDDEN_IN, hidden)
+        feats = None
+        if self.info.n_features:
+            feats = torch.empty((b, t, self.info.n_features), dtype=torch.float32, device=self.device)
+            self._bind_out(io, C.HIDDEN_STATES, feats)
         if self._device_type == "cuda":
             # ORT runs on its own stream: torch's pending writes (ids, mask, cache commit)
             # must be done before ORT reads the buffers.
@@ -218,20 +257,21 @@ class OrtEngine(EngineBase):
         else:
             self.session.run_with_iobinding(io)
         # keep the bound tensors alive until the run has finished
-        del ids, pos, msk
-        return logits, vals, idx
+        del ids, pos, msk, hidden
+        return logits, vals, idx, feats
 
-    def _split_first_row(self, input_ids, position_ids, mask, cache: KVCache, k: int | None):
+    def _split_first_row(self, input_ids, position_ids, mask, cache: KVCache, k: int | None, hidden=None):
         """GroupQueryAttention treats a call with an empty cache as a causal prompt and ignores
         the attention bias there, so a tree verified at P = 0 (a one-token prompt) runs as two
         calls: the root alone, then the nodes over it. Exact: the first row of any valid mask at
         P = 0 sees only itself."""
         if bool(mask[:, 0, 1:].any()):
             raise InputError("the first row of a mask at P = 0 may see only itself")
-        first = self._run(input_ids[:, :1], position_ids[:, :1], mask[:, :1, :1], cache, k)
+        h0, h1 = (None, None) if hidden is None else (hidden[:, :1], hidden[:, 1:])
+        first = self._run(input_ids[:, :1], position_ids[:, :1], mask[:, :1, :1], cache, k, h0)
         cache.length = 1
         try:
-            rest = self._run(input_ids[:, 1:], position_ids[:, 1:], mask[:, 1:, :], cache, k)
+            rest = self._run(input_ids[:, 1:], position_ids[:, 1:], mask[:, 1:, :], cache, k, h1)
         finally:
             cache.length = 0
         return tuple(None if a is None else torch.cat([a, r], 1) for a, r in zip(first, rest))

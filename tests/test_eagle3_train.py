@@ -1,0 +1,102 @@
+"""EAGLE-3 training: the unrolled training-time test computes exactly what the runtime's
+head computes for a chain in a tree (chain entries causal, each deeper step over its
+ancestors), so what the head learns is what the draft runs; the FR-Spec vocabulary; the head
+saved in the public layout loads back with the loader other tools use."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from conftest import random_model, tiny_config
+
+from arborspec.models.eagle3 import default_aux_layers, load_eagle3
+from arborspec.tools import eagle3_train
+from arborspec.tools.eagle3_corpus import draft_vocabulary
+
+
+def _head(seed=0, draft_vocab=40):
+    cfg = tiny_config("llama")
+    target = random_model(cfg, seed)
+    vocab = np.random.default_rng(seed).permutation(cfg.vocab_size)[:draft_vocab].astype(np.int64)
+    head = eagle3_train.init_head(cfg, target, default_aux_layers(cfg.n_layers), vocab, seed).eval()
+    with torch.no_grad():  # a non-trivial layer (init_head draws small weights)
+        for p in head.midlayer.parameters():
+            p.mul_(5.0) if p.dim() == 2 else p.add_(0.1 * torch.randn_like(p))
+    return cfg, target, head
+
+
+@torch.no_grad()
+def test_ttt_equals_the_inference_forward_on_tree_chains():
+    cfg, target, head = _head()
+    embed = target.model.embed_tokens.weight.detach()
+    w, steps = 12, 3
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (2, w), generator=g)
+    feats = torch.randn(2, w, head.config.feature_size, generator=g)
+    outs = eagle3_train.ttt_forward(head, embed, tokens, feats, steps)
+    n = w - steps - 1
+    c = head.config
+    for b in range(2):
+        # the chain: entries (x[j+1], fc(f[j])) at positions j, causal, one call
+        e0 = embed[tokens[b, 1:1 + n]][None]
+        hid0 = head.project(feats[b, :n])[None]
+        empty = torch.zeros(0, 1, c.n_kv_heads, c.head_dim)
+        mask = torch.ones(n, n, dtype=torch.bool).tril()[None]
+        l0, out0, k0, v0 = head(e0, hid0, torch.arange(n)[None], mask, empty, empty)
+        torch.testing.assert_close(outs[0][b], l0[0], rtol=1e-4, atol=1e-4)
+        for j in (0, 3, n - 1):  # a chain of depth `steps` rooted at entry j, one node per call
+            ks, vs, hidden = [k0], [v0], out0[0, j]
+            cols = torch.zeros(n, dtype=torch.bool)
+            cols[:j + 1] = True
+            for k in range(1, steps):
+                past_k, past_v = torch.cat(ks), torch.cat(vs)
+                m = torch.cat([cols, torch.ones(k - 1, dtype=torch.bool), torch.ones(1, dtype=torch.bool)])[None, None]
+                lk, outk, kk, vk = head(embed[tokens[b, 1 + k + j]][None, None], hidden[None, None],
+                                        torch.tensor([[j + k]]), m, past_k, past_v)
+                torch.testing.assert_close(outs[k][b, j], lk[0, 0], rtol=1e-4, atol=1e-4)
+                ks.append(kk)
+                vs.append(vk)
+                hidden = outk[0, 0]
+
+
+def test_training_lowers_the_loss_and_the_head_round_trips(tmp_path):
+    cfg, target, head = _head(draft_vocab=48)
+    embed = target.model.embed_tokens.weight.detach()
+    # a corpus in the builder's layout: the target's own greedy labels over random windows
+    from arborspec.tools.distill_corpus import causal_forward
+
+    target.feature_layers = list(head.config.aux_layers)
+    n, w = 10, 16
+    tokens = torch.randint(0, cfg.vocab_size, (n, w), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out = target(tokens, torch.arange(w)[None].expand(n, w), torch.ones(w, w, dtype=torch.bool).tril()[None].expand(n, w, w),
+                     *[torch.zeros(0, n, cfg.n_kv_heads, cfg.head_dim)] * (2 * cfg.n_layers))
+    logits, feats = out[0], out[-1]
+    assert feats.shape[-1] == head.config.feature_size and causal_forward is not None
+    vocab = (head.d2t + torch.arange(head.config.draft_vocab_size)).numpy()
+    lp = torch.log_softmax(logits, -1)
+    to_draft = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
+    to_draft[torch.from_numpy(vocab)] = torch.arange(len(vocab))
+    v, ix = torch.topk(lp[..., torch.from_numpy(vocab)], 4, dim=-1)
+    np.save(tmp_path / "tokens.npy", tokens.int().numpy())
+    np.save(tmp_path / "features.npy", feats.half().numpy())
+    np.save(tmp_path / "top_ids.npy", ix.int().numpy())
+    np.save(tmp_path / "top_lp.npy", v.half().numpy())
+    np.save(tmp_path / "top1.npy", lp.argmax(-1).int().numpy())
+    np.save(tmp_path / "vocab.npy", vocab)
+    work = tmp_path / "work"
+    work.mkdir()
+    rep = eagle3_train.train(head, embed, tmp_path, work, steps=2, batch=2, lr=3e-3, epochs=30, minutes=5,
+                             holdout=0.1, progress=False, log_every=10)
+    first, last = rep["curve"][0]["loss"], rep["curve"][-1]["loss"]
+    assert last < 0.7 * first, rep["curve"]
+    assert (work / "train_state.pt").is_file() and (work / "training.json").is_file()
+    eagle3_train.save_public(head, tmp_path / "head")
+    loaded = load_eagle3(tmp_path / "head", cfg)
+    assert torch.equal(loaded.token_map(), head.token_map())
+    torch.testing.assert_close(loaded.fc.weight, head.fc.weight.half().float())
+
+
+def test_fr_spec_vocabulary_is_the_most_frequent_tokens_plus_eos():
+    stream = np.array([5, 5, 5, 7, 7, 9, 1, 5, 7, 3])
+    v = draft_vocabulary(stream, 12, 3, always=[11])
+    assert v.tolist() == [11, 5, 7]
