@@ -7,6 +7,7 @@ TensorRT engine build), arborspec.runtime (tree, accept, KV cache, backends), ar
 
 The embedding API: `arborspec.Generator` (runtime/generator.py), `arborspec.open_export`.
 """
+
 __version__ = "0.1.0"
 
 

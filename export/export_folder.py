@@ -11,6 +11,7 @@ target's weights), `bigram` (a next-token table derived from the target), `none`
 spec / path accepted by arborspec.models.registry.load_model (its vocabulary must equal the
 target's).
 """
+
 from __future__ import annotations
 
 import logging
@@ -112,8 +113,15 @@ def _save_bigram(module, path: Path, top_k: int = 32) -> dict[str, Any]:
     indices, logits = bigram_table_from_target(engine, top_k=top_k)
     vocab = module.config.vocab_size
     save_bigram_table(path, indices, logits, vocab)
-    return {"kind": "bigram", "file": path.name, "vocab_size": vocab, "top_k": int(logits.shape[1]),
-            "dense": indices is None, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    return {
+        "kind": "bigram",
+        "file": path.name,
+        "vocab_size": vocab,
+        "top_k": int(logits.shape[1]),
+        "dense": indices is None,
+        "bytes": path.stat().st_size,
+        "sha256": sha256_file(path),
+    }
 
 
 def _prepare_out(out: Path, force: bool) -> Path:
@@ -137,13 +145,27 @@ def _swap_in(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def export_folder(model, out: str | os.PathLike, draft: str | None = "layers:2", *,
-                  dtype: str = "fp32", opset: int = DEFAULT_OPSET, max_context: int | None = None,
-                  max_tree_nodes: int = DEFAULT_MAX_TREE_NODES, tree_defaults: dict | None = None,
-                  force: bool = False, progress: bool = True, verify: bool = True,
-                  exporter: str = "auto", draft_model=None, draft_topk: int = DEFAULT_DRAFT_TOPK,
-                  attention: str = "auto", quantize: str | None = None, block_size: int = 32,
-                  accuracy_level: int = 0) -> ExportSummary:
+def export_folder(
+    model,
+    out: str | os.PathLike,
+    draft: str | None = "layers:2",
+    *,
+    dtype: str = "fp32",
+    opset: int = DEFAULT_OPSET,
+    max_context: int | None = None,
+    max_tree_nodes: int = DEFAULT_MAX_TREE_NODES,
+    tree_defaults: dict | None = None,
+    force: bool = False,
+    progress: bool = True,
+    verify: bool = True,
+    exporter: str = "auto",
+    draft_model=None,
+    draft_topk: int = DEFAULT_DRAFT_TOPK,
+    attention: str = "auto",
+    quantize: str | None = None,
+    block_size: int = 32,
+    accuracy_level: int = 0,
+) -> ExportSummary:
     """Export target (+ draft, tokenizer, manifest) into the folder `out`, atomically.
 
     attention: "gqa" (ONNX Runtime's fast graph: GroupQueryAttention reading and writing the
@@ -176,8 +198,7 @@ def export_folder(model, out: str | os.PathLike, draft: str | None = "layers:2",
         if max_context < 1 or max_tree_nodes < 1:
             raise InputError("--max-context and --max-tree-nodes must be >= 1")
         if cfg.family == "gpt2" and max_context > cfg.max_position:
-            raise InputError(f"--max-context {max_context} exceeds the model's {cfg.max_position} "
-                             "learned positions")
+            raise InputError(f"--max-context {max_context} exceeds the model's {cfg.max_position} learned positions")
         if max_tree_nodes + 1 > max_context:
             raise InputError(f"--max-tree-nodes {max_tree_nodes} does not fit in --max-context {max_context}")
         bar.update(1)
@@ -189,8 +210,10 @@ def export_folder(model, out: str | os.PathLike, draft: str | None = "layers:2",
         elif kind == "model":
             dl = draft_model if draft_model is not None else _load(arg)
             if dl.config.vocab_size != cfg.vocab_size:
-                raise InputError(f"draft vocabulary {dl.config.vocab_size} != target vocabulary "
-                                 f"{cfg.vocab_size}: the draft must share the target's tokenizer")
+                raise InputError(
+                    f"draft vocabulary {dl.config.vocab_size} != target vocabulary "
+                    f"{cfg.vocab_size}: the draft must share the target's tokenizer"
+                )
             draft_module = dl.module.float().eval()
         elif kind == "bigram":
             draft_entry = _save_bigram(module, tmp / BIGRAM_FILE)
@@ -219,19 +242,41 @@ def export_folder(model, out: str | os.PathLike, draft: str | None = "layers:2",
             raise InputError(f"--attention gqa: {why_not} (use --attention onnx)")
 
         if quantize and not use_gqa:
-            raise InputError("--quantize needs ONNX Runtime's graph (--attention gqa): "
-                             + (why_not or "--attention onnx was asked for"))
+            raise InputError(
+                "--quantize needs ONNX Runtime's graph (--attention gqa): "
+                + (why_not or "--attention onnx was asked for")
+            )
         src = getattr(lm, "source", {}) or {}
         gguf_path = src.get("path") if src.get("kind") == "gguf" else None
 
         def export_graph(m, path, role, topk=0):
             if use_gqa:
-                return export_gqa_onnx(m, path, dtype, tokenizer_sha256=tok_sha, role=role,
-                                       max_context=max_context, verify=verify, topk=topk, quantize=quantize,
-                                       block_size=block_size, accuracy_level=accuracy_level,
-                                       gguf_path=gguf_path if kind != "model" or role == "target" else None)
-            return export_contract_onnx(m, path, opset=opset, dtype=dtype, tokenizer_sha256=tok_sha, role=role,
-                                        max_context=max_context, exporter=exporter, verify=verify, topk=topk)
+                return export_gqa_onnx(
+                    m,
+                    path,
+                    dtype,
+                    tokenizer_sha256=tok_sha,
+                    role=role,
+                    max_context=max_context,
+                    verify=verify,
+                    topk=topk,
+                    quantize=quantize,
+                    block_size=block_size,
+                    accuracy_level=accuracy_level,
+                    gguf_path=gguf_path if kind != "model" or role == "target" else None,
+                )
+            return export_contract_onnx(
+                m,
+                path,
+                opset=opset,
+                dtype=dtype,
+                tokenizer_sha256=tok_sha,
+                role=role,
+                max_context=max_context,
+                exporter=exporter,
+                verify=verify,
+                topk=topk,
+            )
 
         res_t = export_graph(module, tmp / TARGET_FILE, "target")
         target_entry = graph_entry(tmp, res_t, cfg.to_dict())
@@ -240,8 +285,9 @@ def export_folder(model, out: str | os.PathLike, draft: str | None = "layers:2",
         stage("export draft")
         if draft_module is not None:
             if use_gqa and gqa_unsupported(draft_module.config, dtype):
-                raise InputError(f"--attention gqa: the draft: {gqa_unsupported(draft_module.config, dtype)} "
-                                 "(use --attention onnx)")
+                raise InputError(
+                    f"--attention gqa: the draft: {gqa_unsupported(draft_module.config, dtype)} (use --attention onnx)"
+                )
             res_d = export_graph(draft_module, tmp / DRAFT_FILE, "draft", draft_topk)
             draft_entry = graph_entry(tmp, res_d, draft_module.config.to_dict(), spec=draft)
             if draft_topk:
@@ -253,9 +299,15 @@ def export_folder(model, out: str | os.PathLike, draft: str | None = "layers:2",
         source.update(_json_safe(getattr(lm, "source", {}) or {}))
         if kind == "model":
             source["draft"] = _json_safe(getattr(draft_model or {}, "source", {}) or {"model": arg})
-        man = build_manifest(target=target_entry, draft=draft_entry, max_context=max_context,
-                             max_tree_nodes=max_tree_nodes, source=_json_safe(source),
-                             tokenizer=tok_entry, tree_defaults=tree_defaults)
+        man = build_manifest(
+            target=target_entry,
+            draft=draft_entry,
+            max_context=max_context,
+            max_tree_nodes=max_tree_nodes,
+            source=_json_safe(source),
+            tokenizer=tok_entry,
+            tree_defaults=tree_defaults,
+        )
         write_manifest(tmp, man)
         from arborspec.runtime.export_dir import read_manifest
 

@@ -23,6 +23,7 @@ the metadata records it (`arborspec.kv_layout` = "bhsd", contract version 2). Te
 build this graph (GroupQueryAttention is an ONNX Runtime contrib op): export with
 `--attention onnx` for `arborspec build`.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -59,8 +60,14 @@ def gqa_unsupported(cfg, dtype: str = "fp32") -> str | None:
     return None
 
 
-def build_gqa_model(module: torch.nn.Module, max_context: int, topk: int = 0, linears=None,
-                    accuracy_level: int = 0, feature_layers: list[int] | None = None):
+def build_gqa_model(
+    module: torch.nn.Module,
+    max_context: int,
+    topk: int = 0,
+    linears=None,
+    accuracy_level: int = 0,
+    feature_layers: list[int] | None = None,
+):
     """An onnx.ModelProto of the module (models/llama.LlamaDecoder) in the "bhsd" contract.
 
     feature_layers: add the contract's `hidden_states` output, the hidden states entering those
@@ -122,9 +129,16 @@ def build_gqa_model(module: torch.nn.Module, max_context: int, topk: int = 0, li
             offsets = np.concatenate(offs)
         else:
             offsets = None
-        return NBits(np.concatenate([q.blob for q in parts]), np.concatenate([q.scales for q in parts]),
-                     None if any(z is None for z in zps) else np.concatenate(zps),
-                     parts[0].bits, sum(q.n for q in parts), parts[0].k, parts[0].source, offsets)
+        return NBits(
+            np.concatenate([q.blob for q in parts]),
+            np.concatenate([q.scales for q in parts]),
+            None if any(z is None for z in zps) else np.concatenate(zps),
+            parts[0].bits,
+            sum(q.n for q in parts),
+            parts[0].k,
+            parts[0].source,
+            offsets,
+        )
 
     def matmul(x: str, hf_names: list[str], name: str) -> str:
         """x @ W^T for the (concatenated) weights: MatMulNBits when blocks exist, else MatMul."""
@@ -135,8 +149,17 @@ def build_gqa_model(module: torch.nn.Module, max_context: int, topk: int = 0, li
         ins = [x, init(name + ".blob", q.blob), init(name + ".scales", q.scales.astype(np.float32))]
         if q.zero_points is not None:
             ins.append(init(name + ".zp", q.zero_points))
-        y = node("MatMulNBits", ins, [name + "_nbits"], domain="com.microsoft", K=q.k, N=q.n, bits=q.bits,
-                 block_size=32, accuracy_level=accuracy_level)
+        y = node(
+            "MatMulNBits",
+            ins,
+            [name + "_nbits"],
+            domain="com.microsoft",
+            K=q.k,
+            N=q.n,
+            bits=q.bits,
+            block_size=32,
+            accuracy_level=accuracy_level,
+        )
         if q.offsets is None:
             return y
         # per-block offsets (GGUF Q4_1's m): + (sums of x over each block of 32) @ M^T
@@ -148,9 +171,11 @@ def build_gqa_model(module: torch.nn.Module, max_context: int, topk: int = 0, li
         return node("Add", [y, corr], [name + "_out"])
 
     # ---- inputs, scalars derived from shapes
-    inputs = [h.make_tensor_value_info(C.INPUT_IDS, TP.INT64, ["batch", "tokens"]),
-              h.make_tensor_value_info(C.POSITION_IDS, TP.INT64, ["batch", "tokens"]),
-              h.make_tensor_value_info(C.ATTENTION_MASK, TP.BOOL, ["batch", "tokens", "context"])]
+    inputs = [
+        h.make_tensor_value_info(C.INPUT_IDS, TP.INT64, ["batch", "tokens"]),
+        h.make_tensor_value_info(C.POSITION_IDS, TP.INT64, ["batch", "tokens"]),
+        h.make_tensor_value_info(C.ATTENTION_MASK, TP.BOOL, ["batch", "tokens", "context"]),
+    ]
     outputs = [h.make_tensor_value_info(C.LOGITS, TP.FLOAT, ["batch", "tokens", cfg.vocab_size])]
     for i in range(cfg.n_layers):
         for name in (C.past_key(i), C.past_value(i)):
@@ -183,8 +208,14 @@ def build_gqa_model(module: torch.nn.Module, max_context: int, topk: int = 0, li
     emb = init("embed_tokens", _np(sd["model.embed_tokens.weight"]))
     x = node("Gather", [emb, C.INPUT_IDS], ["x0"], axis=0)
     eps = float(cfg.norm_eps)
-    normed = node("RMSNormalization", [x, init("l0.in_norm", _np(sd["model.layers.0.input_layernorm.weight"]))],
-                  ["l0.normed"], axis=-1, epsilon=eps, stash_type=1)
+    normed = node(
+        "RMSNormalization",
+        [x, init("l0.in_norm", _np(sd["model.layers.0.input_layernorm.weight"]))],
+        ["l0.normed"],
+        axis=-1,
+        epsilon=eps,
+        stash_type=1,
+    )
     residual = x
     feature_layers = [int(i) for i in feature_layers or []]
     if any(not 0 <= i < cfg.n_layers for i in feature_layers):
@@ -197,16 +228,38 @@ def build_gqa_model(module: torch.nn.Module, max_context: int, topk: int = 0, li
         if cfg.attention_bias:
             bqkv = np.concatenate([_np(sd[p + f"self_attn.{n}_proj.bias"]) for n in "qkv"])
             qkv = node("Add", [qkv, init(f"l{i}.qkv_b", bqkv)], [f"l{i}.qkv_biased"])
-        attn = node("GroupQueryAttention",
-                    [qkv, "", "", C.past_key(i), C.past_value(i), seqlens, total, "cos_cache", "sin_cache",
-                     C.POSITION_IDS, bias],
-                    [f"l{i}.attn", C.new_key(i), C.new_value(i)], domain="com.microsoft",
-                    num_heads=nq, kv_num_heads=nkv, do_rotary=1, rotary_interleaved=0, causal=0,
-                    scale=float(d) ** -0.5)
+        attn = node(
+            "GroupQueryAttention",
+            [
+                qkv,
+                "",
+                "",
+                C.past_key(i),
+                C.past_value(i),
+                seqlens,
+                total,
+                "cos_cache",
+                "sin_cache",
+                C.POSITION_IDS,
+                bias,
+            ],
+            [f"l{i}.attn", C.new_key(i), C.new_value(i)],
+            domain="com.microsoft",
+            num_heads=nq,
+            kv_num_heads=nkv,
+            do_rotary=1,
+            rotary_interleaved=0,
+            causal=0,
+            scale=float(d) ** -0.5,
+        )
         o = matmul(attn[0], [p + "self_attn.o_proj.weight"], f"l{i}.o")
-        post = node("SkipSimplifiedLayerNormalization",
-                    [o, residual, init(f"l{i}.post_norm", _np(sd[p + "post_attention_layernorm.weight"]))],
-                    [f"l{i}.post_normed", "", "", f"l{i}.res1"], domain="com.microsoft", epsilon=eps)
+        post = node(
+            "SkipSimplifiedLayerNormalization",
+            [o, residual, init(f"l{i}.post_norm", _np(sd[p + "post_attention_layernorm.weight"]))],
+            [f"l{i}.post_normed", "", "", f"l{i}.res1"],
+            domain="com.microsoft",
+            epsilon=eps,
+        )
         normed2, residual = post[0], post[3]
         gate = matmul(normed2, [p + "mlp.gate_proj.weight"], f"l{i}.gate")
         up = matmul(normed2, [p + "mlp.up_proj.weight"], f"l{i}.up")
@@ -221,8 +274,13 @@ def build_gqa_model(module: torch.nn.Module, max_context: int, topk: int = 0, li
             down = node("Add", [down, init(f"l{i}.down_b", _np(sd[p + "mlp.down_proj.bias"]))], [f"l{i}.down_b_out"])
         last_layer = i == cfg.n_layers - 1
         gamma = _np(sd["model.norm.weight"]) if last_layer else _np(sd[f"model.layers.{i + 1}.input_layernorm.weight"])
-        nxt = node("SkipSimplifiedLayerNormalization", [down, residual, init(f"l{i}.next_norm", gamma)],
-                   [f"l{i}.next_normed", "", "", f"l{i}.res2"], domain="com.microsoft", epsilon=eps)
+        nxt = node(
+            "SkipSimplifiedLayerNormalization",
+            [down, residual, init(f"l{i}.next_norm", gamma)],
+            [f"l{i}.next_normed", "", "", f"l{i}.res2"],
+            domain="com.microsoft",
+            epsilon=eps,
+        )
         normed, residual = nxt[0], nxt[3]
 
     if blocks(["lm_head.weight"]) is not None:  # the head's own blocks (a tied head: the embedding's)
@@ -242,18 +300,24 @@ def build_gqa_model(module: torch.nn.Module, max_context: int, topk: int = 0, li
         lp = node("Sub", [logits, lse], ["logprobs"])
         init("c_k", np.array([topk], np.int64))
         node("TopK", [lp, "c_k"], [C.TOPK_LOGPROBS, C.TOPK_IDS], axis=-1, largest=1, sorted=1)
-        outputs += [h.make_tensor_value_info(C.TOPK_LOGPROBS, TP.FLOAT, ["batch", "tokens", topk]),
-                    h.make_tensor_value_info(C.TOPK_IDS, TP.INT64, ["batch", "tokens", topk])]
+        outputs += [
+            h.make_tensor_value_info(C.TOPK_LOGPROBS, TP.FLOAT, ["batch", "tokens", topk]),
+            h.make_tensor_value_info(C.TOPK_IDS, TP.INT64, ["batch", "tokens", topk]),
+        ]
     else:
         node("Identity", [logits], [C.LOGITS])
     if feature_layers:
         parts = [feats[i] for i in feature_layers]
-        node("Concat", parts, [C.HIDDEN_STATES], axis=-1) if len(parts) > 1 else node("Identity", parts, [C.HIDDEN_STATES])
-        outputs.append(h.make_tensor_value_info(C.HIDDEN_STATES, TP.FLOAT,
-                                                ["batch", "tokens", len(feature_layers) * hs]))
+        node("Concat", parts, [C.HIDDEN_STATES], axis=-1) if len(parts) > 1 else node(
+            "Identity", parts, [C.HIDDEN_STATES]
+        )
+        outputs.append(
+            h.make_tensor_value_info(C.HIDDEN_STATES, TP.FLOAT, ["batch", "tokens", len(feature_layers) * hs])
+        )
     graph = h.make_graph(nodes, f"arborspec_{cfg.name or 'llama'}_gqa", inputs, outputs, inits)
-    model = h.make_model(graph, opset_imports=[h.make_opsetid("", OPSET), h.make_opsetid("com.microsoft", 1)],
-                         producer_name="arborspec")
+    model = h.make_model(
+        graph, opset_imports=[h.make_opsetid("", OPSET), h.make_opsetid("com.microsoft", 1)], producer_name="arborspec"
+    )
     model.ir_version = IR_VERSION
     onnx.checker.check_model(model)  # structure (the contrib ops are checked by ONNX Runtime)
     return model
@@ -267,8 +331,14 @@ def save_model(model, path: str | Path) -> list[str]:
     path = Path(path)
     size = sum(t.ByteSize() for t in model.graph.initializer)
     if size > 2 * 1024**3 - 64 * 1024**2:
-        onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                  location=path.name + ".data", size_threshold=1024)
+        onnx.save(
+            model,
+            str(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=path.name + ".data",
+            size_threshold=1024,
+        )
         return [path.name + ".data"]
     onnx.save(model, str(path))
     return []

@@ -6,6 +6,7 @@ that size the KV caches and trees (max_context, max_tree_nodes), the tree defaul
 tokenizer the ids belong to. The schema and the reader live in arborspec.runtime.contract
 (the one place the contract is written); `read_manifest` is re-exported here.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -36,21 +37,31 @@ def graph_io(path: str | os.PathLike) -> tuple[list[dict], list[dict]]:
     def desc(v):
         tt = v.type.tensor_type
         dims = [d.dim_param if d.HasField("dim_param") else d.dim_value for d in tt.shape.dim]
-        return {"name": v.name, "dtype": onnx.TensorProto.DataType.Name(tt.elem_type).lower(),
-                "shape": dims}
+        return {"name": v.name, "dtype": onnx.TensorProto.DataType.Name(tt.elem_type).lower(), "shape": dims}
 
     return [desc(v) for v in model.graph.input], [desc(v) for v in model.graph.output]
 
 
-def graph_entry(root: Path, result, config: dict[str, Any], spec: str | None = None,
-                checksum: bool = True) -> dict[str, Any]:
+def graph_entry(
+    root: Path, result, config: dict[str, Any], spec: str | None = None, checksum: bool = True
+) -> dict[str, Any]:
     """Manifest entry for one exported graph (an onnx_export.ExportResult inside root)."""
     path = Path(result.path)
     inputs, outputs = graph_io(path)
-    e = {"kind": "onnx", "file": path.name, "config": config, "dtype": result.dtype,
-         "opset": result.opset, "exporter": result.exporter, "ir_version": result.ir_version,
-         "nodes": result.n_nodes, "external_data": list(result.external_data),
-         "bytes": path.stat().st_size, "inputs": inputs, "outputs": outputs}
+    e = {
+        "kind": "onnx",
+        "file": path.name,
+        "config": config,
+        "dtype": result.dtype,
+        "opset": result.opset,
+        "exporter": result.exporter,
+        "ir_version": result.ir_version,
+        "nodes": result.n_nodes,
+        "external_data": list(result.external_data),
+        "bytes": path.stat().st_size,
+        "inputs": inputs,
+        "outputs": outputs,
+    }
     if result.fallback_reason:
         e["fallback_reason"] = result.fallback_reason
     if getattr(result, "quantization", None):
@@ -64,10 +75,16 @@ def graph_entry(root: Path, result, config: dict[str, Any], spec: str | None = N
     return e
 
 
-def build_manifest(*, target: dict[str, Any], draft: dict[str, Any] | None, max_context: int,
-                   max_tree_nodes: int, source: dict[str, Any] | None = None,
-                   tokenizer: dict[str, Any] | None = None,
-                   tree_defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+def build_manifest(
+    *,
+    target: dict[str, Any],
+    draft: dict[str, Any] | None,
+    max_context: int,
+    max_tree_nodes: int,
+    source: dict[str, Any] | None = None,
+    tokenizer: dict[str, Any] | None = None,
+    tree_defaults: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     import arborspec
 
     if max_context < 1 or max_tree_nodes < 1:
@@ -90,5 +107,15 @@ def write_manifest(dir: str | os.PathLike, manifest: dict[str, Any]) -> Path:
     return atomic_write_json(Path(dir) / MANIFEST_NAME, manifest)
 
 
-__all__ = ["graph_io", "graph_entry", "build_manifest", "write_manifest", "read_manifest",
-           "Manifest", "ExportDirError", "MANIFEST_NAME", "FORMAT", "DEFAULT_TREE"]
+__all__ = [
+    "graph_io",
+    "graph_entry",
+    "build_manifest",
+    "write_manifest",
+    "read_manifest",
+    "Manifest",
+    "ExportDirError",
+    "MANIFEST_NAME",
+    "FORMAT",
+    "DEFAULT_TREE",
+]

@@ -13,6 +13,7 @@ legacy opset 17 = 508. All three match PyTorch to ~1e-5 and give no NaN on a ful
 (the decoders use finfo.min, not -inf). So the default is dynamo + opset 23; the legacy
 exporter is only a fallback when the dynamo export raises (it is deprecated in torch).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,6 +42,7 @@ from arborspec.runtime.contract import (  # noqa: F401,E402
     META_CONTRACT,
     META_DTYPE,
     META_EXPORTER,
+    META_FEATURE_LAYERS,
     META_KV_LAYOUT,
     META_ROLE,
     META_TOKENIZER,
@@ -67,8 +69,9 @@ class ExportResult:
     quantization: dict | None = None  # weight-only quantisation scheme (None: float weights)
 
 
-def example_inputs(cfg, dtype: torch.dtype, b: int = 2, t: int = 3, p: int = 5, seed: int = 0,
-                   fully_masked_row: bool = False):
+def example_inputs(
+    cfg, dtype: torch.dtype, b: int = 2, t: int = 3, p: int = 5, seed: int = 0, fully_masked_row: bool = False
+):
     """Contract inputs with a random tree-like mask (each row sees the cache, itself and some
     earlier new tokens). Distinct sizes >= 2: a size-1 example would pin that dim to 1."""
     g = torch.Generator().manual_seed(seed)
@@ -79,8 +82,7 @@ def example_inputs(cfg, dtype: torch.dtype, b: int = 2, t: int = 3, p: int = 5, 
     mask = torch.cat([torch.ones(b, t, p, dtype=torch.bool), tri], dim=2)
     if fully_masked_row:
         mask[0, t - 1] = False
-    past = [torch.randn(p, b, cfg.n_kv_heads, cfg.head_dim, generator=g).to(dtype)
-            for _ in range(2 * cfg.n_layers)]
+    past = [torch.randn(p, b, cfg.n_kv_heads, cfg.head_dim, generator=g).to(dtype) for _ in range(2 * cfg.n_layers)]
     return ids, pos, mask, past
 
 
@@ -124,30 +126,51 @@ def _export_dynamo(module, args, names_in, names_out, cfg, opset, max_context):
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
-        prog = torch.onnx.export(module, args, input_names=names_in, output_names=names_out,
-                                 dynamic_shapes=ds, opset_version=opset, dynamo=True,
-                                 verbose=False)
+        prog = torch.onnx.export(
+            module,
+            args,
+            input_names=names_in,
+            output_names=names_out,
+            dynamic_shapes=ds,
+            opset_version=opset,
+            dynamo=True,
+            verbose=False,
+        )
     return prog
 
 
 def _export_legacy(module, args, names_in, names_out, path, opset):
-    axes = {"input_ids": {0: "batch", 1: "tokens"}, "position_ids": {0: "batch", 1: "tokens"},
-            "attention_mask": {0: "batch", 1: "tokens", 2: "context"}, "logits": {0: "batch", 1: "tokens"}}
+    axes = {
+        "input_ids": {0: "batch", 1: "tokens"},
+        "position_ids": {0: "batch", 1: "tokens"},
+        "attention_mask": {0: "batch", 1: "tokens", 2: "context"},
+        "logits": {0: "batch", 1: "tokens"},
+    }
     for n in names_in[3:]:
         axes[n] = {0: "past", 1: "batch"}
     for n in names_out[1:]:
         axes[n] = {0: "batch", 1: "tokens"} if n in TOPK_OUTPUTS else {0: "tokens", 1: "batch"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(module, args, str(path), input_names=names_in, output_names=names_out,
-                          dynamic_axes=axes, opset_version=opset, dynamo=False)
+        torch.onnx.export(
+            module,
+            args,
+            str(path),
+            input_names=names_in,
+            output_names=names_out,
+            dynamic_axes=axes,
+            opset_version=opset,
+            dynamo=False,
+        )
 
 
 def check_symbolic_inputs(model, n_layers: int) -> None:
     """Every input dim is symbolic except the (Hkv, D) axes of the cache; B is one symbol
     everywhere and all pasts share one P symbol. Raises AssertionError otherwise."""
-    inputs = {i.name: [d.dim_param if d.HasField("dim_param") else d.dim_value
-                       for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    inputs = {
+        i.name: [d.dim_param if d.HasField("dim_param") else d.dim_value for d in i.type.tensor_type.shape.dim]
+        for i in model.graph.input
+    }
     expected = input_names(n_layers)
     if list(inputs) != expected:
         raise AssertionError(f"graph inputs {list(inputs)} != contract {expected}")
@@ -155,8 +178,10 @@ def check_symbolic_inputs(model, n_layers: int) -> None:
         dyn = dims if not name.startswith("past_") else dims[:2]
         for d in dyn:
             if not isinstance(d, str) or not d:
-                raise AssertionError(f"input {name} has a fixed dim {d} in {dims}: "
-                                     "an example size of 1 pinned it; export with sizes >= 2")
+                raise AssertionError(
+                    f"input {name} has a fixed dim {d} in {dims}: "
+                    "an example size of 1 pinned it; export with sizes >= 2"
+                )
     batch = {inputs[n][0] for n in expected[:3]} | {inputs[n][1] for n in expected[3:]}
     pasts = {inputs[n][0] for n in expected[3:]}
     tokens = {inputs["input_ids"][1], inputs["position_ids"][1], inputs["attention_mask"][1]}
@@ -204,8 +229,9 @@ def _param_bytes(module: torch.nn.Module) -> int:
     return n
 
 
-def verify_against_torch(module, path: str | os.PathLike, cfg, dtype: torch.dtype,
-                         cases=((2, 3, 5), (1, 4, 0), (1, 1, 6))) -> float:
+def verify_against_torch(
+    module, path: str | os.PathLike, cfg, dtype: torch.dtype, cases=((2, 3, 5), (1, 4, 0), (1, 1, 6))
+) -> float:
     """Run ORT (CPU) on random tree steps, including P=0 and T=1 and a fully masked row, and
     compare with the module. Returns the max abs diff over logits and new K/V; raises on NaN."""
     import numpy as np
@@ -233,23 +259,41 @@ def verify_against_torch(module, path: str | os.PathLike, cfg, dtype: torch.dtyp
     return worst
 
 
-def contract_metadata(cfg, dtype: str, tokenizer_sha256: str | None, role: str, exporter: str, kv_layout: str,
-                      topk: int = 0) -> dict[str, str]:
+def contract_metadata(
+    cfg, dtype: str, tokenizer_sha256: str | None, role: str, exporter: str, kv_layout: str, topk: int = 0
+) -> dict[str, str]:
     """The metadata_props every exported graph carries (runtime/contract.py names them)."""
     import arborspec
 
-    meta = {META_CONTRACT: str(CONTRACT_VERSION), META_CONFIG: cfg.to_json(), META_DTYPE: dtype,
-            META_TOKENIZER: tokenizer_sha256 or "", META_ROLE: role, META_EXPORTER: exporter,
-            META_VERSION: arborspec.__version__, META_KV_LAYOUT: kv_layout}
+    meta = {
+        META_CONTRACT: str(CONTRACT_VERSION),
+        META_CONFIG: cfg.to_json(),
+        META_DTYPE: dtype,
+        META_TOKENIZER: tokenizer_sha256 or "",
+        META_ROLE: role,
+        META_EXPORTER: exporter,
+        META_VERSION: arborspec.__version__,
+        META_KV_LAYOUT: kv_layout,
+    }
     if topk > 0:
         meta[META_TOPK] = str(topk)
     return meta
 
 
-def export_contract_onnx(module: torch.nn.Module, path: str | os.PathLike, opset: int = DEFAULT_OPSET,
-                         dtype: str = "fp32", *, tokenizer_sha256: str | None = None,
-                         role: str = "", max_context: int | None = None, exporter: str = "auto",
-                         verify: bool = True, tolerance: float | None = None, topk: int = 0) -> ExportResult:
+def export_contract_onnx(
+    module: torch.nn.Module,
+    path: str | os.PathLike,
+    opset: int = DEFAULT_OPSET,
+    dtype: str = "fp32",
+    *,
+    tokenizer_sha256: str | None = None,
+    role: str = "",
+    max_context: int | None = None,
+    exporter: str = "auto",
+    verify: bool = True,
+    tolerance: float | None = None,
+    topk: int = 0,
+) -> ExportResult:
     """Export a contract nn.Module (models/llama.py, models/gpt2.py) to `path`.
 
     exporter: "dynamo" (torch.export + onnxscript), "legacy" (TorchScript), or "auto"
@@ -299,32 +343,60 @@ def export_contract_onnx(module: torch.nn.Module, path: str | os.PathLike, opset
         _export_legacy(module, args, names_in, names_out, path, opset)
         if big:
             import onnx
+
             m = onnx.load(str(path))
-            onnx.save(m, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                      location=path.name + ".data", size_threshold=1024)
+            onnx.save(
+                m,
+                str(path),
+                save_as_external_data=True,
+                all_tensors_to_one_file=True,
+                location=path.name + ".data",
+                size_threshold=1024,
+            )
 
     meta = contract_metadata(cfg, dtype, tokenizer_sha256, role, f"{used}:opset{opset}", "sbhd", topk)
     ir, nodes = _finalize(path, meta, big)
     import onnx
 
     check_symbolic_inputs(onnx.load(str(path), load_external_data=False), cfg.n_layers)
-    res = ExportResult(path=path, opset=opset, exporter=used, dtype=dtype, ir_version=ir,
-                       n_nodes=nodes, external_data=_external_files(path), fallback_reason=reason)
+    res = ExportResult(
+        path=path,
+        opset=opset,
+        exporter=used,
+        dtype=dtype,
+        ir_version=ir,
+        n_nodes=nodes,
+        external_data=_external_files(path),
+        fallback_reason=reason,
+    )
     if verify and dtype != "bf16":
         diff = verify_against_torch(module, path, cfg, tdtype)
         res.max_abs_diff = diff
         tol = tolerance if tolerance is not None else (1e-2 if dtype == "fp32" else 1e-1)
         if not diff <= tol:
-            raise RuntimeError(f"{path.name}: ONNX Runtime differs from PyTorch by {diff:.3g} "
-                               f"(> {tol:g}) on random tree steps")
+            raise RuntimeError(
+                f"{path.name}: ONNX Runtime differs from PyTorch by {diff:.3g} (> {tol:g}) on random tree steps"
+            )
     return res
 
 
-def export_gqa_onnx(module: torch.nn.Module, path: str | os.PathLike, dtype: str = "fp32", *,
-                    tokenizer_sha256: str | None = None, role: str = "", max_context: int | None = None,
-                    verify: bool = True, tolerance: float | None = None, topk: int = 0,
-                    quantize: str | None = None, block_size: int = 32, accuracy_level: int = 0,
-                    gguf_path: str | None = None) -> ExportResult:
+def export_gqa_onnx(
+    module: torch.nn.Module,
+    path: str | os.PathLike,
+    dtype: str = "fp32",
+    *,
+    tokenizer_sha256: str | None = None,
+    role: str = "",
+    max_context: int | None = None,
+    verify: bool = True,
+    tolerance: float | None = None,
+    topk: int = 0,
+    quantize: str | None = None,
+    block_size: int = 32,
+    accuracy_level: int = 0,
+    gguf_path: str | None = None,
+    feature_layers: list[int] | None = None,
+) -> ExportResult:
     """Export a Llama-family module as ONNX Runtime's fast graph (export/gqa_graph.py: cache read
     and written in place, kv layout "bhsd"). fp32 activations; quantize: None, "int4" or "int8"
     weight-only MatMulNBits (export/quantize.py): with `gguf_path` (a GGUF whose tensors are
@@ -360,33 +432,61 @@ def export_gqa_onnx(module: torch.nn.Module, path: str | os.PathLike, dtype: str
             if q is not None:
                 sources[q.source] = sources.get(q.source, 0) + 1
             return q
+
         if block_size != 32:
             raise InputError("a GGUF's blocks are 32 wide: --block-size 32 (or quantise from float weights)")
-    model = gqa_graph.build_gqa_model(module, max_context, topk, linears, accuracy_level)
+    model = gqa_graph.build_gqa_model(module, max_context, topk, linears, accuracy_level, feature_layers)
     if linears is not None:
-        qinfo = {"scheme": quantize, "format": "matmulnbits", "block_size": 32, "accuracy_level": accuracy_level,
-                 "source": "gguf-blocks", "layers_by_source": sources}
+        qinfo = {
+            "scheme": quantize,
+            "format": "matmulnbits",
+            "block_size": 32,
+            "accuracy_level": accuracy_level,
+            "source": "gguf-blocks",
+            "layers_by_source": sources,
+        }
     elif quantize:
         from .quantize import quantize_float_model
 
-        model = quantize_float_model(model, bits=4 if quantize == "int4" else 8, block_size=block_size,
-                                     accuracy_level=accuracy_level)
-        qinfo = {"scheme": quantize, "format": "matmulnbits", "block_size": block_size,
-                 "accuracy_level": accuracy_level, "source": "onnxruntime-rtn"}
+        model = quantize_float_model(
+            model, bits=4 if quantize == "int4" else 8, block_size=block_size, accuracy_level=accuracy_level
+        )
+        qinfo = {
+            "scheme": quantize,
+            "format": "matmulnbits",
+            "block_size": block_size,
+            "accuracy_level": accuracy_level,
+            "source": "onnxruntime-rtn",
+        }
     ext = gqa_graph.save_model(model, path)
     meta = contract_metadata(cfg, dtype, tokenizer_sha256, role, f"gqa:opset{gqa_graph.OPSET}", "bhsd", topk)
+    if feature_layers:
+        meta[META_FEATURE_LAYERS] = json.dumps([int(i) for i in feature_layers])
     ir, nodes = _finalize(path, meta, bool(ext))
-    res = ExportResult(path=path, opset=gqa_graph.OPSET, exporter="gqa", dtype=dtype, ir_version=ir,
-                       n_nodes=nodes, external_data=ext, quantization=qinfo)
+    res = ExportResult(
+        path=path,
+        opset=gqa_graph.OPSET,
+        exporter="gqa",
+        dtype=dtype,
+        ir_version=ir,
+        n_nodes=nodes,
+        external_data=ext,
+        quantization=qinfo,
+    )
     if verify:
         diff = gqa_graph.verify_gqa_against_torch(module, path)
         res.max_abs_diff = diff
         # the GGUF's own blocks compute the module's (dequantised) weights: fp32 tolerance;
         # round-to-nearest from floats changes the weights: a loose sanity bound only
-        tol = tolerance if tolerance is not None else (1e-2 if qinfo is None or qinfo["source"] == "gguf-blocks"
-                                                       and accuracy_level == 0 else 5.0)
+        tol = (
+            tolerance
+            if tolerance is not None
+            else (1e-2 if qinfo is None or qinfo["source"] == "gguf-blocks" and accuracy_level == 0 else 5.0)
+        )
         if not diff <= tol:
-            raise RuntimeError(f"{path.name}: ONNX Runtime differs from PyTorch by {diff:.3g} (> {tol:g}) on random steps")
+            raise RuntimeError(
+                f"{path.name}: ONNX Runtime differs from PyTorch by {diff:.3g} (> {tol:g}) on random steps"
+            )
     return res
 
 

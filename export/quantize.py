@@ -20,6 +20,7 @@ step multiply with. Two sources:
 * float weights (Hugging Face folders, nanoGPT): ONNX Runtime's own MatMulNBitsQuantizer
   (blockwise round-to-nearest) over the exported graph's MatMuls.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,9 +31,12 @@ from arborspec.runtime.errors import InputError
 
 BLOCK = 32
 GGUF_LAYER_NAMES = {
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
 
@@ -78,7 +82,7 @@ class NBits:
 
 
 def _f16(raw: np.ndarray, start: int) -> np.ndarray:
-    return raw[..., start:start + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+    return raw[..., start : start + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
 
 def _pack4(q: np.ndarray) -> np.ndarray:
@@ -95,7 +99,7 @@ def nbits_from_gguf(raw: np.ndarray, qtype: str, n: int, k: int) -> NBits:
         bsz = 18 if qtype == "Q4_0" else 20
         blocks = raw.reshape(n, nb, bsz)
         d = _f16(blocks, 0)
-        qs = blocks[..., bsz - 16:]
+        qs = blocks[..., bsz - 16 :]
         q = np.concatenate([qs & 0x0F, qs >> 4], -1)  # GGUF: low nibbles are 0..15, high 16..31
         zp_nibble = 8 if qtype == "Q4_0" else 0
         zp = np.full(n * ((nb + 1) // 2), zp_nibble | (zp_nibble << 4), np.uint8)
@@ -161,7 +165,6 @@ def quantize_float_model(model, bits: int = 4, block_size: int = 32, accuracy_le
     constant weight (the float-weights path)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    q = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=False,
-                             accuracy_level=accuracy_level)
+    q = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=False, accuracy_level=accuracy_level)
     q.process()
     return q.model.model

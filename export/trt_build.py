@@ -19,6 +19,7 @@ cache: `<engine>.timing.cache` (TensorRT; reused by the next build) or, for Tens
 timing cache is a no-op, the path of the runtime (JIT kernel) cache that TrtEngine fills and
 saves on the GPU (`<engine>.runtime.cache`).
 """
+
 from __future__ import annotations
 
 import json
@@ -52,6 +53,7 @@ class EngineBuildError(EngineError):
 
 
 # --------------------------------------------------------------------------- module choice
+
 
 def import_tensorrt(flavour: str = "auto"):
     """(module, flavour) for `flavour` in auto|tensorrt|tensorrt_rtx; env ARBORSPEC_TRT_MODULE
@@ -97,14 +99,17 @@ def _cc_enum(trt, cc: str):
     major, minor = cc.split(".")
     supported = supported_compute_capabilities(trt)
     if cc not in supported:
-        raise EngineBuildError(f"compute capability {cc} is not supported by {trt.__name__} "
-                               f"{trt.__version__}: supported are {', '.join(supported)}")
+        raise EngineBuildError(
+            f"compute capability {cc} is not supported by {trt.__name__} "
+            f"{trt.__version__}: supported are {', '.join(supported)}"
+        )
     return getattr(trt.ComputeCapability, f"SM{major}{minor}")
 
 
 def _local_gpu_cc() -> str | None:
     try:
         import torch
+
         if torch.cuda.is_available():
             return "%d.%d" % torch.cuda.get_device_capability()
     except Exception:  # noqa: BLE001
@@ -113,6 +118,7 @@ def _local_gpu_cc() -> str | None:
 
 
 # --------------------------------------------------------------------------- logging
+
 
 def _logger(trt):
     """The process-wide collecting TensorRT logger (shared with the runtime's engines)."""
@@ -138,8 +144,7 @@ def _progress_monitor(trt, echo: Callable[[str], None]):
                 d = 0 if parent_phase is None else self.depth.get(parent_phase, 0) + 1
                 self.depth[phase_name] = d
                 if d <= 1:
-                    echo(f"  {'  ' * d}{phase_name} ({num_steps} steps) "
-                         f"+{time.perf_counter() - self.t0:.1f}s")
+                    echo(f"  {'  ' * d}{phase_name} ({num_steps} steps) +{time.perf_counter() - self.t0:.1f}s")
             except Exception:  # noqa: BLE001 - never break a build over a message
                 pass
 
@@ -153,6 +158,7 @@ def _progress_monitor(trt, echo: Callable[[str], None]):
 
 
 # --------------------------------------------------------------------------- profiles
+
 
 @dataclass
 class Profile:
@@ -168,8 +174,7 @@ class Profile:
         return tuple(t + p for t, p in zip(self.T, self.P))  # self-consistent at min/opt/max
 
     def covers(self, b: int, t: int, p: int) -> bool:
-        return (self.B[0] <= b <= self.B[2] and self.T[0] <= t <= self.T[2]
-                and self.P[0] <= p <= self.P[2])
+        return self.B[0] <= b <= self.B[2] and self.T[0] <= t <= self.T[2] and self.P[0] <= p <= self.P[2]
 
 
 def plan_profiles(max_batch: int, max_tree_nodes: int, max_context: int) -> list[Profile]:
@@ -179,14 +184,19 @@ def plan_profiles(max_batch: int, max_tree_nodes: int, max_context: int) -> list
     decode:  T 1..max_tree_nodes+1 (root + nodes), P 0..max_context-1, tuned at
              T = max_tree_nodes+1, P = max_context/2. Left out when it would not be smaller.
     Max shapes are self-consistent (mask S = P + T), as TensorRT checks."""
-    for name, v, lo in (("max_batch", max_batch, 1), ("max_tree_nodes", max_tree_nodes, 0),
-                        ("max_context", max_context, 2)):
+    for name, v, lo in (
+        ("max_batch", max_batch, 1),
+        ("max_tree_nodes", max_tree_nodes, 0),
+        ("max_context", max_context, 2),
+    ):
         if not isinstance(v, int) or isinstance(v, bool) or v < lo:
             raise EngineBuildError(f"{name} must be an integer >= {lo}, got {v!r}")
     if max_tree_nodes + 1 > max_context:
-        raise EngineBuildError(f"no profile can hold max_tree_nodes={max_tree_nodes}: a verify call "
-                               f"of {max_tree_nodes + 1} tokens (root + nodes) exceeds "
-                               f"max_context={max_context}")
+        raise EngineBuildError(
+            f"no profile can hold max_tree_nodes={max_tree_nodes}: a verify call "
+            f"of {max_tree_nodes + 1} tokens (root + nodes) exceeds "
+            f"max_context={max_context}"
+        )
     b = (1, max_batch, max_batch)
     c = max_context
     t_opt = min(c, max(1, c // 2))
@@ -213,11 +223,13 @@ def _shapes_for(profile: Profile, name: str, net_shape: tuple[int, ...]) -> dict
     """min/opt/max shapes for one network input under a profile; checks static dims."""
     roles = _dim_roles(name)
     if roles is None:
-        raise EngineBuildError(f"input {name!r} is not part of the engine contract "
-                               f"({IDS}, {POS}, {MASK}, past_key.i, past_value.i)")
+        raise EngineBuildError(
+            f"input {name!r} is not part of the engine contract ({IDS}, {POS}, {MASK}, past_key.i, past_value.i)"
+        )
     if len(net_shape) < len(roles):
-        raise EngineBuildError(f"input {name!r} has rank {len(net_shape)}, the contract needs "
-                               f">= {len(roles)} ({', '.join(roles)}, ...)")
+        raise EngineBuildError(
+            f"input {name!r} has rank {len(net_shape)}, the contract needs >= {len(roles)} ({', '.join(roles)}, ...)"
+        )
     out = {}
     for k, which in enumerate(("min", "opt", "max")):
         shape = []
@@ -230,13 +242,16 @@ def _shapes_for(profile: Profile, name: str, net_shape: tuple[int, ...]) -> dict
                         f"no profile can hold the limits: ONNX input {name!r} fixes dimension "
                         f"{d} ({roles[d]}) to {size}, but the {profile.name} profile needs "
                         f"{roles[d]} in [{rng[0]}, {rng[2]}]; re-export with that axis dynamic "
-                        f"(example sizes >= 2) or change the limits")
+                        f"(example sizes >= 2) or change the limits"
+                    )
                 shape.append(want)
             else:
                 if size < 0:
-                    raise EngineBuildError(f"input {name!r} has a dynamic dimension {d} that "
-                                           f"the contract fixes (heads / head dim); re-export "
-                                           f"with static head sizes")
+                    raise EngineBuildError(
+                        f"input {name!r} has a dynamic dimension {d} that "
+                        f"the contract fixes (heads / head dim); re-export "
+                        f"with static head sizes"
+                    )
                 shape.append(size)
         out[which] = tuple(shape)
     return out
@@ -244,11 +259,13 @@ def _shapes_for(profile: Profile, name: str, net_shape: tuple[int, ...]) -> dict
 
 # --------------------------------------------------------------------------- helpers
 
+
 def _onnx_metadata(path: Path) -> dict[str, str]:
     """metadata_props of the ONNX (contract version, model config, tokenizer), if onnx is
     installed; {} otherwise."""
     try:
         import onnx
+
         m = onnx.load(str(path), load_external_data=False)
         return {p.key: p.value for p in m.metadata_props}
     except Exception:  # noqa: BLE001 - metadata is informative only
@@ -256,8 +273,17 @@ def _onnx_metadata(path: Path) -> dict[str, str]:
 
 
 def _dtype_name(trt, dt) -> str:
-    names = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT8": "int8",
-             "INT32": "int32", "INT64": "int64", "BOOL": "bool", "UINT8": "uint8", "FP8": "float8"}
+    names = {
+        "FLOAT": "float32",
+        "HALF": "float16",
+        "BF16": "bfloat16",
+        "INT8": "int8",
+        "INT32": "int32",
+        "INT64": "int64",
+        "BOOL": "bool",
+        "UINT8": "uint8",
+        "FP8": "float8",
+    }
     n = str(dt).split(".")[-1]
     return names.get(n, n.lower())
 
@@ -299,17 +325,23 @@ def _parse(trt, builder, logger, onnx_path: Path):
         raise EngineBuildError(head + ": " + "; ".join(first[:6]) + "\n" + "\n".join(details))
     if network.num_layers == 0 and network.num_inputs == 0 and network.num_outputs == 0:
         # protobuf decodes many non-ONNX files as an empty model without complaint
-        raise EngineBuildError(f"{onnx_path.name} is not an ONNX model (it decodes to an empty "
-                               f"graph): pass the target.onnx/draft.onnx of an export folder")
+        raise EngineBuildError(
+            f"{onnx_path.name} is not an ONNX model (it decodes to an empty "
+            f"graph): pass the target.onnx/draft.onnx of an export folder"
+        )
     return network, parser
 
 
 def network_io(trt, network) -> dict[str, list[dict[str, Any]]]:
     """Names, dtypes and (symbolic -1) shapes of a parsed network's inputs and outputs."""
+
     def desc(t):
         return {"name": t.name, "dtype": _dtype_name(trt, t.dtype), "shape": list(t.shape)}
-    return {"inputs": [desc(network.get_input(i)) for i in range(network.num_inputs)],
-            "outputs": [desc(network.get_output(i)) for i in range(network.num_outputs)]}
+
+    return {
+        "inputs": [desc(network.get_input(i)) for i in range(network.num_inputs)],
+        "outputs": [desc(network.get_output(i)) for i in range(network.num_outputs)],
+    }
 
 
 def check_contract(io: dict[str, list[dict[str, Any]]]) -> None:
@@ -329,16 +361,15 @@ def check_contract(io: dict[str, list[dict[str, Any]]]) -> None:
             if f"new_{kind}.{i}" not in outs:
                 missing.append(f"new_{kind}.{i} (output)")
     if missing:
-        raise EngineBuildError(f"the ONNX does not follow the engine contract: missing "
-                               f"{', '.join(missing)}")
+        raise EngineBuildError(f"the ONNX does not follow the engine contract: missing {', '.join(missing)}")
     want = {IDS: "int64", POS: "int64", MASK: "bool"}
     for n, dt in want.items():
         if ins[n]["dtype"] != dt:
-            raise EngineBuildError(f"contract input {n!r} must be {dt}, the ONNX has "
-                                   f"{ins[n]['dtype']}")
+            raise EngineBuildError(f"contract input {n!r} must be {dt}, the ONNX has {ins[n]['dtype']}")
 
 
 # --------------------------------------------------------------------------- build
+
 
 @dataclass
 class BuildResult:
@@ -348,11 +379,19 @@ class BuildResult:
     seconds: float = 0.0
 
 
-def build_engine(onnx_path: str | os.PathLike, out_path: str | os.PathLike, *, max_batch: int = 1,
-                 max_tree_nodes: int = 64, max_context: int = 2048,
-                 compute_capability: str | None = None, flavour: str = "auto",
-                 log: Callable[[str], None] | None = None, verbose: bool = False,
-                 workspace_bytes: int | None = None) -> BuildResult:
+def build_engine(
+    onnx_path: str | os.PathLike,
+    out_path: str | os.PathLike,
+    *,
+    max_batch: int = 1,
+    max_tree_nodes: int = 64,
+    max_context: int = 2048,
+    compute_capability: str | None = None,
+    flavour: str = "auto",
+    log: Callable[[str], None] | None = None,
+    verbose: bool = False,
+    workspace_bytes: int | None = None,
+) -> BuildResult:
     """Build one engine from a contract ONNX and record it in `engines.json` beside it.
 
     onnx_path: a contract ONNX (`target.onnx`, `draft.onnx`; external data beside it is fine).
@@ -371,9 +410,11 @@ def build_engine(onnx_path: str | os.PathLike, out_path: str | os.PathLike, *, m
     if not onnx_path.is_file():
         raise MissingFileError(f"ONNX file not found: {onnx_path}")
     if _onnx_metadata(onnx_path).get(C.META_KV_LAYOUT) == "bhsd":
-        raise EngineBuildError(f"{onnx_path.name} is ONNX Runtime's fast graph (GroupQueryAttention, a contrib "
-                               "op TensorRT cannot parse): export with `arborspec export --attention onnx` "
-                               "to build TensorRT engines")
+        raise EngineBuildError(
+            f"{onnx_path.name} is ONNX Runtime's fast graph (GroupQueryAttention, a contrib "
+            "op TensorRT cannot parse): export with `arborspec export --attention onnx` "
+            "to build TensorRT engines"
+        )
     profiles = plan_profiles(max_batch, max_tree_nodes, max_context)
     cc = normalize_compute_capability(compute_capability)
 
@@ -384,21 +425,26 @@ def build_engine(onnx_path: str | os.PathLike, out_path: str | os.PathLike, *, m
     local_cc = _local_gpu_cc()
     if is_rtx:
         if cc is None and local_cc is None:
-            raise EngineBuildError("no CUDA GPU here: name the target GPU's compute capability "
-                                   "(e.g. --compute-capability 8.9); supported: "
-                                   + ", ".join(supported_compute_capabilities(trt)))
+            raise EngineBuildError(
+                "no CUDA GPU here: name the target GPU's compute capability "
+                "(e.g. --compute-capability 8.9); supported: " + ", ".join(supported_compute_capabilities(trt))
+            )
         # no name: the local GPU's, which must be one TensorRT-RTX supports (no Hopper SM 9.0)
         cc = cc or local_cc
         cc_enum = _cc_enum(trt, cc)
     else:
         if local_cc is None:
-            raise EngineBuildError(f"{flav} {trt.__version__} builds only for the GPU it runs on "
-                                   f"and no CUDA GPU is visible; build ahead of time with "
-                                   f"tensorrt_rtx ({ENV_MODULE}=tensorrt_rtx, --compute-capability)")
+            raise EngineBuildError(
+                f"{flav} {trt.__version__} builds only for the GPU it runs on "
+                f"and no CUDA GPU is visible; build ahead of time with "
+                f"tensorrt_rtx ({ENV_MODULE}=tensorrt_rtx, --compute-capability)"
+            )
         if cc is not None and cc != local_cc:
-            raise EngineBuildError(f"{flav} builds for the local GPU (compute capability "
-                                   f"{local_cc}), not {cc}; use tensorrt_rtx for ahead-of-time "
-                                   f"builds")
+            raise EngineBuildError(
+                f"{flav} builds for the local GPU (compute capability "
+                f"{local_cc}), not {cc}; use tensorrt_rtx for ahead-of-time "
+                f"builds"
+            )
         cc_enum = None
     target_cc = cc or local_cc
 
@@ -425,12 +471,15 @@ def build_engine(onnx_path: str | os.PathLike, out_path: str | os.PathLike, *, m
             shapes[d["name"]] = {k: list(v) for k, v in s.items()}
         idx = config.add_optimization_profile(op)
         if idx < 0:
-            raise EngineBuildError(f"TensorRT rejected the {prof.name} profile: "
-                                   + "; ".join(logger.take()[:3]))
-        prof_desc.append({"index": idx, "name": prof.name,
-                          "ranges": {"B": list(prof.B), "T": list(prof.T), "P": list(prof.P),
-                                     "S": list(prof.S)},
-                          "shapes": shapes})
+            raise EngineBuildError(f"TensorRT rejected the {prof.name} profile: " + "; ".join(logger.take()[:3]))
+        prof_desc.append(
+            {
+                "index": idx,
+                "name": prof.name,
+                "ranges": {"B": list(prof.B), "T": list(prof.T), "P": list(prof.P), "S": list(prof.S)},
+                "shapes": shapes,
+            }
+        )
 
     cache_path = out_path.with_name(out_path.name + (".runtime.cache" if is_rtx else ".timing.cache"))
     timing_cache = None
@@ -442,18 +491,22 @@ def build_engine(onnx_path: str | os.PathLike, out_path: str | os.PathLike, *, m
     monitor = _progress_monitor(trt, say) if log else None
     if monitor is not None:
         config.progress_monitor = monitor
-    say(f"{onnx_path.name}: building for compute capability {target_cc or 'local'} "
+    say(
+        f"{onnx_path.name}: building for compute capability {target_cc or 'local'} "
         f"({', '.join(p['name'] for p in prof_desc)} profiles; B<={max_batch}, "
-        f"tree<={max_tree_nodes}, context<={max_context})")
+        f"tree<={max_tree_nodes}, context<={max_context})"
+    )
     logger.take()
     t0 = time.perf_counter()
     serialized = builder.build_serialized_network(network, config)
     build_s = time.perf_counter() - t0
     errors = [e for e in logger.take() if not _cuda_noise(e)]
     if serialized is None or serialized.nbytes == 0:
-        raise EngineBuildError(f"{onnx_path.name}: TensorRT build failed: "
-                               + ("; ".join(e.splitlines()[0] for e in errors[:4]) or "no reason given")
-                               + ("\n" + "\n".join(errors) if errors else ""))
+        raise EngineBuildError(
+            f"{onnx_path.name}: TensorRT build failed: "
+            + ("; ".join(e.splitlines()[0] for e in errors[:4]) or "no reason given")
+            + ("\n" + "\n".join(errors) if errors else "")
+        )
     out_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_path, memoryview(serialized))
     if timing_cache is not None:
@@ -465,8 +518,7 @@ def build_engine(onnx_path: str | os.PathLike, out_path: str | os.PathLike, *, m
         "onnx": str(onnx_path.resolve()),
         "onnx_sha256": sha256_file(onnx_path),
         "onnx_metadata": _onnx_metadata(onnx_path),
-        "limits": {"max_batch": max_batch, "max_tree_nodes": max_tree_nodes,
-                   "max_context": max_context},
+        "limits": {"max_batch": max_batch, "max_tree_nodes": max_tree_nodes, "max_context": max_context},
         "profiles": prof_desc,
         "inputs": io["inputs"],
         "outputs": io["outputs"],
@@ -501,8 +553,9 @@ engine_entry = C.engine_entry  # the engines.json entry of one engine file, or N
 
 def _main(argv=None) -> int:  # python -m arborspec.export.trt_build ONNX ENGINE [CC]
     a = list(sys.argv[1:] if argv is None else argv)
-    r = build_engine(a[0], a[1], compute_capability=a[2] if len(a) > 2 else None,
-                     log=lambda s: print(s, file=sys.stderr))
+    r = build_engine(
+        a[0], a[1], compute_capability=a[2] if len(a) > 2 else None, log=lambda s: print(s, file=sys.stderr)
+    )
     print(json.dumps(r.entry["profiles"], indent=1))
     return 0
 

@@ -1,4 +1,5 @@
 """PyTorch reference decoders with the arborspec engine contract, and their loaders."""
+
 from .config import ModelConfig
 from .gpt2 import GPT2Decoder
 from .llama import LlamaDecoder

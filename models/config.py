@@ -4,6 +4,7 @@ Role in one decoding step: none at run time; it describes the shapes (layers, he
 head dim, vocabulary) that the runtime uses to preallocate KV caches and that the export
 writes into the ONNX metadata, so an export folder is self-describing.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -22,6 +22,7 @@ target_hidden_size?, eagle_config.eagle_aux_hidden_state_layer_ids?) and model.s
 pytorch_model.bin (loaded with weights_only) holding fc.weight, midlayer.*, norm.weight,
 lm_head.weight, d2t, t2d.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,24 +65,39 @@ class Eagle3Config:
             aux = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or d.get("aux_layers")
             if not aux and target_layers:
                 aux = default_aux_layers(target_layers)
-            return cls(hidden_size=h, intermediate_size=int(d["intermediate_size"]), n_heads=heads,
-                       n_kv_heads=int(d.get("num_key_value_heads", heads)),
-                       head_dim=int(d.get("head_dim") or h // heads), vocab_size=int(d["vocab_size"]),
-                       draft_vocab_size=int(d.get("draft_vocab_size") or d["vocab_size"]),
-                       target_hidden_size=int(d.get("target_hidden_size") or h), aux_layers=[int(x) for x in aux or []],
-                       rms_eps=float(d.get("rms_norm_eps", 1e-5)), rope_theta=float(d.get("rope_theta", 10000.0)),
-                       max_position=int(d.get("max_position_embeddings", 2048)))
+            return cls(
+                hidden_size=h,
+                intermediate_size=int(d["intermediate_size"]),
+                n_heads=heads,
+                n_kv_heads=int(d.get("num_key_value_heads", heads)),
+                head_dim=int(d.get("head_dim") or h // heads),
+                vocab_size=int(d["vocab_size"]),
+                draft_vocab_size=int(d.get("draft_vocab_size") or d["vocab_size"]),
+                target_hidden_size=int(d.get("target_hidden_size") or h),
+                aux_layers=[int(x) for x in aux or []],
+                rms_eps=float(d.get("rms_norm_eps", 1e-5)),
+                rope_theta=float(d.get("rope_theta", 10000.0)),
+                max_position=int(d.get("max_position_embeddings", 2048)),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise ExportDirError(f"EAGLE-3 config is missing or has a bad field: {e}") from None
 
     def to_json(self) -> dict:
-        return {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-                "num_attention_heads": self.n_heads, "num_key_value_heads": self.n_kv_heads,
-                "head_dim": self.head_dim, "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
-                "target_hidden_size": self.target_hidden_size, "rms_norm_eps": self.rms_eps,
-                "rope_theta": self.rope_theta, "max_position_embeddings": self.max_position,
-                "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layers)},
-                "architectures": ["LlamaForCausalLMEagle3"]}
+        return {
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "rms_norm_eps": self.rms_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layers)},
+            "architectures": ["LlamaForCausalLMEagle3"],
+        }
 
 
 def default_aux_layers(n_layers: int) -> list[int]:
@@ -106,7 +122,11 @@ class Eagle3Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         rep = self.nh // self.nkv
         y = attend(q, repeat_kv(merge_past(past_k, k), rep), repeat_kv(merge_past(past_v, v), rep), bias)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.nh * self.hd)), k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)
+        return (
+            self.o_proj(y.transpose(1, 2).reshape(b, t, self.nh * self.hd)),
+            k.permute(2, 0, 1, 3),
+            v.permute(2, 0, 1, 3),
+        )
 
 
 class Eagle3MLP(nn.Module):
@@ -179,14 +199,20 @@ def load_eagle3(folder: str | Path, target_config=None) -> Eagle3Head:
     c = Eagle3Config.from_json(raw, target_config.n_layers if target_config is not None else None)
     if target_config is not None:
         if c.target_hidden_size != target_config.hidden_size:
-            raise InputError(f"{folder}: EAGLE-3 head reads hidden size {c.target_hidden_size}, the target has "
-                             f"{target_config.hidden_size}")
+            raise InputError(
+                f"{folder}: EAGLE-3 head reads hidden size {c.target_hidden_size}, the target has "
+                f"{target_config.hidden_size}"
+            )
         if c.vocab_size != target_config.vocab_size:
-            raise InputError(f"{folder}: EAGLE-3 head is for a vocabulary of {c.vocab_size}, the target has "
-                             f"{target_config.vocab_size}")
+            raise InputError(
+                f"{folder}: EAGLE-3 head is for a vocabulary of {c.vocab_size}, the target has "
+                f"{target_config.vocab_size}"
+            )
         bad = [i for i in c.aux_layers if not 0 <= i < target_config.n_layers]
         if bad:
-            raise InputError(f"{folder}: EAGLE-3 aux layer ids {bad} are outside the target's {target_config.n_layers} layers")
+            raise InputError(
+                f"{folder}: EAGLE-3 aux layer ids {bad} are outside the target's {target_config.n_layers} layers"
+            )
     st = folder / "model.safetensors"
     bn = folder / "pytorch_model.bin"
     try:
@@ -201,7 +227,9 @@ def load_eagle3(folder: str | Path, target_config=None) -> Eagle3Head:
     except (MissingFileError, InputError):
         raise
     except Exception as e:  # noqa: BLE001 - corrupt files raise many types
-        raise ExportDirError(f"{folder}: cannot read the EAGLE-3 weights ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        raise ExportDirError(
+            f"{folder}: cannot read the EAGLE-3 weights ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        ) from None
     head = Eagle3Head(c)
     sd = {k.removeprefix("model."): v for k, v in sd.items() if not k.endswith("embed_tokens.weight")}
     if "d2t" in sd:
@@ -211,8 +239,9 @@ def load_eagle3(folder: str | Path, target_config=None) -> Eagle3Head:
     missing, unexpected = head.load_state_dict(sd, strict=False)
     missing = [m for m in missing if m not in ("t2d", "d2t")]
     if missing or unexpected:
-        raise ExportDirError(f"{folder}: EAGLE-3 weights do not fit the config: missing {missing[:3]}, "
-                             f"unexpected {unexpected[:3]}")
+        raise ExportDirError(
+            f"{folder}: EAGLE-3 weights do not fit the config: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     tmap = head.token_map()
     if int(tmap.min()) < 0 or int(tmap.max()) >= c.vocab_size:
         raise ExportDirError(f"{folder}: d2t maps draft ids outside the target vocabulary")

@@ -11,6 +11,7 @@ F16, F32, ...) and renamed to Hugging Face names. Two details:
   (GPT-J style) RoPE reproduces HF's rotate-half RoPE. We use rotate-half, so we undo it
   (transformers' reverse_permute), with n_head = KV heads for attn_k.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -89,14 +90,22 @@ def config_from_gguf(meta: dict[str, Any], name: str = "") -> ModelConfig:
     eos_ids = [int(e) for e in (eos, eot) if e is not None]
     bos = meta.get("tokenizer.ggml.bos_token_id")
     return ModelConfig(
-        family="llama", vocab_size=int(vocab), hidden_size=hidden, n_layers=int(get("block_count")),
-        n_heads=n_heads, n_kv_heads=int(get("attention.head_count_kv", n_heads)), head_dim=head_dim,
-        intermediate_size=int(get("feed_forward_length")), max_position=int(get("context_length", 2048)),
+        family="llama",
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        n_layers=int(get("block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(get("attention.head_count_kv", n_heads)),
+        head_dim=head_dim,
+        intermediate_size=int(get("feed_forward_length")),
+        max_position=int(get("context_length", 2048)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings=True,  # fixed by the caller from the tensor list
-        bos_token_id=None if bos is None else int(bos), eos_token_ids=list(dict.fromkeys(eos_ids)),
-        name=name or meta.get("general.name", ""))
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=list(dict.fromkeys(eos_ids)),
+        name=name or meta.get("general.name", ""),
+    )
 
 
 def gguf_state_dict(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -115,7 +124,9 @@ def gguf_state_dict(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
                 raise InputError(f"unsupported GGUF tensor {t.name!r}")
             name = f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
         w = dequantize(t.data, t.tensor_type)
-        w = np.array(w, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])  # copy: reader is a read-only mmap
+        w = np.array(w, dtype=np.float32).reshape(
+            [int(d) for d in reversed(t.shape)]
+        )  # copy: reader is a read-only mmap
         if ".attn_q." in t.name:
             w = reverse_permute(w, cfg.n_heads)
         elif ".attn_k." in t.name:
@@ -124,7 +135,9 @@ def gguf_state_dict(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return sd
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, ModelConfig, dict[str, Any]]:
+def load_gguf(
+    path: str | Path, dtype: torch.dtype = torch.float32
+) -> tuple[torch.nn.Module, ModelConfig, dict[str, Any]]:
     """A .gguf file -> (contract module in eval mode, ModelConfig, GGUF metadata dict)."""
     import dataclasses
 
@@ -137,6 +150,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[tor
     meta = read_metadata(reader)
     cfg = config_from_gguf(meta)
     sd = gguf_state_dict(reader, cfg)
-    cfg = dataclasses.replace(cfg, tie_embeddings="lm_head.weight" not in sd,
-                              attention_bias="model.layers.0.self_attn.q_proj.bias" in sd)
+    cfg = dataclasses.replace(
+        cfg, tie_embeddings="lm_head.weight" not in sd, attention_bias="model.layers.0.self_attn.q_proj.bias" in sd
+    )
     return build_from_state(cfg, sd, dtype, str(path)), cfg, meta

@@ -6,6 +6,7 @@ the seed write-up. Position ids index the learned table, so siblings share a pos
 Parameter names follow nanoGPT (transformer.wte, transformer.h.{i}.attn.c_attn, ...), with
 nn.Linear weights ([out, in]); the Hugging Face loader transposes GPT-2's Conv1D weights.
 """
+
 from __future__ import annotations
 
 import math
@@ -74,12 +75,14 @@ class GPT2Decoder(nn.Module):
         if cfg.n_kv_heads != cfg.n_heads:
             raise InputError("GPT-2 has no grouped-query attention: n_kv_heads must equal n_heads")
         self.config = cfg
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
-            wpe=nn.Embedding(cfg.max_position, cfg.hidden_size),
-            h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers)),
-            ln_f=nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.bias),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
+                wpe=nn.Embedding(cfg.max_position, cfg.hidden_size),
+                h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers)),
+                ln_f=nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.bias),
+            )
+        )
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
@@ -93,4 +96,3 @@ class GPT2Decoder(nn.Module):
             new += [k, v]
         logits = self.lm_head(self.transformer.ln_f(x)).float()
         return (logits, *new)
-

@@ -7,6 +7,7 @@ weights [in, out] are transposed into our nn.Linear [out, in]). Everything else,
 scaling other than the default, is rejected with a ValueError naming what is unsupported.
 Never touches the network.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,9 @@ def weight_files(folder: str | Path) -> list[Path]:
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [folder / s for s in shards]
-    raise MissingFileError(f"{folder}: no model.safetensors or model.safetensors.index.json "
-                            "(only safetensors checkpoints are supported)")
+    raise MissingFileError(
+        f"{folder}: no model.safetensors or model.safetensors.index.json (only safetensors checkpoints are supported)"
+    )
 
 
 def read_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
@@ -65,8 +67,12 @@ def _rope_theta(hf: dict) -> float:
 def config_from_hf(hf: dict, name: str = "") -> ModelConfig:
     """ModelConfig from a parsed config.json dict."""
     mt = hf.get("model_type", "")
-    common = dict(bos_token_id=hf.get("bos_token_id"), eos_token_ids=_eos_list(hf.get("eos_token_id")),
-                  tie_embeddings=bool(hf.get("tie_word_embeddings", True)), name=name or hf.get("_name_or_path", ""))
+    common = dict(
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=_eos_list(hf.get("eos_token_id")),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        name=name or hf.get("_name_or_path", ""),
+    )
     if mt in LLAMA_TYPES:
         if hf.get("hidden_act", "silu") != "silu":
             raise InputError(f"unsupported hidden_act {hf['hidden_act']!r} for {mt} (only silu)")
@@ -76,27 +82,49 @@ def config_from_hf(hf: dict, name: str = "") -> ModelConfig:
         if window and (mt != "qwen2" or hf.get("use_sliding_window")):
             max_pos = min(max_pos, window)  # within the window, sliding attention == full attention
         return ModelConfig(
-            family="llama", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-            n_layers=hf["num_hidden_layers"], n_heads=n_heads,
+            family="llama",
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            n_layers=hf["num_hidden_layers"],
+            n_heads=n_heads,
             n_kv_heads=hf.get("num_key_value_heads") or n_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-            intermediate_size=hf["intermediate_size"], max_position=max_pos,
-            rope_theta=_rope_theta(hf), norm_eps=hf.get("rms_norm_eps", 1e-6),
+            intermediate_size=hf["intermediate_size"],
+            max_position=max_pos,
+            rope_theta=_rope_theta(hf),
+            norm_eps=hf.get("rms_norm_eps", 1e-6),
             attention_bias=True if mt == "qwen2" else bool(hf.get("attention_bias", False)),
-            mlp_bias=bool(hf.get("mlp_bias", False)), **common)
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            **common,
+        )
     if mt in GPT2_TYPES:
         act = hf.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
             raise InputError(f"unsupported GPT-2 activation_function {act!r} (only gelu_new / tanh GELU)")
-        if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn") or not hf.get("scale_attn_weights", True):
-            raise InputError("unsupported GPT-2 attention variant (scale_attn_by_inverse_layer_idx / "
-                             "reorder_and_upcast_attn / scale_attn_weights=False)")
+        if (
+            hf.get("scale_attn_by_inverse_layer_idx")
+            or hf.get("reorder_and_upcast_attn")
+            or not hf.get("scale_attn_weights", True)
+        ):
+            raise InputError(
+                "unsupported GPT-2 attention variant (scale_attn_by_inverse_layer_idx / "
+                "reorder_and_upcast_attn / scale_attn_weights=False)"
+            )
         c = hf["n_embd"]
         return ModelConfig(
-            family="gpt2", vocab_size=hf["vocab_size"], hidden_size=c, n_layers=hf["n_layer"],
-            n_heads=hf["n_head"], n_kv_heads=hf["n_head"], head_dim=c // hf["n_head"],
-            intermediate_size=hf.get("n_inner") or 4 * c, max_position=hf["n_positions"],
-            norm_eps=hf.get("layer_norm_epsilon", 1e-5), bias=True, **common)
+            family="gpt2",
+            vocab_size=hf["vocab_size"],
+            hidden_size=c,
+            n_layers=hf["n_layer"],
+            n_heads=hf["n_head"],
+            n_kv_heads=hf["n_head"],
+            head_dim=c // hf["n_head"],
+            intermediate_size=hf.get("n_inner") or 4 * c,
+            max_position=hf["n_positions"],
+            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            bias=True,
+            **common,
+        )
     raise InputError(f"unsupported model_type {mt!r} (supported: {', '.join(LLAMA_TYPES + GPT2_TYPES)})")
 
 
@@ -121,16 +149,22 @@ def load_state(module: torch.nn.Module, sd: dict[str, torch.Tensor], dtype: torc
     if cfg.tie_embeddings:
         sd.pop("lm_head.weight", None)
     own = module.state_dict()
-    bad = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in sd.items()
-           if k in own and tuple(v.shape) != tuple(own[k].shape)]
+    bad = [
+        f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}"
+        for k, v in sd.items()
+        if k in own and tuple(v.shape) != tuple(own[k].shape)
+    ]
     if bad:
-        raise InputError(f"{where}: weights do not fit the {cfg.family} config: checkpoint vs model shape "
-                         f"{bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+        raise InputError(
+            f"{where}: weights do not fit the {cfg.family} config: checkpoint vs model shape "
+            f"{bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+        )
     missing, unexpected = module.load_state_dict(sd, strict=False, assign=True)  # no second copy
     missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
-        raise InputError(f"{where}: weights do not match the {cfg.family} config: "
-                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise InputError(
+            f"{where}: weights do not match the {cfg.family} config: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
 
 
 def build_from_state(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype, where: str) -> torch.nn.Module:

@@ -12,6 +12,7 @@ and the new K/V can be written straight onto [P, P+T).
 
 Written for export: no Python control flow on tensor values, no data-dependent shapes.
 """
+
 from __future__ import annotations
 
 import torch

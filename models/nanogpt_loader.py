@@ -6,6 +6,7 @@ vocab_size} and `model` (a state dict whose keys may carry torch.compile's `_ori
 prefix). nanoGPT already uses nn.Linear, so names and layouts map one to one. Loaded with
 torch.load(weights_only=True): a checkpoint cannot run code.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,11 +27,21 @@ def config_from_model_args(args: dict, name: str = "") -> ModelConfig:
         raise InputError(f"nanoGPT model_args lack {missing}")
     c = int(args["n_embd"])
     bias = bool(args.get("bias", True))
-    return ModelConfig(family="gpt2", vocab_size=int(args["vocab_size"]), hidden_size=c,
-                       n_layers=int(args["n_layer"]), n_heads=int(args["n_head"]), n_kv_heads=int(args["n_head"]),
-                       head_dim=c // int(args["n_head"]), intermediate_size=4 * c,
-                       max_position=int(args["block_size"]), norm_eps=1e-5, bias=bias,
-                       tie_embeddings=True, name=name)
+    return ModelConfig(
+        family="gpt2",
+        vocab_size=int(args["vocab_size"]),
+        hidden_size=c,
+        n_layers=int(args["n_layer"]),
+        n_heads=int(args["n_head"]),
+        n_kv_heads=int(args["n_head"]),
+        head_dim=c // int(args["n_head"]),
+        intermediate_size=4 * c,
+        max_position=int(args["block_size"]),
+        norm_eps=1e-5,
+        bias=bias,
+        tie_embeddings=True,
+        name=name,
+    )
 
 
 def load_nanogpt(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, ModelConfig]:
@@ -45,6 +56,10 @@ def load_nanogpt(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[
     sd = {k.removeprefix(PREFIX): v for k, v in ckpt["model"].items()}
     sd = {k: v for k, v in sd.items() if not k.endswith(".attn.bias")}  # old causal-mask buffers
     # nanoGPT ties lm_head to wte; an untied checkpoint would carry a distinct lm_head
-    if "lm_head.weight" in sd and "transformer.wte.weight" in sd and not torch.equal(sd["lm_head.weight"], sd["transformer.wte.weight"]):
+    if (
+        "lm_head.weight" in sd
+        and "transformer.wte.weight" in sd
+        and not torch.equal(sd["lm_head.weight"], sd["transformer.wte.weight"])
+    ):
         cfg.tie_embeddings = False
     return build_from_state(cfg, sd, dtype, str(path)), cfg

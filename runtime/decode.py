@@ -14,6 +14,7 @@ The loop is backend-agnostic (engines follow runtime/backends/base.Engine) and d
 (sources follow runtime/drafts.DraftSource). A decoder runs one sequence at a time: use one
 per thread (runtime/generator.Generator serialises calls with a lock).
 """
+
 from __future__ import annotations
 
 import time
@@ -61,9 +62,17 @@ class SpeculativeDecoder:
     candidates: topk | sample | sample-unique (how draft children are produced when sampling).
     """
 
-    def __init__(self, target, draft=None, *, mode: str = "tree", tree: str | TreePolicy = "full:3,2",
-                 candidates: str = "topk", sampling: SamplingParams | None = None,
-                 max_tree_nodes: int | None = None):
+    def __init__(
+        self,
+        target,
+        draft=None,
+        *,
+        mode: str = "tree",
+        tree: str | TreePolicy = "full:3,2",
+        candidates: str = "topk",
+        sampling: SamplingParams | None = None,
+        max_tree_nodes: int | None = None,
+    ):
         if mode not in MODES:
             raise InputError(f"unknown mode {mode!r} (expected one of {', '.join(MODES)})")
         if candidates not in CANDIDATE_MODES:
@@ -81,10 +90,14 @@ class SpeculativeDecoder:
             if mode == "chain" and not isinstance(policy, ChainTree):
                 raise InputError(f"mode chain needs a chain:K tree spec, got {policy.spec!r}")
             if max_tree_nodes is not None and policy.max_nodes > max_tree_nodes:
-                raise InputError(f"tree {policy.spec} has up to {policy.max_nodes} nodes, over the limit of {max_tree_nodes}")
+                raise InputError(
+                    f"tree {policy.spec} has up to {policy.max_nodes} nodes, over the limit of {max_tree_nodes}"
+                )
             if target.info.max_tokens is not None and policy.max_nodes + 1 > target.info.max_tokens:
-                raise InputError(f"tree {policy.spec} needs {policy.max_nodes + 1} tokens per verify call, "
-                                 f"over the engine's limit of {target.info.max_tokens}")
+                raise InputError(
+                    f"tree {policy.spec} needs {policy.max_nodes + 1} tokens per verify call, "
+                    f"over the engine's limit of {target.info.max_tokens}"
+                )
             self.policy = policy
             tv = target.info.vocab_size
             if draft.token_map is None and draft.vocab_size != tv:
@@ -92,8 +105,10 @@ class SpeculativeDecoder:
             if draft.token_map is not None and int(draft.token_map.max()) >= tv:
                 raise InputError(f"draft token map points outside the target vocabulary ({tv})")
             if getattr(draft, "needs_target_features", False) and not getattr(target.info, "n_features", 0):
-                raise InputError(f"draft {getattr(draft, 'kind', '')} reads target features, but the "
-                                 "target engine has no feature output (re-export the target for it)")
+                raise InputError(
+                    f"draft {getattr(draft, 'kind', '')} reads target features, but the "
+                    "target engine has no feature output (re-export the target for it)"
+                )
         self.draft = draft
         self.keep_draft_probs = False  # keep q for top-k candidates too (analysis, tests)
         self._vbuf = VerifyBuffers(target.device)
@@ -105,20 +120,21 @@ class SpeculativeDecoder:
         return self.policy is not None and getattr(self.draft, "needs_target_features", False)
 
     # ------------------------------------------------------------------ public API
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 64,
-                 eos_token_ids: Sequence[int] = (), seed: int = 0) -> GenerationResult:
+    def generate(
+        self, prompt_ids: Sequence[int], max_new_tokens: int = 64, eos_token_ids: Sequence[int] = (), seed: int = 0
+    ) -> GenerationResult:
         out: list[int] = []
         for chunk in self.stream(prompt_ids, max_new_tokens, eos_token_ids, seed):
             out += chunk
         return GenerationResult(out, self.last_stats, self.last_stop_reason)
 
-    def stream(self, prompt_ids: Sequence[int], max_new_tokens: int = 64,
-               eos_token_ids: Sequence[int] = (), seed: int = 0) -> Iterator[list[int]]:
+    def stream(
+        self, prompt_ids: Sequence[int], max_new_tokens: int = 64, eos_token_ids: Sequence[int] = (), seed: int = 0
+    ) -> Iterator[list[int]]:
         """Yields the tokens committed by each step; stats in `self.last_stats` at the end."""
         prompt = self._check_prompt(prompt_ids, max_new_tokens)
         eos = set(int(e) for e in eos_token_ids)
-        st = GenerationStats(mode=self.mode, tree=self.policy.spec if self.policy else "",
-                             prompt_tokens=len(prompt))
+        st = GenerationStats(mode=self.mode, tree=self.policy.spec if self.policy else "", prompt_tokens=len(prompt))
         self.last_stats, self.last_stop_reason = st, "length"
         timer = Timer(st, self._timer_sync)
         rng = torch.Generator().manual_seed(int(seed))
@@ -152,9 +168,21 @@ class SpeculativeDecoder:
                     break
                 speculate = speculating and past + policy.depth < max_pos
                 with timer("draft_s"):
-                    tree = (draft_tree(draft, policy, root, self.sampling, self.candidates, rng,
-                                       self.keep_draft_probs, self._ws, tgt.info.vocab_size)
-                            if speculate else Tree.empty())
+                    tree = (
+                        draft_tree(
+                            draft,
+                            policy,
+                            root,
+                            self.sampling,
+                            self.candidates,
+                            rng,
+                            self.keep_draft_probs,
+                            self._ws,
+                            tgt.info.vocab_size,
+                        )
+                        if speculate
+                        else Tree.empty()
+                    )
                 # flattening lands in other_s (the runtime's own time), the call in verify_s
                 if tree.plan is not None:
                     offsets, block = tree.plan.verify_block(tgt.device)
@@ -171,8 +199,7 @@ class SpeculativeDecoder:
                     vbuf.release()
                     acc = accept(logits[0], tree, self.sampling, rng)
                     # the rows the accept rule read: the accepted path's and the next token's
-                    check_logits(logits[0], [0] + [i + 1 for i in acc.path.tolist()], st.steps + 1,
-                                 tgt.info.name)
+                    check_logits(logits[0], [0] + [i + 1 for i in acc.path.tolist()], st.steps + 1, tgt.info.name)
                     new, stop = self._truncate(acc.tokens, eos, max_new_tokens - produced)
                     # the caches keep every committed token but the last (the next root)
                     path = acc.path[: len(new) - 1]
@@ -243,7 +270,7 @@ class SpeculativeDecoder:
         feats = []
         starts = range(0, n, chunk)
         for s in starts:
-            part = tokens[s:s + chunk]
+            part = tokens[s : s + chunk]
             c = len(part)
             p = cache.length
             ids = torch.tensor([part], dtype=torch.long, device=dev)

@@ -12,6 +12,7 @@ Candidates: `topk` (deterministic: the policy's top children), `sample` (i.i.d. 
 draft, with replacement) or `sample-unique` (draws without replacement, by the Gumbel-top-k
 trick). The accept rule must match (runtime/accept.py).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -63,10 +64,17 @@ def _full_vocab(q: torch.Tensor, token_map: torch.Tensor | None, out_vocab: int)
 
 
 @torch.inference_mode()
-def draft_tree(draft: DraftSource, policy: TreePolicy, root: int, sp: SamplingParams,
-               candidates: str = "topk", rng: torch.Generator | None = None,
-               keep_q: bool = False, workspace: TreeWorkspace | None = None,
-               out_vocab: int | None = None) -> Tree:
+def draft_tree(
+    draft: DraftSource,
+    policy: TreePolicy,
+    root: int,
+    sp: SamplingParams,
+    candidates: str = "topk",
+    rng: torch.Generator | None = None,
+    keep_q: bool = False,
+    workspace: TreeWorkspace | None = None,
+    out_vocab: int | None = None,
+) -> Tree:
     """Build one step's tree: D levels, one draft call per level over the frontier.
 
     keep_q: also keep the draft distributions for top-k candidates (analysis and tests; the
@@ -80,8 +88,17 @@ def draft_tree(draft: DraftSource, policy: TreePolicy, root: int, sp: SamplingPa
     out_vocab = out_vocab or draft.vocab_size
     if not sampled and policy.kind in PLANNED_KINDS and draft.finite_logits:
         return _draft_planned(draft, policy, root, sp, keep_q, out_vocab)
-    return _draft_dynamic(draft, policy, root, sp, candidates if sampled else "topk", rng, keep_q,
-                          TreeWorkspace.get(workspace, tree_capacity(policy, draft.vocab_size)), out_vocab)
+    return _draft_dynamic(
+        draft,
+        policy,
+        root,
+        sp,
+        candidates if sampled else "topk",
+        rng,
+        keep_q,
+        TreeWorkspace.get(workspace, tree_capacity(policy, draft.vocab_size)),
+        out_vocab,
+    )
 
 
 def _draft_planned(draft, policy, root, sp, keep_q, out_vocab) -> Tree:
@@ -100,11 +117,11 @@ def _draft_planned(draft, policy, root, sp, keep_q, out_vocab) -> Tree:
         if keep_q:
             toks = torch.topk(out, lv.k, dim=-1).indices
             qs.append(_full_vocab(torch.softmax(warp_logits(out.float(), sp), -1), tmap, out_vocab).cpu())
-            qrow[lv.start:lv.end] = n_q + lv.rows
+            qrow[lv.start : lv.end] = n_q + lv.rows
             n_q += out.shape[0]
         else:
-            toks = out.indices[:, :lv.k]
-        tokens[lv.start:lv.end] = _to_target(toks, tmap).cpu()[lv.rows, lv.ranks]
+            toks = out.indices[:, : lv.k]
+        tokens[lv.start : lv.end] = _to_target(toks, tmap).cpu()[lv.rows, lv.ranks]
         if li == last or lv.frontier.numel() == 0:
             break
         e = lv.end
@@ -112,8 +129,18 @@ def _draft_planned(draft, policy, root, sp, keep_q, out_vocab) -> Tree:
         nk = levels[li + 1].k
         out = draft.expand(nodes, lv.frontier) if keep_q else draft.expand_topk(nodes, lv.frontier, nk)
         calls += 1
-    tree = Tree(tokens, plan.parents, plan.depth, torch.zeros(plan.n), plan.anc, plan.origin, qrow,
-                torch.cat(qs) if qs else None, "topk", calls)
+    tree = Tree(
+        tokens,
+        plan.parents,
+        plan.depth,
+        torch.zeros(plan.n),
+        plan.anc,
+        plan.origin,
+        qrow,
+        torch.cat(qs) if qs else None,
+        "topk",
+        calls,
+    )
     tree.plan = plan
     return tree
 
@@ -163,24 +190,28 @@ def _draft_dynamic(draft, policy, root, sp, mode, rng, keep_q, ws: TreeWorkspace
             keep &= np.isfinite(vals)
         fi, ci = np.nonzero(keep)
         m = fi.size
-        new = ws.arange[n:n + m]
+        new = ws.arange[n : n + m]
         par = frontier[fi]
-        tokens[n:n + m], parents[n:n + m], depth[n:n + m] = toks[fi, ci], par, level
-        score[n:n + m] = scores[fi, ci]
+        tokens[n : n + m], parents[n : n + m], depth[n : n + m] = toks[fi, ci], par, level
+        score[n : n + m] = scores[fi, ci]
         if qs:
-            qrow[n:n + m] = n_q + fi
+            qrow[n : n + m] = n_q + fi
             n_q += frontier.size
-        anc[n:n + m] = False
+        anc[n : n + m] = False
         has_par = par >= 0
         anc[new[has_par]] = anc[par[has_par]]
         anc[new, new] = True
         n += m
-        expand = policy.expand(level, score[n - m:n]) if m else np.zeros(0, dtype=bool)
-        frontier, f_score = new[expand], score[n - m:n][expand]
+        expand = policy.expand(level, score[n - m : n]) if m else np.zeros(0, dtype=bool)
+        frontier, f_score = new[expand], score[n - m : n][expand]
         if level == policy.depth or frontier.size == 0:
             break
-        nodes = NodeView(torch.from_numpy(tokens[:n]), torch.from_numpy(depth[:n]),
-                         torch.from_numpy(parents[:n]), torch.from_numpy(anc[:n, :n]))
+        nodes = NodeView(
+            torch.from_numpy(tokens[:n]),
+            torch.from_numpy(depth[:n]),
+            torch.from_numpy(parents[:n]),
+            torch.from_numpy(anc[:n, :n]),
+        )
         fr = torch.from_numpy(frontier)
         if topk_only:
             out = draft.expand_topk(nodes, fr, min(policy.width(level + 1), vocab), logprobs)
@@ -194,7 +225,15 @@ def _draft_dynamic(draft, policy, root, sp, mode, rng, keep_q, ws: TreeWorkspace
         remap = np.full(n, -1, dtype=np.int64)
         remap[idx] = np.arange(idx.size)
         par = np.where(par >= 0, remap[np.maximum(par, 0)], par)
-    return Tree(torch.from_numpy(tokens[idx]), torch.from_numpy(par), torch.from_numpy(depth[idx]),
-                torch.from_numpy(score[idx]), torch.from_numpy(anc[np.ix_(idx, idx)]), torch.from_numpy(idx.copy()),
-                torch.from_numpy(qrow[idx]) if qs else torch.full((idx.size,), -1, dtype=torch.long),
-                torch.cat(qs) if qs else None, mode, calls)
+    return Tree(
+        torch.from_numpy(tokens[idx]),
+        torch.from_numpy(par),
+        torch.from_numpy(depth[idx]),
+        torch.from_numpy(score[idx]),
+        torch.from_numpy(anc[np.ix_(idx, idx)]),
+        torch.from_numpy(idx.copy()),
+        torch.from_numpy(qrow[idx]) if qs else torch.full((idx.size,), -1, dtype=torch.long),
+        torch.cat(qs) if qs else None,
+        mode,
+        calls,
+    )

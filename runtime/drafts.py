@@ -13,6 +13,7 @@ or a `layers:K` truncated copy of the target), `BigramDraft` (the seed's table d
 target's own next-token top-k given one token; no cache). `LookupDraft` (prompt lookup) lives
 in runtime/lookup.py.
 """
+
 from __future__ import annotations
 
 import time
@@ -104,8 +105,9 @@ class DraftSource:
         """Release engines and buffers."""
 
 
-def scratch_mask(buf: MaskBuffer, anc: torch.Tensor, frontier: np.ndarray, slot_node: np.ndarray,
-                 scratch0: int, p: int) -> torch.Tensor:
+def scratch_mask(
+    buf: MaskBuffer, anc: torch.Tensor, frontier: np.ndarray, slot_node: np.ndarray, scratch0: int, p: int
+) -> torch.Tensor:
     """The mask [1, F, p+F] of a draft level's call over a scratch cache: every row sees the
     committed prefix [0, scratch0) (True in the buffer), the scratch rows [scratch0, p) of its
     ancestors (slot_node: scratch row -> node) and itself. Call `buf.release()` after the call."""
@@ -130,7 +132,7 @@ def tree_capacity(policy: TreePolicy, vocab: int) -> int:
     if kind == "static":
         return len(policy.paths)
     w = min(policy.w, vocab)
-    return sum(w ** lvl for lvl in range(1, policy.depth + 1))
+    return sum(w**lvl for lvl in range(1, policy.depth + 1))
 
 
 class ModelDraft(DraftSource):
@@ -216,7 +218,7 @@ class ModelDraft(DraftSource):
         out = self._forward(ids, pos, mask, k, logprobs)
         self.mask.release()
         self._slot[fr] = np.arange(n_slots, n_slots + f)
-        self._slot_node[n_slots:n_slots + f] = fr
+        self._slot_node[n_slots : n_slots + f] = fr
         c.length = p + f
         return out[0] if k is None else TopK(out.values[0], out.indices[0])
 
@@ -297,13 +299,21 @@ def bigram_table_from_target(engine, top_k: int = 32, batch: int = 256, progress
     idx_out = torch.empty(v, k, dtype=torch.long)
     val_out = torch.empty(v, k, dtype=torch.float32)
     starts = range(0, v, batch)
-    for s in (progress(starts) if progress else starts):
+    for s in progress(starts) if progress else starts:
         toks = torch.arange(s, min(s + batch, v))
         b = toks.numel()
         cache = KVCache(engine.info.cache, 1, b, engine.device)
         dev = engine.device
-        logits = engine.forward(toks[:, None].to(dev), torch.zeros(b, 1, dtype=torch.long, device=dev),
-                                torch.ones(b, 1, 1, dtype=torch.bool, device=dev), cache)[:, 0].float().cpu()
+        logits = (
+            engine.forward(
+                toks[:, None].to(dev),
+                torch.zeros(b, 1, dtype=torch.long, device=dev),
+                torch.ones(b, 1, 1, dtype=torch.bool, device=dev),
+                cache,
+            )[:, 0]
+            .float()
+            .cpu()
+        )
         top = torch.topk(torch.log_softmax(logits, -1), k, dim=-1)
         idx_out[s : s + b], val_out[s : s + b] = top.indices, top.values
     if k == v:
@@ -321,8 +331,7 @@ def save_bigram_table(path, indices: torch.Tensor | None, logits: torch.Tensor, 
     tensors = {"logits": logits.contiguous()}
     if indices is not None:
         tensors["indices"] = indices.contiguous()
-    atomic_write_bytes(path, save(tensors, metadata={"vocab_size": str(vocab_size),
-                                                     "top_k": str(logits.shape[1])}))
+    atomic_write_bytes(path, save(tensors, metadata={"vocab_size": str(vocab_size), "top_k": str(logits.shape[1])}))
 
 
 def load_bigram_table(path) -> BigramDraft:
@@ -339,7 +348,9 @@ def load_bigram_table(path) -> BigramDraft:
     except FileNotFoundError:
         raise
     except Exception as e:  # safetensors raises its own error types for corrupt files
-        raise ExportDirError(f"{path}: not a readable bigram table ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        raise ExportDirError(
+            f"{path}: not a readable bigram table ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        ) from None
     vocab = int(meta.get("vocab_size", logits.shape[-1]))
     return BigramDraft(indices, logits, vocab)
 

@@ -17,19 +17,26 @@ its token with the draft's own output hidden state of its parent. So
 
 Candidates come out over the draft vocabulary; `token_map` (d2t) turns them into target ids,
 and sampled candidates' q lives on the target vocabulary with zeros outside the draft's.
-The head is any object with EAGLE-3's contract forward (models/eagle3.py: `project`,
-`token_map`, forward(embeds, hidden, pos, mask, past_k, past_v) -> logits, hidden, new_k,
-new_v), run here through torch; `embed` maps target token ids to embeddings.
+
+The head runs behind a head engine, one per backend, all with the same three members:
+`forward_hidden(ids, hidden, pos, mask, cache) -> (logits, hidden_out)` (K/V written into the
+cache at [P, P+T)), `project(features) -> hidden`, `token_map`: TorchEagle3Head (a torch
+module, runtime/backends/torch_backend.py) or OrtEagle3Head (the exported `draft.onnx` +
+`draft_fc.onnx`, below).
 """
+
 from __future__ import annotations
 
+import base64
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from . import contract as C
 from .drafts import DraftSource, NodeView, scratch_mask, tree_capacity
-from .kvcache import CacheSpec, KVCache
+from .kvcache import KVCache
 from .tree_plan import MaskBuffer
 from .trees import Tree, TreePolicy
 
@@ -38,15 +45,22 @@ class Eagle3Draft(DraftSource):
     kind = "eagle3"
     needs_target_features = True
 
-    def __init__(self, head, embed: torch.Tensor, device: str | torch.device = "cpu"):
-        c = head.config
-        self.head = head.to(device).eval()
-        self.embed = embed.to(device)
-        self.device = torch.device(device)
-        self.vocab_size = c.draft_vocab_size
-        self.token_map = head.token_map().cpu()
-        self.spec = CacheSpec(1, c.n_kv_heads, c.head_dim, torch.float32)
-        self.hidden_size = c.hidden_size
+    def __init__(self, head, embed: torch.Tensor | None = None, device: str | torch.device = "cpu"):
+        """head: a head engine (TorchEagle3Head, OrtEagle3Head), or a torch EAGLE-3 module with
+        `embed` (the target's token embeddings), wrapped in a TorchEagle3Head."""
+        if not hasattr(head, "forward_hidden"):
+            from .backends.torch_backend import TorchEagle3Head
+
+            if embed is None:
+                raise ValueError("Eagle3Draft(module, embed): a torch head needs the target's token embeddings")
+            head = TorchEagle3Head(head, embed, device)
+        self.engine = head
+        self.device = head.device
+        self.vocab_size = head.info.vocab_size
+        self.token_map = head.token_map
+        self.spec = head.info.cache
+        self.hidden_size = head.hidden_size
+        self.feature_size = head.feature_size
         self.cache: KVCache | None = None
         self.mask = MaskBuffer(self.device, 1 << 12)
         self.model_s = 0.0
@@ -56,8 +70,8 @@ class Eagle3Draft(DraftSource):
         self._base = self._chain = 0
         self._slot = np.full(64, -1, dtype=np.int64)
         self._slot_node = np.zeros(64, dtype=np.int64)
-        self._node_hidden = torch.zeros(64, c.hidden_size)
-        self._root_hidden = torch.zeros(c.hidden_size)
+        self._node_hidden = torch.zeros(64, self.hidden_size)
+        self._root_hidden = torch.zeros(self.hidden_size)
 
     def prepare(self, policy: TreePolicy, max_len: int) -> None:
         cap = tree_capacity(policy, self.vocab_size)
@@ -72,19 +86,18 @@ class Eagle3Draft(DraftSource):
     def reset(self, committed: list[int], features: torch.Tensor | None = None) -> None:
         self.cache.reset()
         m = len(committed)
-        f = features if features is not None else torch.zeros(0, self.head.config.feature_size)
+        f = features if features is not None else torch.zeros(0, self.feature_size)
         self._tokens = list(committed[1:])
         self._feats = f[: max(m - 1, 0)].float().cpu()
-        self._last = f[m - 1].float().cpu() if m else torch.zeros(self.head.config.feature_size)
+        self._last = f[m - 1].float().cpu() if m else torch.zeros(self.feature_size)
 
     @torch.inference_mode()
     def _run(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor):
         t0 = time.perf_counter()
-        c = self.cache
         dev = self.device
-        logits, out, k, v = self.head(self.embed[tokens.to(dev)][None], hidden.to(dev)[None], pos.to(dev)[None],
-                                      mask, *c.past(0))
-        c.write_tail(k[None], v[None])
+        logits, out = self.engine.forward_hidden(
+            tokens.to(dev)[None], hidden.to(dev)[None], pos.to(dev)[None], mask, self.cache
+        )
         self.model_s += time.perf_counter() - t0
         return logits[0].cpu(), out[0].cpu()
 
@@ -95,7 +108,7 @@ class Eagle3Draft(DraftSource):
         m = int(tokens.numel())
         c = self.cache
         p = c.length
-        hidden = self.head.project(feats.to(self.device)).cpu()
+        hidden = self.engine.project(feats).cpu()
         mask = self.mask.view(m, p)
         mask[0, :, p:] = torch.ones(m, m, dtype=torch.bool).tril()
         logits, out = self._run(tokens, hidden, torch.arange(p, p + m), mask)
@@ -122,7 +135,7 @@ class Eagle3Draft(DraftSource):
         logits, out = self._run(nodes.tokens[frontier], hidden, pos, mask)
         self.mask.release()
         self._slot[fr] = np.arange(n_slots, n_slots + f)
-        self._slot_node[n_slots:n_slots + f] = fr
+        self._slot_node[n_slots : n_slots + f] = fr
         self._node_hidden[torch.from_numpy(fr)] = out
         c.length = p + f
         return logits
@@ -135,10 +148,64 @@ class Eagle3Draft(DraftSource):
         rows = [0] + [int(i) + 1 for i in path.tolist()]
         self._tokens = tree.tokens[path].tolist() if path.numel() else []
         if feats is None:
-            feats = torch.zeros(len(rows), self.head.config.feature_size)
+            feats = torch.zeros(len(rows), self.feature_size)
             rows = list(range(len(rows)))
         self._feats = feats[rows[:-1]]
         self._last = feats[rows[-1]]
 
     def close(self) -> None:
         self.cache = None
+
+
+class OrtProjection:
+    """`draft_fc.onnx`: target features [N, F] -> the head's hidden input [N, H]."""
+
+    def __init__(self, path: str | Path):
+        from .backends.onnxruntime import _import_ort
+
+        ort = _import_ort()
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+    def __call__(self, features: torch.Tensor) -> torch.Tensor:
+        x = features.detach().float().cpu().contiguous().numpy()
+        return torch.from_numpy(self.session.run(None, {C.TARGET_FEATURES: x})[0])
+
+
+class OrtEagle3Head:
+    """The exported head (export/eagle3_graph.py) behind the head-engine interface: the layer
+    graph through an OrtEngine (its cache read and written in place), the projection through
+    OrtProjection, d2t from the graph's metadata."""
+
+    def __init__(self, layer_path: str | Path, fc_path: str | Path, device: str | torch.device = "cpu"):
+        from .backends.onnxruntime import OrtEngine
+        from .errors import ExportDirError
+
+        self.layer = OrtEngine(layer_path, device=device)
+        if not self.layer.has_hidden_in:
+            raise ExportDirError(f"{layer_path}: not an EAGLE-3 head graph (no {C.HIDDEN_IN} input)")
+        meta = self.layer.metadata
+        self.fc = OrtProjection(fc_path)
+        self.device = self.layer.device
+        self.info = self.layer.info
+        cfg = self.layer.config
+        self.hidden_size = int(cfg["hidden_size"])
+        self.feature_size = int(cfg["feature_size"])
+        try:
+            d2t = np.frombuffer(base64.b64decode(meta[C.META_D2T]), dtype="<i8").astype(np.int64)
+        except (KeyError, ValueError) as e:
+            raise ExportDirError(f"{layer_path}: no valid draft-to-target map in the metadata ({e})") from None
+        if d2t.size != self.info.vocab_size:
+            raise ExportDirError(f"{layer_path}: d2t has {d2t.size} entries, the head predicts {self.info.vocab_size}")
+        self.token_map = torch.arange(d2t.size) + torch.from_numpy(d2t)
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        return self.fc(features)
+
+    def forward_hidden(self, input_ids, hidden, position_ids, mask, cache: KVCache):
+        return self.layer.forward_hidden(input_ids, hidden, position_ids, mask, cache)
+
+    def close(self) -> None:
+        self.layer.close()

@@ -7,6 +7,7 @@ one line and exit status 2. Anything else is a bug and keeps its traceback.
 `ArborspecError` subclasses ValueError so `except ValueError` in existing callers keeps
 working; the file errors also subclass FileNotFoundError.
 """
+
 from __future__ import annotations
 
 

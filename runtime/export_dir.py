@@ -10,6 +10,7 @@ arborspec.export.
     with open_export("exports/smollm2", backend="onnxruntime", draft="lookup") as ex:
         ex.target, ex.draft, ex.tokenizer, ex.manifest
 """
+
 from __future__ import annotations
 
 import os
@@ -66,14 +67,18 @@ def load_tokenizer(man: Manifest):
 
     tj = man.root / "tokenizer.json"
     if tok.get("sha256") and tj.is_file() and sha256_file(tj) != tok["sha256"]:
-        raise ExportDirError(f"{tj} is not the tokenizer this model was exported with (sha256 differs from "
-                             "the manifest): the ids would be wrong; re-export or restore the file")
+        raise ExportDirError(
+            f"{tj} is not the tokenizer this model was exported with (sha256 differs from "
+            "the manifest): the ids would be wrong; re-export or restore the file"
+        )
     try:
         return TextTokenizer.load(man.root)
     except (ValueError, OSError) as e:
         if isinstance(e, ExportDirError):
             raise
-        raise ExportDirError(f"{man.root}: cannot read the tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        raise ExportDirError(
+            f"{man.root}: cannot read the tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        ) from None
 
 
 def _engine(backend: str, man: Manifest, role: str, device: str, providers, engine_dir: Path | None):
@@ -87,23 +92,33 @@ def _engine(backend: str, man: Manifest, role: str, device: str, providers, engi
     emf = read_engines_manifest(edir, missing_ok=True)
     path = emf.path(role) if emf else None
     if path is None or not path.is_file():
-        raise MissingFileError(f"no TensorRT {role} engine in {edir}: run `arborspec build --export-dir "
-                               f"{man.root}` first")
+        raise MissingFileError(
+            f"no TensorRT {role} engine in {edir}: run `arborspec build --export-dir {man.root}` first"
+        )
     return TrtEngine(path, device=device if device.startswith("cuda") else "cuda")
 
 
-def open_export(dir: str | os.PathLike, backend: str = "onnxruntime", device: str = "cpu", *,
-                draft: str | None = None, providers: list | None = None,
-                engine_dir: str | os.PathLike | None = None, load_tok: bool = True,
-                verify: bool = False) -> OpenedExport:
+def open_export(
+    dir: str | os.PathLike,
+    backend: str = "onnxruntime",
+    device: str = "cpu",
+    *,
+    draft: str | None = None,
+    providers: list | None = None,
+    engine_dir: str | os.PathLike | None = None,
+    load_tok: bool = True,
+    verify: bool = False,
+) -> OpenedExport:
     """Open an export folder. draft: None or "export" (the export's own draft), "none",
     "lookup[:N]" (prompt lookup, no model). verify: check every file's sha256 too."""
     from .drafts import ModelDraft, load_bigram_table
     from .lookup import LookupDraft, parse_lookup_spec
 
     if backend not in BACKENDS:
-        raise InputError(f"backend {backend!r} cannot open an export folder (expected one of "
-                         f"{', '.join(BACKENDS)}; the torch backend loads models with --model)")
+        raise InputError(
+            f"backend {backend!r} cannot open an export folder (expected one of "
+            f"{', '.join(BACKENDS)}; the torch backend loads models with --model)"
+        )
     man = read_manifest(dir, check_checksums=verify)
     engine_dir = Path(engine_dir) if engine_dir else None
     opened = OpenedExport(None, None, None, man, backend, device)
@@ -119,14 +134,17 @@ def open_export(dir: str | os.PathLike, backend: str = "onnxruntime", device: st
         elif spec.lower() == "none":
             opened.draft = None
         elif spec.lower() != "export":
-            raise InputError(f"--draft {spec!r} cannot be used with an export folder: its draft is "
-                             "fixed at export time (use `export`, `none` or `lookup[:N]`, or re-export)")
+            raise InputError(
+                f"--draft {spec!r} cannot be used with an export folder: its draft is "
+                "fixed at export time (use `export`, `none` or `lookup[:N]`, or re-export)"
+            )
         elif kind == "onnx":
             d = _engine(backend, man, "draft", device, providers, engine_dir)
             opened.engines.append(d)
             if d.info.vocab_size != target.info.vocab_size:
-                raise ExportDirError(f"draft vocabulary {d.info.vocab_size} != target "
-                                     f"vocabulary {target.info.vocab_size}")
+                raise ExportDirError(
+                    f"draft vocabulary {d.info.vocab_size} != target vocabulary {target.info.vocab_size}"
+                )
             opened.draft = ModelDraft(d)
         elif kind == "bigram":
             opened.draft = load_bigram_table(man.path(man.draft["file"]))
@@ -139,8 +157,13 @@ def open_export(dir: str | os.PathLike, backend: str = "onnxruntime", device: st
     return opened
 
 
-def load_export_dir(dir: str | os.PathLike, backend: str = "onnxruntime", device: str = "cpu",
-                    providers: list | None = None, load_tokenizer: bool = True):
+def load_export_dir(
+    dir: str | os.PathLike,
+    backend: str = "onnxruntime",
+    device: str = "cpu",
+    providers: list | None = None,
+    load_tokenizer: bool = True,
+):
     """The older form of `open_export`: -> (target_engine, draft, tokenizer, manifest), where
     draft is the ONNX draft's engine, the bigram table's path, or None."""
     ex = open_export(dir, backend, device, providers=providers, load_tok=load_tokenizer)
@@ -150,5 +173,16 @@ def load_export_dir(dir: str | os.PathLike, backend: str = "onnxruntime", device
     return ex.target, d, ex.tokenizer, ex.manifest
 
 
-__all__ = ["OpenedExport", "open_export", "load_export_dir", "load_tokenizer", "Manifest", "ExportDirError",
-           "read_manifest", "read_onnx_metadata", "check_arborspec_onnx", "MANIFEST_NAME", "FORMAT"]
+__all__ = [
+    "OpenedExport",
+    "open_export",
+    "load_export_dir",
+    "load_tokenizer",
+    "Manifest",
+    "ExportDirError",
+    "read_manifest",
+    "read_onnx_metadata",
+    "check_arborspec_onnx",
+    "MANIFEST_NAME",
+    "FORMAT",
+]

@@ -6,6 +6,7 @@ through `atomic_write_*`: a temporary sibling, fsync, rename. A failed write (fu
 file-size limit) removes the temporary file and raises one `OutputError` line, so no reader
 ever sees half a file.
 """
+
 from __future__ import annotations
 
 import errno
@@ -92,7 +93,7 @@ def remove_stale_temps(path: str | os.PathLike) -> list[Path]:
     path = Path(path)
     removed = []
     for p in path.parent.glob(f".{path.name}.*.tmp"):
-        pid = p.name[len(path.name) + 2:].split(".", 1)[0]
+        pid = p.name[len(path.name) + 2 :].split(".", 1)[0]
         if pid.isdigit() and not _pid_alive(int(pid)):
             _unlink(str(p))
             removed.append(p)
@@ -142,7 +143,7 @@ def remove_stale_partials(out: str | os.PathLike) -> list[Path]:
     if not out.parent.is_dir():
         return removed
     for p in out.parent.glob(f".{out.name}{PARTIAL_TAG}*"):
-        rest = p.name[len(f".{out.name}{PARTIAL_TAG}"):]
+        rest = p.name[len(f".{out.name}{PARTIAL_TAG}") :]
         pid = rest.split("-", 1)[0]
         if pid.isdigit() and _pid_alive(int(pid)):
             continue

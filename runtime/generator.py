@@ -18,6 +18,7 @@ lock (a decoder runs one sequence at a time). A `stream()` holds the lock until 
 is exhausted or closed. For parallel decoding use one Generator per thread (they can open the
 same export folder).
 """
+
 from __future__ import annotations
 
 import threading
@@ -47,9 +48,19 @@ class Generator:
     (needed for text prompts and `chat`). mode defaults to "tree" with a draft, else
     "vanilla". `owns` are closed by close()."""
 
-    def __init__(self, target, draft=None, tokenizer=None, *, mode: str | None = None,
-                 tree: str = "full:3,2", candidates: str = "topk", max_tree_nodes: int | None = None,
-                 eos_token_ids: Sequence[int] | None = None, owns: Sequence = ()):
+    def __init__(
+        self,
+        target,
+        draft=None,
+        tokenizer=None,
+        *,
+        mode: str | None = None,
+        tree: str = "full:3,2",
+        candidates: str = "topk",
+        max_tree_nodes: int | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        owns: Sequence = (),
+    ):
         mode = mode or ("tree" if draft is not None else "vanilla")
         if mode not in MODES:
             raise InputError(f"unknown mode {mode!r} (expected one of {', '.join(MODES)})")
@@ -65,9 +76,19 @@ class Generator:
         self.closed = False
 
     @classmethod
-    def from_export(cls, dir, backend: str = "onnxruntime", device: str = "cpu", *, draft: str | None = None,
-                    tree: str | None = None, mode: str | None = None, candidates: str = "topk",
-                    verify: bool = False, engine_dir=None) -> "Generator":
+    def from_export(
+        cls,
+        dir,
+        backend: str = "onnxruntime",
+        device: str = "cpu",
+        *,
+        draft: str | None = None,
+        tree: str | None = None,
+        mode: str | None = None,
+        candidates: str = "topk",
+        verify: bool = False,
+        engine_dir=None,
+    ) -> "Generator":
         """Open an export folder (runtime/export_dir.open_export) and wrap it. tree: a spec,
         "auto" (the tree `arborspec tune --export-dir DIR` chose), or None (the export's
         default tree)."""
@@ -78,9 +99,16 @@ class Generator:
             tree = tree or ex.tree_default or "full:3,2"
             if str(tree).strip().lower() == "auto":
                 tree = auto_tree_spec(dir)
-            return cls(ex.target, ex.draft, ex.tokenizer, mode=mode or ("tree" if ex.draft is not None else "vanilla"),
-                       tree=tree, candidates=candidates,
-                       max_tree_nodes=ex.limits.get("max_tree_nodes"), owns=[ex])
+            return cls(
+                ex.target,
+                ex.draft,
+                ex.tokenizer,
+                mode=mode or ("tree" if ex.draft is not None else "vanilla"),
+                tree=tree,
+                candidates=candidates,
+                max_tree_nodes=ex.limits.get("max_tree_nodes"),
+                owns=[ex],
+            )
         except BaseException:
             ex.close()
             raise
@@ -89,9 +117,15 @@ class Generator:
     def _decoder(self, sp: SamplingParams) -> SpeculativeDecoder:
         dec = self._decoders.get(sp)
         if dec is None:
-            dec = SpeculativeDecoder(self.target, self.draft, mode=self.mode, tree=self.tree,
-                                     candidates=self.candidates, sampling=sp,
-                                     max_tree_nodes=self.max_tree_nodes)
+            dec = SpeculativeDecoder(
+                self.target,
+                self.draft,
+                mode=self.mode,
+                tree=self.tree,
+                candidates=self.candidates,
+                sampling=sp,
+                max_tree_nodes=self.max_tree_nodes,
+            )
             if self._decoders:  # share one draft wrapper between sampling configurations
                 dec.draft = next(iter(self._decoders.values())).draft
             self._decoders[sp] = dec
@@ -118,8 +152,16 @@ class Generator:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def generate(self, prompt, max_new_tokens: int = 64, *, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0) -> Completion:
+    def generate(
+        self,
+        prompt,
+        max_new_tokens: int = 64,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+    ) -> Completion:
         """One completion of a text or token-id prompt."""
         ids = self._ids(prompt)
         sp = SamplingParams(temperature, top_k, top_p)
@@ -129,8 +171,17 @@ class Generator:
             r = dec.generate(ids, max_new_tokens, self.eos_token_ids, seed)
         return Completion(self._text(r.tokens), r.tokens, len(ids), r.stop_reason, r.stats)
 
-    def stream(self, prompt, max_new_tokens: int = 64, *, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int = 0, ids: bool = False) -> Iterator:
+    def stream(
+        self,
+        prompt,
+        max_new_tokens: int = 64,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        ids: bool = False,
+    ) -> Iterator:
         """Text chunks as they become final (or lists of token ids with ids=True). Stats and stop
         reason of the last stream: `last_stats`, `last_stop_reason`."""
         prompt_ids = self._ids(prompt)
@@ -156,8 +207,9 @@ class Generator:
         """A completion of a conversation [{"role", "content"}, ...] through the chat template."""
         if self.tokenizer is None:
             raise InputError("chat needs a tokenizer (this generator has none)")
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                      for m in messages):
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in messages
+        ):
             raise InputError('messages must be a list of {"role": ..., "content": ...} objects')
         try:
             text = self.tokenizer.apply_chat(messages)
@@ -189,6 +241,7 @@ def auto_tree_spec(export_dir) -> str:
     make it."""
     path = Path(export_dir) / AUTO_TREE_FILE
     if not path.is_file():
-        raise MissingFileError(f"tree auto: no tuned tree in {export_dir} (run `arborspec tune --export-dir "
-                               f"{export_dir}` first)")
+        raise MissingFileError(
+            f"tree auto: no tuned tree in {export_dir} (run `arborspec tune --export-dir {export_dir}` first)"
+        )
     return f"static:{path}"

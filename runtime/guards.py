@@ -6,6 +6,7 @@ accept rule will read are checked: a broken engine or an fp16 overflow surfaces 
 over the rows used (the accepted path's rows and the next token's), not the whole [T, V] block
 (on the CPU one float64 numpy sum: about 5 us per 49k row).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,5 +24,7 @@ def check_logits(logits: torch.Tensor, rows, step: int, engine_name: str) -> Non
         ok = bool(torch.isfinite(logits if rows is None else logits[rows]).all())
     if not ok:
         bad = "NaN" if bool(torch.isnan(logits if rows is None else logits[rows]).any()) else "Inf"
-        raise NumericalError(f"{bad} in the logits of {engine_name or 'the target engine'} at decode step {step} "
-                             "(a broken engine or an fp16 overflow); no tokens were produced from it")
+        raise NumericalError(
+            f"{bad} in the logits of {engine_name or 'the target engine'} at decode step {step} "
+            "(a broken engine or an fp16 overflow); no tokens were produced from it"
+        )

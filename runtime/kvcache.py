@@ -10,6 +10,7 @@ Layouts (runtime/contract.py KV_LAYOUTS): "sbhd", keys and values each [L, S_max
 engine reads and writes the layer's whole slab in place). Either way the committed tokens are
 positions [0, length) and a commit is one gather along the sequence axis.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -55,8 +56,12 @@ class KVCache:
 
     def fits(self, spec: CacheSpec, max_len: int, batch: int, device) -> bool:
         """Whether this cache can serve a sequence of max_len (reuse instead of reallocating)."""
-        return (self.spec == spec and self.max_len >= max_len and self.batch == batch
-                and self.device == torch.device(device))
+        return (
+            self.spec == spec
+            and self.max_len >= max_len
+            and self.batch == batch
+            and self.device == torch.device(device)
+        )
 
     def room(self, t: int) -> None:
         """Raise if T new tokens do not fit after the committed prefix."""
@@ -78,17 +83,17 @@ class KVCache:
         p = self.length
         if self.seq_dim == 1:
             return self.k[layer, p : p + t], self.v[layer, p : p + t]
-        return (self.k[layer, :, :, p:p + t].permute(2, 0, 1, 3), self.v[layer, :, :, p:p + t].permute(2, 0, 1, 3))
+        return (self.k[layer, :, :, p : p + t].permute(2, 0, 1, 3), self.v[layer, :, :, p : p + t].permute(2, 0, 1, 3))
 
     def write_tail(self, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
         """Write all layers' new K/V [L, T, B, Hkv, D] at [P, P+T)."""
         t, p = new_k.shape[1], self.length
         if self.seq_dim == 1:
-            self.k[:, p:p + t] = new_k
-            self.v[:, p:p + t] = new_v
+            self.k[:, p : p + t] = new_k
+            self.v[:, p : p + t] = new_v
         else:
-            self.k[:, :, :, p:p + t] = new_k.permute(0, 2, 3, 1, 4)
-            self.v[:, :, :, p:p + t] = new_v.permute(0, 2, 3, 1, 4)
+            self.k[:, :, :, p : p + t] = new_k.permute(0, 2, 3, 1, 4)
+            self.v[:, :, :, p : p + t] = new_v.permute(0, 2, 3, 1, 4)
 
     def commit(self, src, n_written: int) -> None:
         """Keep the new entries at offsets `src` (a list or tensor of offsets relative to the

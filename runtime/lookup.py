@@ -5,6 +5,7 @@ current suffix in the sequence (prompt lookup decoding, Saxena 2023), as a tree:
 earlier continuations become sibling branches, ranked by how often they occurred. Step 5
 (`commit`) appends the accepted tokens to its n-gram index.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -52,7 +53,7 @@ class LookupDraft(DraftSource):
         j = len(ctx)
         for n in range(self.min_n, self.max_n + 1):
             if j >= n:
-                nxt = self.index.setdefault(tuple(ctx[j - n:]), {})
+                nxt = self.index.setdefault(tuple(ctx[j - n :]), {})
                 nxt[t] = nxt.get(t, 0) + 1
         ctx.append(t)
 
@@ -96,18 +97,20 @@ class LookupDraft(DraftSource):
             if hit:
                 best = sorted(hit.items(), key=lambda kv: -kv[1])[:k]
                 total = sum(hit.values())
-                idx[r, :len(best)] = torch.tensor([t for t, _ in best])
-                vals[r, :len(best)] = torch.log(torch.tensor([c / total for _, c in best]))
+                idx[r, : len(best)] = torch.tensor([t for t, _ in best])
+                vals[r, : len(best)] = torch.log(torch.tensor([c / total for _, c in best]))
         return TopK(vals, idx)
 
     def _tails(self, nodes: NodeView, frontier: torch.Tensor) -> list[list[int]]:
         toks = nodes.tokens.tolist()
         anc = nodes.anc.numpy()
-        return [(self._root + [toks[j] for j in np.flatnonzero(anc[f])])[-self.max_n:]  # level order
-                for f in frontier.tolist()]
+        return [
+            (self._root + [toks[j] for j in np.flatnonzero(anc[f])])[-self.max_n :]  # level order
+            for f in frontier.tolist()
+        ]
 
     def _set_root(self, root: int) -> None:
-        self._root = self.ctx[-(self.max_n - 1):] + [int(root)] if self.max_n > 1 else [int(root)]
+        self._root = self.ctx[-(self.max_n - 1) :] + [int(root)] if self.max_n > 1 else [int(root)]
 
     def start(self, root: int) -> torch.Tensor:
         self._set_root(root)

@@ -5,6 +5,7 @@ arborspec contract graph of the right version. The protobuf's top-level fields a
 and the graph is skipped by seeking, so this costs a few reads even for a 2 GB file, and the
 runtime never imports onnx.
 """
+
 from __future__ import annotations
 
 import io

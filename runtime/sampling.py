@@ -4,6 +4,7 @@ Role in one decoding step: the accept rule compares the target's and the draft's
 distributions after the SAME warping, which is what makes sampling lossless with respect to
 the warped target distribution the user asked for. Temperature 0 means greedy.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

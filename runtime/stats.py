@@ -4,6 +4,7 @@ Role in one decoding step: every phase of the step (draft, verify, accept+KV, ot
 wall time here, and every target call its committed token count, so `mean_accepted` (tokens
 per target call) and the time split come out of the same run that produced the text.
 """
+
 from __future__ import annotations
 
 import time
@@ -54,8 +55,12 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(mean_accepted=self.mean_accepted, tokens_per_s=self.tokens_per_s,
-                 decode_s=self.decode_s, overhead_per_step_ms=self.overhead_per_step_ms)
+        d.update(
+            mean_accepted=self.mean_accepted,
+            tokens_per_s=self.tokens_per_s,
+            decode_s=self.decode_s,
+            overhead_per_step_ms=self.overhead_per_step_ms,
+        )
         return d
 
 

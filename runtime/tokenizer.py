@@ -8,6 +8,7 @@ form whole UTF-8 characters (a byte-level BPE token can end mid-character).
 On disk, next to an export: `tokenizer.json` (a `tokenizers` file) and `tokenizer_meta.json`
 {bos_token_id, eos_token_ids, chat_template, add_bos}.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,7 +44,9 @@ class TextTokenizer:
 
     # -- files ---------------------------------------------------------------------------
     @classmethod
-    def from_files(cls, tokenizer_json_path: str | Path, meta: dict[str, Any] | str | Path | None = None) -> "TextTokenizer":
+    def from_files(
+        cls, tokenizer_json_path: str | Path, meta: dict[str, Any] | str | Path | None = None
+    ) -> "TextTokenizer":
         """tokenizer.json + a meta dict (or the path of a tokenizer_meta.json)."""
         if isinstance(meta, (str, Path)):
             meta = json.loads(Path(meta).read_text())
@@ -58,8 +61,12 @@ class TextTokenizer:
 
     @property
     def meta(self) -> dict[str, Any]:
-        return {"bos_token_id": self.bos_token_id, "eos_token_ids": list(self.eos_token_ids),
-                "chat_template": self.chat_template, "add_bos": self.add_bos}
+        return {
+            "bos_token_id": self.bos_token_id,
+            "eos_token_ids": list(self.eos_token_ids),
+            "chat_template": self.chat_template,
+            "add_bos": self.add_bos,
+        }
 
     def save(self, folder: str | Path) -> None:
         """Write tokenizer.json and tokenizer_meta.json (each atomically) into folder."""
@@ -101,7 +108,9 @@ class TextTokenizer:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
+            env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+                x, indent=indent, ensure_ascii=ensure_ascii
+            )
             env.globals["raise_exception"] = _raise_exception
             self._template = env.from_string(self.chat_template)
         return self._template
@@ -113,8 +122,12 @@ class TextTokenizer:
         """Render messages [{role, content}, ...] with the model's chat template."""
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         return self._compiled_template().render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self._token_text(self.bos_token_id), eos_token=self._token_text(eos), **extra)
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._token_text(self.bos_token_id),
+            eos_token=self._token_text(eos),
+            **extra,
+        )
 
     def stream_decoder(self, skip_special_tokens: bool = False) -> "StreamDecoder":
         return StreamDecoder(self, skip_special_tokens)
@@ -142,18 +155,18 @@ class StreamDecoder:
         if isinstance(ids, int):
             ids = [ids]
         self.ids.extend(int(i) for i in ids)
-        prefix_text = self._decode(self.ids[self.prefix:self.read])
+        prefix_text = self._decode(self.ids[self.prefix : self.read])
         # the longest run of the new ids that ends on a whole character (usually all of them)
         for end in range(len(self.ids), self.read, -1):
-            text = self._decode(self.ids[self.prefix:end])
+            text = self._decode(self.ids[self.prefix : end])
             if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
                 self.prefix, self.read = self.read, end
-                return text[len(prefix_text):]
+                return text[len(prefix_text) :]
         return ""
 
     def finish(self) -> str:
         """The rest of the text, incomplete characters included (as U+FFFD)."""
-        prefix_text = self._decode(self.ids[self.prefix:self.read])
-        text = self._decode(self.ids[self.prefix:])
+        prefix_text = self._decode(self.ids[self.prefix : self.read])
+        text = self._decode(self.ids[self.prefix :])
         self.prefix = self.read = len(self.ids)
-        return text[len(prefix_text):]
+        return text[len(prefix_text) :]

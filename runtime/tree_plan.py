@@ -13,6 +13,7 @@ block", so the cache-prefix columns are never rewritten: each call writes only t
 the new tokens' columns and puts it back to True afterwards (O(T^2) per step, not O(T*(P+T))).
 `VerifyBuffers` adds the input-id and position buffers.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -144,8 +145,15 @@ class VerifyBuffers:
             self.ids = torch.empty(2 * t, dtype=torch.long, device=self.device)
             self.pos = torch.empty(2 * t, dtype=torch.long, device=self.device)
 
-    def fill(self, root: int, tokens: torch.Tensor, offsets: torch.Tensor, block: torch.Tensor | None,
-             anc: torch.Tensor | None, past: int):
+    def fill(
+        self,
+        root: int,
+        tokens: torch.Tensor,
+        offsets: torch.Tensor,
+        block: torch.Tensor | None,
+        anc: torch.Tensor | None,
+        past: int,
+    ):
         """-> input_ids [1, T], position_ids [1, T], mask [1, T, P+T] for [root, nodes...].
         offsets [T]: depth of each row (0 for the root); either the full `block` [T, T]
         (a plan's, on the device) or the nodes' `anc` [N, N]."""

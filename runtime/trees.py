@@ -16,6 +16,7 @@ Spec strings (CLI `--tree`):
                    K children each, D levels, then keep the best N nodes overall
   static:FILE.json explicit paths of child ranks, Medusa style: [[0],[1],[0,0],[0,1],...]
 """
+
 from __future__ import annotations
 
 import json
@@ -28,6 +29,7 @@ import torch
 from .errors import MissingFileError, TreeSpecError
 
 # ----------------------------------------------------------------------------- policies
+
 
 class TreePolicy:
     """Base: a fixed-depth expansion. Subclasses say how many candidates each frontier node
@@ -77,7 +79,7 @@ class FullTree(TreePolicy):
 
     @property
     def max_nodes(self):
-        return sum(self.w ** l for l in range(1, self.depth + 1))
+        return sum(self.w**l for l in range(1, self.depth + 1))
 
 
 class ChainTree(FullTree):
@@ -209,7 +211,8 @@ def parse_tree_spec(spec: str, base_dir: str | None = None) -> TreePolicy:
     if not isinstance(spec, str) or ":" not in spec:
         raise TreeSpecError(
             f"malformed tree spec {spec!r}: expected chain:K, full:D,W, beam:n1,n2,..., "
-            "dynamic:K,D,N or static:FILE.json")
+            "dynamic:K,D,N or static:FILE.json"
+        )
     kind, _, rest = spec.partition(":")
     kind = kind.strip().lower()
     if kind == "static":
@@ -236,11 +239,12 @@ def parse_tree_spec(spec: str, base_dir: str | None = None) -> TreePolicy:
     if kind == "dynamic" and len(vals) == 3:
         return DynamicTree(*vals, spec=spec)
     raise TreeSpecError(
-        f"malformed tree spec {spec!r}: expected chain:K, full:D,W, beam:n1,n2,..., "
-        "dynamic:K,D,N or static:FILE.json")
+        f"malformed tree spec {spec!r}: expected chain:K, full:D,W, beam:n1,n2,..., dynamic:K,D,N or static:FILE.json"
+    )
 
 
 # ----------------------------------------------------------------------------- the tree
+
 
 @dataclass
 class Tree:
@@ -288,9 +292,18 @@ class Tree:
         remap[idx] = torch.arange(idx.numel())
         par = self.parents[idx]
         new_par = torch.where(par >= 0, remap[par.clamp(min=0)], par)
-        return Tree(self.tokens[idx], new_par, self.depth[idx], self.score[idx],
-                    self.anc[idx][:, idx], self.origin[idx], self.qrow[idx], self.q,
-                    self.candidates, self.draft_calls)
+        return Tree(
+            self.tokens[idx],
+            new_par,
+            self.depth[idx],
+            self.score[idx],
+            self.anc[idx][:, idx],
+            self.origin[idx],
+            self.qrow[idx],
+            self.q,
+            self.candidates,
+            self.draft_calls,
+        )
 
 
 def verify_inputs(root_token: int, tree: Tree, past_len: int, device="cpu"):

@@ -1,4 +1,5 @@
 """Shared fixtures: small random contract models (no hub, no downloads)."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,9 +12,18 @@ from arborspec.runtime.backends.torch_backend import TorchEngine
 def tiny_config(family="llama", vocab=96, layers=3, hidden=64, heads=4, kv=2, max_position=512):
     if family == "gpt2":
         kv = heads
-    return ModelConfig(family=family, vocab_size=vocab, hidden_size=hidden, n_layers=layers,
-                       n_heads=heads, n_kv_heads=kv, head_dim=hidden // heads,
-                       intermediate_size=4 * hidden, max_position=max_position, name=f"tiny-{family}")
+    return ModelConfig(
+        family=family,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=kv,
+        head_dim=hidden // heads,
+        intermediate_size=4 * hidden,
+        max_position=max_position,
+        name=f"tiny-{family}",
+    )
 
 
 def random_model(cfg: ModelConfig, seed=0, scale=3.0):
@@ -56,8 +66,14 @@ def externalize_target(d):
     import onnx
 
     m = onnx.load(str(d / "target.onnx"))
-    onnx.save(m, str(d / "target.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
-              location="target.onnx.data", size_threshold=1024)
+    onnx.save(
+        m,
+        str(d / "target.onnx"),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="target.onnx.data",
+        size_threshold=1024,
+    )
     man = json.loads((d / "manifest.json").read_text())
     man["target"]["external_data"] = ["target.onnx.data"]
     man["target"]["bytes"] = (d / "target.onnx").stat().st_size
@@ -76,6 +92,11 @@ def tiny_text_export(folder, seed: int = 0):
 
     tok = text_tokenizer_from_gguf_meta(synthetic_meta())
     m = random_model(tiny_config("llama", vocab=tok.vocab_size, layers=2, hidden=64, heads=4, kv=2), seed=seed)
-    export_folder(SimpleNamespace(module=m, config=m.config, tokenizer=tok, source={"kind": "test"}), folder,
-                  draft="layers:1", progress=False, verify=False)
+    export_folder(
+        SimpleNamespace(module=m, config=m.config, tokenizer=tok, source={"kind": "test"}),
+        folder,
+        draft="layers:1",
+        progress=False,
+        verify=False,
+    )
     return folder

@@ -1,4 +1,5 @@
 """Helpers for the lossless chi-square tests (shared by the torch and ONNX Runtime suites)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -20,8 +21,9 @@ def exact_two_token_distribution(engine, prompt, sp: SamplingParams) -> np.ndarr
     def next_probs(seq):
         n = len(seq)
         cache = KVCache(engine.info.cache, n, 1)
-        logits = engine.forward(torch.tensor([seq]), torch.arange(n)[None],
-                                torch.ones(n, n, dtype=torch.bool).tril()[None], cache)
+        logits = engine.forward(
+            torch.tensor([seq]), torch.arange(n)[None], torch.ones(n, n, dtype=torch.bool).tril()[None], cache
+        )
         return probs(logits[0, -1], sp).double().numpy()
 
     p1 = next_probs(prompt)

@@ -1,4 +1,5 @@
 """`arborspec bench` end to end on tiny random models (torch backend, HF baselines, ORT export)."""
+
 from __future__ import annotations
 
 import json
@@ -10,19 +11,29 @@ from arborspec.tools import bench, bench_report
 from arborspec.tools import prompts as prompt_sets
 from arborspec.tools.cli import main
 
-PROMPTS = {"prompts": [
-    {"id": "a", "category": "chat", "ids": [1, 5, 9, 13, 2, 7]},
-    {"id": "b", "category": "code", "ids": [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]},
-    {"id": "c", "category": "repetitive", "ids": [10, 11, 12, 10, 11, 12, 10, 11]},
-    {"id": "d", "category": "chat", "ids": [20, 21]},
-]}
+PROMPTS = {
+    "prompts": [
+        {"id": "a", "category": "chat", "ids": [1, 5, 9, 13, 2, 7]},
+        {"id": "b", "category": "code", "ids": [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]},
+        {"id": "c", "category": "repetitive", "ids": [10, 11, 12, 10, 11, 12, 10, 11]},
+        {"id": "d", "category": "chat", "ids": [20, 21]},
+    ]
+}
 
 
 def _hf_folder(tmp_path):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   tie_word_embeddings=False, rms_norm_eps=1e-5)
+    cfg = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+    )
     torch.manual_seed(0)
     m = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # peaked distributions, like a trained model's, so drafts get accepted
@@ -53,32 +64,82 @@ def _check_schema(res, names):
     for p in res["per_prompt"]:
         assert set(p["runs"]) == set(names)
         for r in p["runs"].values():
-            for k in ("tokens_per_s", "speedup_vs_vanilla", "mean_accepted", "target_calls", "time_split",
-                      "overhead_per_step_ms", "accepted_hist", "greedy_match", "tokens", "new_tokens"):
+            for k in (
+                "tokens_per_s",
+                "speedup_vs_vanilla",
+                "mean_accepted",
+                "target_calls",
+                "time_split",
+                "overhead_per_step_ms",
+                "accepted_hist",
+                "greedy_match",
+                "tokens",
+                "new_tokens",
+            ):
                 assert k in r, k
             assert r["new_tokens"] == 12
     agg = res["aggregate"]
     assert set(agg["configs"]) == set(names)
     for a in agg["configs"].values():
-        for k in ("tokens_per_s_median", "tokens_per_s_total", "speedup_vs_vanilla_median",
-                  "speedup_vs_vanilla_total", "mean_accepted", "time_split", "ms_per_token", "greedy_match"):
+        for k in (
+            "tokens_per_s_median",
+            "tokens_per_s_total",
+            "speedup_vs_vanilla_median",
+            "speedup_vs_vanilla_total",
+            "mean_accepted",
+            "time_split",
+            "ms_per_token",
+            "greedy_match",
+        ):
             assert k in a, k
     assert agg["greedy_match"] is True
     assert agg["configs"]["vanilla"]["mean_accepted"] == pytest.approx(1.0)
     assert agg["configs"]["vanilla"]["speedup_vs_vanilla_total"] == pytest.approx(1.0)
     ttft = agg["configs"]["vanilla"]["ttft_s_median"]  # time to first token, reported by bench
-    assert ttft is not None and 0 < ttft <= max(r["runs"]["vanilla"]["decode_s"] + r["runs"]["vanilla"]["prefill_s"]
-                                                 for r in res["per_prompt"])
+    assert ttft is not None and 0 < ttft <= max(
+        r["runs"]["vanilla"]["decode_s"] + r["runs"]["vanilla"]["prefill_s"] for r in res["per_prompt"]
+    )
 
 
 def test_bench_torch_with_hf_baselines(tiny, capsys):
     tmp, folder, prompts = tiny
     out, png = tmp / "r.json", tmp / "r.png"
-    rc = main(["bench", "--model", str(folder), "--draft", "layers:1", "--modes", "vanilla,chain,tree",
-               "--chain", "chain:3", "--tree", "full:2,2;beam:2,3", "--tree", "dynamic:2,3,5",
-               "--prompts", str(prompts), "--limit-prompts", "3", "--max-new-tokens", "12", "--warmup", "0", "--threads", "1",
-               "--baselines", "hf-greedy,hf-assisted,hf-lookup", "--hf-assistant-layers", "1",
-               "--no-progress", "--json", str(out), "--plot", str(png)])
+    rc = main(
+        [
+            "bench",
+            "--model",
+            str(folder),
+            "--draft",
+            "layers:1",
+            "--modes",
+            "vanilla,chain,tree",
+            "--chain",
+            "chain:3",
+            "--tree",
+            "full:2,2;beam:2,3",
+            "--tree",
+            "dynamic:2,3,5",
+            "--prompts",
+            str(prompts),
+            "--limit-prompts",
+            "3",
+            "--max-new-tokens",
+            "12",
+            "--warmup",
+            "0",
+            "--threads",
+            "1",
+            "--baselines",
+            "hf-greedy,hf-assisted,hf-lookup",
+            "--hf-assistant-layers",
+            "1",
+            "--no-progress",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
     assert rc == 0
     res = json.loads(out.read_text())
     names = ["vanilla", "chain:3", "full:2,2", "beam:2,3", "dynamic:2,3,5", "hf-greedy", "hf-assisted", "hf-lookup"]
@@ -102,9 +163,32 @@ def test_bench_onnxruntime_export(tiny, tmp_path):
     exp = tmp_path / "exp"
     export_folder(str(folder), exp, draft="layers:1", progress=False)
     out = tmp_path / "ort.json"
-    rc = main(["bench", "--export-dir", str(exp), "--backend", "onnxruntime", "--tree", "full:2,2",
-               "--prompts", str(prompts), "--limit-prompts", "3", "--max-new-tokens", "12", "--warmup", "0", "--threads", "1",
-               "--baselines", "hf-greedy", "--no-progress", "--json", str(out)])
+    rc = main(
+        [
+            "bench",
+            "--export-dir",
+            str(exp),
+            "--backend",
+            "onnxruntime",
+            "--tree",
+            "full:2,2",
+            "--prompts",
+            str(prompts),
+            "--limit-prompts",
+            "3",
+            "--max-new-tokens",
+            "12",
+            "--warmup",
+            "0",
+            "--threads",
+            "1",
+            "--baselines",
+            "hf-greedy",
+            "--no-progress",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     res = json.loads(out.read_text())
     _check_schema(res, ["vanilla", "chain:4", "full:2,2", "hf-greedy"])
@@ -120,8 +204,7 @@ def test_bench_user_errors(tiny, capsys):
     assert main(["bench", "--model", str(folder), "--prompts", str(folder / "nope.json")]) == 2
     text = folder.parent / "text.json"
     text.write_text(json.dumps([{"id": "t", "category": "chat", "text": "hello"}]))
-    assert main(["bench", "--model", str(folder), "--prompts", str(text), "--modes", "vanilla",
-                 "--no-progress"]) == 2
+    assert main(["bench", "--model", str(folder), "--prompts", str(text), "--modes", "vanilla", "--no-progress"]) == 2
     assert "no tokenizer" in capsys.readouterr().err
 
 

@@ -1,4 +1,5 @@
 """`arborspec generate` end to end on tiny checkpoints, and one clear error per bad input."""
+
 from __future__ import annotations
 
 import json
@@ -12,9 +13,20 @@ from arborspec.tools.cli import main
 
 def save_nanogpt(module, path):
     cfg = module.config
-    torch.save({"model_args": dict(n_layer=cfg.n_layers, n_head=cfg.n_heads, n_embd=cfg.hidden_size,
-                                   block_size=cfg.max_position, bias=True, vocab_size=cfg.vocab_size),
-                "model": module.state_dict()}, path)
+    torch.save(
+        {
+            "model_args": dict(
+                n_layer=cfg.n_layers,
+                n_head=cfg.n_heads,
+                n_embd=cfg.hidden_size,
+                block_size=cfg.max_position,
+                bias=True,
+                vocab_size=cfg.vocab_size,
+            ),
+            "model": module.state_dict(),
+        },
+        path,
+    )
     return str(path)
 
 
@@ -36,8 +48,23 @@ def test_json_output_and_modes_agree(ckpts, capsys):
     a, _ = ckpts
     outs = {}
     for mode in ["vanilla", "chain", "tree"]:
-        rc, out, err = run_cli(["generate", "--model", a, "--draft", "layers:1", "--mode", mode,
-                                "--prompt-ids", "1,2,3", "--max-new-tokens", "16", "--json"], capsys)
+        rc, out, err = run_cli(
+            [
+                "generate",
+                "--model",
+                a,
+                "--draft",
+                "layers:1",
+                "--mode",
+                mode,
+                "--prompt-ids",
+                "1,2,3",
+                "--max-new-tokens",
+                "16",
+                "--json",
+            ],
+            capsys,
+        )
         assert rc == 0, err
         res = json.loads(out)
         assert res["prompt_tokens"] == 3 and len(res["tokens"]) == 16
@@ -48,20 +75,56 @@ def test_json_output_and_modes_agree(ckpts, capsys):
 
 def test_n_completions(ckpts, capsys):
     a, _ = ckpts
-    rc, out, err = run_cli(["generate", "--model", a, "--draft", "layers:1", "--prompt-ids", "1,2,3",
-                            "--max-new-tokens", "8", "--temperature", "1.0", "--n", "3", "--seed", "5",
-                            "--json"], capsys)
+    rc, out, err = run_cli(
+        [
+            "generate",
+            "--model",
+            a,
+            "--draft",
+            "layers:1",
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "8",
+            "--temperature",
+            "1.0",
+            "--n",
+            "3",
+            "--seed",
+            "5",
+            "--json",
+        ],
+        capsys,
+    )
     assert rc == 0, err
     res = json.loads(out)
     assert len(res["tokens"]) == 3 and all(len(t) == 8 for t in res["tokens"])
     # seeds seed..seed+N-1: completion i equals a single run with seed 5+i
-    rc, out, _ = run_cli(["generate", "--model", a, "--draft", "layers:1", "--prompt-ids", "1,2,3",
-                          "--max-new-tokens", "8", "--temperature", "1.0", "--seed", "6", "--json"], capsys)
+    rc, out, _ = run_cli(
+        [
+            "generate",
+            "--model",
+            a,
+            "--draft",
+            "layers:1",
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "8",
+            "--temperature",
+            "1.0",
+            "--seed",
+            "6",
+            "--json",
+        ],
+        capsys,
+    )
     assert json.loads(out)["tokens"] == res["tokens"][1]
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "too_long", "vocab", "tree", "no_tokenizer", "bad_ids",
-                                  "temperature"])
+@pytest.mark.parametrize(
+    "case", ["missing", "empty", "too_long", "vocab", "tree", "no_tokenizer", "bad_ids", "temperature"]
+)
 def test_bad_input_one_clear_line(ckpts, capsys, tmp_path, case):
     a, b = ckpts
     base = ["generate", "--model", a, "--draft", "layers:1", "--max-new-tokens", "4"]
@@ -80,9 +143,16 @@ def test_bad_input_one_clear_line(ckpts, capsys, tmp_path, case):
     lines = [l for l in err.strip().splitlines() if l]
     assert len(lines) == 1 and lines[0].startswith("arborspec: error: "), err
     assert "Traceback" not in err
-    expect = {"missing": "nope.pt", "empty": "empty prompt", "too_long": "max context", "vocab": "vocabulary",
-              "tree": "malformed tree spec", "no_tokenizer": "--prompt-ids", "bad_ids": "integers",
-              "temperature": "temperature"}[case]
+    expect = {
+        "missing": "nope.pt",
+        "empty": "empty prompt",
+        "too_long": "max context",
+        "vocab": "vocabulary",
+        "tree": "malformed tree spec",
+        "no_tokenizer": "--prompt-ids",
+        "bad_ids": "integers",
+        "temperature": "temperature",
+    }[case]
     assert expect in lines[0]
 
 

@@ -1,6 +1,7 @@
 """`arborspec compare` (Polygraphy Comparator, PyTorch vs ONNX Runtime on runtime-made feeds)
 and the Polygraphy data-loader script, on tiny exports whose source is saved to disk (an HF
 folder for llama with GQA, a nanoGPT checkpoint for gpt2), as a user's would be."""
+
 from __future__ import annotations
 
 import json
@@ -28,25 +29,47 @@ POLYGRAPHY = Path(sys.executable).parent / "polygraphy"
 def save_hf_llama(m, d: Path) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     c = m.config
-    (d / "config.json").write_text(json.dumps({
-        "model_type": "llama", "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
-        "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
-        "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim,
-        "intermediate_size": c.intermediate_size, "max_position_embeddings": c.max_position,
-        "rope_theta": c.rope_theta, "rms_norm_eps": c.norm_eps, "tie_word_embeddings": c.tie_embeddings}))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "vocab_size": c.vocab_size,
+                "hidden_size": c.hidden_size,
+                "num_hidden_layers": c.n_layers,
+                "num_attention_heads": c.n_heads,
+                "num_key_value_heads": c.n_kv_heads,
+                "head_dim": c.head_dim,
+                "intermediate_size": c.intermediate_size,
+                "max_position_embeddings": c.max_position,
+                "rope_theta": c.rope_theta,
+                "rms_norm_eps": c.norm_eps,
+                "tie_word_embeddings": c.tie_embeddings,
+            }
+        )
+    )
     from safetensors.torch import save_file
 
-    sd = {k: v.contiguous() for k, v in m.state_dict().items()
-          if not (c.tie_embeddings and k == "lm_head.weight")}
+    sd = {k: v.contiguous() for k, v in m.state_dict().items() if not (c.tie_embeddings and k == "lm_head.weight")}
     save_file(sd, str(d / "model.safetensors"))
     return d
 
 
 def save_nanogpt(m, path: Path) -> Path:
     c = m.config
-    torch.save({"model_args": {"n_layer": c.n_layers, "n_head": c.n_heads, "n_embd": c.hidden_size,
-                               "block_size": c.max_position, "vocab_size": c.vocab_size, "bias": True},
-                "model": {k: v.clone() for k, v in m.state_dict().items()}}, str(path))
+    torch.save(
+        {
+            "model_args": {
+                "n_layer": c.n_layers,
+                "n_head": c.n_heads,
+                "n_embd": c.hidden_size,
+                "block_size": c.max_position,
+                "vocab_size": c.vocab_size,
+                "bias": True,
+            },
+            "model": {k: v.clone() for k, v in m.state_dict().items()},
+        },
+        str(path),
+    )
     return path
 
 
@@ -75,8 +98,15 @@ def test_compare_passes(export, capsys):
     for graph in ("target", "draft"):
         assert f"\n{graph} " in out
     # every policy and the T range reach the table
-    for name in ("prefill", "decode (vanilla)", "chain:4", "full:2,3", "beam:2,4,4", "static:file",
-                 "dynamic:8,3,64 (64 nodes) T=65"):
+    for name in (
+        "prefill",
+        "decode (vanilla)",
+        "chain:4",
+        "full:2,3",
+        "beam:2,4,4",
+        "static:file",
+        "dynamic:8,3,64 (64 nodes) T=65",
+    ):
         assert name in out, name
     if not torch.cuda.is_available():
         assert "skipped: no GPU" in out
@@ -108,8 +138,9 @@ def _perturb(src: Path, dst: Path) -> str:
 def test_compare_fails_on_perturbed_weights(export, tmp_path, capsys):
     bad = tmp_path / "bad"
     _perturb(export, bad)
-    rc, out, err = run_cli(["compare", "--export-dir", str(bad), "--runners", "torch,onnxruntime",
-                            "--no-progress"], capsys)
+    rc, out, err = run_cli(
+        ["compare", "--export-dir", str(bad), "--runners", "torch,onnxruntime", "--no-progress"], capsys
+    )
     assert rc == 1, out + err
     assert "FAILED" in out and "target:logits" in out
     assert "FAIL " in out or out.rstrip().endswith("FAIL") or " FAIL" in out
@@ -132,13 +163,42 @@ def test_save_and_replay_with_polygraphy_cli(export, tmp_path, capsys):
     if "llama" not in str(export):
         pytest.skip("one family is enough for the replay")
     i, o = tmp_path / "in.json", tmp_path / "out.json"
-    rc, out, err = run_cli(["compare", "--export-dir", str(export), "--runners", "torch,onnxruntime",
-                            "--save-inputs", str(i), "--save-outputs", str(o), "--no-progress"], capsys)
+    rc, out, err = run_cli(
+        [
+            "compare",
+            "--export-dir",
+            str(export),
+            "--runners",
+            "torch,onnxruntime",
+            "--save-inputs",
+            str(i),
+            "--save-outputs",
+            str(o),
+            "--no-progress",
+        ],
+        capsys,
+    )
     assert rc == 0, out + err
     assert i.is_file() and o.is_file() and (tmp_path / "in.draft.json").is_file()
-    r = subprocess.run([str(POLYGRAPHY), "run", str(export / "target.onnx"), "--onnxrt", "--load-inputs", str(i),
-                        "--load-outputs", str(o), "--atol", "1e-4", "--rtol", "1e-3"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            str(POLYGRAPHY),
+            "run",
+            str(export / "target.onnx"),
+            "--onnxrt",
+            "--load-inputs",
+            str(i),
+            "--load-outputs",
+            str(o),
+            "--atol",
+            "1e-4",
+            "--rtol",
+            "1e-3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "PASSED" in r.stdout + r.stderr
 
@@ -153,12 +213,24 @@ def test_polygraphy_run_with_data_loader_script(export, tmp_path):
         pytest.skip("one family is enough for the CLI run")
     saved = tmp_path / "ort.json"
     for graph in ("target", "draft"):
-        r = subprocess.run([str(POLYGRAPHY), "run", str(export / f"{graph}.onnx"), "--onnxrt",
-                            "--data-loader-script", dl.__file__, "--save-outputs", str(saved)],
-                           capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [
+                str(POLYGRAPHY),
+                "run",
+                str(export / f"{graph}.onnx"),
+                "--onnxrt",
+                "--data-loader-script",
+                dl.__file__,
+                "--save-outputs",
+                str(saved),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         res = RunResults.load(str(saved))
-        (_, iters), = res.items()
+        ((_, iters),) = res.items()
         ts = [it["logits"].shape[1] for it in iters]
         feeds = dl.feeds(export, graph)
         assert len(iters) == len(feeds) >= 5

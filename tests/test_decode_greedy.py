@@ -1,4 +1,5 @@
 """Greedy tree / chain speculative decoding == vanilla greedy decoding, token for token."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,15 @@ from arborspec.runtime.decode import SpeculativeDecoder
 from arborspec.runtime.drafts import BigramDraft, bigram_table_from_target
 from arborspec.runtime.kvcache import KVCache
 
-POLICIES = ["chain:1", "chain:4", "full:3,2", "full:2,4", "beam:4,8,8", "dynamic:3,4,10",
-            "dynamic:4,4,6"]  # the last expands more nodes than it keeps
+POLICIES = [
+    "chain:1",
+    "chain:4",
+    "full:3,2",
+    "full:2,4",
+    "beam:4,8,8",
+    "dynamic:3,4,10",
+    "dynamic:4,4,6",
+]  # the last expands more nodes than it keeps
 PROMPT = [1, 5, 7, 9, 3, 11]
 
 
@@ -105,7 +113,9 @@ def test_kv_cache_equals_fresh_prefill(llama_pair, spec):
     m = dc.length
     assert m >= n - 1  # at most the last accepted leaf is pending
     dfresh = KVCache(draft.info.cache, m, 1)
-    draft.forward(torch.tensor([seq[:m]]), torch.arange(m)[None], torch.ones(m, m, dtype=torch.bool).tril()[None], dfresh)
+    draft.forward(
+        torch.tensor([seq[:m]]), torch.arange(m)[None], torch.ones(m, m, dtype=torch.bool).tril()[None], dfresh
+    )
     torch.testing.assert_close(dc.k[:, :m], dfresh.k[:, :m], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(dc.v[:, :m], dfresh.v[:, :m], atol=1e-5, rtol=1e-4)
 

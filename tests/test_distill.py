@@ -1,4 +1,5 @@
 """Distillation script: a few steps on a tiny random target, loadable output, shared weights."""
+
 from __future__ import annotations
 
 import json
@@ -26,9 +27,33 @@ def test_distill_runs_and_loads(tmp_path, monkeypatch):
     prompts.write_text(json.dumps([{"ids": [1, 2, 3]}, {"ids": [5, 6]}, {"ids": [7, 8, 9, 10]}]))
     out = tmp_path / "draft"
     corpus = tmp_path / "corpus.json"
-    rc = cli.main(["--model", str(folder), "--layers", "1", "--steps", "3", "--seq-len", "16", "--batch", "2",
-                  "--corpus-tokens", "64", "--gen-len", "16", "--topk", "8", "--prompts", str(prompts),
-                  "--corpus", str(corpus), "--out", str(out), "--quiet"])
+    rc = cli.main(
+        [
+            "--model",
+            str(folder),
+            "--layers",
+            "1",
+            "--steps",
+            "3",
+            "--seq-len",
+            "16",
+            "--batch",
+            "2",
+            "--corpus-tokens",
+            "64",
+            "--gen-len",
+            "16",
+            "--topk",
+            "8",
+            "--prompts",
+            str(prompts),
+            "--corpus",
+            str(corpus),
+            "--out",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert rc == 0
     assert corpus.is_file() and (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     hf = json.loads((out / "config.json").read_text())
@@ -44,9 +69,33 @@ def test_distill_runs_and_loads(tmp_path, monkeypatch):
     assert not torch.equal(dsd["model.layers.0.mlp.up_proj.weight"], tsd["model.layers.0.mlp.up_proj.weight"])
     # second run reuses the cached corpus and is reproducible
     out2 = tmp_path / "draft2"
-    rc = cli.main(["--model", str(folder), "--layers", "1", "--steps", "3", "--seq-len", "16", "--batch", "2",
-                  "--corpus-tokens", "64", "--gen-len", "16", "--topk", "8", "--prompts", str(prompts),
-                  "--corpus", str(corpus), "--out", str(out2), "--quiet"])
+    rc = cli.main(
+        [
+            "--model",
+            str(folder),
+            "--layers",
+            "1",
+            "--steps",
+            "3",
+            "--seq-len",
+            "16",
+            "--batch",
+            "2",
+            "--corpus-tokens",
+            "64",
+            "--gen-len",
+            "16",
+            "--topk",
+            "8",
+            "--prompts",
+            str(prompts),
+            "--corpus",
+            str(corpus),
+            "--out",
+            str(out2),
+            "--quiet",
+        ]
+    )
     assert rc == 0
     d2 = load_model(out2).module.state_dict()
     assert all(torch.equal(dsd[k], d2[k]) for k in dsd)
@@ -84,8 +133,24 @@ def test_eval_mode_compares_drafts(tmp_path, monkeypatch, capsys):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([{"ids": [1, 2, 3]}, {"ids": [5, 6]}, {"ids": [7, 8, 9, 10]}]))
     rows_file = tmp_path / "rows.json"
-    rc = cli.main(["--model", str(folder), "--eval", "--drafts", f"layers:1,{dfolder}", "--trees", "vanilla;chain:2",
-                  "--prompts", str(prompts), "--max-new-tokens", "8", "--json-out", str(rows_file), "--quiet"])
+    rc = cli.main(
+        [
+            "--model",
+            str(folder),
+            "--eval",
+            "--drafts",
+            f"layers:1,{dfolder}",
+            "--trees",
+            "vanilla;chain:2",
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "8",
+            "--json-out",
+            str(rows_file),
+            "--quiet",
+        ]
+    )
     assert rc == 0
     rows = json.loads(rows_file.read_text())
     assert len(rows) == 4 and all(r["tokens"] == 16 for r in rows)  # 2 held-out prompts x 8 tokens

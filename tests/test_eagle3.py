@@ -2,6 +2,7 @@
 greedy tree (every policy) and chain with an EAGLE-3 draft == vanilla; lossless sampling with a
 draft vocabulary smaller than the target's; the draft cache equals a fresh draft prefill of the
 committed tokens and target features; mismatched and corrupt checkpoints are one line."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,20 +32,37 @@ def checkpoint(folder, target_cfg, draft_vocab: int, seed: int = 0, scale: float
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g) * scale / s[-1] ** 0.5  # noqa: E731
     chosen = torch.randperm(target_cfg.vocab_size, generator=g)[:draft_vocab].sort().values
-    sd = {"fc.weight": r(h, 3 * h), "midlayer.hidden_norm.weight": torch.ones(h) + 0.1 * torch.randn(h, generator=g),
-          "midlayer.input_layernorm.weight": torch.ones(h), "midlayer.post_attention_layernorm.weight": torch.ones(h),
-          "midlayer.self_attn.q_proj.weight": r(heads * hd, 2 * h), "midlayer.self_attn.k_proj.weight": r(kv * hd, 2 * h),
-          "midlayer.self_attn.v_proj.weight": r(kv * hd, 2 * h), "midlayer.self_attn.o_proj.weight": r(h, heads * hd),
-          "midlayer.mlp.gate_proj.weight": r(inter, h), "midlayer.mlp.up_proj.weight": r(inter, h),
-          "midlayer.mlp.down_proj.weight": r(h, inter), "norm.weight": torch.ones(h),
-          "lm_head.weight": r(draft_vocab, h) * 8, "d2t": chosen - torch.arange(draft_vocab),
-          "t2d": torch.zeros(target_cfg.vocab_size, dtype=torch.bool).index_fill_(0, chosen, True)}
+    sd = {
+        "fc.weight": r(h, 3 * h),
+        "midlayer.hidden_norm.weight": torch.ones(h) + 0.1 * torch.randn(h, generator=g),
+        "midlayer.input_layernorm.weight": torch.ones(h),
+        "midlayer.post_attention_layernorm.weight": torch.ones(h),
+        "midlayer.self_attn.q_proj.weight": r(heads * hd, 2 * h),
+        "midlayer.self_attn.k_proj.weight": r(kv * hd, 2 * h),
+        "midlayer.self_attn.v_proj.weight": r(kv * hd, 2 * h),
+        "midlayer.self_attn.o_proj.weight": r(h, heads * hd),
+        "midlayer.mlp.gate_proj.weight": r(inter, h),
+        "midlayer.mlp.up_proj.weight": r(inter, h),
+        "midlayer.mlp.down_proj.weight": r(h, inter),
+        "norm.weight": torch.ones(h),
+        "lm_head.weight": r(draft_vocab, h) * 8,
+        "d2t": chosen - torch.arange(draft_vocab),
+        "t2d": torch.zeros(target_cfg.vocab_size, dtype=torch.bool).index_fill_(0, chosen, True),
+    }
     folder.mkdir(parents=True, exist_ok=True)
     save_file(sd, str(folder / "model.safetensors"))
-    cfg = {"hidden_size": h, "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv,
-           "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": target_cfg.vocab_size,
-           "draft_vocab_size": draft_vocab, "max_position_embeddings": 512,
-           "eagle_config": {"eagle_aux_hidden_state_layer_ids": default_aux_layers(target_cfg.n_layers)}}
+    cfg = {
+        "hidden_size": h,
+        "intermediate_size": inter,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "vocab_size": target_cfg.vocab_size,
+        "draft_vocab_size": draft_vocab,
+        "max_position_embeddings": 512,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": default_aux_layers(target_cfg.n_layers)},
+    }
     (folder / "config.json").write_text(json.dumps(cfg))
     return sd, cfg
 
@@ -52,28 +70,38 @@ def checkpoint(folder, target_cfg, draft_vocab: int, seed: int = 0, scale: float
 def reference_forward(sd, cfg, embeds, hidden, positions):
     """The published EAGLE-3 layer, written from the format description with plain ops
     (causal, no cache)."""
+
     def rms(x, w):
         return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg["rms_norm_eps"])
 
     h, nh, nkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = h // nh
     t = embeds.shape[0]
-    x = torch.cat([rms(embeds, sd["midlayer.input_layernorm.weight"]), rms(hidden, sd["midlayer.hidden_norm.weight"])], -1)
+    x = torch.cat(
+        [rms(embeds, sd["midlayer.input_layernorm.weight"]), rms(hidden, sd["midlayer.hidden_norm.weight"])], -1
+    )
     q = (x @ sd["midlayer.self_attn.q_proj.weight"].T).view(t, nh, d)
     k = (x @ sd["midlayer.self_attn.k_proj.weight"].T).view(t, nkv, d)
     v = (x @ sd["midlayer.self_attn.v_proj.weight"].T).view(t, nkv, d)
     inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, d, 2).float() / d))
     ang = positions.float()[:, None] * inv
     cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
-    rot = lambda z: torch.cat([-z[..., d // 2:], z[..., :d // 2]], -1)  # noqa: E731
+    rot = lambda z: torch.cat([-z[..., d // 2 :], z[..., : d // 2]], -1)  # noqa: E731
     q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
     k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
-    att = torch.einsum("thd,shd->hts", q, k) / d ** 0.5
+    att = torch.einsum("thd,shd->hts", q, k) / d**0.5
     att = att.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
     a = torch.einsum("hts,shd->thd", att, v).reshape(t, nh * d) @ sd["midlayer.self_attn.o_proj.weight"].T
     x1 = hidden + a
     m = rms(x1, sd["midlayer.post_attention_layernorm.weight"])
-    out = x1 + (torch.nn.functional.silu(m @ sd["midlayer.mlp.gate_proj.weight"].T) * (m @ sd["midlayer.mlp.up_proj.weight"].T)) @ sd["midlayer.mlp.down_proj.weight"].T
+    out = (
+        x1
+        + (
+            torch.nn.functional.silu(m @ sd["midlayer.mlp.gate_proj.weight"].T)
+            * (m @ sd["midlayer.mlp.up_proj.weight"].T)
+        )
+        @ sd["midlayer.mlp.down_proj.weight"].T
+    )
     return rms(out, sd["norm.weight"]) @ sd["lm_head.weight"].T, out
 
 
@@ -130,18 +158,29 @@ def test_draft_cache_equals_a_fresh_prefill(target, tmp_path):
     n = draft.cache.length  # entries (x[j+1], f[j]) for j < n
     full = KVCache(eng.info.cache, len(seq) + 1, 1)
     ids = torch.tensor([seq])
-    _, feats = eng.forward_features(ids, torch.arange(len(seq))[None],
-                                    torch.ones(len(seq), len(seq), dtype=torch.bool).tril()[None], full)
+    _, feats = eng.forward_features(
+        ids, torch.arange(len(seq))[None], torch.ones(len(seq), len(seq), dtype=torch.bool).tril()[None], full
+    )
     fresh = KVCache(draft.spec, n + 1, 1)
     with torch.no_grad():
-        _, _, k, v = draft.head(draft.embed[torch.tensor(seq[1:n + 1])][None], draft.head.project(feats[0, :n])[None],
-                                torch.arange(n)[None], torch.ones(n, n, dtype=torch.bool).tril()[None], *fresh.past(0))
+        _, _, k, v = draft.engine.head(
+            draft.engine.embed[torch.tensor(seq[1 : n + 1])][None],
+            draft.engine.head.project(feats[0, :n])[None],
+            torch.arange(n)[None],
+            torch.ones(n, n, dtype=torch.bool).tril()[None],
+            *fresh.past(0),
+        )
     assert torch.allclose(draft.cache.k[0, :n], k, atol=1e-4) and torch.allclose(draft.cache.v[0, :n], v, atol=1e-4)
 
 
-@pytest.mark.parametrize("cand,sp,spec", [("topk", SamplingParams(1.0), "full:2,3"),
-                                          ("sample", SamplingParams(0.8, 0, 0.9), "full:2,3"),
-                                          ("sample-unique", SamplingParams(1.0), "chain:2")])
+@pytest.mark.parametrize(
+    "cand,sp,spec",
+    [
+        ("topk", SamplingParams(1.0), "full:2,3"),
+        ("sample", SamplingParams(0.8, 0, 0.9), "full:2,3"),
+        ("sample-unique", SamplingParams(1.0), "chain:2"),
+    ],
+)
 def test_eagle3_sampling_is_lossless(tmp_path, cand, sp, spec):
     cfg = dataclasses.replace(tiny_config("llama", vocab=8, layers=4, hidden=64, heads=4, kv=2), tie_embeddings=False)
     m = random_model(cfg, seed=5, scale=2.0)
@@ -171,8 +210,9 @@ def test_bad_checkpoints_are_one_line(target, tmp_path):
     with pytest.raises(ArborspecError, match="target features"):
         plain = random_model(tiny_config("llama", vocab=96, layers=4, hidden=64, heads=4, kv=2))
         SpeculativeDecoder(TorchEngine(plain), _draft(target, tmp_path, seed=7), tree="full:2,2")
-    assert Eagle3Config.from_json({"hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2,
-                                   "vocab_size": 10}, 6).aux_layers == [2, 3, 3]
+    assert Eagle3Config.from_json(
+        {"hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2, "vocab_size": 10}, 6
+    ).aux_layers == [2, 3, 3]
     assert np.all(np.asarray(default_aux_layers(30)) == [2, 15, 27])
 
 
@@ -195,3 +235,54 @@ def test_cli_generate_with_an_eagle3_checkpoint(tmp_path, capsys):
     assert main(base + ["--draft", f"eagle3:{tmp_path / 'bad'}"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "vocabulary" in err
+
+
+# ------------------------------------------------------------------- ONNX Runtime (exported)
+@pytest.fixture(scope="module")
+def ort_pair(target, tmp_path_factory):
+    """The target's fast graph with the `hidden_states` output and the head's two graphs."""
+    pytest.importorskip("onnxruntime")
+    from arborspec.export.eagle3_graph import export_eagle3_head
+    from arborspec.export.onnx_export import export_gqa_onnx
+
+    d = tmp_path_factory.mktemp("e3ort")
+    checkpoint(d / "ckpt", target.config, 40, seed=5)
+    head = load_eagle3(d / "ckpt", target.config)
+    export_gqa_onnx(target, d / "target.onnx", max_context=256, feature_layers=head.config.aux_layers)
+    entry = export_eagle3_head(head, target.model.embed_tokens.weight.detach(), d, 256 + 64)
+    return d, head, entry
+
+
+def test_exported_head_and_target_features_match_torch(target, ort_pair):
+    from arborspec.runtime.backends.onnxruntime import OrtEngine
+
+    d, head, entry = ort_pair
+    assert entry["max_abs_diff"] < 1e-3 and entry["aux_layers"] == head.config.aux_layers
+    ort_t, ref = OrtEngine(d / "target.onnx"), TorchEngine(target)
+    assert ort_t.info.n_features == 3 * 64
+    ids = torch.tensor([[5, 9, 2, 7, 1, 3]])
+    pos, mask = torch.arange(6)[None], torch.ones(6, 6, dtype=torch.bool).tril()[None]
+    lo, fo = ort_t.forward_features(ids, pos, mask, KVCache(ort_t.info.cache, 16, 1))
+    lr, fr = ref.forward_features(ids, pos, mask, KVCache(ref.info.cache, 16, 1))
+    assert torch.allclose(fo, fr, atol=1e-4) and torch.allclose(lo, lr, atol=1e-3)
+
+
+@pytest.mark.parametrize("spec", ["chain:3", "full:2,3", "dynamic:3,3,10"])
+def test_greedy_with_the_exported_eagle3_head_equals_vanilla_on_onnxruntime(target, ort_pair, spec):
+    from arborspec.runtime.backends.onnxruntime import OrtEngine
+    from arborspec.runtime.drafts_eagle3 import OrtEagle3Head
+
+    d, head, entry = ort_pair
+    eng = OrtEngine(d / "target.onnx")
+    draft = Eagle3Draft(OrtEagle3Head(d / entry["file"], d / entry["fc_file"]))
+    assert torch.equal(draft.token_map, head.token_map())
+    prompt = [5, 9, 2, 7, 1]
+    ref = SpeculativeDecoder(eng, mode="vanilla").generate(prompt, 30).tokens
+    mode = "chain" if spec.startswith("chain") else "tree"
+    res = SpeculativeDecoder(eng, draft, mode=mode, tree=spec).generate(prompt, 30)
+    assert res.tokens == ref and res.stats.draft_calls > 0
+    # the exported head proposes what the PyTorch head proposes: the same acceptance, step by step
+    twin = SpeculativeDecoder(
+        eng, Eagle3Draft(head, target.model.embed_tokens.weight.detach()), mode=mode, tree=spec
+    ).generate(prompt, 30)
+    assert res.stats.accepted_hist == twin.stats.accepted_hist and res.stats.draft_calls == twin.stats.draft_calls

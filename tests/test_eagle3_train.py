@@ -2,6 +2,7 @@
 head computes for a chain in a tree (chain entries causal, each deeper step over its
 ancestors), so what the head learns is what the draft runs; the FR-Spec vocabulary; the head
 saved in the public layout loads back with the loader other tools use."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -37,7 +38,7 @@ def test_ttt_equals_the_inference_forward_on_tree_chains():
     c = head.config
     for b in range(2):
         # the chain: entries (x[j+1], fc(f[j])) at positions j, causal, one call
-        e0 = embed[tokens[b, 1:1 + n]][None]
+        e0 = embed[tokens[b, 1 : 1 + n]][None]
         hid0 = head.project(feats[b, :n])[None]
         empty = torch.zeros(0, 1, c.n_kv_heads, c.head_dim)
         mask = torch.ones(n, n, dtype=torch.bool).tril()[None]
@@ -46,12 +47,18 @@ def test_ttt_equals_the_inference_forward_on_tree_chains():
         for j in (0, 3, n - 1):  # a chain of depth `steps` rooted at entry j, one node per call
             ks, vs, hidden = [k0], [v0], out0[0, j]
             cols = torch.zeros(n, dtype=torch.bool)
-            cols[:j + 1] = True
+            cols[: j + 1] = True
             for k in range(1, steps):
                 past_k, past_v = torch.cat(ks), torch.cat(vs)
                 m = torch.cat([cols, torch.ones(k - 1, dtype=torch.bool), torch.ones(1, dtype=torch.bool)])[None, None]
-                lk, outk, kk, vk = head(embed[tokens[b, 1 + k + j]][None, None], hidden[None, None],
-                                        torch.tensor([[j + k]]), m, past_k, past_v)
+                lk, outk, kk, vk = head(
+                    embed[tokens[b, 1 + k + j]][None, None],
+                    hidden[None, None],
+                    torch.tensor([[j + k]]),
+                    m,
+                    past_k,
+                    past_v,
+                )
                 torch.testing.assert_close(outs[k][b, j], lk[0, 0], rtol=1e-4, atol=1e-4)
                 ks.append(kk)
                 vs.append(vk)
@@ -68,8 +75,12 @@ def test_training_lowers_the_loss_and_the_head_round_trips(tmp_path):
     n, w = 10, 16
     tokens = torch.randint(0, cfg.vocab_size, (n, w), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        out = target(tokens, torch.arange(w)[None].expand(n, w), torch.ones(w, w, dtype=torch.bool).tril()[None].expand(n, w, w),
-                     *[torch.zeros(0, n, cfg.n_kv_heads, cfg.head_dim)] * (2 * cfg.n_layers))
+        out = target(
+            tokens,
+            torch.arange(w)[None].expand(n, w),
+            torch.ones(w, w, dtype=torch.bool).tril()[None].expand(n, w, w),
+            *[torch.zeros(0, n, cfg.n_kv_heads, cfg.head_dim)] * (2 * cfg.n_layers),
+        )
     logits, feats = out[0], out[-1]
     assert feats.shape[-1] == head.config.feature_size and causal_forward is not None
     vocab = (head.d2t + torch.arange(head.config.draft_vocab_size)).numpy()
@@ -85,8 +96,20 @@ def test_training_lowers_the_loss_and_the_head_round_trips(tmp_path):
     np.save(tmp_path / "vocab.npy", vocab)
     work = tmp_path / "work"
     work.mkdir()
-    rep = eagle3_train.train(head, embed, tmp_path, work, steps=2, batch=2, lr=3e-3, epochs=30, minutes=5,
-                             holdout=0.1, progress=False, log_every=10)
+    rep = eagle3_train.train(
+        head,
+        embed,
+        tmp_path,
+        work,
+        steps=2,
+        batch=2,
+        lr=3e-3,
+        epochs=30,
+        minutes=5,
+        holdout=0.1,
+        progress=False,
+        log_every=10,
+    )
     first, last = rep["curve"][0]["loss"], rep["curve"][-1]["loss"]
     assert last < 0.7 * first, rep["curve"]
     assert (work / "train_state.pt").is_file() and (work / "training.json").is_file()

@@ -1,6 +1,7 @@
 """Export folder: graphs (symbolic dims, checker, IR version, metadata), manifest, the runtime
 loader, and one clear error per bad input (foreign ONNX, other contract version, missing
 external data, draft vocabulary mismatch), with no half folder left behind."""
+
 from __future__ import annotations
 
 import json
@@ -58,8 +59,14 @@ def folder(request, tmp_path_factory):
     ref = build_model(cfg).eval()
     ref.load_state_dict(m.state_dict())
     out = tmp_path_factory.mktemp("exp") / request.param
-    s = export_folder(Loaded(m, cfg, word_tokenizer(cfg.vocab_size), {"kind": "test"}), out,
-                      draft="layers:1", max_context=96, max_tree_nodes=16, progress=False)
+    s = export_folder(
+        Loaded(m, cfg, word_tokenizer(cfg.vocab_size), {"kind": "test"}),
+        out,
+        draft="layers:1",
+        max_context=96,
+        max_tree_nodes=16,
+        progress=False,
+    )
     return s, ref
 
 
@@ -72,8 +79,11 @@ def test_folder_contents_and_manifest(folder):
     assert man.limits == {"max_context": 96, "max_tree_nodes": 16}
     assert man.draft["spec"] == "layers:1" and man.draft["config"]["n_layers"] == 1
     assert [i["name"] for i in man.target["inputs"]][:3] == ["input_ids", "position_ids", "attention_mask"]
-    assert man.target["outputs"][0] == {"name": "logits", "dtype": "float",
-                                        "shape": ["batch", "tokens", man.target["config"]["vocab_size"]]}
+    assert man.target["outputs"][0] == {
+        "name": "logits",
+        "dtype": "float",
+        "shape": ["batch", "tokens", man.target["config"]["vocab_size"]],
+    }
     assert man.tokenizer["sha256"] and man.target["sha256"]
     read_manifest(s.out, check_checksums=True)
     assert not list(s.out.parent.glob(".*partial*"))
@@ -90,8 +100,11 @@ def test_graphs_symbolic_checked_loadable(folder, name):
     meta = {p.key: p.value for p in m.metadata_props}
     assert meta["arborspec.contract_version"] == str(CONTRACT_VERSION)
     assert meta["arborspec.tokenizer_sha256"] == read_manifest(s.out).tokenizer["sha256"]
-    pasts = {tuple(d.dim_param for d in i.type.tensor_type.shape.dim[:2])
-             for i in m.graph.input if i.name.startswith("past_")}
+    pasts = {
+        tuple(d.dim_param for d in i.type.tensor_type.shape.dim[:2])
+        for i in m.graph.input
+        if i.name.startswith("past_")
+    }
     assert len(pasts) == 1  # one P and one B symbol shared by all pasts
 
 
@@ -106,8 +119,9 @@ def test_load_export_dir_matches_torch(folder):
         co, ct = KVCache(eng.info.cache, 32), KVCache(te.info.cache, 32)
         ids = torch.randint(0, 64, (1, 5), generator=g)
         pos = torch.tensor([[0, 1, 1, 2, 2]])  # a tree: siblings share positions
-        mask = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0],
-                             [1, 0, 1, 0, 1]], dtype=torch.bool)[None]
+        mask = torch.tensor(
+            [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], dtype=torch.bool
+        )[None]
         lo, lt = eng.forward(ids, pos, mask, co), te.forward(ids, pos, mask, ct)
         assert (lo - lt).abs().max() < 1e-4
         assert (co.k[:, :5] - ct.k[:, :5]).abs().max() < 1e-4
@@ -124,8 +138,14 @@ def test_foreign_onnx_file(folder, tmp_path):
 
     d = _copy(folder[0], tmp_path)
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
-    m = helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x],
-                                            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])]))
+    m = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("Identity", ["x"], ["y"])],
+            "g",
+            [x],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+        )
+    )
     onnx.save(m, d / "target.onnx")
     with pytest.raises(ExportDirError, match="not an arborspec export"):
         read_manifest(d)
@@ -180,8 +200,13 @@ def test_draft_vocab_mismatch_leaves_nothing(tmp_path):
     cfg, dcfg = tiny("llama"), tiny("llama", vocab=80)
     out = tmp_path / "x"
     with pytest.raises(ValueError, match="draft vocabulary 80 != target vocabulary 64"):
-        export_folder(Loaded(build_model(cfg), cfg), out, draft="other-model",
-                      draft_model=Loaded(build_model(dcfg), dcfg), progress=False)
+        export_folder(
+            Loaded(build_model(cfg), cfg),
+            out,
+            draft="other-model",
+            draft_model=Loaded(build_model(dcfg), dcfg),
+            progress=False,
+        )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -210,8 +235,9 @@ def test_fp16_export_runs_on_ort(tmp_path):
     eng = OrtEngine(tmp_path / "h.onnx")
     assert eng.kv_dtype == torch.float16
     c = KVCache(eng.info.cache, 8)
-    lo = eng.forward(torch.tensor([[1, 2]]), torch.tensor([[0, 1]]),
-                     torch.tril(torch.ones(1, 2, 2, dtype=torch.bool)), c)
+    lo = eng.forward(
+        torch.tensor([[1, 2]]), torch.tensor([[0, 1]]), torch.tril(torch.ones(1, 2, 2, dtype=torch.bool)), c
+    )
     assert lo.dtype == torch.float32 and torch.isfinite(lo).all()
 
 
@@ -221,8 +247,7 @@ def test_bigram_draft_table(tmp_path):
 
     cfg = tiny("gpt2", vocab=40)
     torch.manual_seed(0)
-    s = export_folder(Loaded(build_model(cfg), cfg), tmp_path / "b", draft="bigram", progress=False,
-                      verify=False)
+    s = export_folder(Loaded(build_model(cfg), cfg), tmp_path / "b", draft="bigram", progress=False, verify=False)
     assert "draft.onnx" not in s.files and "draft_bigram.safetensors" in s.files
     target, draft, tok, man = load_export_dir(s.out)
     assert isinstance(draft, Path) and draft.name == "draft_bigram.safetensors" and tok is None

@@ -3,6 +3,7 @@ cleans up and exits 143 with one line; one killed with SIGKILL leaves a partial 
 next run removes; a write past a file-size limit is one line and leaves nothing; truncated,
 bit-flipped and mismatched files are one line naming the file; property-based runs of the CLI
 and the embedding API either work or fail with one line, never a traceback."""
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,12 @@ def _partials(out: Path) -> list[Path]:
 
 
 def _start_export(model: Path, out: Path) -> subprocess.Popen:
-    return subprocess.Popen(ARBOR + ["export", "--model", str(model), "--draft", "layers:2", "--out", str(out), "-q"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        ARBOR + ["export", "--model", str(model), "--draft", "layers:2", "--out", str(out), "-q"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for_partial(proc: subprocess.Popen, out: Path, timeout: float = 120) -> None:
@@ -74,8 +79,12 @@ def test_sigkill_partial_is_removed_by_the_next_run(big_hf, tmp_path):
     proc.wait(timeout=60)
     left = _partials(out)
     assert left and not out.exists()  # what a killed process leaves
-    r = subprocess.run(ARBOR + ["export", "--model", str(big_hf), "--draft", "none", "--out", str(out), "-q",
-                                "--no-verify"], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        ARBOR + ["export", "--model", str(big_hf), "--draft", "none", "--out", str(out), "-q", "--no-verify"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     assert "partial export left by a run that was killed" in r.stderr and str(left[0].name) in r.stderr
     assert (out / "manifest.json").is_file() and not _partials(out)
@@ -83,7 +92,9 @@ def test_sigkill_partial_is_removed_by_the_next_run(big_hf, tmp_path):
 
 def test_file_size_limit_is_one_line_and_leaves_nothing(big_hf, tmp_path):
     out = tmp_path / "e"
-    cmd = " ".join(ARBOR + ["export", "--model", str(big_hf), "--draft", "none", "--out", str(out), "-q", "--no-verify"])
+    cmd = " ".join(
+        ARBOR + ["export", "--model", str(big_hf), "--draft", "none", "--out", str(out), "-q", "--no-verify"]
+    )
     r = subprocess.run(["bash", "-c", f"ulimit -f 1024; exec {cmd}"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 2, r.stderr
     err = r.stderr.strip().splitlines()
@@ -148,21 +159,58 @@ def test_tokenizer_that_does_not_match_the_export(small_export, tmp_path, capsys
     _one_line(*_generate(d, capsys), "tokenizer.json", "not the tokenizer")
 
 
-SPECS = st.one_of(st.sampled_from(["chain:3", "full:2,2", "beam:2,3", "dynamic:2,2,4", "full:0,2", "chain:x",
-                                   "beam:", "nonsense", "dynamic:1,1", "full:99,99", "static:/nope.json"]),
-                  st.text(max_size=12))
-IDS = st.one_of(st.lists(st.integers(-5, 400), max_size=6).map(lambda xs: ",".join(map(str, xs))),
-                st.text(max_size=8))
+SPECS = st.one_of(
+    st.sampled_from(
+        [
+            "chain:3",
+            "full:2,2",
+            "beam:2,3",
+            "dynamic:2,2,4",
+            "full:0,2",
+            "chain:x",
+            "beam:",
+            "nonsense",
+            "dynamic:1,1",
+            "full:99,99",
+            "static:/nope.json",
+        ]
+    ),
+    st.text(max_size=12),
+)
+IDS = st.one_of(st.lists(st.integers(-5, 400), max_size=6).map(lambda xs: ",".join(map(str, xs))), st.text(max_size=8))
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(tree=SPECS, ids=IDS, temp=st.sampled_from(["0", "0.7", "-1", "nan", "x"]),
-       top_p=st.sampled_from(["1", "0.9", "0", "2"]), n_new=st.sampled_from(["1", "5", "0", "-3", "10000"]),
-       mode=st.sampled_from(["tree", "chain", "vanilla"]))
+@given(
+    tree=SPECS,
+    ids=IDS,
+    temp=st.sampled_from(["0", "0.7", "-1", "nan", "x"]),
+    top_p=st.sampled_from(["1", "0.9", "0", "2"]),
+    n_new=st.sampled_from(["1", "5", "0", "-3", "10000"]),
+    mode=st.sampled_from(["tree", "chain", "vanilla"]),
+)
 def test_cli_generate_either_works_or_says_one_line(small_export, capsys, tree, ids, temp, top_p, n_new, mode):
     try:
-        rc = main(["generate", "--export-dir", str(small_export), "--mode", mode, "--tree", tree, "--prompt-ids", ids,
-                   "--temperature", temp, "--top-p", top_p, "--max-new-tokens", n_new, "--json"])
+        rc = main(
+            [
+                "generate",
+                "--export-dir",
+                str(small_export),
+                "--mode",
+                mode,
+                "--tree",
+                tree,
+                "--prompt-ids",
+                ids,
+                "--temperature",
+                temp,
+                "--top-p",
+                top_p,
+                "--max-new-tokens",
+                n_new,
+                "--json",
+            ]
+        )
     except SystemExit as e:  # argparse's own one-line errors
         rc = e.code
     out, err = capsys.readouterr()
@@ -181,9 +229,13 @@ def generator(small_export):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(prompt=st.one_of(st.text(max_size=20), st.lists(st.integers(-3, 400), max_size=8)),
-       n_new=st.integers(-2, 12), temp=st.one_of(st.floats(-1, 2), st.just(float("nan"))), top_k=st.integers(-1, 5),
-       top_p=st.one_of(st.floats(-0.5, 1.5), st.just(float("nan"))))
+@given(
+    prompt=st.one_of(st.text(max_size=20), st.lists(st.integers(-3, 400), max_size=8)),
+    n_new=st.integers(-2, 12),
+    temp=st.one_of(st.floats(-1, 2), st.just(float("nan"))),
+    top_k=st.integers(-1, 5),
+    top_p=st.one_of(st.floats(-0.5, 1.5), st.just(float("nan"))),
+)
 def test_embedding_api_either_works_or_raises_one_arborspec_error(generator, prompt, n_new, temp, top_k, top_p):
     try:
         c = generator.generate(prompt, n_new, temperature=temp, top_k=top_k, top_p=top_p)

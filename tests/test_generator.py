@@ -1,5 +1,6 @@
 """The embedding API: arborspec.Generator (text in, text out) and open_export, on torch engines
 and an ONNX Runtime export; thread safety; lifecycle; bad input as ArborspecError."""
+
 from __future__ import annotations
 
 import threading
@@ -68,10 +69,16 @@ def test_generate_stream_chat_match_the_decoder(pair, tok):
 def test_bad_input_is_one_arborspec_error(pair, tok):
     target, draft = pair
     gen = Generator(target, draft, tok)
-    for call in (lambda: gen.generate(""), lambda: gen.generate({"x": 1}), lambda: gen.generate([1, 2], 0),
-                 lambda: gen.generate([10**6]), lambda: gen.generate("hi", temperature=-1),
-                 lambda: gen.generate("hi", top_p=0.0), lambda: gen.chat([{"content": "no role"}]),
-                 lambda: gen.generate("hi", temperature=float("nan"))):
+    for call in (
+        lambda: gen.generate(""),
+        lambda: gen.generate({"x": 1}),
+        lambda: gen.generate([1, 2], 0),
+        lambda: gen.generate([10**6]),
+        lambda: gen.generate("hi", temperature=-1),
+        lambda: gen.generate("hi", top_p=0.0),
+        lambda: gen.chat([{"content": "no role"}]),
+        lambda: gen.generate("hi", temperature=float("nan")),
+    ):
         with pytest.raises(ArborspecError):
             call()
     with pytest.raises(InputError, match="no tokenizer"):
@@ -113,8 +120,13 @@ def export_dir(tmp_path_factory):
 
     m = random_model(tiny_config("llama", vocab=64, layers=2, hidden=32), seed=7)
     d = tmp_path_factory.mktemp("gen") / "export"
-    export_folder(SimpleNamespace(module=m, config=m.config, tokenizer=None, source={"kind": "test"}), d,
-                  draft="layers:1", progress=False, verify=False)
+    export_folder(
+        SimpleNamespace(module=m, config=m.config, tokenizer=None, source={"kind": "test"}),
+        d,
+        draft="layers:1",
+        progress=False,
+        verify=False,
+    )
     return m, d
 
 
@@ -148,5 +160,9 @@ def test_open_export_closes_what_it_opened(export_dir):
     with pytest.raises(InputError, match="backend"):
         open_export(d, backend="torch")
     with pytest.raises(ArborspecError):
-        engines[0].forward(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
-                           torch.ones(1, 1, 1, dtype=torch.bool), None)
+        engines[0].forward(
+            torch.zeros(1, 1, dtype=torch.long),
+            torch.zeros(1, 1, dtype=torch.long),
+            torch.ones(1, 1, 1, dtype=torch.bool),
+            None,
+        )

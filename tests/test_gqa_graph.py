@@ -2,6 +2,7 @@
 cache in place, kv layout "bhsd") against the portable graph and PyTorch: same logits and K/V for
 prefills (P = 0), long pasts and random trees up to 65 tokens; after many tree steps the cache
 equals a fresh prefill; TensorRT refuses it with one line."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,8 +24,9 @@ from arborspec.runtime.kvcache import KVCache  # noqa: E402
 
 CONFIGS = {
     "gqa-tied": tiny_config("llama", vocab=80, layers=2, hidden=64, heads=4, kv=2),
-    "mha-untied-bias": dataclasses.replace(tiny_config("llama", vocab=70, layers=2, hidden=64, heads=4, kv=4),
-                                           tie_embeddings=False, attention_bias=True),
+    "mha-untied-bias": dataclasses.replace(
+        tiny_config("llama", vocab=70, layers=2, hidden=64, heads=4, kv=4), tie_embeddings=False, attention_bias=True
+    ),
 }
 
 

@@ -1,5 +1,6 @@
 """NaN / Inf in an engine's logits is reported at the step where it appears, naming the engine,
 as one ArborspecError line: never turned into tokens."""
+
 from __future__ import annotations
 
 import pytest

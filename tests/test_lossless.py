@@ -1,6 +1,7 @@
 """Sampling is lossless: the first two sampled tokens follow the target's exact (warped)
 distribution under tree and chain modes, for top-k and sampled drafts, with temperature,
 top-k and top-p; the seed write-up's accept rule, run through the same test, fails it."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -81,15 +82,17 @@ def test_lossless_lookup_draft(pair, cand):
     sp = SamplingParams(1.0)
     prompt = [1, 3, 2, 1, 3, 5, 1, 3]
     exact = exact_two_token_distribution(target, prompt, sp)
-    dec = SpeculativeDecoder(target, LookupDraft(8, max_ngram=2), mode="tree", tree="full:2,2",
-                             candidates=cand, sampling=sp)
+    dec = SpeculativeDecoder(
+        target, LookupDraft(8, max_ngram=2), mode="tree", tree="full:2,2", candidates=cand, sampling=sp
+    )
     counts = sample_two_tokens(dec, prompt, N, seed0=4242)
     assert chi_square_pvalue(counts, exact) > PASS_P
 
 
 def test_sampled_candidates_need_a_fixed_structure(pair):
     target, draft = pair
-    dec = SpeculativeDecoder(target, draft, mode="tree", tree="beam:3,4", candidates="sample",
-                             sampling=SamplingParams(1.0))
+    dec = SpeculativeDecoder(
+        target, draft, mode="tree", tree="beam:3,4", candidates="sample", sampling=SamplingParams(1.0)
+    )
     with pytest.raises(ValueError, match="candidates topk"):
         dec.generate(PROMPT, 2)

@@ -6,6 +6,7 @@ transformers within 1e-4: once for a prefill of P tokens, then for a T-token tre
 ancestor mask, siblings share a position) on top of that cache, with transformers given a 4-D
 additive mask, position_ids and its own past_key_values.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -71,8 +72,13 @@ def compare_with_hf(hf_model, ours, cfg, b: int = 2, p: int = 7, t: int = 6, see
     mask = torch.cat([torch.ones(t, p, dtype=torch.bool), anc], dim=1).expand(b, t, p + t)
     tree_out = ours(tids, tpos, mask, *ours_out[1:])
     additive = torch.where(mask, 0.0, torch.finfo(torch.float32).min)[:, None]
-    hf_tree = hf_model(input_ids=tids, position_ids=tpos, attention_mask=additive,
-                       past_key_values=hf_out.past_key_values, use_cache=True)
+    hf_tree = hf_model(
+        input_ids=tids,
+        position_ids=tpos,
+        attention_mask=additive,
+        past_key_values=hf_out.past_key_values,
+        use_cache=True,
+    )
     assert (tree_out[0] - hf_tree.logits).abs().max() < tol
     # siblings really share a position and do not see each other: the tree is non-causal
     assert not torch.equal(anc, torch.tril(torch.ones(t, t, dtype=torch.bool))) or t < 3
@@ -86,9 +92,19 @@ def save_hf(model, path):
 
 def tiny_llama(tmp_path, tie: bool, kind: str = "llama", seed: int = 0):
     torch.manual_seed(seed)
-    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                  rms_norm_eps=1e-6, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=[2, 3])
+    common = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=[2, 3],
+    )
     if kind == "qwen2":
         hf_cfg = transformers.Qwen2Config(**common, rope_theta=50000.0)
         model = transformers.Qwen2ForCausalLM(hf_cfg)
@@ -104,8 +120,9 @@ def tiny_llama(tmp_path, tie: bool, kind: str = "llama", seed: int = 0):
 
 def tiny_gpt2(tmp_path, seed: int = 0):
     torch.manual_seed(seed)
-    hf_cfg = transformers.GPT2Config(vocab_size=101, n_positions=64, n_embd=64, n_layer=2, n_head=4,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    hf_cfg = transformers.GPT2Config(
+        vocab_size=101, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     model = transformers.GPT2LMHeadModel(hf_cfg).eval()
     return model, save_hf(model, tmp_path / "gpt2")
 

@@ -1,6 +1,7 @@
 """ONNX Runtime backend vs the PyTorch reference on the calls of one decoding step: prefill
 (P = 0), a one-token decode, a random tree verify (siblings share positions, each node sees
 its ancestors), fully masked padding rows; bad inputs; runtime import isolation."""
+
 from __future__ import annotations
 
 import subprocess
@@ -61,8 +62,8 @@ def both(te, oe, ids, pos, mask, ct, co):
     p, t = ct.length, ids.shape[1]
     assert not torch.isnan(lo).any()
     assert (lo - lt).abs().max().item() < TOL
-    assert (co.k[:, p:p + t] - ct.k[:, p:p + t]).abs().max().item() < TOL
-    assert (co.v[:, p:p + t] - ct.v[:, p:p + t]).abs().max().item() < TOL
+    assert (co.k[:, p : p + t] - ct.k[:, p : p + t]).abs().max().item() < TOL
+    assert (co.v[:, p : p + t] - ct.v[:, p : p + t]).abs().max().item() < TOL
     return lt, lo
 
 
@@ -124,14 +125,16 @@ def test_bad_inputs_raise_clear_errors(pair):
         oe.forward(ids, pos, torch.ones(1, 2, 3, dtype=torch.bool), cache)
     with pytest.raises(ValueError, match="dtype"):
         spec = oe.info.cache
-        oe.forward(ids, pos, mask, KVCache(type(spec)(spec.n_layers, spec.n_kv_heads, spec.head_dim,
-                                                      torch.float64), 16, 1))
+        oe.forward(
+            ids, pos, mask, KVCache(type(spec)(spec.n_layers, spec.n_kv_heads, spec.head_dim, torch.float64), 16, 1)
+        )
     with pytest.raises(ValueError, match="does not fit"):
         spec = oe.info.cache
         oe.forward(ids, pos, mask, KVCache(type(spec)(spec.n_layers + 1, spec.n_kv_heads, spec.head_dim), 16, 1))
     with pytest.raises(ValueError, match="cache full"):
-        oe.forward(torch.zeros(1, 20, dtype=torch.long), torch.arange(20)[None],
-                   torch.ones(1, 20, 20, dtype=torch.bool), cache)
+        oe.forward(
+            torch.zeros(1, 20, dtype=torch.long), torch.arange(20)[None], torch.ones(1, 20, 20, dtype=torch.bool), cache
+        )
 
 
 def test_cuda_requested_without_cuda_fails_loudly(pair):
@@ -149,8 +152,10 @@ def test_foreign_onnx_rejected(tmp_path):
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
-    m = helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x], [y]),
-                          opset_imports=[helper.make_opsetid("", 17)])
+    m = helper.make_model(
+        helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x], [y]),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )
     m.ir_version = 8
     onnx.save(m, tmp_path / "foreign.onnx")
     with pytest.raises(ValueError, match="not an arborspec export"):
@@ -158,10 +163,12 @@ def test_foreign_onnx_rejected(tmp_path):
 
 
 def test_runtime_imports_stay_light():
-    code = ("import sys, arborspec.runtime.backends.onnxruntime, arborspec.runtime.export_dir\n"
-            "bad = [m for m in ('onnx', 'transformers', 'polygraphy', 'arborspec.models', "
-            "'arborspec.export') if m in sys.modules]\n"
-            "print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys, arborspec.runtime.backends.onnxruntime, arborspec.runtime.export_dir\n"
+        "bad = [m for m in ('onnx', 'transformers', 'polygraphy', 'arborspec.models', "
+        "'arborspec.export') if m in sys.modules]\n"
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 

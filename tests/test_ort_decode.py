@@ -3,6 +3,7 @@ tree policy (tiny llama with GQA and gpt2, exported once per module; SmolLM2, sl
 sampling on ORT (chi-square against the target's exact two-token distribution; the seed's
 accept rule fails it), and `arborspec generate --backend onnxruntime` bad inputs (one line,
 exit 2, no traceback)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -61,8 +62,12 @@ def engines(request, tmp_path_factory):
     m = random_model(tiny_config(fam, max_position=256), seed=0 if fam == "llama" else 1)
     out = _export(m, tmp_path_factory.mktemp(f"ortdec-{fam}") / "export")
     ot, od, _, man = load_export_dir(out, load_tokenizer=False)
-    return {"torch": (TorchEngine(m), TorchEngine(truncated_draft(m, 1))), "onnxruntime": (ot, od), "dir": out,
-            "vanilla": {}}
+    return {
+        "torch": (TorchEngine(m), TorchEngine(truncated_draft(m, 1))),
+        "onnxruntime": (ot, od),
+        "dir": out,
+        "vanilla": {},
+    }
 
 
 @pytest.mark.parametrize("spec", POLICIES)
@@ -79,8 +84,9 @@ def test_ort_greedy_equals_torch_and_vanilla(engines, spec, static_file):
     outs = {}
     for backend in ("torch", "onnxruntime"):
         t, d = engines[backend]
-        dec = SpeculativeDecoder(t, d, mode="chain" if spec.startswith("chain") else "tree", tree=tree,
-                                 max_tree_nodes=64)
+        dec = SpeculativeDecoder(
+            t, d, mode="chain" if spec.startswith("chain") else "tree", tree=tree, max_tree_nodes=64
+        )
         r = dec.generate(prompt, n)
         outs[backend] = r.tokens
         assert r.stats.steps < n  # the draft was used: fewer target calls than tokens
@@ -99,8 +105,7 @@ def _smollm2_export() -> Path | None:
     if (out / "manifest.json").is_file():
         return out
     if os.environ.get("ARBORSPEC_SLOW") != "1":
-        pytest.skip(f"no cached SmolLM2 export at {out} (about 4 min to make: set ARBORSPEC_SLOW=1 "
-                    "or run `make demo`)")
+        pytest.skip(f"no cached SmolLM2 export at {out} (about 4 min to make: set ARBORSPEC_SLOW=1 or run `make demo`)")
     export_folder("smollm2-135m", out, draft="layers:4", progress=False)
     return out
 
@@ -150,12 +155,19 @@ def lossless_pair(small_export):
     so.log_severity_level = 3
     from arborspec.runtime.backends.onnxruntime import OrtEngine
 
-    yield OrtEngine(d / "target.onnx", session_options=so), OrtEngine(d / "draft.onnx", session_options=so), TorchEngine(m)
+    yield (
+        OrtEngine(d / "target.onnx", session_options=so),
+        OrtEngine(d / "draft.onnx", session_options=so),
+        TorchEngine(m),
+    )
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("cand,sp", [("topk", SamplingParams(1.0)), ("sample", SamplingParams(0.8, 0, 0.9))],
-                         ids=["topk-T1", "sample-T0.8-p0.9"])
+@pytest.mark.parametrize(
+    "cand,sp",
+    [("topk", SamplingParams(1.0)), ("sample", SamplingParams(0.8, 0, 0.9))],
+    ids=["topk-T1", "sample-T0.8-p0.9"],
+)
 def test_ort_sampling_is_lossless(lossless_pair, cand, sp):
     target, draft, torch_target = lossless_pair
     exact = exact_two_token_distribution(torch_target, PROMPT, sp)  # the PyTorch reference's law
@@ -183,8 +195,20 @@ def cli_export(small_export):
 
 
 def _gen(d: Path, capsys, *extra) -> tuple[int, str]:
-    rc = main(["generate", "--export-dir", str(d), "--backend", "onnxruntime", "--prompt-ids", "1,2,3",
-               "--max-new-tokens", "4", *extra])
+    rc = main(
+        [
+            "generate",
+            "--export-dir",
+            str(d),
+            "--backend",
+            "onnxruntime",
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "4",
+            *extra,
+        ]
+    )
     err = capsys.readouterr().err
     return rc, err
 
@@ -195,8 +219,21 @@ def _one_line(rc, err):
 
 
 def test_cli_generate_works(cli_export, capsys):
-    rc = main(["generate", "--export-dir", str(cli_export), "--backend", "onnxruntime", "--prompt-ids",
-               "1,2,3", "--max-new-tokens", "6", "--json", "--vs-vanilla"])
+    rc = main(
+        [
+            "generate",
+            "--export-dir",
+            str(cli_export),
+            "--backend",
+            "onnxruntime",
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "6",
+            "--json",
+            "--vs-vanilla",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["tokens"] == out["vanilla"]["tokens"] and len(out["tokens"]) == 6
 
@@ -208,9 +245,15 @@ def test_cli_foreign_onnx_target(cli_export, tmp_path, capsys):
     d = tmp_path / "e"
     shutil.copytree(cli_export, d)
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
-    m = helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x],
-                                            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])]),
-                          opset_imports=[helper.make_opsetid("", 17)])
+    m = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("Identity", ["x"], ["y"])],
+            "g",
+            [x],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+        ),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )
     m.ir_version = 8
     onnx.save(m, str(d / "target.onnx"))
     rc, err = _gen(d, capsys)

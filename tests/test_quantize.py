@@ -2,6 +2,7 @@
 Q8_0 blocks carried into the export compute with exactly the GGUF's weights; tree == vanilla on
 a quantised export for every policy; the float path (ONNX Runtime's round-to-nearest) loads and
 stays close; the manifest records the scheme; bad options are one line."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,10 +38,15 @@ def test_blocks_dequantise_to_the_gguf_weights_exactly(qtype):
     assert nb.bits == (8 if qtype == Q.Q8_0 else 4)
 
 
-LINEAR = {"self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-          "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-          "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-          "mlp.down_proj.weight": "ffn_down.weight"}
+LINEAR = {
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +98,9 @@ def quantised_pair(gguf_model, tmp_path_factory):
     m, path = gguf_model
     d = tmp_path_factory.mktemp("qexp")
     export_gqa_onnx(m, d / "t.onnx", max_context=128, quantize="int4", gguf_path=str(path), verify=False)
-    export_gqa_onnx(truncated(m, 1), d / "d.onnx", max_context=128, quantize="int4", gguf_path=str(path),
-                    verify=False, topk=8)
+    export_gqa_onnx(
+        truncated(m, 1), d / "d.onnx", max_context=128, quantize="int4", gguf_path=str(path), verify=False, topk=8
+    )
     return m, OrtEngine(d / "t.onnx"), OrtEngine(d / "d.onnx")
 
 

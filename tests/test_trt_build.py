@@ -8,6 +8,7 @@ tensorrt_rtx for SM 8.9 without a GPU: the serialized engine, engines.json and t
 network's I/O are checked. Running an engine (TrtEngine vs TorchEngine) needs a CUDA GPU and
 skips with a reason without one.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -22,20 +23,29 @@ from arborspec.models import ModelConfig, build_model
 
 HAS_RTX = importlib.util.find_spec("tensorrt_rtx") is not None
 HAS_TRT = importlib.util.find_spec("tensorrt") is not None
-needs_rtx = pytest.mark.skipif(not HAS_RTX, reason="tensorrt_rtx not installed "
-                                                    "(pip install tensorrt-rtx)")
+needs_rtx = pytest.mark.skipif(not HAS_RTX, reason="tensorrt_rtx not installed (pip install tensorrt-rtx)")
 HAS_GPU = torch.cuda.is_available()
 L = 2
 CONTRACT_IN = ["input_ids", "position_ids", "attention_mask"] + [
-    f"past_{k}.{i}" for i in range(L) for k in ("key", "value")]
+    f"past_{k}.{i}" for i in range(L) for k in ("key", "value")
+]
 CONTRACT_OUT = ["logits"] + [f"new_{k}.{i}" for i in range(L) for k in ("key", "value")]
 
 
 def tiny_cfg(family: str) -> ModelConfig:
     kv = 2 if family == "llama" else 4
-    return ModelConfig(family=family, vocab_size=96, hidden_size=32, n_layers=L, n_heads=4,
-                       n_kv_heads=kv, head_dim=8, intermediate_size=64, max_position=256,
-                       name=f"tiny-{family}")
+    return ModelConfig(
+        family=family,
+        vocab_size=96,
+        hidden_size=32,
+        n_layers=L,
+        n_heads=4,
+        n_kv_heads=kv,
+        head_dim=8,
+        intermediate_size=64,
+        max_position=256,
+        name=f"tiny-{family}",
+    )
 
 
 def export_onnx(module, path: Path) -> Path:
@@ -54,8 +64,12 @@ def export_onnx(module, path: Path) -> Path:
     mask = torch.ones(b, t, p + t, dtype=torch.bool)
     past = tuple(torch.randn(p, b, cfg.n_kv_heads, cfg.head_dim) for _ in range(2 * L))
     B, T, P, S = (torch.export.Dim(n) for n in "BTPS")
-    shapes = {"input_ids": {0: B, 1: T}, "position_ids": {0: B, 1: T},
-              "attention_mask": {0: B, 1: T, 2: S}, "past": tuple({0: P, 1: B} for _ in past)}
+    shapes = {
+        "input_ids": {0: B, 1: T},
+        "position_ids": {0: B, 1: T},
+        "attention_mask": {0: B, 1: T, 2: S},
+        "past": tuple({0: P, 1: B} for _ in past),
+    }
 
     class Wrap(torch.nn.Module):
         def __init__(self, m):
@@ -65,9 +79,17 @@ def export_onnx(module, path: Path) -> Path:
         def forward(self, input_ids, position_ids, attention_mask, *past):
             return self.m(input_ids, position_ids, attention_mask, *past)
 
-    torch.onnx.export(Wrap(module), (ids, pos, mask) + past, str(path), dynamo=True,
-                      opset_version=23, input_names=CONTRACT_IN, output_names=CONTRACT_OUT,
-                      dynamic_shapes=shapes, external_data=False)
+    torch.onnx.export(
+        Wrap(module),
+        (ids, pos, mask) + past,
+        str(path),
+        dynamo=True,
+        opset_version=23,
+        input_names=CONTRACT_IN,
+        output_names=CONTRACT_OUT,
+        dynamic_shapes=shapes,
+        external_data=False,
+    )
     return path
 
 
@@ -86,8 +108,10 @@ LIMITS = dict(max_batch=2, max_tree_nodes=8, max_context=64)
 
 # ------------------------------------------------------------------- planning (no TensorRT)
 
+
 def test_profiles_cover_the_limits_and_are_self_consistent():
     from arborspec.export.trt_build import plan_profiles
+
     profs = plan_profiles(2, 8, 64)
     assert [p.name for p in profs] == ["decode", "prefill"]
     dec, pre = profs
@@ -103,13 +127,17 @@ def test_profiles_cover_the_limits_and_are_self_consistent():
     assert [p.name for p in plan_profiles(1, 63, 64)] == ["prefill"]
 
 
-@pytest.mark.parametrize("kw, msg", [
-    (dict(max_batch=1, max_tree_nodes=64, max_context=64), "no profile can hold"),
-    (dict(max_batch=0, max_tree_nodes=8, max_context=64), "max_batch"),
-    (dict(max_batch=1, max_tree_nodes=8, max_context=1), "max_context"),
-])
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        (dict(max_batch=1, max_tree_nodes=64, max_context=64), "no profile can hold"),
+        (dict(max_batch=0, max_tree_nodes=8, max_context=64), "max_batch"),
+        (dict(max_batch=1, max_tree_nodes=8, max_context=1), "max_context"),
+    ],
+)
 def test_limits_no_profile_can_hold(kw, msg):
     from arborspec.export.trt_build import EngineBuildError, plan_profiles
+
     with pytest.raises(EngineBuildError, match=msg):
         plan_profiles(**kw)
 
@@ -117,6 +145,7 @@ def test_limits_no_profile_can_hold(kw, msg):
 def test_compute_capability_spelling():
     from arborspec.export.trt_build import EngineBuildError
     from arborspec.export.trt_build import normalize_compute_capability as n
+
     assert n("8.9") == n("89") == n("sm_89") == n("SM89") == n((8, 9)) == "8.9"
     assert n("12.0") == n("sm120") == "12.0"
     with pytest.raises(EngineBuildError, match="bad compute capability"):
@@ -125,10 +154,13 @@ def test_compute_capability_spelling():
 
 def test_backend_imports_without_tensorrt_and_picks_profiles():
     from arborspec.runtime.backends import tensorrt as backend
+
     eng = object.__new__(backend.TrtEngine)
     eng.path = Path("x.engine")
-    eng.profiles = [{"B": (1, 2), "T": (1, 9), "P": (0, 63), "S": (1, 72)},
-                    {"B": (1, 2), "T": (1, 64), "P": (0, 63), "S": (1, 127)}]
+    eng.profiles = [
+        {"B": (1, 2), "T": (1, 9), "P": (0, 63), "S": (1, 72)},
+        {"B": (1, 2), "T": (1, 64), "P": (0, 63), "S": (1, 127)},
+    ]
     assert eng.profile_for(1, 9, 50) == 0
     assert eng.profile_for(2, 40, 0) == 1
     with pytest.raises(ValueError, match="no optimisation profile"):
@@ -138,6 +170,7 @@ def test_backend_imports_without_tensorrt_and_picks_profiles():
 @pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU error")
 def test_trt_engine_without_gpu_says_so(tmp_path):
     from arborspec.runtime.backends.tensorrt import TrtEngine
+
     f = tmp_path / "t.engine"
     f.write_bytes(b"x")
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
@@ -147,6 +180,7 @@ def test_trt_engine_without_gpu_says_so(tmp_path):
 @pytest.mark.skipif(HAS_TRT, reason="`tensorrt` is installed here")
 def test_forcing_a_missing_module_says_how_to_install(monkeypatch):
     from arborspec.export.trt_build import TensorRTNotInstalled, import_tensorrt
+
     monkeypatch.setenv("ARBORSPEC_TRT_MODULE", "tensorrt")
     with pytest.raises(TensorRTNotInstalled, match="pip install tensorrt-rtx"):
         import_tensorrt()
@@ -154,17 +188,20 @@ def test_forcing_a_missing_module_says_how_to_install(monkeypatch):
 
 # ------------------------------------------------------------------- builds (tensorrt_rtx)
 
+
 @needs_rtx
 @pytest.mark.parametrize("name", ["target", "draft"])
 def test_aot_build_sm89_and_manifest(export_dir, tmp_path, name):
     from arborspec.export.trt_build import build_engine, engine_entry, sha256_file
+
     onnx_path = export_dir / f"{name}.onnx"
     t0 = time.perf_counter()
-    r = build_engine(onnx_path, tmp_path / f"{name}.engine", compute_capability="8.9",
-                     flavour="tensorrt_rtx", **LIMITS)
+    r = build_engine(onnx_path, tmp_path / f"{name}.engine", compute_capability="8.9", flavour="tensorrt_rtx", **LIMITS)
     dt = time.perf_counter() - t0
-    print(f"\n{name}: AOT build for SM 8.9 took {dt:.2f}s "
-          f"(builder {r.entry['build_seconds']:.2f}s), engine {r.entry['bytes']} bytes")
+    print(
+        f"\n{name}: AOT build for SM 8.9 took {dt:.2f}s "
+        f"(builder {r.entry['build_seconds']:.2f}s), engine {r.entry['bytes']} bytes"
+    )
     assert r.engine_path.stat().st_size > 0
     man = json.loads((tmp_path / "engines.json").read_text())
     e = man["engines"][name]
@@ -199,6 +236,7 @@ def test_aot_build_sm89_and_manifest(export_dir, tmp_path, name):
 def test_parsed_network_matches_contract(export_dir):
     """Inspect the INetworkDefinition the build uses (no GPU, no build)."""
     from arborspec.export import trt_build as tb
+
     trt, _ = tb.import_tensorrt("tensorrt_rtx")
     builder = trt.Builder(tb._logger(trt))
     network, _parser = tb._parse(trt, builder, tb._logger(trt), export_dir / "target.onnx")
@@ -215,9 +253,15 @@ def test_parsed_network_matches_contract(export_dir):
 @needs_rtx
 def test_unsupported_compute_capability(export_dir, tmp_path):
     from arborspec.export.trt_build import EngineBuildError, build_engine
+
     with pytest.raises(EngineBuildError, match=r"9\.0 is not supported.*supported are .*8\.9"):
-        build_engine(export_dir / "target.onnx", tmp_path / "t.engine",
-                     compute_capability="9.0", flavour="tensorrt_rtx", **LIMITS)
+        build_engine(
+            export_dir / "target.onnx",
+            tmp_path / "t.engine",
+            compute_capability="9.0",
+            flavour="tensorrt_rtx",
+            **LIMITS,
+        )
     assert not (tmp_path / "t.engine").exists()
 
 
@@ -226,6 +270,7 @@ def test_static_batch_onnx_cannot_hold_max_batch(export_dir, tmp_path):
     import onnx
 
     from arborspec.export.trt_build import EngineBuildError, build_engine
+
     m = onnx.load(str(export_dir / "target.onnx"))
     for inp in m.graph.input:  # B exported with size 1 (the silent-constant trap)
         axis = 1 if inp.name.startswith("past_") else 0
@@ -233,8 +278,7 @@ def test_static_batch_onnx_cannot_hold_max_batch(export_dir, tmp_path):
     bad = tmp_path / "static_b.onnx"
     onnx.save(m, str(bad))
     with pytest.raises(EngineBuildError, match="no profile can hold the limits.*fixes dimension 0"):
-        build_engine(bad, tmp_path / "t.engine", compute_capability="8.9",
-                     flavour="tensorrt_rtx", **LIMITS)
+        build_engine(bad, tmp_path / "t.engine", compute_capability="8.9", flavour="tensorrt_rtx", **LIMITS)
 
 
 @needs_rtx
@@ -242,6 +286,7 @@ def test_unsupported_op_is_named(export_dir, tmp_path):
     import onnx
 
     from arborspec.export.trt_build import EngineBuildError, build_engine
+
     m = onnx.load(str(export_dir / "draft.onnx"))
     node = next(n for n in m.graph.node if n.op_type == "Softmax")
     node.op_type, node.domain = "NoSuchOp", "com.example"
@@ -249,31 +294,46 @@ def test_unsupported_op_is_named(export_dir, tmp_path):
     bad = tmp_path / "bad_op.onnx"
     onnx.save(m, str(bad))
     with pytest.raises(EngineBuildError, match=r"cannot parse.*unsupported or rejected ops: NoSuchOp"):
-        build_engine(bad, tmp_path / "t.engine", compute_capability="8.9",
-                     flavour="tensorrt_rtx", **LIMITS)
+        build_engine(bad, tmp_path / "t.engine", compute_capability="8.9", flavour="tensorrt_rtx", **LIMITS)
 
 
 @needs_rtx
 def test_not_an_onnx_file(tmp_path):
     from arborspec.export.trt_build import EngineBuildError, build_engine
+
     bad = tmp_path / "junk.onnx"
     bad.write_bytes(b"this is not a protobuf\x00\xff" * 10)
     with pytest.raises(EngineBuildError, match="not an ONNX model|cannot parse"):
-        build_engine(bad, tmp_path / "t.engine", compute_capability="8.9",
-                     flavour="tensorrt_rtx", **LIMITS)
+        build_engine(bad, tmp_path / "t.engine", compute_capability="8.9", flavour="tensorrt_rtx", **LIMITS)
     with pytest.raises(FileNotFoundError):
-        build_engine(tmp_path / "missing.onnx", tmp_path / "t.engine",
-                     compute_capability="8.9", flavour="tensorrt_rtx", **LIMITS)
+        build_engine(
+            tmp_path / "missing.onnx", tmp_path / "t.engine", compute_capability="8.9", flavour="tensorrt_rtx", **LIMITS
+        )
 
 
 @needs_rtx
 def test_cli_build(export_dir, tmp_path, capsys, monkeypatch):
     from arborspec.tools.cli import main
+
     monkeypatch.setenv("ARBORSPEC_TRT_MODULE", "tensorrt_rtx")
     out = tmp_path / "engines"
-    rc = main(["build", "--export-dir", str(export_dir), "--compute-capability", "8.9",
-               "--max-batch", "1", "--max-tree-nodes", "4", "--max-context", "32",
-               "--out", str(out)])
+    rc = main(
+        [
+            "build",
+            "--export-dir",
+            str(export_dir),
+            "--compute-capability",
+            "8.9",
+            "--max-batch",
+            "1",
+            "--max-tree-nodes",
+            "4",
+            "--max-context",
+            "32",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     man = json.loads((out / "engines.json").read_text())
     assert set(man["engines"]) == {"target", "draft"}
@@ -283,8 +343,19 @@ def test_cli_build(export_dir, tmp_path, capsys, monkeypatch):
     for argv, msg in [
         (["--export-dir", str(tmp_path / "nope")], "export folder not found"),
         (["--export-dir", str(export_dir), "--compute-capability", "9.0"], "supported are"),
-        (["--export-dir", str(export_dir), "--compute-capability", "8.9",
-          "--max-tree-nodes", "40", "--max-context", "32"], "no profile can hold"),
+        (
+            [
+                "--export-dir",
+                str(export_dir),
+                "--compute-capability",
+                "8.9",
+                "--max-tree-nodes",
+                "40",
+                "--max-context",
+                "32",
+            ],
+            "no profile can hold",
+        ),
     ]:
         assert main(["build", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -292,6 +363,7 @@ def test_cli_build(export_dir, tmp_path, capsys, monkeypatch):
 
 
 # ------------------------------------------------------------------- running (GPU only)
+
 
 @pytest.mark.skipif(not (HAS_RTX or HAS_TRT), reason="no TensorRT module installed")
 @pytest.mark.gpu
@@ -301,10 +373,12 @@ def test_trt_engine_matches_torch(export_dir, tmp_path):
     from arborspec.runtime.backends.tensorrt import TrtEngine
     from arborspec.runtime.backends.torch_backend import TorchEngine
     from arborspec.runtime.kvcache import KVCache
+
     torch.manual_seed(0)
     module = build_model(tiny_cfg("llama")).eval()
     onnx_path = export_onnx(module, tmp_path / "target.onnx")
     from arborspec.export.trt_build import EngineBuildError
+
     try:
         build_engine(onnx_path, tmp_path / "target.engine", **LIMITS)
     except EngineBuildError as e:

@@ -1,4 +1,5 @@
 """Tree tuning: the Sequoia DP against brute force, the tuned file, --tree auto, tune end to end."""
+
 from __future__ import annotations
 
 import json
@@ -131,9 +132,34 @@ def test_tune_end_to_end_and_tree_auto(tmp_path, monkeypatch, capsys):
     t0 = time.perf_counter()
     out = tmp_path / "tree.json"
     png = tmp_path / "tune.png"
-    rc = main(["tune", "--model", str(folder), "--draft", "layers:1", "--max-nodes", "12", "--max-depth", "4",
-               "--max-width", "4", "--n-prompts", "3", "--calib-tokens", "24", "--reps", "2", "--past", "32",
-               "--out", str(out), "--plot", str(png), "--quiet"])
+    rc = main(
+        [
+            "tune",
+            "--model",
+            str(folder),
+            "--draft",
+            "layers:1",
+            "--max-nodes",
+            "12",
+            "--max-depth",
+            "4",
+            "--max-width",
+            "4",
+            "--n-prompts",
+            "3",
+            "--calib-tokens",
+            "24",
+            "--reps",
+            "2",
+            "--past",
+            "32",
+            "--out",
+            str(out),
+            "--plot",
+            str(png),
+            "--quiet",
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     assert time.perf_counter() - t0 < 30
     doc = json.loads(out.read_text())
@@ -145,15 +171,42 @@ def test_tune_end_to_end_and_tree_auto(tmp_path, monkeypatch, capsys):
     assert pol.max_nodes == doc["nodes"]
     capsys.readouterr()
     # --tree auto finds the cached copy and decodes with it
-    rc = main(["generate", "--model", str(folder), "--draft", "layers:1", "--tree", "auto",
-               "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--json"])
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(folder),
+            "--draft",
+            "layers:1",
+            "--tree",
+            "auto",
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "8",
+            "--json",
+        ]
+    )
     cap = capsys.readouterr()
     assert rc == 0, cap.err
     res = json.loads(cap.out)
     assert res["stats"]["tree"].startswith("static:") and len(res["tokens"]) == 8
     # a different draft has no tuned tree
-    rc = main(["generate", "--model", str(folder), "--draft", "layers:2", "--tree", "auto",
-               "--prompt-ids", "1,2,3", "--max-new-tokens", "4"])
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(folder),
+            "--draft",
+            "layers:2",
+            "--tree",
+            "auto",
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "4",
+        ]
+    )
     assert rc == 2 and "arborspec tune" in capsys.readouterr().err
 
 

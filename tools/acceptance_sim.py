@@ -5,6 +5,7 @@ steps a static-shaped tree would take.
 Role in one decode step: none at run time; predicts what steps 1 and 4 accept, for `tune` and
 the draft evaluation.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -22,8 +23,10 @@ def draft_topk_ranks(draft, seq: list[int], k: int, chunk: int = 128) -> torch.T
 
     n = len(seq)
     if not isinstance(draft, BigramDraft) and not (hasattr(draft, "forward") and hasattr(draft, "info")):
-        raise InputError(f"tune measures model and bigram drafts; the {getattr(draft, 'kind', type(draft).__name__)} "
-                         "draft is not supported (give --tree explicitly)")
+        raise InputError(
+            f"tune measures model and bigram drafts; the {getattr(draft, 'kind', type(draft).__name__)} "
+            "draft is not supported (give --tree explicitly)"
+        )
     if isinstance(draft, BigramDraft):
         logits = draft._rows(torch.tensor(seq[:-1]))
     else:
@@ -50,9 +53,17 @@ def draft_topk_ranks(draft, seq: list[int], k: int, chunk: int = 128) -> torch.T
     return torch.cat([torch.tensor([k]), rank])
 
 
-def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
-                       k: int = 8, max_depth: int = 6, eos: Sequence[int] = (), min_count: int = 8,
-                       progress=None) -> dict:
+def measure_acceptance(
+    target,
+    draft,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int = 64,
+    k: int = 8,
+    max_depth: int = 6,
+    eos: Sequence[int] = (),
+    min_count: int = 8,
+    progress=None,
+) -> dict:
     """Sequoia's positional acceptance vector, per depth, from greedy decoding of the prompts."""
     from arborspec.runtime.decode import SpeculativeDecoder
 

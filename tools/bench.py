@@ -27,6 +27,7 @@ This module runs the measurements; tools/bench_baselines.py holds the transforme
 baselines, tools/bench_report.py the JSON schema (`SCHEMA`), aggregation, table and plot,
 tools/prompts.py the prompt sets, tools/cmd_bench.py the command line.
 """
+
 from __future__ import annotations
 
 import sys
@@ -49,8 +50,14 @@ class BenchConfig:
     max_nodes: int | None = 0
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "mode": self.mode, "tree": self.tree,
-                "policy": self.policy, "max_nodes": self.max_nodes}
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "mode": self.mode,
+            "tree": self.tree,
+            "policy": self.policy,
+            "max_nodes": self.max_nodes,
+        }
 
 
 def split_tree_specs(values: list[str] | None) -> list[str]:
@@ -92,14 +99,24 @@ def build_configs(modes: list[str], trees: list[str], chain: str, baselines: lis
 # ---------------------------------------------------------------------------------- running
 def _our_run(st, tokens: list[int], stop: str) -> dict:
     d = st.to_dict()
-    return {"new_tokens": st.new_tokens, "tokens_per_s": st.tokens_per_s, "mean_accepted": st.mean_accepted,
-            "target_calls": st.target_calls, "draft_calls": st.draft_calls, "steps": st.steps,
-            "tree_nodes": st.tree_nodes, "decode_s": d["decode_s"], "prefill_s": st.prefill_s,
-            "ttft_s": st.ttft_s,
-            "time_split": {k: d[k] for k in SPLIT_KEYS}, "draft_model_s": st.draft_model_s,
-            "overhead_per_step_ms": st.overhead_per_step_ms,
-            "accepted_hist": {str(k): v for k, v in sorted(st.accepted_hist.items())},
-            "stop_reason": stop, "tokens": list(tokens)}
+    return {
+        "new_tokens": st.new_tokens,
+        "tokens_per_s": st.tokens_per_s,
+        "mean_accepted": st.mean_accepted,
+        "target_calls": st.target_calls,
+        "draft_calls": st.draft_calls,
+        "steps": st.steps,
+        "tree_nodes": st.tree_nodes,
+        "decode_s": d["decode_s"],
+        "prefill_s": st.prefill_s,
+        "ttft_s": st.ttft_s,
+        "time_split": {k: d[k] for k in SPLIT_KEYS},
+        "draft_model_s": st.draft_model_s,
+        "overhead_per_step_ms": st.overhead_per_step_ms,
+        "accepted_hist": {str(k): v for k, v in sorted(st.accepted_hist.items())},
+        "stop_reason": stop,
+        "tokens": list(tokens),
+    }
 
 
 def make_decoders(models, configs: list[BenchConfig], temperature: float, candidates: str = "topk"):
@@ -111,15 +128,31 @@ def make_decoders(models, configs: list[BenchConfig], temperature: float, candid
     for c in configs:
         if c.kind != "ours":
             continue
-        decs[c.name] = SpeculativeDecoder(models.target, models.draft if c.mode != "vanilla" else None,
-                                          mode=c.mode, tree=c.tree or "full:3,2", candidates=candidates,
-                                          sampling=sp, max_tree_nodes=models.limits.get("max_tree_nodes"))
+        decs[c.name] = SpeculativeDecoder(
+            models.target,
+            models.draft if c.mode != "vanilla" else None,
+            mode=c.mode,
+            tree=c.tree or "full:3,2",
+            candidates=candidates,
+            sampling=sp,
+            max_tree_nodes=models.limits.get("max_tree_nodes"),
+        )
     return decs
 
 
-def run_bench(models, configs: list[BenchConfig], prompts: list[dict], *, max_new_tokens: int,
-              temperature: float = 0.0, seed: int = 0, hf: HFBaselines | None = None,
-              warmup: int = 1, progress: bool = True, log=None) -> tuple[list[dict], list[str]]:
+def run_bench(
+    models,
+    configs: list[BenchConfig],
+    prompts: list[dict],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    hf: HFBaselines | None = None,
+    warmup: int = 1,
+    progress: bool = True,
+    log=None,
+) -> tuple[list[dict], list[str]]:
     """Runs every config on every prompt -> (per_prompt list, warnings)."""
     from tqdm import tqdm
 
@@ -138,8 +171,7 @@ def run_bench(models, configs: list[BenchConfig], prompts: list[dict], *, max_ne
                     hf.run(c.name, w, min(4, max_new_tokens), [], temperature, seed)
     warnings: list[str] = []
     per_prompt = []
-    bar = tqdm(total=len(prompts) * len(run_cfgs), desc="bench", unit="run", disable=not progress,
-               dynamic_ncols=True)
+    bar = tqdm(total=len(prompts) * len(run_cfgs), desc="bench", unit="run", disable=not progress, dynamic_ncols=True)
     try:
         for p in prompts:
             runs: dict[str, dict] = {}
@@ -162,10 +194,11 @@ def run_bench(models, configs: list[BenchConfig], prompts: list[dict], *, max_ne
                     continue
                 r["greedy_match"] = r["tokens"] == van["tokens"]
                 if not r["greedy_match"]:
-                    i = next((j for j, (a, b) in enumerate(zip(r["tokens"], van["tokens"])) if a != b),
-                             min(len(r["tokens"]), len(van["tokens"])))
-                    msg = (f"greedy mismatch: {c.name} differs from vanilla on prompt {p['id']!r} at new "
-                           f"token {i}")
+                    i = next(
+                        (j for j, (a, b) in enumerate(zip(r["tokens"], van["tokens"])) if a != b),
+                        min(len(r["tokens"]), len(van["tokens"])),
+                    )
+                    msg = f"greedy mismatch: {c.name} differs from vanilla on prompt {p['id']!r} at new token {i}"
                     if c.kind == "ours":
                         msg = "WARNING " + msg + " (only an fp near-tie can cause this: check it)"
                         log(msg)
@@ -179,5 +212,3 @@ def run_bench(models, configs: list[BenchConfig], prompts: list[dict], *, max_ne
     finally:
         bar.close()
     return per_prompt, warnings
-
-

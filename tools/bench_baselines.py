@@ -3,6 +3,7 @@ assisted generation with a truncated assistant, and prompt lookup, on the same p
 
 Role in one decode step: none; the reference points the measured decode steps are compared with.
 """
+
 from __future__ import annotations
 
 import copy
@@ -46,8 +47,14 @@ def hf_source_path(source: dict | None) -> tuple[Path | None, str | None, str]:
 class HFBaselines:
     """transformers' own generate() on the target's weights: greedy, assisted, prompt lookup."""
 
-    def __init__(self, model_dir: Path, gguf_file: str | None, assistant_layers: int,
-                 need_assistant: bool, lookup_tokens: int = 10):
+    def __init__(
+        self,
+        model_dir: Path,
+        gguf_file: str | None,
+        assistant_layers: int,
+        need_assistant: bool,
+        lookup_tokens: int = 10,
+    ):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
         import torch
@@ -58,8 +65,9 @@ class HFBaselines:
         self.torch = torch
         kw = {"gguf_file": gguf_file} if gguf_file else {}
         t0 = time.perf_counter()
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
-                                                          local_files_only=True, **kw).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.float32, local_files_only=True, **kw
+        ).eval()
         self.load_s = time.perf_counter() - t0
         self.assistant = None
         self.assistant_layers = assistant_layers
@@ -81,6 +89,7 @@ class HFBaselines:
     def _pre(self, tag):
         def f(_m, _a):
             self._counts[tag][2] = time.perf_counter()
+
         return f
 
     def _post(self, tag):
@@ -88,18 +97,18 @@ class HFBaselines:
             c = self._counts[tag]
             c[0] += 1
             c[1] += time.perf_counter() - c[2]
+
         return f
 
     def _gen(self, kind: str, ids, n: int, eos: list[int], temperature: float, seed: int):
         torch = self.torch
-        kw: dict[str, Any] = dict(max_new_tokens=n, min_new_tokens=0,
-                                  attention_mask=torch.ones_like(ids))
+        kw: dict[str, Any] = dict(max_new_tokens=n, min_new_tokens=0, attention_mask=torch.ones_like(ids))
         if temperature > 0:
             kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
         else:
             kw.update(do_sample=False, temperature=None, top_k=None, top_p=None)
         kw["eos_token_id"] = list(eos) if eos else None
-        kw["pad_token_id"] = (eos[0] if eos else 0)
+        kw["pad_token_id"] = eos[0] if eos else 0
         if kind == "hf-assisted":
             kw["assistant_model"] = self.assistant
         elif kind == "hf-lookup":
@@ -111,10 +120,9 @@ class HFBaselines:
             out = self.model.generate(ids, **kw)
         dt = time.perf_counter() - t0
         counts = {k: (v[0], v[1]) for k, v in self._counts.items()}
-        return out[0, ids.shape[1]:].tolist(), dt, counts
+        return out[0, ids.shape[1] :].tolist(), dt, counts
 
-    def run(self, kind: str, prompt: list[int], n: int, eos: list[int], temperature: float,
-            seed: int) -> dict:
+    def run(self, kind: str, prompt: list[int], n: int, eos: list[int], temperature: float, seed: int) -> dict:
         ids = self.torch.tensor([prompt], dtype=self.torch.long)
         _, t1, c1 = self._gen(kind, ids, 1, eos, temperature, seed)
         toks, tn, cn = self._gen(kind, ids, n, eos, temperature, seed)
@@ -130,13 +138,23 @@ class HFBaselines:
         draft_s = max(cn["assistant"][1] - c1["assistant"][1], 0.0)
         other_s = max(decode_s - verify_s - draft_s, 0.0)
         stop = "eos" if eos and toks and toks[-1] in eos else "length"
-        return {"new_tokens": new, "tokens_per_s": (new - 1) / decode_s if new > 1 else 0.0,
-                "mean_accepted": new / tcalls if tcalls else None, "target_calls": tcalls,
-                "draft_calls": cn["assistant"][0], "steps": tcalls, "tree_nodes": None,
-                "decode_s": decode_s, "prefill_s": t1,
-                "time_split": {"draft_s": draft_s, "verify_s": verify_s, "accept_kv_s": 0.0, "other_s": other_s},
-                "draft_model_s": draft_s, "overhead_per_step_ms": None, "accepted_hist": {},
-                "stop_reason": stop, "tokens": toks}
+        return {
+            "new_tokens": new,
+            "tokens_per_s": (new - 1) / decode_s if new > 1 else 0.0,
+            "mean_accepted": new / tcalls if tcalls else None,
+            "target_calls": tcalls,
+            "draft_calls": cn["assistant"][0],
+            "steps": tcalls,
+            "tree_nodes": None,
+            "decode_s": decode_s,
+            "prefill_s": t1,
+            "time_split": {"draft_s": draft_s, "verify_s": verify_s, "accept_kv_s": 0.0, "other_s": other_s},
+            "draft_model_s": draft_s,
+            "overhead_per_step_ms": None,
+            "accepted_hist": {},
+            "stop_reason": stop,
+            "tokens": toks,
+        }
 
 
 def truncated_hf(model, k: int):

@@ -3,6 +3,7 @@ speed-ups), the markdown table, the plot, and the machine/version record.
 
 Role in one decode step: none; reports what the measured steps cost and bought.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -76,7 +77,9 @@ def aggregate(per_prompt: list[dict], configs: list) -> dict:
         own = [r["overhead_per_step_ms"] * r["steps"] for r in runs if r["overhead_per_step_ms"] is not None]
         gm = [r.get("greedy_match") for r in runs]
         out[name] = {
-            "prompts": len(runs), "new_tokens": new, "decode_s": dec_s,
+            "prompts": len(runs),
+            "new_tokens": new,
+            "decode_s": dec_s,
             "tokens_per_s_median": _median([r["tokens_per_s"] for r in runs]),
             "tokens_per_s_total": dec_tokens / dec_s if dec_s > 0 else None,
             "mean_accepted": (new / steps) if steps else None,
@@ -95,21 +98,23 @@ def aggregate(per_prompt: list[dict], configs: list) -> dict:
     for name, a in out.items():
         a["speedup_vs_vanilla_median"] = _median([p["runs"][name]["speedup_vs_vanilla"] for p in per_prompt])
         a["speedup_vs_vanilla_total"] = _ratio(a["tokens_per_s_total"], van)
-        a["speedup_vs_hf_greedy_median"] = _median([p["runs"][name].get("speedup_vs_hf_greedy")
-                                                    for p in per_prompt])
+        a["speedup_vs_hf_greedy_median"] = _median([p["runs"][name].get("speedup_vs_hf_greedy") for p in per_prompt])
         a["speedup_vs_hf_greedy_total"] = _ratio(a["tokens_per_s_total"], hfg)
     ours = [c.name for c in configs if c.kind == "ours" and c.name in out]
     gms = [out[n]["greedy_match"] for n in ours]
     by_cat: dict[str, dict] = {}
     for cat in sorted({p["category"] for p in per_prompt}):
         ps = [p for p in per_prompt if p["category"] == cat]
-        by_cat[cat] = {n: {"prompts": len(ps),
-                           "tokens_per_s_median": _median([p["runs"][n]["tokens_per_s"] for p in ps]),
-                           "speedup_vs_vanilla_median": _median([p["runs"][n]["speedup_vs_vanilla"] for p in ps]),
-                           "mean_accepted": _median([p["runs"][n]["mean_accepted"] for p in ps])}
-                       for n in names}
-    return {"configs": out, "greedy_match": None if any(g is None for g in gms) else all(gms),
-            "by_category": by_cat}
+        by_cat[cat] = {
+            n: {
+                "prompts": len(ps),
+                "tokens_per_s_median": _median([p["runs"][n]["tokens_per_s"] for p in ps]),
+                "speedup_vs_vanilla_median": _median([p["runs"][n]["speedup_vs_vanilla"] for p in ps]),
+                "mean_accepted": _median([p["runs"][n]["mean_accepted"] for p in ps]),
+            }
+            for n in names
+        }
+    return {"configs": out, "greedy_match": None if any(g is None for g in gms) else all(gms), "by_category": by_cat}
 
 
 # ---------------------------------------------------------------------------------- reporting
@@ -121,9 +126,11 @@ def format_table(results: dict) -> str:
     """The aggregate as a markdown table (one row per configuration)."""
     agg = results["aggregate"]["configs"]
     cfgs = {c["name"]: c for c in results["configs"]}
-    head = ("| config | nodes | tok/s median | tok/s total | speed-up vs vanilla (median / total) | "
-            "vs hf-greedy (total) | accepted/call | target calls | ms/token draft / verify / accept+KV / other "
-            "| overhead ms/step | TTFT ms median | greedy = vanilla |")
+    head = (
+        "| config | nodes | tok/s median | tok/s total | speed-up vs vanilla (median / total) | "
+        "vs hf-greedy (total) | accepted/call | target calls | ms/token draft / verify / accept+KV / other "
+        "| overhead ms/step | TTFT ms median | greedy = vanilla |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, a in agg.items():
         c = cfgs.get(name, {})
@@ -134,10 +141,11 @@ def format_table(results: dict) -> str:
             f"{_f(a['tokens_per_s_total'], '{:.1f}')} | {_f(a['speedup_vs_vanilla_median'])}x / "
             f"{_f(a['speedup_vs_vanilla_total'])}x | {_f(a['speedup_vs_hf_greedy_total'])}x | "
             f"{_f(a['mean_accepted'])} | {a['target_calls']} | "
-            + " / ".join(_f(mpt[k], '{:.1f}') for k in SPLIT_KEYS)
+            + " / ".join(_f(mpt[k], "{:.1f}") for k in SPLIT_KEYS)
             + f" | {_f(a['overhead_per_step_ms'])} | "
             + f"{_f(None if a.get('ttft_s_median') is None else 1e3 * a['ttft_s_median'], '{:.0f}')} | "
-            + f"{'—' if gm is None else ('yes' if gm else 'NO')} |")
+            + f"{'—' if gm is None else ('yes' if gm else 'NO')} |"
+        )
     return "\n".join(lines)
 
 
@@ -156,8 +164,9 @@ def plot(results: dict, path: str | os.PathLike) -> None:
     by_pol: dict[str, list] = {}
     for c in cfgs:
         if c["kind"] == "ours" and c["mode"] != "vanilla":
-            by_pol.setdefault(c["policy"], []).append((c["max_nodes"], agg[c["name"]]["speedup_vs_vanilla_total"] or 0,
-                                                       c["name"]))
+            by_pol.setdefault(c["policy"], []).append(
+                (c["max_nodes"], agg[c["name"]]["speedup_vs_vanilla_total"] or 0, c["name"])
+            )
     for pol, pts in sorted(by_pol.items()):
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=pol)
@@ -182,8 +191,12 @@ def plot(results: dict, path: str | os.PathLike) -> None:
         h = agg[c["name"]]["accepted_hist"]
         tot = sum(h.values()) or 1
         xs = list(range(1, kmax + 1))
-        ax.bar([x + (i - (len(ours) - 1) / 2) * w for x in xs], [h.get(str(x), 0) / tot for x in xs], width=w,
-               label=f"{c['name']} (mean {_f(agg[c['name']]['mean_accepted'])})")
+        ax.bar(
+            [x + (i - (len(ours) - 1) / 2) * w for x in xs],
+            [h.get(str(x), 0) / tot for x in xs],
+            width=w,
+            label=f"{c['name']} (mean {_f(agg[c['name']]['mean_accepted'])})",
+        )
     ax.set_xlabel("tokens committed per target call (accepted depth + 1)")
     ax.set_ylabel("fraction of steps")
     ax.set_title("accepted length per step")
@@ -204,9 +217,12 @@ def plot(results: dict, path: str | os.PathLike) -> None:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
     m = results["meta"]
-    fig.suptitle(f"{m.get('model')} | draft {m.get('draft')} | {m.get('backend')} | "
-                 f"{m['machine'].get('cpu_count')} CPUs, {m['machine'].get('torch_threads')} threads | "
-                 f"T={m.get('temperature')} | {m.get('max_new_tokens')} new tokens", fontsize=10)
+    fig.suptitle(
+        f"{m.get('model')} | draft {m.get('draft')} | {m.get('backend')} | "
+        f"{m['machine'].get('cpu_count')} CPUs, {m['machine'].get('torch_threads')} threads | "
+        f"T={m.get('temperature')} | {m.get('max_new_tokens')} new tokens",
+        fontsize=10,
+    )
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -218,8 +234,16 @@ def versions() -> dict:
     import importlib.metadata as md
 
     out = {"python": platform.python_version()}
-    for pkg in ("arborspec", "torch", "numpy", "transformers", "onnxruntime", "onnxruntime-gpu",
-                "tensorrt-rtx", "tokenizers"):
+    for pkg in (
+        "arborspec",
+        "torch",
+        "numpy",
+        "transformers",
+        "onnxruntime",
+        "onnxruntime-gpu",
+        "tensorrt-rtx",
+        "tokenizers",
+    ):
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
@@ -238,8 +262,13 @@ def machine(device: str) -> dict:
                 break
     except OSError:
         pass
-    d = {"platform": platform.platform(), "processor": cpu, "cpu_count": os.cpu_count(),
-         "torch_threads": torch.get_num_threads(), "device": device}
+    d = {
+        "platform": platform.platform(),
+        "processor": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": device,
+    }
     try:
         d["loadavg_1_5_15"] = [round(x, 2) for x in os.getloadavg()]  # other work on the machine
     except OSError:
@@ -260,24 +289,39 @@ def render_markdown(results: dict, title: str | None = None) -> str:
     mc = m["machine"]
     agg = results["aggregate"]
     v = m.get("versions", {})
-    out = [f"## {title or (str(m.get('model')) + ' | draft ' + str(m.get('draft')) + ' | ' + str(m.get('backend')))}", "",
-           "```", m.get("command", ""), "```", "",
-           f"- date: {m.get('date')}",
-           f"- machine: {mc.get('processor')} | {mc.get('cpu_count')} CPUs | torch threads {mc.get('torch_threads')} | "
-           f"{mc.get('platform')} | load average before/after: {mc.get('loadavg_before')} / {mc.get('loadavg_1_5_15')}",
-           "- versions: " + ", ".join(f"{k} {x}" for k, x in v.items()),
-           f"- {len(results['per_prompt'])} prompts ({', '.join(sorted({p['category'] for p in results['per_prompt']}))}), "
-           f"{m.get('max_new_tokens')} new tokens, temperature {m.get('temperature')}, "
-           f"greedy_match (all our configs == vanilla): {agg.get('greedy_match')}", "",
-           format_table(results), ""]
+    out = [
+        f"## {title or (str(m.get('model')) + ' | draft ' + str(m.get('draft')) + ' | ' + str(m.get('backend')))}",
+        "",
+        "```",
+        m.get("command", ""),
+        "```",
+        "",
+        f"- date: {m.get('date')}",
+        f"- machine: {mc.get('processor')} | {mc.get('cpu_count')} CPUs | torch threads {mc.get('torch_threads')} | "
+        f"{mc.get('platform')} | load average before/after: {mc.get('loadavg_before')} / {mc.get('loadavg_1_5_15')}",
+        "- versions: " + ", ".join(f"{k} {x}" for k, x in v.items()),
+        f"- {len(results['per_prompt'])} prompts ({', '.join(sorted({p['category'] for p in results['per_prompt']}))}), "
+        f"{m.get('max_new_tokens')} new tokens, temperature {m.get('temperature')}, "
+        f"greedy_match (all our configs == vanilla): {agg.get('greedy_match')}",
+        "",
+        format_table(results),
+        "",
+    ]
     cats = agg.get("by_category") or {}
     if cats:
         names = list(agg["configs"])
-        out += ["Median speed-up vs our vanilla (and mean accepted tokens per target call) by category:", "",
-                "| category | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        out += [
+            "Median speed-up vs our vanilla (and mean accepted tokens per target call) by category:",
+            "",
+            "| category | " + " | ".join(names) + " |",
+            "|---|" + "---|" * len(names),
+        ]
         for cat, d in cats.items():
-            out.append(f"| {cat} ({next(iter(d.values()))['prompts']}) | " + " | ".join(
-                f"{_f(d[n]['speedup_vs_vanilla_median'])}x ({_f(d[n]['mean_accepted'])})" for n in names) + " |")
+            out.append(
+                f"| {cat} ({next(iter(d.values()))['prompts']}) | "
+                + " | ".join(f"{_f(d[n]['speedup_vs_vanilla_median'])}x ({_f(d[n]['mean_accepted'])})" for n in names)
+                + " |"
+            )
         out.append("")
     if m.get("notes"):
         out += ["Notes:", ""] + [f"- {n}" for n in m["notes"]] + [""]

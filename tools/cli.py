@@ -6,6 +6,7 @@ A user mistake raises an `ArborspecError` (arborspec.runtime.errors; `UserError`
 and ends as one clear line on stderr and exit status 2: never a traceback. Anything else is a
 bug and keeps its traceback.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,10 +31,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="arborspec", description=__doc__.split("\n")[0],
-                formatter_class=argparse.RawDescriptionHelpFormatter,
-                epilog="example:\n  arborspec generate --model smollm2-135m --draft layers:4 "
-                       "--mode tree --tree full:3,2 --prompt 'Hello'")
+    p = _Parser(
+        prog="arborspec",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  arborspec generate --model smollm2-135m --draft layers:4 "
+        "--mode tree --tree full:3,2 --prompt 'Hello'",
+    )
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in COMMANDS:
         try:

@@ -5,6 +5,7 @@ process (tools/bench.py), prints the aggregate table, and optionally writes the 
 a figure. Tree specs contain commas, so `--tree` is given once per spec and/or as one
 ';'-separated list: `--tree full:3,2 --tree beam:4,8,8` == `--tree 'full:3,2;beam:4,8,8'`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,23 +31,41 @@ round-robin over the categories)."""
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmark vanilla / chain / tree decoding and HF baselines",
-                       description=__doc__.split("\n")[0], epilog=EXAMPLE,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "bench",
+        help="benchmark vanilla / chain / tree decoding and HF baselines",
+        description=__doc__.split("\n")[0],
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_model_args(p)  # --draft default: layers:4 with --model; the export's with --export-dir
     g = p.add_argument_group("configurations")
-    g.add_argument("--modes", default="vanilla,chain,tree",
-                   help="comma-separated subset of vanilla,chain,tree (vanilla always runs: the reference)")
-    g.add_argument("--tree", action="append", default=None, metavar="SPEC",
-                   help="tree policy to run in tree mode; repeat the flag or separate specs with ';' "
-                        "(`auto`: the tree `arborspec tune` chose; default: the export's tree, else full:3,2)")
+    g.add_argument(
+        "--modes",
+        default="vanilla,chain,tree",
+        help="comma-separated subset of vanilla,chain,tree (vanilla always runs: the reference)",
+    )
+    g.add_argument(
+        "--tree",
+        action="append",
+        default=None,
+        metavar="SPEC",
+        help="tree policy to run in tree mode; repeat the flag or separate specs with ';' "
+        "(`auto`: the tree `arborspec tune` chose; default: the export's tree, else full:3,2)",
+    )
     g.add_argument("--chain", default="chain:4", help="chain mode spec (default chain:4)")
-    g.add_argument("--baselines", default="",
-                   help="comma-separated transformers baselines: hf-greedy,hf-assisted,hf-lookup "
-                        "(same model file; torch backend, or an export whose manifest names the source)")
-    g.add_argument("--hf-assistant-layers", type=int, default=None,
-                   help="hf-assisted: assistant = the target's first K layers (default: K of --draft "
-                        "layers:K, else 4)")
+    g.add_argument(
+        "--baselines",
+        default="",
+        help="comma-separated transformers baselines: hf-greedy,hf-assisted,hf-lookup "
+        "(same model file; torch backend, or an export whose manifest names the source)",
+    )
+    g.add_argument(
+        "--hf-assistant-layers",
+        type=int,
+        default=None,
+        help="hf-assisted: assistant = the target's first K layers (default: K of --draft layers:K, else 4)",
+    )
     g.add_argument("--hf-lookup-tokens", type=int, default=10, help="hf-lookup: prompt_lookup_num_tokens (10)")
     r = p.add_argument_group("run")
     r.add_argument("--prompts", type=Path, default=None, help="prompts JSON file (default: the packaged set)")
@@ -102,8 +121,9 @@ def run(args) -> int:
     entries, prompts_path = prompt_sets.read_prompts_file(args.prompts)  # cheap checks before loading models
     # validate specs before loading models (the export default tree is filled in below)
     # (`auto` stands for the tuned tree, resolved once the models are open)
-    bench.build_configs(modes, [("full:3,2" if t.lower() == "auto" else t) for t in trees] or ["full:3,2"],
-                        args.chain, baselines)
+    bench.build_configs(
+        modes, [("full:3,2" if t.lower() == "auto" else t) for t in trees] or ["full:3,2"], args.chain, baselines
+    )
     torch.set_num_threads(args.threads)
 
     need_draft = any(m != "vanilla" for m in modes)
@@ -125,11 +145,14 @@ def run(args) -> int:
         kept = [p for p in prompts if len(p["ids"]) + args.max_new_tokens <= limit]
         for p in prompts:
             if p not in kept:
-                notes.append(f"prompt {p['id']} skipped: {len(p['ids'])} tokens + {args.max_new_tokens} new exceed "
-                             f"the context limit of {limit}")
+                notes.append(
+                    f"prompt {p['id']} skipped: {len(p['ids'])} tokens + {args.max_new_tokens} new exceed "
+                    f"the context limit of {limit}"
+                )
         if not kept:
-            raise InputError(f"no prompt fits the context limit of {limit} tokens with --max-new-tokens "
-                             f"{args.max_new_tokens}")
+            raise InputError(
+                f"no prompt fits the context limit of {limit} tokens with --max-new-tokens {args.max_new_tokens}"
+            )
         prompts = kept
 
         backend = args.backend or ("torch" if args.model else "onnxruntime")
@@ -154,27 +177,47 @@ def run(args) -> int:
                     d = (args.draft or "").strip().lower()
                     k = int(d.split(":", 1)[1]) if d.startswith("layers:") and d.split(":", 1)[1].isdigit() else 4
                 if not args.no_progress:
-                    print(f"loading the transformers baselines from {mdir / gguf if gguf else mdir} ...", file=sys.stderr)
+                    print(
+                        f"loading the transformers baselines from {mdir / gguf if gguf else mdir} ...", file=sys.stderr
+                    )
                 hf = bench_baselines.HFBaselines(mdir, gguf, k, "hf-assisted" in baselines, args.hf_lookup_tokens)
-                notes.append(f"transformers model loaded in {hf.load_s:.1f} s" +
-                             (f"; hf-assisted assistant = its first {k} layers" if "hf-assisted" in baselines else ""))
+                notes.append(
+                    f"transformers model loaded in {hf.load_s:.1f} s"
+                    + (f"; hf-assisted assistant = its first {k} layers" if "hf-assisted" in baselines else "")
+                )
 
         load_before = bench_report.machine(args.device).get("loadavg_1_5_15")
-        per_prompt, warnings = bench.run_bench(models, configs, prompts, max_new_tokens=args.max_new_tokens,
-                                               temperature=args.temperature, seed=args.seed, hf=hf,
-                                               warmup=args.warmup, progress=not args.no_progress)
+        per_prompt, warnings = bench.run_bench(
+            models,
+            configs,
+            prompts,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            hf=hf,
+            warmup=args.warmup,
+            progress=not args.no_progress,
+        )
         agg = bench_report.aggregate(per_prompt, configs)
         results = {
             "schema_version": bench_report.SCHEMA_VERSION,
-            "meta": {"machine": bench_report.machine(args.device) | {"loadavg_before": load_before}, "backend": backend,
-                     "model": str(args.model or args.export_dir), "draft": _draft_name(args, models),
-                     "describe": models.describe, "source": {k: v for k, v in source.items() if k != "files"},
-                     "versions": bench_report.versions(), "command": _command_line(args),
-                     "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                              if k not in ("run",)},
-                     "date": bench_report.now_iso(), "temperature": args.temperature,
-                     "max_new_tokens": args.max_new_tokens, "seed": args.seed, "prompts_file": prompts_path,
-                     "notes": notes + warnings},
+            "meta": {
+                "machine": bench_report.machine(args.device) | {"loadavg_before": load_before},
+                "backend": backend,
+                "model": str(args.model or args.export_dir),
+                "draft": _draft_name(args, models),
+                "describe": models.describe,
+                "source": {k: v for k, v in source.items() if k != "files"},
+                "versions": bench_report.versions(),
+                "command": _command_line(args),
+                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("run",)},
+                "date": bench_report.now_iso(),
+                "temperature": args.temperature,
+                "max_new_tokens": args.max_new_tokens,
+                "seed": args.seed,
+                "prompts_file": prompts_path,
+                "notes": notes + warnings,
+            },
             "configs": [c.to_dict() for c in configs],
             "per_prompt": per_prompt,
             "aggregate": agg,
@@ -182,8 +225,11 @@ def run(args) -> int:
         table = bench_report.format_table(results)
         print(table)
         if agg["greedy_match"] is False:
-            print("WARNING: greedy_match is FALSE: some configuration's tokens differ from vanilla's "
-                  "(see the warnings above)", file=sys.stderr)
+            print(
+                "WARNING: greedy_match is FALSE: some configuration's tokens differ from vanilla's "
+                "(see the warnings above)",
+                file=sys.stderr,
+            )
         for n in notes:
             print(f"note: {n}", file=sys.stderr)
         if args.json is not None:

@@ -4,6 +4,7 @@ Role in one decoding step: none at run time. It prepares the engines the `tensor
 runs for every model call of a step (draft levels, the target's verify, prefills), with
 optimisation profiles sized for the decode loop's limits (batch, tree nodes, context).
 """
+
 from __future__ import annotations
 
 import json
@@ -27,26 +28,48 @@ DEFAULT_MAX_CONTEXT = 2048
 
 def register(subparsers) -> None:
     import argparse
+
     p = subparsers.add_parser(
-        "build", help="build TensorRT engines from an export folder",
-        description=__doc__.split("\n")[0], epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--export-dir", required=True, type=Path,
-                   help="folder written by `arborspec export` (target.onnx, draft.onnx, manifest.json)")
+        "build",
+        help="build TensorRT engines from an export folder",
+        description=__doc__.split("\n")[0],
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--export-dir",
+        required=True,
+        type=Path,
+        help="folder written by `arborspec export` (target.onnx, draft.onnx, manifest.json)",
+    )
     p.add_argument("--max-batch", type=int, default=1, help="largest batch B (default 1)")
-    p.add_argument("--max-tree-nodes", type=int, default=64,
-                   help="largest draft tree; a verify call is nodes+1 tokens (default 64)")
-    p.add_argument("--max-context", type=int, default=None,
-                   help=f"largest P+T, the KV cache length (default {DEFAULT_MAX_CONTEXT}, "
-                        "or the model's max positions if smaller)")
-    p.add_argument("--compute-capability", default=None, metavar="X.Y",
-                   help="build ahead of time for this GPU (TensorRT-RTX only), e.g. 8.9; "
-                        "default: the local GPU")
+    p.add_argument(
+        "--max-tree-nodes",
+        type=int,
+        default=64,
+        help="largest draft tree; a verify call is nodes+1 tokens (default 64)",
+    )
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help=f"largest P+T, the KV cache length (default {DEFAULT_MAX_CONTEXT}, "
+        "or the model's max positions if smaller)",
+    )
+    p.add_argument(
+        "--compute-capability",
+        default=None,
+        metavar="X.Y",
+        help="build ahead of time for this GPU (TensorRT-RTX only), e.g. 8.9; default: the local GPU",
+    )
     p.add_argument("--out", type=Path, default=None, help="output folder (default <export-dir>/engines)")
     p.add_argument("--only", choices=["target", "draft"], default=None, help="build just one")
-    p.add_argument("--trt-module", choices=["auto", "tensorrt", "tensorrt_rtx"], default="auto",
-                   help="TensorRT Python module (default: tensorrt if importable, else tensorrt_rtx; "
-                        "env ARBORSPEC_TRT_MODULE)")
+    p.add_argument(
+        "--trt-module",
+        choices=["auto", "tensorrt", "tensorrt_rtx"],
+        default="auto",
+        help="TensorRT Python module (default: tensorrt if importable, else tensorrt_rtx; env ARBORSPEC_TRT_MODULE)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="show TensorRT warnings")
     p.set_defaults(run=run)
 
@@ -125,15 +148,23 @@ def run(args) -> int:
     out = args.out or (d / "engines")
     say(f"building {', '.join(n for n, _ in jobs)} with {flavour} {trt.__version__} into {out}")
     for name, onnx_path in jobs:
-        r = tb.build_engine(onnx_path, out / f"{name}.engine", max_batch=args.max_batch,
-                            max_tree_nodes=args.max_tree_nodes, max_context=max_context,
-                            compute_capability=cc, flavour=flavour, log=say,
-                            verbose=args.verbose)
-        profs = "; ".join(f"{p['name']}: T {p['ranges']['T'][0]}..{p['ranges']['T'][2]}, "
-                          f"P {p['ranges']['P'][0]}..{p['ranges']['P'][2]}"
-                          for p in r.entry["profiles"])
-        print(f"{name}: {r.engine_path} ({r.entry['bytes'] / 2**20:.1f} MiB, "
-              f"{r.seconds:.1f}s; {profs})")
+        r = tb.build_engine(
+            onnx_path,
+            out / f"{name}.engine",
+            max_batch=args.max_batch,
+            max_tree_nodes=args.max_tree_nodes,
+            max_context=max_context,
+            compute_capability=cc,
+            flavour=flavour,
+            log=say,
+            verbose=args.verbose,
+        )
+        profs = "; ".join(
+            f"{p['name']}: T {p['ranges']['T'][0]}..{p['ranges']['T'][2]}, "
+            f"P {p['ranges']['P'][0]}..{p['ranges']['P'][2]}"
+            for p in r.entry["profiles"]
+        )
+        print(f"{name}: {r.engine_path} ({r.entry['bytes'] / 2**20:.1f} MiB, {r.seconds:.1f}s; {profs})")
     if not draft.is_file() and args.only is None:
         print("draft: no draft.onnx in the export (a bigram/table draft has no graph): skipped")
     print(f"manifest: {out / tb.MANIFEST_NAME}")

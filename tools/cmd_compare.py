@@ -4,6 +4,7 @@
 Exit status: 0 all outputs within tolerance, 1 some output beyond it (named in the table),
 2 a usage error (one line).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,19 +27,27 @@ JSON for the target graph at F and for the draft graph at F with .draft before t
 
 
 def register(sub) -> None:
-    p = sub.add_parser("compare", help="compare PyTorch / ONNX Runtime / TensorRT on runtime-made feeds",
-                       description=__doc__.split("\n")[0], epilog=EXAMPLE,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "compare",
+        help="compare PyTorch / ONNX Runtime / TensorRT on runtime-made feeds",
+        description=__doc__.split("\n")[0],
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--export-dir", type=Path, required=True, help="export folder from `arborspec export`")
-    p.add_argument("--runners", default=None,
-                   help="comma-separated: torch,onnxruntime,tensorrt (default all three; tensorrt is "
-                        "skipped with a note where there is no GPU, an error when named here)")
+    p.add_argument(
+        "--runners",
+        default=None,
+        help="comma-separated: torch,onnxruntime,tensorrt (default all three; tensorrt is "
+        "skipped with a note where there is no GPU, an error when named here)",
+    )
     p.add_argument("--trees", type=int, default=1, help="trees per policy, each over another past length (default 1)")
     p.add_argument("--atol", type=float, default=None, help="absolute tolerance (default from the dtype)")
     p.add_argument("--rtol", type=float, default=None, help="relative tolerance (default from the dtype)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default=None,
-                   help="PyTorch reference: registry name or path (default: the source in the manifest)")
+    p.add_argument(
+        "--model", default=None, help="PyTorch reference: registry name or path (default: the source in the manifest)"
+    )
     p.add_argument("--engine-dir", type=Path, default=None, help="TensorRT engines (default EXPORT_DIR/engines)")
     p.add_argument("--save-inputs", type=Path, default=None, help="Polygraphy JSON of the feeds")
     p.add_argument("--save-outputs", type=Path, default=None, help="Polygraphy RunResults JSON")
@@ -57,10 +66,20 @@ def run(args) -> int:
     for p in (args.save_inputs, args.save_outputs):
         if p is not None and not p.parent.is_dir():
             raise MissingFileError(f"{p.parent}: no such folder for {p.name}")
-    rep = compare_export(args.export_dir, args.runners, trees=args.trees, atol=args.atol, rtol=args.rtol,
-                         seed=args.seed, model=args.model, save_inputs=args.save_inputs,
-                         save_outputs=args.save_outputs, engine_dir=args.engine_dir, verify=args.verify,
-                         progress=not args.no_progress and sys.stderr.isatty())
+    rep = compare_export(
+        args.export_dir,
+        args.runners,
+        trees=args.trees,
+        atol=args.atol,
+        rtol=args.rtol,
+        seed=args.seed,
+        model=args.model,
+        save_inputs=args.save_inputs,
+        save_outputs=args.save_outputs,
+        engine_dir=args.engine_dir,
+        verify=args.verify,
+        progress=not args.no_progress and sys.stderr.isatty(),
+    )
     print(rep.table(all_outputs=args.all_outputs))
     for s in rep.saved:
         print(f"saved {s}")

@@ -3,6 +3,7 @@
 Role in one decoding step: none at run time; it produces the folder every step runs from
 (see arborspec.export.export_folder).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,39 +21,84 @@ EXAMPLE = """examples:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("export", help="export target + draft to ONNX with a manifest",
-                       description="Export a target model and its draft to ONNX (engine contract: "
-                                   "input_ids, position_ids, tree attention_mask, per-layer KV) "
-                                   "into one self-describing folder. The folder is written "
-                                   "atomically: a failed export leaves nothing behind.",
-                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLE)
-    p.add_argument("--model", required=True, metavar="NAME|PATH",
-                   help="registry name (smollm2-135m), Hugging Face folder, .gguf or nanoGPT .pt")
-    p.add_argument("--draft", default="layers:2", metavar="SPEC",
-                   help="layers:K (first K target layers), bigram (table), none, or a model "
-                        "NAME|PATH with the same vocabulary (default: layers:2)")
+    p = sub.add_parser(
+        "export",
+        help="export target + draft to ONNX with a manifest",
+        description="Export a target model and its draft to ONNX (engine contract: "
+        "input_ids, position_ids, tree attention_mask, per-layer KV) "
+        "into one self-describing folder. The folder is written "
+        "atomically: a failed export leaves nothing behind.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLE,
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="NAME|PATH",
+        help="registry name (smollm2-135m), Hugging Face folder, .gguf or nanoGPT .pt",
+    )
+    p.add_argument(
+        "--draft",
+        default="layers:2",
+        metavar="SPEC",
+        help="layers:K (first K target layers), bigram (table), none, or a model "
+        "NAME|PATH with the same vocabulary (default: layers:2)",
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
-    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
-                   help="weights and KV cache dtype (logits stay float32); default fp32")
-    p.add_argument("--attention", choices=["auto", "gqa", "onnx"], default="auto",
-                   help="gqa: ONNX Runtime's fast graph (GroupQueryAttention reads and writes the KV cache in "
-                        "place; Llama family, fp32); onnx: the portable graph TensorRT builds; auto (default): "
-                        "gqa where it applies")
-    p.add_argument("--quantize", choices=["int4", "int8"], default=None,
-                   help="weight-only quantisation of the linear layers (ONNX Runtime MatMulNBits); from a GGUF "
-                        "with Q4_0/Q4_1/Q8_0 tensors, int4 carries the GGUF's own blocks over exactly")
+    p.add_argument(
+        "--dtype",
+        choices=["fp32", "fp16", "bf16"],
+        default="fp32",
+        help="weights and KV cache dtype (logits stay float32); default fp32",
+    )
+    p.add_argument(
+        "--attention",
+        choices=["auto", "gqa", "onnx"],
+        default="auto",
+        help="gqa: ONNX Runtime's fast graph (GroupQueryAttention reads and writes the KV cache in "
+        "place; Llama family, fp32); onnx: the portable graph TensorRT builds; auto (default): "
+        "gqa where it applies",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=["int4", "int8"],
+        default=None,
+        help="weight-only quantisation of the linear layers (ONNX Runtime MatMulNBits); from a GGUF "
+        "with Q4_0/Q4_1/Q8_0 tensors, int4 carries the GGUF's own blocks over exactly",
+    )
     p.add_argument("--block-size", type=int, default=32, metavar="N", help="quantisation block size (default 32)")
-    p.add_argument("--accuracy-level", type=int, default=0, metavar="N",
-                   help="MatMulNBits compute: 0 fp32 (default, exact), 4 int8 activations (faster, rounds)")
-    p.add_argument("--opset", type=int, default=None, metavar="N",
-                   help="ONNX opset (default 23: fused RMSNormalization/RotaryEmbedding)")
-    p.add_argument("--max-context", type=int, default=None, metavar="N",
-                   help="largest P+T the runtime will use (default: the model's max positions)")
-    p.add_argument("--max-tree-nodes", type=int, default=None, metavar="N",
-                   help="largest tree (T of one verify call) the runtime will use (default 64)")
+    p.add_argument(
+        "--accuracy-level",
+        type=int,
+        default=0,
+        metavar="N",
+        help="MatMulNBits compute: 0 fp32 (default, exact), 4 int8 activations (faster, rounds)",
+    )
+    p.add_argument(
+        "--opset",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ONNX opset (default 23: fused RMSNormalization/RotaryEmbedding)",
+    )
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        metavar="N",
+        help="largest P+T the runtime will use (default: the model's max positions)",
+    )
+    p.add_argument(
+        "--max-tree-nodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="largest tree (T of one verify call) the runtime will use (default 64)",
+    )
     p.add_argument("--force", action="store_true", help="replace DIR if it exists")
-    p.add_argument("--no-verify", action="store_true",
-                   help="skip the ONNX Runtime vs PyTorch self-check after each export")
+    p.add_argument(
+        "--no-verify", action="store_true", help="skip the ONNX Runtime vs PyTorch self-check after each export"
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
@@ -63,12 +109,22 @@ def run(args) -> int:
 
     if args.opset is not None and not 14 <= args.opset <= 23:
         raise InputError(f"--opset {args.opset} is not supported (14..23)")
-    s = export_folder(args.model, args.out, args.draft, dtype=args.dtype,
-                      opset=args.opset or DEFAULT_OPSET, max_context=args.max_context,
-                      max_tree_nodes=args.max_tree_nodes or DEFAULT_MAX_TREE_NODES,
-                      force=args.force, progress=not args.quiet, verify=not args.no_verify,
-                      attention=args.attention, quantize=args.quantize, block_size=args.block_size,
-                      accuracy_level=args.accuracy_level)
+    s = export_folder(
+        args.model,
+        args.out,
+        args.draft,
+        dtype=args.dtype,
+        opset=args.opset or DEFAULT_OPSET,
+        max_context=args.max_context,
+        max_tree_nodes=args.max_tree_nodes or DEFAULT_MAX_TREE_NODES,
+        force=args.force,
+        progress=not args.quiet,
+        verify=not args.no_verify,
+        attention=args.attention,
+        quantize=args.quantize,
+        block_size=args.block_size,
+        accuracy_level=args.accuracy_level,
+    )
     t = s.manifest["target"]
     d = s.manifest["draft"]
     print(f"wrote {s.out}: {', '.join(s.files)}")

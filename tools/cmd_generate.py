@@ -4,6 +4,7 @@ Role: the user-facing loop around runtime.decode.SpeculativeDecoder: opens the e
 backend, tokenizes the prompt (optionally through the chat template), streams the text as
 each step commits tokens, and reports the step statistics (or one JSON object with --json).
 """
+
 from __future__ import annotations
 
 import json
@@ -23,18 +24,29 @@ EXAMPLE = """examples:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("generate", help="generate text with vanilla / chain / tree decoding",
-                       description=__doc__.split("\n")[0], epilog=EXAMPLE,
-                       formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "generate",
+        help="generate text with vanilla / chain / tree decoding",
+        description=__doc__.split("\n")[0],
+        epilog=EXAMPLE,
+        formatter_class=__import__("argparse").RawDescriptionHelpFormatter,
+    )
     add_model_args(p)
     g = p.add_argument_group("decoding")
     g.add_argument("--mode", choices=["vanilla", "chain", "tree"], default="tree")
-    g.add_argument("--tree", default=None,
-                   help="tree policy: chain:K | full:D,W | beam:n1,n2,.. | dynamic:K,D,N | static:FILE.json | "
-                        "auto (the tree `arborspec tune` chose) "
-                        "(default: the export's, else full:3,2; chain mode: chain:4)")
-    g.add_argument("--candidates", choices=["topk", "sample", "sample-unique"], default="topk",
-                   help="how draft children are chosen when sampling (default topk)")
+    g.add_argument(
+        "--tree",
+        default=None,
+        help="tree policy: chain:K | full:D,W | beam:n1,n2,.. | dynamic:K,D,N | static:FILE.json | "
+        "auto (the tree `arborspec tune` chose) "
+        "(default: the export's, else full:3,2; chain mode: chain:4)",
+    )
+    g.add_argument(
+        "--candidates",
+        choices=["topk", "sample", "sample-unique"],
+        default="topk",
+        help="how draft children are chosen when sampling (default topk)",
+    )
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -49,8 +61,9 @@ def register(sub) -> None:
     pr.add_argument("--system", default=None, help="system message with --chat")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    o.add_argument("--vs-vanilla", action="store_true",
-                   help="also run vanilla decoding on the same backend and print both stats")
+    o.add_argument(
+        "--vs-vanilla", action="store_true", help="also run vanilla decoding on the same backend and print both stats"
+    )
     p.set_defaults(run=run)
 
 
@@ -72,7 +85,7 @@ def prompt_ids(args, tok) -> list[int]:
     if tok is None:
         raise InputError("this model has no tokenizer: give --prompt-ids")
     if args.chat:
-        msgs = ([{"role": "system", "content": args.system}] if args.system else [])
+        msgs = [{"role": "system", "content": args.system}] if args.system else []
         msgs.append({"role": "user", "content": text})
         text = tok.apply_chat(msgs)
         return tok.encode(text, add_bos=False)
@@ -104,28 +117,41 @@ def make_decoder(models, args, mode: str | None = None):
     from arborspec.runtime.sampling import SamplingParams
 
     mode = mode or args.mode
-    tree = resolve_tree_arg(models, args, mode) or (models.tree_default if mode == "tree" else None) or ("chain:4" if mode == "chain" else "full:3,2")
+    tree = (
+        resolve_tree_arg(models, args, mode)
+        or (models.tree_default if mode == "tree" else None)
+        or ("chain:4" if mode == "chain" else "full:3,2")
+    )
     if mode == "chain" and not tree.startswith("chain:"):
         tree = "chain:4" if args.tree is None else tree
     sp = SamplingParams(args.temperature, args.top_k, args.top_p)
-    return SpeculativeDecoder(models.target, models.draft if mode != "vanilla" else None, mode=mode,
-                              tree=tree, candidates=args.candidates, sampling=sp,
-                              max_tree_nodes=models.limits.get("max_tree_nodes"))
+    return SpeculativeDecoder(
+        models.target,
+        models.draft if mode != "vanilla" else None,
+        mode=mode,
+        tree=tree,
+        candidates=args.candidates,
+        sampling=sp,
+        max_tree_nodes=models.limits.get("max_tree_nodes"),
+    )
 
 
 def _check_limits(models, n_prompt: int, max_new: int) -> None:
     ctx = models.limits.get("max_context")
     if ctx and n_prompt + max_new > ctx:
-        raise InputError(f"prompt ({n_prompt} tokens) + max-new-tokens ({max_new}) exceeds the export's "
-                         f"max context of {ctx}")
+        raise InputError(
+            f"prompt ({n_prompt} tokens) + max-new-tokens ({max_new}) exceeds the export's max context of {ctx}"
+        )
 
 
 def _stats_line(st) -> str:
-    return (f"[{st.mode}{' ' + st.tree if st.tree else ''}] {st.new_tokens} tokens in {st.decode_s:.2f} s "
-            f"= {st.tokens_per_s:.1f} tok/s | mean accepted {st.mean_accepted:.2f}/target call | "
-            f"target calls {st.target_calls} draft calls {st.draft_calls} | split: draft {st.draft_s:.2f}s "
-            f"verify {st.verify_s:.2f}s accept+kv {st.accept_kv_s:.3f}s other {st.other_s:.3f}s | "
-            f"prefill {st.prefill_s:.2f}s" + (f" | first token {1e3 * st.ttft_s:.0f} ms" if st.ttft_s is not None else ""))
+    return (
+        f"[{st.mode}{' ' + st.tree if st.tree else ''}] {st.new_tokens} tokens in {st.decode_s:.2f} s "
+        f"= {st.tokens_per_s:.1f} tok/s | mean accepted {st.mean_accepted:.2f}/target call | "
+        f"target calls {st.target_calls} draft calls {st.draft_calls} | split: draft {st.draft_s:.2f}s "
+        f"verify {st.verify_s:.2f}s accept+kv {st.accept_kv_s:.3f}s other {st.other_s:.3f}s | "
+        f"prefill {st.prefill_s:.2f}s" + (f" | first token {1e3 * st.ttft_s:.0f} ms" if st.ttft_s is not None else "")
+    )
 
 
 def run(args) -> int:
@@ -183,10 +209,14 @@ def run(args) -> int:
             if args.n > 1:
                 out["stats_per_run"] = stats
             if vanilla is not None:
-                out["vanilla"] = {"text": tok.decode(vanilla.tokens, skip_special_tokens=True) if tok else None,
-                                  "tokens": vanilla.tokens, "stats": vanilla.stats.to_dict(),
-                                  "speedup": (runs[0][1].tokens_per_s / vanilla.stats.tokens_per_s
-                                              if vanilla.stats.tokens_per_s else None)}
+                out["vanilla"] = {
+                    "text": tok.decode(vanilla.tokens, skip_special_tokens=True) if tok else None,
+                    "tokens": vanilla.tokens,
+                    "stats": vanilla.stats.to_dict(),
+                    "speedup": (
+                        runs[0][1].tokens_per_s / vanilla.stats.tokens_per_s if vanilla.stats.tokens_per_s else None
+                    ),
+                }
             print(json.dumps(out))
             return 0
         for i, (toks, st, reason) in enumerate(runs):
@@ -208,9 +238,22 @@ def _aggregate(stats: list[dict]) -> dict:
     n_tok = sum(s["new_tokens"] for s in stats)
     steps = sum(s["steps"] for s in stats)
     dec_s = sum(s["decode_s"] for s in stats)
-    agg = {k: sum(s[k] for s in stats) for k in ("new_tokens", "steps", "target_calls", "draft_calls",
-                                                    "draft_s", "verify_s", "accept_kv_s", "other_s",
-                                                    "prefill_s", "total_s")}
-    agg.update(mean_accepted=n_tok / steps if steps else 0.0,
-               tokens_per_s=n_tok / dec_s if dec_s else 0.0, runs=len(stats))
+    agg = {
+        k: sum(s[k] for s in stats)
+        for k in (
+            "new_tokens",
+            "steps",
+            "target_calls",
+            "draft_calls",
+            "draft_s",
+            "verify_s",
+            "accept_kv_s",
+            "other_s",
+            "prefill_s",
+            "total_s",
+        )
+    }
+    agg.update(
+        mean_accepted=n_tok / steps if steps else 0.0, tokens_per_s=n_tok / dec_s if dec_s else 0.0, runs=len(stats)
+    )
     return agg

@@ -4,6 +4,7 @@ Role in one decode step: none; measures what a server's steps deliver to C concu
 aggregate tokens/s, latency and time-to-first-token percentiles, errors, and whether every
 response came back to the request that asked for it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,15 +21,24 @@ EXAMPLE = """examples:
   arborspec loadtest --url http://127.0.0.1:8000 --concurrency 4 --requests 40 --stream --max-tokens 64
   arborspec loadtest --url http://127.0.0.1:8000 --concurrency 1 --requests 10 --json one.json
 """
-PROMPTS = ["Write a haiku about trees.", "Explain why the sky is blue in two sentences.",
-           "List three uses of a paperclip.", "Summarise: the harbour was quiet at dawn, the boats rocked.",
-           "Count from one to ten in words.", "What is the capital of France?"]
+PROMPTS = [
+    "Write a haiku about trees.",
+    "Explain why the sky is blue in two sentences.",
+    "List three uses of a paperclip.",
+    "Summarise: the harbour was quiet at dawn, the boats rocked.",
+    "Count from one to ten in words.",
+    "What is the capital of France?",
+]
 
 
 def register(sub) -> None:
-    p = sub.add_parser("loadtest", help="concurrent clients against an OpenAI-compatible server",
-                       description=__doc__.split("\n")[0], epilog=EXAMPLE,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "loadtest",
+        help="concurrent clients against an OpenAI-compatible server",
+        description=__doc__.split("\n")[0],
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--requests", type=int, default=20)
@@ -93,12 +103,29 @@ def one_request(client, i: int, chat: bool, stream: bool, max_tokens: int, tempe
             tokens = obj["usage"]["completion_tokens"]
     except Exception as e:  # noqa: BLE001 - a failed request is a measured error, not a crash
         return {"i": i, "ok": False, "status": status, "error": f"{type(e).__name__}: {e}"[:200]}
-    return {"i": i, "ok": True, "status": status, "latency_s": time.perf_counter() - t0, "ttft_s": ttft,
-            "tokens": tokens, "text": text}
+    return {
+        "i": i,
+        "ok": True,
+        "status": status,
+        "latency_s": time.perf_counter() - t0,
+        "ttft_s": ttft,
+        "tokens": tokens,
+        "text": text,
+    }
 
 
-def loadtest(url: str, concurrency: int, requests: int, *, max_tokens: int = 64, stream: bool = False,
-             chat: bool = False, temperature: float = 0.0, api_key: str | None = None, timeout: float = 600.0) -> dict:
+def loadtest(
+    url: str,
+    concurrency: int,
+    requests: int,
+    *,
+    max_tokens: int = 64,
+    stream: bool = False,
+    chat: bool = False,
+    temperature: float = 0.0,
+    api_key: str | None = None,
+    timeout: float = 600.0,
+) -> dict:
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -119,11 +146,21 @@ def loadtest(url: str, concurrency: int, requests: int, *, max_tokens: int = 64,
     toks = sum(r["tokens"] for r in ok)
     seen = sorted(r["i"] for r in results)
     return {
-        "url": url, "concurrency": concurrency, "requests": requests, "stream": stream, "chat": chat,
-        "max_tokens": max_tokens, "wall_s": wall, "ok": len(ok), "errors": len(results) - len(ok),
-        "tokens": toks, "tokens_per_s": toks / wall if wall else 0.0,
-        "latency_p50_s": _pct(lat, 0.5), "latency_p99_s": _pct(lat, 0.99),
-        "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
+        "url": url,
+        "concurrency": concurrency,
+        "requests": requests,
+        "stream": stream,
+        "chat": chat,
+        "max_tokens": max_tokens,
+        "wall_s": wall,
+        "ok": len(ok),
+        "errors": len(results) - len(ok),
+        "tokens": toks,
+        "tokens_per_s": toks / wall if wall else 0.0,
+        "latency_p50_s": _pct(lat, 0.5),
+        "latency_p99_s": _pct(lat, 0.99),
+        "ttft_p50_s": _pct(ttft, 0.5),
+        "ttft_p99_s": _pct(ttft, 0.99),
         "mean_latency_s": statistics.mean(lat) if lat else None,
         "all_answered_once": seen == list(range(requests)),
         "error_samples": [r["error"] for r in results if not r["ok"]][:5],
@@ -135,15 +172,23 @@ def run(args) -> int:
         raise InputError("--concurrency, --requests and --max-tokens must be >= 1")
     if not args.url.startswith(("http://", "https://")):
         raise InputError(f"--url must start with http:// or https://, got {args.url!r}")
-    res = loadtest(args.url.rstrip("/"), args.concurrency, args.requests, max_tokens=args.max_tokens,
-                   stream=args.stream, chat=args.chat, temperature=args.temperature, api_key=args.api_key,
-                   timeout=args.timeout)
+    res = loadtest(
+        args.url.rstrip("/"),
+        args.concurrency,
+        args.requests,
+        max_tokens=args.max_tokens,
+        stream=args.stream,
+        chat=args.chat,
+        temperature=args.temperature,
+        api_key=args.api_key,
+        timeout=args.timeout,
+    )
     f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
-    print(f"{res['ok']}/{res['requests']} ok, {res['errors']} errors, {res['tokens']} tokens in {res['wall_s']:.1f} s "
-          f"= {res['tokens_per_s']:.1f} tok/s | latency p50 {f(res['latency_p50_s'])} s p99 {f(res['latency_p99_s'])} s"
-          f" | ttft p50 {f(res['ttft_p50_s'])} s p99 {f(res['ttft_p99_s'])} s")
+    print(
+        f"{res['ok']}/{res['requests']} ok, {res['errors']} errors, {res['tokens']} tokens in {res['wall_s']:.1f} s "
+        f"= {res['tokens_per_s']:.1f} tok/s | latency p50 {f(res['latency_p50_s'])} s p99 {f(res['latency_p99_s'])} s"
+        f" | ttft p50 {f(res['ttft_p50_s'])} s p99 {f(res['ttft_p99_s'])} s"
+    )
     if args.json:
         atomic_write_json(args.json, res, indent=1)
     return 0 if res["errors"] == 0 else 1
-
-

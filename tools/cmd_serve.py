@@ -2,6 +2,7 @@
 
 Role in one decode step: none of its own; each request is one generation (tools/serve_app.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,9 +19,13 @@ EXAMPLE = """examples:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, SSE, metrics)",
-                       description=__doc__.split("\n")[0], epilog=EXAMPLE,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (completions, chat, SSE, metrics)",
+        description=__doc__.split("\n")[0],
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--export-dir", type=Path, required=True, help="export folder from `arborspec export`")
     p.add_argument("--backend", choices=["onnxruntime", "tensorrt"], default="onnxruntime")
     p.add_argument("--device", default="cpu")
@@ -28,8 +33,14 @@ def register(sub) -> None:
     p.add_argument("--tree", default=None, help="tree spec (default: the export's)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--workers", "--max-batch", dest="workers", type=int, default=1,
-                   help="sequences decoded at once, one generator each (default 1; more requests queue)")
+    p.add_argument(
+        "--workers",
+        "--max-batch",
+        dest="workers",
+        type=int,
+        default=1,
+        help="sequences decoded at once, one generator each (default 1; more requests queue)",
+    )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $ARBORSPEC_API_KEY)")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the export's name)")
     p.set_defaults(run=run)
@@ -52,11 +63,17 @@ def run(args) -> int:
 
     man = read_manifest(args.export_dir)
     name = args.model_name or man.data.get("source", {}).get("model") or Path(args.export_dir).name
-    pool = GeneratorPool(lambda: Generator.from_export(args.export_dir, args.backend, args.device, draft=args.draft,
-                                                       tree=args.tree), args.workers)
+    pool = GeneratorPool(
+        lambda: Generator.from_export(args.export_dir, args.backend, args.device, draft=args.draft, tree=args.tree),
+        args.workers,
+    )
     try:
-        app = create_app(pool, str(name), api_key=args.api_key or os.environ.get("ARBORSPEC_API_KEY"),
-                         max_context=int(man.limits.get("max_context", 2048)))
+        app = create_app(
+            pool,
+            str(name),
+            api_key=args.api_key or os.environ.get("ARBORSPEC_API_KEY"),
+            max_context=int(man.limits.get("max_context", 2048)),
+        )
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10)
     finally:
         pool.close()

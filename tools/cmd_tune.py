@@ -5,6 +5,7 @@ draft's positional acceptance on calibration prompts, runs Sequoia's tree DP ove
 budgets and depths, and writes the winner as a static tree spec: EXPORT_DIR/tree_auto.json
 (or the user cache for --model runs), which `--tree auto` in generate and bench picks up.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,13 +24,18 @@ EXAMPLE = """examples:
 def register(sub) -> None:
     import argparse
 
-    p = sub.add_parser("tune", help="choose the fastest static tree for this backend (Sequoia DP)",
-                       description=__doc__.split("\n")[0], epilog=EXAMPLE,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "tune",
+        help="choose the fastest static tree for this backend (Sequoia DP)",
+        description=__doc__.split("\n")[0],
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_model_args(p)
     g = p.add_argument_group("tuning")
-    g.add_argument("--prompts", type=Path, help="calibration prompts file (default tools/data/prompts.json, "
-                                                 "else built-in prompts)")
+    g.add_argument(
+        "--prompts", type=Path, help="calibration prompts file (default tools/data/prompts.json, else built-in prompts)"
+    )
     g.add_argument("--n-prompts", type=int, default=8, help="calibration prompts (default 8)")
     g.add_argument("--calib-tokens", type=int, default=64, help="greedy tokens per calibration prompt")
     g.add_argument("--chat", action="store_true", help="wrap text prompts in the chat template")
@@ -60,10 +66,20 @@ def run(args) -> int:
     models = open_models(args)
     from .tune import TuneOptions, tune
 
-    opts = TuneOptions(max_nodes=args.max_nodes, max_depth=args.max_depth, max_width=args.max_width,
-                       past=args.past, reps=args.reps, prompts=args.prompts, n_prompts=args.n_prompts,
-                       chat=args.chat, calib_tokens=args.calib_tokens, seed=args.seed, out=args.out,
-                       plot=args.plot)
+    opts = TuneOptions(
+        max_nodes=args.max_nodes,
+        max_depth=args.max_depth,
+        max_width=args.max_width,
+        past=args.past,
+        reps=args.reps,
+        prompts=args.prompts,
+        n_prompts=args.n_prompts,
+        chat=args.chat,
+        calib_tokens=args.calib_tokens,
+        seed=args.seed,
+        out=args.out,
+        plot=args.plot,
+    )
     try:
         doc = tune(models, models_key(args), opts, progress=not args.quiet)
     finally:
@@ -72,14 +88,20 @@ def run(args) -> int:
         print(json.dumps(doc))
         return 0
     q = doc["acceptance"]["q"]
-    print(f"tuned tree: {doc['nodes']} nodes, depth {doc['depth']}: expected {doc['expected_tokens_per_step']:.2f} "
-          f"tokens/step, predicted {doc['predicted_tokens_per_s']:.1f} tok/s vs vanilla "
-          f"{doc['vanilla_tokens_per_s']:.1f} ({doc['predicted_speedup']:.2f}x)")
-    print("acceptance by depth (rank 0..3): " + "; ".join(
-        f"d{d + 1}: " + " ".join(f"{x:.2f}" for x in row[:4]) for d, row in enumerate(q[:4])))
+    print(
+        f"tuned tree: {doc['nodes']} nodes, depth {doc['depth']}: expected {doc['expected_tokens_per_step']:.2f} "
+        f"tokens/step, predicted {doc['predicted_tokens_per_s']:.1f} tok/s vs vanilla "
+        f"{doc['vanilla_tokens_per_s']:.1f} ({doc['predicted_speedup']:.2f}x)"
+    )
+    print(
+        "acceptance by depth (rank 0..3): "
+        + "; ".join(f"d{d + 1}: " + " ".join(f"{x:.2f}" for x in row[:4]) for d, row in enumerate(q[:4]))
+    )
     if doc["predicted_speedup"] < 1.0:
-        print("note: with this draft, speculation is predicted SLOWER than vanilla decoding on this backend "
-              "(a cheaper or better-aligned draft is needed; the best tree is written anyway)")
+        print(
+            "note: with this draft, speculation is predicted SLOWER than vanilla decoding on this backend "
+            "(a cheaper or better-aligned draft is needed; the best tree is written anyway)"
+        )
     print("paths: " + json.dumps(doc["paths"]))
     print("written: " + ", ".join(doc["written"]) + (f"; plot {args.plot}" if args.plot else ""))
     return 0

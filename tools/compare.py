@@ -31,6 +31,7 @@ suffix, so the CLI can replay them:
 
     polygraphy run DIR/target.onnx --onnxrt --load-inputs in.json --load-outputs out.json
 """
+
 from __future__ import annotations
 
 import os
@@ -64,8 +65,7 @@ RUNNERS = ("torch", "onnxruntime", "tensorrt")
 
 # ----------------------------------------------------------------------------- reference
 def _shape_keys(cfg: dict) -> dict:
-    keys = ("family", "vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-            "intermediate_size")
+    keys = ("family", "vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim", "intermediate_size")
     return {k: cfg.get(k) for k in keys}
 
 
@@ -86,12 +86,16 @@ def reference_modules(man, model: str | None = None):
 
     spec = model or source_spec(man)
     if spec is None:
-        raise InputError(f"{man.root}: the manifest records no source model (exported from an "
-                         "in-memory module): pass --model NAME|PATH")
+        raise InputError(
+            f"{man.root}: the manifest records no source model (exported from an "
+            "in-memory module): pass --model NAME|PATH"
+        )
     lm = load_model(spec)
     if _shape_keys(lm.config.to_dict()) != _shape_keys(man.target.get("config", {})):
-        raise InputError(f"model {spec} does not match the export's target config "
-                         f"({_shape_keys(lm.config.to_dict())} vs {_shape_keys(man.target.get('config', {}))})")
+        raise InputError(
+            f"model {spec} does not match the export's target config "
+            f"({_shape_keys(lm.config.to_dict())} vs {_shape_keys(man.target.get('config', {}))})"
+        )
     target = lm.module.float().eval()
     d = man.draft
     draft = None
@@ -145,8 +149,18 @@ class CompareReport:
         kind (worst layer named); failing outputs are always listed one by one."""
         rows = self.rows if all_outputs else _fold(self.rows)
         head = ("graph", "feed", "output", "runners", "max abs err", "max rel err", "result")
-        body = [(r.graph, r.feed, r.output, r.runners, f"{r.max_abs:.3g}", f"{r.max_rel:.3g}",
-                 "pass" if r.passed else "FAIL") for r in rows]
+        body = [
+            (
+                r.graph,
+                r.feed,
+                r.output,
+                r.runners,
+                f"{r.max_abs:.3g}",
+                f"{r.max_rel:.3g}",
+                "pass" if r.passed else "FAIL",
+            )
+            for r in rows
+        ]
         widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
         lines = [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
@@ -155,10 +169,15 @@ class CompareReport:
             lines += [fmt.format(g, "*", "*", name, "-", "-", f"skipped: {why}") for name, why in self.skipped]
         lines += [f"note: {n}" for n in self.notes]
         nf = len(self.failures)
-        lines.append(f"{'PASSED' if self.passed else 'FAILED'}: {len(self.rows) - nf}/{len(self.rows)} "
-                     f"outputs within atol {self.atol:g} / rtol {self.rtol:g}"
-                     + ("" if self.passed else
-                        f"; failing: {', '.join(sorted({f'{r.graph}:{r.output}' for r in self.failures}))}"))
+        lines.append(
+            f"{'PASSED' if self.passed else 'FAILED'}: {len(self.rows) - nf}/{len(self.rows)} "
+            f"outputs within atol {self.atol:g} / rtol {self.rtol:g}"
+            + (
+                ""
+                if self.passed
+                else f"; failing: {', '.join(sorted({f'{r.graph}:{r.output}' for r in self.failures}))}"
+            )
+        )
         return "\n".join(lines)
 
 
@@ -176,8 +195,17 @@ def _fold(rows: list[Row]) -> list[Row]:
             out.append(rs[0])
             continue
         worst = max(rs, key=lambda r: r.max_abs)
-        out.append(Row(g, f, f"{name}.* (worst {worst.output})", rn, worst.max_abs,
-                       max(r.max_rel for r in rs), all(r.passed for r in rs)))
+        out.append(
+            Row(
+                g,
+                f,
+                f"{name}.* (worst {worst.output})",
+                rn,
+                worst.max_abs,
+                max(r.max_rel for r in rs),
+                all(r.passed for r in rs),
+            )
+        )
         out += [r for r in rs if not r.passed]
     return out
 
@@ -202,12 +230,24 @@ def _suffixed(path: str | os.PathLike, graph: str) -> Path:
     return p if graph == "target" else p.with_name(f"{p.stem}.{graph}{p.suffix or '.json'}")
 
 
-def compare_export(export_dir: str | os.PathLike, runners: str | Iterable[str] | None = None, *,
-                   trees: int = 1, atol: float | None = None, rtol: float | None = None, seed: int = 0,
-                   model: str | None = None, save_inputs: str | os.PathLike | None = None,
-                   save_outputs: str | os.PathLike | None = None, progress: bool = True,
-                   engine_dir: str | os.PathLike | None = None, target_module=None,
-                   draft_module=None, policies: list[str] | None = None, verify: bool = False) -> CompareReport:
+def compare_export(
+    export_dir: str | os.PathLike,
+    runners: str | Iterable[str] | None = None,
+    *,
+    trees: int = 1,
+    atol: float | None = None,
+    rtol: float | None = None,
+    seed: int = 0,
+    model: str | None = None,
+    save_inputs: str | os.PathLike | None = None,
+    save_outputs: str | os.PathLike | None = None,
+    progress: bool = True,
+    engine_dir: str | os.PathLike | None = None,
+    target_module=None,
+    draft_module=None,
+    policies: list[str] | None = None,
+    verify: bool = False,
+) -> CompareReport:
     """Compare every graph of an export folder across runners on runtime-made feeds.
 
     target_module/draft_module: PyTorch references given directly (tests, embedding apps);
@@ -275,9 +315,16 @@ def compare_export(export_dir: str | os.PathLike, runners: str | Iterable[str] |
     else:
         feed_draft = None
         report.notes.append("draft: none in this export")
-    feeds = build_feeds(feed_target, feed_draft, max_tree_nodes=int(man.limits.get("max_tree_nodes", 64)),
-                        max_context=man.limits.get("max_context"), trees=trees, seed=seed,
-                        policies=policies, kv_dtype=kv_dtype)
+    feeds = build_feeds(
+        feed_target,
+        feed_draft,
+        max_tree_nodes=int(man.limits.get("max_tree_nodes", 64)),
+        max_context=man.limits.get("max_context"),
+        trees=trees,
+        seed=seed,
+        policies=policies,
+        kv_dtype=kv_dtype,
+    )
     report.n_feeds = {g: len(f) for g, f in feeds.items()}
 
     graphs = [("target", man.target["file"], target_module, "target.engine")]
@@ -306,8 +353,13 @@ def compare_export(export_dir: str | os.PathLike, runners: str | Iterable[str] |
                 elif n == "onnxruntime" and layouts.get(graph) == "bhsd":
                     rs.append(OrtEngineRunner(man.path(fname), kv_dtype, name="onnxruntime", on_infer=tick))
                 elif n == "onnxruntime":
-                    rs.append(OrtRunner(SessionFromOnnx(str(man.path(fname)), providers=["CPUExecutionProvider"]),
-                                        name="onnxruntime", on_infer=tick))
+                    rs.append(
+                        OrtRunner(
+                            SessionFromOnnx(str(man.path(fname)), providers=["CPUExecutionProvider"]),
+                            name="onnxruntime",
+                            on_infer=tick,
+                        )
+                    )
                 else:
                     rs.append(TrtEngineRunner(edir / engine_name, kv_dtype, name="tensorrt", on_infer=tick))
             data = [f.data for f in feeds[graph]]
@@ -315,8 +367,9 @@ def compare_export(export_dir: str | os.PathLike, runners: str | Iterable[str] |
                 results = Comparator.run(rs, data_loader=data)
                 ref = 0
                 comps = [(i, ref) for i in range(len(rs)) if i != ref]
-                acc = Comparator.compare_accuracy(results, comparisons=comps,
-                                                  compare_func=SimpleCompareFunc(atol=atol, rtol=rtol))
+                acc = Comparator.compare_accuracy(
+                    results, comparisons=comps, compare_func=SimpleCompareFunc(atol=atol, rtol=rtol)
+                )
             except PolygraphyException as e:
                 msg = str(e).strip().splitlines()[0] if str(e).strip() else "Polygraphy failed"
                 raise InputError(f"{graph}: {msg}") from None
@@ -324,8 +377,17 @@ def compare_export(export_dir: str | os.PathLike, runners: str | Iterable[str] |
                 label = f"{pair[0]} vs {pair[1]}"
                 for feed, outs in zip(feeds[graph], iters):
                     for out_name, res in outs.items():
-                        report.rows.append(Row(graph, feed.name, out_name, label, float(res.max_absdiff),
-                                               float(res.max_reldiff), bool(res)))
+                        report.rows.append(
+                            Row(
+                                graph,
+                                feed.name,
+                                out_name,
+                                label,
+                                float(res.max_absdiff),
+                                float(res.max_reldiff),
+                                bool(res),
+                            )
+                        )
             # saved files replay with `polygraphy run` on the graph itself: its own I/O layout
             layout = layouts[graph]
             if save_inputs:
@@ -347,9 +409,20 @@ def compare_export(export_dir: str | os.PathLike, runners: str | Iterable[str] |
     return report
 
 
-__all__ = ["compare_export", "build_feeds", "reference_modules", "default_policies", "source_spec",
-           "parse_runners", "CompareReport", "Row", "Feed", "DEFAULT_TOLERANCES", "RUNNERS",
-           "STATIC_PATHS"]  # TorchRunner, OrtRunner, TrtEngineRunner: lazily, see __getattr__
+__all__ = [
+    "compare_export",
+    "build_feeds",
+    "reference_modules",
+    "default_policies",
+    "source_spec",
+    "parse_runners",
+    "CompareReport",
+    "Row",
+    "Feed",
+    "DEFAULT_TOLERANCES",
+    "RUNNERS",
+    "STATIC_PATHS",
+]  # TorchRunner, OrtRunner, TrtEngineRunner: lazily, see __getattr__
 
 
 def __getattr__(name):  # TorchRunner & co. import polygraphy lazily

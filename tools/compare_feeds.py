@@ -4,6 +4,7 @@ recorded as Polygraphy feed dicts.
 
 Role in one decode step: none; it replays steps 1-3 of real decoding for the comparison.
 """
+
 from __future__ import annotations
 
 import json
@@ -98,8 +99,7 @@ class _Recorder:
     def forward(self, ids, pos, mask, cache):
         if self.enabled:
             f = _feed(ids, pos, mask, cache, self.kv_dtype)
-            key = (cache.length, f[C.INPUT_IDS].tobytes(), f[C.POSITION_IDS].tobytes(),
-                   f[C.ATTENTION_MASK].tobytes())
+            key = (cache.length, f[C.INPUT_IDS].tobytes(), f[C.POSITION_IDS].tobytes(), f[C.ATTENTION_MASK].tobytes())
             if key not in self._seen:  # e.g. the same draft prefill before every policy
                 self._seen.add(key)
                 self.feeds.append(Feed(f"{self.label} T={ids.shape[1]} P={cache.length}", f))
@@ -117,9 +117,17 @@ def default_policies(max_tree_nodes: int, static_file: str | os.PathLike | None 
     return [s for s in specs if parse_tree_spec(s).max_nodes <= m]
 
 
-def build_feeds(target, draft=None, *, max_tree_nodes: int = 64, max_context: int | None = None,
-                trees: int = 1, seed: int = 0, policies: list[str] | None = None,
-                kv_dtype=np.float32) -> dict[str, list[Feed]]:
+def build_feeds(
+    target,
+    draft=None,
+    *,
+    max_tree_nodes: int = 64,
+    max_context: int | None = None,
+    trees: int = 1,
+    seed: int = 0,
+    policies: list[str] | None = None,
+    kv_dtype=np.float32,
+) -> dict[str, list[Feed]]:
     """The feeds the runtime produces, for {"target": [...], "draft": [...]}.
 
     target: an Engine; draft: an Engine (neural draft: its calls are recorded), a BigramDraft,
@@ -154,8 +162,9 @@ def build_feeds(target, draft=None, *, max_tree_nodes: int = 64, max_context: in
         biggest = max([p.max_nodes for p in pols] + [1]) + 1
         p0 = 9
         if p0 + 3 * (trees - 1) + biggest + 2 > limit:
-            raise InputError(f"the feeds need a context of {p0 + 3 * (trees - 1) + biggest + 2} "
-                             f"positions, the export allows {limit}")
+            raise InputError(
+                f"the feeds need a context of {p0 + 3 * (trees - 1) + biggest + 2} positions, the export allows {limit}"
+            )
         sp = SamplingParams()
         for i in range(trees):
             p = p0 + 3 * i
@@ -192,8 +201,9 @@ def build_feeds(target, draft=None, *, max_tree_nodes: int = 64, max_context: in
                 ids, pos, mask = verify_inputs(root, tree, p, target.device)
                 rec_t.label = f"verify {name} ({tree.n} nodes)"
                 # record only: the verify call itself need not run here
-                rec_t.feeds.append(Feed(f"{rec_t.label} T={ids.shape[1]} P={p}",
-                                        _feed(ids, pos, mask, cache, kv_dtype)))
+                rec_t.feeds.append(
+                    Feed(f"{rec_t.label} T={ids.shape[1]} P={p}", _feed(ids, pos, mask, cache, kv_dtype))
+                )
     finally:
         tmp.cleanup()
     out = {"target": rec_t.feeds}

@@ -4,6 +4,7 @@ the runtime's TrtEngine. Polygraphy is imported only when a runner is asked for.
 
 Role in one decode step: none; each runner runs one recorded call of a step.
 """
+
 from __future__ import annotations
 
 import time
@@ -59,11 +60,19 @@ def _runner_classes():
         def infer_impl(self, feed_dict):
             n = self.module.config.n_layers
             dev = next(self.module.parameters()).device
-            args = [torch.from_numpy(np.asarray(feed_dict[k])).to(dev)
-                    for k in (C.INPUT_IDS, C.POSITION_IDS, C.ATTENTION_MASK)]
+            args = [
+                torch.from_numpy(np.asarray(feed_dict[k])).to(dev)
+                for k in (C.INPUT_IDS, C.POSITION_IDS, C.ATTENTION_MASK)
+            ]
             for i in range(n):
                 for kind in ("key", "value"):
-                    args.append(torch.from_numpy(np.asarray(feed_dict[(C.past_key(i) if kind == "key" else C.past_value(i))], dtype=np.float32)).to(dev))
+                    args.append(
+                        torch.from_numpy(
+                            np.asarray(
+                                feed_dict[(C.past_key(i) if kind == "key" else C.past_value(i))], dtype=np.float32
+                            )
+                        ).to(dev)
+                    )
             t0 = time.perf_counter()
             with torch.inference_mode():
                 out = self.module(*args)
@@ -96,8 +105,14 @@ def _runner_classes():
         layout, the engine writes the new K/V there, and they come back in the contract's
         [T, B, Hkv, D] form, comparable with the PyTorch reference."""
 
-        def __init__(self, factory: Callable, kv_dtype=np.float32, name=None, on_infer: Callable | None = None,
-                     sync: bool = False):
+        def __init__(
+            self,
+            factory: Callable,
+            kv_dtype=np.float32,
+            name=None,
+            on_infer: Callable | None = None,
+            sync: bool = False,
+        ):
             super().__init__(name=name, prefix="engine-runner")
             self.factory, self.kv_dtype, self.on_infer, self.sync = factory, np.dtype(kv_dtype), on_infer, sync
 
@@ -120,8 +135,10 @@ def _runner_classes():
             spec = eng.info.cache
             cache = KVCache(spec, p + t, b, dev)
             if p:
-                past = [[torch.from_numpy(np.asarray(feed_dict[f(i)])).to(dev, spec.dtype) for i in range(spec.n_layers)]
-                        for f in (C.past_key, C.past_value)]
+                past = [
+                    [torch.from_numpy(np.asarray(feed_dict[f(i)])).to(dev, spec.dtype) for i in range(spec.n_layers)]
+                    for f in (C.past_key, C.past_value)
+                ]
                 cache.write_tail(torch.stack(past[0]), torch.stack(past[1]))
             cache.length = p
             if self.sync:

@@ -2,6 +2,7 @@
 
 Role in one decode step: none at run time; measures what steps 1 and 3 cost, for `tune`.
 """
+
 from __future__ import annotations
 
 import time

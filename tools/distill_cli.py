@@ -4,6 +4,7 @@ evaluate drafts (--eval).
 Role in one decode step: none; the command line of tools/distill_draft.py (training),
 tools/distill_eval.py (evaluation) and tools/distill_corpus.py (data).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,14 +27,20 @@ from .distill_eval import (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m arborspec.tools.distill_cli",
-                                description=distill_draft.__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=distill_draft.__doc__.split("\n\n", 2)[2])
+    p = argparse.ArgumentParser(
+        prog="python -m arborspec.tools.distill_cli",
+        description=distill_draft.__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=distill_draft.__doc__.split("\n\n", 2)[2],
+    )
     p.add_argument("--model", default="smollm2-135m", help="target (registry name or path; llama family)")
     p.add_argument("--layers", type=int, default=1, help="draft decoder layers (default 1)")
-    p.add_argument("--init", choices=["target", "random"], default="target",
-                   help="initialise the draft's layers from target layers 0..K-1 (default) or randomly")
+    p.add_argument(
+        "--init",
+        choices=["target", "random"],
+        default="target",
+        help="initialise the draft's layers from target layers 0..K-1 (default) or randomly",
+    )
     p.add_argument("--out", help="output folder (default ~/.cache/arborspec/drafts/NAME-distilled-LK)")
     p.add_argument("--prompts", help="prompts file (default tools/data/prompts.json when present)")
     p.add_argument("--n-eval", type=int, default=8, help="held-out prompts (never in the corpus)")
@@ -53,15 +60,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true")
     e = p.add_argument_group("evaluation (--eval: no training)")
     e.add_argument("--eval", action="store_true", help="compare drafts' mean accepted length on held-out prompts")
-    e.add_argument("--drafts", default="bigram,layers:2,layers:4",
-                   help="comma-separated drafts for --eval (layers:K, bigram, or model folders)")
-    e.add_argument("--trees", default="full:3,2;chain:4",
-                   help="semicolon-separated tree specs for --eval (default 'full:3,2;chain:4'; "
-                        "'vanilla' = no draft, static:FILE.json for a tuned tree)")
+    e.add_argument(
+        "--drafts",
+        default="bigram,layers:2,layers:4",
+        help="comma-separated drafts for --eval (layers:K, bigram, or model folders)",
+    )
+    e.add_argument(
+        "--trees",
+        default="full:3,2;chain:4",
+        help="semicolon-separated tree specs for --eval (default 'full:3,2;chain:4'; "
+        "'vanilla' = no draft, static:FILE.json for a tuned tree)",
+    )
     e.add_argument("--max-new-tokens", type=int, default=64)
-    e.add_argument("--simulate", action="store_true",
-                   help="count greedy steps from teacher-forced draft ranks (fast, exact for chain/full/static "
-                        "trees) instead of running the decode loop; no tok/s")
+    e.add_argument(
+        "--simulate",
+        action="store_true",
+        help="count greedy steps from teacher-forced draft ranks (fast, exact for chain/full/static "
+        "trees) instead of running the decode loop; no tok/s",
+    )
     e.add_argument("--json-out", help="write the --eval rows as JSON here")
     return p
 
@@ -77,8 +93,10 @@ def main(argv: list[str] | None = None) -> int:
             tok = load_model(args.model).tokenizer
             prompts = eval_prompt_ids(tok, args.prompts, args.n_eval)
             if not prompts:
-                raise InputError("no held-out prompts to evaluate on (the model has no tokenizer and the "
-                                 "prompts file has no 'ids' entries)")
+                raise InputError(
+                    "no held-out prompts to evaluate on (the model has no tokenizer and the "
+                    "prompts file has no 'ids' entries)"
+                )
             drafts = [os.path.expanduser(d.strip()) for d in args.drafts.split(",") if d.strip()]
             trees = [t.strip() for t in args.trees.split(";") if t.strip()]
             run = simulate_drafts if args.simulate else evaluate_drafts

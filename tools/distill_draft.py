@@ -19,6 +19,7 @@ the target's tokenizer files), so `arborspec.models.registry.load_model(folder)`
 `arborspec export --draft FOLDER` exports it like any other draft. Reproducible: fixed seeds,
 CPU, deterministic data order.
 """
+
 from __future__ import annotations
 
 import json
@@ -81,15 +82,26 @@ def trainable_parameters(draft):
 
 def hf_config(cfg, extra: dict | None = None) -> dict:
     d = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.intermediate_size, "max_position_embeddings": cfg.max_position,
-        "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
-        "tie_word_embeddings": bool(cfg.tie_embeddings), "attention_bias": bool(cfg.attention_bias),
-        "mlp_bias": bool(cfg.mlp_bias), "bos_token_id": cfg.bos_token_id,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "max_position_embeddings": cfg.max_position,
+        "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.norm_eps,
+        "hidden_act": "silu",
+        "tie_word_embeddings": bool(cfg.tie_embeddings),
+        "attention_bias": bool(cfg.attention_bias),
+        "mlp_bias": bool(cfg.mlp_bias),
+        "bos_token_id": cfg.bos_token_id,
         "eos_token_id": (cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids)) or None,
-        "torch_dtype": "float32", "_name_or_path": cfg.name,
+        "torch_dtype": "float32",
+        "_name_or_path": cfg.name,
     }
     if extra:
         d["arborspec"] = extra
@@ -123,8 +135,14 @@ def save_hf_folder(module, out: str | Path, tok=None, extra: dict | None = None)
     return out
 
 
-def distill_loss(logits: torch.Tensor, t_idx: torch.Tensor, t_lp: torch.Tensor, targets: torch.Tensor,
-                 mask: torch.Tensor, ce_weight: float) -> tuple[torch.Tensor, dict]:
+def distill_loss(
+    logits: torch.Tensor,
+    t_idx: torch.Tensor,
+    t_lp: torch.Tensor,
+    targets: torch.Tensor,
+    mask: torch.Tensor,
+    ce_weight: float,
+) -> tuple[torch.Tensor, dict]:
     """KL(target || draft) over the target's top-k (true probabilities, not renormalised)
     + ce_weight * CE on the next tokens; means over real positions."""
     logq = torch.log_softmax(logits.float(), -1)
@@ -187,32 +205,50 @@ def distill(opts: DistillOptions) -> dict:
     progress = not opts.quiet
 
     # corpus: cached by target, prompts, and generation settings
-    key = corpus_key(loaded.source, opts.model, train_entries, corpus_tokens=opts.corpus_tokens,
-                     gen_len=opts.gen_len, seed=opts.seed, temperature=opts.temperature)
+    key = corpus_key(
+        loaded.source,
+        opts.model,
+        train_entries,
+        corpus_tokens=opts.corpus_tokens,
+        gen_len=opts.gen_len,
+        seed=opts.seed,
+        temperature=opts.temperature,
+    )
     corpus_file = Path(opts.corpus) if opts.corpus else cache_root() / "distill" / f"corpus-{key}.json"
     if corpus_file.is_file():
         seqs = json.loads(corpus_file.read_text())["sequences"]
         _log(opts, f"corpus: {sum(map(len, seqs))} tokens in {len(seqs)} sequences (cached {corpus_file})")
     else:
-        seqs = generate_corpus(target, tok, train_entries, opts.corpus_tokens, opts.gen_len, opts.seed,
-                               opts.temperature, progress=progress)
+        seqs = generate_corpus(
+            target, tok, train_entries, opts.corpus_tokens, opts.gen_len, opts.seed, opts.temperature, progress=progress
+        )
         corpus_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = corpus_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"model": opts.model, "sequences": seqs}))
         os.replace(tmp, corpus_file)
-        _log(opts, f"corpus: generated {sum(map(len, seqs))} tokens in {len(seqs)} sequences "
-                   f"({time.perf_counter() - t0:.0f} s) -> {corpus_file}")
+        _log(
+            opts,
+            f"corpus: generated {sum(map(len, seqs))} tokens in {len(seqs)} sequences "
+            f"({time.perf_counter() - t0:.0f} s) -> {corpus_file}",
+        )
     ids, lmask = windows(seqs, opts.seq_len)
     t_idx, t_lp = teacher_topk(target, ids, opts.topk, batch=opts.batch, progress=progress)
-    _log(opts, f"teacher top-{opts.topk} log-probs for {ids.shape[0]} windows x {opts.seq_len} "
-               f"({time.perf_counter() - t0:.0f} s so far)")
+    _log(
+        opts,
+        f"teacher top-{opts.topk} log-probs for {ids.shape[0]} windows x {opts.seq_len} "
+        f"({time.perf_counter() - t0:.0f} s so far)",
+    )
 
     draft = make_draft(target, opts.layers, opts.init, opts.seed)
     params = trainable_parameters(draft)
     opt = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0, betas=(0.9, 0.98))
     warm = max(1, min(20, opts.steps // 10))
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, opts.steps))))))
+        opt,
+        lambda s: (
+            min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, opts.steps)))))
+        ),
+    )
     g = torch.Generator().manual_seed(opts.seed)
     n = ids.shape[0]
     order = torch.randperm(n, generator=g)
@@ -245,15 +281,25 @@ def distill(opts: DistillOptions) -> dict:
             _log(opts, f"time budget of {opts.time_budget_min} min reached after {steps_done} steps")
             break
     draft.eval()
-    last = hist[-min(20, len(hist)):] if hist else [{}]
+    last = hist[-min(20, len(hist)) :] if hist else [{}]
     summary = {
-        "target": opts.model, "target_sha256": loaded.source.get("sha256"), "layers": opts.layers,
-        "init": opts.init, "steps": steps_done, "seq_len": opts.seq_len, "batch": opts.batch,
-        "lr": opts.lr, "topk": opts.topk, "ce_weight": opts.ce_weight, "seed": opts.seed,
-        "corpus_tokens": sum(map(len, seqs)), "windows": int(n),
+        "target": opts.model,
+        "target_sha256": loaded.source.get("sha256"),
+        "layers": opts.layers,
+        "init": opts.init,
+        "steps": steps_done,
+        "seq_len": opts.seq_len,
+        "batch": opts.batch,
+        "lr": opts.lr,
+        "topk": opts.topk,
+        "ce_weight": opts.ce_weight,
+        "seed": opts.seed,
+        "corpus_tokens": sum(map(len, seqs)),
+        "windows": int(n),
         "final_kl": sum(h.get("kl", 0) for h in last) / len(last),
         "final_top1": sum(h.get("top1", 0) for h in last) / len(last),
-        "first_kl": hist[0]["kl"] if hist else None, "first_top1": hist[0]["top1"] if hist else None,
+        "first_kl": hist[0]["kl"] if hist else None,
+        "first_top1": hist[0]["top1"] if hist else None,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     out = Path(opts.out).expanduser() if opts.out else default_out(opts.model, opts.layers)

@@ -3,6 +3,7 @@ real decoding or by exact simulation, and its table.
 
 Role in one decode step: none; measures what steps 1 and 4 achieve with a draft.
 """
+
 from __future__ import annotations
 
 import sys
@@ -11,8 +12,14 @@ from .prompts import encode_entry, load_prompt_entries, split_prompts
 
 
 # ----------------------------------------------------------------------------- evaluation
-def evaluate_drafts(model: str, drafts: list[str], prompts: list[list[int]], trees=("full:3,2", "chain:4"),
-                    max_new_tokens: int = 64, progress: bool = True) -> list[dict]:
+def evaluate_drafts(
+    model: str,
+    drafts: list[str],
+    prompts: list[list[int]],
+    trees=("full:3,2", "chain:4"),
+    max_new_tokens: int = 64,
+    progress: bool = True,
+) -> list[dict]:
     """Greedy speculative decoding (torch backend) of each prompt with each draft and tree:
     mean accepted tokens per target call (the target's bonus token included) and tok/s."""
     from arborspec.runtime.decode import SpeculativeDecoder
@@ -28,8 +35,12 @@ def evaluate_drafts(model: str, drafts: list[str], prompts: list[list[int]], tre
         eos = list(om.tokenizer.meta.get("eos_token_ids") or []) if om.tokenizer is not None else []
         for tree in trees:
             mode = "vanilla" if tree == "vanilla" else "chain" if tree.startswith("chain:") else "tree"
-            dec = SpeculativeDecoder(om.target, om.draft if mode != "vanilla" else None, mode=mode,
-                                     tree=tree if mode != "vanilla" else "chain:1")
+            dec = SpeculativeDecoder(
+                om.target,
+                om.draft if mode != "vanilla" else None,
+                mode=mode,
+                tree=tree if mode != "vanilla" else "chain:1",
+            )
             toks = steps = 0
             dec_s = draft_s = 0.0
             for p in prompts:
@@ -38,19 +49,34 @@ def evaluate_drafts(model: str, drafts: list[str], prompts: list[list[int]], tre
                 steps += r.stats.steps
                 dec_s += r.stats.decode_s
                 draft_s += r.stats.draft_s
-            row = {"draft": spec, "tree": tree, "mean_accepted": toks / max(1, steps),
-                   "tokens_per_s": toks / dec_s if dec_s else 0.0, "draft_share": draft_s / dec_s if dec_s else 0.0,
-                   "tokens": toks, "steps": steps}
+            row = {
+                "draft": spec,
+                "tree": tree,
+                "mean_accepted": toks / max(1, steps),
+                "tokens_per_s": toks / dec_s if dec_s else 0.0,
+                "draft_share": draft_s / dec_s if dec_s else 0.0,
+                "tokens": toks,
+                "steps": steps,
+            }
             rows.append(row)
             if progress:
-                print(f"[eval] {spec:>40s} {tree:10s} mean accepted {row['mean_accepted']:.2f} "
-                      f"{row['tokens_per_s']:.1f} tok/s (draft {100 * row['draft_share']:.0f}% of time)",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[eval] {spec:>40s} {tree:10s} mean accepted {row['mean_accepted']:.2f} "
+                    f"{row['tokens_per_s']:.1f} tok/s (draft {100 * row['draft_share']:.0f}% of time)",
+                    file=sys.stderr,
+                    flush=True,
+                )
     return rows
 
 
-def simulate_drafts(model: str, drafts: list[str], prompts: list[list[int]], trees=("full:3,2", "chain:4"),
-                    max_new_tokens: int = 64, progress: bool = True) -> list[dict]:
+def simulate_drafts(
+    model: str,
+    drafts: list[str],
+    prompts: list[list[int]],
+    trees=("full:3,2", "chain:4"),
+    max_new_tokens: int = 64,
+    progress: bool = True,
+) -> list[dict]:
     """Mean accepted tokens per verify step of greedy decoding, without running the tree
     loop: the target's greedy text once per prompt (vanilla runtime decoding), then each
     draft teacher-forced over it once; `tune.simulate_greedy_steps` counts the steps each
@@ -78,12 +104,22 @@ def simulate_drafts(model: str, drafts: list[str], prompts: list[list[int]], tre
         for t, paths in tree_paths.items():
             steps = sum(simulate_greedy_steps(rk, a, len(s), paths) for rk, (a, s) in zip(ranks, seqs))
             toks = sum(len(s) - a for a, s in seqs)
-            row = {"draft": spec, "tree": t, "mean_accepted": toks / max(1, steps), "tokens": toks,
-                   "steps": steps, "tokens_per_s": float("nan"), "simulated": True}
+            row = {
+                "draft": spec,
+                "tree": t,
+                "mean_accepted": toks / max(1, steps),
+                "tokens": toks,
+                "steps": steps,
+                "tokens_per_s": float("nan"),
+                "simulated": True,
+            }
             rows.append(row)
             if progress:
-                print(f"[eval/sim] {spec:>40s} {t:10s} mean accepted {row['mean_accepted']:.2f}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[eval/sim] {spec:>40s} {t:10s} mean accepted {row['mean_accepted']:.2f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     return rows
 
 

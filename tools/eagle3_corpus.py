@@ -15,6 +15,7 @@ built into a temp folder and renamed, so a killed build leaves nothing half-writ
     vocab.npy      int64 [Vd]        draft id -> target id (most frequent first)
     corpus.json    sizes, sources, timings
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -35,35 +36,91 @@ from arborspec.runtime.errors import InputError
 # Kept apart from the packaged benchmark prompts (tools/data/prompts.json): none of these
 # templates or topics is used there.
 TOPICS = [
-    "photosynthesis", "the water cycle", "volcanoes", "black holes", "the French Revolution",
-    "compound interest", "machine learning", "the immune system", "plate tectonics", "jazz music",
-    "the printing press", "climate change", "honey bees", "the Roman Empire", "electric cars",
-    "sleep", "the internet", "coffee", "chess openings", "recycling", "the moon landing",
-    "vaccines", "earthquakes", "the stock market", "renewable energy", "ancient Egypt",
-    "coral reefs", "public libraries", "bicycles", "the human heart", "rainforests", "glaciers",
-    "solar panels", "democracy", "the Olympic Games", "origami", "volunteering", "gardening",
-    "time management", "learning a new language", "bread baking", "marathon training",
+    "photosynthesis",
+    "the water cycle",
+    "volcanoes",
+    "black holes",
+    "the French Revolution",
+    "compound interest",
+    "machine learning",
+    "the immune system",
+    "plate tectonics",
+    "jazz music",
+    "the printing press",
+    "climate change",
+    "honey bees",
+    "the Roman Empire",
+    "electric cars",
+    "sleep",
+    "the internet",
+    "coffee",
+    "chess openings",
+    "recycling",
+    "the moon landing",
+    "vaccines",
+    "earthquakes",
+    "the stock market",
+    "renewable energy",
+    "ancient Egypt",
+    "coral reefs",
+    "public libraries",
+    "bicycles",
+    "the human heart",
+    "rainforests",
+    "glaciers",
+    "solar panels",
+    "democracy",
+    "the Olympic Games",
+    "origami",
+    "volunteering",
+    "gardening",
+    "time management",
+    "learning a new language",
+    "bread baking",
+    "marathon training",
 ]
 CODE_TASKS = [
-    "reverses a string", "checks whether a number is prime", "merges two sorted lists",
-    "counts the words in a text", "computes the factorial of n", "finds the largest element of a list",
-    "removes duplicates from a list while keeping order", "converts Celsius to Fahrenheit",
-    "reads a CSV file and prints the average of a column", "implements binary search",
-    "checks whether a string is a palindrome", "returns the n-th Fibonacci number",
-    "flattens a nested list", "counts the vowels in a string", "sorts a dictionary by value",
-    "validates an email address with a regular expression", "computes the GCD of two integers",
-    "transposes a matrix", "generates all permutations of a list", "parses a date string",
+    "reverses a string",
+    "checks whether a number is prime",
+    "merges two sorted lists",
+    "counts the words in a text",
+    "computes the factorial of n",
+    "finds the largest element of a list",
+    "removes duplicates from a list while keeping order",
+    "converts Celsius to Fahrenheit",
+    "reads a CSV file and prints the average of a column",
+    "implements binary search",
+    "checks whether a string is a palindrome",
+    "returns the n-th Fibonacci number",
+    "flattens a nested list",
+    "counts the vowels in a string",
+    "sorts a dictionary by value",
+    "validates an email address with a regular expression",
+    "computes the GCD of two integers",
+    "transposes a matrix",
+    "generates all permutations of a list",
+    "parses a date string",
 ]
 LANGS = ["Python", "JavaScript", "C", "Rust", "Go", "a shell script"]
 CHAT_TEMPLATES = [
-    "Explain {t} to a ten-year-old.", "Write a short paragraph about {t}.", "What are three interesting facts about {t}?",
-    "Give me a list of five tips related to {t}.", "Write a haiku about {t}.", "What is the history of {t}?",
-    "Describe the advantages and disadvantages of {t}.", "Write a short story that involves {t}.",
-    "How would you teach {t} to a beginner?", "Write an email to a friend about {t}.",
-    "Summarize what you know about {t} in two sentences.", "Write a blog post introduction about {t}.",
+    "Explain {t} to a ten-year-old.",
+    "Write a short paragraph about {t}.",
+    "What are three interesting facts about {t}?",
+    "Give me a list of five tips related to {t}.",
+    "Write a haiku about {t}.",
+    "What is the history of {t}?",
+    "Describe the advantages and disadvantages of {t}.",
+    "Write a short story that involves {t}.",
+    "How would you teach {t} to a beginner?",
+    "Write an email to a friend about {t}.",
+    "Summarize what you know about {t} in two sentences.",
+    "Write a blog post introduction about {t}.",
 ]
-CODE_TEMPLATES = ["Write a {lang} function that {task}.", "Show me how to write code in {lang} that {task}, with comments.",
-                  "Explain step by step how a program that {task} works, then write it in {lang}."]
+CODE_TEMPLATES = [
+    "Write a {lang} function that {task}.",
+    "Show me how to write code in {lang} that {task}, with comments.",
+    "Explain step by step how a program that {task} works, then write it in {lang}.",
+]
 
 
 def prompt_mix(n: int, seed: int) -> list[str]:
@@ -92,8 +149,9 @@ def machine_text_files() -> list[Path]:
 
 # ------------------------------------------------------------------------ generation
 @torch.inference_mode()
-def generate_batch(module, prompts: list[list[int]], max_new: int, eos: set[int], temperature: float,
-                   seed: int) -> list[list[int]]:
+def generate_batch(
+    module, prompts: list[list[int]], max_new: int, eos: set[int], temperature: float, seed: int
+) -> list[list[int]]:
     """The target's continuations of several prompts at once (contract forward, left-padded:
     pads get masked columns). temperature 0: greedy. Returns the new tokens per prompt (up to and
     including EOS)."""
@@ -104,16 +162,16 @@ def generate_batch(module, prompts: list[list[int]], max_new: int, eos: set[int]
     valid = torch.zeros(b, lmax, dtype=torch.bool)
     pos = torch.zeros(b, lmax, dtype=torch.long)
     for r, p in enumerate(prompts):
-        ids[r, lmax - len(p):] = torch.tensor(p)
-        valid[r, lmax - len(p):] = True
-        pos[r, lmax - len(p):] = torch.arange(len(p))
+        ids[r, lmax - len(p) :] = torch.tensor(p)
+        valid[r, lmax - len(p) :] = True
+        pos[r, lmax - len(p) :] = torch.arange(len(p))
     empty = torch.zeros(0, b, cfg.n_kv_heads, cfg.head_dim)
     past = [empty] * (2 * cfg.n_layers)
     mask = torch.ones(lmax, lmax, dtype=torch.bool).tril()[None] & valid[:, None, :]
     mask |= torch.eye(lmax, dtype=torch.bool)[None]  # pad rows see themselves (no NaN)
     g = torch.Generator().manual_seed(seed)
     out = module(ids, pos, mask, *past)
-    logits, new = out[0][:, -1], out[1:1 + 2 * cfg.n_layers]
+    logits, new = out[0][:, -1], out[1 : 1 + 2 * cfg.n_layers]
     past = list(new)
     lengths = torch.tensor([len(p) for p in prompts])
     done = torch.zeros(b, dtype=torch.bool)
@@ -135,7 +193,7 @@ def generate_batch(module, prompts: list[list[int]], max_new: int, eos: set[int]
         p_ids = (lengths + step)[:, None]
         out = module(nxt[:, None], p_ids, m, *past)
         logits = out[0][:, -1]
-        past = [torch.cat([a, n]) for a, n in zip(past, out[1:1 + 2 * cfg.n_layers])]
+        past = [torch.cat([a, n]) for a, n in zip(past, out[1 : 1 + 2 * cfg.n_layers])]
     return gen
 
 
@@ -145,8 +203,9 @@ def corpus_key(target_id: str, settings: dict) -> str:
     return h.hexdigest()[:20]
 
 
-def build_token_stream(module, tok, *, generated_tokens: int, total_tokens: int, gen_len: int, batch: int,
-                       seed: int, progress: bool) -> tuple[list[int], dict]:
+def build_token_stream(
+    module, tok, *, generated_tokens: int, total_tokens: int, gen_len: int, batch: int, seed: int, progress: bool
+) -> tuple[list[int], dict]:
     """Documents as one token stream (EOS between them): generated responses first (chat
     template, half greedy, half sampled at T = 0.7), then machine text up to total_tokens."""
     from tqdm import tqdm
@@ -160,9 +219,13 @@ def build_token_stream(module, tok, *, generated_tokens: int, total_tokens: int,
     bar = tqdm(total=generated_tokens, desc="corpus: target responses", unit="tok", disable=not progress)
     i = 0
     while stats["generated_tokens"] < generated_tokens and i < len(prompts):
-        chunk = prompts[i:i + batch]
-        ids = [tok.encode(tok.apply_chat([{"role": "user", "content": p}]), add_bos=False) if tok.meta.get("chat_template")
-               else tok.encode(p) for p in chunk]
+        chunk = prompts[i : i + batch]
+        ids = [
+            tok.encode(tok.apply_chat([{"role": "user", "content": p}]), add_bos=False)
+            if tok.meta.get("chat_template")
+            else tok.encode(p)
+            for p in chunk
+        ]
         temp = 0.0 if (i // batch) % 2 == 0 else 0.7
         outs = generate_batch(module, ids, gen_len, set(eos_ids), temp, seed + i)
         for p_ids, o in zip(ids, outs):
@@ -195,8 +258,9 @@ def draft_vocabulary(stream: np.ndarray, vocab_size: int, draft_vocab: int, alwa
     return order[:draft_vocab].astype(np.int64)
 
 
-def build_features(graph_path: Path, windows: np.ndarray, vocab: np.ndarray, out: Path, topk: int,
-                   progress: bool) -> dict:
+def build_features(
+    graph_path: Path, windows: np.ndarray, vocab: np.ndarray, out: Path, topk: int, progress: bool
+) -> dict:
     """Run every window through the target's ONNX Runtime graph (with the `hidden_states`
     output); write features, the target's top-K over the draft vocabulary and its greedy token."""
     from tqdm import tqdm
@@ -220,7 +284,7 @@ def build_features(graph_path: Path, windows: np.ndarray, vocab: np.ndarray, out
     t0 = time.perf_counter()
     for i in tqdm(range(n), desc="corpus: target features", unit="window", disable=not progress):
         cache.reset()
-        logits, fe = eng.forward_features(torch.from_numpy(windows[i:i + 1].astype(np.int64)), pos, mask, cache)
+        logits, fe = eng.forward_features(torch.from_numpy(windows[i : i + 1].astype(np.int64)), pos, mask, cache)
         lp = torch.log_softmax(logits[0], -1)
         top1[i] = lp.argmax(-1).numpy()
         v, ix = torch.topk(lp[:, vocab_t], topk, dim=-1)
@@ -233,17 +297,38 @@ def build_features(graph_path: Path, windows: np.ndarray, vocab: np.ndarray, out
     return {"features_s": round(time.perf_counter() - t0, 1), "feature_size": f}
 
 
-def build_corpus(loaded, aux_layers: list[int], *, root: Path, total_tokens: int, generated_tokens: int,
-                 gen_len: int, batch: int, window: int, draft_vocab: int, topk: int, seed: int,
-                 progress: bool = True) -> Path:
+def build_corpus(
+    loaded,
+    aux_layers: list[int],
+    *,
+    root: Path,
+    total_tokens: int,
+    generated_tokens: int,
+    gen_len: int,
+    batch: int,
+    window: int,
+    draft_vocab: int,
+    topk: int,
+    seed: int,
+    progress: bool = True,
+) -> Path:
     """Build (or find in the cache) the corpus folder for this target and these settings."""
     module, tok, cfg = loaded.module, loaded.tokenizer, loaded.config
     if tok is None:
         raise InputError("train-draft needs the target's tokenizer (to build the prompt mix and read text)")
     if draft_vocab > cfg.vocab_size:
         raise InputError(f"--draft-vocab {draft_vocab} exceeds the target's vocabulary ({cfg.vocab_size})")
-    settings = {"total": total_tokens, "generated": generated_tokens, "gen_len": gen_len, "window": window,
-                "draft_vocab": draft_vocab, "topk": topk, "seed": seed, "aux": aux_layers, "v": 1}
+    settings = {
+        "total": total_tokens,
+        "generated": generated_tokens,
+        "gen_len": gen_len,
+        "window": window,
+        "draft_vocab": draft_vocab,
+        "topk": topk,
+        "seed": seed,
+        "aux": aux_layers,
+        "v": 1,
+    }
     src = getattr(loaded, "source", {}) or {}
     target_id = str(src.get("sha256") or (src.get("checksums") or {}) or cfg.to_json())
     key = corpus_key(target_id, settings)
@@ -256,8 +341,16 @@ def build_corpus(loaded, aux_layers: list[int], *, root: Path, total_tokens: int
     tmp.mkdir()
     try:
         module.eval()
-        stream, stats = build_token_stream(module, tok, generated_tokens=generated_tokens, total_tokens=total_tokens,
-                                           gen_len=gen_len, batch=batch, seed=seed, progress=progress)
+        stream, stats = build_token_stream(
+            module,
+            tok,
+            generated_tokens=generated_tokens,
+            total_tokens=total_tokens,
+            gen_len=gen_len,
+            batch=batch,
+            seed=seed,
+            progress=progress,
+        )
         arr = np.asarray(stream, dtype=np.int64)
         eos = list(tok.meta.get("eos_token_ids") or [])
         vocab = draft_vocabulary(arr, cfg.vocab_size, draft_vocab, eos)
@@ -275,8 +368,15 @@ def build_corpus(loaded, aux_layers: list[int], *, root: Path, total_tokens: int
         stats.update(build_features(g, windows, vocab, tmp, topk, progress))
         g.unlink()
         covered = np.isin(arr, vocab).mean()
-        stats.update({"windows": int(n), "window": window, "draft_vocab": draft_vocab,
-                      "corpus_coverage_of_draft_vocab": round(float(covered), 4), "settings": settings})
+        stats.update(
+            {
+                "windows": int(n),
+                "window": window,
+                "draft_vocab": draft_vocab,
+                "corpus_coverage_of_draft_vocab": round(float(covered), 4),
+                "settings": settings,
+            }
+        )
         (tmp / "corpus.json").write_text(json.dumps(stats, indent=1))
         if out.exists():
             shutil.rmtree(out)

@@ -12,6 +12,7 @@ entry j of steps 1..k (its ancestors and itself): a chain of depth k in a tree. 
 target's next-token distribution at row j+1+k (top-K over the draft vocabulary, normalised
 over the full vocabulary), step weights 0.8^k.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,11 +31,20 @@ def init_head(cfg_t, target_module, aux_layers: list[int], vocab: np.ndarray, se
     """A head for the target: layer shapes of one target layer, the draft vocabulary's rows of
     the target's LM head and its final norm as the starting point of lm_head/norm."""
     torch.manual_seed(seed)
-    c = Eagle3Config(hidden_size=cfg_t.hidden_size, intermediate_size=cfg_t.intermediate_size, n_heads=cfg_t.n_heads,
-                     n_kv_heads=cfg_t.n_kv_heads, head_dim=cfg_t.head_dim, vocab_size=cfg_t.vocab_size,
-                     draft_vocab_size=len(vocab), target_hidden_size=cfg_t.hidden_size, aux_layers=list(aux_layers),
-                     rms_eps=float(cfg_t.norm_eps), rope_theta=float(cfg_t.rope_theta),
-                     max_position=int(cfg_t.max_position))
+    c = Eagle3Config(
+        hidden_size=cfg_t.hidden_size,
+        intermediate_size=cfg_t.intermediate_size,
+        n_heads=cfg_t.n_heads,
+        n_kv_heads=cfg_t.n_kv_heads,
+        head_dim=cfg_t.head_dim,
+        vocab_size=cfg_t.vocab_size,
+        draft_vocab_size=len(vocab),
+        target_hidden_size=cfg_t.hidden_size,
+        aux_layers=list(aux_layers),
+        rms_eps=float(cfg_t.norm_eps),
+        rope_theta=float(cfg_t.rope_theta),
+        max_position=int(cfg_t.max_position),
+    )
     head = Eagle3Head(c)
     for name, p in head.named_parameters():
         if p.dim() == 2:
@@ -61,7 +71,7 @@ def ttt_forward(head: Eagle3Head, embed: torch.Tensor, tokens: torch.Tensor, fea
     causal = torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril()
     keys, values, outs = [], [], []
     for k in range(steps):
-        emb = embed[tokens[:, 1 + k:1 + k + n]]
+        emb = embed[tokens[:, 1 + k : 1 + k + n]]
         x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)
         q = attn.q_proj(x).view(b, n, nh, hd).transpose(1, 2)
         kk = attn.k_proj(x).view(b, n, nkv, hd).transpose(1, 2)
@@ -71,14 +81,14 @@ def ttt_forward(head: Eagle3Head, embed: torch.Tensor, tokens: torch.Tensor, fea
         kr, vr = repeat_kv(kk, rep), repeat_kv(vv, rep)
         keys.append(kr)
         values.append(vr)
-        scale = hd ** -0.5
+        scale = hd**-0.5
         s0 = (q @ keys[0].transpose(-1, -2)) * scale
         s0 = s0.masked_fill(~causal, float("-inf"))
         diag = [((q * keys[i]).sum(-1, keepdim=True) * scale) for i in range(1, k + 1)]
         probs = torch.softmax(torch.cat([s0] + diag, -1), -1)
         y = probs[..., :n] @ values[0]
         for i in range(1, k + 1):
-            y = y + probs[..., n + i - 1:n + i] * values[i]
+            y = y + probs[..., n + i - 1 : n + i] * values[i]
         a = attn.o_proj(y.transpose(1, 2).reshape(b, n, nh * hd))
         h = hidden + a
         out = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -93,19 +103,34 @@ def step_losses(outs, top_ids, top_lp, top1, vocab_t, steps: int):
     losses, accs = [], []
     n = outs[0].shape[1]
     for k, logits in enumerate(outs):
-        ids = top_ids[:, 1 + k:1 + k + n].long()
-        p = top_lp[:, 1 + k:1 + k + n].float().exp() * (ids >= 0)
+        ids = top_ids[:, 1 + k : 1 + k + n].long()
+        p = top_lp[:, 1 + k : 1 + k + n].float().exp() * (ids >= 0)
         logq = torch.log_softmax(logits, -1)
         lq = torch.gather(logq, -1, ids.clamp(min=0))
         losses.append(-(p * lq).sum(-1).mean())
         pred = vocab_t[logits.argmax(-1)]
-        accs.append((pred == top1[:, 1 + k:1 + k + n].long()).float().mean())
+        accs.append((pred == top1[:, 1 + k : 1 + k + n].long()).float().mean())
     return losses, accs
 
 
-def train(head: Eagle3Head, embed: torch.Tensor, corpus: Path, out: Path, *, steps: int = 4, batch: int = 4,
-          lr: float = 5e-4, minutes: float = 60.0, epochs: float = 2.0, seed: int = 0, holdout: float = 0.02,
-          resume: bool = True, progress: bool = True, log_every: int = 20, save_every_s: float = 120.0) -> dict:
+def train(
+    head: Eagle3Head,
+    embed: torch.Tensor,
+    corpus: Path,
+    out: Path,
+    *,
+    steps: int = 4,
+    batch: int = 4,
+    lr: float = 5e-4,
+    minutes: float = 60.0,
+    epochs: float = 2.0,
+    seed: int = 0,
+    holdout: float = 0.02,
+    resume: bool = True,
+    progress: bool = True,
+    log_every: int = 20,
+    save_every_s: float = 120.0,
+) -> dict:
     """Train in place; checkpoints `out/train_state.pt` (resumable); returns the report."""
     from tqdm import tqdm
 
@@ -139,18 +164,23 @@ def train(head: Eagle3Head, embed: torch.Tensor, corpus: Path, out: Path, *, ste
         start, curve, spent = st["step"], st["curve"], st["spent_s"]
     rng = np.random.default_rng(seed)
     order = np.concatenate([rng.permutation(train_idx) for _ in range(int(math.ceil(epochs)) + 1)])
-    weights = [0.8 ** k for k in range(steps)]
+    weights = [0.8**k for k in range(steps)]
 
     def batch_at(idx):
         idx = np.sort(idx)
-        return (torch.from_numpy(tokens[idx].astype(np.int64)), torch.from_numpy(feats[idx].astype(np.float32)),
-                torch.from_numpy(top_ids[idx]), torch.from_numpy(top_lp[idx].astype(np.float32)),
-                torch.from_numpy(top1[idx]))
+        return (
+            torch.from_numpy(tokens[idx].astype(np.int64)),
+            torch.from_numpy(feats[idx].astype(np.float32)),
+            torch.from_numpy(top_ids[idx]),
+            torch.from_numpy(top_lp[idx].astype(np.float32)),
+            torch.from_numpy(top1[idx]),
+        )
 
     def save_state(i):
         tmp = state_file.with_name(f".{state_file.name}.{os.getpid()}")
-        torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": i, "curve": curve,
-                    "spent_s": spent}, tmp)
+        torch.save(
+            {"head": head.state_dict(), "opt": opt.state_dict(), "step": i, "curve": curve, "spent_s": spent}, tmp
+        )
         os.replace(tmp, state_file)
 
     head.train()
@@ -164,7 +194,7 @@ def train(head: Eagle3Head, embed: torch.Tensor, corpus: Path, out: Path, *, ste
         if (time.perf_counter() - t_start) / 60 >= minutes:
             stop_reason = f"time budget ({minutes:g} min)"
             break
-        tk, fe, ti, tl, t1 = batch_at(order[i * batch:(i + 1) * batch])
+        tk, fe, ti, tl, t1 = batch_at(order[i * batch : (i + 1) * batch])
         for g in opt.param_groups:
             g["lr"] = lr_at(i)
         outs = ttt_forward(head, embed, tk, fe, steps)
@@ -179,8 +209,14 @@ def train(head: Eagle3Head, embed: torch.Tensor, corpus: Path, out: Path, *, ste
         run_acc.append([float(a.detach()) for a in accs])
         if i % log_every == 0 or i == total:
             spent = time.perf_counter() - t_start
-            curve.append({"batch": i, "minutes": round(spent / 60, 2), "loss": round(float(np.mean(run_loss)), 4),
-                          "acc_per_step": [round(float(x), 4) for x in np.mean(run_acc, 0)]})
+            curve.append(
+                {
+                    "batch": i,
+                    "minutes": round(spent / 60, 2),
+                    "loss": round(float(np.mean(run_loss)), 4),
+                    "acc_per_step": [round(float(x), 4) for x in np.mean(run_acc, 0)],
+                }
+            )
             bar.set_postfix(loss=curve[-1]["loss"], acc0=curve[-1]["acc_per_step"][0])
             run_loss, run_acc = [], []
         bar.update(1)
@@ -193,9 +229,20 @@ def train(head: Eagle3Head, embed: torch.Tensor, corpus: Path, out: Path, *, ste
     save_state(i)
     head.eval()
     hold = evaluate(head, embed, batch_at, hold_idx, vocab_t, steps, batch)
-    report = {"batches": i, "batches_planned": total, "stopped": stop_reason, "minutes": round(spent / 60, 2),
-              "train_windows": int(len(train_idx)), "heldout_windows": int(len(hold_idx)), "ttt_steps": steps,
-              "batch_windows": batch, "lr": lr, "seed": seed, "curve": curve, "heldout": hold}
+    report = {
+        "batches": i,
+        "batches_planned": total,
+        "stopped": stop_reason,
+        "minutes": round(spent / 60, 2),
+        "train_windows": int(len(train_idx)),
+        "heldout_windows": int(len(hold_idx)),
+        "ttt_steps": steps,
+        "batch_windows": batch,
+        "lr": lr,
+        "seed": seed,
+        "curve": curve,
+        "heldout": hold,
+    }
     atomic_write_json(out / "training.json", report)
     return report
 
@@ -206,14 +253,16 @@ def evaluate(head, embed, batch_at, idx, vocab_t, steps: int, batch: int) -> dic
     and the chain acceptance it implies: sum over depths of the product of the agreements."""
     accs = []
     for s in range(0, len(idx), batch):
-        tk, fe, ti, tl, t1 = batch_at(idx[s:s + batch])
+        tk, fe, ti, tl, t1 = batch_at(idx[s : s + batch])
         outs = ttt_forward(head, embed, tk, fe, steps)
         _, a = step_losses(outs, ti, tl, t1, vocab_t, steps)
         accs.append([float(x) for x in a])
     acc = np.mean(accs, 0) if accs else np.zeros(steps)
     expected = float(np.sum(np.cumprod(acc)))
-    return {"top1_agreement_per_depth": [round(float(x), 4) for x in acc],
-            "expected_accepted_chain": round(1.0 + expected, 3)}
+    return {
+        "top1_agreement_per_depth": [round(float(x), 4) for x in acc],
+        "expected_accepted_chain": round(1.0 + expected, 3),
+    }
 
 
 def save_public(head: Eagle3Head, folder: Path, extra: dict | None = None) -> list[str]:
@@ -237,11 +286,16 @@ def save_public(head: Eagle3Head, folder: Path, extra: dict | None = None) -> li
 
 
 def head_bytes(head: Eagle3Head) -> int:
-    return sum(v.numel() * (2 if v.is_floating_point() else v.element_size())
-               for k, v in head.state_dict().items() if not k.startswith("rotary"))
+    return sum(
+        v.numel() * (2 if v.is_floating_point() else v.element_size())
+        for k, v in head.state_dict().items()
+        if not k.startswith("rotary")
+    )
 
 
 def describe(report: dict) -> str:
     h = report["heldout"]
-    return (f"{report['batches']} batches in {report['minutes']} min ({report['stopped']}); held-out top-1 per depth "
-            f"{h['top1_agreement_per_depth']}, expected chain acceptance {h['expected_accepted_chain']}")
+    return (
+        f"{report['batches']} batches in {report['minutes']} min ({report['stopped']}); held-out top-1 per depth "
+        f"{h['top1_agreement_per_depth']}, expected chain acceptance {h['expected_accepted_chain']}"
+    )

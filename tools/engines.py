@@ -5,6 +5,7 @@ Role in one decoding step: none; it wires the engines that every step calls. Wit
 layers:K|bigram|MODEL`); with `--backend onnxruntime` or `tensorrt` they come from an export
 folder (`--export-dir DIR`) and only the runtime is imported (no model code, no onnx).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -41,22 +42,34 @@ class OpenModels:
 
 def add_model_args(p, draft_default: str | None = None) -> None:
     g = p.add_argument_group("models")
-    g.add_argument("--model", help="target: registry name (smollm2-135m), .gguf, HF folder or nanoGPT .pt "
-                                    "(torch backend)")
-    g.add_argument("--draft", default=draft_default,
-                   help="draft: layers:K (first K target layers), bigram (table from the target), "
-                        "lookup[:N] (n-gram prompt lookup, any backend), eagle3:FOLDER (an EAGLE-3 "
-                        "checkpoint, torch backend), none, or a model name/path with the same vocabulary "
-                        "(torch backend)")
-    g.add_argument("--export-dir", type=Path, help="export folder from `arborspec export` "
-                                                   "(onnxruntime and tensorrt backends)")
+    g.add_argument(
+        "--model", help="target: registry name (smollm2-135m), .gguf, HF folder or nanoGPT .pt (torch backend)"
+    )
+    g.add_argument(
+        "--draft",
+        default=draft_default,
+        help="draft: layers:K (first K target layers), bigram (table from the target), "
+        "lookup[:N] (n-gram prompt lookup, any backend), eagle3:FOLDER (an EAGLE-3 "
+        "checkpoint, torch backend), none, or a model name/path with the same vocabulary "
+        "(torch backend)",
+    )
+    g.add_argument(
+        "--export-dir", type=Path, help="export folder from `arborspec export` (onnxruntime and tensorrt backends)"
+    )
     g.add_argument("--engine-dir", type=Path, help="TensorRT engines folder (default EXPORT_DIR/engines)")
-    g.add_argument("--backend", choices=BACKENDS, default=None,
-                   help="torch (default with --model) | onnxruntime (default with --export-dir) | tensorrt")
+    g.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default=None,
+        help="torch (default with --model) | onnxruntime (default with --export-dir) | tensorrt",
+    )
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    g.add_argument("--verify", action="store_true",
-                   help="check the sha256 of every file of the export folder against its manifest before "
-                        "loading (default: cheap checks only: presence, sizes, ONNX metadata)")
+    g.add_argument(
+        "--verify",
+        action="store_true",
+        help="check the sha256 of every file of the export folder against its manifest before "
+        "loading (default: cheap checks only: presence, sizes, ONNX metadata)",
+    )
 
 
 def _bigram_from_target(engine, source: dict, progress: bool = True):
@@ -97,13 +110,28 @@ def lookup_spec(spec: str | None) -> int | None:
 
 def open_models(args, need_draft: bool = True) -> OpenModels:
     """Engines for CLI-style arguments (see `open_engines`)."""
-    return open_engines(model=args.model, draft=getattr(args, "draft", None), export_dir=args.export_dir,
-                        backend=args.backend, device=args.device, engine_dir=getattr(args, "engine_dir", None),
-                        verify=bool(getattr(args, "verify", False)), need_draft=need_draft)
+    return open_engines(
+        model=args.model,
+        draft=getattr(args, "draft", None),
+        export_dir=args.export_dir,
+        backend=args.backend,
+        device=args.device,
+        engine_dir=getattr(args, "engine_dir", None),
+        verify=bool(getattr(args, "verify", False)),
+        need_draft=need_draft,
+    )
 
 
-def open_engines(model=None, draft: str | None = None, export_dir=None, backend: str | None = None,
-                 device: str = "cpu", engine_dir=None, verify: bool = False, need_draft: bool = True) -> OpenModels:
+def open_engines(
+    model=None,
+    draft: str | None = None,
+    export_dir=None,
+    backend: str | None = None,
+    device: str = "cpu",
+    engine_dir=None,
+    verify: bool = False,
+    need_draft: bool = True,
+) -> OpenModels:
     """Target and draft for a backend: `model` (torch backend: registry name or path) or
     `export_dir` (onnxruntime, tensorrt). `draft lookup[:N]` (a runtime-only n-gram draft)
     works with every backend, also on top of an export folder whose own draft it replaces."""
@@ -126,10 +154,23 @@ def open_engines(model=None, draft: str | None = None, export_dir=None, backend:
         raise UserError(f"--model is for the torch backend; --backend {backend} reads --export-dir")
     from arborspec.runtime.export_dir import open_export
 
-    ex = open_export(export_dir, backend, device, draft=(draft or "export") if need_draft else "none",
-                     engine_dir=engine_dir, verify=verify)
-    return OpenModels(ex.target, ex.draft, ex.tokenizer, limits=ex.limits, tree_default=ex.tree_default,
-                      describe=f"{export_dir} ({backend}, {device})", owner=ex)
+    ex = open_export(
+        export_dir,
+        backend,
+        device,
+        draft=(draft or "export") if need_draft else "none",
+        engine_dir=engine_dir,
+        verify=verify,
+    )
+    return OpenModels(
+        ex.target,
+        ex.draft,
+        ex.tokenizer,
+        limits=ex.limits,
+        tree_default=ex.tree_default,
+        describe=f"{export_dir} ({backend}, {device})",
+        owner=ex,
+    )
 
 
 def _open_torch(model, draft_spec: str | None, device: str, need_draft: bool) -> OpenModels:
@@ -150,8 +191,9 @@ def _open_torch(model, draft_spec: str | None, device: str, need_draft: bool) ->
         loaded.module.feature_layers = list(head.config.aux_layers)
         target = TorchEngine(loaded.module, device=device)
         draft = Eagle3Draft(head, loaded.module.model.embed_tokens.weight.detach(), device=device)
-        return OpenModels(target, draft, loaded.tokenizer, describe=f"{model} + eagle3 (torch, {device})",
-                          source=loaded.source)
+        return OpenModels(
+            target, draft, loaded.tokenizer, describe=f"{model} + eagle3 (torch, {device})", source=loaded.source
+        )
     target = TorchEngine(loaded.module, device=device)
     draft = None
     if need_draft and spec.lower() != "none":
@@ -165,17 +207,21 @@ def _open_torch(model, draft_spec: str | None, device: str, need_draft: bool) ->
         elif kind == "model":
             d = load_model(val)
             if d.config.vocab_size != loaded.config.vocab_size:
-                raise UserError(f"draft vocabulary ({d.config.vocab_size}) differs from the target's "
-                                 f"({loaded.config.vocab_size})")
+                raise UserError(
+                    f"draft vocabulary ({d.config.vocab_size}) differs from the target's ({loaded.config.vocab_size})"
+                )
             draft = TorchEngine(d.module, device=device)
-    return OpenModels(target, draft, loaded.tokenizer, describe=f"{model} (torch, {device})",
-                      source=loaded.source)
+    return OpenModels(target, draft, loaded.tokenizer, describe=f"{model} (torch, {device})", source=loaded.source)
 
 
 def models_key(args):
     """The tuned-tree key (arborspec.tools.tune.ModelsKey) of CLI-style model arguments."""
     from .tune import ModelsKey
 
-    return ModelsKey(model=getattr(args, "model", None), draft=getattr(args, "draft", None),
-                     backend=getattr(args, "backend", None), device=getattr(args, "device", "cpu") or "cpu",
-                     export_dir=getattr(args, "export_dir", None))
+    return ModelsKey(
+        model=getattr(args, "model", None),
+        draft=getattr(args, "draft", None),
+        backend=getattr(args, "backend", None),
+        device=getattr(args, "device", "cpu") or "cpu",
+        export_dir=getattr(args, "export_dir", None),
+    )

@@ -10,6 +10,7 @@ the runtime's overhead.
     python -m arborspec.tools.overhead --trees chain:4 full:3,2 beam:4,8,8 dynamic:8,6,64 \
         --steps 200 [--vocab 49152] [--threads 1] [--temperature 0.8] [--host-topk] [--json OUT]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,8 @@ class NullEngine:
 
     def forward(self, ids, pos, mask, cache):
         p, t = cache.length, ids.shape[1]
-        cache.k[:, p:p + t].zero_()
-        cache.v[:, p:p + t].zero_()
+        cache.k[:, p : p + t].zero_()
+        cache.v[:, p : p + t].zero_()
         return self.bank[ids % self.bank.shape[0]]
 
     def forward_topk(self, ids, pos, mask, cache, k, logprobs=False):
@@ -71,14 +72,21 @@ class NullEngine:
             self._top[(k, logprobs)] = (t.values, t.indices)
         v, i = self._top[(k, logprobs)]
         p, t = cache.length, ids.shape[1]
-        cache.k[:, p:p + t].zero_()
-        cache.v[:, p:p + t].zero_()
+        cache.k[:, p : p + t].zero_()
+        cache.v[:, p : p + t].zero_()
         r = ids % self.bank.shape[0]
         return v[r], i[r]
 
 
-def measure(tree: str, steps: int, sp: SamplingParams, prompt_len: int = 256, mode: str = "tree",
-            vocab: int = 49152, host_topk: bool = False) -> dict:
+def measure(
+    tree: str,
+    steps: int,
+    sp: SamplingParams,
+    prompt_len: int = 256,
+    mode: str = "tree",
+    vocab: int = 49152,
+    host_topk: bool = False,
+) -> dict:
     target = NullEngine(vocab=vocab)
     draft = NullEngine(copy_of=target)
     if host_topk:
@@ -88,41 +96,74 @@ def measure(tree: str, steps: int, sp: SamplingParams, prompt_len: int = 256, mo
     dec.generate(prompt, 16)  # warm-up
     res = dec.generate(prompt, steps * 4, seed=1)
     st = res.stats
-    return {"tree": tree, "steps": st.steps, "nodes_per_step": st.tree_nodes / max(st.steps, 1),
-            "mean_accepted": st.mean_accepted, "overhead_ms_per_step": st.overhead_per_step_ms,
-            "tree_build_ms": 1e3 * (st.draft_s - st.draft_model_s) / st.steps,
-            "accept_kv_ms": 1e3 * st.accept_kv_s / st.steps,
-            "other_ms": 1e3 * st.other_s / st.steps}
+    return {
+        "tree": tree,
+        "steps": st.steps,
+        "nodes_per_step": st.tree_nodes / max(st.steps, 1),
+        "mean_accepted": st.mean_accepted,
+        "overhead_ms_per_step": st.overhead_per_step_ms,
+        "tree_build_ms": 1e3 * (st.draft_s - st.draft_model_s) / st.steps,
+        "accept_kv_ms": 1e3 * st.accept_kv_s / st.steps,
+        "other_ms": 1e3 * st.other_s / st.steps,
+    }
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n\n")[-1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trees", nargs="+", default=["chain:4", "full:3,2", "full:2,8", "beam:4,8,8,8",
-                                                  "dynamic:8,6,64", "beam:4,16,16,16,12"])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog=__doc__.split("\n\n")[-1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--trees",
+        nargs="+",
+        default=["chain:4", "full:3,2", "full:2,8", "beam:4,8,8,8", "dynamic:8,6,64", "beam:4,16,16,16,12"],
+    )
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--vocab", type=int, default=49152,
-                   help="vocabulary of the null models (49152 = SmolLM2; a small one isolates the "
-                        "tree bookkeeping from the vocabulary-wide top-k/argmax)")
-    p.add_argument("--host-topk", action="store_true",
-                   help="the draft engine returns full logits rows and the runtime takes their top-k on the "
-                        "host (default: the draft engine returns its top-k, as a fused graph or a GPU does)")
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=49152,
+        help="vocabulary of the null models (49152 = SmolLM2; a small one isolates the "
+        "tree bookkeeping from the vocabulary-wide top-k/argmax)",
+    )
+    p.add_argument(
+        "--host-topk",
+        action="store_true",
+        help="the draft engine returns full logits rows and the runtime takes their top-k on the "
+        "host (default: the draft engine returns its top-k, as a fused graph or a GPU does)",
+    )
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     sp = SamplingParams(a.temperature)
     rows = [measure(t, a.steps, sp, vocab=a.vocab, host_topk=a.host_topk) for t in a.trees]
-    print(f"{'tree':22s} {'nodes':>6s} {'acc/step':>8s} {'overhead ms':>11s} {'tree':>7s} {'accept+kv':>9s} {'other':>7s}")
+    print(
+        f"{'tree':22s} {'nodes':>6s} {'acc/step':>8s} {'overhead ms':>11s} {'tree':>7s} {'accept+kv':>9s} {'other':>7s}"
+    )
     for r in rows:
-        print(f"{r['tree']:22s} {r['nodes_per_step']:6.1f} {r['mean_accepted']:8.2f} {r['overhead_ms_per_step']:11.3f} "
-              f"{r['tree_build_ms']:7.3f} {r['accept_kv_ms']:9.3f} {r['other_ms']:7.3f}")
+        print(
+            f"{r['tree']:22s} {r['nodes_per_step']:6.1f} {r['mean_accepted']:8.2f} {r['overhead_ms_per_step']:11.3f} "
+            f"{r['tree_build_ms']:7.3f} {r['accept_kv_ms']:9.3f} {r['other_ms']:7.3f}"
+        )
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-                       "threads": torch.get_num_threads(), "vocab": a.vocab, "host_topk": a.host_topk, "temperature": a.temperature, "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "machine": platform.processor() or platform.machine(),
+                    "torch": torch.__version__,
+                    "threads": torch.get_num_threads(),
+                    "vocab": a.vocab,
+                    "host_topk": a.host_topk,
+                    "temperature": a.temperature,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

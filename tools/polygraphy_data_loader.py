@@ -23,6 +23,7 @@ from `arborspec compare --save-outputs torch.json` to compare against PyTorch):
 
 and for the draft graph the same with DIR/draft.onnx.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,8 +45,12 @@ def _locate() -> tuple[Path, str | None]:
     return root, onnx_arg
 
 
-def feeds(export_dir: str | os.PathLike | None = None, graph: str | None = None,
-          trees: int | None = None, seed: int | None = None) -> list:
+def feeds(
+    export_dir: str | os.PathLike | None = None,
+    graph: str | None = None,
+    trees: int | None = None,
+    seed: int | None = None,
+) -> list:
     """The feed dicts (OrderedDict[str, numpy.ndarray]) for one graph of an export folder."""
     from arborspec.runtime.drafts import load_bigram_table
     from arborspec.runtime.export_dir import load_export_dir
@@ -68,10 +73,15 @@ def feeds(export_dir: str | os.PathLike | None = None, graph: str | None = None,
     import numpy as np
 
     kv = np.float16 if man.target.get("dtype") == "fp16" else np.float32
-    out = build_feeds(target, draft, max_tree_nodes=int(man.limits.get("max_tree_nodes", 64)),
-                      max_context=man.limits.get("max_context"),
-                      trees=int(trees if trees is not None else os.environ.get("ARBORSPEC_TREES", 1)),
-                      seed=int(seed if seed is not None else os.environ.get("ARBORSPEC_SEED", 0)), kv_dtype=kv)
+    out = build_feeds(
+        target,
+        draft,
+        max_tree_nodes=int(man.limits.get("max_tree_nodes", 64)),
+        max_context=man.limits.get("max_context"),
+        trees=int(trees if trees is not None else os.environ.get("ARBORSPEC_TREES", 1)),
+        seed=int(seed if seed is not None else os.environ.get("ARBORSPEC_SEED", 0)),
+        kv_dtype=kv,
+    )
     from arborspec.runtime.contract import kv_layout
     from arborspec.runtime.onnx_meta import read_onnx_metadata
     from arborspec.tools.compare_feeds import feed_in_layout

@@ -5,6 +5,7 @@ cached ones) spends in each operator, the way the README's base-engine profile w
 
     python -m arborspec.tools.profile_ort EXPORT_DIR/target.onnx --tokens 1 --past 256 --reps 20
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,13 +56,19 @@ def profile(path: str, tokens: int = 1, past: int = 256, reps: int = 20, threads
             by[x["args"]["op_name"]] += x["dur"]
     total = sum(by.values()) or 1
     calls = reps + 3
-    return {"median_ms": 1e3 * ts[len(ts) // 2], "min_ms": 1e3 * ts[0],
-            "ops": [(op, d / total, d / calls / 1e3) for op, d in by.most_common()]}
+    return {
+        "median_ms": 1e3 * ts[len(ts) // 2],
+        "min_ms": 1e3 * ts[0],
+        "ops": [(op, d / total, d / calls / 1e3) for op, d in by.most_common()],
+    }
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n\n")[-1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog=__doc__.split("\n\n")[-1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("onnx")
     p.add_argument("--tokens", type=int, default=1)
     p.add_argument("--past", type=int, default=256)

@@ -3,6 +3,7 @@ calibration prompts, encoding through the tokenizer (chat template where asked).
 
 Role in one decode step: none; this chooses what the measured decode steps run on.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,10 +33,10 @@ def read_prompts_file(path: str | os.PathLike | None) -> tuple[list[dict], str]:
         raise InputError(f"{p}: not valid JSON ({e})") from None
     entries = data.get("prompts") if isinstance(data, dict) else data
     if not isinstance(entries, list) or not entries:
-        raise InputError(f"{p}: expected a non-empty list of prompts (or {{\"prompts\": [...]}})")
+        raise InputError(f'{p}: expected a non-empty list of prompts (or {{"prompts": [...]}})')
     for i, e in enumerate(entries):
         if not isinstance(e, dict) or ("text" not in e and "ids" not in e):
-            raise InputError(f"{p}: prompt #{i} needs a \"text\" or an \"ids\" entry")
+            raise InputError(f'{p}: prompt #{i} needs a "text" or an "ids" entry')
     return entries, str(p)
 
 
@@ -67,11 +68,12 @@ def encode_prompts(entries: list[dict], tok) -> list[dict]:
             ids = [int(t) for t in e["ids"]]
         else:
             if tok is None:
-                raise InputError(f"prompt {pid!r} is text but this model has no tokenizer: "
-                                 "use a prompts file with \"ids\" entries")
+                raise InputError(
+                    f'prompt {pid!r} is text but this model has no tokenizer: use a prompts file with "ids" entries'
+                )
             text = e["text"]
             if e.get("chat"):
-                msgs = ([{"role": "system", "content": e["system"]}] if e.get("system") else [])
+                msgs = [{"role": "system", "content": e["system"]}] if e.get("system") else []
                 msgs.append({"role": "user", "content": text})
                 ids = tok.encode(tok.apply_chat(msgs), add_bos=False)
             else:
@@ -84,24 +86,50 @@ def encode_prompts(entries: list[dict], tok) -> list[dict]:
 
 # Simple seeds: plain-text openings in a few registers (stories, facts, code, dialogue, lists).
 SEEDS = [
-    "Once upon a time", "The history of", "In this tutorial, we will", "def main():",
-    "Here is a list of", "The weather today is", "Dear friend,", "Scientists have discovered",
-    "The best way to learn", "Q: What is the capital of France?\nA:", "Chapter 1\n\n",
-    "import numpy as np\n", "My favourite recipe is", "The meeting was", "In conclusion,",
-    "How to write a good essay:", "The city of", "Water is", "Photosynthesis is the process",
-    "The main idea of the story is", "She opened the door and", "Step 1:", "The president said",
-    "An apple a day", "The quick brown fox", "There are three reasons why", "Machine learning is",
-    "Yesterday I went to", "Summary:", "The following code", "It was a dark and stormy night",
+    "Once upon a time",
+    "The history of",
+    "In this tutorial, we will",
+    "def main():",
+    "Here is a list of",
+    "The weather today is",
+    "Dear friend,",
+    "Scientists have discovered",
+    "The best way to learn",
+    "Q: What is the capital of France?\nA:",
+    "Chapter 1\n\n",
+    "import numpy as np\n",
+    "My favourite recipe is",
+    "The meeting was",
+    "In conclusion,",
+    "How to write a good essay:",
+    "The city of",
+    "Water is",
+    "Photosynthesis is the process",
+    "The main idea of the story is",
+    "She opened the door and",
+    "Step 1:",
+    "The president said",
+    "An apple a day",
+    "The quick brown fox",
+    "There are three reasons why",
+    "Machine learning is",
+    "Yesterday I went to",
+    "Summary:",
+    "The following code",
+    "It was a dark and stormy night",
     "A good friend is someone who",
 ]
 
 
 # Held-out prompts used when no prompts file is given (never used to build the corpus).
 EVAL_PROMPTS = [
-    "Write a short poem about the sea.", "Explain how a rainbow forms.",
+    "Write a short poem about the sea.",
+    "Explain how a rainbow forms.",
     "The three most important inventions of the twentieth century are",
-    "Give me a recipe for pancakes.", "Tell me a story about a robot who learns to paint.",
-    "What are the benefits of regular exercise?", "Describe the water cycle in simple terms.",
+    "Give me a recipe for pancakes.",
+    "Tell me a story about a robot who learns to paint.",
+    "What are the benefits of regular exercise?",
+    "Describe the water cycle in simple terms.",
     "List five tips for studying effectively.",
 ]
 
@@ -151,12 +179,14 @@ def split_prompts(entries: list[dict], n_eval: int = 8) -> tuple[list[dict], lis
 
 def random_seed_ids(vocab: int, n: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (int(torch.randint(2, 8, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(0, vocab, (int(torch.randint(2, 8, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
-def calibration_prompts(tok, prompts_file=None, n: int = 8, chat: bool = False, vocab: int = 0,
-                        seed: int = 0) -> list[list[int]]:
+def calibration_prompts(
+    tok, prompts_file=None, n: int = 8, chat: bool = False, vocab: int = 0, seed: int = 0
+) -> list[list[int]]:
     """Calibration prompts: the prompts file's training split (tools/data/prompts.json by
     default; held-out entries are left for evaluation), then built-in seeds."""
     entries = load_prompt_entries(prompts_file)

@@ -10,6 +10,7 @@ wait in a queue (`arborspec_queue_depth`). Batched verify calls across requests 
 Errors have OpenAI's shape: {"error": {"message", "type", "param", "code"}} with a 4xx status;
 an API key, when set, is checked on every route but /health.
 """
+
 from __future__ import annotations
 
 import json
@@ -79,11 +80,17 @@ def create_app(pool: GeneratorPool, model_name: str, *, api_key: str | None = No
 
     app = FastAPI(title="arborspec", docs_url=None, redoc_url=None)
 
-    def error(status: int, message: str, etype: str = "invalid_request_error", param: str | None = None,
-              code: str | None = None):
+    def error(
+        status: int,
+        message: str,
+        etype: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         m_errors.labels(str(status)).inc()
-        return JSONResponse({"error": {"message": message, "type": etype, "param": param, "code": code}},
-                            status_code=status)
+        return JSONResponse(
+            {"error": {"message": message, "type": etype, "param": param, "code": code}}, status_code=status
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc):
@@ -96,15 +103,21 @@ def create_app(pool: GeneratorPool, model_name: str, *, api_key: str | None = No
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc):
-        return error(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error")
+        return error(
+            exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error"
+        )
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
         if api_key and request.url.path != "/health":
             got = request.headers.get("authorization", "")
             if got != f"Bearer {api_key}":
-                return error(401, "invalid or missing API key (Authorization: Bearer KEY)", "authentication_error",
-                             code="invalid_api_key")
+                return error(
+                    401,
+                    "invalid or missing API key (Authorization: Bearer KEY)",
+                    "authentication_error",
+                    code="invalid_api_key",
+                )
         return await call_next(request)
 
     @app.get("/health")
@@ -113,8 +126,10 @@ def create_app(pool: GeneratorPool, model_name: str, *, api_key: str | None = No
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "arborspec",
-                                            "created": 0}]}
+        return {
+            "object": "list",
+            "data": [{"id": model_name, "object": "model", "owned_by": "arborspec", "created": 0}],
+        }
 
     @app.get("/metrics")
     async def metrics():
@@ -133,8 +148,12 @@ def create_app(pool: GeneratorPool, model_name: str, *, api_key: str | None = No
     def _params(body: dict) -> dict | JSONResponse:
         model = body.get("model")
         if model not in (None, model_name):
-            return error(404, f"model {model!r} does not exist (this server serves {model_name!r})",
-                         param="model", code="model_not_found")
+            return error(
+                404,
+                f"model {model!r} does not exist (this server serves {model_name!r})",
+                param="model",
+                code="model_not_found",
+            )
         n = body.get("n", 1)
         if n != 1:
             return error(400, "only n = 1 is supported", param="n")
@@ -169,11 +188,18 @@ def create_app(pool: GeneratorPool, model_name: str, *, api_key: str | None = No
                     raise ArborspecError("this model has no tokenizer: chat needs one")
             ids = g.encode_prompt(prompt)
             if len(ids) + params["max_new_tokens"] > max_context:
-                raise ArborspecError(f"the prompt ({len(ids)} tokens) plus max_tokens ({params['max_new_tokens']}) "
-                                     f"is beyond the model's context of {max_context}")
+                raise ArborspecError(
+                    f"the prompt ({len(ids)} tokens) plus max_tokens ({params['max_new_tokens']}) "
+                    f"is beyond the model's context of {max_context}"
+                )
             text = []
-            it = g.stream(ids, params["max_new_tokens"], temperature=params["temperature"], top_p=params["top_p"],
-                          seed=params["seed"])
+            it = g.stream(
+                ids,
+                params["max_new_tokens"],
+                temperature=params["temperature"],
+                top_p=params["top_p"],
+                seed=params["seed"],
+            )
             try:
                 for chunk in it:
                     text.append(chunk)
@@ -191,22 +217,44 @@ def create_app(pool: GeneratorPool, model_name: str, *, api_key: str | None = No
             m_decode_s.inc(st.decode_s)
             g_tps.set(st.tokens_per_s)
             reason = "stop" if getattr(g, "last_stop_reason", "") == "eos" else "length"
-            return {"text": "".join(text), "prompt_tokens": len(ids), "completion_tokens": st.new_tokens,
-                    "finish_reason": reason, "mean_accepted": st.mean_accepted}
+            return {
+                "text": "".join(text),
+                "prompt_tokens": len(ids),
+                "completion_tokens": st.new_tokens,
+                "finish_reason": reason,
+                "mean_accepted": st.mean_accepted,
+            }
         finally:
             pool.release(g)
 
     def _response(kind: str, rid: str, created: int, r: dict) -> dict:
-        usage = {"prompt_tokens": r["prompt_tokens"], "completion_tokens": r["completion_tokens"],
-                 "total_tokens": r["prompt_tokens"] + r["completion_tokens"]}
+        usage = {
+            "prompt_tokens": r["prompt_tokens"],
+            "completion_tokens": r["completion_tokens"],
+            "total_tokens": r["prompt_tokens"] + r["completion_tokens"],
+        }
         if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": r["text"]},
-                      "finish_reason": r["finish_reason"]}
-            return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                    "choices": [choice], "usage": usage}
-        return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                "choices": [{"index": 0, "text": r["text"], "finish_reason": r["finish_reason"], "logprobs": None}],
-                "usage": usage}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": r["text"]},
+                "finish_reason": r["finish_reason"],
+            }
+            return {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": model_name,
+                "choices": [choice],
+                "usage": usage,
+            }
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": model_name,
+            "choices": [{"index": 0, "text": r["text"], "finish_reason": r["finish_reason"], "logprobs": None}],
+            "usage": usage,
+        }
 
     async def _handle(request: Request, chat: bool):
         import anyio
@@ -221,9 +269,14 @@ def create_app(pool: GeneratorPool, model_name: str, *, api_key: str | None = No
             return params
         if chat:
             msgs = body.get("messages")
-            if not isinstance(msgs, list) or not msgs or not all(
+            if (
+                not isinstance(msgs, list)
+                or not msgs
+                or not all(
                     isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in msgs):
+                    for m in msgs
+                )
+            ):
                 return error(400, 'messages must be a non-empty list of {"role", "content"} strings', param="messages")
             prompt = [{"role": m["role"], "content": m["content"]} for m in msgs]
         else:
@@ -231,7 +284,8 @@ def create_app(pool: GeneratorPool, model_name: str, *, api_key: str | None = No
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
                 prompt = prompt[0]
             if not (isinstance(prompt, str) and prompt) and not (
-                    isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+                isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
+            ):
                 return error(400, "prompt must be a non-empty string or a list of token ids", param="prompt")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
@@ -262,13 +316,27 @@ def create_app(pool: GeneratorPool, model_name: str, *, api_key: str | None = No
         def event(delta: dict | None = None, finish=None, usage=None) -> str:
             if chat:
                 choice = {"index": 0, "delta": delta or {}, "finish_reason": finish}
-                obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                       "choices": [choice]}
+                obj = {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model_name,
+                    "choices": [choice],
+                }
             else:
-                choice = {"index": 0, "text": (delta or {}).get("content", ""), "finish_reason": finish,
-                          "logprobs": None}
-                obj = {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                       "choices": [choice]}
+                choice = {
+                    "index": 0,
+                    "text": (delta or {}).get("content", ""),
+                    "finish_reason": finish,
+                    "logprobs": None,
+                }
+                obj = {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model_name,
+                    "choices": [choice],
+                }
             if usage is not None:
                 obj["choices"], obj["usage"] = [], usage
             return f"data: {json.dumps(obj)}\n\n"
@@ -295,9 +363,13 @@ def create_app(pool: GeneratorPool, model_name: str, *, api_key: str | None = No
                     else:
                         yield event(finish=payload["finish_reason"])
                         if include_usage:
-                            yield event(usage={"prompt_tokens": payload["prompt_tokens"],
-                                               "completion_tokens": payload["completion_tokens"],
-                                               "total_tokens": payload["prompt_tokens"] + payload["completion_tokens"]})
+                            yield event(
+                                usage={
+                                    "prompt_tokens": payload["prompt_tokens"],
+                                    "completion_tokens": payload["completion_tokens"],
+                                    "total_tokens": payload["prompt_tokens"] + payload["completion_tokens"],
+                                }
+                            )
                         yield "data: [DONE]\n\n"
                         return
             finally:

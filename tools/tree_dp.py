@@ -4,6 +4,7 @@ cost curve.
 Role in one decode step: none at run time; `arborspec tune` uses it to choose the tree that
 step 1 drafts (`--tree auto`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -145,8 +146,16 @@ def choose_tree(q, verify: dict, dcost: dict, max_nodes: int, max_depth: int) ->
                 continue  # the DP found nothing worth adding: same tree as a smaller budget
             e = res.value[n] + 1.0
             ms = step_cost_ms(paths, verify, dcost)
-            grid.append({"nodes": len(paths), "depth_limit": D, "depth": max(len(p) for p in paths),
-                         "expected_tokens_per_step": e, "step_ms": ms, "tokens_per_s": 1e3 * e / ms,
-                         "paths": paths})
+            grid.append(
+                {
+                    "nodes": len(paths),
+                    "depth_limit": D,
+                    "depth": max(len(p) for p in paths),
+                    "expected_tokens_per_step": e,
+                    "step_ms": ms,
+                    "tokens_per_s": 1e3 * e / ms,
+                    "paths": paths,
+                }
+            )
     best = max(grid, key=lambda g: g["tokens_per_s"])
     return {"best": best, "grid": grid, "vanilla_tokens_per_s": 1e3 / interp(verify, 1)}

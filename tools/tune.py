@@ -20,6 +20,7 @@ measurements and one optimisation:
 The result is a static tree spec (`static:FILE.json` accepts it) with its metadata; `--tree
 auto` in generate/bench resolves to it through `resolve_tree`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -82,8 +83,9 @@ class ModelsKey:
         dp = Path(draft).expanduser()
         if draft and dp.exists():
             draft = str(dp.resolve())
-        return json.dumps({"model": model, "draft": draft, "backend": self.backend or "torch",
-                           "device": self.device}, sort_keys=True)
+        return json.dumps(
+            {"model": model, "draft": draft, "backend": self.backend or "torch", "device": self.device}, sort_keys=True
+        )
 
 
 @dataclass
@@ -125,8 +127,11 @@ def resolve_tree(spec: str | None, key: ModelsKey | None = None) -> str | None:
     path = auto_tree_path(key)
     if not path.is_file():
         be = f" --backend {key.backend}" if key.backend else ""
-        how = (f"arborspec tune --export-dir {key.export_dir}{be}" if key.export_dir
-               else f"arborspec tune --model {key.model} --draft {key.draft}{be}")
+        how = (
+            f"arborspec tune --export-dir {key.export_dir}{be}"
+            if key.export_dir
+            else f"arborspec tune --model {key.model} --draft {key.draft}{be}"
+        )
         raise MissingFileError(f"--tree auto: no tuned tree for these models ({path}); run `{how}` first")
     try:
         meta = json.loads(path.read_text())
@@ -134,8 +139,10 @@ def resolve_tree(spec: str | None, key: ModelsKey | None = None) -> str | None:
         raise InputError(f"--tree auto: {path} is not valid JSON; re-run `arborspec tune`") from None
     tuned_backend = meta.get("backend") if isinstance(meta, dict) else None
     if tuned_backend and tuned_backend != key.resolved_backend:
-        print(f"arborspec: note: {path} was tuned for the {tuned_backend} backend, running on "
-              f"{key.resolved_backend}", file=sys.stderr)
+        print(
+            f"arborspec: note: {path} was tuned for the {tuned_backend} backend, running on {key.resolved_backend}",
+            file=sys.stderr,
+        )
     return f"static:{path}"
 
 
@@ -159,32 +166,53 @@ def tune(models, key: ModelsKey, opts: TuneOptions | None = None, progress: bool
 
         bar = lambda it, desc="": tqdm(it, desc=desc, leave=False)  # noqa: E731
     t0 = time.perf_counter()
-    verify = engine_cost_curve(target, sample_sizes(max_nodes + 1), opts.past, opts.reps,
-                               (lambda it: bar(it, "verify cost c(T)")) if bar else None)
-    dcost = draft_cost_curve(draft, sample_sizes(max_nodes), opts.past, opts.reps,
-                             (lambda it: bar(it, "draft cost d(F)")) if bar else None)
+    verify = engine_cost_curve(
+        target,
+        sample_sizes(max_nodes + 1),
+        opts.past,
+        opts.reps,
+        (lambda it: bar(it, "verify cost c(T)")) if bar else None,
+    )
+    dcost = draft_cost_curve(
+        draft, sample_sizes(max_nodes), opts.past, opts.reps, (lambda it: bar(it, "draft cost d(F)")) if bar else None
+    )
     tok = models.tokenizer
     eos = list(tok.meta.get("eos_token_ids") or []) if tok is not None else []
-    prompts = calibration_prompts(tok, opts.prompts, opts.n_prompts, opts.chat,
-                                  target.info.vocab_size, opts.seed)
-    acc = measure_acceptance(target, draft, prompts, opts.calib_tokens, opts.max_width, opts.max_depth, eos,
-                             progress=(lambda it: bar(it, "acceptance (greedy)")) if bar else None)
+    prompts = calibration_prompts(tok, opts.prompts, opts.n_prompts, opts.chat, target.info.vocab_size, opts.seed)
+    acc = measure_acceptance(
+        target,
+        draft,
+        prompts,
+        opts.calib_tokens,
+        opts.max_width,
+        opts.max_depth,
+        eos,
+        progress=(lambda it: bar(it, "acceptance (greedy)")) if bar else None,
+    )
     choice = choose_tree(acc["q"], verify, dcost, max_nodes, opts.max_depth)
     best = choice["best"]
     backend = key.resolved_backend
     doc = {
-        "format": FORMAT, "paths": best["paths"], "nodes": best["nodes"], "depth": best["depth"],
+        "format": FORMAT,
+        "paths": best["paths"],
+        "nodes": best["nodes"],
+        "depth": best["depth"],
         "expected_tokens_per_step": best["expected_tokens_per_step"],
-        "predicted_step_ms": best["step_ms"], "predicted_tokens_per_s": best["tokens_per_s"],
+        "predicted_step_ms": best["step_ms"],
+        "predicted_tokens_per_s": best["tokens_per_s"],
         "vanilla_tokens_per_s": choice["vanilla_tokens_per_s"],
         "predicted_speedup": best["tokens_per_s"] / choice["vanilla_tokens_per_s"],
-        "backend": backend, "device": key.device,
+        "backend": backend,
+        "device": key.device,
         "model": str(key.model) if key.model else None,
         "draft": str(key.draft) if key.draft else None,
         "export_dir": str(key.export_dir) if key.export_dir else None,
-        "past": opts.past, "cost_curve_ms": {str(k): v for k, v in verify.items()},
+        "past": opts.past,
+        "cost_curve_ms": {str(k): v for k, v in verify.items()},
         "draft_cost_ms": {str(k): v for k, v in dcost.items()},
-        "acceptance": acc, "max_nodes": max_nodes, "max_depth": opts.max_depth,
+        "acceptance": acc,
+        "max_nodes": max_nodes,
+        "max_depth": opts.max_depth,
         "budget_curve": [{k: v for k, v in g.items() if k != "paths"} for g in choice["grid"]],
         "tune_s": round(time.perf_counter() - t0, 2),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),

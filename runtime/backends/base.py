@@ -5,6 +5,7 @@ prefills) goes through `Engine.forward`, which reads the cache's committed prefi
 new tokens' K/V onto the cache tail by address and returns float32 logits. The decode loop
 never knows which backend runs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,19 +51,20 @@ class Engine(Protocol):
     info: EngineInfo
     device: torch.device
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
-                cache: KVCache) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
         """input_ids/position_ids int64 [B,T], mask bool [B,T,P+T] with P = cache.length.
         Writes new K/V to cache[:, P:P+T] (does not advance cache.length); returns logits
         float32 [B,T,V] on self.device."""
         ...
 
-    def close(self) -> None:
-        ...
+    def close(self) -> None: ...
 
 
-def check_call(info: EngineInfo, input_ids: torch.Tensor, position_ids: torch.Tensor,
-               mask: torch.Tensor, cache: KVCache) -> None:
+def check_call(
+    info: EngineInfo, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: KVCache
+) -> None:
     """Validate shapes before an engine call (ONNX Runtime does not check symbolic dims)."""
     b, t = input_ids.shape
     p = cache.length

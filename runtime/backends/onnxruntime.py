@@ -11,6 +11,7 @@ leaves the GPU.
 
 Never imports onnx: the model's config is read from the session's metadata_props.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,9 @@ def _import_ort():
     try:
         import onnxruntime as ort
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise EngineError("the onnxruntime backend needs `pip install onnxruntime` "
-                          "(or onnxruntime-gpu for CUDA)") from e
+        raise EngineError(
+            "the onnxruntime backend needs `pip install onnxruntime` (or onnxruntime-gpu for CUDA)"
+        ) from e
     return ort
 
 
@@ -45,8 +47,13 @@ def _is_causal(mask: torch.Tensor) -> bool:
 class OrtEngine(EngineBase):
     """Engine protocol over an ONNX Runtime session of an arborspec contract graph."""
 
-    def __init__(self, path: str | os.PathLike, providers: list | None = None,
-                 device: str | torch.device = "cpu", session_options=None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        providers: list | None = None,
+        device: str | torch.device = "cpu",
+        session_options=None,
+    ):
         ort = _import_ort()
         path = Path(path)
         if not path.is_file():
@@ -57,8 +64,7 @@ class OrtEngine(EngineBase):
         want_cuda = self.device.type == "cuda"
         if providers is None:
             if want_cuda:
-                providers = [("CUDAExecutionProvider", {"device_id": self.device.index or 0}),
-                             "CPUExecutionProvider"]
+                providers = [("CUDAExecutionProvider", {"device_id": self.device.index or 0}), "CPUExecutionProvider"]
             else:
                 providers = ["CPUExecutionProvider"]
         so = session_options
@@ -70,21 +76,25 @@ class OrtEngine(EngineBase):
             # spinning threads steal those cores. Measured on 2 CPU cores, SmolLM2 with a
             # layers:4 draft: full:3,2 tree 9.3 -> 16.3 tok/s, runtime overhead per step
             # 14.4 -> 2.7 ms; vanilla alone 43.7 -> 38.9 tok/s. ARBORSPEC_ORT_SPINNING=1 restores it.
-            so.add_session_config_entry("session.intra_op.allow_spinning",
-                                        os.environ.get("ARBORSPEC_ORT_SPINNING", "0"))
+            so.add_session_config_entry(
+                "session.intra_op.allow_spinning", os.environ.get("ARBORSPEC_ORT_SPINNING", "0")
+            )
         try:
             self.session = ort.InferenceSession(str(path), so, providers=providers)
         except Exception as e:  # ORT raises its own exception types (Fail, InvalidGraph...)
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             if "external" in msg.lower() or "No such file" in msg or "open file" in msg.lower():
-                raise MissingFileError(f"{path}: cannot load the model, an external-data file is "
-                                       f"missing or unreadable ({msg})") from None
+                raise MissingFileError(
+                    f"{path}: cannot load the model, an external-data file is missing or unreadable ({msg})"
+                ) from None
             raise ExportDirError(f"{path}: ONNX Runtime cannot load the model: {msg}") from None
         active = self.session.get_providers()
         if want_cuda and "CUDAExecutionProvider" not in active:
             # onnxruntime-gpu silently falls back to CPU when CUDA libraries are missing
-            raise DeviceError(f"CUDA was requested but ONNX Runtime runs on {active} "
-                               "(install onnxruntime-gpu with matching CUDA/cuDNN libraries)")
+            raise DeviceError(
+                f"CUDA was requested but ONNX Runtime runs on {active} "
+                "(install onnxruntime-gpu with matching CUDA/cuDNN libraries)"
+            )
         self.path = path
         self.providers = active
         self._device_type = "cuda" if want_cuda else "cpu"
@@ -102,7 +112,7 @@ class OrtEngine(EngineBase):
         # optional outputs after the K/V ones: a draft graph's own top-k (contract TOPK_OUTPUTS,
         # K in the metadata), then the target features / an EAGLE-3 head's output hidden state
         # (HIDDEN_STATES); an EAGLE-3 head graph has one more input (HIDDEN_IN)
-        extra_out = got_out[len(self.output_names):]
+        extra_out = got_out[len(self.output_names) :]
         self.max_topk = 0
         if extra_out[:2] == list(C.TOPK_OUTPUTS) and C.META_TOPK in meta:
             self.max_topk = int(meta[C.META_TOPK])
@@ -112,15 +122,20 @@ class OrtEngine(EngineBase):
             dims = self.session.get_outputs()[-1].shape
             n_features = int(dims[-1]) if isinstance(dims[-1], int) else 0
             extra_out = []
-        extra_in = got_in[len(self.input_names):]
+        extra_in = got_in[len(self.input_names) :]
         self.has_hidden_in = extra_in == [C.HIDDEN_IN]
         if self.has_hidden_in:
             extra_in = []
         self._logits_scratch: torch.Tensor | None = None
-        if (got_in[:len(self.input_names)] != self.input_names or extra_in
-                or got_out[:len(self.output_names)] != self.output_names or extra_out):
-            raise ExportDirError(f"{path}: graph inputs/outputs {got_in} -> {got_out} do not follow the "
-                                 f"contract for {n} layers")
+        if (
+            got_in[: len(self.input_names)] != self.input_names
+            or extra_in
+            or got_out[: len(self.output_names)] != self.output_names
+            or extra_out
+        ):
+            raise ExportDirError(
+                f"{path}: graph inputs/outputs {got_in} -> {got_out} do not follow the contract for {n} layers"
+            )
         kv_type = self.session.get_inputs()[3].type if n else "tensor(float)"
         if kv_type not in _ORT_TYPES:
             raise ExportDirError(f"{path}: unsupported KV element type {kv_type}")
@@ -130,45 +145,57 @@ class OrtEngine(EngineBase):
             raise ExportDirError(f"{path}: logits are {logits_type}, the contract wants float32")
         self.kv_layout = C.kv_layout(meta, path)
         self.info = EngineInfo(
-            vocab_size=int(cfg["vocab_size"]), max_position=int(cfg["max_position"]),
+            vocab_size=int(cfg["vocab_size"]),
+            max_position=int(cfg["max_position"]),
             cache=CacheSpec(n, int(cfg["n_kv_heads"]), int(cfg["head_dim"]), self.kv_dtype, self.kv_layout),
-            name=cfg.get("name", "") or path.stem, n_features=n_features)
+            name=cfg.get("name", "") or path.stem,
+            n_features=n_features,
+        )
 
     # ------------------------------------------------------------------ checks
     def _check(self, input_ids, position_ids, mask, cache: KVCache) -> None:
         self._check_open()
         check_call(self.info, input_ids, position_ids, mask, cache)
         if input_ids.dtype != torch.int64 or position_ids.dtype != torch.int64:
-            raise InputError(f"input_ids/position_ids must be int64, got {input_ids.dtype}/"
-                             f"{position_ids.dtype}")
+            raise InputError(f"input_ids/position_ids must be int64, got {input_ids.dtype}/{position_ids.dtype}")
         spec = self.info.cache
         if cache.k.dtype != self.kv_dtype or cache.v.dtype != self.kv_dtype:
             raise InputError(f"KV cache dtype {cache.k.dtype} != engine dtype {self.kv_dtype}")
         if self.kv_layout == "bhsd":
-            exp, names = (spec.n_layers, cache.batch, spec.n_kv_heads, cache.max_len, spec.head_dim), "[L, B, Hkv, S, D]"
+            exp, names = (
+                (spec.n_layers, cache.batch, spec.n_kv_heads, cache.max_len, spec.head_dim),
+                "[L, B, Hkv, S, D]",
+            )
         else:
-            exp, names = (spec.n_layers, cache.max_len, cache.batch, spec.n_kv_heads, spec.head_dim), "[L, S, B, Hkv, D]"
+            exp, names = (
+                (spec.n_layers, cache.max_len, cache.batch, spec.n_kv_heads, spec.head_dim),
+                "[L, S, B, Hkv, D]",
+            )
         if tuple(cache.k.shape) != exp or tuple(cache.v.shape) != exp:
-            raise InputError(f"KV cache shape {tuple(cache.k.shape)} does not fit this engine "
-                             f"(expected {names} = {exp})")
+            raise InputError(
+                f"KV cache shape {tuple(cache.k.shape)} does not fit this engine (expected {names} = {exp})"
+            )
         if not (cache.k.is_contiguous() and cache.v.is_contiguous()):
             raise InputError("KV cache slabs must be contiguous (they are bound by address)")
-        for name, t in (("input_ids", input_ids), ("position_ids", position_ids),
-                        ("attention_mask", mask), ("KV cache", cache.k)):
+        for name, t in (
+            ("input_ids", input_ids),
+            ("position_ids", position_ids),
+            ("attention_mask", mask),
+            ("KV cache", cache.k),
+        ):
             if t.device.type != self._device_type:
                 raise InputError(f"{name} is on {t.device}, this engine runs on {self.device}")
 
     # ------------------------------------------------------------------ call
     def _bind_in(self, io, name: str, t: torch.Tensor) -> None:
-        io.bind_input(name, self._device_type, self._device_id, _ELEM[t.dtype], tuple(t.shape),
-                      t.data_ptr())
+        io.bind_input(name, self._device_type, self._device_id, _ELEM[t.dtype], tuple(t.shape), t.data_ptr())
 
     def _bind_out(self, io, name: str, t: torch.Tensor) -> None:
-        io.bind_output(name, self._device_type, self._device_id, _ELEM[t.dtype], tuple(t.shape),
-                       t.data_ptr())
+        io.bind_output(name, self._device_type, self._device_id, _ELEM[t.dtype], tuple(t.shape), t.data_ptr())
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
-                cache: KVCache) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
         """See Engine.forward: writes new K/V onto cache[:, P:P+T] (cache.length unchanged)
         and returns logits float32 [B, T, V] on self.device."""
         return self._run(input_ids, position_ids, mask, cache, None)[0]
@@ -217,16 +244,18 @@ class OrtEngine(EngineBase):
         for i in range(self.info.cache.n_layers):
             if self.kv_layout == "bhsd":
                 # the layer's whole slab, in and out: the graph writes [P, P+T) in place
-                for name_in, name_out, slab in ((C.past_key(i), C.new_key(i), cache.k[i]),
-                                                (C.past_value(i), C.new_value(i), cache.v[i])):
+                for name_in, name_out, slab in (
+                    (C.past_key(i), C.new_key(i), cache.k[i]),
+                    (C.past_value(i), C.new_value(i), cache.v[i]),
+                ):
                     self._bind_in(io, name_in, slab)
                     self._bind_out(io, name_out, slab)
                 continue
             # dense prefix [0, P) of the layer's slab (a zero-size tensor when P == 0)
             self._bind_in(io, C.past_key(i), cache.k[i, :p])
             self._bind_in(io, C.past_value(i), cache.v[i, :p])
-            self._bind_out(io, C.new_key(i), cache.k[i, p:p + t])
-            self._bind_out(io, C.new_value(i), cache.v[i, p:p + t])
+            self._bind_out(io, C.new_key(i), cache.k[i, p : p + t])
+            self._bind_out(io, C.new_value(i), cache.v[i, p : p + t])
         n_logits = b * t * self.info.vocab_size
         if k is None:
             logits = torch.empty((b, t, self.info.vocab_size), dtype=torch.float32, device=self.device)

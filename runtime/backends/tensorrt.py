@@ -12,6 +12,7 @@ Works with `tensorrt` (10.x/11.x) or `tensorrt_rtx`: the module recorded in the 
 (`ARBORSPEC_TRT_MODULE` forces one). Importing this file needs neither; constructing a
 TrtEngine needs one of them and a CUDA GPU.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -29,8 +30,10 @@ from ..kvcache import CacheSpec, KVCache
 from .base import EngineBase, EngineInfo, check_call
 
 _ENV_MODULE = "ARBORSPEC_TRT_MODULE"
-_INSTALL_HINT = ("install TensorRT-RTX with `pip install tensorrt-rtx` (or `pip install "
-                 "'arborspec[trt]'`), or NVIDIA TensorRT (`tensorrt` 10.x/11.x) from NVIDIA's index")
+_INSTALL_HINT = (
+    "install TensorRT-RTX with `pip install tensorrt-rtx` (or `pip install "
+    "'arborspec[trt]'`), or NVIDIA TensorRT (`tensorrt` 10.x/11.x) from NVIDIA's index"
+)
 
 
 FLAVOURS = ("tensorrt", "tensorrt_rtx")
@@ -43,8 +46,10 @@ def import_trt(flavour: str | None = None, need: str = "Runtime"):
     env = os.environ.get(_ENV_MODULE, "").strip()
     flavour = (flavour or env or "auto").replace("-", "_").lower()
     if flavour not in ("auto",) + FLAVOURS:
-        raise EngineError(f"unknown TensorRT flavour {flavour!r} (expected auto, tensorrt or "
-                          f"tensorrt_rtx; set by flavour= or ${_ENV_MODULE})")
+        raise EngineError(
+            f"unknown TensorRT flavour {flavour!r} (expected auto, tensorrt or "
+            f"tensorrt_rtx; set by flavour= or ${_ENV_MODULE})"
+        )
     names = FLAVOURS if flavour == "auto" else (flavour,)
     errors = []
     for name in names:
@@ -80,6 +85,7 @@ class _Log:
     def get(cls, trt):
         key = trt.__name__
         if key not in cls._by_module:
+
             class Collect(trt.ILogger):
                 def __init__(self):
                     trt.ILogger.__init__(self)
@@ -101,6 +107,7 @@ class _Log:
                 def take(self) -> list[str]:
                     e, self.errors = self.errors, []
                     return e
+
             cls._by_module[key] = Collect()
         return cls._by_module[key]
 
@@ -118,8 +125,14 @@ class TrtEngine(EngineBase):
       preallocated buffer, valid until this engine's next call.
     """
 
-    def __init__(self, engine_path: str | os.PathLike, device: str | torch.device = "cuda", *,
-                 flavour: str | None = None, clone_logits: bool = True):
+    def __init__(
+        self,
+        engine_path: str | os.PathLike,
+        device: str | torch.device = "cuda",
+        *,
+        flavour: str | None = None,
+        clone_logits: bool = True,
+    ):
         self.path = Path(engine_path)
         if not self.path.is_file():
             raise MissingFileError(f"TensorRT engine not found: {self.path}")
@@ -163,24 +176,32 @@ class TrtEngine(EngineBase):
             raise EngineError(
                 f"{self.path.name} was built for compute capability {built_cc} but "
                 f"{torch.cuda.get_device_name(self.device)} is {gpu_cc}: rebuild it with "
-                f"`arborspec build --compute-capability {gpu_cc}` (or on this GPU)")
+                f"`arborspec build --compute-capability {gpu_cc}` (or on this GPU)"
+            )
         built = e.get("trt", {})
         if built.get("module") and built["module"] != self.flavour:
-            raise EngineError(f"{self.path.name} was built with {built['module']} but "
-                               f"{self.flavour} is loaded: use the same module "
-                               f"({_ENV_MODULE}={built['module']}) or rebuild")
+            raise EngineError(
+                f"{self.path.name} was built with {built['module']} but "
+                f"{self.flavour} is loaded: use the same module "
+                f"({_ENV_MODULE}={built['module']}) or rebuild"
+            )
 
     def _deserialize_error(self, errors: list[str]) -> str:
         e = self.entry or {}
         built = e.get("trt", {})
-        what = (f"built with {built.get('module')} {built.get('version')} for compute capability "
-                f"{e.get('compute_capability')}" if e else "no engines.json beside it")
-        return (f"cannot load TensorRT engine {self.path} ({what}) with {self.flavour} "
-                f"{self.trt.__version__} on {torch.cuda.get_device_name(self.device)} "
-                f"(compute capability {self._gpu_cc()}): an engine only runs on the GPU "
-                f"generation and TensorRT version it was built for; rebuild with `arborspec "
-                f"build`. TensorRT said: " + ("; ".join(x.splitlines()[0] for x in errors)
-                                              or "nothing"))
+        what = (
+            f"built with {built.get('module')} {built.get('version')} for compute capability "
+            f"{e.get('compute_capability')}"
+            if e
+            else "no engines.json beside it"
+        )
+        return (
+            f"cannot load TensorRT engine {self.path} ({what}) with {self.flavour} "
+            f"{self.trt.__version__} on {torch.cuda.get_device_name(self.device)} "
+            f"(compute capability {self._gpu_cc()}): an engine only runs on the GPU "
+            f"generation and TensorRT version it was built for; rebuild with `arborspec "
+            f"build`. TensorRT said: " + ("; ".join(x.splitlines()[0] for x in errors) or "nothing")
+        )
 
     def _read_io(self) -> None:
         trt, eng = self.trt, self.engine
@@ -194,22 +215,30 @@ class TrtEngine(EngineBase):
             need += [f"past_key.{i}", f"past_value.{i}", f"new_key.{i}", f"new_value.{i}"]
         missing = [n for n in need if n not in names]
         if missing or n_layers == 0:
-            raise EngineError(f"{self.path.name} does not follow the engine contract: missing "
-                               f"{', '.join(missing) or 'past_key.0'}")
+            raise EngineError(
+                f"{self.path.name} does not follow the engine contract: missing {', '.join(missing) or 'past_key.0'}"
+            )
         kv_shape = tuple(eng.get_tensor_shape("past_key.0"))
         h_kv, d = kv_shape[2], kv_shape[3]
         vocab = tuple(eng.get_tensor_shape("logits"))[-1]
         if min(h_kv, d, vocab) < 1:
-            raise EngineError(f"{self.path.name}: KV heads/head dim/vocab must be static "
-                               f"(got {kv_shape}, vocab {vocab})")
+            raise EngineError(
+                f"{self.path.name}: KV heads/head dim/vocab must be static (got {kv_shape}, vocab {vocab})"
+            )
         # profile ranges over (B, T, P), from the engine itself (min, opt, max)
         self.profiles: list[dict[str, tuple[int, int]]] = []
         for k in range(eng.num_optimization_profiles):
             ids = eng.get_tensor_profile_shape("input_ids", k)
             past = eng.get_tensor_profile_shape("past_key.0", k)
             mask = eng.get_tensor_profile_shape("attention_mask", k)
-            self.profiles.append({"B": (ids[0][0], ids[2][0]), "T": (ids[0][1], ids[2][1]),
-                                  "P": (past[0][0], past[2][0]), "S": (mask[0][2], mask[2][2])})
+            self.profiles.append(
+                {
+                    "B": (ids[0][0], ids[2][0]),
+                    "T": (ids[0][1], ids[2][1]),
+                    "P": (past[0][0], past[2][0]),
+                    "S": (mask[0][2], mask[2][2]),
+                }
+            )
         self.max_batch = max(p["B"][1] for p in self.profiles)
         self.max_tokens = max(p["T"][1] for p in self.profiles)
         kv_dtype = self.dtypes["past_key.0"]
@@ -224,9 +253,13 @@ class TrtEngine(EngineBase):
                 cfg = obj
         max_ctx = (self.entry or {}).get("limits", {}).get("max_context")
         max_pos = cfg.get("max_position") or max_ctx or max(p["P"][1] + 1 for p in self.profiles)
-        self.info = EngineInfo(vocab_size=vocab, max_position=int(max_pos),
-                               cache=CacheSpec(n_layers, h_kv, d, kv_dtype),
-                               max_tokens=self.max_tokens, name=cfg.get("name", self.path.stem))
+        self.info = EngineInfo(
+            vocab_size=vocab,
+            max_position=int(max_pos),
+            cache=CacheSpec(n_layers, h_kv, d, kv_dtype),
+            max_tokens=self.max_tokens,
+            name=cfg.get("name", self.path.stem),
+        )
 
     def _make_context(self) -> None:
         """One execution context; profile switches are rare (prefill once, then decode)."""
@@ -235,8 +268,7 @@ class TrtEngine(EngineBase):
         self._runtime_cache_path = None
         if self.flavour == "tensorrt_rtx" and hasattr(eng, "create_runtime_config"):
             rc = eng.create_runtime_config()
-            cache_name = (self.entry or {}).get("cache", {}).get("file") or \
-                (self.path.name + ".runtime.cache")
+            cache_name = (self.entry or {}).get("cache", {}).get("file") or (self.path.name + ".runtime.cache")
             self._runtime_cache_path = self.path.with_name(cache_name)
             cache = rc.create_runtime_cache()
             if cache is not None:
@@ -249,8 +281,10 @@ class TrtEngine(EngineBase):
         else:
             self.context = eng.create_execution_context()
         if self.context is None:
-            raise EngineError(f"cannot create an execution context for {self.path.name} "
-                               "(out of GPU memory?): " + "; ".join(_Log.get(trt).take()))
+            raise EngineError(
+                f"cannot create an execution context for {self.path.name} "
+                "(out of GPU memory?): " + "; ".join(_Log.get(trt).take())
+            )
 
     def save_runtime_cache(self) -> Path | None:
         """TensorRT-RTX: write the JIT kernel cache beside the engine (next load starts warm)."""
@@ -277,14 +311,22 @@ class TrtEngine(EngineBase):
     def profile_for(self, b: int, t: int, p: int) -> int:
         """Index of the first profile covering (B, T, P) (build order: decode, then prefill)."""
         for k, r in enumerate(self.profiles):
-            if (r["B"][0] <= b <= r["B"][1] and r["T"][0] <= t <= r["T"][1]
-                    and r["P"][0] <= p <= r["P"][1] and r["S"][0] <= p + t <= r["S"][1]):
+            if (
+                r["B"][0] <= b <= r["B"][1]
+                and r["T"][0] <= t <= r["T"][1]
+                and r["P"][0] <= p <= r["P"][1]
+                and r["S"][0] <= p + t <= r["S"][1]
+            ):
                 return k
-        ranges = "; ".join(f"#{k}: B {r['B'][0]}..{r['B'][1]}, T {r['T'][0]}..{r['T'][1]}, "
-                           f"P {r['P'][0]}..{r['P'][1]}" for k, r in enumerate(self.profiles))
-        raise EngineError(f"no optimisation profile of {self.path.name} covers B={b}, T={t}, P={p} "
-                         f"({ranges}); rebuild with larger --max-batch/--max-tree-nodes/"
-                         f"--max-context")
+        ranges = "; ".join(
+            f"#{k}: B {r['B'][0]}..{r['B'][1]}, T {r['T'][0]}..{r['T'][1]}, P {r['P'][0]}..{r['P'][1]}"
+            for k, r in enumerate(self.profiles)
+        )
+        raise EngineError(
+            f"no optimisation profile of {self.path.name} covers B={b}, T={t}, P={p} "
+            f"({ranges}); rebuild with larger --max-batch/--max-tree-nodes/"
+            f"--max-context"
+        )
 
     def _logits_out(self, b: int, t: int) -> torch.Tensor:
         n = b * t * self.info.vocab_size
@@ -294,21 +336,22 @@ class TrtEngine(EngineBase):
             self._logits_buf = torch.empty(cap, dtype=self.dtypes["logits"], device=self.device)
         return self._logits_buf[:n].view(b, t, self.info.vocab_size)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
-                cache: KVCache) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
         self._check_open()
         check_call(self.info, input_ids, position_ids, mask, cache)
         if cache.device != self.device:
             raise InputError(f"KV cache is on {cache.device}, the engine on {self.device}")
         if cache.k.dtype != self.dtypes["past_key.0"]:
-            raise InputError(f"KV cache dtype {cache.k.dtype} != engine's "
-                             f"{self.dtypes['past_key.0']}")
+            raise InputError(f"KV cache dtype {cache.k.dtype} != engine's {self.dtypes['past_key.0']}")
         spec = self.info.cache
-        if tuple(cache.k.shape[3:]) != (spec.n_kv_heads, spec.head_dim) or \
-                cache.k.shape[0] != spec.n_layers:
-            raise InputError(f"KV cache shape {tuple(cache.k.shape)} does not match the engine "
-                             f"({spec.n_layers} layers, {spec.n_kv_heads} KV heads, "
-                             f"head dim {spec.head_dim})")
+        if tuple(cache.k.shape[3:]) != (spec.n_kv_heads, spec.head_dim) or cache.k.shape[0] != spec.n_layers:
+            raise InputError(
+                f"KV cache shape {tuple(cache.k.shape)} does not match the engine "
+                f"({spec.n_layers} layers, {spec.n_kv_heads} KV heads, "
+                f"head dim {spec.head_dim})"
+            )
         if not (cache.k.is_contiguous() and cache.v.is_contiguous()):
             raise InputError("KV cache slabs must be contiguous to be bound by address")
         b, t = input_ids.shape
@@ -320,8 +363,9 @@ class TrtEngine(EngineBase):
         with torch.cuda.device(self.device):
             if k != self._active_profile:
                 if not ctx.set_optimization_profile_async(k, stream.cuda_stream):
-                    raise EngineError(f"cannot switch {self.path.name} to profile {k}: "
-                                       + "; ".join(_Log.get(self.trt).take()))
+                    raise EngineError(
+                        f"cannot switch {self.path.name} to profile {k}: " + "; ".join(_Log.get(self.trt).take())
+                    )
                 self._active_profile = k
             # inputs on the device, in the engine's dtypes, contiguous (kept alive below)
             ids = input_ids.to(self.device, torch.int64).contiguous()
@@ -335,32 +379,32 @@ class TrtEngine(EngineBase):
             ]
             kv_tail = (spec.n_kv_heads, spec.head_dim)
             for i in range(spec.n_layers):
-                for past_name, new_name, slab in ((C.past_key(i), C.new_key(i), cache.k),
-                                                  (C.past_value(i), C.new_value(i), cache.v)):
+                for past_name, new_name, slab in (
+                    (C.past_key(i), C.new_key(i), cache.k),
+                    (C.past_value(i), C.new_value(i), cache.v),
+                ):
                     layer = slab[i]  # [S_max, B, Hkv, D], contiguous
                     # P = 0: a zero-size input still needs a valid, non-null address
                     past_ptr = layer.data_ptr() if p == 0 else layer[:p].data_ptr()
                     binds.append((past_name, (p, b) + kv_tail, past_ptr))
-                    binds.append((new_name, None, layer[p:p + t].data_ptr()))
+                    binds.append((new_name, None, layer[p : p + t].data_ptr()))
             logits = self._logits_out(b, t)
             binds.append((C.LOGITS, None, logits.data_ptr()))
 
             for name, shape, ptr in binds:
                 if shape is not None and not ctx.set_input_shape(name, shape):
-                    raise EngineError(f"{self.path.name}: shape {shape} rejected for {name}: "
-                                       + "; ".join(_Log.get(self.trt).take()))
+                    raise EngineError(
+                        f"{self.path.name}: shape {shape} rejected for {name}: " + "; ".join(_Log.get(self.trt).take())
+                    )
                 if not ctx.set_tensor_address(name, ptr):
-                    raise EngineError(f"{self.path.name}: cannot bind {name}: "
-                                       + "; ".join(_Log.get(self.trt).take()))
+                    raise EngineError(f"{self.path.name}: cannot bind {name}: " + "; ".join(_Log.get(self.trt).take()))
             # output shapes follow from the inputs; check them against the buffers once bound
-            for name, want in (("logits", (b, t, self.info.vocab_size)),
-                               ("new_key.0", (t, b) + kv_tail)):
+            for name, want in (("logits", (b, t, self.info.vocab_size)), ("new_key.0", (t, b) + kv_tail)):
                 got = tuple(ctx.get_tensor_shape(name))
                 if got != want:
                     raise EngineError(f"{self.path.name}: {name} would be {got}, expected {want}")
             if not ctx.execute_async_v3(stream.cuda_stream):
-                raise EngineError(f"{self.path.name}: execute_async_v3 failed: "
-                                   + "; ".join(_Log.get(self.trt).take()))
+                raise EngineError(f"{self.path.name}: execute_async_v3 failed: " + "; ".join(_Log.get(self.trt).take()))
             # the temporaries were allocated on this stream: the caching allocator will not
             # hand their memory out to other streams before this work is done
             del keep

@@ -4,6 +4,7 @@ Role in one decoding step: runs a contract nn.Module for a draft level, a verify
 prefill; past K/V are views of the cache prefix, and the returned new K/V are copied onto
 the cache tail.
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,15 +14,17 @@ from .base import EngineBase, EngineInfo, check_call
 
 
 class TorchEngine(EngineBase):
-    def __init__(self, module: torch.nn.Module, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32):
+    def __init__(self, module: torch.nn.Module, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
         cfg = module.config
         self.module = module.to(device=device, dtype=dtype).eval()
         self.device = torch.device(device)
         self.info = EngineInfo(
-            vocab_size=cfg.vocab_size, max_position=cfg.max_position,
-            cache=CacheSpec(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, dtype), name=cfg.name,
-            n_features=len(getattr(module, "feature_layers", None) or ()) * getattr(cfg, "hidden_size", 0))
+            vocab_size=cfg.vocab_size,
+            max_position=cfg.max_position,
+            cache=CacheSpec(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, dtype),
+            name=cfg.name,
+            n_features=len(getattr(module, "feature_layers", None) or ()) * getattr(cfg, "hidden_size", 0),
+        )
         self.max_topk = cfg.vocab_size  # forward_topk: any k, on the module's device
 
     @torch.inference_mode()
@@ -39,7 +42,7 @@ class TorchEngine(EngineBase):
         for i in range(n):
             past += list(cache.past(i))
         out = self.module(input_ids, position_ids, mask, *past)
-        kv = out[1:1 + 2 * n]
+        kv = out[1 : 1 + 2 * n]
         cache.write_tail(torch.stack(kv[0::2]), torch.stack(kv[1::2]))  # [L, T, B, H, D]
         return out[0], (out[1 + 2 * n] if len(out) > 1 + 2 * n else None)
 
@@ -53,3 +56,45 @@ class TorchEngine(EngineBase):
         b, t, v = logits.shape
         top = topk_of(logits.view(b * t, v), k, logprobs)
         return top.values.view(b, t, -1), top.indices.view(b, t, -1)
+
+
+class TorchEagle3Head(EngineBase):
+    """An EAGLE-3 head module (models/eagle3.Eagle3Head, or anything with its contract forward,
+    `project`, `token_map` and `config`) behind the head-engine interface the eagle3 draft source
+    uses on every backend: forward_hidden / project / token_map. `embed` is the target's token
+    embedding table [V, H]."""
+
+    def __init__(self, head: torch.nn.Module, embed: torch.Tensor, device: str | torch.device = "cpu"):
+        c = head.config
+        self.head = head.to(device).eval()
+        self.embed = embed.to(device)
+        self.device = torch.device(device)
+        self.feature_size = c.feature_size
+        self.hidden_size = c.hidden_size
+        self.token_map = head.token_map().cpu()
+        self.info = EngineInfo(
+            vocab_size=c.draft_vocab_size,
+            max_position=c.max_position,
+            cache=CacheSpec(1, c.n_kv_heads, c.head_dim, torch.float32),
+            name="eagle3",
+        )
+
+    @torch.inference_mode()
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [N, F] -> the layer's hidden input [N, H]."""
+        return self.head.project(features.to(self.device).float())
+
+    @torch.inference_mode()
+    def forward_hidden(self, input_ids, hidden, position_ids, mask, cache: KVCache):
+        """Rows pair tokens with hidden states [B, T, H] -> (logits over the draft vocabulary,
+        output hidden states); the rows' K/V go to the cache at [P, P+T)."""
+        self._check_open()
+        logits, out, k, v = self.head(
+            self.embed[input_ids.to(self.device)],
+            hidden.to(self.device),
+            position_ids.to(self.device),
+            mask,
+            *cache.past(0),
+        )
+        cache.write_tail(k[None], v[None])
+        return logits, out

@@ -1,0 +1,258 @@
+"""An EAGLE-3 head as two plain ONNX graphs in the contract's conventions (no custom plugin):
+
+* `draft.onnx`, the layer: input_ids, position_ids, attention_mask, past_key.0/past_value.0 (the
+  head's own cache, kv layout "bhsd": read and written in place by GroupQueryAttention, as the
+  target's fast graph does), and `hidden_in` [B, T, H], the hidden state each row pairs with its
+  token -> logits over the draft vocabulary [B, T, Vd], new_key.0/new_value.0 (the same buffers)
+  and `hidden_states` [B, T, H], the layer's output (what the row's children read);
+* `draft_fc.onnx`, the projection of the target's features: target_features [N, F] ->
+  hidden_states [N, H].
+
+Rows whose hidden state comes from the target (the committed chain) are projected first by
+`draft_fc`, rows of tree nodes pass their parent's output: one layer graph serves both, with no
+control flow on tensor values. The draft-to-target id map (d2t) and the head's config travel in
+the metadata (contract META_D2T, META_CONFIG["eagle3"]).
+
+Role in one decode step: step 1 (one `draft.onnx` call per tree level; `draft_fc` once per
+step for the accepted path's features).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from arborspec.runtime import contract as C
+
+from .gqa_graph import IR_VERSION, OPSET, _np, rope_tables, save_model
+
+
+def head_config_json(head, max_context: int, name: str = "eagle3") -> dict:
+    """The config an OrtEngine reads (one layer, the draft vocabulary) plus the head's own."""
+    c = head.config
+    return {
+        "family": "eagle3",
+        "name": name,
+        "n_layers": 1,
+        "vocab_size": c.draft_vocab_size,
+        "max_position": int(max_context),
+        "n_kv_heads": c.n_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_size": c.hidden_size,
+        "target_vocab_size": c.vocab_size,
+        "feature_size": c.feature_size,
+        "eagle3": c.to_json(),
+    }
+
+
+def build_head_model(head, embed: torch.Tensor, max_context: int):
+    """The layer graph (see the module docstring) from an models/eagle3.Eagle3Head."""
+    import onnx
+    from onnx import TensorProto as TP
+    from onnx import helper as h
+    from onnx import numpy_helper
+
+    c = head.config
+    sd = head.state_dict()
+    nq, nkv, d, hs = c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_size
+    inits, nodes = [], []
+
+    def init(name, arr):
+        inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+        return name
+
+    def node(op, ins, outs, domain="", **attrs):
+        nodes.append(h.make_node(op, ins, outs, domain=domain, **attrs))
+        return outs[0] if len(outs) == 1 else outs
+
+    def rms(x, w, name):
+        return node(
+            "RMSNormalization",
+            [x, init(name, _np(sd[w]))],
+            [name + "_out"],
+            axis=-1,
+            epsilon=float(c.rms_eps),
+            stash_type=1,
+        )
+
+    inputs = [
+        h.make_tensor_value_info(C.INPUT_IDS, TP.INT64, ["batch", "tokens"]),
+        h.make_tensor_value_info(C.POSITION_IDS, TP.INT64, ["batch", "tokens"]),
+        h.make_tensor_value_info(C.ATTENTION_MASK, TP.BOOL, ["batch", "tokens", "context"]),
+        h.make_tensor_value_info(C.past_key(0), TP.FLOAT, ["batch", nkv, "max_seq", d]),
+        h.make_tensor_value_info(C.past_value(0), TP.FLOAT, ["batch", nkv, "max_seq", d]),
+        h.make_tensor_value_info(C.HIDDEN_IN, TP.FLOAT, ["batch", "tokens", hs]),
+    ]
+    outputs = [
+        h.make_tensor_value_info(C.LOGITS, TP.FLOAT, ["batch", "tokens", c.draft_vocab_size]),
+        h.make_tensor_value_info(C.new_key(0), TP.FLOAT, ["batch", nkv, "max_seq", d]),
+        h.make_tensor_value_info(C.new_value(0), TP.FLOAT, ["batch", nkv, "max_seq", d]),
+        h.make_tensor_value_info(C.HIDDEN_STATES, TP.FLOAT, ["batch", "tokens", hs]),
+    ]
+    init("c_i2", np.array([2], np.int64))
+    init("c_i0", np.array([0], np.int64))
+    init("c_one_i32", np.array(1, np.int32))
+    init("c_zero_f", np.array(0.0, np.float32))
+    init("c_min_f", np.array(np.finfo(np.float32).min, np.float32))
+    init("c_axes1", np.array([1], np.int64))
+    mshape = node("Shape", [C.ATTENTION_MASK], ["mask_shape"])
+    total32 = node("Cast", [node("Gather", [mshape, "c_i2"], ["total64"], axis=0)], ["total32_1"], to=TP.INT32)
+    total = node("Squeeze", [total32, "c_i0"], ["total_len"])
+    batch = node("Gather", [node("Shape", [C.INPUT_IDS], ["ids_shape"]), "c_i0"], ["batch1"], axis=0)
+    seqlens = node("Expand", [node("Sub", [total32, "c_one_i32"], ["last1"]), batch], ["seqlens_k"])
+    mask4 = node("Unsqueeze", [C.ATTENTION_MASK, "c_axes1"], ["mask4"])
+    bias = node("Where", [mask4, "c_zero_f", "c_min_f"], ["attn_bias"])
+    cos, sin = rope_tables(d, c.rope_theta, max(max_context, 1))
+    init("cos_cache", cos)
+    init("sin_cache", sin)
+
+    e = node("Gather", [init("embed_tokens", _np(embed)), C.INPUT_IDS], ["embeds"], axis=0)
+    en = rms(e, "midlayer.input_layernorm.weight", "in_norm")
+    hn = rms(C.HIDDEN_IN, "midlayer.hidden_norm.weight", "hidden_norm")
+    x = node("Concat", [en, hn], ["x2h"], axis=-1)
+    wqkv = np.concatenate([_np(sd[f"midlayer.self_attn.{n}_proj.weight"]).T for n in "qkv"], axis=1)
+    qkv = node("MatMul", [x, init("qkv", wqkv)], ["qkv_out"])
+    attn = node(
+        "GroupQueryAttention",
+        [qkv, "", "", C.past_key(0), C.past_value(0), seqlens, total, "cos_cache", "sin_cache", C.POSITION_IDS, bias],
+        ["attn", C.new_key(0), C.new_value(0)],
+        domain="com.microsoft",
+        num_heads=nq,
+        kv_num_heads=nkv,
+        do_rotary=1,
+        rotary_interleaved=0,
+        causal=0,
+        scale=float(d) ** -0.5,
+    )
+    o = node("MatMul", [attn[0], init("o", _np(sd["midlayer.self_attn.o_proj.weight"]).T)], ["o_out"])
+    post = node(
+        "SkipSimplifiedLayerNormalization",
+        [o, C.HIDDEN_IN, init("post_norm", _np(sd["midlayer.post_attention_layernorm.weight"]))],
+        ["post_normed", "", "", "res1"],
+        domain="com.microsoft",
+        epsilon=float(c.rms_eps),
+    )
+    gate = node("MatMul", [post[0], init("gate", _np(sd["midlayer.mlp.gate_proj.weight"]).T)], ["gate_out"])
+    up = node("MatMul", [post[0], init("up", _np(sd["midlayer.mlp.up_proj.weight"]).T)], ["up_out"])
+    act = node("Mul", [node("Mul", [gate, node("Sigmoid", [gate], ["sig"])], ["silu"]), up], ["act"])
+    down = node("MatMul", [act, init("down", _np(sd["midlayer.mlp.down_proj.weight"]).T)], ["down_out"])
+    fin = node(
+        "SkipSimplifiedLayerNormalization",
+        [down, post[3], init("final_norm", _np(sd["norm.weight"]))],
+        ["final_normed", "", "", C.HIDDEN_STATES],
+        domain="com.microsoft",
+        epsilon=float(c.rms_eps),
+    )
+    node("MatMul", [fin[0], init("lm_head", _np(sd["lm_head.weight"]).T)], [C.LOGITS])
+    graph = h.make_graph(nodes, "arborspec_eagle3_head", inputs, outputs, inits)
+    model = h.make_model(
+        graph, opset_imports=[h.make_opsetid("", OPSET), h.make_opsetid("com.microsoft", 1)], producer_name="arborspec"
+    )
+    model.ir_version = IR_VERSION
+    onnx.checker.check_model(model)
+    return model
+
+
+def build_fc_model(head):
+    """target_features [N, F] -> hidden_states [N, H] (the head's fc)."""
+    import onnx
+    from onnx import TensorProto as TP
+    from onnx import helper as h
+    from onnx import numpy_helper
+
+    c = head.config
+    w = numpy_helper.from_array(np.ascontiguousarray(_np(head.fc.weight).T), "fc")
+    g = h.make_graph(
+        [h.make_node("MatMul", [C.TARGET_FEATURES, "fc"], [C.HIDDEN_STATES])],
+        "arborspec_eagle3_fc",
+        [h.make_tensor_value_info(C.TARGET_FEATURES, TP.FLOAT, ["rows", c.feature_size])],
+        [h.make_tensor_value_info(C.HIDDEN_STATES, TP.FLOAT, ["rows", c.hidden_size])],
+        [w],
+    )
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", OPSET)], producer_name="arborspec")
+    model.ir_version = IR_VERSION
+    onnx.checker.check_model(model)
+    return model
+
+
+def d2t_metadata(head) -> str:
+    return base64.b64encode(np.ascontiguousarray(head.d2t.cpu().numpy().astype("<i8")).tobytes()).decode()
+
+
+def export_eagle3_head(
+    head,
+    embed: torch.Tensor,
+    folder: str | Path,
+    max_context: int,
+    *,
+    tokenizer_sha256: str | None = None,
+    layer_file: str = "draft.onnx",
+    fc_file: str = "draft_fc.onnx",
+    verify: bool = True,
+) -> dict:
+    """Write both graphs with their metadata into `folder`; return the manifest entry."""
+    from .onnx_export import _finalize, contract_metadata
+
+    folder = Path(folder)
+    cfg = head_config_json(head, max_context)
+
+    class _Cfg:  # contract_metadata reads cfg.to_json()
+        def to_json(self):
+            return json.dumps(cfg)
+
+    meta = contract_metadata(_Cfg(), "fp32", tokenizer_sha256, C.ROLE_EAGLE3, f"eagle3:opset{OPSET}", "bhsd")
+    meta[C.META_D2T] = d2t_metadata(head)
+    save_model(build_head_model(head, embed, max_context), folder / layer_file)
+    _finalize(folder / layer_file, meta, False)
+    save_model(build_fc_model(head), folder / fc_file)
+    _finalize(folder / fc_file, meta, False)
+    entry = {
+        "kind": "eagle3",
+        "file": layer_file,
+        "fc_file": fc_file,
+        "config": cfg,
+        "dtype": "fp32",
+        "aux_layers": list(head.config.aux_layers),
+        "draft_vocab_size": head.config.draft_vocab_size,
+    }
+    if verify:
+        entry["max_abs_diff"] = verify_head(head, embed, folder / layer_file, folder / fc_file)
+        if not entry["max_abs_diff"] <= 1e-2:
+            raise RuntimeError(f"{layer_file}: ONNX Runtime differs from PyTorch by {entry['max_abs_diff']:.3g}")
+    return entry
+
+
+@torch.no_grad()
+def verify_head(head, embed, layer_path, fc_path, seed: int = 0) -> float:
+    """The graphs against the torch head on a chain call then a tree level; max abs difference."""
+    from arborspec.runtime.backends.onnxruntime import OrtEngine
+    from arborspec.runtime.drafts_eagle3 import OrtProjection
+    from arborspec.runtime.kvcache import KVCache
+
+    g = torch.Generator().manual_seed(seed)
+    c = head.config
+    eng, fc = OrtEngine(layer_path), OrtProjection(fc_path)
+    cache = KVCache(eng.info.cache, 32, 1)
+    feats = torch.randn(5, c.feature_size, generator=g)
+    ids = torch.randint(0, c.vocab_size, (1, 5), generator=g)
+    hid = fc(feats)
+    worst = float((hid - head.project(feats)).abs().max())
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()[None]
+    empty = torch.zeros(0, 1, c.n_kv_heads, c.head_dim)
+    lo, ho = eng.forward_hidden(ids, hid[None], torch.arange(5)[None], mask, cache)
+    lr, hr, k, v = head(embed[ids], hid[None], torch.arange(5)[None], mask, empty, empty)
+    worst = max(worst, float((lo - lr).abs().max()), float((ho - hr).abs().max()))
+    cache.length = 5
+    ids2 = torch.randint(0, c.vocab_size, (1, 3), generator=g)
+    m2 = torch.cat([torch.ones(3, 5, dtype=torch.bool), torch.eye(3, dtype=torch.bool)], 1)[None]
+    m2[0, :, 3] = False
+    pos = torch.tensor([[5, 5, 5]])
+    lo2, ho2 = eng.forward_hidden(ids2, hr[:, -3:], pos, m2, cache)
+    lr2, hr2, _, _ = head(embed[ids2], hr[:, -3:], pos, m2, k, v)
+    worst = max(worst, float((lo2 - lr2).abs().max()), float((ho2 - hr2).abs().max()))
+    eng.close()
+    return worst
