@@ -211,8 +211,11 @@ def verify_against_torch(module, path: str | os.PathLike, cfg, dtype: torch.dtyp
     import numpy as np
     import onnxruntime as ort
 
+    from arborspec.runtime.backends.onnxruntime import qdq_exact_matmul
+
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    qdq_exact_matmul(so)
     sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     names = input_names(cfg.n_layers)
     worst = 0.0
@@ -249,7 +252,9 @@ def contract_metadata(cfg, dtype: str, tokenizer_sha256: str | None, role: str, 
 def export_contract_onnx(module: torch.nn.Module, path: str | os.PathLike, opset: int = DEFAULT_OPSET,
                          dtype: str = "fp32", *, tokenizer_sha256: str | None = None,
                          role: str = "", max_context: int | None = None, exporter: str = "auto",
-                         verify: bool = True, tolerance: float | None = None, topk: int = 0) -> ExportResult:
+                         verify: bool = True, tolerance: float | None = None, topk: int = 0,
+                         quantize: str | None = None, block_size: int = 32,
+                         gguf_path: str | None = None) -> ExportResult:
     """Export a contract nn.Module (models/llama.py, models/gpt2.py) to `path`.
 
     exporter: "dynamo" (torch.export + onnxscript), "legacy" (TorchScript), or "auto"
@@ -258,12 +263,29 @@ def export_contract_onnx(module: torch.nn.Module, path: str | os.PathLike, opset
     logits stay float32 (the decoders cast them). verify: compare ORT with PyTorch on random
     tree steps (bf16 is not verified: ORT CPU has few bf16 kernels). topk: K > 0 adds the fused
     `topk_logprobs` / `topk_ids` outputs (draft graphs: the host never reads a full row).
+    quantize: None, "int4" or "int8": the linear layers become blockwise QDQ (standard
+    DequantizeLinear + MatMul, export/qdq.py; what TensorRT parses); with `gguf_path` (a GGUF
+    with Q4_0/Q4_1/Q8_0 tensors) its blocks are carried over exactly, otherwise blockwise
+    symmetric round-to-nearest of the float weights.
     """
     if dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
     if exporter not in ("auto", "dynamo", "legacy"):
         raise InputError(f"unknown exporter {exporter!r}")
 
+    if quantize not in (None, "int4", "int8"):
+        raise InputError(f"unknown --quantize {quantize!r} (expected int4 or int8)")
+    if quantize:
+        if dtype not in ("fp32", "fp16"):
+            raise InputError(f"--format qdq exports fp32 or fp16 activations, not {dtype}")
+        if block_size not in (16, 32, 64, 128, 256):
+            raise InputError(f"--block-size must be 16, 32, 64, 128 or 256, got {block_size}")
+        if gguf_path and block_size != 32:
+            raise InputError("a GGUF's blocks are 32 wide: --block-size 32 (or quantise from float weights)")
+        if opset < 21:
+            raise InputError(f"--format qdq needs opset >= 21 (blocked DequantizeLinear), not {opset}")
+        if exporter == "legacy":
+            raise InputError("--format qdq needs the dynamo exporter (the legacy one writes opset <= 17)")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tdtype = DTYPES[dtype]
@@ -303,21 +325,61 @@ def export_contract_onnx(module: torch.nn.Module, path: str | os.PathLike, opset
             onnx.save(m, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                       location=path.name + ".data", size_threshold=1024)
 
+    qinfo = None
+    if quantize:
+        if used != "dynamo":
+            raise RuntimeError(f"--format qdq: {reason or 'the dynamo export failed'} (the legacy exporter "
+                               "writes opset <= 17, too old for blocked DequantizeLinear)")
+        qinfo = _quantize_qdq(path, module, quantize, block_size, gguf_path, dtype)
+        big = bool(qinfo.pop("external_data"))
     meta = contract_metadata(cfg, dtype, tokenizer_sha256, role, f"{used}:opset{opset}", "sbhd", topk)
     ir, nodes = _finalize(path, meta, big)
     import onnx
 
     check_symbolic_inputs(onnx.load(str(path), load_external_data=False), cfg.n_layers)
     res = ExportResult(path=path, opset=opset, exporter=used, dtype=dtype, ir_version=ir,
-                       n_nodes=nodes, external_data=_external_files(path), fallback_reason=reason)
+                       n_nodes=nodes, external_data=_external_files(path), fallback_reason=reason,
+                       quantization=qinfo)
     if verify and dtype != "bf16":
         diff = verify_against_torch(module, path, cfg, tdtype)
         res.max_abs_diff = diff
         tol = tolerance if tolerance is not None else (1e-2 if dtype == "fp32" else 1e-1)
+        if qinfo is not None and qinfo["source"] != "gguf-blocks" and tolerance is None:
+            tol = 5.0  # round-to-nearest changes the weights: a loose sanity bound only
         if not diff <= tol:
             raise RuntimeError(f"{path.name}: ONNX Runtime differs from PyTorch by {diff:.3g} "
                                f"(> {tol:g}) on random tree steps")
     return res
+
+
+def _quantize_qdq(path: Path, module, quantize: str, block_size: int, gguf_path: str | None,
+                  dtype: str) -> dict:
+    """Rewrite the exported graph's linear layers as blockwise QDQ (export/qdq.py), in place.
+    Returns the manifest's quantization entry (+ "external_data": whether it was saved so)."""
+    import numpy as np
+    import onnx
+
+    from .gqa_graph import save_model
+    from .qdq import apply_qdq, gguf_layer_lookup, rtn_layer_lookup
+
+    bits = 4 if quantize == "int4" else 8
+    np_dtype = np.float16 if dtype == "fp16" else np.float32
+    if gguf_path:
+        layer_for = gguf_layer_lookup(module, gguf_path, bits, np_dtype)
+        source = "gguf-blocks"
+    else:
+        layer_for = rtn_layer_lookup(bits, block_size, np_dtype)
+        source = "rtn-symmetric"
+    model = onnx.load(str(path))  # with its external data, if any
+    counts = apply_qdq(model, layer_for, block_size)
+    if not counts["layers_by_type"]:
+        raise InputError(f"--format qdq: no linear layer of {path.name} could be quantised"
+                         + (" (the GGUF holds them as floats)" if gguf_path else ""))
+    for f in path.parent.glob(path.name + "*.data"):
+        f.unlink()
+    ext = save_model(model, path)
+    return {"scheme": quantize, "format": "qdq", "block_size": block_size, "source": source,
+            "zero_point": 0, **counts, "external_data": ext}
 
 
 def export_gqa_onnx(module: torch.nn.Module, path: str | os.PathLike, dtype: str = "fp32", *,

@@ -42,6 +42,18 @@ def _is_causal(mask: torch.Tensor) -> bool:
     return bool(torch.equal(mask, torch.ones(t, t, dtype=torch.bool, device=mask.device).tril().expand_as(mask)))
 
 
+QDQ_ACCURACY_KEY = "session.qdq_matmulnbits_accuracy_level"
+
+
+def qdq_exact_matmul(so) -> None:
+    """Keep QDQ exports exact: ONNX Runtime fuses DequantizeLinear + MatMul into MatMulNBits with
+    accuracy level 4 (int8 activations) by default, which changes the logits (measured: 1e-2 on a
+    tiny model, vs 4e-7 at level 0) and makes them depend on how many tokens a call carries, so a
+    tree would no longer reproduce vanilla greedy decoding. Level 0 computes in float32;
+    ARBORSPEC_ORT_QDQ_ACCURACY_LEVEL=4 trades that for speed."""
+    so.add_session_config_entry(QDQ_ACCURACY_KEY, os.environ.get("ARBORSPEC_ORT_QDQ_ACCURACY_LEVEL", "0"))
+
+
 class OrtEngine(EngineBase):
     """Engine protocol over an ONNX Runtime session of an arborspec contract graph."""
 
@@ -72,6 +84,7 @@ class OrtEngine(EngineBase):
             # 14.4 -> 2.7 ms; vanilla alone 43.7 -> 38.9 tok/s. ARBORSPEC_ORT_SPINNING=1 restores it.
             so.add_session_config_entry("session.intra_op.allow_spinning",
                                         os.environ.get("ARBORSPEC_ORT_SPINNING", "0"))
+            qdq_exact_matmul(so)
         try:
             self.session = ort.InferenceSession(str(path), so, providers=providers)
         except Exception as e:  # ORT raises its own exception types (Fail, InvalidGraph...)
