@@ -26,7 +26,8 @@ supported") and refuses uint4 / uint8 weights. So every form here is symmetric:
   q = clip(round(w / scale), -2^(b-1), 2^(b-1) - 1).
 
 The embedding Gather stays float; every MatMul with a constant 2-D weight (the layers' linears
-and the LM head) is rewritten; one whose input size is not a multiple of the block stays float.
+and the LM head, also a tied one that reads the embedding through a Transpose) is rewritten; one
+whose input size is not a multiple of the block stays float.
 """
 from __future__ import annotations
 
@@ -146,6 +147,11 @@ def apply_qdq(model, layer_for, block: int) -> dict:
             raise InputError(f"--format qdq needs opset >= {QDQ_MIN_OPSET} (blocked DequantizeLinear); "
                              f"this graph is opset {op.version}")
     inits = {t.name: t for t in g.initializer}
+    # a weight also read elsewhere (a tied LM head: the embedding's Gather) reaches its MatMul
+    # through Transpose(perm=[1, 0]) of the shared initializer
+    transposed = {nd.output[0]: nd.input[0] for nd in g.node
+                  if nd.op_type == "Transpose" and nd.input[0] in inits and len(inits[nd.input[0]].dims) == 2
+                  and [list(a.ints) for a in nd.attribute if a.name == "perm"] in ([[1, 0]], [])}
     by_source: dict[str, int] = {}
     by_type: dict[str, int] = {}
     kept = 0
@@ -154,7 +160,8 @@ def apply_qdq(model, layer_for, block: int) -> dict:
     floats = (TensorProto.FLOAT, TensorProto.FLOAT16)
     for nd in g.node:
         w_name = nd.input[1] if nd.op_type == "MatMul" and len(nd.input) == 2 else None
-        t = inits.get(w_name) if w_name else None
+        src_name = transposed.get(w_name, w_name) if w_name else None
+        t = inits.get(src_name) if src_name else None
         if t is None or len(t.dims) != 2 or t.data_type not in floats:
             new_nodes.append(nd)
             continue
@@ -163,6 +170,8 @@ def apply_qdq(model, layer_for, block: int) -> dict:
             new_nodes.append(nd)
             continue
         w = numpy_helper.to_array(t)
+        if src_name != w_name:
+            w = np.ascontiguousarray(w.T)
         q = layer_for(w)
         if q is None:
             kept += 1
@@ -207,9 +216,11 @@ def apply_qdq(model, layer_for, block: int) -> dict:
             helper.make_node("MatMul", [base + ".xsum", base + ".offset"], [base + ".corr"], name=base + ".corr_mm"),
             helper.make_node("Add", [base + ".main", base + ".corr"], [y], name=base + ".add"),
         ]
+    # drop the Transposes and float weights nothing reads any more
+    read = {i for nd in new_nodes for i in nd.input} | {o.name for o in g.output}
+    new_nodes = [nd for nd in new_nodes if not (nd.output[0] in transposed and nd.output[0] not in read)]
     del g.node[:]
     g.node.extend(new_nodes)
-    # drop the float weights no node reads any more
     still = {i for nd in g.node for i in nd.input} | {o.name for o in g.output}
     keep = [t for t in g.initializer if t.name in still]
     del g.initializer[:]

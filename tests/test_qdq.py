@@ -181,3 +181,27 @@ def test_qdq_export_builds_with_tensorrt_rtx_ahead_of_time(qdq_folder, tmp_path)
                          flavour="tensorrt_rtx", max_batch=1, max_tree_nodes=8, max_context=64)
         assert r.engine_path.stat().st_size > 0
         assert r.entry["onnx_metadata"]["arborspec.kv_layout"] == "sbhd"
+
+
+def test_tied_head_read_through_a_transpose_is_quantised():
+    """A tied LM head (SmolLM2's: MatMul(x, Transpose(embedding)), the embedding also feeds the
+    Gather) gets its own blocks; the Gather keeps the float embedding, the Transpose goes."""
+    from onnx import TensorProto as TP
+    from onnx import helper as h
+    from onnx.reference import ReferenceEvaluator
+
+    from arborspec.export.qdq import apply_qdq, rtn_layer_lookup
+
+    emb = np.random.default_rng(0).standard_normal((48, 64)).astype(np.float32)  # [vocab, hidden]
+    g = h.make_graph([h.make_node("Gather", ["E", "ids"], ["x"]), h.make_node("Transpose", ["E"], ["Et"], perm=[1, 0]),
+                      h.make_node("MatMul", ["x", "Et"], ["y"])], "tied",
+                     [h.make_tensor_value_info("ids", TP.INT64, [3])], [h.make_tensor_value_info("y", TP.FLOAT, [3, 48])],
+                     [numpy_helper.from_array(emb, "E")])
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", 23)])
+    counts = apply_qdq(m, rtn_layer_lookup(8, 32), 32)
+    assert counts["layers_by_type"] == {"int8": 1}
+    assert [n.op_type for n in m.graph.node] == ["Gather", "DequantizeLinear", "MatMul"]
+    ids = np.array([1, 5, 7])
+    y = ReferenceEvaluator(m).run(None, {"ids": ids})[0]
+    w = qdq_round_to_nearest(emb, 8, 32).dequantize()  # [vocab, hidden] = the head's [out, in]
+    np.testing.assert_allclose(y, emb[ids] @ w.T, rtol=1e-5, atol=1e-5)
