@@ -42,6 +42,7 @@ from arborspec.runtime.contract import (  # noqa: F401,E402
     META_DTYPE,
     META_EXPORTER,
     META_KV_LAYOUT,
+    META_QUANTIZATION,
     META_ROLE,
     META_TOKENIZER,
     META_TOPK,
@@ -337,6 +338,8 @@ def export_contract_onnx(module: torch.nn.Module, path: str | os.PathLike, opset
         qinfo = _quantize_qdq(path, module, quantize, block_size, gguf_path, dtype)
         big = bool(qinfo.pop("external_data"))
     meta = contract_metadata(cfg, dtype, tokenizer_sha256, role, f"{used}:opset{opset}", "sbhd", topk)
+    if qinfo:
+        meta[META_QUANTIZATION] = json.dumps(qinfo, sort_keys=True)
     ir, nodes = _finalize(path, meta, big)
     import onnx
 

@@ -26,8 +26,9 @@ supported") and refuses uint4 / uint8 weights. So every form here is symmetric:
   q = clip(round(w / scale), -2^(b-1), 2^(b-1) - 1).
 
 The embedding Gather stays float; every MatMul with a constant 2-D weight (the layers' linears
-and the LM head, also a tied one that reads the embedding through a Transpose) is rewritten; one
-whose input size is not a multiple of the block stays float.
+and the LM head) is rewritten; one whose input size is not a multiple of the block stays float,
+and so does a tied head that reads the embedding's own initializer through a Transpose (see
+apply_qdq).
 """
 from __future__ import annotations
 
@@ -135,10 +136,15 @@ def _int4_tensor(name: str, q_kn: np.ndarray):
     return helper.make_tensor(name, TensorProto.INT4, list(q_kn.shape), packed.tobytes(), raw=True)
 
 
-def apply_qdq(model, layer_for, block: int) -> dict:
+def apply_qdq(model, layer_for, block: int, shared_heads: bool = False) -> dict:
     """Rewrite, in place, every MatMul of `model` whose second input is a constant 2-D float
     initializer W [K, N]: `layer_for(W) -> QDQ | None` gives its blocks (None: stays float).
-    Returns counts {"layers_by_source": {...}, "layers_by_type": {...}, "kept_float": n}."""
+    A MatMul that reads an initializer through Transpose(perm=[1, 0]) while other nodes read the
+    initializer too (a tied LM head sharing the embedding the Gather needs in float) stays float
+    unless shared_heads: a quantised copy would add memory, not save it, and ONNX Runtime runs an
+    8-bit head slowly (measured: 134 ms of a 171 ms SmolLM2 step, vs about 3 ms in float).
+    Returns counts {"layers_by_source": {...}, "layers_by_type": {...}, "kept_float": n,
+    "kept_float_shared": n}."""
     from onnx import TensorProto, helper, numpy_helper
 
     g = model.graph
@@ -152,6 +158,11 @@ def apply_qdq(model, layer_for, block: int) -> dict:
     transposed = {nd.output[0]: nd.input[0] for nd in g.node
                   if nd.op_type == "Transpose" and nd.input[0] in inits and len(inits[nd.input[0]].dims) == 2
                   and [list(a.ints) for a in nd.attribute if a.name == "perm"] in ([[1, 0]], [])}
+    readers: dict[str, int] = {}
+    for nd in g.node:
+        for i in nd.input:
+            readers[i] = readers.get(i, 0) + 1
+    shared = 0
     by_source: dict[str, int] = {}
     by_type: dict[str, int] = {}
     kept = 0
@@ -167,6 +178,10 @@ def apply_qdq(model, layer_for, block: int) -> dict:
             continue
         if w_name in done:
             nd.input[1] = done[w_name]
+            new_nodes.append(nd)
+            continue
+        if src_name != w_name and readers.get(src_name, 0) > 1 and not shared_heads:
+            shared += 1
             new_nodes.append(nd)
             continue
         w = numpy_helper.to_array(t)
@@ -225,7 +240,8 @@ def apply_qdq(model, layer_for, block: int) -> dict:
     keep = [t for t in g.initializer if t.name in still]
     del g.initializer[:]
     g.initializer.extend(keep)
-    return {"layers_by_source": by_source, "layers_by_type": by_type, "kept_float": kept}
+    return {"layers_by_source": by_source, "layers_by_type": by_type, "kept_float": kept,
+            "kept_float_shared": shared}
 
 
 def gguf_layer_lookup(module, gguf_path: str, bits: int, dtype=np.float32):

@@ -130,6 +130,7 @@ META_EXPORTER = "arborspec.exporter"
 META_VERSION = "arborspec.version"
 META_KV_LAYOUT = "arborspec.kv_layout"
 META_TOPK = "arborspec.topk"  # K of the fused top-k outputs (draft graphs), absent: none
+META_QUANTIZATION = "arborspec.quantization"  # JSON {"scheme", "format", "layers_by_type", ...}; absent: float
 
 # ----------------------------------------------------------------------------- dtypes
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

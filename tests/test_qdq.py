@@ -5,10 +5,14 @@ ONNX Runtime's symmetric quantiser); the export loads in ONNX Runtime, greedy tr
 it, it builds with tensorrt_rtx ahead of time, and the manifest records the format."""
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib.util
+import json
 
 import numpy as np
 import pytest
+import torch
 
 gguf = pytest.importorskip("gguf")
 onnx = pytest.importorskip("onnx")
@@ -153,10 +157,26 @@ def test_float_weights_round_to_nearest_and_bad_options(tmp_path):
 
     from arborspec.export.export_folder import export_folder
 
-    m = random_model(tiny_config("llama", vocab=64, layers=2, hidden=64, heads=4, kv=2), seed=4)
+    cfg = dataclasses.replace(tiny_config("llama", vocab=64, layers=2, hidden=64, heads=4, kv=2), tie_embeddings=False)
+    m = random_model(cfg, seed=4)
     r = export_contract_onnx(m, tmp_path / "f.onnx", max_context=128, quantize="int8")
     assert r.quantization["source"] == "rtn-symmetric" and r.quantization["layers_by_type"] == {"int8": 15}
     e = OrtEngine(tmp_path / "f.onnx")
+    meta = json.loads(e.metadata["arborspec.quantization"])
+    assert meta["format"] == "qdq" and meta["layers_by_type"] == {"int8": 15}
+    # the int8 weights are dequantised once at load: the same logits as the module with those weights
+    m2 = copy.deepcopy(m)
+    with torch.no_grad():
+        for name, p in m2.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.copy_(torch.from_numpy(qdq_round_to_nearest(p.detach().numpy(), 8, 32).dequantize()))
+    ids, pos = torch.tensor([[3, 1, 4, 1, 5]]), torch.arange(5)[None]
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()[None]
+    from arborspec.runtime.kvcache import KVCache
+
+    lo = e.forward(ids, pos, mask, KVCache(e.info.cache, 16, 1))
+    lr = TorchEngine(m2).forward(ids, pos, mask, KVCache(TorchEngine(m2).info.cache, 16, 1))
+    assert float((lo - lr).abs().max()) < 1e-3
     ref = SpeculativeDecoder(e, mode="vanilla").generate([1, 2, 3], 16).tokens
     from conftest import truncated
 
@@ -185,7 +205,9 @@ def test_qdq_export_builds_with_tensorrt_rtx_ahead_of_time(qdq_folder, tmp_path)
 
 def test_tied_head_read_through_a_transpose_is_quantised():
     """A tied LM head (SmolLM2's: MatMul(x, Transpose(embedding)), the embedding also feeds the
-    Gather) gets its own blocks; the Gather keeps the float embedding, the Transpose goes."""
+    Gather) stays float by default (a quantised copy adds memory; ONNX Runtime runs an 8-bit head
+    slowly); asked for, it gets its own blocks, the Gather keeps the float embedding, the
+    Transpose goes."""
     from onnx import TensorProto as TP
     from onnx import helper as h
     from onnx.reference import ReferenceEvaluator
@@ -198,7 +220,9 @@ def test_tied_head_read_through_a_transpose_is_quantised():
                      [h.make_tensor_value_info("ids", TP.INT64, [3])], [h.make_tensor_value_info("y", TP.FLOAT, [3, 48])],
                      [numpy_helper.from_array(emb, "E")])
     m = h.make_model(g, opset_imports=[h.make_opsetid("", 23)])
-    counts = apply_qdq(m, rtn_layer_lookup(8, 32), 32)
+    kept = apply_qdq(m.__deepcopy__(), rtn_layer_lookup(8, 32), 32)
+    assert kept["layers_by_type"] == {} and kept["kept_float_shared"] == 1
+    counts = apply_qdq(m, rtn_layer_lookup(8, 32), 32, shared_heads=True)
     assert counts["layers_by_type"] == {"int8": 1}
     assert [n.op_type for n in m.graph.node] == ["Gather", "DequantizeLinear", "MatMul"]
     ids = np.array([1, 5, 7])

@@ -13,6 +13,7 @@ Never imports onnx: the model's config is read from the session's metadata_props
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -54,6 +55,15 @@ def qdq_exact_matmul(so) -> None:
     so.add_session_config_entry(QDQ_ACCURACY_KEY, os.environ.get("ARBORSPEC_ORT_QDQ_ACCURACY_LEVEL", "0"))
 
 
+def _int8_qdq(meta: dict) -> bool:
+    """Whether the graph's metadata says it holds 8-bit QDQ weights (export/qdq.py)."""
+    try:
+        q = json.loads(meta.get(C.META_QUANTIZATION, "") or "{}")
+    except ValueError:
+        return False
+    return q.get("format") == "qdq" and bool((q.get("layers_by_type") or {}).get("int8"))
+
+
 class OrtEngine(EngineBase):
     """Engine protocol over an ONNX Runtime session of an arborspec contract graph."""
 
@@ -87,6 +97,12 @@ class OrtEngine(EngineBase):
             qdq_exact_matmul(so)
         try:
             self.session = ort.InferenceSession(str(path), so, providers=providers)
+            if session_options is None and _int8_qdq(self.session.get_modelmeta().custom_metadata_map):
+                # 8-bit QDQ weights: ONNX Runtime's fused 8-bit MatMulNBits is slow with float
+                # activations (measured, SmolLM2 int8: 293 ms per token vs 36 ms); dequantise them
+                # once at load instead (exact, float32 weights in memory)
+                so.add_session_config_entry("session.disable_quant_qdq", "1")
+                self.session = ort.InferenceSession(str(path), so, providers=providers)
         except Exception as e:  # ORT raises its own exception types (Fail, InvalidGraph...)
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             if "external" in msg.lower() or "No such file" in msg or "open file" in msg.lower():
