@@ -38,6 +38,7 @@ DRAFT_FILE = "draft.onnx"
 BIGRAM_FILE = "draft_bigram.safetensors"
 DEFAULT_MAX_TREE_NODES = 64
 DEFAULT_DRAFT_TOPK = 16
+QFORMATS = ("matmulnbits", "qdq")  # --format of quantised weights
 ATTENTIONS = ("auto", "gqa", "onnx")  # K of the draft graph's fused top-k outputs (the widest tree level)
 
 
@@ -165,12 +166,16 @@ def export_folder(
     quantize: str | None = None,
     block_size: int = 32,
     accuracy_level: int = 0,
+    qformat: str = "matmulnbits",
 ) -> ExportSummary:
     """Export target (+ draft, tokenizer, manifest) into the folder `out`, atomically.
 
     attention: "gqa" (ONNX Runtime's fast graph: GroupQueryAttention reading and writing the
     cache in place, kv layout "bhsd"; Llama family, fp32), "onnx" (the portable graph from
     torch.onnx.export that TensorRT builds, kv layout "sbhd"), or "auto" (gqa where it applies).
+    quantize (None, "int4", "int8") with qformat "matmulnbits" (ONNX Runtime's MatMulNBits, on
+    the gqa graph) or "qdq" (standard blockwise DequantizeLinear + MatMul on the portable graph,
+    which TensorRT parses; export/qdq.py).
 
     model: a spec for load_model (registry name, HF folder, .gguf, nanoGPT .pt) or an
     already loaded object with .module/.config/.tokenizer/.source. draft_model: an already
@@ -181,6 +186,17 @@ def export_folder(
         raise InputError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
     if attention not in ATTENTIONS:
         raise InputError(f"unknown attention {attention!r} (expected one of {', '.join(ATTENTIONS)})")
+    if qformat not in QFORMATS:
+        raise InputError(f"unknown --format {qformat!r} (expected one of {', '.join(QFORMATS)})")
+    if qformat == "qdq":
+        if not quantize:
+            raise InputError("--format qdq describes quantised weights: give --quantize int4|int8 too")
+        if attention == "gqa":
+            raise InputError(
+                "--format qdq is the portable form for TensorRT: use it with --attention onnx "
+                "(ONNX Runtime's GroupQueryAttention graph takes --format matmulnbits)"
+            )
+        attention = "onnx"
     kind, arg = parse_draft_spec(draft)
     out = Path(out)
     stages = ["load model", "build draft", "tokenizer", "export target", "export draft", "manifest"]
@@ -241,10 +257,11 @@ def export_folder(
         if attention == "gqa" and why_not:
             raise InputError(f"--attention gqa: {why_not} (use --attention onnx)")
 
-        if quantize and not use_gqa:
+        if quantize and qformat == "matmulnbits" and not use_gqa:
             raise InputError(
-                "--quantize needs ONNX Runtime's graph (--attention gqa): "
+                "--quantize --format matmulnbits needs ONNX Runtime's graph (--attention gqa): "
                 + (why_not or "--attention onnx was asked for")
+                + "; --format qdq quantises the portable graph"
             )
         src = getattr(lm, "source", {}) or {}
         gguf_path = src.get("path") if src.get("kind") == "gguf" else None
@@ -276,6 +293,9 @@ def export_folder(
                 exporter=exporter,
                 verify=verify,
                 topk=topk,
+                quantize=quantize,
+                block_size=block_size,
+                gguf_path=gguf_path if kind != "model" or role == "target" else None,
             )
 
         res_t = export_graph(module, tmp / TARGET_FILE, "target")

@@ -44,6 +44,7 @@ from arborspec.runtime.contract import (  # noqa: F401,E402
     META_EXPORTER,
     META_FEATURE_LAYERS,
     META_KV_LAYOUT,
+    META_QUANTIZATION,
     META_ROLE,
     META_TOKENIZER,
     META_TOPK,
@@ -230,15 +231,24 @@ def _param_bytes(module: torch.nn.Module) -> int:
 
 
 def verify_against_torch(
-    module, path: str | os.PathLike, cfg, dtype: torch.dtype, cases=((2, 3, 5), (1, 4, 0), (1, 1, 6))
+    module,
+    path: str | os.PathLike,
+    cfg,
+    dtype: torch.dtype,
+    cases=((2, 3, 5), (1, 4, 0), (1, 1, 6)),
+    relative: bool = False,
 ) -> float:
     """Run ORT (CPU) on random tree steps, including P=0 and T=1 and a fully masked row, and
-    compare with the module. Returns the max abs diff over logits and new K/V; raises on NaN."""
+    compare with the module. Returns the max abs diff over logits and new K/V (relative: each
+    output's max abs diff divided by its max abs reference value); raises on NaN."""
     import numpy as np
     import onnxruntime as ort
 
+    from arborspec.runtime.backends.onnxruntime import qdq_exact_matmul
+
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    qdq_exact_matmul(so)
     sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     names = input_names(cfg.n_layers)
     worst = 0.0
@@ -255,7 +265,10 @@ def verify_against_torch(
         for o, r in zip(out, ref):
             if not np.issubdtype(o.dtype, np.floating):  # top-k ids: near-ties may swap
                 continue
-            worst = max(worst, float(np.abs(o.astype(np.float32) - r.float().numpy()).max()))
+            d = float(np.abs(o.astype(np.float32) - r.float().numpy()).max())
+            if relative:
+                d /= max(float(r.float().abs().max()), 1e-12)
+            worst = max(worst, d)
     return worst
 
 
@@ -293,6 +306,9 @@ def export_contract_onnx(
     verify: bool = True,
     tolerance: float | None = None,
     topk: int = 0,
+    quantize: str | None = None,
+    block_size: int = 32,
+    gguf_path: str | None = None,
 ) -> ExportResult:
     """Export a contract nn.Module (models/llama.py, models/gpt2.py) to `path`.
 
@@ -302,12 +318,29 @@ def export_contract_onnx(
     logits stay float32 (the decoders cast them). verify: compare ORT with PyTorch on random
     tree steps (bf16 is not verified: ORT CPU has few bf16 kernels). topk: K > 0 adds the fused
     `topk_logprobs` / `topk_ids` outputs (draft graphs: the host never reads a full row).
+    quantize: None, "int4" or "int8": the linear layers become blockwise QDQ (standard
+    DequantizeLinear + MatMul, export/qdq.py; what TensorRT parses); with `gguf_path` (a GGUF
+    with Q4_0/Q4_1/Q8_0 tensors) its blocks are carried over exactly, otherwise blockwise
+    symmetric round-to-nearest of the float weights.
     """
     if dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
     if exporter not in ("auto", "dynamo", "legacy"):
         raise InputError(f"unknown exporter {exporter!r}")
 
+    if quantize not in (None, "int4", "int8"):
+        raise InputError(f"unknown --quantize {quantize!r} (expected int4 or int8)")
+    if quantize:
+        if dtype not in ("fp32", "fp16"):
+            raise InputError(f"--format qdq exports fp32 or fp16 activations, not {dtype}")
+        if block_size not in (16, 32, 64, 128, 256):
+            raise InputError(f"--block-size must be 16, 32, 64, 128 or 256, got {block_size}")
+        if gguf_path and block_size != 32:
+            raise InputError("a GGUF's blocks are 32 wide: --block-size 32 (or quantise from float weights)")
+        if opset < 21:
+            raise InputError(f"--format qdq needs opset >= 21 (blocked DequantizeLinear), not {opset}")
+        if exporter == "legacy":
+            raise InputError("--format qdq needs the dynamo exporter (the legacy one writes opset <= 17)")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tdtype = DTYPES[dtype]
@@ -354,7 +387,18 @@ def export_contract_onnx(
                 size_threshold=1024,
             )
 
+    qinfo = None
+    if quantize:
+        if used != "dynamo":
+            raise RuntimeError(
+                f"--format qdq: {reason or 'the dynamo export failed'} (the legacy exporter "
+                "writes opset <= 17, too old for blocked DequantizeLinear)"
+            )
+        qinfo = _quantize_qdq(path, module, quantize, block_size, gguf_path, dtype)
+        big = bool(qinfo.pop("external_data"))
     meta = contract_metadata(cfg, dtype, tokenizer_sha256, role, f"{used}:opset{opset}", "sbhd", topk)
+    if qinfo:
+        meta[META_QUANTIZATION] = json.dumps(qinfo, sort_keys=True)
     ir, nodes = _finalize(path, meta, big)
     import onnx
 
@@ -368,16 +412,69 @@ def export_contract_onnx(
         n_nodes=nodes,
         external_data=_external_files(path),
         fallback_reason=reason,
+        quantization=qinfo,
     )
     if verify and dtype != "bf16":
-        diff = verify_against_torch(module, path, cfg, tdtype)
+        rtn = qinfo is not None and qinfo["source"] != "gguf-blocks"
+        diff = verify_against_torch(module, path, cfg, tdtype, relative=rtn)
         res.max_abs_diff = diff
         tol = tolerance if tolerance is not None else (1e-2 if dtype == "fp32" else 1e-1)
+        if rtn and tolerance is None:
+            # round-to-nearest changes the weights: no bound here (NaN still raises above); the
+            # relative difference is recorded and `arborspec compare` / `bench --quality` judge it
+            qinfo["self_check_max_rel_diff"] = diff
+            if diff > 0.5:
+                log.warning(
+                    "%s: %s round-to-nearest weights move the outputs by %.3g of their size on random "
+                    "steps: check it with `arborspec compare` and `arborspec bench --quality`",
+                    path.name,
+                    quantize,
+                    diff,
+                )
+            tol = float("inf")
         if not diff <= tol:
             raise RuntimeError(
                 f"{path.name}: ONNX Runtime differs from PyTorch by {diff:.3g} (> {tol:g}) on random tree steps"
             )
     return res
+
+
+def _quantize_qdq(path: Path, module, quantize: str, block_size: int, gguf_path: str | None, dtype: str) -> dict:
+    """Rewrite the exported graph's linear layers as blockwise QDQ (export/qdq.py), in place.
+    Returns the manifest's quantization entry (+ "external_data": whether it was saved so)."""
+    import numpy as np
+    import onnx
+
+    from .gqa_graph import save_model
+    from .qdq import apply_qdq, gguf_layer_lookup, rtn_layer_lookup
+
+    bits = 4 if quantize == "int4" else 8
+    np_dtype = np.float16 if dtype == "fp16" else np.float32
+    if gguf_path:
+        layer_for = gguf_layer_lookup(module, gguf_path, bits, np_dtype)
+        source = "gguf-blocks"
+    else:
+        layer_for = rtn_layer_lookup(bits, block_size, np_dtype)
+        source = "rtn-symmetric"
+    model = onnx.load(str(path))  # with its external data, if any
+    counts = apply_qdq(model, layer_for, block_size)
+    if not counts["layers_by_type"]:
+        raise InputError(
+            f"--format qdq: no linear layer of {path.name} could be quantised"
+            + (" (the GGUF holds them as floats)" if gguf_path else "")
+        )
+    for f in path.parent.glob(path.name + "*.data"):
+        f.unlink()
+    ext = save_model(model, path)
+    return {
+        "scheme": quantize,
+        "format": "qdq",
+        "block_size": block_size,
+        "source": source,
+        "zero_point": 0,
+        **counts,
+        "external_data": ext,
+    }
 
 
 def export_gqa_onnx(

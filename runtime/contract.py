@@ -150,6 +150,7 @@ META_TOPK = "arborspec.topk"  # K of the fused top-k outputs (draft graphs), abs
 META_FEATURE_LAYERS = "arborspec.feature_layers"  # JSON list: the target-feature output's layers
 META_D2T = "arborspec.d2t"  # EAGLE-3 draft graphs: base64 int64 draft -> target id offsets
 ROLE_EAGLE3 = "eagle3"
+META_QUANTIZATION = "arborspec.quantization"  # JSON {"scheme", "format", "layers_by_type", ...}; absent: float
 
 # ----------------------------------------------------------------------------- dtypes
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -80,7 +80,7 @@ def externalize_target(d):
     (d / "manifest.json").write_text(json.dumps(man))
 
 
-def tiny_text_export(folder, seed: int = 0):
+def tiny_text_export(folder, seed: int = 0, scale: float = 3.0, **export_kw):
     """An export folder (target + layers:1 draft + a real byte-level BPE tokenizer) of a tiny
     random Llama: what the CLI, server and embedding-API tests run text through."""
     from types import SimpleNamespace
@@ -91,12 +91,15 @@ def tiny_text_export(folder, seed: int = 0):
     from arborspec.models.tokenizer_build import text_tokenizer_from_gguf_meta
 
     tok = text_tokenizer_from_gguf_meta(synthetic_meta())
-    m = random_model(tiny_config("llama", vocab=tok.vocab_size, layers=2, hidden=64, heads=4, kv=2), seed=seed)
+    m = random_model(
+        tiny_config("llama", vocab=tok.vocab_size, layers=2, hidden=64, heads=4, kv=2), seed=seed, scale=scale
+    )
     export_folder(
         SimpleNamespace(module=m, config=m.config, tokenizer=tok, source={"kind": "test"}),
         folder,
         draft="layers:1",
         progress=False,
         verify=False,
+        **export_kw,
     )
     return folder

@@ -25,6 +25,7 @@ EXAMPLE = """examples:
       --json benchmarks/smollm2_cpu_torch.json --plot benchmarks/smollm2_cpu_torch.png
   arborspec bench --export-dir ~/.cache/arborspec/exports/smollm2 --backend onnxruntime \\
       --tree full:3,2 --tree dynamic:4,4,16 --limit-prompts 4
+  arborspec bench --quality --export-dir out/int4 --reference-export-dir out/fp32 --limit-prompts 8
 prompts file: {"prompts": [{"id", "category", "text" (+ "chat": true, "system") | "ids": [int]}]}
 (default: the packaged arborspec/tools/data/prompts.json; --limit-prompts N takes N prompts
 round-robin over the categories)."""
@@ -76,6 +77,42 @@ def register(sub) -> None:
     r.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     r.add_argument("--warmup", type=int, default=1, help="warm-up generations per config before timing (1)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    qa = p.add_argument_group("quality (instead of speed)")
+    qa.add_argument(
+        "--quality",
+        action="store_true",
+        help="measure output quality instead of speed: perplexity of held-out text through the "
+        "export's ONNX Runtime engine, and greedy token agreement with --reference-export-dir "
+        "over the prompts (needs --export-dir)",
+    )
+    qa.add_argument(
+        "--reference-export-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="--quality: the fp32 export of the same model (perplexity delta and greedy agreement are against it)",
+    )
+    qa.add_argument(
+        "--quality-text",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="--quality: a UTF-8 text file (default: the packaged held-out text, arborspec/tools/data/heldout.txt)",
+    )
+    qa.add_argument(
+        "--quality-window",
+        type=int,
+        default=256,
+        metavar="N",
+        help="--quality: perplexity windows of N tokens, each from an empty cache (default 256)",
+    )
+    qa.add_argument(
+        "--quality-chunk",
+        type=int,
+        default=64,
+        metavar="N",
+        help="--quality: tokens per engine call inside a window (default 64)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON")
     o.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="write the figure (PNG)")
@@ -115,6 +152,10 @@ def run(args) -> int:
         raise InputError(f"--threads must be >= 1, got {args.threads}")
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         raise InputError(f"--plot writes a PNG: give a .png path, got {args.plot}")
+    if args.quality:
+        return _run_quality(args)
+    if args.reference_export_dir is not None:
+        raise InputError("--reference-export-dir is for --quality")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
     trees = bench.split_tree_specs(args.tree)
@@ -250,3 +291,65 @@ def _draft_name(args, models) -> str | None:
         except Exception:  # noqa: BLE001 - informational only
             return "export"
     return args.draft
+
+
+def _run_quality(args) -> int:
+    """`bench --quality`: perplexity + greedy agreement table (tools/quality.py)."""
+    import torch
+
+    from arborspec.runtime.export_dir import load_tokenizer, read_manifest
+
+    from . import prompts as prompt_sets
+    from . import quality
+
+    if args.export_dir is None:
+        raise InputError(
+            "--quality measures an export: give --export-dir DIR (and --reference-export-dir for the fp32 export)"
+        )
+    if args.model is not None:
+        raise InputError("--quality reads export folders through ONNX Runtime: use --export-dir, not --model")
+    if args.backend not in (None, "onnxruntime"):
+        raise InputError(f"--quality runs on the onnxruntime backend, not {args.backend}")
+    if args.quality_window < 2 or args.quality_chunk < 1:
+        raise InputError("--quality-window must be >= 2 and --quality-chunk >= 1")
+    text = quality.heldout_text(args.quality_text)
+    torch.set_num_threads(args.threads)
+    prompts = None
+    if args.reference_export_dir is not None:
+        man = read_manifest(args.export_dir)
+        tok = load_tokenizer(man)
+        if tok is None:
+            raise InputError(f"{args.export_dir}: the export has no tokenizer (needed for the text)")
+        entries, _ = prompt_sets.read_prompts_file(args.prompts)
+        enc = prompt_sets.encode_prompts(prompt_sets.select_prompts(entries, args.limit_prompts), tok)
+        limit = int(man.limits.get("max_context") or 0) or None
+        prompts = [p["ids"] for p in enc if limit is None or len(p["ids"]) + args.max_new_tokens <= limit]
+        if not prompts:
+            raise InputError(
+                f"no prompt fits the context limit of {limit} tokens with --max-new-tokens {args.max_new_tokens}"
+            )
+    rows = quality.run_quality(
+        args.export_dir,
+        args.reference_export_dir,
+        prompts,
+        text=text,
+        window=args.quality_window,
+        chunk=args.quality_chunk,
+        max_new_tokens=args.max_new_tokens,
+    )
+    print(quality.quality_table(rows))
+    n = rows[-1]["tokens"]
+    print(
+        f"perplexity over {n} tokens of {'the packaged held-out text' if args.quality_text is None else args.quality_text}"
+        f" (windows of {args.quality_window}, calls of {args.quality_chunk} tokens)"
+        + (
+            f"; greedy agreement: tokens equal to the reference's before the first divergence, "
+            f"{len(prompts)} prompts x {args.max_new_tokens} new tokens"
+            if prompts
+            else ""
+        )
+    )
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(args.json, {"quality": rows, "command": _command_line(args)}, indent=1)
+    return 0

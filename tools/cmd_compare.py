@@ -22,7 +22,10 @@ EXAMPLE = """examples:
 Tolerances (elementwise: abs <= atol or rel <= rtol, relative to PyTorch) default from the
 export's dtype: fp32 atol 1e-4 rtol 1e-3 (tiny models), fp16 2e-2. A 30-layer fp32 model such
 as SmolLM2-135M needs about --atol 1e-2 on trees of 64 nodes (ONNX Runtime's fused kernels
-sum in another order; argmax is identical). --save-inputs/--save-outputs write Polygraphy
+sum in another order; argmax is identical). A quantised export (--quantize) is judged against
+the fp32 PyTorch reference on the original weights by top-1 agreement and relative logit error
+(int8: >= 95 %, <= 0.05; int4: >= 85 %, <= 0.30; --min-top1 / --max-logit-rel override).
+--save-inputs/--save-outputs write Polygraphy
 JSON for the target graph at F and for the draft graph at F with .draft before the suffix."""
 
 
@@ -44,7 +47,23 @@ def register(sub) -> None:
     p.add_argument("--trees", type=int, default=1, help="trees per policy, each over another past length (default 1)")
     p.add_argument("--atol", type=float, default=None, help="absolute tolerance (default from the dtype)")
     p.add_argument("--rtol", type=float, default=None, help="relative tolerance (default from the dtype)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--min-top1",
+        type=float,
+        default=None,
+        metavar="F",
+        help="quantised exports: minimum top-1 agreement with the fp32 PyTorch reference "
+        "(default: int8 0.95, int4 0.85; see QUANT_TOLERANCES in arborspec.tools.compare)",
+    )
+    p.add_argument(
+        "--max-logit-rel",
+        type=float,
+        default=None,
+        metavar="F",
+        help="quantised exports: maximum relative logit error ||logits - ref|| / ||ref|| "
+        "(default: int8 0.05, int4 0.30)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the random trees and past (default 0)")
     p.add_argument(
         "--model", default=None, help="PyTorch reference: registry name or path (default: the source in the manifest)"
     )
@@ -79,6 +98,8 @@ def run(args) -> int:
         engine_dir=args.engine_dir,
         verify=args.verify,
         progress=not args.no_progress and sys.stderr.isatty(),
+        min_top1=args.min_top1,
+        max_rel=args.max_logit_rel,
     )
     print(rep.table(all_outputs=args.all_outputs))
     for s in rep.saved:

@@ -17,6 +17,7 @@ EXAMPLE = """examples:
   arborspec export --model big.gguf --draft small.gguf --out out/pair --max-context 4096
   arborspec export --model smollm2-135m --draft layers:4 --attention onnx --out out/trt  # for `arborspec build`
   arborspec export --model smollm2-135m --draft layers:4 --quantize int4 --out out/int4  # the GGUF's Q4_1 blocks
+  arborspec export --model smollm2-135m --draft layers:4 --quantize int4 --format qdq --out out/qdq  # for TensorRT
 """
 
 
@@ -65,6 +66,15 @@ def register(sub) -> None:
         default=None,
         help="weight-only quantisation of the linear layers (ONNX Runtime MatMulNBits); from a GGUF "
         "with Q4_0/Q4_1/Q8_0 tensors, int4 carries the GGUF's own blocks over exactly",
+    )
+    p.add_argument(
+        "--format",
+        dest="qformat",
+        choices=["matmulnbits", "qdq"],
+        default="matmulnbits",
+        help="form of the --quantize weights: matmulnbits (default; ONNX Runtime's com.microsoft "
+        "MatMulNBits on the gqa graph) or qdq (standard blockwise DequantizeLinear + MatMul, "
+        "opset 21+, on the portable --attention onnx graph: what TensorRT builds)",
     )
     p.add_argument("--block-size", type=int, default=32, metavar="N", help="quantisation block size (default 32)")
     p.add_argument(
@@ -124,12 +134,13 @@ def run(args) -> int:
         quantize=args.quantize,
         block_size=args.block_size,
         accuracy_level=args.accuracy_level,
+        qformat=args.qformat,
     )
     t = s.manifest["target"]
     d = s.manifest["draft"]
     print(f"wrote {s.out}: {', '.join(s.files)}")
     q = t.get("quantization")
-    qs = f", {q['scheme']} weights ({q['source']})" if q else ""
+    qs = f", {q['scheme']} weights ({q['source']}, {q.get('format', 'matmulnbits')})" if q else ""
     print(f"  target: {t['nodes']} nodes, opset {t['opset']} ({t['exporter']}), {t['dtype']}{qs}")
     if d.get("kind") == "onnx":
         print(f"  draft ({d.get('spec')}): {d['nodes']} nodes")

@@ -60,6 +60,12 @@ from .compare_runners import (
 )
 
 DEFAULT_TOLERANCES = {"fp32": (1e-4, 1e-3), "fp16": (2e-2, 2e-2)}
+# Quantised exports (manifest target.quantization) against the fp32 PyTorch reference on the
+# original weights: (minimum top-1 agreement over all compared logit rows of a graph, maximum
+# relative logit error ||logits - ref||_2 / ||ref||_2 over them). The one place these live.
+# A GGUF's own blocks compute with the reference's weights (error ~1e-6); round-to-nearest from
+# float weights is what these bound.
+QUANT_TOLERANCES = {"int8": (0.95, 0.05), "int4": (0.85, 0.30)}
 RUNNERS = ("torch", "onnxruntime", "tensorrt")
 
 
@@ -124,6 +130,7 @@ class Row:
     max_abs: float
     max_rel: float
     passed: bool
+    top1: tuple[int, int] | None = None  # quantised exports: (rows whose argmax agrees, rows)
 
 
 @dataclass
@@ -135,6 +142,7 @@ class CompareReport:
     n_feeds: dict = field(default_factory=dict)
     saved: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (runner, why)
+    quant: dict | None = None  # quantised export: {"scheme", "min_top1", "max_rel"}
 
     @property
     def passed(self) -> bool:
@@ -147,6 +155,8 @@ class CompareReport:
     def table(self, all_outputs: bool = False) -> str:
         """Per-output table. By default K/V outputs of one feed are folded into one row per
         kind (worst layer named); failing outputs are always listed one by one."""
+        if self.quant is not None:
+            return self._quant_table()
         rows = self.rows if all_outputs else _fold(self.rows)
         head = ("graph", "feed", "output", "runners", "max abs err", "max rel err", "result")
         body = [
@@ -179,6 +189,90 @@ class CompareReport:
             )
         )
         return "\n".join(lines)
+
+    def _quant_table(self) -> str:
+        q = self.quant
+        head = ("graph", "feed", "runners", "max abs logit err", "rel logit err", "top-1 agreement", "result")
+        body = [
+            (
+                r.graph,
+                r.feed,
+                r.runners,
+                f"{r.max_abs:.3g}",
+                f"{r.max_rel:.3g}",
+                f"{r.top1[0]}/{r.top1[1]} ({r.top1[0] / max(r.top1[1], 1):.1%})",
+                ("pass" if r.passed else "FAIL") if r.feed == "all feeds" else "",
+            )
+            for r in self.rows
+        ]
+        widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        lines = [fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*b) for b in body]
+        lines += [f"skipped runner {name}: {why}" for name, why in self.skipped]
+        lines += [f"note: {n}" for n in self.notes]
+        judged = [r for r in self.rows if r.feed == "all feeds"]
+        bad = [f"{r.graph} ({r.runners})" for r in judged if not r.passed]
+        lines.append(
+            f"quantised ({q['scheme']}) tolerances, per graph over all feeds: top-1 agreement >= "
+            f"{q['min_top1']:.0%}, relative logit error ||d||/||ref|| <= {q['max_rel']:g} "
+            "(arborspec.tools.compare.QUANT_TOLERANCES)"
+        )
+        lines.append(
+            f"{'PASSED' if self.passed else 'FAILED'}: {len(judged) - len(bad)}/{len(judged)} graphs within "
+            "tolerance" + (f"; failing: {', '.join(bad)}" if bad else "")
+        )
+        return "\n".join(lines)
+
+
+def _quant_rows(graph: str, feeds, results, ref_name: str, min_top1: float, max_rel: float) -> list[Row]:
+    """Per feed and over all feeds of a graph: max abs / relative logit error and top-1 agreement
+    of every runner against the PyTorch reference (rows: every (batch, token) position)."""
+    from arborspec.runtime.contract import LOGITS
+
+    by_name = dict(results.items())
+    ref_iters = by_name[ref_name]
+    rows = []
+    for name, iters in by_name.items():
+        if name == ref_name:
+            continue
+        label = f"{name} vs {ref_name}"
+        tot_sq = tot_ref = 0.0
+        agree = n = 0
+        worst = 0.0
+        for feed, it, rit in zip(feeds, iters, ref_iters):
+            a = np.asarray(it[LOGITS], np.float64).reshape(-1, np.shape(it[LOGITS])[-1])
+            r = np.asarray(rit[LOGITS], np.float64).reshape(a.shape)
+            d = a - r
+            ag = int((a.argmax(-1) == r.argmax(-1)).sum())
+            sq, rs = float((d * d).sum()), float((r * r).sum())
+            rows.append(
+                Row(
+                    graph,
+                    feed.name,
+                    LOGITS,
+                    label,
+                    float(np.abs(d).max()),
+                    (sq / max(rs, 1e-30)) ** 0.5,
+                    True,
+                    (ag, a.shape[0]),
+                )
+            )
+            tot_sq, tot_ref, agree, n = tot_sq + sq, tot_ref + rs, agree + ag, n + a.shape[0]
+            worst = max(worst, float(np.abs(d).max()))
+        rel = (tot_sq / max(tot_ref, 1e-30)) ** 0.5
+        rows.append(
+            Row(
+                graph,
+                "all feeds",
+                LOGITS,
+                label,
+                worst,
+                rel,
+                agree / max(n, 1) >= min_top1 and rel <= max_rel,
+                (agree, n),
+            )
+        )
+    return rows
 
 
 def _fold(rows: list[Row]) -> list[Row]:
@@ -247,8 +341,14 @@ def compare_export(
     draft_module=None,
     policies: list[str] | None = None,
     verify: bool = False,
+    min_top1: float | None = None,
+    max_rel: float | None = None,
 ) -> CompareReport:
     """Compare every graph of an export folder across runners on runtime-made feeds.
+
+    A quantised export (the manifest's target.quantization) is judged against the fp32 PyTorch
+    reference on the original weights by top-1 agreement and relative logit error
+    (QUANT_TOLERANCES, or min_top1 / max_rel), not elementwise: its weights differ by design.
 
     target_module/draft_module: PyTorch references given directly (tests, embedding apps);
     otherwise rebuilt from the manifest's source (or `model`)."""
@@ -276,6 +376,30 @@ def compare_export(
         raise InputError("--atol and --rtol must be >= 0")
     kv_dtype = np.float16 if dtype == "fp16" else np.float32
     report = CompareReport(atol=atol, rtol=rtol)
+    qinfo = man.target.get("quantization")
+    if qinfo:
+        scheme = qinfo.get("scheme", "int4")
+        d_top1, d_rel = QUANT_TOLERANCES.get(scheme, QUANT_TOLERANCES["int4"])
+        min_top1 = d_top1 if min_top1 is None else float(min_top1)
+        max_rel = d_rel if max_rel is None else float(max_rel)
+        if not (0 <= min_top1 <= 1) or max_rel < 0:
+            raise InputError("--min-top1 must be in [0, 1] and --max-logit-rel >= 0")
+        if "torch" not in names:
+            raise InputError(
+                "a quantised export is compared against the fp32 PyTorch reference: include torch in --runners"
+            )
+        names = ["torch"] + [n for n in names if n != "torch"]
+        report.quant = {
+            "scheme": scheme,
+            "format": qinfo.get("format", "matmulnbits"),
+            "min_top1": min_top1,
+            "max_rel": max_rel,
+        }
+        report.notes.append(
+            f"{scheme} weights ({qinfo.get('format', 'matmulnbits')}, {qinfo.get('source')}) "
+            "vs PyTorch fp32 on the original weights: logits judged, K/V not (quantised "
+            "weights change them by design)"
+        )
 
     # which runners can run here
     active = []
@@ -350,7 +474,8 @@ def compare_export(
                 tick = lambda: bar.update(1)  # noqa: E731
                 if n == "torch":
                     rs.append(TorchRunner(module, kv_dtype, name="torch", on_infer=tick))
-                elif n == "onnxruntime" and layouts.get(graph) == "bhsd":
+                elif n == "onnxruntime" and (layouts.get(graph) == "bhsd" or report.quant is not None):
+                    # the runtime's own session (QDQ MatMuls kept exact, see OrtEngine)
                     rs.append(OrtEngineRunner(man.path(fname), kv_dtype, name="onnxruntime", on_infer=tick))
                 elif n == "onnxruntime":
                     rs.append(
@@ -367,12 +492,18 @@ def compare_export(
                 results = Comparator.run(rs, data_loader=data)
                 ref = 0
                 comps = [(i, ref) for i in range(len(rs)) if i != ref]
-                acc = Comparator.compare_accuracy(
-                    results, comparisons=comps, compare_func=SimpleCompareFunc(atol=atol, rtol=rtol)
+                acc = (
+                    [{}]
+                    if report.quant is not None
+                    else Comparator.compare_accuracy(
+                        results, comparisons=comps, compare_func=SimpleCompareFunc(atol=atol, rtol=rtol)
+                    )
                 )
             except PolygraphyException as e:
                 msg = str(e).strip().splitlines()[0] if str(e).strip() else "Polygraphy failed"
                 raise InputError(f"{graph}: {msg}") from None
+            if report.quant is not None:
+                report.rows += _quant_rows(graph, feeds[graph], results, rs[0].name, min_top1, max_rel)
             for pair, iters in acc[0].items():
                 label = f"{pair[0]} vs {pair[1]}"
                 for feed, outs in zip(feeds[graph], iters):
@@ -420,6 +551,7 @@ __all__ = [
     "Row",
     "Feed",
     "DEFAULT_TOLERANCES",
+    "QUANT_TOLERANCES",
     "RUNNERS",
     "STATIC_PATHS",
 ]  # TorchRunner, OrtRunner, TrtEngineRunner: lazily, see __getattr__

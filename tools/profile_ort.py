@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from arborspec.runtime.backends.onnxruntime import qdq_exact_matmul
 from arborspec.runtime.errors import ArborspecError
 
 
@@ -30,6 +31,7 @@ def profile(path: str, tokens: int = 1, past: int = 256, reps: int = 20, threads
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    qdq_exact_matmul(so)  # as OrtEngine does (QDQ MatMuls in float32 unless the env says otherwise)
     so.intra_op_num_threads = threads
     so.enable_profiling = True
     so.profile_file_prefix = tempfile.mkdtemp() + "/ort"
