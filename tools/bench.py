@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from arborspec.runtime.errors import InputError
 
 from .bench_baselines import BASELINES, HFBaselines
+from .bench_peers import PEERS
 from .bench_report import SPLIT_KEYS, _ratio
 
 
@@ -42,7 +43,7 @@ from .bench_report import SPLIT_KEYS, _ratio
 @dataclass
 class BenchConfig:
     name: str
-    kind: str  # "ours" | "hf"
+    kind: str  # "ours" | "hf" (transformers) | "peer" (ONNX Runtime GenAI, llama.cpp)
     mode: str
     tree: str | None = None
     policy: str = "vanilla"
@@ -67,9 +68,9 @@ def build_configs(modes: list[str], trees: list[str], chain: str, baselines: lis
     bad = [m for m in modes if m not in ("vanilla", "chain", "tree")]
     if bad:
         raise InputError(f"unknown mode {bad[0]!r} in --modes (expected vanilla, chain, tree)")
-    badb = [b for b in baselines if b not in BASELINES]
+    badb = [b for b in baselines if b not in BASELINES + PEERS]
     if badb:
-        raise InputError(f"unknown baseline {badb[0]!r} in --baselines (expected {', '.join(BASELINES)})")
+        raise InputError(f"unknown baseline {badb[0]!r} in --baselines (expected {', '.join(BASELINES + PEERS)})")
     cfgs = [BenchConfig("vanilla", "ours", "vanilla", None, "vanilla", 0)]  # always: the reference
     if "chain" in modes:
         pol = parse_tree_spec(chain)
@@ -84,8 +85,9 @@ def build_configs(modes: list[str], trees: list[str], chain: str, baselines: lis
             if any(c.name == pol.spec for c in cfgs):
                 continue  # the same loop already in the list (e.g. chain:4 as chain and as tree)
             cfgs.append(BenchConfig(pol.spec, "ours", "tree", pol.spec, pol.kind, pol.max_nodes))
-    for b in baselines:
-        cfgs.append(BenchConfig(b, "hf", b, None, "hf", None))
+    for b in dict.fromkeys(baselines):
+        kind = "hf" if b in BASELINES else "peer"
+        cfgs.append(BenchConfig(b, kind, b, None, kind, None))
     return cfgs
 
 
@@ -119,23 +121,46 @@ def make_decoders(models, configs: list[BenchConfig], temperature: float, candid
 
 def run_bench(models, configs: list[BenchConfig], prompts: list[dict], *, max_new_tokens: int,
               temperature: float = 0.0, seed: int = 0, hf: HFBaselines | None = None,
+              peers: dict | None = None, skipped: dict | None = None,
               warmup: int = 1, progress: bool = True, log=None) -> tuple[list[dict], list[str]]:
-    """Runs every config on every prompt -> (per_prompt list, warnings)."""
+    """Runs every config on every prompt -> (per_prompt list, warnings).
+
+    `peers`: {config name: runner} for the ONNX Runtime GenAI / llama.cpp baselines
+    (tools/bench_peers.py). A peer that fails while running is dropped with a one-line note
+    (its reason goes into `skipped`), and the others go on."""
     from tqdm import tqdm
 
+    from .bench_peers import _one_line
+
     log = log or (lambda s: print(s, file=sys.stderr))
+    peers = dict(peers or {})
+    skipped = skipped if skipped is not None else {}
     tok = models.tokenizer
     eos = list(tok.meta.get("eos_token_ids") or []) if tok is not None else []
     decs = make_decoders(models, configs, temperature)
-    run_cfgs = [c for c in configs if c.kind == "ours" or hf is not None]
+    runner = {c.name: (hf if c.kind == "hf" else peers.get(c.name)) for c in configs if c.kind != "ours"}
+    run_cfgs = [c for c in configs if c.kind == "ours" or runner.get(c.name) is not None]
+
+    def peer_failed(c, e):
+        reason = f"failed while running ({_one_line(e)})"
+        skipped[c.name] = reason
+        log(f"arborspec bench: note: {c.name} skipped: {reason}")
+        run_cfgs.remove(c)
+
     if warmup and prompts:
         w = prompts[0]["ids"][-32:]
-        for c in run_cfgs:
+        for c in list(run_cfgs):
             for _ in range(warmup):
                 if c.kind == "ours":
                     decs[c.name].generate(w, min(8, max_new_tokens), [], seed)
-                else:
-                    hf.run(c.name, w, min(4, max_new_tokens), [], temperature, seed)
+                    continue
+                try:
+                    runner[c.name].run(c.name, w, min(4, max_new_tokens), [], temperature, seed)
+                except Exception as e:  # noqa: BLE001 - a peer's failure must not stop the bench
+                    if c.kind != "peer":
+                        raise
+                    peer_failed(c, e)
+                    break
     warnings: list[str] = []
     per_prompt = []
     bar = tqdm(total=len(prompts) * len(run_cfgs), desc="bench", unit="run", disable=not progress,
@@ -143,13 +168,20 @@ def run_bench(models, configs: list[BenchConfig], prompts: list[dict], *, max_ne
     try:
         for p in prompts:
             runs: dict[str, dict] = {}
-            for c in run_cfgs:
+            for c in list(run_cfgs):
                 bar.set_postfix_str(f"{p['id']} | {c.name}", refresh=False)
                 if c.kind == "ours":
                     res = decs[c.name].generate(p["ids"], max_new_tokens, eos, seed)
                     runs[c.name] = _our_run(res.stats, res.tokens, res.stop_reason)
                 else:
-                    runs[c.name] = hf.run(c.name, p["ids"], max_new_tokens, eos, temperature, seed)
+                    try:
+                        runs[c.name] = runner[c.name].run(c.name, p["ids"], max_new_tokens, eos, temperature, seed)
+                    except Exception as e:  # noqa: BLE001 - a peer's failure must not stop the bench
+                        if c.kind != "peer":
+                            raise
+                        peer_failed(c, e)
+                        for done in per_prompt:
+                            done["runs"].pop(c.name, None)
                 bar.update(1)
             van = runs["vanilla"]
             hfg = runs.get("hf-greedy")
@@ -159,18 +191,22 @@ def run_bench(models, configs: list[BenchConfig], prompts: list[dict], *, max_ne
                 r["speedup_vs_hf_greedy"] = _ratio(r["tokens_per_s"], hfg["tokens_per_s"]) if hfg else None
                 if temperature > 0:
                     r["greedy_match"] = None
+                    r["agree_prefix"] = None
                     continue
                 r["greedy_match"] = r["tokens"] == van["tokens"]
+                # output quality: how many leading tokens equal our vanilla's
+                r["agree_prefix"] = next((j for j, (a, b) in enumerate(zip(r["tokens"], van["tokens"])) if a != b),
+                                         min(len(r["tokens"]), len(van["tokens"])))
                 if not r["greedy_match"]:
-                    i = next((j for j, (a, b) in enumerate(zip(r["tokens"], van["tokens"])) if a != b),
-                             min(len(r["tokens"]), len(van["tokens"])))
+                    i = r["agree_prefix"]
                     msg = (f"greedy mismatch: {c.name} differs from vanilla on prompt {p['id']!r} at new "
                            f"token {i}")
                     if c.kind == "ours":
                         msg = "WARNING " + msg + " (only an fp near-tie can cause this: check it)"
                         log(msg)
                     else:
-                        msg = "note: " + msg + " (transformers reference; fp differences possible)"
+                        who = "transformers" if c.kind == "hf" else "another implementation"
+                        msg = "note: " + msg + f" ({who}; fp differences possible)"
                     warnings.append(msg)
             entry = {"id": p["id"], "category": p["category"], "prompt_tokens": len(p["ids"]), "runs": runs}
             if tok is not None:
@@ -179,5 +215,3 @@ def run_bench(models, configs: list[BenchConfig], prompts: list[dict], *, max_ne
     finally:
         bar.close()
     return per_prompt, warnings
-
-
