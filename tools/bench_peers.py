@@ -132,6 +132,7 @@ def _gguf_to_hf(mdir: Path, gguf: str, out: Path) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(str(mdir), gguf_file=gguf, dtype=torch.float32,
                                                  local_files_only=True)
     # the weights are dequantised: drop the GGUF quantiser so the folder is a plain fp32 checkpoint

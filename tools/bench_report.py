@@ -149,7 +149,7 @@ def format_table(results: dict) -> str:
         lines.append(
             f"| {name} | {_f(c.get('max_nodes'), '{}')} | {_f(a['tokens_per_s_median'], '{:.1f}')} | "
             f"{_f(a['tokens_per_s_total'], '{:.1f}')} | {_f(a['speedup_vs_vanilla_median'])}x / "
-            f"{_f(a['speedup_vs_vanilla_total'])}x | {_f(a['speedup_vs_hf_greedy_total'])}x | "
+            f"{_f(a['speedup_vs_vanilla_total'])}x | {_f(a['speedup_vs_hf_greedy_total'], '{:.2f}x')} | "
             f"{_f(a['mean_accepted'])} | {a['target_calls']} | "
             + " / ".join(_f(mpt[k], '{:.1f}') for k in SPLIT_KEYS)
             + f" | {_f(a['overhead_per_step_ms'])} | "
