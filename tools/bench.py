@@ -1,8 +1,8 @@
-"""Benchmarks: vanilla vs chain vs tree decoding, and the Hugging Face alternatives, side by side.
+"""Benchmarks: vanilla vs chain vs tree decoding, and the alternatives a user would pick, side by side.
 
 Role: none inside a decoding step; this measures steps. Every configuration (our vanilla, our
 chain, each tree policy, and optionally transformers' greedy / assisted / prompt-lookup
-generation) runs on every prompt in one process, on the same engines and machine, one prompt at
+generation, ONNX Runtime GenAI and llama.cpp) runs on every prompt in one process, on the same engines and machine, one prompt at
 a time (all configurations of prompt 1, then of prompt 2, ...), so slow drifts of the machine
 hit every configuration alike.
 
@@ -15,16 +15,21 @@ Measurement
   plus the first token), tokens/s = (new tokens - 1) / decode time. Target and assistant
   forward calls are counted and timed with forward hooks (verify / draft time, same
   subtraction), so mean accepted = new tokens / target forward calls.
+- peers (tools/bench_peers.py: ort-genai*, llama-cpp*): the same prompt ids, greedy; prefill =
+  until their first new token, decode = the rest, tokens/s = (new tokens - 1) / decode time.
 - aggregate per configuration: the median over prompts AND the total (sum of tokens / sum of
   decode time); speed-up vs our vanilla (median of per-prompt ratios, and ratio of totals)
   and vs hf-greedy.
 - greedy check (temperature 0): every one of our configurations must produce vanilla's tokens
   exactly (`greedy_match`); a mismatch is printed as a WARNING (only fp near-ties can cause
   one). For hf-* baselines the same comparison is recorded (`greedy_match`) for information:
-  transformers is a different implementation, fp differences there are not our bug.
+  transformers is a different implementation, fp differences there are not our bug. Every
+  run also records `agree_prefix` (leading tokens equal to vanilla's): the table shows, for a
+  baseline, prompts identical to vanilla / prompts (share of vanilla's tokens in agreeing
+  prefixes), so a faster peer that decodes other tokens (int4, 8-bit activations) is visible.
 
 This module runs the measurements; tools/bench_baselines.py holds the transformers
-baselines, tools/bench_report.py the JSON schema (`SCHEMA`), aggregation, table and plot,
+baselines, tools/bench_peers.py ONNX Runtime GenAI and llama.cpp, tools/bench_report.py the JSON schema (`SCHEMA`), aggregation, table and plot,
 tools/prompts.py the prompt sets, tools/cmd_bench.py the command line.
 """
 from __future__ import annotations

@@ -298,6 +298,10 @@ class LlamaCppRunner:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
             kw["draft_model"] = LlamaPromptLookupDecoding(max_ngram_size=2, num_pred_tokens=lookup_tokens)
+            # a draft turns on logits for every position, but llama-cpp-python 0.3.36 sizes its
+            # logits buffer from this argument (n_batch rows when False): prompts longer than
+            # n_batch then fail ("could not broadcast ... into shape (0,)"); measured on SmolLM2
+            kw["logits_all"] = True
         t0 = time.perf_counter()
         try:
             self.llm = llama_cpp.Llama(model_path=str(gguf_path), n_threads=threads, n_threads_batch=threads,
