@@ -202,11 +202,8 @@ def test_bench_ort_genai_on_tiny_hf_folder(tiny, tmp_path, monkeypatch, capsys):
     assert "building" not in capsys.readouterr().err  # the cached model is reused
 
 
-def test_bench_peers_on_tiny_gguf(tmp_path, monkeypatch, capsys):
-    """A tiny GGUF with a vocabulary: GenAI through the transformers-written HF folder, and
-    llama.cpp (plain and prompt lookup) on the file itself, all giving our vanilla's tokens."""
-    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai not installed (pip install 'arborspec[peers]')")
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install 'arborspec[peers]')")
+def _tiny_gguf(path):
+    """A tiny random Llama GGUF (F32) with a byte-level BPE vocabulary llama.cpp and transformers load."""
     transformers = pytest.importorskip("transformers")
     from test_loaders import write_tiny_gguf
     from test_tokenizer import synthetic_meta
@@ -214,7 +211,7 @@ def test_bench_peers_on_tiny_gguf(tmp_path, monkeypatch, capsys):
     meta = synthetic_meta()
     cfg = transformers.LlamaConfig(vocab_size=len(meta["tokenizer.ggml.tokens"]), hidden_size=64,
                                    intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+                                   num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
                                    rms_norm_eps=1e-5)
     torch.manual_seed(0)
     m = transformers.LlamaForCausalLM(cfg).eval()
@@ -222,7 +219,15 @@ def test_bench_peers_on_tiny_gguf(tmp_path, monkeypatch, capsys):
         for name, p in m.named_parameters():
             if "norm" not in name:
                 p.mul_(3.0)
-    gguf_path = write_tiny_gguf(m, tmp_path / "tiny.gguf", tied=False, tokenizer=meta)
+    return write_tiny_gguf(m, path, tied=False, tokenizer=meta)
+
+
+def test_bench_peers_on_tiny_gguf(tmp_path, monkeypatch, capsys):
+    """A tiny GGUF with a vocabulary: GenAI through the transformers-written HF folder, and
+    llama.cpp (plain and prompt lookup) on the file itself, all giving our vanilla's tokens."""
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai not installed (pip install 'arborspec[peers]')")
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install 'arborspec[peers]')")
+    gguf_path = _tiny_gguf(tmp_path / "tiny.gguf")
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(PROMPTS))
     monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
@@ -238,6 +243,19 @@ def test_bench_peers_on_tiny_gguf(tmp_path, monkeypatch, capsys):
             assert p["runs"][name]["tokens"] == p["runs"]["vanilla"]["tokens"], (name, p["id"])
     # prompt lookup verifies several tokens per call on the repetitive prompt
     assert res["per_prompt"][2]["runs"]["llama-cpp-lookup"]["mean_accepted"] > 1.0
+
+
+def test_llama_cpp_lookup_prompt_longer_than_a_batch(tmp_path):
+    """llama-cpp-python 0.3.36 with a draft and logits_all=False sizes its logits buffer to n_batch
+    rows: a prompt longer than 512 tokens failed (found on SmolLM2's summaries)."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install 'arborspec[peers]')")
+    from arborspec.tools.bench_peers import LlamaCppRunner
+
+    gguf_path = _tiny_gguf(tmp_path / "tiny.gguf")
+    prompt = [int(x) for x in torch.randint(3, 200, (600,), generator=torch.Generator().manual_seed(1))]
+    plain = LlamaCppRunner(gguf_path, 1, 640, lookup=False).run("llama-cpp", prompt, 8, [], 0.0, 0)
+    look = LlamaCppRunner(gguf_path, 1, 640, lookup=True).run("llama-cpp-lookup", prompt, 8, [], 0.0, 0)
+    assert look["tokens"] == plain["tokens"] and len(plain["tokens"]) == 8
 
 
 def test_bench_missing_or_failing_peer_is_one_line(tiny, tmp_path, monkeypatch, capsys):
