@@ -221,3 +221,196 @@ def test_packaged_prompts():
     assert {"chat", "code", "summarisation", "repetitive"} <= cats
     assert len(entries) >= 25
     assert sum(1 for e in entries if e["category"] == "summarisation" and len(e["text"]) > 4000) >= 3
+
+
+# ---------------------------------------------------------------------------------- peers
+def _tiny_word_tokenizer(folder, vocab: int):
+    """A word-level tokenizer (w0 .. w{vocab-1}) saved with transformers: what the GenAI model
+    builder needs next to the weights of a Hugging Face folder."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tk = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tk, unk_token="w0", bos_token="w1", eos_token="w2"
+    ).save_pretrained(folder)
+
+
+def _peer_bench(model, prompts, out, baselines, extra=()):
+    return main(
+        [
+            "bench",
+            "--model",
+            str(model),
+            "--modes",
+            "vanilla",
+            "--prompts",
+            str(prompts),
+            "--limit-prompts",
+            "3",
+            "--max-new-tokens",
+            "12",
+            "--warmup",
+            "1",
+            "--threads",
+            "1",
+            "--baselines",
+            baselines,
+            "--no-progress",
+            "--json",
+            str(out),
+            *extra,
+        ]
+    )
+
+
+def test_bench_ort_genai_on_tiny_hf_folder(tiny, tmp_path, monkeypatch, capsys):
+    """ort-genai: GenAI's model builder on a tiny random HF Llama folder (+ tokenizer); fp32 greedy
+    gives our vanilla's tokens; the built model is cached (a second bench does not rebuild)."""
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai not installed (pip install 'arborspec[peers]')")
+    import shutil
+
+    _, folder, prompts = tiny
+    hf = tmp_path / "tiny-llama-tok"
+    shutil.copytree(folder, hf)
+    _tiny_word_tokenizer(hf, 96)
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "genai.json"
+    assert _peer_bench(hf, prompts, out, "ort-genai,ort-genai-ngram,ort-genai-int4") == 0
+    table, err = capsys.readouterr()
+    assert "building the ONNX Runtime GenAI fp32 model" in err and "Traceback" not in err
+    res = json.loads(out.read_text())
+    assert [c["name"] for c in res["configs"]] == ["vanilla", "ort-genai", "ort-genai-ngram", "ort-genai-int4"]
+    assert [c["kind"] for c in res["configs"]] == ["ours", "peer", "peer", "peer"]
+    assert res["meta"]["skipped"] == {}
+    assert res["meta"]["versions"]["onnxruntime-genai"]
+    peer = res["meta"]["peers"]["ort-genai"]
+    assert peer["version"] == res["meta"]["versions"]["onnxruntime-genai"]
+    assert peer["build"]["precision"] == "fp32" and peer["eos"] == [2]
+    assert res["meta"]["peers"]["ort-genai-ngram"]["speculative_options"]["ngram_size"] == 2
+    for p in res["per_prompt"]:
+        van = p["runs"]["vanilla"]
+        for name in ("ort-genai", "ort-genai-ngram"):  # fp32, the same weights: the same tokens
+            r = p["runs"][name]
+            assert r["tokens"] == van["tokens"], (name, p["id"])
+            assert r["greedy_match"] is True and r["agree_prefix"] == len(van["tokens"])
+            assert r["stop_reason"] == van["stop_reason"] and r["tokens_per_s"] > 0
+        assert 1 <= p["runs"]["ort-genai-int4"]["new_tokens"] <= 12
+        assert "peer_stats" in p["runs"]["ort-genai-ngram"]
+    agg = res["aggregate"]["configs"]
+    assert agg["ort-genai"]["identical_prompts"] == 3 and agg["ort-genai"]["agree_prefix_frac"] == pytest.approx(1.0)
+    assert res["aggregate"]["greedy_match"] is True  # our configurations
+    assert "| ort-genai | — |" in table and "3/3 (100%)" in table
+    cached = sorted(p.name for p in (tmp_path / "cache" / "peers").iterdir())
+    assert len(cached) == 2 and all(not n.startswith(".") for n in cached)  # fp32 + int4, no leftovers
+    assert _peer_bench(hf, prompts, out, "ort-genai") == 0
+    assert "building" not in capsys.readouterr().err  # the cached model is reused
+
+
+def _tiny_gguf(path):
+    """A tiny random Llama GGUF (F32) with a byte-level BPE vocabulary llama.cpp and transformers load."""
+    transformers = pytest.importorskip("transformers")
+    from test_loaders import write_tiny_gguf
+    from test_tokenizer import synthetic_meta
+
+    meta = synthetic_meta()
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(meta["tokenizer.ggml.tokens"]),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+    )
+    torch.manual_seed(0)
+    m = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" not in name:
+                p.mul_(3.0)
+    return write_tiny_gguf(m, path, tied=False, tokenizer=meta)
+
+
+def test_bench_peers_on_tiny_gguf(tmp_path, monkeypatch, capsys):
+    """A tiny GGUF with a vocabulary: GenAI through the transformers-written HF folder, and
+    llama.cpp (plain and prompt lookup) on the file itself, all giving our vanilla's tokens."""
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai not installed (pip install 'arborspec[peers]')")
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install 'arborspec[peers]')")
+    gguf_path = _tiny_gguf(tmp_path / "tiny.gguf")
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(PROMPTS))
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "peers.json"
+    assert _peer_bench(gguf_path, prompts, out, "ort-genai,llama-cpp,llama-cpp-lookup") == 0
+    assert "Traceback" not in capsys.readouterr().err
+    res = json.loads(out.read_text())
+    assert res["meta"]["skipped"] == {}
+    assert res["meta"]["peers"]["llama-cpp"]["version"] == res["meta"]["versions"]["llama-cpp-python"]
+    assert res["meta"]["peers"]["llama-cpp-lookup"]["draft"]["LlamaPromptLookupDecoding"]["num_pred_tokens"] == 10
+    for p in res["per_prompt"]:
+        for name in ("ort-genai", "llama-cpp", "llama-cpp-lookup"):
+            assert p["runs"][name]["tokens"] == p["runs"]["vanilla"]["tokens"], (name, p["id"])
+    # prompt lookup verifies several tokens per call on the repetitive prompt
+    assert res["per_prompt"][2]["runs"]["llama-cpp-lookup"]["mean_accepted"] > 1.0
+
+
+def test_llama_cpp_lookup_prompt_longer_than_a_batch(tmp_path):
+    """llama-cpp-python 0.3.36 with a draft and logits_all=False sizes its logits buffer to n_batch
+    rows: a prompt longer than 512 tokens failed (found on SmolLM2's summaries)."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install 'arborspec[peers]')")
+    from arborspec.tools.bench_peers import LlamaCppRunner
+
+    gguf_path = _tiny_gguf(tmp_path / "tiny.gguf")
+    prompt = [int(x) for x in torch.randint(3, 200, (600,), generator=torch.Generator().manual_seed(1))]
+    plain = LlamaCppRunner(gguf_path, 1, 640, lookup=False).run("llama-cpp", prompt, 8, [], 0.0, 0)
+    look = LlamaCppRunner(gguf_path, 1, 640, lookup=True).run("llama-cpp-lookup", prompt, 8, [], 0.0, 0)
+    assert look["tokens"] == plain["tokens"] and len(plain["tokens"]) == 8
+
+
+def test_bench_missing_or_failing_peer_is_one_line(tiny, tmp_path, monkeypatch, capsys):
+    """A peer that is not installed is skipped with one line (and its reason in the JSON); one
+    that fails while running is dropped with one line; the bench goes on and exits 0."""
+    import sys
+
+    from arborspec.tools import bench_peers
+
+    _, folder, prompts = tiny
+    monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)  # import fails
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    monkeypatch.setattr(bench_peers, "pkg_version", lambda pkg: None)
+    out = tmp_path / "missing.json"
+    assert _peer_bench(folder, prompts, out, "ort-genai,ort-genai-int4,llama-cpp,llama-cpp-lookup") == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for name, pkg in (
+        ("ort-genai", "onnxruntime-genai"),
+        ("ort-genai-int4", "onnxruntime-genai"),
+        ("llama-cpp", "llama-cpp-python"),
+        ("llama-cpp-lookup", "llama-cpp-python"),
+    ):
+        lines = [ln for ln in err.splitlines() if f" {name} skipped:" in ln]
+        assert len(lines) == 1, (name, err)
+        assert f"{pkg} is not installed" in lines[0]
+    res = json.loads(out.read_text())
+    assert [c["name"] for c in res["configs"]] == ["vanilla"]
+    assert set(res["meta"]["skipped"]) == {"ort-genai", "ort-genai-int4", "llama-cpp", "llama-cpp-lookup"}
+    assert "pip install 'arborspec[peers]'" in res["meta"]["skipped"]["llama-cpp"]
+
+    class Boom:
+        def run(self, *a):
+            raise RuntimeError("model exploded\nsecond line")
+
+    monkeypatch.setattr(bench_peers, "open_peers", lambda names, *a, **k: ({"llama-cpp": Boom()}, {}, {}))
+    assert _peer_bench(folder, prompts, out, "llama-cpp") == 0
+    err = capsys.readouterr().err
+    assert [ln for ln in err.splitlines() if "llama-cpp skipped" in ln] == [
+        "arborspec bench: note: llama-cpp skipped: failed while running (RuntimeError: second line)"
+    ]
+    res = json.loads(out.read_text())
+    assert [c["name"] for c in res["configs"]] == ["vanilla"]
+    assert all(set(p["runs"]) == {"vanilla"} for p in res["per_prompt"])
+    assert res["meta"]["skipped"]["llama-cpp"].startswith("failed while running")

@@ -33,8 +33,10 @@ def contract_call(module, cfg, ids):
         return module(ids, torch.arange(t).expand(b, t), mask, *empty)[0]
 
 
-def write_tiny_gguf(hf_model, path, tied: bool):
-    """A llama GGUF with F32 tensors the way llama.cpp's converter lays them out."""
+def write_tiny_gguf(hf_model, path, tied: bool, tokenizer: dict | None = None):
+    """A llama GGUF with F32 tensors the way llama.cpp's converter lays them out (and, given
+    `tokenizer` = GGUF tokenizer metadata such as test_tokenizer.synthetic_meta(), a vocabulary
+    llama.cpp and transformers can load)."""
     import gguf
 
     c = hf_model.config
@@ -52,6 +54,14 @@ def write_tiny_gguf(hf_model, path, tied: bool):
     w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if tokenizer is not None:
+        w.add_tokenizer_model(tokenizer["tokenizer.ggml.model"])
+        w.add_tokenizer_pre(tokenizer["tokenizer.ggml.pre"])
+        w.add_token_list(tokenizer["tokenizer.ggml.tokens"])
+        w.add_token_merges(tokenizer["tokenizer.ggml.merges"])
+        w.add_token_types(tokenizer["tokenizer.ggml.token_type"])
+        w.add_chat_template(tokenizer["tokenizer.chat_template"])
+        w.add_add_bos_token(bool(tokenizer.get("tokenizer.ggml.add_bos_token", False)))
     names = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",

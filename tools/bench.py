@@ -1,8 +1,8 @@
-"""Benchmarks: vanilla vs chain vs tree decoding, and the Hugging Face alternatives, side by side.
+"""Benchmarks: vanilla vs chain vs tree decoding, and the alternatives a user would pick, side by side.
 
 Role: none inside a decoding step; this measures steps. Every configuration (our vanilla, our
 chain, each tree policy, and optionally transformers' greedy / assisted / prompt-lookup
-generation) runs on every prompt in one process, on the same engines and machine, one prompt at
+generation, ONNX Runtime GenAI and llama.cpp) runs on every prompt in one process, on the same engines and machine, one prompt at
 a time (all configurations of prompt 1, then of prompt 2, ...), so slow drifts of the machine
 hit every configuration alike.
 
@@ -15,16 +15,21 @@ Measurement
   plus the first token), tokens/s = (new tokens - 1) / decode time. Target and assistant
   forward calls are counted and timed with forward hooks (verify / draft time, same
   subtraction), so mean accepted = new tokens / target forward calls.
+- peers (tools/bench_peers.py: ort-genai*, llama-cpp*): the same prompt ids, greedy; prefill =
+  until their first new token, decode = the rest, tokens/s = (new tokens - 1) / decode time.
 - aggregate per configuration: the median over prompts AND the total (sum of tokens / sum of
   decode time); speed-up vs our vanilla (median of per-prompt ratios, and ratio of totals)
   and vs hf-greedy.
 - greedy check (temperature 0): every one of our configurations must produce vanilla's tokens
   exactly (`greedy_match`); a mismatch is printed as a WARNING (only fp near-ties can cause
   one). For hf-* baselines the same comparison is recorded (`greedy_match`) for information:
-  transformers is a different implementation, fp differences there are not our bug.
+  transformers is a different implementation, fp differences there are not our bug. Every
+  run also records `agree_prefix` (leading tokens equal to vanilla's): the table shows, for a
+  baseline, prompts identical to vanilla / prompts (share of vanilla's tokens in agreeing
+  prefixes), so a faster peer that decodes other tokens (int4, 8-bit activations) is visible.
 
 This module runs the measurements; tools/bench_baselines.py holds the transformers
-baselines, tools/bench_report.py the JSON schema (`SCHEMA`), aggregation, table and plot,
+baselines, tools/bench_peers.py ONNX Runtime GenAI and llama.cpp, tools/bench_report.py the JSON schema (`SCHEMA`), aggregation, table and plot,
 tools/prompts.py the prompt sets, tools/cmd_bench.py the command line.
 """
 
@@ -36,6 +41,7 @@ from dataclasses import dataclass
 from arborspec.runtime.errors import InputError
 
 from .bench_baselines import BASELINES, HFBaselines
+from .bench_peers import PEERS
 from .bench_report import SPLIT_KEYS, _ratio
 
 
@@ -43,7 +49,7 @@ from .bench_report import SPLIT_KEYS, _ratio
 @dataclass
 class BenchConfig:
     name: str
-    kind: str  # "ours" | "hf"
+    kind: str  # "ours" | "hf" (transformers) | "peer" (ONNX Runtime GenAI, llama.cpp)
     mode: str
     tree: str | None = None
     policy: str = "vanilla"
@@ -74,9 +80,9 @@ def build_configs(modes: list[str], trees: list[str], chain: str, baselines: lis
     bad = [m for m in modes if m not in ("vanilla", "chain", "tree")]
     if bad:
         raise InputError(f"unknown mode {bad[0]!r} in --modes (expected vanilla, chain, tree)")
-    badb = [b for b in baselines if b not in BASELINES]
+    badb = [b for b in baselines if b not in BASELINES + PEERS]
     if badb:
-        raise InputError(f"unknown baseline {badb[0]!r} in --baselines (expected {', '.join(BASELINES)})")
+        raise InputError(f"unknown baseline {badb[0]!r} in --baselines (expected {', '.join(BASELINES + PEERS)})")
     cfgs = [BenchConfig("vanilla", "ours", "vanilla", None, "vanilla", 0)]  # always: the reference
     if "chain" in modes:
         pol = parse_tree_spec(chain)
@@ -91,8 +97,9 @@ def build_configs(modes: list[str], trees: list[str], chain: str, baselines: lis
             if any(c.name == pol.spec for c in cfgs):
                 continue  # the same loop already in the list (e.g. chain:4 as chain and as tree)
             cfgs.append(BenchConfig(pol.spec, "ours", "tree", pol.spec, pol.kind, pol.max_nodes))
-    for b in baselines:
-        cfgs.append(BenchConfig(b, "hf", b, None, "hf", None))
+    for b in dict.fromkeys(baselines):
+        kind = "hf" if b in BASELINES else "peer"
+        cfgs.append(BenchConfig(b, kind, b, None, kind, None))
     return cfgs
 
 
@@ -149,39 +156,70 @@ def run_bench(
     temperature: float = 0.0,
     seed: int = 0,
     hf: HFBaselines | None = None,
+    peers: dict | None = None,
+    skipped: dict | None = None,
     warmup: int = 1,
     progress: bool = True,
     log=None,
 ) -> tuple[list[dict], list[str]]:
-    """Runs every config on every prompt -> (per_prompt list, warnings)."""
+    """Runs every config on every prompt -> (per_prompt list, warnings).
+
+    `peers`: {config name: runner} for the ONNX Runtime GenAI / llama.cpp baselines
+    (tools/bench_peers.py). A peer that fails while running is dropped with a one-line note
+    (its reason goes into `skipped`), and the others go on."""
     from tqdm import tqdm
 
+    from .bench_peers import _one_line
+
     log = log or (lambda s: print(s, file=sys.stderr))
+    peers = dict(peers or {})
+    skipped = skipped if skipped is not None else {}
     tok = models.tokenizer
     eos = list(tok.meta.get("eos_token_ids") or []) if tok is not None else []
     decs = make_decoders(models, configs, temperature)
-    run_cfgs = [c for c in configs if c.kind == "ours" or hf is not None]
+    runner = {c.name: (hf if c.kind == "hf" else peers.get(c.name)) for c in configs if c.kind != "ours"}
+    run_cfgs = [c for c in configs if c.kind == "ours" or runner.get(c.name) is not None]
+
+    def peer_failed(c, e):
+        reason = f"failed while running ({_one_line(e)})"
+        skipped[c.name] = reason
+        log(f"arborspec bench: note: {c.name} skipped: {reason}")
+        run_cfgs.remove(c)
+
     if warmup and prompts:
         w = prompts[0]["ids"][-32:]
-        for c in run_cfgs:
+        for c in list(run_cfgs):
             for _ in range(warmup):
                 if c.kind == "ours":
                     decs[c.name].generate(w, min(8, max_new_tokens), [], seed)
-                else:
-                    hf.run(c.name, w, min(4, max_new_tokens), [], temperature, seed)
+                    continue
+                try:
+                    runner[c.name].run(c.name, w, min(4, max_new_tokens), [], temperature, seed)
+                except Exception as e:  # noqa: BLE001 - a peer's failure must not stop the bench
+                    if c.kind != "peer":
+                        raise
+                    peer_failed(c, e)
+                    break
     warnings: list[str] = []
     per_prompt = []
     bar = tqdm(total=len(prompts) * len(run_cfgs), desc="bench", unit="run", disable=not progress, dynamic_ncols=True)
     try:
         for p in prompts:
             runs: dict[str, dict] = {}
-            for c in run_cfgs:
+            for c in list(run_cfgs):
                 bar.set_postfix_str(f"{p['id']} | {c.name}", refresh=False)
                 if c.kind == "ours":
                     res = decs[c.name].generate(p["ids"], max_new_tokens, eos, seed)
                     runs[c.name] = _our_run(res.stats, res.tokens, res.stop_reason)
                 else:
-                    runs[c.name] = hf.run(c.name, p["ids"], max_new_tokens, eos, temperature, seed)
+                    try:
+                        runs[c.name] = runner[c.name].run(c.name, p["ids"], max_new_tokens, eos, temperature, seed)
+                    except Exception as e:  # noqa: BLE001 - a peer's failure must not stop the bench
+                        if c.kind != "peer":
+                            raise
+                        peer_failed(c, e)
+                        for done in per_prompt:
+                            done["runs"].pop(c.name, None)
                 bar.update(1)
             van = runs["vanilla"]
             hfg = runs.get("hf-greedy")
@@ -191,19 +229,23 @@ def run_bench(
                 r["speedup_vs_hf_greedy"] = _ratio(r["tokens_per_s"], hfg["tokens_per_s"]) if hfg else None
                 if temperature > 0:
                     r["greedy_match"] = None
+                    r["agree_prefix"] = None
                     continue
                 r["greedy_match"] = r["tokens"] == van["tokens"]
+                # output quality: how many leading tokens equal our vanilla's
+                r["agree_prefix"] = next(
+                    (j for j, (a, b) in enumerate(zip(r["tokens"], van["tokens"])) if a != b),
+                    min(len(r["tokens"]), len(van["tokens"])),
+                )
                 if not r["greedy_match"]:
-                    i = next(
-                        (j for j, (a, b) in enumerate(zip(r["tokens"], van["tokens"])) if a != b),
-                        min(len(r["tokens"]), len(van["tokens"])),
-                    )
+                    i = r["agree_prefix"]
                     msg = f"greedy mismatch: {c.name} differs from vanilla on prompt {p['id']!r} at new token {i}"
                     if c.kind == "ours":
                         msg = "WARNING " + msg + " (only an fp near-tie can cause this: check it)"
                         log(msg)
                     else:
-                        msg = "note: " + msg + " (transformers reference; fp differences possible)"
+                        who = "transformers" if c.kind == "hf" else "another implementation"
+                        msg = "note: " + msg + f" ({who}; fp differences possible)"
                     warnings.append(msg)
             entry = {"id": p["id"], "category": p["category"], "prompt_tokens": len(p["ids"]), "runs": runs}
             if tok is not None:

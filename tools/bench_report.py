@@ -22,26 +22,33 @@ SCHEMA = """\
 {
   "schema_version": 1,
   "meta": {"machine": {"platform", "processor", "cpu_count", "torch_threads", "device"},
-           "backend", "model", "draft", "source", "versions": {python, arborspec, torch, ...},
+           "backend", "model", "draft", "source", "versions": {python, arborspec, torch,
+           onnxruntime, onnxruntime-genai, llama-cpp-python, ...},
            "command", "args": {...}, "date" (ISO 8601 UTC), "temperature", "max_new_tokens",
-           "seed", "prompts_file", "notes": [str]},
-  "configs": [{"name", "kind": "ours"|"hf", "mode": "vanilla"|"chain"|"tree"|"hf-greedy"|...,
-               "tree": spec|null, "policy": "vanilla"|"chain"|"full"|"beam"|"dynamic"|"static"|"hf",
-               "max_nodes": int (tree budget; 0 for vanilla; null for hf)}],
+           "seed", "prompts_file", "notes": [str],
+           "peers": {peer name: {"package", "version", model folder/file, threads, options}},
+           "skipped": {baseline name: one-line reason it did not run}},
+  "configs": [{"name", "kind": "ours"|"hf"|"peer", "mode": "vanilla"|"chain"|"tree"|"hf-greedy"|
+               "ort-genai"|"llama-cpp"|...,
+               "tree": spec|null, "policy": "vanilla"|"chain"|"full"|"beam"|"dynamic"|"static"|"hf"|"peer",
+               "max_nodes": int (tree budget; 0 for vanilla; null for hf and peers)}],
   "per_prompt": [{"id", "category", "prompt_tokens", "text" (vanilla's output, if a tokenizer),
                   "runs": {config name: RUN}}],
       RUN = {"new_tokens", "tokens_per_s", "speedup_vs_vanilla", "speedup_vs_hf_greedy",
              "mean_accepted", "target_calls", "draft_calls", "steps", "tree_nodes",
              "decode_s", "prefill_s", "time_split": {"draft_s", "verify_s", "accept_kv_s",
              "other_s"}, "draft_model_s", "overhead_per_step_ms", "accepted_hist": {"k": count},
-             "stop_reason", "greedy_match": bool|null, "tokens": [int]}
+             "stop_reason", "greedy_match": bool|null, "agree_prefix": int|null (leading
+             tokens equal to vanilla's), "tokens": [int], "peer_stats": {...} (GenAI n-gram only)}
   "aggregate": {"configs": {config name: {"prompts", "new_tokens", "decode_s",
                  "tokens_per_s_median", "tokens_per_s_total", "speedup_vs_vanilla_median",
                  "speedup_vs_vanilla_total", "speedup_vs_hf_greedy_median",
                  "speedup_vs_hf_greedy_total", "mean_accepted", "target_calls", "draft_calls",
                  "time_split": {...seconds, summed}, "time_split_frac": {...},
                  "ms_per_token": {...split per generated token}, "overhead_per_step_ms",
-                 "accepted_hist": {...summed}, "greedy_match": bool|null}},
+                 "accepted_hist": {...summed}, "greedy_match": bool|null,
+                 "identical_prompts": int|null (prompts whose tokens equal vanilla's),
+                 "agree_prefix_frac": float|null (sum of agree_prefix / sum of vanilla's tokens)}},
                 "greedy_match": bool|null (all of our configs on all prompts),
                 "by_category": {category: {config name: {"tokens_per_s_median",
                                 "speedup_vs_vanilla_median", "mean_accepted"}}}}
@@ -59,13 +66,14 @@ def _median(xs):
 
 def aggregate(per_prompt: list[dict], configs: list) -> dict:
     names = [c.name for c in configs if per_prompt and c.name in per_prompt[0]["runs"]]
+    kinds = {c.name: c.kind for c in configs}
     out: dict[str, dict] = {}
     for name in names:
         runs = [p["runs"][name] for p in per_prompt]
         new = sum(r["new_tokens"] for r in runs)
-        hf = name.startswith("hf-")
-        # hf: the first token comes with the prefill, so (new - 1) tokens over the decode time
-        dec_tokens = sum(max(r["new_tokens"] - 1, 0) for r in runs) if hf else new
+        # hf and peers: the first token comes with the prefill, so (new - 1) tokens over the decode time
+        baseline = kinds.get(name, "ours") != "ours"
+        dec_tokens = sum(max(r["new_tokens"] - 1, 0) for r in runs) if baseline else new
         dec_s = sum(r["decode_s"] for r in runs)
         steps = sum(r["steps"] or 0 for r in runs)
         split = {k: sum(r["time_split"][k] for r in runs) for k in SPLIT_KEYS}
@@ -76,6 +84,8 @@ def aggregate(per_prompt: list[dict], configs: list) -> dict:
                 hist[k] = hist.get(k, 0) + v
         own = [r["overhead_per_step_ms"] * r["steps"] for r in runs if r["overhead_per_step_ms"] is not None]
         gm = [r.get("greedy_match") for r in runs]
+        agree = [r.get("agree_prefix") for r in runs]
+        van_tokens = sum(len(p["runs"]["vanilla"]["tokens"]) for p in per_prompt) if "vanilla" in names else 0
         out[name] = {
             "prompts": len(runs),
             "new_tokens": new,
@@ -91,6 +101,10 @@ def aggregate(per_prompt: list[dict], configs: list) -> dict:
             "overhead_per_step_ms": (sum(own) / steps) if own and steps else None,
             "accepted_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
             "greedy_match": None if any(g is None for g in gm) else all(gm),
+            "identical_prompts": None if any(g is None for g in gm) else sum(bool(g) for g in gm),
+            "agree_prefix_frac": (sum(agree) / van_tokens)
+            if van_tokens and all(a is not None for a in agree)
+            else None,
             "ttft_s_median": _median([r.get("ttft_s") for r in runs if r.get("ttft_s") is not None]),
         }
     van = out.get("vanilla", {}).get("tokens_per_s_total")
@@ -136,15 +150,19 @@ def format_table(results: dict) -> str:
         c = cfgs.get(name, {})
         mpt = a["ms_per_token"]
         gm = a["greedy_match"]
+        if c.get("kind", "ours") == "ours" or a.get("identical_prompts") is None:
+            same = "—" if gm is None else ("yes" if gm else "NO")
+        else:  # a baseline: how many prompts agree exactly, and the share of leading tokens that agree
+            same = f"{a['identical_prompts']}/{a['prompts']} ({_f(a.get('agree_prefix_frac'), '{:.0%}')})"
         lines.append(
             f"| {name} | {_f(c.get('max_nodes'), '{}')} | {_f(a['tokens_per_s_median'], '{:.1f}')} | "
             f"{_f(a['tokens_per_s_total'], '{:.1f}')} | {_f(a['speedup_vs_vanilla_median'])}x / "
-            f"{_f(a['speedup_vs_vanilla_total'])}x | {_f(a['speedup_vs_hf_greedy_total'])}x | "
+            f"{_f(a['speedup_vs_vanilla_total'])}x | {_f(a['speedup_vs_hf_greedy_total'], '{:.2f}x')} | "
             f"{_f(a['mean_accepted'])} | {a['target_calls']} | "
             + " / ".join(_f(mpt[k], "{:.1f}") for k in SPLIT_KEYS)
             + f" | {_f(a['overhead_per_step_ms'])} | "
             + f"{_f(None if a.get('ttft_s_median') is None else 1e3 * a['ttft_s_median'], '{:.0f}')} | "
-            + f"{'—' if gm is None else ('yes' if gm else 'NO')} |"
+            + f"{same} |"
         )
     return "\n".join(lines)
 
@@ -173,7 +191,7 @@ def plot(results: dict, path: str | os.PathLike) -> None:
         for x, y, n in pts:
             ax.annotate(n, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.axhline(1.0, color="k", lw=0.8, ls=":", label="our vanilla")
-    for i, c in enumerate(c for c in cfgs if c["kind"] == "hf"):
+    for i, c in enumerate(c for c in cfgs if c["kind"] != "ours"):
         s = agg[c["name"]]["speedup_vs_vanilla_total"]
         if s:
             ax.axhline(s, color=f"C{5 + i}", lw=1, ls="--", label=c["name"])
@@ -243,6 +261,8 @@ def versions() -> dict:
         "onnxruntime-gpu",
         "tensorrt-rtx",
         "tokenizers",
+        "onnxruntime-genai",
+        "llama-cpp-python",
     ):
         try:
             out[pkg] = md.version(pkg)

@@ -1,4 +1,4 @@
-"""`arborspec bench`: vanilla vs chain vs tree (and transformers' alternatives) on the same prompts.
+"""`arborspec bench`: vanilla vs chain vs tree (and transformers', ONNX Runtime GenAI's and llama.cpp's alternatives) on the same prompts.
 
 Role: opens the engines once (tools/engines.py), runs every configuration on every prompt in one
 process (tools/bench.py), prints the aggregate table, and optionally writes the JSON results and
@@ -26,6 +26,14 @@ EXAMPLE = """examples:
   arborspec bench --export-dir ~/.cache/arborspec/exports/smollm2 --backend onnxruntime \\
       --tree full:3,2 --tree dynamic:4,4,16 --limit-prompts 4
   arborspec bench --quality --export-dir out/int4 --reference-export-dir out/fp32 --limit-prompts 8
+  arborspec bench --export-dir ~/.cache/arborspec/exports/smollm2 --backend onnxruntime --modes vanilla \\
+      --baselines ort-genai,ort-genai-int4,llama-cpp,llama-cpp-lookup --limit-prompts 8 --max-new-tokens 64
+baselines: hf-greedy, hf-assisted, hf-lookup (transformers; pip install 'arborspec[bench]');
+ort-genai, ort-genai-int4 (ONNX Runtime GenAI, a model its builder makes from the export's source,
+cached in ~/.cache/arborspec/peers), ort-genai-ngram, ort-genai-int4-ngram (the same with GenAI's
+n-gram speculation), llama-cpp, llama-cpp-lookup (llama-cpp-python on the source GGUF, plain and
+with its prompt-lookup draft): pip install 'arborspec[peers]'. A baseline that is not installed
+or cannot run is skipped with one line saying why (and its reason in the JSON's meta.skipped).
 prompts file: {"prompts": [{"id", "category", "text" (+ "chat": true, "system") | "ids": [int]}]}
 (default: the packaged arborspec/tools/data/prompts.json; --limit-prompts N takes N prompts
 round-robin over the categories)."""
@@ -34,7 +42,7 @@ round-robin over the categories)."""
 def register(sub) -> None:
     p = sub.add_parser(
         "bench",
-        help="benchmark vanilla / chain / tree decoding and HF baselines",
+        help="benchmark vanilla / chain / tree decoding, HF, GenAI and llama.cpp baselines",
         description=__doc__.split("\n")[0],
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -58,8 +66,10 @@ def register(sub) -> None:
     g.add_argument(
         "--baselines",
         default="",
-        help="comma-separated transformers baselines: hf-greedy,hf-assisted,hf-lookup "
-        "(same model file; torch backend, or an export whose manifest names the source)",
+        help="comma-separated baselines on the same model file (torch backend, or an export whose "
+        "manifest names the source): hf-greedy,hf-assisted,hf-lookup (transformers), "
+        "ort-genai,ort-genai-int4,ort-genai-ngram,ort-genai-int4-ngram (ONNX Runtime GenAI), "
+        "llama-cpp,llama-cpp-lookup (llama-cpp-python; needs a GGUF source)",
     )
     g.add_argument(
         "--hf-assistant-layers",
@@ -67,7 +77,13 @@ def register(sub) -> None:
         default=None,
         help="hf-assisted: assistant = the target's first K layers (default: K of --draft layers:K, else 4)",
     )
-    g.add_argument("--hf-lookup-tokens", type=int, default=10, help="hf-lookup: prompt_lookup_num_tokens (10)")
+    g.add_argument(
+        "--hf-lookup-tokens",
+        type=int,
+        default=10,
+        help="draft length of the lookup baselines: hf-lookup's prompt_lookup_num_tokens, "
+        "llama-cpp-lookup's num_pred_tokens, *-ngram's max_draft_tokens (at most 16) (10)",
+    )
     r = p.add_argument_group("run")
     r.add_argument("--prompts", type=Path, default=None, help="prompts JSON file (default: the packaged set)")
     r.add_argument("--limit-prompts", type=int, default=None, help="use N prompts (round-robin over categories)")
@@ -139,7 +155,7 @@ def _command_line(args) -> str:
 def run(args) -> int:
     import torch
 
-    from . import bench, bench_baselines, bench_report
+    from . import bench, bench_baselines, bench_peers, bench_report
     from . import prompts as prompt_sets
 
     if args.max_new_tokens < 1:
@@ -206,10 +222,12 @@ def run(args) -> int:
             except (KeyError, ValueError, FileNotFoundError, TypeError):
                 source = {}
         hf = None
-        if baselines:
+        hf_names = [b for b in baselines if b in bench_baselines.BASELINES]
+        skipped: dict[str, str] = {}
+        if hf_names:
             mdir, gguf, why = bench_baselines.hf_source_path(source)
             if mdir is None:
-                notes.append(f"baselines {', '.join(baselines)} skipped: {why}")
+                skipped.update({n: why for n in hf_names})
                 print(f"arborspec bench: note: HF baselines skipped: {why}", file=sys.stderr)
                 configs = [c for c in configs if c.kind != "hf"]
             else:
@@ -226,6 +244,24 @@ def run(args) -> int:
                     f"transformers model loaded in {hf.load_s:.1f} s"
                     + (f"; hf-assisted assistant = its first {k} layers" if "hf-assisted" in baselines else "")
                 )
+        peer_names = [b for b in baselines if b in bench_peers.PEERS]
+        peers: dict = {}
+        peer_info: dict = {}
+        if peer_names:
+            eos = list(models.tokenizer.meta.get("eos_token_ids") or []) if models.tokenizer is not None else []
+            n_ctx = max(len(p["ids"]) for p in prompts) + args.max_new_tokens + 16
+            peers, peer_info, peer_skips = bench_peers.open_peers(
+                peer_names,
+                source,
+                eos=eos,
+                n_ctx=n_ctx,
+                lookup_tokens=args.hf_lookup_tokens,
+                temperature=args.temperature,
+            )
+            for n, why in peer_skips.items():  # one line each, and the bench goes on without it
+                print(f"arborspec bench: note: {n} skipped: {why}", file=sys.stderr)
+            skipped.update(peer_skips)
+            configs = [c for c in configs if c.kind != "peer" or c.name in peers]
 
         load_before = bench_report.machine(args.device).get("loadavg_1_5_15")
         per_prompt, warnings = bench.run_bench(
@@ -236,9 +272,13 @@ def run(args) -> int:
             temperature=args.temperature,
             seed=args.seed,
             hf=hf,
+            peers=peers,
+            skipped=skipped,
             warmup=args.warmup,
             progress=not args.no_progress,
         )
+        configs = [c for c in configs if c.kind == "ours" or c.name not in skipped]  # peers that failed mid-run
+        skip_notes = [f"{n} skipped: {why}" for n, why in skipped.items()]  # printed once, when it happened
         agg = bench_report.aggregate(per_prompt, configs)
         results = {
             "schema_version": bench_report.SCHEMA_VERSION,
@@ -257,7 +297,9 @@ def run(args) -> int:
                 "max_new_tokens": args.max_new_tokens,
                 "seed": args.seed,
                 "prompts_file": prompts_path,
-                "notes": notes + warnings,
+                "notes": notes + skip_notes + warnings,
+                "peers": peer_info,
+                "skipped": skipped,
             },
             "configs": [c.to_dict() for c in configs],
             "per_prompt": per_prompt,
