@@ -72,7 +72,7 @@ def truncated_draft(module: torch.nn.Module, k: int) -> torch.nn.Module:
 
 
 def parse_draft_spec(spec: str | None) -> tuple[str, Any]:
-    """-> ("layers", K) | ("bigram", None) | ("none", None) | ("model", spec)."""
+    """-> ("layers", K) | ("bigram", None) | ("none", None) | ("eagle3", spec) | ("model", spec)."""
     if spec is None or spec.strip().lower() in ("", "none"):
         return "none", None
     s = spec.strip()
@@ -84,6 +84,8 @@ def parse_draft_spec(spec: str | None) -> tuple[str, Any]:
         return "layers", k
     if s.lower() == "bigram":
         return "bigram", None
+    if s.lower() == "eagle3" or s.lower().startswith("eagle3:"):
+        return "eagle3", s
     return "model", s
 
 
@@ -220,7 +222,7 @@ def export_folder(
         bar.update(1)
 
         stage("build draft")
-        draft_module, draft_entry = None, None
+        draft_module, draft_entry, eagle3_head = None, None, None
         if kind == "layers":
             draft_module = truncated_draft(module, arg)
         elif kind == "model":
@@ -234,6 +236,10 @@ def export_folder(
         elif kind == "bigram":
             draft_entry = _save_bigram(module, tmp / BIGRAM_FILE)
             draft_entry["spec"] = "bigram"
+        elif kind == "eagle3":
+            from arborspec.models.eagle3 import eagle3_folder, load_eagle3
+
+            eagle3_head = load_eagle3(eagle3_folder(arg, model if isinstance(model, str) else None), cfg)
         bar.update(1)
 
         stage("tokenizer")
@@ -257,6 +263,11 @@ def export_folder(
         if attention == "gqa" and why_not:
             raise InputError(f"--attention gqa: {why_not} (use --attention onnx)")
 
+        if eagle3_head is not None and not use_gqa:
+            raise InputError(
+                "--draft eagle3 needs ONNX Runtime's graph (--attention gqa): "
+                + (why_not or "--attention onnx was asked for")
+            )
         if quantize and qformat == "matmulnbits" and not use_gqa:
             raise InputError(
                 "--quantize --format matmulnbits needs ONNX Runtime's graph (--attention gqa): "
@@ -281,6 +292,9 @@ def export_folder(
                     block_size=block_size,
                     accuracy_level=accuracy_level,
                     gguf_path=gguf_path if kind != "model" or role == "target" else None,
+                    feature_layers=eagle3_head.config.aux_layers
+                    if eagle3_head is not None and role == "target"
+                    else None,
                 )
             return export_contract_onnx(
                 m,
@@ -312,6 +326,17 @@ def export_folder(
             draft_entry = graph_entry(tmp, res_d, draft_module.config.to_dict(), spec=draft)
             if draft_topk:
                 draft_entry["topk"] = min(int(draft_topk), draft_module.config.vocab_size)
+        elif eagle3_head is not None:
+            from .eagle3_graph import export_eagle3_head
+
+            embed = module.model.embed_tokens.weight.detach().float()
+            draft_entry = export_eagle3_head(
+                eagle3_head, embed, tmp, max_context, tokenizer_sha256=tok_sha, verify=verify
+            )
+            draft_entry["spec"] = draft
+            for key, name in (("", draft_entry["file"]), ("fc_", draft_entry["fc_file"])):
+                draft_entry[f"{key}bytes"] = (tmp / name).stat().st_size
+                draft_entry[f"{key}sha256"] = sha256_file(tmp / name)
         bar.update(1)
 
         stage("manifest")

@@ -185,6 +185,26 @@ class Eagle3Head(nn.Module):
         return logits, out, k, v
 
 
+# EAGLE-3 heads shipped inside the package (trained by `arborspec train-draft`, see README):
+# registry model name -> folder under arborspec/models/data/
+SHIPPED_HEADS = {"smollm2-135m": "smollm2-135m-eagle3"}
+
+
+def eagle3_folder(spec: str, model: str | None = None) -> Path:
+    """The checkpoint folder a draft spec names: `eagle3` (the head shipped for the registry
+    model `model`) or `eagle3:PATH`. One-line InputError otherwise."""
+    path = spec.split(":", 1)[1].strip() if ":" in spec else ""
+    if path:
+        return Path(path).expanduser()
+    name = str(model or "").strip().lower()
+    if name not in SHIPPED_HEADS:
+        raise InputError(
+            f"--draft eagle3: no EAGLE-3 head is shipped for {model!r} (shipped: {', '.join(SHIPPED_HEADS)}); "
+            "give one with eagle3:PATH (train it with `arborspec train-draft`)"
+        )
+    return Path(__file__).parent / "data" / SHIPPED_HEADS[name]
+
+
 def load_eagle3(folder: str | Path, target_config=None) -> Eagle3Head:
     """An EAGLE-3 head from a public-layout checkpoint folder; checks that it fits the target
     (hidden size, vocabulary, layer ids) with one-line errors."""

@@ -31,6 +31,8 @@ manifest.json:
                 "outputs": [...]},
      "draft": {"kind": "onnx", "spec": "layers:2", ...same keys as target...}
             | {"kind": "bigram", "spec": "bigram", "file": "draft_bigram.safetensors", ...}
+            | {"kind": "eagle3", "spec": "eagle3[:PATH]", "file": "draft.onnx", "fc_file":
+               "draft_fc.onnx", "aux_layers": [...], "draft_vocab_size": N, ...}
             | {"kind": "none"},
      "limits": {"max_context": 2048, "max_tree_nodes": 64},
      "tree_defaults": {"mode": "tree", "tree": "full:3,2"},
@@ -301,6 +303,14 @@ def _check_file_entry(root: Path, entry: dict[str, Any], role: str, check_checks
         raise ExportDirError(f"{f}: size {f.stat().st_size} differs from the manifest's {entry['bytes']}")
     if check_checksums and entry.get("sha256") and sha256_file(f) != entry["sha256"]:
         raise ExportDirError(f"{f}: sha256 differs from the manifest (file changed or corrupt)")
+    if entry.get("kind") == "eagle3":  # the head's second graph: its projection of the target features
+        fc = root / str(entry.get("fc_file") or "")
+        if not entry.get("fc_file") or not fc.is_file():
+            raise MissingFileError(f"{fc}: {role} projection graph listed in the manifest is missing")
+        if "fc_bytes" in entry and fc.stat().st_size != entry["fc_bytes"]:
+            raise ExportDirError(f"{fc}: size {fc.stat().st_size} differs from the manifest's {entry['fc_bytes']}")
+        if check_checksums and entry.get("fc_sha256") and sha256_file(fc) != entry["fc_sha256"]:
+            raise ExportDirError(f"{fc}: sha256 differs from the manifest (file changed or corrupt)")
 
 
 def read_manifest(dir: str | os.PathLike, check_checksums: bool = False) -> Manifest:

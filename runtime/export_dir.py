@@ -98,6 +98,22 @@ def _engine(backend: str, man: Manifest, role: str, device: str, providers, engi
     return TrtEngine(path, device=device if device.startswith("cuda") else "cuda")
 
 
+def _eagle3_draft(backend: str, man: Manifest, target, device: str):
+    """The export's EAGLE-3 head (ONNX Runtime), checked against the target's feature output."""
+    from .drafts_eagle3 import Eagle3Draft, OrtEagle3Head
+
+    if backend != "onnxruntime":
+        raise InputError(f"an EAGLE-3 draft runs on ONNX Runtime for now, not on {backend} (use --backend onnxruntime)")
+    head = OrtEagle3Head(man.path(man.draft["file"]), man.path(man.draft["fc_file"]), device=device)
+    n = getattr(target.info, "n_features", 0)
+    if n != head.feature_size:
+        raise ExportDirError(
+            f"{man.root}: the target graph outputs {n} feature values per token, the EAGLE-3 head reads "
+            f"{head.feature_size}: re-export with --draft eagle3"
+        )
+    return Eagle3Draft(head)
+
+
 def open_export(
     dir: str | os.PathLike,
     backend: str = "onnxruntime",
@@ -148,6 +164,9 @@ def open_export(
             opened.draft = ModelDraft(d)
         elif kind == "bigram":
             opened.draft = load_bigram_table(man.path(man.draft["file"]))
+        elif kind == "eagle3":
+            opened.draft = _eagle3_draft(backend, man, target, device)
+            opened.engines.append(opened.draft.engine.layer)
         elif kind != "none":
             raise ExportDirError(f"unknown draft kind {kind!r} in {man.root / MANIFEST_NAME}")
         opened.tokenizer = load_tokenizer(man) if load_tok else None

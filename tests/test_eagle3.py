@@ -286,3 +286,57 @@ def test_greedy_with_the_exported_eagle3_head_equals_vanilla_on_onnxruntime(targ
         eng, Eagle3Draft(head, target.model.embed_tokens.weight.detach()), mode=mode, tree=spec
     ).generate(prompt, 30)
     assert res.stats.accepted_hist == twin.stats.accepted_hist and res.stats.draft_calls == twin.stats.draft_calls
+
+
+def test_export_folder_with_an_eagle3_draft_decodes_like_vanilla(tmp_path, capsys):
+    """`arborspec export --draft eagle3:CKPT` writes the target with its feature output and the
+    head's two graphs; open_export runs it on ONNX Runtime (greedy == vanilla, from the API and
+    the CLI); the wrong graph form, a missing projection graph and an unshipped model are one line."""
+    pytest.importorskip("onnxruntime")
+    from types import SimpleNamespace
+
+    from arborspec.export.export_folder import export_folder
+    from arborspec.runtime.errors import InputError, MissingFileError
+    from arborspec.runtime.export_dir import open_export
+    from arborspec.tools.cli import main
+
+    m = random_model(tiny_config("llama", vocab=96, layers=4, hidden=64, heads=4, kv=2), seed=3)
+    checkpoint(tmp_path / "ckpt", m.config, 40, seed=5)
+    lm = SimpleNamespace(module=m, config=m.config, tokenizer=None, source={"kind": "test"})
+    out = tmp_path / "exp"
+    s = export_folder(lm, out, f"eagle3:{tmp_path / 'ckpt'}", max_context=256, progress=False)
+    d = s.manifest["draft"]
+    assert d["kind"] == "eagle3" and d["aux_layers"] == default_aux_layers(4)
+    assert (out / d["file"]).is_file() and (out / d["fc_file"]).is_file() and d["max_abs_diff"] < 1e-3
+    prompt = [5, 9, 2, 7, 1]
+    with open_export(out, draft="export", load_tok=False, verify=True) as ex:
+        assert isinstance(ex.draft, Eagle3Draft) and ex.target.info.n_features == 3 * 64
+        ref = SpeculativeDecoder(ex.target, mode="vanilla").generate(prompt, 24).tokens
+        res = SpeculativeDecoder(ex.target, ex.draft, mode="tree", tree="full:2,2").generate(prompt, 24)
+        assert res.tokens == ref and res.stats.draft_calls > 0
+    base = [
+        "generate",
+        "--export-dir",
+        str(out),
+        "--backend",
+        "onnxruntime",
+        "--prompt-ids",
+        "5,9,2,7,1",
+        "--max-new-tokens",
+        "24",
+        "--json",
+    ]
+    assert main(base + ["--mode", "tree", "--tree", "dynamic:3,3,8"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == ref
+
+    with pytest.raises(InputError, match="--attention gqa"):
+        export_folder(lm, tmp_path / "onnx", f"eagle3:{tmp_path / 'ckpt'}", attention="onnx", progress=False)
+    with pytest.raises(InputError, match="no EAGLE-3 head is shipped"):
+        export_folder(lm, tmp_path / "x", "eagle3", progress=False)
+    assert not (tmp_path / "onnx").exists() and not (tmp_path / "x").exists()
+    (out / d["fc_file"]).unlink()
+    with pytest.raises(MissingFileError, match="projection graph"):
+        open_export(out, load_tok=False)
+    assert main(base) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "projection graph" in err

@@ -179,15 +179,12 @@ def _open_torch(model, draft_spec: str | None, device: str, need_draft: bool) ->
 
     loaded = load_model(model)
     spec = (draft_spec or "none").strip()
-    if need_draft and spec.lower().startswith("eagle3:"):
+    if need_draft and (spec.lower() == "eagle3" or spec.lower().startswith("eagle3:")):
         # an EAGLE-3 head reads the target's features: the target module must output them
-        from arborspec.models.eagle3 import load_eagle3
+        from arborspec.models.eagle3 import eagle3_folder, load_eagle3
         from arborspec.runtime.drafts_eagle3 import Eagle3Draft
 
-        path = spec.split(":", 1)[1]
-        if not path:
-            raise UserError("--draft eagle3:PATH needs the checkpoint folder")
-        head = load_eagle3(Path(path).expanduser(), loaded.config)
+        head = load_eagle3(eagle3_folder(spec, str(model)), loaded.config)
         loaded.module.feature_layers = list(head.config.aux_layers)
         target = TorchEngine(loaded.module, device=device)
         draft = Eagle3Draft(head, loaded.module.model.embed_tokens.weight.detach(), device=device)
