@@ -329,6 +329,19 @@ def test_export_folder_with_an_eagle3_draft_decodes_like_vanilla(tmp_path, capsy
     assert main(base + ["--mode", "tree", "--tree", "dynamic:3,3,8"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == ref
 
+    # compare: the target's hidden_states output and both head graphs, PyTorch vs ONNX Runtime
+    from arborspec.tools.compare import compare_export
+
+    rep = compare_export(
+        out, "torch,onnxruntime", target_module=m, progress=False, draft_module=load_eagle3(tmp_path / "ckpt", m.config)
+    )
+    seen = {(r.graph, r.output) for r in rep.rows}
+    assert (
+        rep.passed
+        and {("target", "hidden_states"), ("draft", "logits"), ("draft", "hidden_states"), ("draft", "hidden_in")}
+        <= seen
+    ), seen
+
     with pytest.raises(InputError, match="--attention gqa"):
         export_folder(lm, tmp_path / "onnx", f"eagle3:{tmp_path / 'ckpt'}", attention="onnx", progress=False)
     with pytest.raises(InputError, match="no EAGLE-3 head is shipped"):
@@ -340,3 +353,32 @@ def test_export_folder_with_an_eagle3_draft_decodes_like_vanilla(tmp_path, capsy
     assert main(base) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "projection graph" in err
+
+
+def test_tune_ranks_per_depth_equal_the_training_time_test_forward(target, tmp_path):
+    """`tune`'s per-depth ranks for an EAGLE-3 draft (one head call per depth, on the head
+    engine) equal the ranks of the unrolled training-time-test forward, which equals decoding."""
+    from arborspec.tools.acceptance_sim import eagle3_depth_ranks, measure_acceptance
+    from arborspec.tools.eagle3_train import ttt_forward
+
+    draft = _draft(target, tmp_path, draft_vocab=60, seed=4, scale=0.5)
+    eng = TorchEngine(target)
+    seq = [5, 9, 2, 7, 1] + SpeculativeDecoder(eng, mode="vanilla").generate([5, 9, 2, 7, 1], 20).tokens
+    k, depth = 4, 3
+    ranks = eagle3_depth_ranks(eng, draft, seq, k, depth)
+    ids = torch.tensor([seq])
+    w = len(seq)
+    _, feats = eng.forward_features(
+        ids, torch.arange(w)[None], torch.ones(w, w, dtype=torch.bool).tril()[None], KVCache(eng.info.cache, w, 1)
+    )
+    with torch.inference_mode():
+        outs = ttt_forward(draft.engine.head, draft.engine.embed, ids, feats, depth)
+    n = outs[0].shape[1]
+    for d, o in enumerate(outs):
+        top = draft.token_map[torch.topk(o[0], k, -1).indices]
+        for i in range(n):
+            hit = (top[i] == seq[i + 2 + d]).nonzero()
+            assert int(ranks[d, i + 2 + d]) == (int(hit[0, 0]) if len(hit) else k)
+    assert (ranks < k).any()  # something to compare
+    acc = measure_acceptance(eng, draft, [[5, 9, 2, 7, 1]], 20, k, depth)
+    assert len(acc["q"]) == depth and all(0 <= sum(row) <= 1 for row in acc["q"])

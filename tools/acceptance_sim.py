@@ -53,6 +53,63 @@ def draft_topk_ranks(draft, seq: list[int], k: int, chunk: int = 128) -> torch.T
     return torch.cat([torch.tensor([k]), rank])
 
 
+@torch.inference_mode()
+def eagle3_depth_ranks(target, draft, seq: list[int], k: int, max_depth: int, chunk: int = 128) -> torch.Tensor:
+    """[max_depth, n] ranks for an EAGLE-3 draft: ranks[d-1, j] is the rank of seq[j] among the
+    draft's top-k target ids at depth d of a step rooted at seq[j-d] whose path is the true
+    tokens seq[j-d+1..j-1], the head reading the target's features at depth 1 and its own
+    hidden states below, as in decoding (k: not in the top-k, or no such step). One target
+    pass for the features, then one head call per depth over every position: depth-d rows
+    attend to the depth-1 rows up to their own position and to their own chain's rows."""
+    from arborspec.runtime.kvcache import KVCache
+
+    n = len(seq)
+    ranks = torch.full((max_depth, n), k, dtype=torch.long)
+    m = n - 2  # head entries i = 0..m-1 pair seq[i+1] with the features f[i]; depth 1 predicts seq[i+2]
+    if m < 1:
+        return ranks
+    dev = target.device
+    tcache = KVCache(target.info.cache, n, 1, dev)
+    step = max(1, min(chunk, target.info.max_tokens or chunk))
+    feats = []
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        mask = torch.ones(1, b - a, b, dtype=torch.bool)
+        mask[0, :, a:] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+        _, f = target.forward_features(
+            torch.tensor([seq[a:b]], device=dev), torch.arange(a, b, device=dev)[None], mask.to(dev), tcache
+        )
+        feats.append(f[0].float().cpu())
+        tcache.length = b
+    head = draft.engine
+    hidden = head.project(torch.cat(feats)[:m]).float().cpu()  # [m, H]
+    cache = KVCache(head.info.cache, m * max_depth + 1, 1, head.device)
+    ids_all = torch.tensor(seq)
+    tmap = draft.token_map
+    for d in range(max_depth):
+        cnt = m - d
+        if cnt <= 0:
+            break
+        i = torch.arange(cnt)
+        mask = torch.zeros(cnt, d * m + cnt, dtype=torch.bool)
+        mask[:, :m] = torch.arange(m)[None, :] <= i[:, None]  # depth-1 rows, causal
+        for e in range(1, d + 1):  # the row's own chain at depths 2..d+1
+            mask[i, e * m + i] = True
+        cache.length = d * m
+        logits, out = head.forward_hidden(
+            ids_all[i + 1 + d][None].to(head.device),
+            hidden[:cnt][None].to(head.device),
+            (i + d)[None].to(head.device),
+            mask[None].to(head.device),
+            cache,
+        )
+        top = tmap[torch.topk(logits[0].float().cpu(), min(k, logits.shape[-1]), -1).indices]  # [cnt, k] target ids
+        hit = top == ids_all[i + 2 + d][:, None]
+        ranks[d, i + 2 + d] = torch.where(hit.any(-1), hit.float().argmax(-1).long(), torch.full((cnt,), k))
+        hidden = out[0].float().cpu()
+    return ranks
+
+
 def measure_acceptance(
     target,
     draft,
@@ -76,18 +133,24 @@ def measure_acceptance(
         seq = list(p) + gen
         if len(gen) < 1:
             continue
-        rank = draft_topk_ranks(draft, seq, k).tolist()
+        if getattr(draft, "needs_target_features", False):  # EAGLE-3: ranks depend on the depth
+            by_depth = eagle3_depth_ranks(target, draft, seq, k, max_depth).tolist()
+            rank_at = lambda j, d: by_depth[d - 1][j]  # noqa: E731
+        else:  # the draft sees only text: a token's rank is the same at every depth
+            rank = draft_topk_ranks(draft, seq, k).tolist()
+            rank_at = lambda j, d: rank[j]  # noqa: E731
         start = len(p)  # the first generated position
         for j in range(start, len(seq)):
             # depth d: the node is seq[j], the step's root seq[j-d]; the d-1 path tokens
-            # seq[j-d+1..j-1] must be generated tokens matched within the draft's top-k
+            # seq[j-d+1..j-1] must be generated tokens, each matched within the draft's top-k
+            # at its own depth
             for d in range(1, max_depth + 1):
-                counts[d - 1] += 1
-                if rank[j] < k:
-                    hits[d - 1][rank[j]] += 1
-                above = j - d
-                if above < start or rank[above] >= k:
+                r = j - d
+                if r < start - 1 or any(rank_at(r + m, m) >= k for m in range(1, d)):
                     break
+                counts[d - 1] += 1
+                if rank_at(j, d) < k:
+                    hits[d - 1][rank_at(j, d)] += 1
     q = []
     for d in range(max_depth):
         if counts[d] >= min_count or not q:

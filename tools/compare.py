@@ -105,7 +105,12 @@ def reference_modules(man, model: str | None = None):
     target = lm.module.float().eval()
     d = man.draft
     draft = None
-    if d.get("kind") == "onnx":
+    if d.get("kind") == "eagle3":  # the head from its checkpoint; the target outputs its features
+        from arborspec.models.eagle3 import eagle3_folder, load_eagle3
+
+        draft = load_eagle3(eagle3_folder(d.get("spec") or "eagle3", spec), lm.config).eval()
+        target.feature_layers = list(d.get("aux_layers") or draft.config.aux_layers)
+    elif d.get("kind") == "onnx":
         kind, arg = parse_draft_spec(d.get("spec"))
         if kind == "layers":
             draft = truncated_draft(target, arg)
@@ -433,6 +438,13 @@ def compare_export(
         if draft_module is None:
             raise InputError("the export has a draft graph: give its PyTorch module too")
         feed_draft = TorchEngine(draft_module.float().eval())
+    elif dkind == "eagle3":
+        if draft_module is None:
+            raise InputError("the export has an EAGLE-3 head: give its PyTorch module too")
+        target_module.feature_layers = list(man.draft.get("aux_layers") or draft_module.config.aux_layers)
+        feed_target = TorchEngine(target_module)
+        feed_draft = None
+        report.notes.append("draft: EAGLE-3 head (draft_fc.onnx + draft.onnx) on random tree steps")
     elif dkind == "bigram":
         feed_draft = load_bigram_table(man.path(man.draft["file"]))
         report.notes.append("draft: a bigram table (no graph to compare)")
@@ -454,11 +466,19 @@ def compare_export(
     graphs = [("target", man.target["file"], target_module, "target.engine")]
     if "draft" in feeds:
         graphs.append(("draft", man.draft["file"], draft_module, "draft.engine"))
+    if dkind == "eagle3":
+        from .compare_feeds import eagle3_head_feeds
+
+        feeds["draft"] = eagle3_head_feeds(draft_module.config, seed)
+        report.n_feeds["draft"] = len(feeds["draft"])
+        graphs.append(("draft", man.draft["file"], draft_module, None))
+        if "tensorrt" in active:
+            report.skipped.append(("tensorrt (draft)", "the EAGLE-3 head runs on ONNX Runtime for now"))
     total = sum(len(feeds[g]) for g, *_ in graphs) * len(active)
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total, desc="compare", unit="run", disable=not progress, leave=False)
-    TorchRunner, OrtRunner, TrtEngineRunner, OrtEngineRunner = _runner_classes()
+    TorchRunner, OrtRunner, TrtEngineRunner, OrtEngineRunner, Eagle3HeadRunner = _runner_classes()
     old_sev = G_LOGGER.module_severity
     if not os.environ.get("ARBORSPEC_DEBUG"):
         G_LOGGER.module_severity = G_LOGGER.ERROR
@@ -472,6 +492,24 @@ def compare_export(
             rs = []
             for n in active:
                 tick = lambda: bar.update(1)  # noqa: E731
+                if engine_name is None:  # the EAGLE-3 head: torch vs ONNX Runtime
+                    if n == "torch":
+                        from arborspec.runtime.backends.torch_backend import TorchEagle3Head
+
+                        emb = target_module.model.embed_tokens.weight.detach().float()
+                        rs.append(Eagle3HeadRunner(lambda: TorchEagle3Head(module, emb), name="torch", on_infer=tick))
+                    elif n == "onnxruntime":
+                        from arborspec.runtime.drafts_eagle3 import OrtEagle3Head
+
+                        fc = man.path(man.draft["fc_file"])
+                        rs.append(
+                            Eagle3HeadRunner(
+                                lambda: OrtEagle3Head(man.path(fname), fc), name="onnxruntime", on_infer=tick
+                            )
+                        )
+                    else:
+                        bar.update(len(feeds[graph]))
+                    continue
                 if n == "torch":
                     rs.append(TorchRunner(module, kv_dtype, name="torch", on_infer=tick))
                 elif n == "onnxruntime" and (layouts.get(graph) == "bhsd" or report.quant is not None):

@@ -210,3 +210,28 @@ def build_feeds(
     if rec_d is not None:
         out["draft"] = rec_d.feeds
     return out
+
+
+def eagle3_head_feeds(cfg, seed: int = 0) -> list[Feed]:
+    """Random tree steps for an EAGLE-3 head (models/eagle3.Eagle3Config `cfg`): target
+    features [T, F], token ids, positions, a tree mask over P past draft positions (one past
+    column masked out) and the head's one-layer past K/V [P, 1, Hkv, D]."""
+    g = torch.Generator().manual_seed(int(seed) + 77)
+    feeds = []
+    for p, t in ((0, 5), (7, 1), (12, 6)):
+        mask = torch.ones(1, t, p + t, dtype=torch.bool)
+        mask[0, :, p:] = torch.ones(t, t, dtype=torch.bool).tril()
+        if t > 2:  # a tree, not a chain: rows 2.. skip row 1
+            mask[0, 2:, p + 1] = False
+        if p:
+            mask[0, :, p // 2] = False
+        data = OrderedDict()
+        data[C.INPUT_IDS] = torch.randint(0, cfg.vocab_size, (1, t), generator=g).numpy()
+        data[C.TARGET_FEATURES] = torch.randn(t, cfg.feature_size, generator=g).numpy()
+        data[C.POSITION_IDS] = (p + torch.arange(t))[None].numpy()
+        data[C.ATTENTION_MASK] = mask.numpy()
+        shape = (p, 1, cfg.n_kv_heads, cfg.head_dim)
+        data[C.past_key(0)] = torch.randn(shape, generator=g).numpy()
+        data[C.past_value(0)] = torch.randn(shape, generator=g).numpy()
+        feeds.append(Feed(f"eagle3 P={p} T={t}", data))
+    return feeds

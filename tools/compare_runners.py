@@ -82,6 +82,8 @@ def _runner_classes():
             for i in range(n):
                 res[C.new_key(i)] = np.ascontiguousarray(out[1 + 2 * i].float().cpu().numpy().astype(self.kv_dtype))
                 res[C.new_value(i)] = np.ascontiguousarray(out[2 + 2 * i].float().cpu().numpy().astype(self.kv_dtype))
+            if len(out) > 1 + 2 * n:  # the target features an EAGLE-3 draft reads
+                res[C.HIDDEN_STATES] = np.ascontiguousarray(out[1 + 2 * n].float().cpu().numpy())
             if self.on_infer:
                 self.on_infer()
             return res
@@ -144,11 +146,17 @@ def _runner_classes():
             if self.sync:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            logits = eng.forward(ids, pos, mask, cache)
+            feats = None
+            if getattr(eng.info, "n_features", 0):
+                logits, feats = eng.forward_features(ids, pos, mask, cache)
+            else:
+                logits = eng.forward(ids, pos, mask, cache)
             if self.sync:
                 torch.cuda.synchronize()
             self.inference_time = time.perf_counter() - t0
             res = OrderedDict({C.LOGITS: np.ascontiguousarray(logits.float().cpu().numpy())})
+            if feats is not None:
+                res[C.HIDDEN_STATES] = np.ascontiguousarray(feats.float().cpu().numpy())
             for i in range(spec.n_layers):
                 k, v = cache.tail(i, t)
                 res[C.new_key(i)] = np.ascontiguousarray(k.float().cpu().numpy().astype(self.kv_dtype))
@@ -175,11 +183,65 @@ def _runner_classes():
 
         return EngineRunner(lambda: OrtEngine(Path(onnx_path)), kv_dtype, name, on_infer)
 
-    return TorchRunner, OrtRunner, TrtEngineRunner, OrtEngineRunner
+    class Eagle3HeadRunner(BaseRunner):
+        """An EAGLE-3 head engine (TorchEagle3Head, OrtEagle3Head) as a Polygraphy runner: the
+        feed's target features go through the head's projection (`draft_fc.onnx`), then one
+        `forward_hidden` call (`draft.onnx`) over the feed's past; outputs the projected hidden
+        input, the logits over the draft vocabulary, the output hidden state and the new K/V."""
+
+        def __init__(self, factory: Callable, name=None, on_infer: Callable | None = None):
+            super().__init__(name=name, prefix="eagle3-runner")
+            self.factory, self.on_infer = factory, on_infer
+
+        def activate_impl(self):
+            self.engine = self.factory()
+
+        def get_input_metadata_impl(self):
+            meta = TensorMetadata()
+            for k in (C.INPUT_IDS, C.POSITION_IDS):
+                meta.add(k, DataType.INT64, ["B", "T"])
+            meta.add(C.TARGET_FEATURES, DataType.FLOAT32, ["T", "F"])
+            meta.add(C.ATTENTION_MASK, DataType.BOOL, ["B", "T", "PT"])
+            meta.add(C.past_key(0), DataType.FLOAT32, ["P", "B", "H", "D"])
+            meta.add(C.past_value(0), DataType.FLOAT32, ["P", "B", "H", "D"])
+            return meta
+
+        def infer_impl(self, feed_dict):
+            from arborspec.runtime.kvcache import KVCache
+
+            eng = self.engine
+            dev = eng.device
+            get = lambda k: torch.from_numpy(np.asarray(feed_dict[k])).to(dev)  # noqa: E731
+            ids, pos, mask = get(C.INPUT_IDS), get(C.POSITION_IDS), get(C.ATTENTION_MASK)
+            t = ids.shape[1]
+            p = mask.shape[2] - t
+            cache = KVCache(eng.info.cache, p + t, 1, dev)
+            if p:
+                cache.write_tail(get(C.past_key(0)).float()[None], get(C.past_value(0)).float()[None])
+            cache.length = p
+            t0 = time.perf_counter()
+            hidden = eng.project(get(C.TARGET_FEATURES).float())
+            logits, out = eng.forward_hidden(ids, hidden[None], pos, mask, cache)
+            self.inference_time = time.perf_counter() - t0
+            k, v = cache.tail(0, t)
+            res = OrderedDict()
+            for name, x in (
+                (C.HIDDEN_IN, hidden),
+                (C.LOGITS, logits),
+                (C.HIDDEN_STATES, out),
+                (C.new_key(0), k),
+                (C.new_value(0), v),
+            ):
+                res[name] = np.ascontiguousarray(x.float().cpu().numpy())
+            if self.on_infer:
+                self.on_infer()
+            return res
+
+    return TorchRunner, OrtRunner, TrtEngineRunner, OrtEngineRunner, Eagle3HeadRunner
 
 
 def __getattr__(name):  # TorchRunner & co. import polygraphy lazily
-    names = ("TorchRunner", "OrtRunner", "TrtEngineRunner", "OrtEngineRunner")
+    names = ("TorchRunner", "OrtRunner", "TrtEngineRunner", "OrtEngineRunner", "Eagle3HeadRunner")
     if name in names:
         _polygraphy()
         return dict(zip(names, _runner_classes()))[name]

@@ -72,6 +72,8 @@ def draft_cost_curve(draft, sizes: Sequence[int], past: int = 256, reps: int = 5
     """{F: ms} of one draft level call over F frontier nodes (an engine call, or a table gather)."""
     from arborspec.runtime.drafts import BigramDraft
 
+    if hasattr(draft, "needs_target_features") and hasattr(draft.engine, "forward_hidden"):
+        return head_cost_curve(draft.engine, sizes, past, reps)  # an EAGLE-3 head
     if isinstance(draft, BigramDraft):
         calls = {}
         for f in sizes:
@@ -79,3 +81,26 @@ def draft_cost_curve(draft, sizes: Sequence[int], past: int = 256, reps: int = 5
             calls[int(f)] = lambda toks=toks: draft._rows(toks)
         return _time_sizes(calls, reps)
     return engine_cost_curve(draft, sizes, past, reps, progress)
+
+
+def head_cost_curve(head, sizes: Sequence[int], past: int = 256, reps: int = 5) -> dict:
+    """{F: ms} of one EAGLE-3 head level over F nodes (each a token with a hidden state) after
+    `past` cached draft positions: `forward_hidden`, the call a tree level makes."""
+    from arborspec.runtime.kvcache import KVCache
+
+    past = max(0, min(past, head.info.max_position - max(sizes) - 1))
+    cache = KVCache(head.info.cache, past + max(sizes) + 1, 1, head.device)
+    calls = {}
+    for t in sizes:
+        g = torch.Generator().manual_seed(t)
+        ids = torch.randint(0, head.info.vocab_size, (1, t), generator=g).to(head.device)
+        hid = torch.randn(1, t, head.hidden_size, generator=g).to(head.device)
+        pos = (torch.arange(t) + past)[None].to(head.device)
+        mask = torch.ones(1, t, past + t, dtype=torch.bool, device=head.device)
+
+        def call(ids=ids, hid=hid, pos=pos, mask=mask):
+            cache.length = past
+            head.forward_hidden(ids, hid, pos, mask, cache)
+
+        calls[int(t)] = call
+    return _time_sizes(calls, reps, _sync_of(head))
