@@ -184,6 +184,8 @@ def test_bench_onnxruntime_export(tiny, tmp_path):
             "1",
             "--baselines",
             "hf-greedy",
+            "--lookup-tree",
+            "full:3,2",
             "--no-progress",
             "--json",
             str(out),
@@ -191,8 +193,13 @@ def test_bench_onnxruntime_export(tiny, tmp_path):
     )
     assert rc == 0
     res = json.loads(out.read_text())
-    _check_schema(res, ["vanilla", "chain:4", "full:2,2", "hf-greedy"])
+    _check_schema(res, ["vanilla", "chain:4", "full:2,2", "lookup+full:3,2", "hf-greedy"])
     assert res["meta"]["backend"] == "onnxruntime"
+    # the lookup draft ran next to the export's draft: its own draft, vanilla's tokens
+    lk = [c for c in res["configs"] if c["name"] == "lookup+full:3,2"][0]
+    assert lk["draft"] == "lookup" and lk["mode"] == "tree"
+    for p in res["per_prompt"]:
+        assert p["runs"]["lookup+full:3,2"]["greedy_match"] is True
 
 
 def test_bench_user_errors(tiny, capsys):

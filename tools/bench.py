@@ -54,9 +54,11 @@ class BenchConfig:
     tree: str | None = None
     policy: str = "vanilla"
     max_nodes: int | None = 0
+    draft: str | None = None  # None: the models' draft; "lookup": an n-gram lookup draft of its own
 
     def to_dict(self) -> dict:
         return {
+            "draft": self.draft,
             "name": self.name,
             "kind": self.kind,
             "mode": self.mode,
@@ -74,7 +76,9 @@ def split_tree_specs(values: list[str] | None) -> list[str]:
     return out
 
 
-def build_configs(modes: list[str], trees: list[str], chain: str, baselines: list[str]) -> list[BenchConfig]:
+def build_configs(
+    modes: list[str], trees: list[str], chain: str, baselines: list[str], lookup_trees: list[str] = ()
+) -> list[BenchConfig]:
     from arborspec.runtime.trees import ChainTree, parse_tree_spec
 
     bad = [m for m in modes if m not in ("vanilla", "chain", "tree")]
@@ -97,6 +101,9 @@ def build_configs(modes: list[str], trees: list[str], chain: str, baselines: lis
             if any(c.name == pol.spec for c in cfgs):
                 continue  # the same loop already in the list (e.g. chain:4 as chain and as tree)
             cfgs.append(BenchConfig(pol.spec, "ours", "tree", pol.spec, pol.kind, pol.max_nodes))
+    for spec in lookup_trees:  # the lookup draft next to the models' draft, in the same run
+        pol = parse_tree_spec(spec)
+        cfgs.append(BenchConfig(f"lookup+{pol.spec}", "ours", "tree", pol.spec, pol.kind, pol.max_nodes, "lookup"))
     for b in dict.fromkeys(baselines):
         kind = "hf" if b in BASELINES else "peer"
         cfgs.append(BenchConfig(b, kind, b, None, kind, None))
@@ -135,9 +142,14 @@ def make_decoders(models, configs: list[BenchConfig], temperature: float, candid
     for c in configs:
         if c.kind != "ours":
             continue
+        draft = models.draft if c.mode != "vanilla" else None
+        if c.draft == "lookup":
+            from arborspec.runtime.lookup import LookupDraft
+
+            draft = LookupDraft(models.target.info.vocab_size)
         decs[c.name] = SpeculativeDecoder(
             models.target,
-            models.draft if c.mode != "vanilla" else None,
+            draft,
             mode=c.mode,
             tree=c.tree or "full:3,2",
             candidates=candidates,

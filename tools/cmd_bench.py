@@ -64,6 +64,14 @@ def register(sub) -> None:
     )
     g.add_argument("--chain", default="chain:4", help="chain mode spec (default chain:4)")
     g.add_argument(
+        "--lookup-tree",
+        action="append",
+        default=None,
+        metavar="SPEC",
+        help="also run the n-gram lookup draft with this tree, in the same run (repeatable; e.g. to "
+        "put an EAGLE-3 or model draft next to lookup)",
+    )
+    g.add_argument(
         "--baselines",
         default="",
         help="comma-separated baselines on the same model file (torch backend, or an export whose "
@@ -178,8 +186,13 @@ def run(args) -> int:
     entries, prompts_path = prompt_sets.read_prompts_file(args.prompts)  # cheap checks before loading models
     # validate specs before loading models (the export default tree is filled in below)
     # (`auto` stands for the tuned tree, resolved once the models are open)
+    lookup_trees = bench.split_tree_specs(args.lookup_tree)
     bench.build_configs(
-        modes, [("full:3,2" if t.lower() == "auto" else t) for t in trees] or ["full:3,2"], args.chain, baselines
+        modes,
+        [("full:3,2" if t.lower() == "auto" else t) for t in trees] or ["full:3,2"],
+        args.chain,
+        baselines,
+        lookup_trees,
     )
     torch.set_num_threads(args.threads)
 
@@ -195,7 +208,7 @@ def run(args) -> int:
         from .tune import resolve_tree
 
         trees = [resolve_tree(t, models_key(args)) for t in trees]
-        configs = bench.build_configs(modes, trees, args.chain, baselines)
+        configs = bench.build_configs(modes, trees, args.chain, baselines, lookup_trees)
         prompts = prompt_sets.encode_prompts(prompt_sets.select_prompts(entries, args.limit_prompts), models.tokenizer)
         notes: list[str] = []
         limit = min(x for x in (models.limits.get("max_context"), models.target.info.max_position) if x)
