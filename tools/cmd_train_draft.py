@@ -140,10 +140,20 @@ def run(args) -> int:
         )
         import shlex
 
+        cmd = "arborspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        history = []  # a resumed run: the commands that trained this head, in order
+        prev = args.out / "training.json"
+        if not args.no_resume and prev.is_file():
+            try:
+                old = json.loads(prev.read_text())
+                history = list(old.get("commands") or ([old["command"]] if old.get("command") else []))
+            except (ValueError, OSError):
+                history = []
         report.update(
             {
                 "corpus": info,
-                "command": "arborspec " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+                "command": cmd,
+                "commands": history + [cmd],
                 "total_minutes": round((time.perf_counter() - t0) / 60, 1),
             }
         )
