@@ -366,6 +366,7 @@ def test_tune_ranks_per_depth_equal_the_training_time_test_forward(target, tmp_p
     seq = [5, 9, 2, 7, 1] + SpeculativeDecoder(eng, mode="vanilla").generate([5, 9, 2, 7, 1], 20).tokens
     k, depth = 4, 3
     ranks = eagle3_depth_ranks(eng, draft, seq, k, depth)
+    assert torch.equal(ranks, eagle3_depth_ranks(eng, draft, seq, k, depth, chunk=7, block=5))  # chunked = whole
     ids = torch.tensor([seq])
     w = len(seq)
     _, feats = eng.forward_features(
@@ -402,8 +403,9 @@ def test_smollm2_with_the_shipped_head_equals_vanilla():
     eng = TorchEngine(lm.module)
     draft = Eagle3Draft(head, lm.module.model.embed_tokens.weight.detach())
     tok = lm.tokenizer
-    prompt = tok.encode(tok.apply_chat([{"role": "user", "content": "Write a Python function that reverses a list."}]),
-                        add_bos=False)
+    prompt = tok.encode(
+        tok.apply_chat([{"role": "user", "content": "Write a Python function that reverses a list."}]), add_bos=False
+    )
     ref = SpeculativeDecoder(eng, mode="vanilla").generate(prompt, 40).tokens
     for mode, spec in (("tree", "dynamic:4,4,12"), ("chain", "chain:3")):
         res = SpeculativeDecoder(eng, draft, mode=mode, tree=spec).generate(prompt, 40)

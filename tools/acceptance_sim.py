@@ -54,13 +54,17 @@ def draft_topk_ranks(draft, seq: list[int], k: int, chunk: int = 128) -> torch.T
 
 
 @torch.inference_mode()
-def eagle3_depth_ranks(target, draft, seq: list[int], k: int, max_depth: int, chunk: int = 128) -> torch.Tensor:
+def eagle3_depth_ranks(
+    target, draft, seq: list[int], k: int, max_depth: int, chunk: int = 128, block: int = 256
+) -> torch.Tensor:
     """[max_depth, n] ranks for an EAGLE-3 draft: ranks[d-1, j] is the rank of seq[j] among the
     draft's top-k target ids at depth d of a step rooted at seq[j-d] whose path is the true
     tokens seq[j-d+1..j-1], the head reading the target's features at depth 1 and its own
     hidden states below, as in decoding (k: not in the top-k, or no such step). One target
-    pass for the features, then one head call per depth over every position: depth-d rows
-    attend to the depth-1 rows up to their own position and to their own chain's rows."""
+    pass for the features, then head calls over many positions at once: depth 1 causal over the
+    whole context (in chunks), then per block of rows one call per depth, whose rows attend to
+    the depth-1 rows up to their own position and to their own chain's rows (the cache holds
+    the context plus (max_depth - 1) blocks, whatever the length)."""
     from arborspec.runtime.kvcache import KVCache
 
     n = len(seq)
@@ -82,31 +86,45 @@ def eagle3_depth_ranks(target, draft, seq: list[int], k: int, max_depth: int, ch
         feats.append(f[0].float().cpu())
         tcache.length = b
     head = draft.engine
-    hidden = head.project(torch.cat(feats)[:m]).float().cpu()  # [m, H]
-    cache = KVCache(head.info.cache, m * max_depth + 1, 1, head.device)
-    ids_all = torch.tensor(seq)
+    dev = head.device
+    hid0 = head.project(torch.cat(feats)[:m]).float().cpu()  # [m, H]
+    ids_all = torch.tensor(seq + [0] * (max_depth + 2))  # padded: rows past the end are ignored
     tmap = draft.token_map
-    for d in range(max_depth):
-        cnt = m - d
-        if cnt <= 0:
-            break
-        i = torch.arange(cnt)
-        mask = torch.zeros(cnt, d * m + cnt, dtype=torch.bool)
-        mask[:, :m] = torch.arange(m)[None, :] <= i[:, None]  # depth-1 rows, causal
-        for e in range(1, d + 1):  # the row's own chain at depths 2..d+1
-            mask[i, e * m + i] = True
-        cache.length = d * m
+    cache = KVCache(head.info.cache, m + (max_depth - 1) * block + 1, 1, dev)
+
+    def call(i, d, hidden, length, mask):
+        cache.length = length
         logits, out = head.forward_hidden(
-            ids_all[i + 1 + d][None].to(head.device),
-            hidden[:cnt][None].to(head.device),
-            (i + d)[None].to(head.device),
-            mask[None].to(head.device),
-            cache,
+            ids_all[i + 1 + d][None].to(dev), hidden[None].to(dev), (i + d)[None].to(dev), mask[None].to(dev), cache
         )
-        top = tmap[torch.topk(logits[0].float().cpu(), min(k, logits.shape[-1]), -1).indices]  # [cnt, k] target ids
+        top = tmap[torch.topk(logits[0].float().cpu(), min(k, logits.shape[-1]), -1).indices]  # [t, k] target ids
         hit = top == ids_all[i + 2 + d][:, None]
-        ranks[d, i + 2 + d] = torch.where(hit.any(-1), hit.float().argmax(-1).long(), torch.full((cnt,), k))
-        hidden = out[0].float().cpu()
+        ok = i + 2 + d < n
+        ranks[d, (i + 2 + d)[ok]] = torch.where(hit.any(-1), hit.float().argmax(-1).long(), torch.full((len(i),), k))[
+            ok
+        ]
+        return out[0].float().cpu()
+
+    # depth 1: the committed context itself, causal, in chunks; its rows stay in the cache at [0, m)
+    out0 = []
+    for a in range(0, m, chunk):
+        i = torch.arange(a, min(m, a + chunk))
+        out0.append(call(i, 0, hid0[i], a, torch.arange(i[-1] + 1)[None, :] <= i[:, None]))
+    out0 = torch.cat(out0)
+    # depths 2..: per block of rows, each row's chain at m + (e-1)*block + row
+    for a in range(0, m, block):
+        i = torch.arange(a, min(m, a + block))
+        r = i - a
+        hidden = out0[i]
+        for d in range(1, max_depth):
+            if a + 2 + d >= n:
+                break
+            length = m + (d - 1) * block
+            mask = torch.zeros(len(i), length + len(i), dtype=torch.bool)
+            mask[:, :m] = torch.arange(m)[None, :] <= i[:, None]
+            for e in range(1, d + 1):
+                mask[r, m + (e - 1) * block + r] = True
+            hidden = call(i, d, hidden, length, mask)
     return ranks
 
 
