@@ -314,6 +314,11 @@ def test_export_folder_with_an_eagle3_draft_decodes_like_vanilla(tmp_path, capsy
         ref = SpeculativeDecoder(ex.target, mode="vanilla").generate(prompt, 24).tokens
         res = SpeculativeDecoder(ex.target, ex.draft, mode="tree", tree="full:2,2").generate(prompt, 24)
         assert res.tokens == ref and res.stats.draft_calls > 0
+    import arborspec
+
+    with arborspec.Generator.from_export(out, backend="onnxruntime", tree="dynamic:3,3,8") as gen:  # embedding API
+        c = gen.generate(prompt, max_new_tokens=24)
+        assert c.tokens == ref and c.stats.draft_calls > 0
     base = [
         "generate",
         "--export-dir",
