@@ -81,11 +81,13 @@ def load_tokenizer(man: Manifest):
         ) from None
 
 
-def _engine(backend: str, man: Manifest, role: str, device: str, providers, engine_dir: Path | None):
+def _engine(
+    backend: str, man: Manifest, role: str, device: str, providers, engine_dir: Path | None, spinning: bool = False
+):
     if backend == "onnxruntime":
         from .backends.onnxruntime import OrtEngine
 
-        return OrtEngine(man.path(man.data[role]["file"]), providers=providers, device=device)
+        return OrtEngine(man.path(man.data[role]["file"]), providers=providers, device=device, spinning=spinning)
     from .backends.tensorrt import TrtEngine
 
     edir = engine_dir or man.root / "engines"
@@ -139,12 +141,14 @@ def open_export(
     engine_dir = Path(engine_dir) if engine_dir else None
     opened = OpenedExport(None, None, None, man, backend, device)
     try:
-        target = _engine(backend, man, "target", device, providers, engine_dir)
-        opened.target = target
-        opened.engines.append(target)
         spec = (draft or "export").strip()
         n_lookup = parse_lookup_spec(spec)
         kind = man.draft.get("kind", "none")
+        # no draft model runs between target calls: the target's threads may spin-wait
+        model_free = n_lookup is not None or spec.lower() == "none" or kind in ("none", "bigram")
+        target = _engine(backend, man, "target", device, providers, engine_dir, spinning=model_free)
+        opened.target = target
+        opened.engines.append(target)
         if n_lookup is not None:
             opened.draft = LookupDraft(target.info.vocab_size, max_ngram=n_lookup)
         elif spec.lower() == "none":

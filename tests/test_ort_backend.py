@@ -204,3 +204,25 @@ def test_fused_draft_topk_equals_topk_of_logits(tmp_path):
     ref_toks = SpeculativeDecoder(target, mode="vanilla").generate([1, 2, 3], 12).tokens
     for spec in ("full:2,3", "beam:2,4", "dynamic:2,2,4"):
         assert SpeculativeDecoder(target, e, tree=spec).generate([1, 2, 3], 12).tokens == ref_toks, spec
+
+
+def test_target_threads_spin_only_where_no_draft_model_runs_between_calls(tmp_path, monkeypatch):
+    """open_export lets the target's ONNX Runtime threads spin-wait with a model-free draft
+    (lookup, none: faster vanilla) and not with a draft model (its session needs the cores);
+    ARBORSPEC_ORT_SPINNING overrides both."""
+    from conftest import tiny_text_export
+
+    from arborspec.runtime.export_dir import open_export
+
+    out = tiny_text_export(tmp_path / "exp")
+    key = "session.intra_op.allow_spinning"
+    monkeypatch.delenv("ARBORSPEC_ORT_SPINNING", raising=False)
+
+    def spin(draft):
+        with open_export(out, draft=draft) as ex:
+            return ex.target.session.get_session_options().get_session_config_entry(key)
+
+    assert spin("lookup") == "1" and spin("none") == "1"
+    assert spin("export") == "0"  # the export's layers:1 draft model
+    monkeypatch.setenv("ARBORSPEC_ORT_SPINNING", "0")
+    assert spin("lookup") == "0"

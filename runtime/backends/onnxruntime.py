@@ -75,7 +75,10 @@ class OrtEngine(EngineBase):
         providers: list | None = None,
         device: str | torch.device = "cpu",
         session_options=None,
+        spinning: bool = False,
     ):
+        """spinning: let ONNX Runtime's threads spin-wait between runs (faster when nothing else
+        runs between calls: vanilla and model-free drafts); ARBORSPEC_ORT_SPINNING=0/1 overrides."""
         ort = _import_ort()
         path = Path(path)
         if not path.is_file():
@@ -97,10 +100,11 @@ class OrtEngine(EngineBase):
             # next work is torch's (accept, tree building) or the other model's, and the
             # spinning threads steal those cores. Measured on 2 CPU cores, SmolLM2 with a
             # layers:4 draft: full:3,2 tree 9.3 -> 16.3 tok/s, runtime overhead per step
-            # 14.4 -> 2.7 ms; vanilla alone 43.7 -> 38.9 tok/s. ARBORSPEC_ORT_SPINNING=1 restores it.
-            so.add_session_config_entry(
-                "session.intra_op.allow_spinning", os.environ.get("ARBORSPEC_ORT_SPINNING", "0")
-            )
+            # 14.4 -> 2.7 ms; vanilla alone 43.7 -> 38.9 tok/s. So spinning is off unless asked for
+            # (`spinning`: open_export asks for it where no draft model runs between target calls;
+            # measured, vanilla 46.4 -> 49.5-49.9 tok/s, GenAI fp32 1.15x -> 1.08x ahead of us).
+            env = os.environ.get("ARBORSPEC_ORT_SPINNING")
+            so.add_session_config_entry("session.intra_op.allow_spinning", env or ("1" if spinning else "0"))
             qdq_exact_matmul(so)
         try:
             self.session = ort.InferenceSession(str(path), so, providers=providers)
