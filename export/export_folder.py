@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from arborspec.runtime.errors import InputError, OutputError
+from arborspec.runtime.errors import ArborspecError, InputError, OutputError
 from arborspec.runtime.fileio import describe_os_error, partial_dir, remove_stale_partials
 
 from .manifest import build_manifest, graph_entry, write_manifest
@@ -360,6 +360,9 @@ def export_folder(
         bar.update(1)
         files = sorted(p.name for p in tmp.iterdir())
         _swap_in(tmp, out)
+    except ArborspecError:  # its own one-line message (a MissingFileError is an OSError too)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     except OSError as e:  # a full disk, a file-size limit: one line, nothing half-written left
         shutil.rmtree(tmp, ignore_errors=True)
         raise OutputError(describe_os_error(e, out) + " (nothing was written)") from e

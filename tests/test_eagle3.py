@@ -349,9 +349,11 @@ def test_export_folder_with_an_eagle3_draft_decodes_like_vanilla(tmp_path, capsy
 
     with pytest.raises(InputError, match="--attention gqa"):
         export_folder(lm, tmp_path / "onnx", f"eagle3:{tmp_path / 'ckpt'}", attention="onnx", progress=False)
+    with pytest.raises(MissingFileError, match="no config.json"):  # its own message, not a disk error
+        export_folder(lm, tmp_path / "y", f"eagle3:{tmp_path / 'nope'}", progress=False)
     with pytest.raises(InputError, match="no EAGLE-3 head is shipped"):
         export_folder(lm, tmp_path / "x", "eagle3", progress=False)
-    assert not (tmp_path / "onnx").exists() and not (tmp_path / "x").exists()
+    assert not any((tmp_path / n).exists() for n in ("onnx", "x", "y"))
     (out / d["fc_file"]).unlink()
     with pytest.raises(MissingFileError, match="projection graph"):
         open_export(out, load_tok=False)
