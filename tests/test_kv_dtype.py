@@ -197,3 +197,17 @@ def test_bad_combinations_are_one_clear_line(tmp_path, capsys):
         err = capsys.readouterr().err
         lines = [x for x in err.strip().splitlines() if x]
         assert rc == 2 and len(lines) == 1 and lines[0].startswith("arborspec: error: --kv-dtype fp16"), err
+
+
+def test_compare_runs_on_an_fp16_cache_export(tmp_path, capsys):
+    """`arborspec compare` feeds fp16 K/V to both runners and judges with the fp16 tolerances."""
+    pytest.importorskip("polygraphy")
+    from test_compare import save_hf_llama
+
+    src = save_hf_llama(random_model(tiny_config("llama", max_position=256)), tmp_path / "src")
+    out = tmp_path / "export"
+    export_folder(str(src), out, draft="layers:1", progress=False, verify=False, kv_dtype="fp16")
+    rc = main(["compare", "--export-dir", str(out), "--no-progress"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "PASSED" in text, text
+    assert "fp32 weights with a fp16 KV cache" in text
