@@ -26,6 +26,7 @@ manifest.json:
     {"format": "arborspec-export", "contract_version": 1, "arborspec_version": "0.1.0",
      "created": "2026-11-21T20:00:00Z",
      "target": {"kind": "onnx", "file": "target.onnx", "config": {ModelConfig}, "dtype": "fp32",
+                "kv_dtype": "fp32" (the cache's: "fp16" with `export --kv-dtype fp16`),
                 "opset": 23, "exporter": "dynamo", "ir_version": 10, "external_data": [],
                 "sha256": "...", "bytes": 123, "inputs": [{"name", "dtype", "shape"}],
                 "outputs": [...]},
