@@ -211,3 +211,16 @@ def test_compare_runs_on_an_fp16_cache_export(tmp_path, capsys):
     text = capsys.readouterr().out
     assert rc == 0 and "PASSED" in text, text
     assert "fp32 weights with a fp16 KV cache" in text
+
+
+def test_int4_weights_take_an_fp16_cache_too(pair, tmp_path):
+    """--quantize int4 (MatMulNBits, fp32 activations) is the same graph around the attention:
+    an fp16 cache works there and decodes the same greedy tokens as its fp32-cache twin."""
+    pytest.importorskip("onnxruntime.quantization")
+    m = pair[0]
+    for kv in ("fp32", "fp16"):
+        export_gqa_onnx(m, tmp_path / f"q{kv}.onnx", max_context=512, quantize="int4", verify=False, kv_dtype=kv)
+    e32, e16 = OrtEngine(tmp_path / "qfp32.onnx"), OrtEngine(tmp_path / "qfp16.onnx")
+    assert e16.kv_dtype == torch.float16
+    a, b = (SpeculativeDecoder(e, mode="vanilla").generate(PROMPT, 20).tokens for e in (e32, e16))
+    assert a == b
