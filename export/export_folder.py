@@ -28,6 +28,7 @@ import torch
 from arborspec.runtime.errors import ArborspecError, InputError, OutputError
 from arborspec.runtime.fileio import describe_os_error, partial_dir, remove_stale_partials
 
+from .gqa_graph import KV_DTYPES
 from .manifest import build_manifest, graph_entry, write_manifest
 from .onnx_export import DEFAULT_OPSET, DTYPES, export_contract_onnx, export_gqa_onnx, sha256_file
 
@@ -169,6 +170,7 @@ def export_folder(
     block_size: int = 32,
     accuracy_level: int = 0,
     qformat: str = "matmulnbits",
+    kv_dtype: str = "fp32",
 ) -> ExportSummary:
     """Export target (+ draft, tokenizer, manifest) into the folder `out`, atomically.
 
@@ -177,7 +179,9 @@ def export_folder(
     torch.onnx.export that TensorRT builds, kv layout "sbhd"), or "auto" (gqa where it applies).
     quantize (None, "int4", "int8") with qformat "matmulnbits" (ONNX Runtime's MatMulNBits, on
     the gqa graph) or "qdq" (standard blockwise DequantizeLinear + MatMul on the portable graph,
-    which TensorRT parses; export/qdq.py).
+    which TensorRT parses; export/qdq.py). kv_dtype: "fp32" (default) or "fp16", the KV cache's
+    dtype in the gqa graphs of target and draft (fp32 weights and activations; fp16 needs the gqa
+    graph and fp32 weights: `--dtype fp16` keeps its cache in fp16 already).
 
     model: a spec for load_model (registry name, HF folder, .gguf, nanoGPT .pt) or an
     already loaded object with .module/.config/.tokenizer/.source. draft_model: an already
@@ -190,6 +194,18 @@ def export_folder(
         raise InputError(f"unknown attention {attention!r} (expected one of {', '.join(ATTENTIONS)})")
     if qformat not in QFORMATS:
         raise InputError(f"unknown --format {qformat!r} (expected one of {', '.join(QFORMATS)})")
+    if kv_dtype not in KV_DTYPES:
+        raise InputError(f"unknown --kv-dtype {kv_dtype!r} (expected one of {', '.join(KV_DTYPES)})")
+    if kv_dtype != "fp32":
+        if dtype != "fp32":
+            raise InputError(
+                f"--kv-dtype {kv_dtype} is for fp32 weights (--dtype {dtype} keeps the cache in {dtype} already)"
+            )
+        if attention == "onnx" or qformat == "qdq":
+            raise InputError(
+                f"--kv-dtype {kv_dtype} needs ONNX Runtime's graph (--attention gqa), "
+                "not the portable graph (--attention onnx or --format qdq)"
+            )
     if qformat == "qdq":
         if not quantize:
             raise InputError("--format qdq describes quantised weights: give --quantize int4|int8 too")
@@ -262,6 +278,8 @@ def export_folder(
         use_gqa = attention == "gqa" or (attention == "auto" and why_not is None)
         if attention == "gqa" and why_not:
             raise InputError(f"--attention gqa: {why_not} (use --attention onnx)")
+        if kv_dtype != "fp32" and not use_gqa:
+            raise InputError(f"--kv-dtype {kv_dtype} needs ONNX Runtime's graph (--attention gqa): {why_not}")
 
         if eagle3_head is not None and not use_gqa:
             raise InputError(
@@ -295,6 +313,7 @@ def export_folder(
                     feature_layers=eagle3_head.config.aux_layers
                     if eagle3_head is not None and role == "target"
                     else None,
+                    kv_dtype=kv_dtype,
                 )
             return export_contract_onnx(
                 m,

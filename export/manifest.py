@@ -53,6 +53,7 @@ def graph_entry(
         "file": path.name,
         "config": config,
         "dtype": result.dtype,
+        "kv_dtype": getattr(result, "kv_dtype", None) or result.dtype,  # the cache's (--kv-dtype)
         "opset": result.opset,
         "exporter": result.exporter,
         "ir_version": result.ir_version,

@@ -43,6 +43,7 @@ from arborspec.runtime.contract import (  # noqa: F401,E402
     META_DTYPE,
     META_EXPORTER,
     META_FEATURE_LAYERS,
+    META_KV_DTYPE,
     META_KV_LAYOUT,
     META_QUANTIZATION,
     META_ROLE,
@@ -68,6 +69,7 @@ class ExportResult:
     fallback_reason: str | None = None
     max_abs_diff: float | None = None  # self-check vs PyTorch (None: not run)
     quantization: dict | None = None  # weight-only quantisation scheme (None: float weights)
+    kv_dtype: str | None = None  # the cache's dtype when it differs from `dtype` (--kv-dtype fp16)
 
 
 def example_inputs(
@@ -273,9 +275,17 @@ def verify_against_torch(
 
 
 def contract_metadata(
-    cfg, dtype: str, tokenizer_sha256: str | None, role: str, exporter: str, kv_layout: str, topk: int = 0
+    cfg,
+    dtype: str,
+    tokenizer_sha256: str | None,
+    role: str,
+    exporter: str,
+    kv_layout: str,
+    topk: int = 0,
+    kv_dtype: str | None = None,
 ) -> dict[str, str]:
-    """The metadata_props every exported graph carries (runtime/contract.py names them)."""
+    """The metadata_props every exported graph carries (runtime/contract.py names them);
+    kv_dtype: the cache's dtype (default: the graph's dtype)."""
     import arborspec
 
     meta = {
@@ -287,6 +297,7 @@ def contract_metadata(
         META_EXPORTER: exporter,
         META_VERSION: arborspec.__version__,
         META_KV_LAYOUT: kv_layout,
+        META_KV_DTYPE: kv_dtype or dtype,
     }
     if topk > 0:
         meta[META_TOPK] = str(topk)
@@ -493,9 +504,12 @@ def export_gqa_onnx(
     accuracy_level: int = 0,
     gguf_path: str | None = None,
     feature_layers: list[int] | None = None,
+    kv_dtype: str = "fp32",
 ) -> ExportResult:
     """Export a Llama-family module as ONNX Runtime's fast graph (export/gqa_graph.py: cache read
-    and written in place, kv layout "bhsd"). fp32 activations; quantize: None, "int4" or "int8"
+    and written in place, kv layout "bhsd"). fp32 activations; kv_dtype "fp32" or "fp16" (the
+    cache slabs' dtype: fp16 halves the cache, GroupQueryAttention then runs in fp16 between
+    Casts, and the self-check compares relative errors); quantize: None, "int4" or "int8"
     weight-only MatMulNBits (export/quantize.py): with `gguf_path` (a GGUF whose tensors are
     Q4_0/Q4_1/Q8_0) its blocks are carried over as they are for "int4" (the GGUF's own weights);
     otherwise ONNX Runtime's blockwise round-to-nearest of the float weights."""
@@ -504,6 +518,8 @@ def export_gqa_onnx(
 
     if dtype != "fp32":
         raise InputError(f"--attention gqa exports fp32 only (got {dtype}); use --attention onnx for {dtype}")
+    if kv_dtype not in gqa_graph.KV_DTYPES:
+        raise InputError(f"unknown --kv-dtype {kv_dtype!r} (expected one of {', '.join(gqa_graph.KV_DTYPES)})")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     cfg = module.config
@@ -532,7 +548,9 @@ def export_gqa_onnx(
 
         if block_size != 32:
             raise InputError("a GGUF's blocks are 32 wide: --block-size 32 (or quantise from float weights)")
-    model = gqa_graph.build_gqa_model(module, max_context, topk, linears, accuracy_level, feature_layers)
+    model = gqa_graph.build_gqa_model(
+        module, max_context, topk, linears, accuracy_level, feature_layers, kv_dtype=kv_dtype
+    )
     if linears is not None:
         qinfo = {
             "scheme": quantize,
@@ -556,7 +574,9 @@ def export_gqa_onnx(
             "source": "onnxruntime-rtn",
         }
     ext = gqa_graph.save_model(model, path)
-    meta = contract_metadata(cfg, dtype, tokenizer_sha256, role, f"gqa:opset{gqa_graph.OPSET}", "bhsd", topk)
+    meta = contract_metadata(
+        cfg, dtype, tokenizer_sha256, role, f"gqa:opset{gqa_graph.OPSET}", "bhsd", topk, kv_dtype=kv_dtype
+    )
     if feature_layers:
         meta[META_FEATURE_LAYERS] = json.dumps([int(i) for i in feature_layers])
     ir, nodes = _finalize(path, meta, bool(ext))
@@ -569,9 +589,11 @@ def export_gqa_onnx(
         n_nodes=nodes,
         external_data=ext,
         quantization=qinfo,
+        kv_dtype=kv_dtype if kv_dtype != dtype else None,
     )
     if verify:
-        diff = gqa_graph.verify_gqa_against_torch(module, path)
+        half = kv_dtype == "fp16"
+        diff = gqa_graph.verify_gqa_against_torch(module, path, relative=half)
         res.max_abs_diff = diff
         # the GGUF's own blocks compute the module's (dequantised) weights: fp32 tolerance;
         # round-to-nearest from floats changes the weights: a loose sanity bound only
@@ -581,8 +603,9 @@ def export_gqa_onnx(
             else (1e-2 if qinfo is None or qinfo["source"] == "gguf-blocks" and accuracy_level == 0 else 5.0)
         )
         if not diff <= tol:
+            what = "relative to the largest value, " if half else ""
             raise RuntimeError(
-                f"{path.name}: ONNX Runtime differs from PyTorch by {diff:.3g} (> {tol:g}) on random steps"
+                f"{path.name}: ONNX Runtime differs from PyTorch by {diff:.3g} ({what}> {tol:g}) on random steps"
             )
     return res
 

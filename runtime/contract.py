@@ -26,6 +26,7 @@ manifest.json:
     {"format": "arborspec-export", "contract_version": 1, "arborspec_version": "0.1.0",
      "created": "2026-11-21T20:00:00Z",
      "target": {"kind": "onnx", "file": "target.onnx", "config": {ModelConfig}, "dtype": "fp32",
+                "kv_dtype": "fp32" (the cache's: "fp16" with `export --kv-dtype fp16`),
                 "opset": 23, "exporter": "dynamo", "ir_version": 10, "external_data": [],
                 "sha256": "...", "bytes": 123, "inputs": [{"name", "dtype", "shape"}],
                 "outputs": [...]},
@@ -148,6 +149,10 @@ META_ROLE = "arborspec.role"
 META_EXPORTER = "arborspec.exporter"
 META_VERSION = "arborspec.version"
 META_KV_LAYOUT = "arborspec.kv_layout"
+# the cache's element type ("fp32" | "fp16"; absent: the graph's dtype): an fp32 GroupQueryAttention
+# graph may keep its cache in fp16 (`arborspec export --kv-dtype fp16`); engines still take the
+# cache dtype from the graph's past_key.0 input type and check it against this key
+META_KV_DTYPE = "arborspec.kv_dtype"
 META_TOPK = "arborspec.topk"  # K of the fused top-k outputs (draft graphs), absent: none
 META_FEATURE_LAYERS = "arborspec.feature_layers"  # JSON list: the target-feature output's layers
 META_D2T = "arborspec.d2t"  # EAGLE-3 draft graphs: base64 int64 draft -> target id offsets
@@ -226,6 +231,18 @@ def kv_layout(meta: dict[str, str], where: str | os.PathLike = "") -> str:
     if layout not in KV_LAYOUTS:
         raise ExportDirError(f"{where}: unknown kv layout {layout!r} (this arborspec reads {', '.join(KV_LAYOUTS)})")
     return layout
+
+
+KV_DTYPES = ("fp32", "fp16")  # `arborspec export --kv-dtype`
+
+
+def kv_dtype_name(meta: dict[str, str], where: str | os.PathLike = "") -> str | None:
+    """The cache dtype a graph's metadata declares ("fp32", "fp16"), or None when absent (older
+    exports: the cache has the graph's dtype)."""
+    name = meta.get(META_KV_DTYPE) or None
+    if name is not None and name not in DTYPES:
+        raise ExportDirError(f"{where}: unknown kv dtype {name!r} (this arborspec reads {', '.join(DTYPES)})")
+    return name
 
 
 def check_arborspec_onnx(path: str | os.PathLike, expected_version: int | None = None) -> dict[str, str]:

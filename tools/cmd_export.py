@@ -17,6 +17,7 @@ EXAMPLE = """examples:
   arborspec export --model big.gguf --draft small.gguf --out out/pair --max-context 4096
   arborspec export --model smollm2-135m --draft layers:4 --attention onnx --out out/trt  # for `arborspec build`
   arborspec export --model smollm2-135m --draft layers:4 --quantize int4 --out out/int4  # the GGUF's Q4_1 blocks
+  arborspec export --model smollm2-135m --draft none --kv-dtype fp16 --out out/kv16  # fp32 weights, fp16 KV cache
   arborspec export --model smollm2-135m --draft layers:4 --quantize int4 --format qdq --out out/qdq  # for TensorRT
 """
 
@@ -59,6 +60,13 @@ def register(sub) -> None:
         help="gqa: ONNX Runtime's fast graph (GroupQueryAttention reads and writes the KV cache in "
         "place; Llama family, fp32); onnx: the portable graph TensorRT builds; auto (default): "
         "gqa where it applies",
+    )
+    p.add_argument(
+        "--kv-dtype",
+        choices=["fp32", "fp16"],
+        default="fp32",
+        help="KV cache dtype of ONNX Runtime's graph (--attention gqa, fp32 weights): fp16 halves the "
+        "cache; GroupQueryAttention then runs in fp16 between two Casts (default fp32)",
     )
     p.add_argument(
         "--quantize",
@@ -135,13 +143,15 @@ def run(args) -> int:
         block_size=args.block_size,
         accuracy_level=args.accuracy_level,
         qformat=args.qformat,
+        kv_dtype=args.kv_dtype,
     )
     t = s.manifest["target"]
     d = s.manifest["draft"]
     print(f"wrote {s.out}: {', '.join(s.files)}")
     q = t.get("quantization")
     qs = f", {q['scheme']} weights ({q['source']}, {q.get('format', 'matmulnbits')})" if q else ""
-    print(f"  target: {t['nodes']} nodes, opset {t['opset']} ({t['exporter']}), {t['dtype']}{qs}")
+    kv = f", {t['kv_dtype']} KV cache" if t.get("kv_dtype", t["dtype"]) != t["dtype"] else ""
+    print(f"  target: {t['nodes']} nodes, opset {t['opset']} ({t['exporter']}), {t['dtype']}{qs}{kv}")
     if d.get("kind") == "onnx":
         print(f"  draft ({d.get('spec')}): {d['nodes']} nodes")
     elif d.get("kind") == "bigram":

@@ -72,7 +72,7 @@ def feeds(
         draft = load_bigram_table(draft)
     import numpy as np
 
-    kv = np.float16 if man.target.get("dtype") == "fp16" else np.float32
+    kv = np.float16 if (man.target.get("kv_dtype") or man.target.get("dtype")) == "fp16" else np.float32
     out = build_feeds(
         target,
         draft,

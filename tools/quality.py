@@ -128,9 +128,11 @@ def weights_label(manifest) -> str:
     """ "fp32", "int4 qdq (gguf-blocks)", ... from an export's manifest."""
     t = manifest.target
     q = t.get("quantization")
+    dtype = str(t.get("dtype", "fp32"))
+    kv = f", {t['kv_dtype']} KV" if t.get("kv_dtype", dtype) != dtype else ""  # export --kv-dtype
     if not q:
-        return str(t.get("dtype", "fp32"))
-    return f"{q.get('scheme')} {q.get('format', 'matmulnbits')} ({q.get('source')})"
+        return dtype + kv
+    return f"{q.get('scheme')} {q.get('format', 'matmulnbits')} ({q.get('source')}){kv}"
 
 
 def quality_table(rows: list[dict]) -> str:

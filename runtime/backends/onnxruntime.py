@@ -173,6 +173,13 @@ class OrtEngine(EngineBase):
         if kv_type not in _ORT_TYPES:
             raise ExportDirError(f"{path}: unsupported KV element type {kv_type}")
         self.kv_dtype = _ORT_TYPES[kv_type]
+        # the cache dtype is the graph's own input type (an fp32 graph may keep an fp16 cache:
+        # `export --kv-dtype fp16`); the metadata, when present, must say the same
+        declared = C.kv_dtype_name(meta, path)
+        if declared is not None and C.DTYPES[declared] != self.kv_dtype:
+            raise ExportDirError(
+                f"{path}: metadata declares a {declared} KV cache but past_key.0 is {kv_type}: re-export the model"
+            )
         logits_type = self.session.get_outputs()[0].type
         if logits_type != "tensor(float)":
             raise ExportDirError(f"{path}: logits are {logits_type}, the contract wants float32")
