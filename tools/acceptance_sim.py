@@ -91,6 +91,10 @@ def eagle3_depth_ranks(
     ids_all = torch.tensor(seq + [0] * (max_depth + 2))  # padded: rows past the end are ignored
     tmap = draft.token_map
     cache = KVCache(head.info.cache, m + (max_depth - 1) * block + 1, 1, dev)
+    # the rows of a block's chains leave gaps that the mask hides; zeros there, not whatever the
+    # allocator left (a masked NaN still poisons the attention's weighted sum)
+    cache.k.zero_()
+    cache.v.zero_()
 
     def call(i, d, hidden, length, mask):
         cache.length = length

@@ -53,6 +53,8 @@ def engine_cost_curve(engine, sizes: Sequence[int], past: int = 256, reps: int =
 
     past = max(0, min(past, engine.info.max_position - max(sizes) - 1))
     cache = KVCache(engine.info.cache, past + max(sizes) + 1, 1, engine.device)
+    cache.k.zero_()  # finite values in the past the calls read (not the allocator's leftovers)
+    cache.v.zero_()
     dev = engine.device
     calls = {}
     for t in sizes:
@@ -90,6 +92,8 @@ def head_cost_curve(head, sizes: Sequence[int], past: int = 256, reps: int = 5) 
 
     past = max(0, min(past, head.info.max_position - max(sizes) - 1))
     cache = KVCache(head.info.cache, past + max(sizes) + 1, 1, head.device)
+    cache.k.zero_()
+    cache.v.zero_()
     calls = {}
     for t in sizes:
         g = torch.Generator().manual_seed(t)
