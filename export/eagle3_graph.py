@@ -28,7 +28,7 @@ import torch
 
 from arborspec.runtime import contract as C
 
-from .gqa_graph import IR_VERSION, OPSET, _np, rope_tables, save_model
+from .gqa_graph import IR_VERSION, OPSET, _np, attention_inputs, gqa_node, save_model
 
 
 def head_config_json(head, max_context: int, name: str = "eagle3") -> dict:
@@ -93,22 +93,7 @@ def build_head_model(head, embed: torch.Tensor, max_context: int):
         h.make_tensor_value_info(C.new_value(0), TP.FLOAT, ["batch", nkv, "max_seq", d]),
         h.make_tensor_value_info(C.HIDDEN_STATES, TP.FLOAT, ["batch", "tokens", hs]),
     ]
-    init("c_i2", np.array([2], np.int64))
-    init("c_i0", np.array([0], np.int64))
-    init("c_one_i32", np.array(1, np.int32))
-    init("c_zero_f", np.array(0.0, np.float32))
-    init("c_min_f", np.array(np.finfo(np.float32).min, np.float32))
-    init("c_axes1", np.array([1], np.int64))
-    mshape = node("Shape", [C.ATTENTION_MASK], ["mask_shape"])
-    total32 = node("Cast", [node("Gather", [mshape, "c_i2"], ["total64"], axis=0)], ["total32_1"], to=TP.INT32)
-    total = node("Squeeze", [total32, "c_i0"], ["total_len"])
-    batch = node("Gather", [node("Shape", [C.INPUT_IDS], ["ids_shape"]), "c_i0"], ["batch1"], axis=0)
-    seqlens = node("Expand", [node("Sub", [total32, "c_one_i32"], ["last1"]), batch], ["seqlens_k"])
-    mask4 = node("Unsqueeze", [C.ATTENTION_MASK, "c_axes1"], ["mask4"])
-    bias = node("Where", [mask4, "c_zero_f", "c_min_f"], ["attn_bias"])
-    cos, sin = rope_tables(d, c.rope_theta, max(max_context, 1))
-    init("cos_cache", cos)
-    init("sin_cache", sin)
+    seqlens, total, bias = attention_inputs(node, init, d, c.rope_theta, max_context)
 
     e = node("Gather", [init("embed_tokens", _np(embed)), C.INPUT_IDS], ["embeds"], axis=0)
     en = rms(e, "midlayer.input_layernorm.weight", "in_norm")
@@ -116,18 +101,7 @@ def build_head_model(head, embed: torch.Tensor, max_context: int):
     x = node("Concat", [en, hn], ["x2h"], axis=-1)
     wqkv = np.concatenate([_np(sd[f"midlayer.self_attn.{n}_proj.weight"]).T for n in "qkv"], axis=1)
     qkv = node("MatMul", [x, init("qkv", wqkv)], ["qkv_out"])
-    attn = node(
-        "GroupQueryAttention",
-        [qkv, "", "", C.past_key(0), C.past_value(0), seqlens, total, "cos_cache", "sin_cache", C.POSITION_IDS, bias],
-        ["attn", C.new_key(0), C.new_value(0)],
-        domain="com.microsoft",
-        num_heads=nq,
-        kv_num_heads=nkv,
-        do_rotary=1,
-        rotary_interleaved=0,
-        causal=0,
-        scale=float(d) ** -0.5,
-    )
+    attn = gqa_node(node, qkv, 0, "attn", nq, nkv, d, seqlens, total, bias)
     o = node("MatMul", [attn[0], init("o", _np(sd["midlayer.self_attn.o_proj.weight"]).T)], ["o_out"])
     post = node(
         "SkipSimplifiedLayerNormalization",

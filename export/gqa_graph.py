@@ -78,6 +78,65 @@ def gqa_unsupported(cfg, dtype: str = "fp32") -> str | None:
     return None
 
 
+def attention_inputs(node, init, d: int, rope_theta: float, max_context: int, attn_np=np.float32, masked=None):
+    """The GroupQueryAttention inputs every layer of a graph shares, derived from the contract
+    inputs' shapes: (seqlens_k [B] int32 = P+T-1, total_sequence_length scalar int32 = P+T,
+    the tree mask as an additive bias [B, 1, T, P+T]); also the rotary tables "cos_cache" and
+    "sin_cache" for `max_context` positions. `node`/`init` are the graph builder's."""
+    from onnx import TensorProto as TP
+
+    masked = np.finfo(np.float32).min if masked is None else masked
+    init("c_i2", np.array([2], np.int64))
+    init("c_i0", np.array([0], np.int64))
+    init("c_one_i32", np.array(1, np.int32))
+    init("c_zero_f", np.array(0.0, attn_np))
+    init("c_min_f", np.array(masked, attn_np))
+    init("c_axes1", np.array([1], np.int64))
+    mshape = node("Shape", [C.ATTENTION_MASK], ["mask_shape"])
+    total64 = node("Gather", [mshape, "c_i2"], ["total64"], axis=0)  # [1]
+    total32 = node("Cast", [total64], ["total32_1"], to=TP.INT32)
+    total = node("Squeeze", [total32, "c_i0"], ["total_len"])  # scalar int32
+    ishape = node("Shape", [C.INPUT_IDS], ["ids_shape"])
+    batch = node("Gather", [ishape, "c_i0"], ["batch1"], axis=0)  # [1]
+    last = node("Sub", [total32, "c_one_i32"], ["last1"])  # [1] int32
+    seqlens = node("Expand", [last, batch], ["seqlens_k"])  # [B] int32
+    mask4 = node("Unsqueeze", [C.ATTENTION_MASK, "c_axes1"], ["mask4"])
+    bias = node("Where", [mask4, "c_zero_f", "c_min_f"], ["attn_bias"])  # [B,1,T,S]
+    cos, sin = rope_tables(d, rope_theta, max(max_context, 1))
+    init("cos_cache", cos.astype(attn_np))
+    init("sin_cache", sin.astype(attn_np))
+    return seqlens, total, bias
+
+
+def gqa_node(node, qkv: str, layer: int, out: str, nq: int, nkv: int, d: int, seqlens, total, bias):
+    """One GroupQueryAttention over layer `layer`'s cache slab (read and written in place, rotary
+    inside from position_ids, the tree mask as bias): -> [attention out, new K, new V]."""
+    return node(
+        "GroupQueryAttention",
+        [
+            qkv,
+            "",
+            "",
+            C.past_key(layer),
+            C.past_value(layer),
+            seqlens,
+            total,
+            "cos_cache",
+            "sin_cache",
+            C.POSITION_IDS,
+            bias,
+        ],
+        [out, C.new_key(layer), C.new_value(layer)],
+        domain="com.microsoft",
+        num_heads=nq,
+        kv_num_heads=nkv,
+        do_rotary=1,
+        rotary_interleaved=0,
+        causal=0,
+        scale=float(d) ** -0.5,
+    )
+
+
 def build_gqa_model(
     module: torch.nn.Module,
     max_context: int,
@@ -210,27 +269,10 @@ def build_gqa_model(
         for name in (C.new_key(i), C.new_value(i)):
             outputs.append(h.make_tensor_value_info(name, kv_elem, ["batch", nkv, "max_seq", d]))
 
-    init("c_i2", np.array([2], np.int64))
-    init("c_i0", np.array([0], np.int64))
     init("c_i1", np.array([1], np.int64))
-    init("c_one_i32", np.array(1, np.int32))
-    init("c_zero_f", np.array(0.0, attn_np))
-    init("c_min_f", np.array(FP16_MASKED if half else np.finfo(np.float32).min, attn_np))
-    init("c_axes1", np.array([1], np.int64))
     init("c_axes_m1", np.array([-1], np.int64))
-    mshape = node("Shape", [C.ATTENTION_MASK], ["mask_shape"])
-    total64 = node("Gather", [mshape, "c_i2"], ["total64"], axis=0)  # [1]
-    total32 = node("Cast", [total64], ["total32_1"], to=TP.INT32)
-    total = node("Squeeze", [total32, "c_i0"], ["total_len"])  # scalar int32
-    ishape = node("Shape", [C.INPUT_IDS], ["ids_shape"])
-    batch = node("Gather", [ishape, "c_i0"], ["batch1"], axis=0)  # [1]
-    last = node("Sub", [total32, "c_one_i32"], ["last1"])  # [1] int32
-    seqlens = node("Expand", [last, batch], ["seqlens_k"])  # [B] int32
-    mask4 = node("Unsqueeze", [C.ATTENTION_MASK, "c_axes1"], ["mask4"])
-    bias = node("Where", [mask4, "c_zero_f", "c_min_f"], ["attn_bias"])  # [B,1,T,S]
-    cos, sin = rope_tables(d, cfg.rope_theta, max(max_context, 1))
-    init("cos_cache", cos.astype(attn_np))
-    init("sin_cache", sin.astype(attn_np))
+    masked = FP16_MASKED if half else np.finfo(np.float32).min
+    seqlens, total, bias = attention_inputs(node, init, d, cfg.rope_theta, max_context, attn_np, masked)
 
     emb = init("embed_tokens", _np(sd["model.embed_tokens.weight"]))
     x = node("Gather", [emb, C.INPUT_IDS], ["x0"], axis=0)
@@ -257,30 +299,7 @@ def build_gqa_model(
             qkv = node("Add", [qkv, init(f"l{i}.qkv_b", bqkv)], [f"l{i}.qkv_biased"])
         if half:
             qkv = node("Cast", [qkv], [f"l{i}.qkv_h"], to=TP.FLOAT16)
-        attn = node(
-            "GroupQueryAttention",
-            [
-                qkv,
-                "",
-                "",
-                C.past_key(i),
-                C.past_value(i),
-                seqlens,
-                total,
-                "cos_cache",
-                "sin_cache",
-                C.POSITION_IDS,
-                bias,
-            ],
-            [f"l{i}.attn_h" if half else f"l{i}.attn", C.new_key(i), C.new_value(i)],
-            domain="com.microsoft",
-            num_heads=nq,
-            kv_num_heads=nkv,
-            do_rotary=1,
-            rotary_interleaved=0,
-            causal=0,
-            scale=float(d) ** -0.5,
-        )
+        attn = gqa_node(node, qkv, i, f"l{i}.attn_h" if half else f"l{i}.attn", nq, nkv, d, seqlens, total, bias)
         attn_out = node("Cast", [attn[0]], [f"l{i}.attn"], to=TP.FLOAT) if half else attn[0]
         o = matmul(attn_out, [p + "self_attn.o_proj.weight"], f"l{i}.o")
         post = node(
