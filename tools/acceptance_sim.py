@@ -16,6 +16,16 @@ from arborspec.runtime.errors import InputError
 
 
 # ----------------------------------------------------------------------------- acceptance
+def causal_chunks(n: int, step: int):
+    """(a, b, mask [1, b-a, b]) for a causal pass over positions 0..n-1 in calls of `step`
+    rows, each over the cache the earlier calls filled."""
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        mask = torch.ones(1, b - a, b, dtype=torch.bool)
+        mask[0, :, a:] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+        yield a, b, mask
+
+
 def draft_topk_ranks(draft, seq: list[int], k: int, chunk: int = 128) -> torch.Tensor:
     """rank[j] (j >= 1) of seq[j] among the draft's top-k given seq[:j] (k when not in it)."""
     from arborspec.runtime.drafts import BigramDraft
@@ -36,13 +46,9 @@ def draft_topk_ranks(draft, seq: list[int], k: int, chunk: int = 128) -> torch.T
         step = max(1, min(chunk, limit))
         parts = []
         with torch.inference_mode():
-            for a in range(0, n - 1, step):
-                b = min(n - 1, a + step)
-                t = b - a
+            for a, b, mask in causal_chunks(n - 1, step):
                 ids = torch.tensor([seq[a:b]], device=dev)
                 pos = torch.arange(a, b, device=dev)[None]
-                mask = torch.ones(1, t, a + t, dtype=torch.bool)
-                mask[0, :, a:] = torch.ones(t, t, dtype=torch.bool).tril()
                 parts.append(draft.forward(ids, pos, mask.to(dev), cache)[0].float().cpu())
                 cache.length = b
         logits = torch.cat(parts)
@@ -76,14 +82,9 @@ def eagle3_depth_ranks(
     tcache = KVCache(target.info.cache, n, 1, dev)
     step = max(1, min(chunk, target.info.max_tokens or chunk))
     feats = []
-    for a in range(0, n, step):
-        b = min(n, a + step)
-        mask = torch.ones(1, b - a, b, dtype=torch.bool)
-        mask[0, :, a:] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
-        _, f = target.forward_features(
-            torch.tensor([seq[a:b]], device=dev), torch.arange(a, b, device=dev)[None], mask.to(dev), tcache
-        )
-        feats.append(f[0].float().cpu())
+    for a, b, mask in causal_chunks(n, step):
+        ids, pos = torch.tensor([seq[a:b]], device=dev), torch.arange(a, b, device=dev)[None]
+        feats.append(target.forward_features(ids, pos, mask.to(dev), tcache)[1][0].float().cpu())
         tcache.length = b
     head = draft.engine
     dev = head.device
@@ -111,9 +112,9 @@ def eagle3_depth_ranks(
 
     # depth 1: the committed context itself, causal, in chunks; its rows stay in the cache at [0, m)
     out0 = []
-    for a in range(0, m, chunk):
-        i = torch.arange(a, min(m, a + chunk))
-        out0.append(call(i, 0, hid0[i], a, torch.arange(i[-1] + 1)[None, :] <= i[:, None]))
+    for a, b, mask in causal_chunks(m, chunk):
+        i = torch.arange(a, b)
+        out0.append(call(i, 0, hid0[i], a, mask[0]))
     out0 = torch.cat(out0)
     # depths 2..: per block of rows, each row's chain at m + (e-1)*block + row
     for a in range(0, m, block):

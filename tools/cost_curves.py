@@ -46,9 +46,10 @@ def _time_sizes(calls: dict, reps: int, sync=None) -> dict:
     return dict(sorted(out.items()))
 
 
-def engine_cost_curve(engine, sizes: Sequence[int], past: int = 256, reps: int = 5, progress=None) -> dict:
-    """{T: ms} of one engine call with T new tokens after `past` cached positions (cache
-    contents are zeros: the cost does not depend on them)."""
+def _call_curve(engine, sizes: Sequence[int], past: int, reps: int, run) -> dict:
+    """{T: ms} of the call `run(ids, pos, mask, cache, gen)` returns (a zero-argument function),
+    with T new tokens after `past` cached positions of `engine`'s cache (zeros: the cost does not
+    depend on them); `gen` is the size's seeded generator, for any further random inputs."""
     from arborspec.runtime.kvcache import KVCache
 
     past = max(0, min(past, engine.info.max_position - max(sizes) - 1))
@@ -58,23 +59,32 @@ def engine_cost_curve(engine, sizes: Sequence[int], past: int = 256, reps: int =
     dev = engine.device
     calls = {}
     for t in sizes:
-        ids = torch.randint(0, engine.info.vocab_size, (1, t), generator=torch.Generator().manual_seed(t)).to(dev)
+        g = torch.Generator().manual_seed(t)
+        ids = torch.randint(0, engine.info.vocab_size, (1, t), generator=g).to(dev)
         pos = (torch.arange(t) + past)[None].to(dev)
         mask = torch.ones(1, t, past + t, dtype=torch.bool, device=dev)
+        fn = run(ids, pos, mask, cache, g)
 
-        def call(ids=ids, pos=pos, mask=mask):
+        def call(fn=fn):
             cache.length = past
-            engine.forward(ids, pos, mask, cache)
+            fn()
 
         calls[int(t)] = call
     return _time_sizes(calls, reps, _sync_of(engine))
+
+
+def engine_cost_curve(engine, sizes: Sequence[int], past: int = 256, reps: int = 5, progress=None) -> dict:
+    """{T: ms} of one engine call with T new tokens after `past` cached positions."""
+    return _call_curve(
+        engine, sizes, past, reps, lambda ids, pos, mask, cache, g: lambda: engine.forward(ids, pos, mask, cache)
+    )
 
 
 def draft_cost_curve(draft, sizes: Sequence[int], past: int = 256, reps: int = 5, progress=None) -> dict:
     """{F: ms} of one draft level call over F frontier nodes (an engine call, or a table gather)."""
     from arborspec.runtime.drafts import BigramDraft
 
-    if hasattr(draft, "needs_target_features") and hasattr(draft.engine, "forward_hidden"):
+    if getattr(draft, "needs_target_features", False):
         return head_cost_curve(draft.engine, sizes, past, reps)  # an EAGLE-3 head
     if isinstance(draft, BigramDraft):
         calls = {}
@@ -88,23 +98,9 @@ def draft_cost_curve(draft, sizes: Sequence[int], past: int = 256, reps: int = 5
 def head_cost_curve(head, sizes: Sequence[int], past: int = 256, reps: int = 5) -> dict:
     """{F: ms} of one EAGLE-3 head level over F nodes (each a token with a hidden state) after
     `past` cached draft positions: `forward_hidden`, the call a tree level makes."""
-    from arborspec.runtime.kvcache import KVCache
 
-    past = max(0, min(past, head.info.max_position - max(sizes) - 1))
-    cache = KVCache(head.info.cache, past + max(sizes) + 1, 1, head.device)
-    cache.k.zero_()
-    cache.v.zero_()
-    calls = {}
-    for t in sizes:
-        g = torch.Generator().manual_seed(t)
-        ids = torch.randint(0, head.info.vocab_size, (1, t), generator=g).to(head.device)
-        hid = torch.randn(1, t, head.hidden_size, generator=g).to(head.device)
-        pos = (torch.arange(t) + past)[None].to(head.device)
-        mask = torch.ones(1, t, past + t, dtype=torch.bool, device=head.device)
+    def run(ids, pos, mask, cache, g):
+        hid = torch.randn(1, ids.shape[1], head.hidden_size, generator=g).to(head.device)
+        return lambda: head.forward_hidden(ids, hid, pos, mask, cache)
 
-        def call(ids=ids, hid=hid, pos=pos, mask=mask):
-            cache.length = past
-            head.forward_hidden(ids, hid, pos, mask, cache)
-
-        calls[int(t)] = call
-    return _time_sizes(calls, reps, _sync_of(head))
+    return _call_curve(head, sizes, past, reps, run)
