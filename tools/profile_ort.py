@@ -14,6 +14,7 @@ import json
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -21,39 +22,32 @@ from arborspec.runtime.backends.onnxruntime import qdq_exact_matmul
 from arborspec.runtime.errors import ArborspecError
 
 
-def profile(path: str, tokens: int = 1, past: int = 256, reps: int = 20, threads: int = 2) -> dict:
-    """{"median_ms", "min_ms", "ops": [(op type, share, ms per call)]} for one call shape."""
+def _profiling_options(threads: int, prefix: str):
+    """Session options for a profiled run: the runtime's settings (no spin-waiting), a thread count."""
     import onnxruntime as ort
-
-    from arborspec.runtime.backends.onnxruntime import OrtEngine
-    from arborspec.runtime.kvcache import KVCache
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    qdq_exact_matmul(so)  # as OrtEngine does (QDQ MatMuls in float32 unless the env says otherwise)
     so.intra_op_num_threads = threads
     so.enable_profiling = True
-    so.profile_file_prefix = tempfile.mkdtemp() + "/ort"
-    e = OrtEngine(path, session_options=so)
-    c = KVCache(e.info.cache, past + tokens + 1, 1)
-    c.k.normal_()
-    c.v.normal_()
-    c.length = past
-    ids = torch.randint(0, e.info.vocab_size, (1, tokens))
-    pos = (past + torch.arange(tokens))[None]
-    mask = torch.ones(1, tokens, past + tokens, dtype=torch.bool)
+    so.profile_file_prefix = tempfile.mkdtemp() + "/" + prefix
+    return so
+
+
+def _measure(run, session, reps: int) -> dict:
+    """3 warm-up calls of `run`, `reps` timed ones, then the session's profile by op type:
+    {"median_ms", "min_ms", "ops": [(op type, share, ms per call)]}."""
     for _ in range(3):
-        e.forward(ids, pos, mask, c)
+        run()
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        e.forward(ids, pos, mask, c)
+        run()
         ts.append(time.perf_counter() - t0)
     ts.sort()
-    events = json.load(open(e.session.end_profiling()))
     by: collections.Counter = collections.Counter()
-    for x in events:
+    for x in json.load(open(session.end_profiling())):
         if x.get("cat") == "Node" and x["name"].endswith("_kernel_time"):
             by[x["args"]["op_name"]] += x["dur"]
     total = sum(by.values()) or 1
@@ -65,12 +59,22 @@ def profile(path: str, tokens: int = 1, past: int = 256, reps: int = 20, threads
     }
 
 
-def _by_op(events) -> collections.Counter:
-    by: collections.Counter = collections.Counter()
-    for x in events:
-        if x.get("cat") == "Node" and x["name"].endswith("_kernel_time"):
-            by[x["args"]["op_name"]] += x["dur"]
-    return by
+def profile(path: str, tokens: int = 1, past: int = 256, reps: int = 20, threads: int = 2) -> dict:
+    """{"median_ms", "min_ms", "ops": [(op type, share, ms per call)]} for one call shape."""
+    from arborspec.runtime.backends.onnxruntime import OrtEngine
+    from arborspec.runtime.kvcache import KVCache
+
+    so = _profiling_options(threads, "ort")
+    qdq_exact_matmul(so)  # as OrtEngine does (QDQ MatMuls in float32 unless the env says otherwise)
+    e = OrtEngine(path, session_options=so)
+    c = KVCache(e.info.cache, past + tokens + 1, 1)
+    c.k.normal_()
+    c.v.normal_()
+    c.length = past
+    ids = torch.randint(0, e.info.vocab_size, (1, tokens))
+    pos = (past + torch.arange(tokens))[None]
+    mask = torch.ones(1, tokens, past + tokens, dtype=torch.bool)
+    return _measure(lambda: e.forward(ids, pos, mask, c), e.session, reps)
 
 
 def profile_genai(path: str, tokens: int = 1, past: int = 256, reps: int = 20, threads: int = 2) -> dict:
@@ -79,16 +83,8 @@ def profile_genai(path: str, tokens: int = 1, past: int = 256, reps: int = 20, t
     import numpy as np
     import onnxruntime as ort
 
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    so.intra_op_num_threads = threads
-    so.enable_profiling = True
-    so.profile_file_prefix = tempfile.mkdtemp() + "/genai"
-    sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(path, _profiling_options(threads, "genai"), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
-    from pathlib import Path
-
     cfg_file = Path(path).with_name("genai_config.json")
     dec = json.loads(cfg_file.read_text())["model"]["decoder"] if cfg_file.is_file() else {}
     feed = {}
@@ -104,22 +100,7 @@ def profile_genai(path: str, tokens: int = 1, past: int = 256, reps: int = 20, t
             feed[i.name] = rng.standard_normal((1, i.shape[1], past, d), dtype=np.float32)
         else:
             raise ArborspecError(f"{path}: unexpected input {i.name!r} for a GenAI model")
-    for _ in range(3):
-        sess.run(None, feed)
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        sess.run(None, feed)
-        ts.append(time.perf_counter() - t0)
-    ts.sort()
-    by = _by_op(json.load(open(sess.end_profiling())))
-    total = sum(by.values()) or 1
-    calls = reps + 3
-    return {
-        "median_ms": 1e3 * ts[len(ts) // 2],
-        "min_ms": 1e3 * ts[0],
-        "ops": [(op, d / total, d / calls / 1e3) for op, d in by.most_common()],
-    }
+    return _measure(lambda: sess.run(None, feed), sess, reps)
 
 
 def main(argv=None) -> int:
