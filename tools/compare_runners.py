@@ -19,6 +19,27 @@ from arborspec.runtime import contract as C
 
 
 # ----------------------------------------------------------------------------- runners
+def _feed_on_cache(feed_dict, spec, dev):
+    """A contract feed on a runtime engine: (ids, pos, mask, cache) with the feed's past K/V
+    ([P, B, Hkv, D] per layer) written into a KVCache of the engine's layout, length P."""
+    from arborspec.runtime.kvcache import KVCache
+
+    ids = torch.from_numpy(np.asarray(feed_dict[C.INPUT_IDS])).to(dev)
+    pos = torch.from_numpy(np.asarray(feed_dict[C.POSITION_IDS])).to(dev)
+    mask = torch.from_numpy(np.asarray(feed_dict[C.ATTENTION_MASK])).to(dev)
+    b, t = ids.shape
+    p = mask.shape[2] - t
+    cache = KVCache(spec, p + t, b, dev)
+    if p:
+        past = [
+            [torch.from_numpy(np.asarray(feed_dict[f(i)])).to(dev, spec.dtype) for i in range(spec.n_layers)]
+            for f in (C.past_key, C.past_value)
+        ]
+        cache.write_tail(torch.stack(past[0]), torch.stack(past[1]))
+    cache.length = p
+    return ids, pos, mask, cache
+
+
 def _polygraphy():
     try:
         from polygraphy.backend.base import BaseRunner  # noqa: F401
@@ -125,24 +146,10 @@ def _runner_classes():
             return contract_meta(self.engine.info.cache.n_layers, self.kv_dtype)
 
         def infer_impl(self, feed_dict):
-            from arborspec.runtime.kvcache import KVCache
-
             eng = self.engine
-            dev = eng.device
-            ids = torch.from_numpy(np.asarray(feed_dict[C.INPUT_IDS])).to(dev)
-            pos = torch.from_numpy(np.asarray(feed_dict[C.POSITION_IDS])).to(dev)
-            mask = torch.from_numpy(np.asarray(feed_dict[C.ATTENTION_MASK])).to(dev)
-            b, t = ids.shape
-            p = mask.shape[2] - t
             spec = eng.info.cache
-            cache = KVCache(spec, p + t, b, dev)
-            if p:
-                past = [
-                    [torch.from_numpy(np.asarray(feed_dict[f(i)])).to(dev, spec.dtype) for i in range(spec.n_layers)]
-                    for f in (C.past_key, C.past_value)
-                ]
-                cache.write_tail(torch.stack(past[0]), torch.stack(past[1]))
-            cache.length = p
+            ids, pos, mask, cache = _feed_on_cache(feed_dict, spec, eng.device)
+            t = ids.shape[1]
             if self.sync:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -207,20 +214,11 @@ def _runner_classes():
             return meta
 
         def infer_impl(self, feed_dict):
-            from arborspec.runtime.kvcache import KVCache
-
             eng = self.engine
-            dev = eng.device
-            get = lambda k: torch.from_numpy(np.asarray(feed_dict[k])).to(dev)  # noqa: E731
-            ids, pos, mask = get(C.INPUT_IDS), get(C.POSITION_IDS), get(C.ATTENTION_MASK)
+            ids, pos, mask, cache = _feed_on_cache(feed_dict, eng.info.cache, eng.device)
             t = ids.shape[1]
-            p = mask.shape[2] - t
-            cache = KVCache(eng.info.cache, p + t, 1, dev)
-            if p:
-                cache.write_tail(get(C.past_key(0)).float()[None], get(C.past_value(0)).float()[None])
-            cache.length = p
             t0 = time.perf_counter()
-            hidden = eng.project(get(C.TARGET_FEATURES).float())
+            hidden = eng.project(torch.from_numpy(np.asarray(feed_dict[C.TARGET_FEATURES])).to(eng.device).float())
             logits, out = eng.forward_hidden(ids, hidden[None], pos, mask, cache)
             self.inference_time = time.perf_counter() - t0
             k, v = cache.tail(0, t)
