@@ -101,6 +101,11 @@ class DraftSource:
         """Keep the accepted path (node indices, root excluded); `features` are the verify
         call's target features over [root, nodes...] when `needs_target_features`."""
 
+    def fork(self) -> "DraftSource":
+        """A source for another sequence of a batch (runtime/batch_decode.py): the same engines
+        and tables, its own per-sequence state. Closing a fork never closes shared engines."""
+        raise NotImplementedError(f"draft {self.kind} cannot be batched")
+
     def close(self) -> None:
         """Release engines and buffers."""
 
@@ -157,6 +162,12 @@ class ModelDraft(DraftSource):
         self._slot = np.full(64, -1, dtype=np.int64)
         self._slot_node = np.zeros(64, dtype=np.int64)
         self.model_s = 0.0
+        self._owns_engine = True
+
+    def fork(self) -> "ModelDraft":
+        f = ModelDraft(self.engine)
+        f._owns_engine = False
+        return f
 
     def prepare(self, policy: TreePolicy, max_len: int) -> None:
         cap = tree_capacity(policy, self.vocab_size)
@@ -259,8 +270,9 @@ class ModelDraft(DraftSource):
 
     def close(self) -> None:
         close = getattr(self.engine, "close", None)
-        if close:
+        if close and self._owns_engine:
             close()
+        self.cache = None
 
 
 class BigramDraft(DraftSource):
@@ -281,6 +293,9 @@ class BigramDraft(DraftSource):
             return self.logits[toks]
         out = torch.full((toks.numel(), self.vocab_size), float("-inf"))
         return out.scatter_(1, self.indices[toks], self.logits[toks])
+
+    def fork(self) -> "BigramDraft":
+        return self  # stateless
 
     def start(self, root: int) -> torch.Tensor:
         return self._rows(torch.tensor([root]))[0]

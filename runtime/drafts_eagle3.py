@@ -73,6 +73,9 @@ class Eagle3Draft(DraftSource):
         self._node_hidden = torch.zeros(64, self.hidden_size)
         self._root_hidden = torch.zeros(self.hidden_size)
 
+    def fork(self) -> "Eagle3Draft":
+        return Eagle3Draft(self.engine, device=self.device)  # the same head engine, its own cache
+
     def prepare(self, policy: TreePolicy, max_len: int) -> None:
         cap = tree_capacity(policy, self.vocab_size)
         need = max_len + cap + 2

@@ -13,10 +13,16 @@ generation. Typical use in a production app:
             print(chunk, end="")
         c = gen.chat([{"role": "user", "content": "Hello!"}])
 
-Thread safety: one Generator may be shared by several threads; its calls are serialised by a
-lock (a decoder runs one sequence at a time). A `stream()` holds the lock until the iterator
-is exhausted or closed. For parallel decoding use one Generator per thread (they can open the
-same export folder).
+Thread safety: one Generator may be shared by several threads. With `max_batch=1` (the
+default) its calls are serialised by a lock (a `stream()` holds it until the iterator is
+exhausted or closed). With `max_batch=N > 1` a background thread decodes up to N concurrent
+calls together, one verify call per step for all of them (runtime/batch_scheduler.py):
+
+    gen = Generator.from_export("exports/smollm2", draft="lookup", max_batch=8)
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(lambda p: gen.generate(p).text, prompts))
+
+`last_stats` / `last_stop_reason` are the calling thread's last generation's.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from .decode import MODES, SpeculativeDecoder
 from .errors import InputError, MissingFileError
 from .sampling import SamplingParams
 from .stats import GenerationStats
+from .stats import GenerationStats as _Stats
 
 AUTO_TREE_FILE = "tree_auto.json"  # written by `arborspec tune --export-dir DIR`
 
@@ -60,6 +67,7 @@ class Generator:
         max_tree_nodes: int | None = None,
         eos_token_ids: Sequence[int] | None = None,
         owns: Sequence = (),
+        max_batch: int = 1,
     ):
         mode = mode or ("tree" if draft is not None else "vanilla")
         if mode not in MODES:
@@ -73,7 +81,47 @@ class Generator:
         self._lock = threading.RLock()
         self._decoders: dict[SamplingParams, SpeculativeDecoder] = {}
         self._decoder(SamplingParams())  # validates mode / tree / draft now, not at the first call
+        self._last = threading.local()
+        self._busy = 0
+        self._batch = None
+        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+            raise InputError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        if max_batch > 1:
+            from .batch_decode import BatchDecoder
+            from .batch_scheduler import BatchScheduler
+
+            self._batch = BatchScheduler(
+                BatchDecoder(
+                    target,
+                    draft,
+                    mode=mode,
+                    tree=tree,
+                    candidates=candidates,
+                    max_batch=max_batch,
+                    max_tree_nodes=max_tree_nodes,
+                )
+            )
+        self.max_batch = max_batch
         self.closed = False
+
+    @property
+    def last_stats(self) -> _Stats | None:
+        """Statistics of this thread's last generation."""
+        return getattr(self._last, "stats", None)
+
+    @property
+    def last_stop_reason(self) -> str | None:
+        return getattr(self._last, "stop_reason", None)
+
+    @property
+    def active(self) -> int:
+        """Sequences being decoded now (batched) or 0/1."""
+        return self._batch.active if self._batch else self._busy
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting to join the batch (0 unbatched: callers wait on the lock)."""
+        return self._batch.waiting if self._batch else 0
 
     @classmethod
     def from_export(
@@ -88,6 +136,7 @@ class Generator:
         candidates: str = "topk",
         verify: bool = False,
         engine_dir=None,
+        max_batch: int = 1,
     ) -> "Generator":
         """Open an export folder (runtime/export_dir.open_export) and wrap it. tree: a spec,
         "auto" (the tree `arborspec tune --export-dir DIR` chose), or None (the export's
@@ -108,6 +157,7 @@ class Generator:
                 candidates=candidates,
                 max_tree_nodes=ex.limits.get("max_tree_nodes"),
                 owns=[ex],
+                max_batch=max_batch,
             )
         except BaseException:
             ex.close()
@@ -164,12 +214,32 @@ class Generator:
     ) -> Completion:
         """One completion of a text or token-id prompt."""
         ids = self._ids(prompt)
-        sp = SamplingParams(temperature, top_k, top_p)
+        out: list[int] = []
+        for chunk in self._token_stream(ids, max_new_tokens, SamplingParams(temperature, top_k, top_p), seed):
+            out += chunk
+        return Completion(self._text(out), out, len(ids), self.last_stop_reason, self.last_stats)
+
+    def _token_stream(self, ids: list[int], max_new_tokens: int, sp: SamplingParams, seed: int):
+        """Token-id chunks of one generation, batched or under the lock; sets this thread's
+        last_stats / last_stop_reason when it ends."""
+        if self._batch is not None:
+            self._check_open()
+            s = self._batch.submit(ids, max_new_tokens, self.eos_token_ids, sp, seed)
+            try:
+                yield from s
+            finally:
+                s.cancel()  # a caller that stops early frees its row
+            self._last.stats, self._last.stop_reason = s.stats, s.stop_reason
+            return
         with self._lock:
             self._check_open()
             dec = self._decoder(sp)
-            r = dec.generate(ids, max_new_tokens, self.eos_token_ids, seed)
-        return Completion(self._text(r.tokens), r.tokens, len(ids), r.stop_reason, r.stats)
+            self._busy = 1
+            try:
+                yield from dec.stream(ids, max_new_tokens, self.eos_token_ids, seed)
+            finally:
+                self._busy = 0
+            self._last.stats, self._last.stop_reason = dec.last_stats, dec.last_stop_reason
 
     def stream(
         self,
@@ -186,22 +256,18 @@ class Generator:
         reason of the last stream: `last_stats`, `last_stop_reason`."""
         prompt_ids = self._ids(prompt)
         sp = SamplingParams(temperature, top_k, top_p)
-        with self._lock:
-            self._check_open()
-            dec = self._decoder(sp)
-            sd = self.tokenizer.stream_decoder(skip_special_tokens=True) if (self.tokenizer and not ids) else None
-            for chunk in dec.stream(prompt_ids, max_new_tokens, self.eos_token_ids, seed):
-                if sd is None:
-                    yield chunk
-                else:
-                    text = sd.push(chunk)
-                    if text:
-                        yield text
-            if sd is not None:
-                rest = sd.finish()
-                if rest:
-                    yield rest
-            self.last_stats, self.last_stop_reason = dec.last_stats, dec.last_stop_reason
+        sd = self.tokenizer.stream_decoder(skip_special_tokens=True) if (self.tokenizer and not ids) else None
+        for chunk in self._token_stream(prompt_ids, max_new_tokens, sp, seed):
+            if sd is None:
+                yield chunk
+            else:
+                text = sd.push(chunk)
+                if text:
+                    yield text
+        if sd is not None:
+            rest = sd.finish()
+            if rest:
+                yield rest
 
     def chat(self, messages: list[dict], max_new_tokens: int = 256, **kw) -> Completion:
         """A completion of a conversation [{"role", "content"}, ...] through the chat template."""
@@ -223,6 +289,8 @@ class Generator:
             raise InputError("this Generator is closed")
 
     def close(self) -> None:
+        if self._batch is not None:
+            self._batch.close()  # ends every in-flight stream with one error line
         with self._lock:
             for o in self._owns:
                 o.close()

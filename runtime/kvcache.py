@@ -117,3 +117,62 @@ class KVCache:
         self._seq(self.k, p, p + n).copy_(self.k.index_select(d, idx))
         self._seq(self.v, p, p + n).copy_(self.v.index_select(d, idx))
         self.length = p + n
+
+    # ------------------------------------------------------------------ batched decoding
+    # With B sequences in one cache, every row shares the column space: row b's committed
+    # tokens are [0, len_b), `length` is max(len_b) (the engines' P), and the mask hides the
+    # gap [len_b, P) of shorter rows. runtime/batch_decode.py keeps the per-row lengths.
+
+    def _row(self, x: torch.Tensor, row: int, a: int, b: int) -> torch.Tensor:
+        return x[:, a:b, row] if self.seq_dim == 1 else x[:, row, :, a:b]
+
+    def rows(self, n: int) -> "KVCache":
+        """A cache over the first n batch rows, sharing this one's storage (no copy). For
+        "bhsd" each layer's slab stays contiguous, so engines that bind a layer by address can
+        run n rows of a larger cache."""
+        view = object.__new__(KVCache)
+        view.spec, view.max_len, view.batch, view.seq_dim = self.spec, self.max_len, n, self.seq_dim
+        b = 2 if self.seq_dim == 1 else 1
+        view.k, view.v = self.k.narrow(b, 0, n), self.v.narrow(b, 0, n)
+        view.length = self.length
+        return view
+
+    def load_row(self, row: int, src: "KVCache", length: int) -> None:
+        """Copy the first `length` positions of a one-row cache `src` into batch row `row`."""
+        for mine, theirs in ((self.k, src.k), (self.v, src.v)):
+            self._row(mine, row, 0, length).copy_(src._row(theirs, 0, 0, length))
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Copy row src's first `length` positions onto row dst (compaction when a row leaves)."""
+        for x in (self.k, self.v):
+            self._row(x, dst, 0, length).copy_(self._row(x, src, 0, length))
+
+    def commit_rows(self, rows: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """One gather for all rows and layers: entry (rows[j], src[j]) -> (rows[j], dst[j]),
+        positions absolute. Reads happen before writes (advanced indexing copies)."""
+        if rows.numel() == 0:
+            return
+        dev = self.device
+        rows, dst, src = rows.to(dev), dst.to(dev), src.to(dev)
+        for x in (self.k, self.v):
+            if self.seq_dim == 1:  # [L, S, B, H, D]
+                x[:, dst, rows] = x[:, src, rows]
+            else:  # [L, B, H, S, D]
+                x[:, rows, :, dst] = x[:, rows, :, src]
+
+    def zero_(self) -> "KVCache":
+        """Zero both slabs. A batch cache needs it: a row's masked gap columns are still read
+        (weight 0), and 0 x NaN from uninitialised memory would be NaN."""
+        self.k.zero_()
+        self.v.zero_()
+        return self
+
+    def grown(self, max_len: int) -> "KVCache":
+        """A larger cache holding this one's first `length` positions of every row."""
+        new = KVCache(self.spec, max_len, self.batch, self.device).zero_()
+        for old, fresh in ((self.k, new.k), (self.v, new.v)):
+            (fresh[:, : self.length] if self.seq_dim == 1 else fresh[:, :, :, : self.length]).copy_(
+                self._seq(old, 0, self.length)
+            )
+        new.length = self.length
+        return new

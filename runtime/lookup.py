@@ -57,6 +57,10 @@ class LookupDraft(DraftSource):
                 nxt[t] = nxt.get(t, 0) + 1
         ctx.append(t)
 
+    def fork(self) -> "LookupDraft":
+        fb = self.fallback.fork() if self.fallback is not None else None
+        return LookupDraft(self.vocab_size, self.max_n, self.min_n, fb)
+
     def reset(self, committed: list[int], features=None) -> None:
         self.ctx, self.index = [], {}
         for t in committed:

@@ -14,7 +14,7 @@ from arborspec.runtime.errors import InputError
 EXAMPLE = """examples:
   arborspec serve --export-dir ~/.cache/arborspec/exports/smollm2-135m-layers4-v2 --draft lookup --port 8000
   curl -s localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'
-  arborspec serve --export-dir DIR --host 0.0.0.0 --api-key "$KEY" --workers 2
+  arborspec serve --export-dir DIR --host 0.0.0.0 --api-key "$KEY" --max-batch 8
 """
 
 
@@ -34,12 +34,16 @@ def register(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
-        "--workers",
         "--max-batch",
-        dest="workers",
+        type=int,
+        default=8,
+        help="sequences decoded together, one verify call per step for all (default 8; 1: one at a time)",
+    )
+    p.add_argument(
+        "--workers",
         type=int,
         default=1,
-        help="sequences decoded at once, one generator each (default 1; more requests queue)",
+        help="generators (each with its engines and --max-batch sequences; default 1; more requests queue)",
     )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $ARBORSPEC_API_KEY)")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the export's name)")
@@ -56,6 +60,8 @@ def run(args) -> int:
         raise InputError(f"--port must be in 1..65535, got {args.port}")
     if args.workers < 1:
         raise InputError(f"--workers must be >= 1, got {args.workers}")
+    if args.max_batch < 1:
+        raise InputError(f"--max-batch must be >= 1, got {args.max_batch}")
     from arborspec.runtime.contract import read_manifest
     from arborspec.runtime.generator import Generator
 
@@ -64,8 +70,11 @@ def run(args) -> int:
     man = read_manifest(args.export_dir)
     name = args.model_name or man.data.get("source", {}).get("model") or Path(args.export_dir).name
     pool = GeneratorPool(
-        lambda: Generator.from_export(args.export_dir, args.backend, args.device, draft=args.draft, tree=args.tree),
+        lambda: Generator.from_export(
+            args.export_dir, args.backend, args.device, draft=args.draft, tree=args.tree, max_batch=args.max_batch
+        ),
         args.workers,
+        slots=args.max_batch,
     )
     try:
         app = create_app(

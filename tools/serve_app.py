@@ -5,8 +5,9 @@ Role in one decode step: none of its own; each request becomes one generation on
 out as server-sent events when asked. Routes: POST /v1/completions, POST /v1/chat/completions
 (streaming and not), GET /v1/models, GET /health, GET /metrics (Prometheus text).
 
-Concurrency: `workers` generators, each decoding one sequence at a time; requests beyond that
-wait in a queue (`arborspec_queue_depth`). Batched verify calls across requests are not done yet.
+Concurrency: `workers` generators, each decoding up to `max_batch` sequences together (one
+verify call per step for all of them: continuous batching, runtime/batch_scheduler.py); requests
+beyond workers x max_batch wait in a queue (`arborspec_queue_depth`).
 Errors have OpenAI's shape: {"error": {"message", "type", "param", "code"}} with a 4xx status;
 an API key, when set, is checked on every route but /health.
 """
@@ -26,13 +27,16 @@ from arborspec.runtime.errors import ArborspecError
 
 
 class GeneratorPool:
-    """N generators; `acquire()` blocks until one is free (the queue depth is what waits)."""
+    """N generators with `slots` sequences each (their max_batch); `acquire()` blocks until a
+    slot is free (the queue depth is what waits) and returns its generator."""
 
-    def __init__(self, factory: Callable[[], Any], workers: int):
+    def __init__(self, factory: Callable[[], Any], workers: int, slots: int = 1):
         self.free: queue.Queue = queue.Queue()
         self.all = [factory() for _ in range(workers)]
-        for g in self.all:
-            self.free.put(g)
+        self.slots = slots
+        for _ in range(slots):
+            for g in self.all:
+                self.free.put(g)
         self.waiting = 0
         self._lock = threading.Lock()
 
@@ -50,7 +54,14 @@ class GeneratorPool:
 
     @property
     def busy(self) -> int:
-        return len(self.all) - self.free.qsize()
+        return len(self.all) * self.slots - self.free.qsize()
+
+    @property
+    def mean_batch(self) -> float:
+        """Sequences per verify call, over every batched generator's steps so far."""
+        sched = [g._batch for g in self.all if getattr(g, "_batch", None) is not None]
+        steps = sum(b.steps for b in sched)
+        return sum(b.batch_sizes for b in sched) / steps if steps else 0.0
 
     def close(self) -> None:
         for g in self.all:
@@ -74,6 +85,8 @@ def create_app(pool: GeneratorPool, model_name: str, *, api_key: str | None = No
     g_active = Gauge("arborspec_active_sequences", "sequences being decoded", registry=reg)
     g_tps = Gauge("arborspec_tokens_per_second", "decode tokens/s of the last request", registry=reg)
     g_acc = Gauge("arborspec_mean_accepted", "tokens per verify call over all requests", registry=reg)
+    g_batch = Gauge("arborspec_mean_batch_size", "sequences per verify call (batched decoding)", registry=reg)
+    g_batch.set_function(lambda: getattr(pool, "mean_batch", 0.0))
     g_queue.set_function(lambda: pool.waiting)
     g_active.set_function(lambda: pool.busy)
     totals = {"tokens": 0, "steps": 0}

@@ -184,6 +184,10 @@ class OrtEngine(EngineBase):
         if logits_type != "tensor(float)":
             raise ExportDirError(f"{path}: logits are {logits_type}, the contract wants float32")
         self.kv_layout = C.kv_layout(meta, path)
+        self.row_views = self.kv_layout == "bhsd"  # runs n rows of a larger batch cache (KVCache.rows)
+        # GroupQueryAttention's CPU kernel rejects B > 1 with T > 1 after a prefix: batched
+        # decoding verifies roots only (T = 1) while several sequences are active
+        self.batched_trees = self.kv_layout != "bhsd"
         self.info = EngineInfo(
             vocab_size=int(cfg["vocab_size"]),
             max_position=int(cfg["max_position"]),
@@ -215,7 +219,10 @@ class OrtEngine(EngineBase):
             raise InputError(
                 f"KV cache shape {tuple(cache.k.shape)} does not fit this engine (expected {names} = {exp})"
             )
-        if not (cache.k.is_contiguous() and cache.v.is_contiguous()):
+        # bound by address: "bhsd" binds each layer's slab (a batch-row view of a larger cache
+        # keeps those contiguous), "sbhd" binds prefixes of the whole slab
+        dense = (cache.k[0], cache.v[0]) if self.kv_layout == "bhsd" and spec.n_layers else (cache.k, cache.v)
+        if not all(t.is_contiguous() for t in dense):
             raise InputError("KV cache slabs must be contiguous (they are bound by address)")
         for name, t in (
             ("input_ids", input_ids),

@@ -26,6 +26,7 @@ class TorchEngine(EngineBase):
             n_features=len(getattr(module, "feature_layers", None) or ()) * getattr(cfg, "hidden_size", 0),
         )
         self.max_topk = cfg.vocab_size  # forward_topk: any k, on the module's device
+        self.row_views = True  # runs n rows of a larger batch cache (KVCache.rows)
 
     @torch.inference_mode()
     def forward(self, input_ids, position_ids, mask, cache: KVCache) -> torch.Tensor:

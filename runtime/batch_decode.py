@@ -1,0 +1,314 @@
+"""Batched decoding: one verify call for B sequences, each with its own tree and cache length.
+
+Role in one decode step: the same five steps as runtime/decode.py, for every active sequence
+at once. (1) each sequence drafts its own tree through its own draft source (a `fork()` of the
+decoder's draft: table drafts share their tables, model drafts their engine; the target's
+verify is the batched call); (2) the trees are flattened into one [n, T] call, T the largest
+tree + 1: a shorter tree's padding rows see only themselves and are never accepted; (3) ONE
+target call verifies all n sequences; (4) each sequence accepts with its own sampling
+parameters and random generator (the same draws as decoding it alone); (5) one gather commits
+every sequence's accepted path in its own cache row.
+
+Cache rows: the n active sequences occupy batch rows 0..n-1 of one preallocated cache. All rows
+share the column space: row b's committed tokens are [0, len_b), the engines' P is max(len_b),
+and each row's mask hides the gap [len_b, P) that a longer row leaves. A sequence joins between
+steps (its prompt is prefilled alone into a one-row scratch cache and copied into a free row) and
+leaves between steps (the last row moves into its place): continuous batching.
+
+Greedy decoding of a sequence gives exactly what decoding it alone gives (up to floating-point
+ties: a batched call sums in another order), and sampling stays lossless: per sequence the
+accept rule and the random draws are those of runtime/decode.py.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence as Seq
+
+import torch
+
+from .accept import accept
+from .decode import MODES, SpeculativeDecoder, as_draft_source
+from .drafting import TreeWorkspace, draft_tree
+from .drafts import tree_capacity
+from .errors import InputError
+from .guards import check_logits
+from .kvcache import KVCache
+from .sampling import SamplingParams
+from .stats import GenerationStats
+from .trees import Tree
+
+
+@dataclass(eq=False)
+class BatchSequence:
+    """One sequence of a batch: its request, its draft source, where it stands."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    eos: set
+    sampling: SamplingParams
+    rng: torch.Generator
+    draft: object = None
+    row: int = -1
+    length: int = 0  # committed positions in its cache row
+    root: int = 0
+    produced: int = 0
+    done: bool = False
+    stop_reason: str = "length"
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    tokens: list = field(default_factory=list)
+    t_start: float = 0.0
+    ws: TreeWorkspace | None = None
+
+
+class BatchDecoder:
+    """Decodes up to `max_batch` sequences together, one verify call per step for all.
+
+    target: an Engine; draft: a DraftSource with `fork()` (ModelDraft, BigramDraft,
+    LookupDraft, Eagle3Draft), an Engine, or None; mode/tree/candidates as SpeculativeDecoder.
+    Not thread-safe: one thread calls add / step / remove (runtime/batch_scheduler.py)."""
+
+    def __init__(
+        self,
+        target,
+        draft=None,
+        *,
+        mode: str = "tree",
+        tree="full:3,2",
+        candidates: str = "topk",
+        max_batch: int = 8,
+        max_tree_nodes: int | None = None,
+        speculate_max_batch: int | None = None,
+    ):
+        """speculate_max_batch: verify trees only while at most this many sequences are active;
+        above it every sequence still drafts (its draft stays in step) but only its root is
+        verified (vanilla, T = 1). Default: no limit where the target batches trees
+        (`engine.batched_trees`), else 1 (ONNX Runtime's GroupQueryAttention CPU kernel rejects
+        B > 1 with T > 1 after a prefix: "batch_size must be 1 when sequence_length > 1 and past
+        context is given")."""
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise InputError(f"max-batch must be an integer >= 1, got {max_batch!r}")
+        if mode not in MODES:
+            raise InputError(f"unknown mode {mode!r} (expected one of {', '.join(MODES)})")
+        draft = as_draft_source(draft)
+        # one unbatched decoder validates mode / tree / draft and prefills joining sequences
+        self._solo = SpeculativeDecoder(
+            target, draft, mode=mode, tree=tree, candidates=candidates, max_tree_nodes=max_tree_nodes
+        )
+        self.target, self.draft, self.policy = target, draft, self._solo.policy
+        self.mode, self.candidates, self.max_batch = mode, candidates, max_batch
+        if self.policy is not None and not hasattr(draft, "fork"):
+            raise InputError(f"draft {getattr(draft, 'kind', type(draft).__name__)} cannot be batched (no fork())")
+        self._features = self._solo._features
+        self._row_views = bool(getattr(target, "row_views", False))
+        if speculate_max_batch is None:
+            speculate_max_batch = max_batch if getattr(target, "batched_trees", True) else 1
+        self.speculate_max_batch = speculate_max_batch
+        self.seqs: list[BatchSequence] = []  # active, seqs[i].row == i
+        self._spare_drafts: list = [draft] if draft is not None else []
+        self._cache: KVCache | None = None
+        self._scratch: KVCache | None = None  # one-row cache for a joining sequence's prefill
+        self._extra = (self.policy.max_nodes if self.policy else 0) + 2
+
+    # ------------------------------------------------------------------ joining / leaving
+    def add(
+        self,
+        prompt_ids: Seq[int],
+        max_new_tokens: int = 64,
+        eos_token_ids: Seq[int] = (),
+        sampling: SamplingParams | None = None,
+        seed: int = 0,
+    ) -> BatchSequence:
+        """Prefill a new sequence into a free row (between steps). Raises InputError when the
+        batch is full or the request is invalid."""
+        if len(self.seqs) >= self.max_batch:
+            raise InputError(f"batch full ({self.max_batch} sequences)")
+        prompt = self._solo._check_prompt(prompt_ids, max_new_tokens)
+        sp = sampling or SamplingParams()
+        tgt = self.target
+        seq = BatchSequence(prompt, max_new_tokens, {int(e) for e in eos_token_ids}, sp, torch.Generator())
+        seq.rng.manual_seed(int(seed))
+        seq.t_start = time.perf_counter()
+        st = seq.stats = GenerationStats(
+            mode=self.mode, tree=self.policy.spec if self.policy else "", prompt_tokens=len(prompt)
+        )
+        cap = min(len(prompt) + max_new_tokens + self._extra, tgt.info.max_position + self._extra)
+        scratch = self._scratch
+        if scratch is None or scratch.max_len < cap:
+            scratch = self._scratch = KVCache(tgt.info.cache, cap, 1, tgt.device)
+        scratch.reset()
+        feats = None
+        if len(prompt) > 1:
+            feats, calls = self._solo._prefill(prompt[:-1], scratch)
+            st.target_calls += calls
+        if self.policy is not None:
+            seq.draft = self._spare_drafts.pop() if self._spare_drafts else self.draft.fork()
+            seq.draft.prepare(self.policy, min(len(prompt) + max_new_tokens, tgt.info.max_position))
+            seq.draft.reset(prompt[:-1], feats)
+            seq.ws = TreeWorkspace(tree_capacity(self.policy, tgt.info.vocab_size))
+        seq.row = len(self.seqs)
+        self._ensure(max(self._cache.length if self._cache else 0, scratch.length) + self._extra)
+        self._cache.load_row(seq.row, scratch, scratch.length)
+        seq.length, seq.root = scratch.length, prompt[-1]
+        self.seqs.append(seq)
+        self._cache.length = max(s.length for s in self.seqs)
+        st.prefill_s = time.perf_counter() - seq.t_start
+        return seq
+
+    def remove(self, seq: BatchSequence) -> None:
+        """Free a sequence's row (finished or cancelled); the last row moves into its place."""
+        if seq not in self.seqs:
+            return
+        i = self.seqs.index(seq)
+        last = self.seqs.pop()
+        if last is not seq:
+            self._cache.move_row(last.row, i, last.length)
+            last.row = i
+            self.seqs[i] = last
+        seq.row = -1
+        if seq.draft is not None:  # reused by the next sequence that joins
+            self._spare_drafts.append(seq.draft)
+            seq.draft = None
+        self._cache.length = max((s.length for s in self.seqs), default=0)
+
+    def _ensure(self, need: int) -> None:
+        """A cache of max_batch rows with room for `need` positions (grown by doubling)."""
+        c = self.target
+        if self._cache is None:
+            self._cache = KVCache(c.info.cache, max(need, 256), self.max_batch, c.device).zero_()
+            self._cache.length = 0
+        elif self._cache.max_len < need:
+            self._cache = self._cache.grown(max(need, 2 * self._cache.max_len))
+
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def step(self) -> list[tuple[BatchSequence, list[int]]]:
+        """One decode step for every active sequence: -> [(sequence, its new tokens)]. A sequence
+        that finished has `done` set (the caller removes it)."""
+        seqs = [s for s in self.seqs if not s.done]
+        if not seqs:
+            return []
+        tgt, policy = self.target, self.policy
+        max_pos = tgt.info.max_position
+        dev = tgt.device
+        trees: list[Tree] = []
+        speculated: list[bool] = []
+        t0 = time.perf_counter()
+        for s in seqs:
+            speculate = policy is not None and s.length + policy.depth < max_pos
+            if speculate:
+                tree = draft_tree(
+                    s.draft, policy, s.root, s.sampling, self.candidates, s.rng, False, s.ws, tgt.info.vocab_size
+                )
+            else:
+                tree = Tree.empty()
+            trees.append(tree)
+            speculated.append(speculate)
+        t_draft = time.perf_counter() - t0
+        n_rows = len(self.seqs) if self._row_views else self.max_batch
+        verify_trees = len(seqs) <= self.speculate_max_batch
+        drafted_trees = trees
+        if not verify_trees:  # drafted (the drafts stay in step), but only the roots are verified
+            trees = [Tree.empty()] * len(seqs)
+            drafted, speculated = speculated, [False] * len(seqs)
+        t = max(tr.n for tr in trees) + 1
+        p = max(s.length for s in self.seqs)
+        self._ensure(p + t)
+        cache = self._cache
+        cache.length = p
+        ids = torch.zeros(n_rows, t, dtype=torch.long)
+        pos = torch.zeros(n_rows, t, dtype=torch.long)
+        mask = torch.zeros(n_rows, t, p + t, dtype=torch.bool)
+        diag = torch.arange(t)
+        mask[:, diag, p + diag] = True  # padding rows (and unused batch rows) see only themselves
+        for s, tree in zip(seqs, trees):
+            b, n = s.row, tree.n + 1
+            ids[b, 0] = s.root
+            ids[b, 1:n] = tree.tokens
+            pos[b, :n] = s.length
+            pos[b, 1:n] += tree.depth
+            pos[b, n:] = s.length
+            mask[b, :, : s.length] = True
+            mask[b, :n, p] = True  # every tree row sees the root
+            mask[b, 1:n, p + 1 : p + n] = tree.anc
+        view = cache.rows(n_rows) if n_rows != cache.batch else cache
+        t1 = time.perf_counter()
+        ids, pos, mask = ids.to(dev), pos.to(dev), mask.to(dev)
+        if self._features:
+            logits, feats = tgt.forward_features(ids, pos, mask, view)
+        else:
+            logits, feats = tgt.forward(ids, pos, mask, view), None
+        t_verify = time.perf_counter() - t1
+        rows, dst, src = [], [], []
+        out = []
+        for i, (s, tree, spec) in enumerate(zip(seqs, trees, speculated)):
+            b = s.row
+            st = s.stats
+            acc = accept(logits[b, : tree.n + 1], tree, s.sampling, s.rng)
+            check_logits(logits[b], [0] + [i + 1 for i in acc.path.tolist()], st.steps + 1, tgt.info.name)
+            new, stop = SpeculativeDecoder._truncate(acc.tokens, s.eos, s.max_new_tokens - s.produced)
+            path = acc.path[: len(new) - 1].tolist()
+            keep = [0] + [i + 1 for i in path]
+            rows += [b] * len(keep)
+            dst += range(s.length, s.length + len(keep))
+            src += [p + j for j in keep]
+            if spec:
+                s.draft.commit(tree, acc.path[: len(new) - 1], feats[b, : tree.n + 1] if feats is not None else None)
+            elif not verify_trees and drafted[i]:
+                s.draft.commit(drafted_trees[i], acc.path[:0], feats[b, :1] if feats is not None else None)
+            s.length += len(keep)
+            s.produced += len(new)
+            s.tokens += new
+            s.root = new[-1]
+            st.steps += 1
+            st.target_calls += 1
+            st.draft_calls += tree.draft_calls
+            st.tree_nodes += tree.n
+            st.new_tokens = s.produced
+            st.accepted_hist[len(new)] = st.accepted_hist.get(len(new), 0) + 1
+            st.draft_s += t_draft / len(seqs)
+            st.verify_s += t_verify / len(seqs)
+            st.total_s = time.perf_counter() - s.t_start
+            if st.ttft_s is None:
+                st.ttft_s = st.total_s
+            if stop:
+                s.done, s.stop_reason = True, stop
+            elif s.length >= max_pos:
+                s.done, s.stop_reason = True, "context"
+            out.append((s, new))
+        cache.commit_rows(torch.tensor(rows), torch.tensor(dst), torch.tensor(src))
+        cache.length = max(s.length for s in self.seqs)
+        return out
+
+    # ------------------------------------------------------------------ whole batches
+    def generate_many(
+        self,
+        prompts: Seq[Seq[int]],
+        max_new_tokens: int = 64,
+        eos_token_ids: Seq[int] = (),
+        sampling: SamplingParams | None = None,
+        seeds: Seq[int] | None = None,
+    ) -> list[BatchSequence]:
+        """Decode every prompt, at most max_batch at a time, joining as rows free up (the
+        continuous batching a server does); -> the finished sequences, in prompt order."""
+        seeds = list(seeds) if seeds is not None else [0] * len(prompts)
+        todo = list(range(len(prompts)))
+        done: dict[int, BatchSequence] = {}
+        owner: dict[int, int] = {}
+        while todo or self.seqs:
+            while todo and len(self.seqs) < self.max_batch:
+                i = todo.pop(0)
+                owner[id(self.add(prompts[i], max_new_tokens, eos_token_ids, sampling, seeds[i]))] = i
+            for s, _ in self.step():
+                if s.done:
+                    self.remove(s)
+                    done[owner[id(s)]] = s
+        return [done[i] for i in range(len(prompts))]
+
+    def close(self) -> None:
+        self._cache = self._scratch = None
+        for d in self._spare_drafts + [s.draft for s in self.seqs]:
+            if d is not None and d is not self.draft:
+                d.close()  # a fork: its own buffers only, never the shared engine
+        self.seqs, self._spare_drafts = [], []

@@ -1,0 +1,159 @@
+"""Continuous batching: a thread that runs a BatchDecoder for many concurrent callers.
+
+Role in one decode step: none of its own; between steps it lets waiting requests join the batch
+(up to max_batch), drops cancelled ones (a client that went away frees its row), runs ONE
+`BatchDecoder.step()` for everyone, and hands each sequence's new tokens to its caller's
+`BatchStream`. Callers in any thread iterate their stream; errors of a step reach every
+sequence in it as the exception their iterator raises.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from typing import Sequence
+
+from .batch_decode import BatchDecoder, BatchSequence
+from .errors import ArborspecError, InputError
+from .sampling import SamplingParams
+from .stats import GenerationStats
+
+
+class BatchStream:
+    """One request's token chunks (lists of ids), in order. `stats` and `stop_reason` are set
+    once the iterator is exhausted; `cancel()` (or `close()`) frees the row at the next step."""
+
+    def __init__(self, request: tuple):
+        self.request = request
+        self.stats = GenerationStats()
+        self.stop_reason = "length"
+        self.cancelled = threading.Event()
+        self._q: queue.Queue = queue.Queue()
+        self._finished = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> list[int]:
+        if self._finished:
+            raise StopIteration
+        kind, payload = self._q.get()
+        if kind == "tokens":
+            return payload
+        self._finished = True
+        if kind == "error":
+            raise payload
+        raise StopIteration
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    close = cancel
+
+    # scheduler side
+    def _put(self, tokens: list[int]) -> None:
+        self._q.put(("tokens", tokens))
+
+    def _end(self, seq: BatchSequence | None, error: BaseException | None = None) -> None:
+        if seq is not None:
+            self.stats, self.stop_reason = seq.stats, seq.stop_reason
+        self._q.put(("error", error) if error is not None else ("done", None))
+
+
+class BatchScheduler:
+    def __init__(self, decoder: BatchDecoder):
+        self.decoder = decoder
+        self._waiting: deque[BatchStream] = deque()
+        self._owner: dict[int, BatchStream] = {}
+        self._cv = threading.Condition()
+        self._closed = False
+        self.steps = 0
+        self.batch_sizes = 0  # sum over steps of the sequences in the step (mean batch size)
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="arborspec-batch")
+        self._thread.start()
+
+    @property
+    def active(self) -> int:
+        return len(self.decoder.seqs)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int = 64,
+        eos_token_ids: Sequence[int] = (),
+        sampling: SamplingParams | None = None,
+        seed: int = 0,
+    ) -> BatchStream:
+        """Queue a request; its stream yields token chunks as the batch decodes it."""
+        stream = BatchStream((list(prompt_ids), max_new_tokens, list(eos_token_ids), sampling, seed))
+        with self._cv:
+            if self._closed:
+                raise InputError("this generator is closed")
+            self._waiting.append(stream)
+            self._cv.notify()
+        return stream
+
+    def _loop(self) -> None:
+        dec = self.decoder
+        while True:
+            with self._cv:
+                while not self._closed and not self._waiting and not dec.seqs:
+                    self._cv.wait()
+                if self._closed:
+                    break
+                joining = []
+                while self._waiting and len(dec.seqs) + len(joining) < dec.max_batch:
+                    joining.append(self._waiting.popleft())
+            for stream in joining:
+                if stream.cancelled.is_set():
+                    stream._end(None)
+                    continue
+                try:
+                    self._owner[id(dec.add(*stream.request))] = stream
+                except ArborspecError as e:
+                    stream._end(None, e)
+                except Exception as e:  # a bug: its caller sees it, the other sequences go on
+                    stream._end(None, e)
+            for seq in list(dec.seqs):
+                stream = self._owner[id(seq)]
+                if stream.cancelled.is_set():
+                    seq.stop_reason = "cancelled"
+                    self._finish(seq, stream)
+            if not dec.seqs:
+                continue
+            try:
+                out = dec.step()
+            except Exception as e:  # noqa: BLE001 - a failed step fails every sequence in it
+                for seq in list(dec.seqs):
+                    self._finish(seq, self._owner[id(seq)], e)
+                continue
+            self.steps += 1
+            self.batch_sizes += len(out)
+            for seq, new in out:
+                stream = self._owner[id(seq)]
+                stream._put(new)
+                if seq.done:
+                    self._finish(seq, stream)
+        for seq in list(dec.seqs):  # closing: end every stream
+            self._finish(seq, self._owner[id(seq)], InputError("the generator was closed"))
+        for stream in self._waiting:
+            stream._end(None, InputError("the generator was closed"))
+        self._waiting.clear()
+
+    def _finish(self, seq: BatchSequence, stream: BatchStream, error: BaseException | None = None) -> None:
+        self.decoder.remove(seq)
+        self._owner.pop(id(seq), None)
+        stream._end(seq, error)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=60)
+        self.decoder.close()

@@ -1,0 +1,212 @@
+"""Batched decoding (runtime/batch_decode.py, runtime/batch_scheduler.py): one verify call for
+B sequences, each with its own tree, cache length, sampling and stop conditions, joining and
+leaving between steps. Every sequence equals decoding it alone (greedy, token for token, every
+mode and draft kind, torch and ONNX Runtime), sampling stays lossless (chi-square), and the
+threaded scheduler behind `Generator(max_batch=N)` gives each caller its own output, frees the
+row of a caller that stops early, and reports a bad request to its caller only."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from conftest import random_model, tiny_config, truncated
+
+from arborspec.runtime.backends.torch_backend import TorchEngine
+from arborspec.runtime.batch_decode import BatchDecoder
+from arborspec.runtime.decode import SpeculativeDecoder
+from arborspec.runtime.drafts import BigramDraft, ModelDraft
+from arborspec.runtime.errors import InputError
+from arborspec.runtime.generator import Generator
+from arborspec.runtime.lookup import LookupDraft
+from arborspec.runtime.sampling import SamplingParams
+
+
+def _prompts(vocab, lengths=(5, 1, 17, 9, 3, 30, 2), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _bigram(vocab, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return BigramDraft(None, torch.randn(vocab, vocab, generator=g) * 3, vocab)
+
+
+CASES = [
+    ("vanilla", None, "full:3,2"),
+    ("chain", "model", "chain:3"),
+    ("tree", "model", "full:3,2"),
+    ("tree", "model", "dynamic:3,3,12"),
+    ("tree", "model", "beam:3,4"),
+    ("tree", "lookup", "full:3,2"),
+    ("tree", "bigram", "full:2,3"),
+]
+
+
+def _draft(kind, draft_engine, vocab):
+    return {
+        None: lambda: None,
+        "model": lambda: ModelDraft(draft_engine),
+        "lookup": lambda: LookupDraft(vocab),
+        "bigram": lambda: _bigram(vocab),
+    }[kind]()
+
+
+@pytest.mark.parametrize("mode,kind,tree", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES])
+def test_batched_greedy_equals_alone_torch(llama_pair, mode, kind, tree):
+    target, draft_engine = llama_pair
+    v = target.info.vocab_size
+    prompts = _prompts(v)
+    solo = SpeculativeDecoder(target, _draft(kind, draft_engine, v), mode=mode, tree=tree)
+    ref = [solo.generate(p, 20).tokens for p in prompts]
+    # 3 rows for 7 prompts: sequences join and leave between steps (continuous batching)
+    bd = BatchDecoder(target, _draft(kind, draft_engine, v), mode=mode, tree=tree, max_batch=3)
+    got = bd.generate_many(prompts, 20)
+    assert [s.tokens for s in got] == ref
+    if mode != "vanilla":
+        assert sum(s.stats.steps for s in got) < sum(s.stats.new_tokens for s in got)  # drafts accepted
+
+
+def test_batched_rows_share_one_verify_call(llama_pair):
+    """n active sequences cost one target call per step, not n."""
+    target, draft_engine = llama_pair
+    calls = []
+    forward = target.forward
+
+    class Counting:
+        info, device, row_views = target.info, target.device, True
+
+        def forward(self, ids, pos, mask, cache):
+            calls.append(ids.shape)
+            return forward(ids, pos, mask, cache)
+
+    bd = BatchDecoder(Counting(), None, mode="vanilla", max_batch=4)
+    for p in _prompts(target.info.vocab_size, (4, 4, 4, 4)):
+        bd.add(p, 8)
+    calls.clear()
+    bd.step()
+    assert calls == [torch.Size([4, 1])]
+
+
+def test_batched_stop_conditions_per_sequence(llama_pair):
+    """Own max_new_tokens and EOS per sequence; the finished one leaves, the others go on."""
+    target, draft_engine = llama_pair
+    prompts = _prompts(target.info.vocab_size, (6, 11))
+    solo = SpeculativeDecoder(target, ModelDraft(draft_engine), tree="full:2,2")
+    ref = solo.generate(prompts[1], 30).tokens
+    eos = ref[7]
+    want = solo.generate(prompts[1], 30, eos_token_ids=[eos])
+    bd = BatchDecoder(target, ModelDraft(draft_engine), tree="full:2,2", max_batch=2)
+    a = bd.add(prompts[0], 5)
+    b = bd.add(prompts[1], 30, [eos])
+    while bd.seqs:
+        for s, _ in bd.step():
+            if s.done:
+                bd.remove(s)
+    assert len(a.tokens) == 5 and a.stop_reason == "length"
+    assert b.tokens == want.tokens and b.stop_reason == "eos"
+
+
+def test_batched_onnxruntime_both_layouts(tmp_path):
+    """ONNX Runtime: the GroupQueryAttention graph ("bhsd": n rows of a larger cache by
+    address) and the portable graph ("sbhd": unused rows padded) equal unbatched decoding."""
+    pytest.importorskip("onnxruntime")
+    from conftest import tiny_text_export
+
+    from arborspec.runtime.export_dir import open_export
+
+    for attention in ("gqa", "onnx"):
+        d = tiny_text_export(tmp_path / attention, seed=4, attention=attention)
+        with open_export(d, "onnxruntime", draft="lookup") as ex:
+            v = ex.target.info.vocab_size
+            prompts = _prompts(v, (7, 3, 12, 5), seed=2)
+            solo = SpeculativeDecoder(ex.target, ex.draft, tree="full:3,2")
+            ref = [solo.generate(p, 16).tokens for p in prompts]
+            bd = BatchDecoder(ex.target, ex.draft.fork(), tree="full:3,2", max_batch=3)
+            assert bd._row_views == (attention == "gqa")
+            # GroupQueryAttention batches roots only: trees are verified while one sequence runs
+            assert bd.speculate_max_batch == (1 if attention == "gqa" else 3)
+            assert [s.tokens for s in bd.generate_many(prompts, 16)] == ref, attention
+        with open_export(d, "onnxruntime") as ex:  # the export's layers:1 model draft
+            solo = SpeculativeDecoder(ex.target, ex.draft, mode="chain", tree="chain:2")
+            ref = [solo.generate(p, 12).tokens for p in prompts]
+            bd = BatchDecoder(ex.target, ex.draft.fork(), mode="chain", tree="chain:2", max_batch=4)
+            assert [s.tokens for s in bd.generate_many(prompts, 12)] == ref, attention
+
+
+def test_batched_sampling_is_lossless():
+    """The first two sampled tokens of a prompt follow the target's exact distribution when it
+    is decoded in batches next to sequences of other lengths (rows with gaps in the cache)."""
+    from lossless_util import PROMPT, chi_square_pvalue, exact_two_token_distribution
+
+    cfg = dataclasses.replace(tiny_config("llama", vocab=8, layers=2, hidden=32), tie_embeddings=False)
+    m = random_model(cfg, seed=5, scale=2.0)
+    target, draft = TorchEngine(m), TorchEngine(truncated(m, 1))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny model: threads only add overhead
+    sp = SamplingParams(0.8, 0, 0.9)
+    exact = exact_two_token_distribution(target, PROMPT, sp)
+    n = 1500
+    other = [4, 1, 6, 2, 7, 0, 3, 5, 1, 2]
+    prompts = [PROMPT if i % 2 == 0 else other[: 2 + i % 8] for i in range(2 * n)]
+    bd = BatchDecoder(target, ModelDraft(draft), tree="full:2,3", candidates="sample", max_batch=8)
+    try:
+        seqs = bd.generate_many(prompts, 2, sampling=sp, seeds=range(2 * n))
+    finally:
+        torch.set_num_threads(threads)
+    counts = np.zeros((8, 8))
+    for s in seqs[0::2]:
+        counts[s.tokens[0], s.tokens[1]] += 1
+    p = chi_square_pvalue(counts, exact)
+    assert p > 1e-3, f"chi-square p = {p:.2e}"
+    assert sum(s.stats.steps for s in seqs) < sum(len(s.tokens) for s in seqs)  # drafts were used
+
+
+def test_batch_rejects_bad_input(llama_pair):
+    target, _ = llama_pair
+    with pytest.raises(InputError, match="max-batch"):
+        BatchDecoder(target, None, mode="vanilla", max_batch=0)
+    bd = BatchDecoder(target, None, mode="vanilla", max_batch=1)
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        bd.add([10**6], 4)
+    bd.add([1, 2], 4)
+    with pytest.raises(InputError, match="batch full"):
+        bd.add([1, 2], 4)
+
+
+def test_generator_max_batch_threads(llama_pair):
+    """Generator(max_batch=4): 8 threads decode together, each gets its own greedy output;
+    a caller that stops early frees its row; a bad prompt fails only its own call."""
+    target, draft_engine = llama_pair
+    v = target.info.vocab_size
+    prompts = _prompts(v, (5, 8, 2, 13, 4, 9, 1, 6), seed=7)
+    solo = Generator(target, ModelDraft(draft_engine), tree="full:2,2")
+    ref = [solo.generate(p, 12).tokens for p in prompts]
+    gen = Generator(target, ModelDraft(draft_engine), tree="full:2,2", max_batch=4)
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda p: gen.generate(p, 12), prompts))
+        assert [c.tokens for c in got] == ref
+        assert all(c.stats.new_tokens == 12 for c in got)
+        sched = gen._batch
+        assert sched.batch_sizes / sched.steps > 1.5  # rows really shared verify calls
+        # stop early: the row is freed, the next call runs
+        it = gen.stream(prompts[0], 200, ids=True)
+        next(it)
+        it.close()
+        for _ in range(200):
+            if gen.active == 0:
+                break
+            threading.Event().wait(0.01)
+        assert gen.active == 0
+        with pytest.raises(InputError, match="outside the vocabulary"):
+            gen.generate([v + 5], 4)
+        assert gen.generate(prompts[1], 12).tokens == ref[1]
+    finally:
+        gen.close()
+    with pytest.raises(InputError, match="closed"):
+        gen.generate(prompts[0], 4)
