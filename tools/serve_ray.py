@@ -154,13 +154,15 @@ def stop() -> None:
 
 def run(args) -> int:
     """`arborspec serve --ray`: deploy, serve until SIGINT/SIGTERM, shut down."""
+    if args.replicas < 1:
+        raise InputError(f"--replicas must be >= 1, got {args.replicas}")
+    if not 1 <= args.port <= 65535:
+        raise InputError(f"--port must be in 1..65535, got {args.port}")
     try:
         import ray  # noqa: F401
         from ray import serve  # noqa: F401
     except ImportError:
         raise InputError(NEEDS_RAY) from None
-    if not 1 <= args.port <= 65535:
-        raise InputError(f"--port must be in 1..65535, got {args.port}")
     app = build(
         args.export_dir,
         replicas=args.replicas,
