@@ -91,6 +91,7 @@ def test_two_replicas_serve_concurrent_streaming_and_plain_requests(ray_server, 
         assert done, p
         return p, "".join(parts), replica
 
+    # 8 at once, and a replica takes at most 5 (Ray's default max_ongoing_requests): both must serve
     with ThreadPoolExecutor(8) as ex:
         futures = [ex.submit(f, p) for p in PROMPTS * 2 for f in (plain, streamed)]
         got = [f.result() for f in futures]

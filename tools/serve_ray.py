@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import tempfile
 import threading
@@ -139,7 +140,19 @@ def start(app, host: str = "127.0.0.1", port: int = 8000) -> None:
     try:
         serve.run(app, name="arborspec", route_prefix="/")
     except Exception as e:  # a replica that cannot open its engines: one line, not Ray's report
-        raise ArborspecError(f"the Ray Serve deployment did not start: {str(e).strip().splitlines()[-1]}") from None
+        raise ArborspecError(f"the Ray Serve deployment did not start: {_replica_error(e)}") from None
+
+
+def _replica_error(e: Exception) -> str:
+    """The last line of a replica's traceback (Serve's deployment status holds it), else Serve's."""
+    from ray import serve
+
+    try:
+        texts = [d.message for d in serve.status().applications["arborspec"].deployments.values() if d.message]
+    except Exception:  # noqa: BLE001 - the status is only a better message
+        texts = []
+    lines = [ln.strip() for ln in "\n".join([*texts, str(e)][:1]).splitlines() if ln.strip()]
+    return re.sub(r"^[\w.]+(Error|Exception): ", "", lines[-1]) if lines else type(e).__name__
 
 
 def stop() -> None:
