@@ -15,6 +15,7 @@ EXAMPLE = """examples:
   arborspec serve --export-dir ~/.cache/arborspec/exports/smollm2-135m-layers4-v2 --draft lookup --port 8000
   curl -s localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'
   arborspec serve --export-dir DIR --host 0.0.0.0 --api-key "$KEY" --max-batch 8
+  arborspec serve --export-dir DIR --ray --replicas 2   # Ray Serve: 2 replicas, each with its own engines
 """
 
 
@@ -47,10 +48,18 @@ def register(sub) -> None:
     )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $ARBORSPEC_API_KEY)")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the export's name)")
+    p.add_argument("--ray", action="store_true", help="run on Ray Serve (pip install 'arborspec[ray]')")
+    p.add_argument("--replicas", type=int, default=1, help="with --ray: replicas, each with its own engines")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
+    if args.ray:
+        from .serve_ray import run as run_on_ray
+
+        return run_on_ray(args)
+    if args.replicas != 1:
+        raise InputError("--replicas needs --ray (without Ray, --workers sets the concurrency)")
     try:
         import fastapi  # noqa: F401
         import uvicorn

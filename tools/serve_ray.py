@@ -1,0 +1,211 @@
+"""`arborspec serve --ray --replicas N`: the same OpenAI-compatible app, scaled out on Ray Serve.
+
+Role in one decode step: none of its own. Each replica is a Ray actor process that opens its own
+engines (`Generator.from_export`) into a pool and runs `create_app`'s FastAPI app
+(tools/serve_app.py) unchanged; Ray's HTTP proxy takes the requests and its router balances them
+over the replicas. Every response carries `x-arborspec-replica: PID` (the replica's process id).
+
+Two ways to start it:
+    arborspec serve --export-dir DIR --ray --replicas 2 [--host 127.0.0.1] [--port 8000]
+    RAY_USAGE_STATS_ENABLED=0 serve run arborspec.tools.serve_ray:app_builder export_dir=DIR replicas=2
+`arborspec serve --ray` starts a local-only Ray (no dashboard, no usage reports, temp dir under
+/tmp) and blocks until SIGINT/SIGTERM, then shuts Serve and Ray down.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import tempfile
+import threading
+from pathlib import Path
+
+from arborspec.runtime.errors import ArborspecError, InputError
+
+REPLICA_HEADER = "x-arborspec-replica"
+NEEDS_RAY = "arborspec serve --ray needs Ray Serve: pip install 'arborspec[ray]'"
+_replica: dict = {}  # this process's app (one replica per Ray actor process)
+
+
+class _ReplicaApp:
+    """The ASGI app Ray's ingress runs: forwards to this process's app, tags the replica."""
+
+    async def __call__(self, scope, receive, send):
+        app = _replica["app"]
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        tag = (REPLICA_HEADER.encode(), str(os.getpid()).encode())
+
+        async def tagged(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), tag]}
+            await send(message)
+
+        await app(scope, receive, tagged)
+
+
+class ArborspecReplica:
+    """One replica: a generator pool over its own engines and the FastAPI app around it."""
+
+    def __init__(
+        self, export_dir, backend, device, draft, tree, workers, model_name, max_context, api_key, max_batch=1
+    ):
+        from arborspec.runtime.generator import Generator
+
+        from .serve_app import GeneratorPool, create_app
+
+        self.pool = GeneratorPool(
+            lambda: Generator.from_export(export_dir, backend, device, draft=draft, tree=tree, max_batch=max_batch),
+            workers,
+            slots=max_batch,
+        )
+        _replica["app"] = create_app(self.pool, model_name, api_key=api_key, max_context=max_context)
+
+    def __del__(self):
+        self.pool.close()
+
+
+def build(
+    export_dir,
+    *,
+    replicas: int = 1,
+    backend: str = "onnxruntime",
+    device: str = "cpu",
+    draft: str | None = None,
+    tree: str | None = None,
+    workers: int = 1,
+    model_name: str | None = None,
+    api_key: str | None = None,
+    max_batch: int = 8,
+):
+    """The Ray Serve application: `replicas` copies of ArborspecReplica, each given
+    min(1, cores / replicas) CPUs (so N replicas never wait for cores Ray does not see)."""
+    from ray import serve
+
+    from arborspec.runtime.contract import read_manifest
+
+    if int(replicas) < 1:
+        raise InputError(f"--replicas must be >= 1, got {replicas}")
+    if int(workers) < 1:
+        raise InputError(f"--workers must be >= 1, got {workers}")
+    if int(max_batch) < 1:
+        raise InputError(f"--max-batch must be >= 1, got {max_batch}")
+    export_dir = Path(export_dir).expanduser().resolve()
+    man = read_manifest(export_dir)  # a bad folder is one line here, not N failing replicas
+    name = model_name or man.data.get("source", {}).get("model") or export_dir.name
+    cpus = min(1.0, (os.cpu_count() or 1) / int(replicas))
+    deployment = serve.deployment(serve.ingress(_ReplicaApp())(ArborspecReplica), name="arborspec")
+    return deployment.options(num_replicas=int(replicas), ray_actor_options={"num_cpus": cpus}).bind(
+        str(export_dir),
+        backend,
+        device,
+        draft,
+        tree,
+        int(workers),
+        str(name),
+        int(man.limits.get("max_context", 2048)),
+        api_key or os.environ.get("ARBORSPEC_API_KEY"),
+        int(max_batch),
+    )
+
+
+def app_builder(args: dict):
+    """`serve run arborspec.tools.serve_ray:app_builder export_dir=DIR [replicas=N] [backend=...]
+    [device=...] [draft=...] [tree=...] [workers=N] [max_batch=N] [model_name=...] [api_key=...]`."""
+    args = dict(args)
+    if "export_dir" not in args:
+        raise InputError("serve run arborspec.tools.serve_ray:app_builder needs export_dir=DIR")
+    for key in ("replicas", "workers", "max_batch"):
+        if key in args:
+            args[key] = int(args[key])
+    return build(args.pop("export_dir"), **args)
+
+
+def start_local_ray() -> None:
+    """A local-only Ray: a new cluster on this machine, no dashboard, no usage reports."""
+    import ray
+
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # our own line says where it serves
+    ray.init(
+        address="local",
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        _temp_dir=os.path.join(tempfile.gettempdir(), "ray"),
+        object_store_memory=128 * 1024**2,
+        log_to_driver=False,
+        logging_level="warning",
+    )
+
+
+def start(app, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Start Serve's HTTP proxy on host:port and deploy `app` at / (blocks until it is up)."""
+    from ray import serve
+
+    serve.start(http_options={"host": host, "port": port})
+    try:
+        serve.run(app, name="arborspec", route_prefix="/")
+    except Exception as e:  # a replica that cannot open its engines: one line, not Ray's report
+        raise ArborspecError(f"the Ray Serve deployment did not start: {_replica_error(e)}") from None
+
+
+def _replica_error(e: Exception) -> str:
+    """The last line of a replica's traceback (Serve's deployment status holds it), else Serve's."""
+    from ray import serve
+
+    try:
+        texts = [d.message for d in serve.status().applications["arborspec"].deployments.values() if d.message]
+    except Exception:  # noqa: BLE001 - the status is only a better message
+        texts = []
+    lines = [ln.strip() for ln in "\n".join([*texts, str(e)][:1]).splitlines() if ln.strip()]
+    return re.sub(r"^[\w.]+(Error|Exception): ", "", lines[-1]) if lines else type(e).__name__
+
+
+def stop() -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def run(args) -> int:
+    """`arborspec serve --ray`: deploy, serve until SIGINT/SIGTERM, shut down."""
+    if args.replicas < 1:
+        raise InputError(f"--replicas must be >= 1, got {args.replicas}")
+    if not 1 <= args.port <= 65535:
+        raise InputError(f"--port must be in 1..65535, got {args.port}")
+    try:
+        import ray  # noqa: F401
+        from ray import serve  # noqa: F401
+    except ImportError:
+        raise InputError(NEEDS_RAY) from None
+    app = build(
+        args.export_dir,
+        replicas=args.replicas,
+        backend=args.backend,
+        device=args.device,
+        draft=args.draft,
+        tree=args.tree,
+        workers=args.workers,
+        max_batch=args.max_batch,
+        model_name=args.model_name,
+        api_key=args.api_key,
+    )
+    start_local_ray()
+    done = threading.Event()  # after ray.init, which sets a SIGTERM handler of its own
+    old = {s: signal.signal(s, lambda *_: done.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        start(app, args.host, args.port)
+        print(f"arborspec: {args.replicas} replica(s) on Ray Serve at http://{args.host}:{args.port}", flush=True)
+        while not done.wait(0.5):
+            pass
+    finally:
+        stop()
+        for s, h in old.items():
+            signal.signal(s, h)
+    return 0
