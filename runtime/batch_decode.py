@@ -112,6 +112,9 @@ class BatchDecoder:
         self._extra = (self.policy.max_nodes if self.policy else 0) + 2
 
     # ------------------------------------------------------------------ joining / leaving
+    # every method that touches the cache runs in inference mode (a cache made in one must
+    # only be updated in one)
+    @torch.inference_mode()
     def add(
         self,
         prompt_ids: Seq[int],
@@ -156,6 +159,7 @@ class BatchDecoder:
         st.prefill_s = time.perf_counter() - seq.t_start
         return seq
 
+    @torch.inference_mode()
     def remove(self, seq: BatchSequence) -> None:
         """Free a sequence's row (finished or cancelled); the last row moves into its place."""
         if seq not in self.seqs:

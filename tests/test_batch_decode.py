@@ -210,3 +210,21 @@ def test_generator_max_batch_threads(llama_pair):
         gen.close()
     with pytest.raises(InputError, match="closed"):
         gen.generate(prompts[0], 4)
+
+
+def test_cache_grows_between_joins(llama_pair):
+    """A cache grown inside a step (a long sequence passing the first allocation) takes new
+    rows afterwards; both sequences still equal decoding them alone."""
+    target, draft_engine = llama_pair
+    long, short = _prompts(target.info.vocab_size, (250, 4), seed=11)
+    solo = SpeculativeDecoder(target, ModelDraft(draft_engine), tree="full:2,2")
+    ref_long, ref_short = solo.generate(long, 24).tokens, solo.generate(short, 8).tokens
+    bd = BatchDecoder(target, ModelDraft(draft_engine), tree="full:2,2", max_batch=2)
+    a = bd.add(long, 24)
+    first = bd._cache.max_len
+    while bd._cache.max_len == first:
+        bd.step()
+    b = bd.add(short, 8)
+    while not (a.done and b.done):
+        bd.step()
+    assert a.tokens == ref_long and b.tokens == ref_short

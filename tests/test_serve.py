@@ -1,5 +1,6 @@
 """`arborspec serve`: a real uvicorn server on 127.0.0.1 over a tiny export. Concurrent greedy
-requests equal the single-sequence output; streamed chunks concatenate to the full text; bad
+requests equal the single-sequence output, one sequence per generator and batched (one verify
+call for several requests); streamed chunks concatenate to the full text; bad
 requests get an OpenAI-style 4xx and the server keeps serving; a client that disconnects
 mid-stream frees its generator; the API key guards every route but /health; /metrics speaks
 Prometheus."""
@@ -32,9 +33,13 @@ def export_dir(tmp_path_factory):
     return tiny_text_export(tmp_path_factory.mktemp("serve") / "export", seed=9)
 
 
-@pytest.fixture(scope="module")
-def server(export_dir):
-    pool = GeneratorPool(lambda: Generator.from_export(export_dir, tree="full:2,2"), 2)
+@pytest.fixture(scope="module", params=[1, 4], ids=["one-at-a-time", "batched"])
+def server(export_dir, request):
+    """max_batch 1: two generators, one sequence each; 4: one generator batching 4 sequences."""
+    mb = request.param
+    pool = GeneratorPool(
+        lambda: Generator.from_export(export_dir, tree="full:2,2", max_batch=mb), 2 if mb == 1 else 1, slots=mb
+    )
     app = create_app(pool, "tiny", api_key=KEY, max_context=512)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -67,7 +72,7 @@ def test_health_models_and_auth(server):
 
 
 def test_concurrent_greedy_requests_equal_single(server, export_dir):
-    base, _ = server
+    base, pool = server
     prompts = ["hello", "the world", "hell the", "12 the", "hello hello", "w"]
     ref = {}
     with Generator.from_export(export_dir, tree="full:2,2") as g:
@@ -85,6 +90,12 @@ def test_concurrent_greedy_requests_equal_single(server, export_dir):
     for p, text, usage in got:
         assert text == ref[p], p
         assert usage["completion_tokens"] >= 1
+    if pool.slots > 1:  # batched: concurrent requests shared verify calls
+        assert pool.mean_batch > 1.2
+        with client(base) as c:
+            m = c.get("/metrics").text
+        line = next(x for x in m.splitlines() if x.startswith("arborspec_mean_batch_size "))
+        assert float(line.split()[1]) > 1.2
 
 
 def test_stream_concatenates_to_the_full_text(server):
