@@ -30,8 +30,8 @@ import torch
 
 from .accept import accept
 from .decode import MODES, SpeculativeDecoder, as_draft_source
-from .drafting import TreeWorkspace, draft_tree
-from .drafts import tree_capacity
+from .drafting import TreeWorkspace, answer, tree_builder
+from .drafts import ModelDraft, tree_capacity
 from .errors import InputError
 from .guards import check_logits
 from .kvcache import KVCache
@@ -106,7 +106,15 @@ class BatchDecoder:
             speculate_max_batch = max_batch if getattr(target, "batched_trees", True) else 1
         self.speculate_max_batch = speculate_max_batch
         self.seqs: list[BatchSequence] = []  # active, seqs[i].row == i
+        # a model draft whose engine batches trees drafts every sequence with one call per level
+        # (runtime/batch_drafts.py); other sources draft each sequence through its own fork()
+        self.draft_batch = None
         self._spare_drafts: list = [draft] if draft is not None else []
+        if isinstance(draft, ModelDraft) and getattr(draft.engine, "batched_trees", True) and self.policy:
+            from .batch_drafts import BatchedModelDraft
+
+            self.draft_batch = BatchedModelDraft(draft.engine, max_batch)
+            self._spare_drafts = []
         self._cache: KVCache | None = None
         self._scratch: KVCache | None = None  # one-row cache for a joining sequence's prefill
         self._extra = (self.policy.max_nodes if self.policy else 0) + 2
@@ -146,7 +154,10 @@ class BatchDecoder:
             feats, calls = self._solo._prefill(prompt[:-1], scratch)
             st.target_calls += calls
         if self.policy is not None:
-            seq.draft = self._spare_drafts.pop() if self._spare_drafts else self.draft.fork()
+            if self._spare_drafts:
+                seq.draft = self._spare_drafts.pop()
+            else:
+                seq.draft = self.draft_batch.handle() if self.draft_batch else self.draft.fork()
             seq.draft.prepare(self.policy, min(len(prompt) + max_new_tokens, tgt.info.max_position))
             seq.draft.reset(prompt[:-1], feats)
             seq.ws = TreeWorkspace(tree_capacity(self.policy, tgt.info.vocab_size))
@@ -172,6 +183,8 @@ class BatchDecoder:
             self.seqs[i] = last
         seq.row = -1
         if seq.draft is not None:  # reused by the next sequence that joins
+            if hasattr(seq.draft, "leave"):
+                seq.draft.leave()  # its row of the batched draft cache
             self._spare_drafts.append(seq.draft)
             seq.draft = None
         self._cache.length = max((s.length for s in self.seqs), default=0)
@@ -196,19 +209,9 @@ class BatchDecoder:
         tgt, policy = self.target, self.policy
         max_pos = tgt.info.max_position
         dev = tgt.device
-        trees: list[Tree] = []
-        speculated: list[bool] = []
         t0 = time.perf_counter()
-        for s in seqs:
-            speculate = policy is not None and s.length + policy.depth < max_pos
-            if speculate:
-                tree = draft_tree(
-                    s.draft, policy, s.root, s.sampling, self.candidates, s.rng, False, s.ws, tgt.info.vocab_size
-                )
-            else:
-                tree = Tree.empty()
-            trees.append(tree)
-            speculated.append(speculate)
+        speculated = [policy is not None and s.length + policy.depth < max_pos for s in seqs]
+        trees = self._draft_trees(seqs, speculated)
         t_draft = time.perf_counter() - t0
         n_rows = len(self.seqs) if self._row_views else self.max_batch
         verify_trees = len(seqs) <= self.speculate_max_batch
@@ -284,6 +287,33 @@ class BatchDecoder:
         cache.commit_rows(torch.tensor(rows), torch.tensor(dst), torch.tensor(src))
         cache.length = max(s.length for s in self.seqs)
         return out
+
+    def _draft_trees(self, seqs: list[BatchSequence], speculated: list[bool]) -> list[Tree]:
+        """Every sequence's tree, its level loop driven in lockstep with the others': per level
+        one DraftCall from each sequence still drafting, answered together (one engine call with
+        a batched model draft, else by each sequence's own source)."""
+        trees = [Tree.empty() for _ in seqs]
+        builders, calls = {}, {}
+        v = self.target.info.vocab_size
+        for i, (s, spec) in enumerate(zip(seqs, speculated)):
+            if spec:
+                builders[i] = tree_builder(
+                    s.draft, self.policy, s.root, s.sampling, self.candidates, s.rng, False, s.ws, v
+                )
+                calls[i] = None
+        while calls:
+            live = list(calls)
+            if self.draft_batch is not None and calls[live[0]] is not None:
+                answers = self.draft_batch.answer([(seqs[i].draft, calls[i]) for i in live])
+            else:
+                answers = [None if calls[i] is None else answer(seqs[i].draft, calls[i]) for i in live]
+            calls = {}
+            for i, a in zip(live, answers):
+                try:
+                    calls[i] = next(builders[i]) if a is None else builders[i].send(a)
+                except StopIteration as done:
+                    trees[i] = done.value
+        return trees
 
     # ------------------------------------------------------------------ whole batches
     def generate_many(

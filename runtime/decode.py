@@ -264,23 +264,29 @@ class SpeculativeDecoder:
         tokens (a 4k-token prompt in one call builds a 4k x 4k attention; in chunks each call
         sees only its own rows). Returns (the target features of those tokens [n, F] when the
         draft reads them, else None; the number of target calls)."""
-        dev = self.target.device
-        n = len(tokens)
-        chunk = max(1, int(self.prefill_chunk or n))
-        feats = []
-        starts = range(0, n, chunk)
-        for s in starts:
-            part = tokens[s : s + chunk]
-            c = len(part)
-            p = cache.length
-            ids = torch.tensor([part], dtype=torch.long, device=dev)
-            pos = torch.arange(p, p + c, device=dev)[None]
-            mask = torch.ones(1, c, p + c, dtype=torch.bool, device=dev)
-            mask[0, :, p:] = torch.ones(c, c, dtype=torch.bool, device=dev).tril()
-            if self._features:
-                _, f = self.target.forward_features(ids, pos, mask, cache)
-                feats.append(f[0])
-            else:
-                self.target.forward(ids, pos, mask, cache)
-            cache.commit(None, c)
-        return (torch.cat(feats) if feats else None), len(starts)
+        return causal_prefill(self.target, tokens, cache, self.prefill_chunk, self._features)
+
+
+def causal_prefill(engine, tokens: list[int], cache: KVCache, chunk: int = 512, features: bool = False):
+    """Append `tokens` to a one-row cache with causal calls of at most `chunk` tokens; ->
+    (the engine's features of those tokens [n, F] when `features`, else None; calls made)."""
+    dev = engine.device
+    n = len(tokens)
+    chunk = max(1, int(chunk or n))
+    feats = []
+    starts = range(0, n, chunk)
+    for s in starts:
+        part = tokens[s : s + chunk]
+        c = len(part)
+        p = cache.length
+        ids = torch.tensor([part], dtype=torch.long, device=dev)
+        pos = torch.arange(p, p + c, device=dev)[None]
+        mask = torch.ones(1, c, p + c, dtype=torch.bool, device=dev)
+        mask[0, :, p:] = torch.ones(c, c, dtype=torch.bool, device=dev).tril()
+        if features:
+            _, f = engine.forward_features(ids, pos, mask, cache)
+            feats.append(f[0])
+        else:
+            engine.forward(ids, pos, mask, cache)
+        cache.commit(None, c)
+    return (torch.cat(feats) if feats else None), len(starts)

@@ -8,12 +8,19 @@ gather into the plan's token slots, nothing else. Data-dependent trees (beam, dy
 candidates, table drafts whose rows may be empty) are built in a preallocated `TreeWorkspace`
 reused every step.
 
+The level loop is written as a generator of `DraftCall` requests (`tree_builder`): `draft_tree`
+answers each request at once with the sequence's own draft source; a batch driver
+(runtime/batch_decode.py) gathers one request from every sequence and answers them all with one
+draft call (runtime/batch_drafts.py), so B trees cost one draft call per level.
+
 Candidates: `topk` (deterministic: the policy's top children), `sample` (i.i.d. draws from the
 draft, with replacement) or `sample-unique` (draws without replacement, by the Gumbel-top-k
 trick). The accept rule must match (runtime/accept.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,6 +32,30 @@ from .tree_plan import PLANNED_KINDS, plan_for
 from .trees import Tree, TreePolicy
 
 CANDIDATE_MODES = ("topk", "sample", "sample-unique")
+
+
+@dataclass
+class DraftCall:
+    """One draft call the level loop needs: the root's distribution ("start") or the frontier's
+    ("expand"); k None: full logits rows, else the top-k (log-probs with `logprobs`)."""
+
+    kind: str  # "start" | "expand"
+    root: int = 0
+    nodes: NodeView | None = None
+    frontier: torch.Tensor | None = None
+    k: int | None = None
+    logprobs: bool = False
+
+
+def answer(draft: DraftSource, call: DraftCall):
+    """A draft call answered by one sequence's draft source: logits [V] / [F, V] or a TopK."""
+    if call.kind == "start":
+        if call.k is None:
+            return draft.start(call.root)
+        return draft.start_topk(call.root, call.k, call.logprobs)
+    if call.k is None:
+        return draft.expand(call.nodes, call.frontier)
+    return draft.expand_topk(call.nodes, call.frontier, call.k, call.logprobs)
 
 
 class TreeWorkspace:
@@ -80,6 +111,28 @@ def draft_tree(
     keep_q: also keep the draft distributions for top-k candidates (analysis and tests; the
     sampled modes always keep them, the accept rule needs them). out_vocab: the target's
     vocabulary, when the draft's rows are over a reduced one (`draft.token_map`)."""
+    builder = tree_builder(draft, policy, root, sp, candidates, rng, keep_q, workspace, out_vocab)
+    try:
+        call = next(builder)
+        while True:
+            call = builder.send(answer(draft, call))
+    except StopIteration as done:
+        return done.value
+
+
+def tree_builder(
+    draft: DraftSource,
+    policy: TreePolicy,
+    root: int,
+    sp: SamplingParams,
+    candidates: str = "topk",
+    rng: torch.Generator | None = None,
+    keep_q: bool = False,
+    workspace: TreeWorkspace | None = None,
+    out_vocab: int | None = None,
+):
+    """draft_tree's level loop as a generator: yields DraftCalls, is sent their answers, and
+    returns the Tree (StopIteration.value). Run it inside torch.inference_mode()."""
     if candidates not in CANDIDATE_MODES:
         raise InputError(f"unknown candidate mode {candidates!r} (expected one of {', '.join(CANDIDATE_MODES)})")
     sampled = candidates != "topk" and not sp.greedy
@@ -87,17 +140,19 @@ def draft_tree(
         raise InputError(f"tree policy {policy.kind} ranks candidates by score: use --candidates topk with it")
     out_vocab = out_vocab or draft.vocab_size
     if not sampled and policy.kind in PLANNED_KINDS and draft.finite_logits:
-        return _draft_planned(draft, policy, root, sp, keep_q, out_vocab)
-    return _draft_dynamic(
-        draft,
-        policy,
-        root,
-        sp,
-        candidates if sampled else "topk",
-        rng,
-        keep_q,
-        TreeWorkspace.get(workspace, tree_capacity(policy, draft.vocab_size)),
-        out_vocab,
+        return (yield from _draft_planned(draft, policy, root, sp, keep_q, out_vocab))
+    return (
+        yield from _draft_dynamic(
+            draft,
+            policy,
+            root,
+            sp,
+            candidates if sampled else "topk",
+            rng,
+            keep_q,
+            TreeWorkspace.get(workspace, tree_capacity(policy, draft.vocab_size)),
+            out_vocab,
+        )
     )
 
 
@@ -110,7 +165,9 @@ def _draft_planned(draft, policy, root, sp, keep_q, out_vocab) -> Tree:
     n_q = 0
     levels = plan.levels
     k0 = levels[0].k
-    out = draft.start(root)[None] if keep_q else draft.start_topk(root, k0)
+    out = yield DraftCall("start", root, k=None if keep_q else k0)
+    if keep_q:
+        out = out[None]
     calls = 1
     last = len(levels) - 1
     for li, lv in enumerate(levels):
@@ -127,7 +184,7 @@ def _draft_planned(draft, policy, root, sp, keep_q, out_vocab) -> Tree:
         e = lv.end
         nodes = NodeView(tokens[:e], plan.depth[:e], plan.parents[:e], plan.anc[:e, :e])
         nk = levels[li + 1].k
-        out = draft.expand(nodes, lv.frontier) if keep_q else draft.expand_topk(nodes, lv.frontier, nk)
+        out = yield DraftCall("expand", nodes=nodes, frontier=lv.frontier, k=None if keep_q else nk)
         calls += 1
     tree = Tree(
         tokens,
@@ -155,7 +212,9 @@ def _draft_dynamic(draft, policy, root, sp, mode, rng, keep_q, ws: TreeWorkspace
     n_q = 0
     n = 0
     k = min(policy.width(1), vocab)
-    out = draft.start_topk(root, k, logprobs) if topk_only else draft.start(root)[None].float()
+    out = yield DraftCall("start", root, k=k if topk_only else None, logprobs=logprobs)
+    if not topk_only:
+        out = out[None].float()
     calls = 1
     frontier = np.array([-1], dtype=np.int64)
     f_score = np.zeros(1, dtype=np.float32)
@@ -214,9 +273,11 @@ def _draft_dynamic(draft, policy, root, sp, mode, rng, keep_q, ws: TreeWorkspace
         )
         fr = torch.from_numpy(frontier)
         if topk_only:
-            out = draft.expand_topk(nodes, fr, min(policy.width(level + 1), vocab), logprobs)
+            out = yield DraftCall(
+                "expand", nodes=nodes, frontier=fr, k=min(policy.width(level + 1), vocab), logprobs=logprobs
+            )
         else:
-            out = draft.expand(nodes, fr).float()
+            out = (yield DraftCall("expand", nodes=nodes, frontier=fr)).float()
         calls += 1
     keep = policy.finalize(score[:n], depth[:n])
     idx = ws.arange[:n] if keep is None else np.nonzero(keep)[0]  # ancestor-closed, in order

@@ -62,13 +62,41 @@ def test_batched_greedy_equals_alone_torch(llama_pair, mode, kind, tree):
     v = target.info.vocab_size
     prompts = _prompts(v)
     solo = SpeculativeDecoder(target, _draft(kind, draft_engine, v), mode=mode, tree=tree)
-    ref = [solo.generate(p, 20).tokens for p in prompts]
+    ref = [solo.generate(p, 20) for p in prompts]
     # 3 rows for 7 prompts: sequences join and leave between steps (continuous batching)
     bd = BatchDecoder(target, _draft(kind, draft_engine, v), mode=mode, tree=tree, max_batch=3)
     got = bd.generate_many(prompts, 20)
-    assert [s.tokens for s in got] == ref
+    assert [s.tokens for s in got] == [r.tokens for r in ref]
     if mode != "vanilla":
         assert sum(s.stats.steps for s in got) < sum(s.stats.new_tokens for s in got)  # drafts accepted
+    if kind == "model":
+        # the batched draft (one B-row cache, one call per level) drafts the trees the sequence's
+        # own draft would: the same verify steps, in fewer draft calls than sequence-levels
+        assert [s.stats.steps for s in got] == [r.stats.steps for r in ref]
+        assert bd.draft_batch.calls < sum(s.stats.draft_calls for s in got)
+
+
+def test_batched_rows_share_one_draft_call_per_level(llama_pair):
+    """4 sequences drafting full:3,2 trees cost 3 draft calls per step (one per level), not 12."""
+    target, draft_engine = llama_pair
+    calls = []
+    forward = draft_engine.forward
+
+    class Counting:
+        info, device, row_views = draft_engine.info, draft_engine.device, True
+
+        def forward(self, ids, pos, mask, cache):
+            calls.append(tuple(ids.shape))
+            return forward(ids, pos, mask, cache)
+
+    bd = BatchDecoder(target, ModelDraft(Counting()), tree="full:3,2", max_batch=4)
+    for p in _prompts(target.info.vocab_size, (4, 9, 2, 6)):
+        bd.add(p, 8)
+    calls.clear()
+    bd.step()
+    # full:3,2 (depth 3, 2 children per node): the chains, then the 2 and 4 frontier nodes
+    assert [c[0] for c in calls] == [4, 4, 4]
+    assert calls[1][1] == 2 and calls[2][1] == 4
 
 
 def test_batched_rows_share_one_verify_call(llama_pair):
