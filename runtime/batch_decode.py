@@ -32,7 +32,7 @@ from .accept import accept
 from .decode import MODES, SpeculativeDecoder, as_draft_source
 from .drafting import TreeWorkspace, answer, tree_builder
 from .drafts import ModelDraft, tree_capacity
-from .errors import InputError
+from .errors import InputError, NumericalError
 from .guards import check_logits
 from .kvcache import KVCache
 from .sampling import SamplingParams
@@ -60,6 +60,7 @@ class BatchSequence:
     tokens: list = field(default_factory=list)
     t_start: float = 0.0
     ws: TreeWorkspace | None = None
+    error: BaseException | None = None  # set when its row's logits were not finite
 
 
 class BatchDecoder:
@@ -202,7 +203,8 @@ class BatchDecoder:
     @torch.inference_mode()
     def step(self) -> list[tuple[BatchSequence, list[int]]]:
         """One decode step for every active sequence: -> [(sequence, its new tokens)]. A sequence
-        that finished has `done` set (the caller removes it)."""
+        that finished has `done` set (the caller removes it); one whose logits were NaN/Inf also
+        has `error` set (a NumericalError) and no tokens from this step."""
         seqs = [s for s in self.seqs if not s.done]
         if not seqs:
             return []
@@ -252,8 +254,13 @@ class BatchDecoder:
         for i, (s, tree, spec) in enumerate(zip(seqs, trees, speculated)):
             b = s.row
             st = s.stats
-            acc = accept(logits[b, : tree.n + 1], tree, s.sampling, s.rng)
-            check_logits(logits[b], [0] + [i + 1 for i in acc.path.tolist()], st.steps + 1, tgt.info.name)
+            try:
+                acc = accept(logits[b, : tree.n + 1], tree, s.sampling, s.rng)
+                check_logits(logits[b], [0] + [j + 1 for j in acc.path.tolist()], st.steps + 1, tgt.info.name)
+            except NumericalError as e:  # this row only: the sequence ends with the error, the rest go on
+                s.done, s.stop_reason, s.error = True, "error", e
+                out.append((s, []))
+                continue
             new, stop = SpeculativeDecoder._truncate(acc.tokens, s.eos, s.max_new_tokens - s.produced)
             path = acc.path[: len(new) - 1].tolist()
             keep = [0] + [i + 1 for i in path]
@@ -284,7 +291,7 @@ class BatchDecoder:
             elif s.length >= max_pos:
                 s.done, s.stop_reason = True, "context"
             out.append((s, new))
-        cache.commit_rows(torch.tensor(rows), torch.tensor(dst), torch.tensor(src))
+        cache.commit_rows(torch.tensor(rows, dtype=torch.long), torch.tensor(dst), torch.tensor(src))
         cache.length = max(s.length for s in self.seqs)
         return out
 

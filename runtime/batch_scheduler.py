@@ -136,6 +136,9 @@ class BatchScheduler:
             self.batch_sizes += len(out)
             for seq, new in out:
                 stream = self._owner[id(seq)]
+                if seq.error is not None:  # its own row went bad: only this caller sees the error
+                    self._finish(seq, stream, seq.error)
+                    continue
                 stream._put(new)
                 if seq.done:
                     self._finish(seq, stream)

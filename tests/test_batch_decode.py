@@ -256,3 +256,67 @@ def test_cache_grows_between_joins(llama_pair):
     while not (a.done and b.done):
         bd.step()
     assert a.tokens == ref_long and b.tokens == ref_short
+
+
+def test_nan_in_one_row_fails_only_that_sequence(llama_pair):
+    """A row whose logits go NaN ends its own sequence with a NumericalError; the sequences
+    sharing its verify calls finish with their exact outputs."""
+    from arborspec.runtime.errors import NumericalError
+
+    target, _ = llama_pair
+    v = target.info.vocab_size
+    others = _prompts(v, (5, 4), seed=5)
+    ref = [SpeculativeDecoder(target, None, mode="vanilla").generate(p, 10).tokens for p in others]
+    seen = {t for p, r in zip(others, ref) for t in p + r}
+    poison = next(t for t in range(v) if t not in seen)  # a token only the poisoned sequence feeds
+    forward = target.forward
+
+    class Poisoning:
+        info, device, row_views = target.info, target.device, True
+
+        def forward(self, ids, pos, mask, cache):
+            logits = forward(ids, pos, mask, cache)
+            logits[(ids == poison).any(-1)] = float("nan")
+            return logits
+
+    gen = Generator(Poisoning(), None, mode="vanilla", max_batch=3)
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            bad = pool.submit(gen.generate, [poison] * 6, 10)
+            good = [pool.submit(gen.generate, p, 10) for p in others]
+            with pytest.raises(NumericalError):
+                bad.result()
+            assert [f.result().tokens for f in good] == ref
+        assert gen.active == 0
+    finally:
+        gen.close()
+
+
+def test_close_ends_in_flight_streams(llama_pair):
+    """Shutting a batched generator down ends every in-flight stream with one error line (no
+    hang, no half-open iterator); waiting requests too."""
+    target, _ = llama_pair
+    gen = Generator(target, None, mode="vanilla", max_batch=2)  # 2 rows: the third request waits
+    got, errors = [], []
+
+    def consume(prompt):
+        try:
+            for chunk in gen.stream(prompt, 400, ids=True):
+                got.append(chunk)
+        except InputError as e:
+            errors.append(str(e))
+
+    gen2 = Generator(target, None, mode="vanilla", max_batch=2)
+    gen2.close()
+    with pytest.raises(InputError, match="closed"):
+        gen2.generate([1, 2], 4)
+    threads = [threading.Thread(target=consume, args=([1, 2, 3],)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    while not got:
+        threading.Event().wait(0.005)
+    gen.close()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    assert len(errors) == 3 and all("closed" in e for e in errors)
