@@ -92,6 +92,12 @@ class BatchDecoder:
             raise InputError(f"max-batch must be an integer >= 1, got {max_batch!r}")
         if mode not in MODES:
             raise InputError(f"unknown mode {mode!r} (expected one of {', '.join(MODES)})")
+        engine_b = getattr(target, "max_batch", None)  # a TensorRT engine's profiles fix B
+        if max_batch > 1 and engine_b is not None and max_batch > engine_b:
+            raise InputError(
+                f"max-batch {max_batch} is over the engine's B <= {engine_b}: rebuild it with "
+                f"`arborspec build --max-batch {max_batch}` or batch at most {engine_b}"
+            )
         draft = as_draft_source(draft)
         # one unbatched decoder validates mode / tree / draft and prefills joining sequences
         self._solo = SpeculativeDecoder(

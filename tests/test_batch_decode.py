@@ -320,3 +320,15 @@ def test_close_ends_in_flight_streams(llama_pair):
         t.join(timeout=30)
     assert not any(t.is_alive() for t in threads)
     assert len(errors) == 3 and all("closed" in e for e in errors)
+
+
+def test_max_batch_over_the_engines_profiles_is_one_line(llama_pair):
+    """A TensorRT engine's profiles fix its largest B: asking for more is one clear error."""
+    target, _ = llama_pair
+
+    class Built:
+        info, device, max_batch = target.info, target.device, 2
+
+    with pytest.raises(InputError, match="rebuild it with `arborspec build --max-batch 4`"):
+        BatchDecoder(Built(), None, mode="vanilla", max_batch=4)
+    assert BatchDecoder(Built(), None, mode="vanilla", max_batch=2).max_batch == 2
