@@ -202,8 +202,9 @@ class BatchDecoder:
         if self._cache is None:
             self._cache = KVCache(c.info.cache, max(need, 256), self.max_batch, c.device).zero_()
             self._cache.length = 0
-        elif self._cache.max_len < need:
-            self._cache = self._cache.grown(max(need, 2 * self._cache.max_len))
+        elif self._cache.max_len < need:  # doubling, but never past the model's context
+            top = c.info.max_position + self._extra
+            self._cache = self._cache.grown(max(need, min(2 * self._cache.max_len, top)))
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()

@@ -100,8 +100,9 @@ class BatchedModelDraft:
         if self.cache is None:
             self.cache = KVCache(e.info.cache, max(need, 256), self.max_batch, e.device).zero_()
             self.cache.length = 0
-        elif self.cache.max_len < need:
-            self.cache = self.cache.grown(max(need, 2 * self.cache.max_len))
+        elif self.cache.max_len < need:  # doubling, but never far past the model's context
+            top = e.info.max_position + 64
+            self.cache = self.cache.grown(max(need, min(2 * self.cache.max_len, top)))
 
     @torch.inference_mode()
     def join(self, h: RowDraft, committed: list[int]) -> None:
