@@ -114,7 +114,9 @@ class BatchScheduler:
                     stream._end(None)
                     continue
                 try:
-                    self._owner[id(dec.add(*stream.request))] = stream
+                    seq = dec.add(*stream.request)
+                    self._owner[id(seq)] = stream
+                    stream.stats = seq.stats  # live: a caller that stops early still sees its stats
                 except ArborspecError as e:
                     stream._end(None, e)
                 except Exception as e:  # a bug: its caller sees it, the other sequences go on

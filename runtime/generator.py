@@ -229,7 +229,8 @@ class Generator:
                 yield from s
             finally:
                 s.cancel()  # a caller that stops early frees its row
-            self._last.stats, self._last.stop_reason = s.stats, s.stop_reason
+                # its stats so far (live until the scheduler drops the row)
+                self._last.stats, self._last.stop_reason = s.stats, s.stop_reason
             return
         with self._lock:
             self._check_open()
@@ -239,7 +240,8 @@ class Generator:
                 yield from dec.stream(ids, max_new_tokens, self.eos_token_ids, seed)
             finally:
                 self._busy = 0
-            self._last.stats, self._last.stop_reason = dec.last_stats, dec.last_stop_reason
+                self._last.stats = getattr(dec, "last_stats", None)
+                self._last.stop_reason = getattr(dec, "last_stop_reason", None)
 
     def stream(
         self,
