@@ -1,12 +1,19 @@
 """An EAGLE-3 head as two plain ONNX graphs in the contract's conventions (no custom plugin):
 
 * `draft.onnx`, the layer: input_ids, position_ids, attention_mask, past_key.0/past_value.0 (the
-  head's own cache, kv layout "bhsd": read and written in place by GroupQueryAttention, as the
-  target's fast graph does), and `hidden_in` [B, T, H], the hidden state each row pairs with its
-  token -> logits over the draft vocabulary [B, T, Vd], new_key.0/new_value.0 (the same buffers)
-  and `hidden_states` [B, T, H], the layer's output (what the row's children read);
+  head's own cache), and `hidden_in` [B, T, H], the hidden state each row pairs with its token
+  -> logits over the draft vocabulary [B, T, Vd], new_key.0/new_value.0 and `hidden_states`
+  [B, T, H], the layer's output (what the row's children read);
 * `draft_fc.onnx`, the projection of the target's features: target_features [N, F] ->
-  hidden_states [N, H].
+  hidden_states [N, H] (one MatMul: standard ONNX for both flavours).
+
+Two flavours of the layer graph, following the target's:
+* "gqa" (`build_head_model`, kv layout "bhsd"): written node by node around ONNX Runtime's
+  GroupQueryAttention (cache read and written in place, as the target's fast graph does);
+* "portable" (`export_portable_head`, kv layout "sbhd"): `torch.onnx.export` of the PyTorch
+  head itself (models/eagle3.Eagle3Head with the target's embedding lookup in front), standard
+  ONNX only, so TensorRT parses and builds it (`arborspec build`); written when the target is
+  the portable graph (`--attention onnx`, `--format qdq`).
 
 Rows whose hidden state comes from the target (the committed chain) are projected first by
 `draft_fc`, rows of tree nodes pass their parent's output: one layer graph serves both, with no
@@ -153,6 +160,72 @@ def build_fc_model(head):
     return model
 
 
+class PortableHead(torch.nn.Module):
+    """The contract forward of the head graph for `torch.onnx.export`: input_ids -> the target's
+    embedding lookup -> the head layer with `hidden_in` -> (logits, new_key.0, new_value.0,
+    hidden_states), K/V in the "sbhd" layout ([P, B, Hkv, D] in, [T, B, Hkv, D] out)."""
+
+    def __init__(self, head, embed: torch.Tensor):
+        super().__init__()
+        self.head, self.config = head, head.config
+        self.embed = torch.nn.Embedding.from_pretrained(embed.detach().float().clone(), freeze=True)
+
+    def forward(self, input_ids, position_ids, attention_mask, past_key, past_value, hidden_in):
+        logits, out, k, v = self.head(
+            self.embed(input_ids), hidden_in, position_ids, attention_mask, past_key, past_value
+        )
+        return logits, k, v, out
+
+
+def export_portable_head(head, embed: torch.Tensor, path: str | Path, max_context: int, opset: int = 23) -> str:
+    """torch.onnx.export (dynamo) of PortableHead into `path`; returns the exporter tag. B, T, P
+    (and the mask's P+T) stay symbolic: the example sizes are distinct and >= 2."""
+    import contextlib
+    import io
+    import logging
+    import warnings
+
+    from .onnx_export import _dims
+
+    c = head.config
+    module = PortableHead(head.float().eval(), embed).eval()
+    b, t, p = 2, 3, 5
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, c.vocab_size, (b, t), generator=g)
+    pos = (p + torch.arange(t)).expand(b, t).contiguous()
+    mask = torch.cat(
+        [torch.ones(b, t, p, dtype=torch.bool), torch.ones(t, t, dtype=torch.bool).tril().expand(b, t, t)], 2
+    )
+    past = [torch.randn(p, b, c.n_kv_heads, c.head_dim, generator=g) for _ in range(2)]
+    hidden = torch.randn(b, t, c.hidden_size, generator=g)
+    B, T, P, S = _dims(None, max_context)
+    ds = {
+        "input_ids": {0: B, 1: T},
+        "position_ids": {0: B, 1: T},
+        "attention_mask": {0: B, 1: T, 2: S},
+        "past_key": {0: P, 1: B},
+        "past_value": {0: P, 1: B},
+        "hidden_in": {0: B, 1: T},
+    }
+    names_in = [*C.input_names(1), C.HIDDEN_IN]
+    names_out = [*C.output_names(1), C.HIDDEN_STATES]
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        prog = torch.onnx.export(
+            module,
+            (ids, pos, mask, *past, hidden),
+            input_names=names_in,
+            output_names=names_out,
+            dynamic_shapes=ds,
+            opset_version=opset,
+            dynamo=True,
+            verbose=False,
+        )
+    prog.save(str(path), external_data=False)
+    return f"eagle3-dynamo:opset{opset}"
+
+
 def d2t_metadata(head) -> str:
     return base64.b64encode(np.ascontiguousarray(head.d2t.cpu().numpy().astype("<i8")).tobytes()).decode()
 
@@ -167,8 +240,11 @@ def export_eagle3_head(
     layer_file: str = "draft.onnx",
     fc_file: str = "draft_fc.onnx",
     verify: bool = True,
+    portable: bool = False,
 ) -> dict:
-    """Write both graphs with their metadata into `folder`; return the manifest entry."""
+    """Write both graphs with their metadata into `folder`; return the manifest entry.
+    portable: the standard-ONNX layer graph (kv layout "sbhd", what TensorRT builds) instead of
+    ONNX Runtime's GroupQueryAttention one ("bhsd")."""
     from .onnx_export import _finalize, contract_metadata
 
     folder = Path(folder)
@@ -178,9 +254,14 @@ def export_eagle3_head(
         def to_json(self):
             return json.dumps(cfg)
 
-    meta = contract_metadata(_Cfg(), "fp32", tokenizer_sha256, C.ROLE_EAGLE3, f"eagle3:opset{OPSET}", "bhsd")
+    layout = "sbhd" if portable else "bhsd"
+    if portable:
+        exporter = export_portable_head(head, embed, folder / layer_file, max_context)
+    else:
+        exporter = f"eagle3:opset{OPSET}"
+        save_model(build_head_model(head, embed, max_context), folder / layer_file)
+    meta = contract_metadata(_Cfg(), "fp32", tokenizer_sha256, C.ROLE_EAGLE3, exporter, layout)
     meta[C.META_D2T] = d2t_metadata(head)
-    save_model(build_head_model(head, embed, max_context), folder / layer_file)
     _finalize(folder / layer_file, meta, False)
     save_model(build_fc_model(head), folder / fc_file)
     _finalize(folder / fc_file, meta, False)
@@ -190,6 +271,8 @@ def export_eagle3_head(
         "fc_file": fc_file,
         "config": cfg,
         "dtype": "fp32",
+        "kv_layout": layout,
+        "exporter": exporter,
         "aux_layers": list(head.config.aux_layers),
         "draft_vocab_size": head.config.draft_vocab_size,
     }

@@ -281,10 +281,9 @@ def export_folder(
         if kv_dtype != "fp32" and not use_gqa:
             raise InputError(f"--kv-dtype {kv_dtype} needs ONNX Runtime's graph (--attention gqa): {why_not}")
 
-        if eagle3_head is not None and not use_gqa:
+        if eagle3_head is not None and not use_gqa and dtype != "fp32":
             raise InputError(
-                "--draft eagle3 needs ONNX Runtime's graph (--attention gqa): "
-                + (why_not or "--attention onnx was asked for")
+                f"--draft eagle3 exports fp32 graphs (the head and the target's features), not --dtype {dtype}"
             )
         if quantize and qformat == "matmulnbits" and not use_gqa:
             raise InputError(
@@ -329,6 +328,7 @@ def export_folder(
                 quantize=quantize,
                 block_size=block_size,
                 gguf_path=gguf_path if kind != "model" or role == "target" else None,
+                feature_layers=eagle3_head.config.aux_layers if eagle3_head is not None and role == "target" else None,
             )
 
         res_t = export_graph(module, tmp / TARGET_FILE, "target")
@@ -349,8 +349,10 @@ def export_folder(
             from .eagle3_graph import export_eagle3_head
 
             embed = module.model.embed_tokens.weight.detach().float()
+            # the head's graph follows the target's: GroupQueryAttention ("bhsd", ONNX Runtime)
+            # or the portable one ("sbhd", standard ONNX: what `arborspec build` turns into engines)
             draft_entry = export_eagle3_head(
-                eagle3_head, embed, tmp, max_context, tokenizer_sha256=tok_sha, verify=verify
+                eagle3_head, embed, tmp, max_context, tokenizer_sha256=tok_sha, verify=verify, portable=not use_gqa
             )
             draft_entry["spec"] = draft
             for key, name in (("", draft_entry["file"]), ("fc_", draft_entry["fc_file"])):

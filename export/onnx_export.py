@@ -38,6 +38,7 @@ EXTERNAL_DATA_THRESHOLD = 2 * 1024**3 - 64 * 1024**2  # protobuf limit 2 GiB, mi
 from arborspec.runtime.contract import (  # noqa: F401,E402
     CONTRACT_VERSION,
     DTYPES,
+    HIDDEN_STATES,
     META_CONFIG,
     META_CONTRACT,
     META_DTYPE,
@@ -152,7 +153,8 @@ def _export_legacy(module, args, names_in, names_out, path, opset):
     for n in names_in[3:]:
         axes[n] = {0: "past", 1: "batch"}
     for n in names_out[1:]:
-        axes[n] = {0: "batch", 1: "tokens"} if n in TOPK_OUTPUTS else {0: "tokens", 1: "batch"}
+        batch_first = n in TOPK_OUTPUTS or n == HIDDEN_STATES
+        axes[n] = {0: "batch", 1: "tokens"} if batch_first else {0: "tokens", 1: "batch"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(
@@ -320,6 +322,7 @@ def export_contract_onnx(
     quantize: str | None = None,
     block_size: int = 32,
     gguf_path: str | None = None,
+    feature_layers: list[int] | None = None,
 ) -> ExportResult:
     """Export a contract nn.Module (models/llama.py, models/gpt2.py) to `path`.
 
@@ -332,8 +335,37 @@ def export_contract_onnx(
     quantize: None, "int4" or "int8": the linear layers become blockwise QDQ (standard
     DequantizeLinear + MatMul, export/qdq.py; what TensorRT parses); with `gguf_path` (a GGUF
     with Q4_0/Q4_1/Q8_0 tensors) its blocks are carried over exactly, otherwise blockwise
-    symmetric round-to-nearest of the float weights.
+    symmetric round-to-nearest of the float weights. feature_layers: add the contract's
+    `hidden_states` output (the hidden states entering those layers, concatenated [B, T, len*H]:
+    what an EAGLE-3 head reads; models/llama.py `feature_layers`), recorded in the metadata.
     """
+    if feature_layers:
+        if not hasattr(module, "feature_layers"):
+            raise InputError(f"{type(module).__name__} has no feature output (an EAGLE-3 draft needs a Llama target)")
+        bad = [i for i in feature_layers if not 0 <= int(i) < module.config.n_layers]
+        if bad:
+            raise InputError(f"feature layers {bad} are outside the model's {module.config.n_layers} layers")
+        saved = module.feature_layers
+        module.feature_layers = [int(i) for i in feature_layers]
+        try:
+            return export_contract_onnx(
+                module,
+                path,
+                opset,
+                dtype,
+                tokenizer_sha256=tokenizer_sha256,
+                role=role,
+                max_context=max_context,
+                exporter=exporter,
+                verify=verify,
+                tolerance=tolerance,
+                topk=topk,
+                quantize=quantize,
+                block_size=block_size,
+                gguf_path=gguf_path,
+            )
+        finally:
+            module.feature_layers = saved
     if dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
     if exporter not in ("auto", "dynamo", "legacy"):
@@ -360,9 +392,14 @@ def export_contract_onnx(
     max_context = int(max_context or cfg.max_position)
     names_in, names_out = input_names(cfg.n_layers), output_names(cfg.n_layers)
     topk = min(int(topk or 0), cfg.vocab_size)
+    features = [int(i) for i in getattr(module, "feature_layers", None) or []]
     if topk > 0:
+        if features:
+            raise InputError("a graph with the feature output has no top-k outputs (targets only)")
         module = WithTopK(module, topk).eval()
         names_out = names_out + list(TOPK_OUTPUTS)
+    if features:
+        names_out = names_out + [HIDDEN_STATES]
     ids, pos, mask, past = example_inputs(cfg, tdtype)
     args = (ids, pos, mask, *past)
     big = _param_bytes(module) > EXTERNAL_DATA_THRESHOLD
@@ -410,6 +447,8 @@ def export_contract_onnx(
     meta = contract_metadata(cfg, dtype, tokenizer_sha256, role, f"{used}:opset{opset}", "sbhd", topk)
     if qinfo:
         meta[META_QUANTIZATION] = json.dumps(qinfo, sort_keys=True)
+    if features:
+        meta[META_FEATURE_LAYERS] = json.dumps(features)
     ir, nodes = _finalize(path, meta, big)
     import onnx
 

@@ -168,6 +168,7 @@ class Profile:
     B: tuple[int, int, int]
     T: tuple[int, int, int]
     P: tuple[int, int, int]
+    N: tuple[int, int, int] = (1, 1, 1)  # rows of an EAGLE-3 projection graph (target_features [N, F])
 
     @property
     def S(self) -> tuple[int, int, int]:
@@ -209,9 +210,21 @@ def plan_profiles(max_batch: int, max_tree_nodes: int, max_context: int) -> list
     return profiles
 
 
+def plan_projection_profiles(max_batch: int, max_tree_nodes: int, max_context: int) -> list[Profile]:
+    """The one profile of an EAGLE-3 projection graph (`draft_fc.onnx`, target_features [N, F]):
+    N = 1..max_batch * max_context rows (a draft's first call projects a whole prompt's features,
+    later ones an accepted path's), tuned at one tree's worth."""
+    plan_profiles(max_batch, max_tree_nodes, max_context)  # the same limit checks
+    n = max_batch * max_context
+    one = (1, 1, 1)
+    return [Profile("projection", one, one, (0, 0, 0), (1, min(n, max_tree_nodes + 1), n))]
+
+
 def _dim_roles(name: str) -> tuple[str, ...] | None:
-    if name in (IDS, POS):
+    if name in (IDS, POS, C.HIDDEN_IN):
         return ("B", "T")
+    if name == C.TARGET_FEATURES:
+        return ("N",)
     if name == MASK:
         return ("B", "T", "S")
     if _PAST_RE.match(name):
@@ -224,7 +237,8 @@ def _shapes_for(profile: Profile, name: str, net_shape: tuple[int, ...]) -> dict
     roles = _dim_roles(name)
     if roles is None:
         raise EngineBuildError(
-            f"input {name!r} is not part of the engine contract ({IDS}, {POS}, {MASK}, past_key.i, past_value.i)"
+            f"input {name!r} is not part of the engine contract ({IDS}, {POS}, {MASK}, past_key.i, "
+            f"past_value.i; {C.HIDDEN_IN} or {C.TARGET_FEATURES} for an EAGLE-3 head)"
         )
     if len(net_shape) < len(roles):
         raise EngineBuildError(
@@ -344,10 +358,20 @@ def network_io(trt, network) -> dict[str, list[dict[str, Any]]]:
     }
 
 
+def is_projection(io: dict[str, list[dict[str, Any]]]) -> bool:
+    """Whether a parsed network is an EAGLE-3 projection graph (target_features -> hidden_states)."""
+    return [d["name"] for d in io["inputs"]] == [C.TARGET_FEATURES]
+
+
 def check_contract(io: dict[str, list[dict[str, Any]]]) -> None:
-    """Raise EngineBuildError if the network's I/O does not follow the engine contract."""
+    """Raise EngineBuildError if the network's I/O does not follow the engine contract (or, for
+    an EAGLE-3 projection graph, its own: target_features [N, F] -> hidden_states [N, H])."""
     ins = {d["name"]: d for d in io["inputs"]}
     outs = {d["name"]: d for d in io["outputs"]}
+    if is_projection(io):
+        if list(outs) != [C.HIDDEN_STATES]:
+            raise EngineBuildError(f"an EAGLE-3 projection graph must output {C.HIDDEN_STATES} only, not {list(outs)}")
+        return
     missing = [n for n in (IDS, POS, MASK) if n not in ins]
     if "logits" not in outs:
         missing.append("logits (output)")
@@ -409,13 +433,10 @@ def build_engine(
     onnx_path, out_path = Path(onnx_path), Path(out_path)
     if not onnx_path.is_file():
         raise MissingFileError(f"ONNX file not found: {onnx_path}")
-    if _onnx_metadata(onnx_path).get(C.META_KV_LAYOUT) == "bhsd":
-        raise EngineBuildError(
-            f"{onnx_path.name} is ONNX Runtime's fast graph (GroupQueryAttention, a contrib "
-            "op TensorRT cannot parse): export with `arborspec export --attention onnx` "
-            "to build TensorRT engines"
-        )
-    profiles = plan_profiles(max_batch, max_tree_nodes, max_context)
+    meta = _onnx_metadata(onnx_path)
+    if meta.get(C.META_KV_LAYOUT) == "bhsd":
+        raise EngineBuildError(gqa_graph_message(onnx_path.name, meta))
+    plan_profiles(max_batch, max_tree_nodes, max_context)  # bad limits: one line before any parsing
     cc = normalize_compute_capability(compute_capability)
 
     trt, flav = import_tensorrt(flavour)
@@ -453,6 +474,10 @@ def build_engine(
     network, parser = _parse(trt, builder, logger, onnx_path)
     io = network_io(trt, network)
     check_contract(io)
+    if is_projection(io):
+        profiles = plan_projection_profiles(max_batch, max_tree_nodes, max_context)
+    else:
+        profiles = plan_profiles(max_batch, max_tree_nodes, max_context)
 
     config = builder.create_builder_config()
     if workspace_bytes:
@@ -476,7 +501,11 @@ def build_engine(
             {
                 "index": idx,
                 "name": prof.name,
-                "ranges": {"B": list(prof.B), "T": list(prof.T), "P": list(prof.P), "S": list(prof.S)},
+                "ranges": (
+                    {"N": list(prof.N)}
+                    if prof.name == "projection"
+                    else {"B": list(prof.B), "T": list(prof.T), "P": list(prof.P), "S": list(prof.S)}
+                ),
                 "shapes": shapes,
             }
         )
@@ -523,6 +552,7 @@ def build_engine(
         "inputs": io["inputs"],
         "outputs": io["outputs"],
         "n_layers": sum(1 for d in io["inputs"] if d["name"].startswith("past_key.")),
+        "role": meta.get(C.META_ROLE, ""),
         "trt": {"module": flav, "version": trt.__version__},
         "compute_capability": target_cc,
         "cache": {"kind": "runtime" if is_rtx else "timing", "file": cache_path.name},
@@ -533,6 +563,19 @@ def build_engine(
     total = time.perf_counter() - t_start
     say(f"{onnx_path.name}: wrote {out_path} ({entry['bytes'] / 2**20:.1f} MiB) in {total:.1f}s")
     return BuildResult(out_path, manifest_path, entry, total)
+
+
+def gqa_graph_message(name: str, meta: dict[str, str]) -> str:
+    """The one line for a "bhsd" graph (ONNX Runtime's GroupQueryAttention, a contrib op)."""
+    if meta.get(C.META_ROLE) == C.ROLE_EAGLE3:
+        return (
+            f"{name} is the EAGLE-3 head's GroupQueryAttention graph (ONNX Runtime only; TensorRT cannot "
+            "parse it): re-export with --attention onnx (`arborspec export ... --draft eagle3 --attention onnx`)"
+        )
+    return (
+        f"{name} is ONNX Runtime's fast graph (GroupQueryAttention, a contrib op TensorRT cannot "
+        "parse): re-export with --attention onnx to build TensorRT engines"
+    )
 
 
 def update_manifest(folder: str | os.PathLike, key: str, entry: dict[str, Any]) -> Path:

@@ -21,8 +21,10 @@ and sampled candidates' q lives on the target vocabulary with zeros outside the 
 The head runs behind a head engine, one per backend, all with the same three members:
 `forward_hidden(ids, hidden, pos, mask, cache) -> (logits, hidden_out)` (K/V written into the
 cache at [P, P+T)), `project(features) -> hidden`, `token_map`: TorchEagle3Head (a torch
-module, runtime/backends/torch_backend.py) or OrtEagle3Head (the exported `draft.onnx` +
-`draft_fc.onnx`, below).
+module, runtime/backends/torch_backend.py), OrtEagle3Head (the exported `draft.onnx` +
+`draft_fc.onnx`, below; either cache layout: "bhsd" for the GroupQueryAttention graph, "sbhd"
+for the portable one) or TrtEagle3Head (the TensorRT engines `arborspec build` makes from the
+portable graphs, `draft.engine` + `draft_fc.engine`; CUDA only).
 """
 
 from __future__ import annotations
@@ -160,6 +162,19 @@ class Eagle3Draft(DraftSource):
         self.cache = None
 
 
+def token_map_from_metadata(meta: dict, where, vocab_size: int) -> torch.Tensor:
+    """Draft id -> target id from a head graph's metadata (base64 int64 offsets, META_D2T)."""
+    from .errors import ExportDirError
+
+    try:
+        d2t = np.frombuffer(base64.b64decode(meta[C.META_D2T]), dtype="<i8").astype(np.int64)
+    except (KeyError, ValueError) as e:
+        raise ExportDirError(f"{where}: no valid draft-to-target map in the metadata ({e})") from None
+    if d2t.size != vocab_size:
+        raise ExportDirError(f"{where}: d2t has {d2t.size} entries, the head predicts {vocab_size}")
+    return torch.arange(d2t.size) + torch.from_numpy(d2t)
+
+
 class OrtProjection:
     """`draft_fc.onnx`: target features [N, F] -> the head's hidden input [N, H]."""
 
@@ -196,13 +211,7 @@ class OrtEagle3Head:
         cfg = self.layer.config
         self.hidden_size = int(cfg["hidden_size"])
         self.feature_size = int(cfg["feature_size"])
-        try:
-            d2t = np.frombuffer(base64.b64decode(meta[C.META_D2T]), dtype="<i8").astype(np.int64)
-        except (KeyError, ValueError) as e:
-            raise ExportDirError(f"{layer_path}: no valid draft-to-target map in the metadata ({e})") from None
-        if d2t.size != self.info.vocab_size:
-            raise ExportDirError(f"{layer_path}: d2t has {d2t.size} entries, the head predicts {self.info.vocab_size}")
-        self.token_map = torch.arange(d2t.size) + torch.from_numpy(d2t)
+        self.token_map = token_map_from_metadata(meta, layer_path, self.info.vocab_size)
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         return self.fc(features)
@@ -212,3 +221,47 @@ class OrtEagle3Head:
 
     def close(self) -> None:
         self.layer.close()
+
+
+class TrtEagle3Head:
+    """The portable head's TensorRT engines (`arborspec build` of an export made with
+    `--attention onnx`) behind the head-engine interface: the layer through a TrtEngine (its
+    "sbhd" cache bound by address, `hidden_in` / `hidden_states` bound beside it), the projection
+    through a TrtProjection, d2t from the ONNX metadata recorded in engines.json. Needs a CUDA GPU."""
+
+    def __init__(self, layer_engine: str | Path, fc_engine: str | Path, device: str | torch.device = "cuda"):
+        import json
+
+        from .backends.tensorrt import TrtEngine, TrtProjection
+        from .errors import ExportDirError
+
+        self.layer = TrtEngine(layer_engine, device=device)
+        try:
+            if not self.layer.has_hidden_in:
+                raise ExportDirError(f"{layer_engine}: not an EAGLE-3 head engine (no {C.HIDDEN_IN} input)")
+            self.fc = TrtProjection(fc_engine, device=self.layer.device)
+        except BaseException:
+            self.layer.close()
+            raise
+        self.device = self.layer.device
+        self.info = self.layer.info
+        meta = (self.layer.entry or {}).get("onnx_metadata") or {}
+        try:
+            cfg = json.loads(meta.get(C.META_CONFIG) or "{}")
+        except ValueError:
+            cfg = {}
+        self.hidden_size = int(cfg.get("hidden_size") or self.fc.hidden_size)
+        self.feature_size = int(cfg.get("feature_size") or self.fc.feature_size)
+        if (self.hidden_size, self.feature_size) != (self.fc.hidden_size, self.fc.feature_size):
+            raise ExportDirError(f"{fc_engine}: the projection engine does not fit the head engine {layer_engine}")
+        self.token_map = token_map_from_metadata(meta, f"{layer_engine} (engines.json)", self.info.vocab_size)
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        return self.fc(features)
+
+    def forward_hidden(self, input_ids, hidden, position_ids, mask, cache: KVCache):
+        return self.layer.forward_hidden(input_ids, hidden, position_ids, mask, cache)
+
+    def close(self) -> None:
+        self.layer.close()
+        self.fc.close()

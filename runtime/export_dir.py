@@ -100,15 +100,31 @@ def _engine(
     return TrtEngine(path, device=device if device.startswith("cuda") else "cuda")
 
 
-def _eagle3_draft(backend: str, man: Manifest, target, device: str):
-    """The export's EAGLE-3 head (ONNX Runtime), checked against the target's feature output."""
-    from .drafts_eagle3 import Eagle3Draft, OrtEagle3Head
+def _eagle3_draft(backend: str, man: Manifest, target, device: str, engine_dir: Path | None = None):
+    """The export's EAGLE-3 head (ONNX Runtime: its two graphs; TensorRT: the engines `arborspec
+    build` made from the portable graphs), checked against the target's feature output."""
+    from .drafts_eagle3 import Eagle3Draft, OrtEagle3Head, TrtEagle3Head
 
-    if backend != "onnxruntime":
-        raise InputError(f"an EAGLE-3 draft runs on ONNX Runtime for now, not on {backend} (use --backend onnxruntime)")
-    head = OrtEagle3Head(man.path(man.draft["file"]), man.path(man.draft["fc_file"]), device=device)
+    if backend == "onnxruntime":
+        head = OrtEagle3Head(man.path(man.draft["file"]), man.path(man.draft["fc_file"]), device=device)
+    else:
+        if man.draft.get("kv_layout", "bhsd") == "bhsd":
+            raise ExportDirError(
+                f"{man.root}: the EAGLE-3 head is ONNX Runtime's GroupQueryAttention graph, which TensorRT "
+                "cannot run: re-export with --attention onnx, then `arborspec build`"
+            )
+        edir = engine_dir or man.root / "engines"
+        emf = read_engines_manifest(edir, missing_ok=True)
+        paths = [emf.path(r) if emf else None for r in ("draft", "draft_fc")]
+        if any(p is None or not p.is_file() for p in paths):
+            raise MissingFileError(
+                f"no TensorRT EAGLE-3 head engines (draft, draft_fc) in {edir}: run "
+                f"`arborspec build --export-dir {man.root}` first"
+            )
+        head = TrtEagle3Head(paths[0], paths[1], device=device if device.startswith("cuda") else "cuda")
     n = getattr(target.info, "n_features", 0)
     if n != head.feature_size:
+        head.close()
         raise ExportDirError(
             f"{man.root}: the target graph outputs {n} feature values per token, the EAGLE-3 head reads "
             f"{head.feature_size}: re-export with --draft eagle3"
@@ -127,8 +143,9 @@ def open_export(
     load_tok: bool = True,
     verify: bool = False,
 ) -> OpenedExport:
-    """Open an export folder. draft: None or "export" (the export's own draft), "none",
-    "lookup[:N]" (prompt lookup, no model). verify: check every file's sha256 too."""
+    """Open an export folder. draft: None or "export" (the export's own draft; "eagle3" names it
+    too when it is an EAGLE-3 head), "none", "lookup[:N]" (prompt lookup, no model). verify:
+    check every file's sha256 too."""
     from .drafts import ModelDraft, load_bigram_table
     from .lookup import LookupDraft, parse_lookup_spec
 
@@ -153,7 +170,7 @@ def open_export(
             opened.draft = LookupDraft(target.info.vocab_size, max_ngram=n_lookup)
         elif spec.lower() == "none":
             opened.draft = None
-        elif spec.lower() != "export":
+        elif spec.lower() != "export" and not (spec.lower() == "eagle3" == kind):  # "eagle3": the export's own
             raise InputError(
                 f"--draft {spec!r} cannot be used with an export folder: its draft is "
                 "fixed at export time (use `export`, `none` or `lookup[:N]`, or re-export)"
@@ -169,8 +186,8 @@ def open_export(
         elif kind == "bigram":
             opened.draft = load_bigram_table(man.path(man.draft["file"]))
         elif kind == "eagle3":
-            opened.draft = _eagle3_draft(backend, man, target, device)
-            opened.engines.append(opened.draft.engine.layer)
+            opened.draft = _eagle3_draft(backend, man, target, device, engine_dir)
+            opened.engines.append(opened.draft.engine)
         elif kind != "none":
             raise ExportDirError(f"unknown draft kind {kind!r} in {man.root / MANIFEST_NAME}")
         opened.tokenizer = load_tokenizer(man) if load_tok else None

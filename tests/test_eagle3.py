@@ -347,8 +347,10 @@ def test_export_folder_with_an_eagle3_draft_decodes_like_vanilla(tmp_path, capsy
         <= seen
     ), seen
 
-    with pytest.raises(InputError, match="--attention gqa"):
-        export_folder(lm, tmp_path / "onnx", f"eagle3:{tmp_path / 'ckpt'}", attention="onnx", progress=False)
+    with pytest.raises(InputError, match="exports fp32 graphs"):  # --attention onnx: tests/test_eagle3_portable.py
+        export_folder(
+            lm, tmp_path / "onnx", f"eagle3:{tmp_path / 'ckpt'}", attention="onnx", dtype="fp16", progress=False
+        )
     with pytest.raises(MissingFileError, match="no config.json"):  # its own message, not a disk error
         export_folder(lm, tmp_path / "y", f"eagle3:{tmp_path / 'nope'}", progress=False)
     with pytest.raises(InputError, match="no EAGLE-3 head is shipped"):

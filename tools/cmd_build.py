@@ -20,8 +20,10 @@ EXAMPLE = """example:
       --compute-capability 8.9 --out engines/sm89
 
 Writes <out>/target.engine, <out>/draft.engine (when the export has a draft.onnx; a bigram
-or table draft has no graph and needs no engine) and <out>/engines.json (profiles, I/O,
-TensorRT version, compute capability, ONNX sha256). <out> defaults to <export-dir>/engines."""
+or table draft has no graph and needs no engine), <out>/draft_fc.engine for an EAGLE-3 head
+(its projection graph; the head must be the portable one, `export --attention onnx`) and
+<out>/engines.json (profiles, I/O, TensorRT version, compute capability, ONNX sha256).
+<out> defaults to <export-dir>/engines."""
 
 DEFAULT_MAX_CONTEXT = 2048
 
@@ -63,7 +65,12 @@ def register(subparsers) -> None:
         help="build ahead of time for this GPU (TensorRT-RTX only), e.g. 8.9; default: the local GPU",
     )
     p.add_argument("--out", type=Path, default=None, help="output folder (default <export-dir>/engines)")
-    p.add_argument("--only", choices=["target", "draft"], default=None, help="build just one")
+    p.add_argument(
+        "--only",
+        choices=["target", "draft"],
+        default=None,
+        help="build just one (draft: both graphs of an EAGLE-3 head)",
+    )
     p.add_argument(
         "--trt-module",
         choices=["auto", "tensorrt", "tensorrt_rtx"],
@@ -105,6 +112,18 @@ def _model_max_position(onnx_path: Path) -> int | None:
     return None
 
 
+def _eagle3_fc_file(d: Path) -> Path | None:
+    """The projection graph of the export's EAGLE-3 head (manifest draft kind eagle3), or None."""
+    man = d / "manifest.json"
+    try:
+        draft = json.loads(man.read_text()).get("draft") or {}
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    if draft.get("kind") != "eagle3":
+        return None
+    return d / str(draft.get("fc_file") or "draft_fc.onnx")
+
+
 def run(args) -> int:
     from arborspec.export import trt_build as tb
 
@@ -123,10 +142,21 @@ def run(args) -> int:
     jobs = [("target", target)]
     if draft.is_file():
         jobs.append(("draft", draft))
+        fc = _eagle3_fc_file(d)
+        if fc is not None:  # an EAGLE-3 head: its projection graph too
+            if not fc.is_file():
+                raise MissingFileError(f"{fc}: the EAGLE-3 projection graph listed in the manifest is missing")
+            jobs.append(("draft_fc", fc))
     elif args.only == "draft":
         raise MissingFileError(f"{d} has no draft.onnx (a bigram/table draft needs no engine)")
     if args.only:
-        jobs = [j for j in jobs if j[0] == args.only]
+        jobs = [j for j in jobs if j[0].split("_")[0] == args.only]
+    # ONNX Runtime's GroupQueryAttention graphs cannot be parsed: one line before any work
+    # (the EAGLE-3 head named first: its message says how to re-export)
+    for _, onnx_path in sorted(jobs, key=lambda j: j[0] == "target"):
+        meta = tb._onnx_metadata(onnx_path)
+        if meta.get("arborspec.kv_layout") == "bhsd":
+            raise InputError(f"{d}: " + tb.gqa_graph_message(onnx_path.name, meta))
 
     try:
         tb.normalize_compute_capability(args.compute_capability)
@@ -147,20 +177,25 @@ def run(args) -> int:
     tb.plan_profiles(args.max_batch, args.max_tree_nodes, max_context)  # limits: fail early
     out = args.out or (d / "engines")
     say(f"building {', '.join(n for n, _ in jobs)} with {flavour} {trt.__version__} into {out}")
+    eagle3 = any(n == "draft_fc" for n, _ in jobs) or _eagle3_fc_file(d) is not None
     for name, onnx_path in jobs:
+        # an EAGLE-3 head's own cache holds the committed context plus one tree's scratch entries
+        ctx = max_context + args.max_tree_nodes + 1 if eagle3 and name == "draft" else max_context
         r = tb.build_engine(
             onnx_path,
             out / f"{name}.engine",
             max_batch=args.max_batch,
             max_tree_nodes=args.max_tree_nodes,
-            max_context=max_context,
+            max_context=ctx,
             compute_capability=cc,
             flavour=flavour,
             log=say,
             verbose=args.verbose,
         )
         profs = "; ".join(
-            f"{p['name']}: T {p['ranges']['T'][0]}..{p['ranges']['T'][2]}, "
+            f"{p['name']}: N {p['ranges']['N'][0]}..{p['ranges']['N'][2]}"
+            if "N" in p["ranges"]
+            else f"{p['name']}: T {p['ranges']['T'][0]}..{p['ranges']['T'][2]}, "
             f"P {p['ranges']['P'][0]}..{p['ranges']['P'][2]}"
             for p in r.entry["profiles"]
         )

@@ -480,8 +480,6 @@ def compare_export(
         feeds["draft"] = eagle3_head_feeds(draft_module.config, seed)
         report.n_feeds["draft"] = len(feeds["draft"])
         graphs.append(("draft", man.draft["file"], draft_module, None))
-        if "tensorrt" in active:
-            report.skipped.append(("tensorrt (draft)", "the EAGLE-3 head runs on ONNX Runtime for now"))
     total = sum(len(feeds[g]) for g, *_ in graphs) * len(active)
     from tqdm.auto import tqdm
 
@@ -515,8 +513,16 @@ def compare_export(
                                 lambda: OrtEagle3Head(man.path(fname), fc), name="onnxruntime", on_infer=tick
                             )
                         )
-                    else:
-                        bar.update(len(feeds[graph]))
+                    else:  # TensorRT: the engines `arborspec build` made from the portable head
+                        from arborspec.runtime.drafts_eagle3 import TrtEagle3Head
+
+                        rs.append(
+                            Eagle3HeadRunner(
+                                lambda: TrtEagle3Head(edir / "draft.engine", edir / "draft_fc.engine"),
+                                name="tensorrt",
+                                on_infer=tick,
+                            )
+                        )
                     continue
                 if n == "torch":
                     rs.append(TorchRunner(module, kv_dtype, name="torch", on_infer=tick))

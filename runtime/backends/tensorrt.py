@@ -7,6 +7,12 @@ never copied: each layer's `past_key.i` is bound by address to the dense prefix
 into a preallocated CUDA buffer; the call is enqueued with `execute_async_v3` on torch's
 current stream, so it orders with the surrounding torch work without a host sync.
 
+Graphs with more than the contract's I/O are bound too: a target's `hidden_states` output
+(the features an EAGLE-3 head reads: `forward_features`), an EAGLE-3 head's `hidden_in` input
+and `hidden_states` output (`forward_hidden`), a draft's fused top-k outputs (scratch buffers);
+`TrtProjection` runs an EAGLE-3 head's projection engine (`draft_fc.engine`,
+target_features [N, F] -> hidden_states [N, H]).
+
 Works with `tensorrt` (10.x/11.x) or `tensorrt_rtx`: the module recorded in the engine's
 `engines.json` is used, else `tensorrt` when importable, else `tensorrt_rtx`
 (`ARBORSPEC_TRT_MODULE` forces one). Importing this file needs neither; constructing a
@@ -218,6 +224,16 @@ class TrtEngine(EngineBase):
             raise EngineError(
                 f"{self.path.name} does not follow the engine contract: missing {', '.join(missing) or 'past_key.0'}"
             )
+        # beyond the contract: an EAGLE-3 head's hidden input; outputs such as the features /
+        # the head's output hidden state (returned) and a draft's top-k (scratch)
+        extra_in = [n for n in self.inputs if n not in need]
+        self.has_hidden_in = extra_in == [C.HIDDEN_IN]
+        if extra_in and not self.has_hidden_in:
+            raise EngineError(f"{self.path.name}: inputs {extra_in} are not part of the engine contract")
+        self.extra_outputs = [n for n in self.outputs if n not in need]
+        n_features = 0
+        if C.HIDDEN_STATES in self.outputs:
+            n_features = int(tuple(eng.get_tensor_shape(C.HIDDEN_STATES))[-1])
         kv_shape = tuple(eng.get_tensor_shape("past_key.0"))
         h_kv, d = kv_shape[2], kv_shape[3]
         vocab = tuple(eng.get_tensor_shape("logits"))[-1]
@@ -259,7 +275,9 @@ class TrtEngine(EngineBase):
             cache=CacheSpec(n_layers, h_kv, d, kv_dtype),
             max_tokens=self.max_tokens,
             name=cfg.get("name", self.path.stem),
+            n_features=max(n_features, 0),
         )
+        self.config = cfg
 
     def _make_context(self) -> None:
         """One execution context; profile switches are rare (prefill once, then decode)."""
@@ -339,7 +357,27 @@ class TrtEngine(EngineBase):
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: KVCache
     ) -> torch.Tensor:
+        """See Engine.forward (a graph with a hidden input needs forward_hidden)."""
+        return self._run(input_ids, position_ids, mask, cache)[0]
+
+    def forward_features(self, input_ids, position_ids, mask, cache: KVCache):
+        """-> (logits [B, T, V], target features [B, T, F]) from an engine with the contract's
+        `hidden_states` output (an EAGLE-3 draft's target); (logits, None) without one."""
+        logits, extra = self._run(input_ids, position_ids, mask, cache)
+        return logits, extra.get(C.HIDDEN_STATES)
+
+    def forward_hidden(self, input_ids, hidden, position_ids, mask, cache: KVCache):
+        """An EAGLE-3 head engine: rows pair tokens with hidden states [B, T, H] -> (logits over
+        the draft vocabulary [B, T, Vd], the layer's output hidden states [B, T, H])."""
+        if not self.has_hidden_in:
+            raise EngineError(f"{self.path.name} is not an EAGLE-3 head engine (no {C.HIDDEN_IN} input)")
+        logits, extra = self._run(input_ids, position_ids, mask, cache, hidden)
+        return logits, extra[C.HIDDEN_STATES]
+
+    def _run(self, input_ids, position_ids, mask, cache: KVCache, hidden: torch.Tensor | None = None):
         self._check_open()
+        if self.has_hidden_in and hidden is None:
+            raise EngineError(f"{self.path.name} is an EAGLE-3 head engine: call forward_hidden")
         check_call(self.info, input_ids, position_ids, mask, cache)
         if cache.device != self.device:
             raise InputError(f"KV cache is on {cache.device}, the engine on {self.device}")
@@ -388,6 +426,12 @@ class TrtEngine(EngineBase):
                     past_ptr = layer.data_ptr() if p == 0 else layer[:p].data_ptr()
                     binds.append((past_name, (p, b) + kv_tail, past_ptr))
                     binds.append((new_name, None, layer[p : p + t].data_ptr()))
+            if self.has_hidden_in:
+                hid = hidden.to(self.device, self.dtypes[C.HIDDEN_IN]).contiguous()
+                if tuple(hid.shape[:2]) != (b, t):
+                    raise InputError(f"hidden states {tuple(hid.shape)} do not match input_ids {(b, t)}")
+                keep.append(hid)
+                binds.append((C.HIDDEN_IN, tuple(hid.shape), hid.data_ptr()))
             logits = self._logits_out(b, t)
             binds.append((C.LOGITS, None, logits.data_ptr()))
 
@@ -403,10 +447,74 @@ class TrtEngine(EngineBase):
                 got = tuple(ctx.get_tensor_shape(name))
                 if got != want:
                     raise EngineError(f"{self.path.name}: {name} would be {got}, expected {want}")
+            # every output needs an address: the extra ones get fresh buffers of their shapes
+            extra = {}
+            for name in self.extra_outputs:
+                buf = torch.empty(tuple(ctx.get_tensor_shape(name)), dtype=self.dtypes[name], device=self.device)
+                if not ctx.set_tensor_address(name, buf.data_ptr()):
+                    raise EngineError(f"{self.path.name}: cannot bind {name}: " + "; ".join(_Log.get(self.trt).take()))
+                extra[name] = buf
             if not ctx.execute_async_v3(stream.cuda_stream):
                 raise EngineError(f"{self.path.name}: execute_async_v3 failed: " + "; ".join(_Log.get(self.trt).take()))
             # the temporaries were allocated on this stream: the caching allocator will not
             # hand their memory out to other streams before this work is done
             del keep
         out = logits.float() if logits.dtype != torch.float32 else logits
-        return out.clone() if (self.clone_logits and out is logits) else out
+        out = out.clone() if (self.clone_logits and out is logits) else out
+        if C.HIDDEN_STATES in extra:
+            extra[C.HIDDEN_STATES] = extra[C.HIDDEN_STATES].float()
+        return out, extra
+
+
+class TrtProjection(TrtEngine):
+    """An EAGLE-3 head's projection engine (`draft_fc.engine` from `draft_fc.onnx`):
+    target features [N, F] -> the head's hidden input [N, H], on the engine's CUDA device."""
+
+    def _read_io(self) -> None:
+        trt, eng = self.trt, self.engine
+        names = [eng.get_tensor_name(i) for i in range(eng.num_io_tensors)]
+        self.inputs = [n for n in names if eng.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        self.outputs = [n for n in names if eng.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
+        if self.inputs != [C.TARGET_FEATURES] or self.outputs != [C.HIDDEN_STATES]:
+            raise EngineError(
+                f"{self.path.name} is not an EAGLE-3 projection engine ({self.inputs} -> {self.outputs}, "
+                f"expected [{C.TARGET_FEATURES}] -> [{C.HIDDEN_STATES}])"
+            )
+        self.dtypes = {n: _torch_dtype(trt, eng.get_tensor_dtype(n)) for n in names}
+        self.feature_size = int(tuple(eng.get_tensor_shape(C.TARGET_FEATURES))[-1])
+        self.hidden_size = int(tuple(eng.get_tensor_shape(C.HIDDEN_STATES))[-1])
+        shapes = eng.get_tensor_profile_shape(C.TARGET_FEATURES, 0)
+        self.max_rows = int(shapes[2][0])
+        self.profiles = []
+        self.info = EngineInfo(0, 0, CacheSpec(0, 0, 0), name=self.path.stem)
+
+    def __call__(self, features: torch.Tensor) -> torch.Tensor:
+        self._check_open()
+        n = int(features.shape[0])
+        if features.dim() != 2 or features.shape[1] != self.feature_size:
+            raise InputError(f"target features {tuple(features.shape)}: expected [N, {self.feature_size}]")
+        if not 1 <= n <= self.max_rows:
+            raise EngineError(
+                f"{self.path.name} projects 1..{self.max_rows} rows per call, not {n}: rebuild with a "
+                "larger --max-context"
+            )
+        ctx = self.context
+        stream = torch.cuda.current_stream(self.device)
+        with torch.cuda.device(self.device):
+            x = features.to(self.device, self.dtypes[C.TARGET_FEATURES]).contiguous()
+            out = torch.empty((n, self.hidden_size), dtype=self.dtypes[C.HIDDEN_STATES], device=self.device)
+            ok = (
+                ctx.set_input_shape(C.TARGET_FEATURES, tuple(x.shape))
+                and ctx.set_tensor_address(C.TARGET_FEATURES, x.data_ptr())
+                and ctx.set_tensor_address(C.HIDDEN_STATES, out.data_ptr())
+                and ctx.execute_async_v3(stream.cuda_stream)
+            )
+            if not ok:
+                raise EngineError(
+                    f"{self.path.name}: the projection call failed: " + "; ".join(_Log.get(self.trt).take())
+                )
+            del x
+        return out.float()
+
+    def forward(self, *args, **kwargs):
+        raise EngineError(f"{self.path.name} is a projection engine: call it with the target features")
