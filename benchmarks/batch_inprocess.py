@@ -20,6 +20,31 @@ from arborspec.runtime.export_dir import open_export
 from arborspec.tools.prompts import encode_prompts, read_prompts_file, select_prompts
 
 
+def _row(kind, mode, batch, tokens, wall, stats) -> dict:
+    """Aggregate tokens/s with and without the prefills (they run one prompt at a time in every
+    configuration, so wall minus their sum is the decode time)."""
+    n = sum(len(t) for t in tokens)
+    decode_s = wall - sum(s.prefill_s for s in stats)
+    row = {
+        "draft": kind,
+        "mode": mode,
+        "max_batch": batch,
+        "tokens": n,
+        "wall_s": wall,
+        "tokens_per_s": n / wall,
+        "decode_tokens_per_s": n / decode_s,
+        "tokens_per_step": n / sum(s.steps for s in stats),
+        "tokens_list": tokens,
+    }
+    print(
+        f"{kind:7s} {mode:7s} {'B=' + str(batch) if batch != 'solo' else 'solo':5s}: "
+        f"{row['tokens_per_s']:6.1f} tok/s with prefill, {row['decode_tokens_per_s']:6.1f} decode, "
+        f"{row['tokens_per_step']:.2f} tokens per sequence-step",
+        flush=True,
+    )
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--export-dir", required=True)
@@ -42,51 +67,24 @@ def main() -> None:
             # the unbatched decoder, one prompt at a time: what batching is measured against
             solo = SpeculativeDecoder(ex.target, ex.draft, mode=mode, tree=a.tree)
             t0 = time.perf_counter()
-            ref = [solo.generate(p, a.max_new_tokens, eos).tokens for p in prompts]
-            wall = time.perf_counter() - t0
-            n = sum(len(t) for t in ref)
-            results.append(
-                {
-                    "draft": kind,
-                    "mode": mode,
-                    "max_batch": "solo",
-                    "tokens": n,
-                    "wall_s": wall,
-                    "tokens_per_s": n / wall,
-                }
-            )
-            print(
-                f"{kind:7s} {mode:7s} solo: {n / wall:6.1f} tok/s (SpeculativeDecoder, one prompt at a time)",
-                flush=True,
-            )
+            runs = [solo.generate(p, a.max_new_tokens, eos) for p in prompts]
+            ref = [r.tokens for r in runs]
+            results.append(_row(kind, mode, "solo", ref, time.perf_counter() - t0, [r.stats for r in runs]))
             for b in [int(x) for x in a.batches.split(",")]:
                 dec = BatchDecoder(ex.target, ex.draft, mode=mode, tree=a.tree, max_batch=b)
                 t0 = time.perf_counter()
                 seqs = dec.generate_many(prompts, a.max_new_tokens, eos)
-                wall = time.perf_counter() - t0
-                toks = [s.tokens for s in seqs]
-                n = sum(len(t) for t in toks)
-                steps = sum(s.stats.steps for s in seqs)
-                row = {
-                    "draft": kind,
-                    "mode": mode,
-                    "tree": a.tree if mode == "tree" else "",
-                    "max_batch": b,
-                    "speculate_max_batch": dec.speculate_max_batch,
-                    "tokens": n,
-                    "wall_s": wall,
-                    "tokens_per_s": n / wall,
-                    "tokens_per_step": n / steps,
-                    "draft_calls": dec.draft_batch.calls if dec.draft_batch else None,
-                    "equal_to_solo": toks == ref,
-                }
-                results.append(row)
-                print(
-                    f"{kind:7s} {mode:7s} B={b}: {row['tokens_per_s']:6.1f} tok/s aggregate, "
-                    f"{row['tokens_per_step']:.2f} tokens per sequence-step, equal to solo: {row['equal_to_solo']}",
-                    flush=True,
+                row = _row(kind, mode, b, [s.tokens for s in seqs], time.perf_counter() - t0, [s.stats for s in seqs])
+                row.update(
+                    equal_to_solo=row.pop("tokens_list") == ref,
+                    speculate_max_batch=dec.speculate_max_batch,
+                    draft_calls=dec.draft_batch.calls if dec.draft_batch else None,
                 )
+                results.append(row)
+                print(f"    B={b}: greedy output equal to solo: {row['equal_to_solo']}", flush=True)
                 dec.close()
+    for r in results:
+        r.pop("tokens_list", None)
     if a.json:
         meta = {"export_dir": a.export_dir, "machine": platform.processor() or platform.machine(), "args": vars(a)}
         with open(a.json, "w") as f:

@@ -256,7 +256,7 @@ class BatchDecoder:
         else:
             logits, feats = tgt.forward(ids, pos, mask, view), None
         t_verify = time.perf_counter() - t1
-        rows, dst, src = [], [], []
+        moves = []  # (row, dst0, src positions): one gather per row after the loop
         out = []
         for i, (s, tree, spec) in enumerate(zip(seqs, trees, speculated)):
             b = s.row
@@ -271,9 +271,7 @@ class BatchDecoder:
             new, stop = SpeculativeDecoder._truncate(acc.tokens, s.eos, s.max_new_tokens - s.produced)
             path = acc.path[: len(new) - 1].tolist()
             keep = [0] + [i + 1 for i in path]
-            rows += [b] * len(keep)
-            dst += range(s.length, s.length + len(keep))
-            src += [p + j for j in keep]
+            moves.append((b, s.length, [p + j for j in keep]))
             if spec:
                 s.draft.commit(tree, acc.path[: len(new) - 1], feats[b, : tree.n + 1] if feats is not None else None)
             elif not verify_trees and drafted[i]:
@@ -298,7 +296,7 @@ class BatchDecoder:
             elif s.length >= max_pos:
                 s.done, s.stop_reason = True, "context"
             out.append((s, new))
-        cache.commit_rows(torch.tensor(rows, dtype=torch.long), torch.tensor(dst), torch.tensor(src))
+        cache.commit_rows(moves)
         cache.length = max(s.length for s in self.seqs)
         return out
 

@@ -87,7 +87,7 @@ class BatchedModelDraft:
         self.cache: KVCache | None = None
         self._scratch: KVCache | None = None
         self._row_views = bool(getattr(engine, "row_views", False))
-        self._gather: tuple[list, list, list] = ([], [], [])  # queued commits: rows, dst, src
+        self._gather: list = []  # queued commits: (row, dst0, src positions)
         self.model_s = 0.0
         self.calls = 0
 
@@ -148,20 +148,15 @@ class BatchedModelDraft:
             h.pending = tree.tokens.numpy()[pth[~ran]].tolist()  # leaves: run at the next start
         else:
             h.pending = []
-        rows, dst, s = self._gather
-        rows += [h.row] * len(src)
-        dst += range(h.length, h.length + len(src))
-        s += src
+        self._gather.append((h.row, h.length, src))
         h.length += len(src)
         h.chain = 0
 
     def _flush(self) -> None:
-        rows, dst, src = self._gather
         if self.cache is not None:
-            if rows:
-                self.cache.commit_rows(torch.tensor(rows), torch.tensor(dst), torch.tensor(src))
+            self.cache.commit_rows(self._gather)
             self.cache.length = max((r.length for r in self.rows), default=0)
-        self._gather = ([], [], [])
+        self._gather = []
 
     # ------------------------------------------------------------------ one call per level
     @torch.inference_mode()

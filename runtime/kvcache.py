@@ -147,18 +147,19 @@ class KVCache:
         for x in (self.k, self.v):
             self._row(x, dst, 0, length).copy_(self._row(x, src, 0, length))
 
-    def commit_rows(self, rows: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """One gather for all rows and layers: entry (rows[j], src[j]) -> (rows[j], dst[j]),
-        positions absolute. Reads happen before writes (advanced indexing copies)."""
-        if rows.numel() == 0:
-            return
-        dev = self.device
-        rows, dst, src = rows.to(dev), dst.to(dev), src.to(dev)
-        for x in (self.k, self.v):
-            if self.seq_dim == 1:  # [L, S, B, H, D]
-                x[:, dst, rows] = x[:, src, rows]
-            else:  # [L, B, H, S, D]
-                x[:, rows, :, dst] = x[:, rows, :, src]
+    def commit_rows(self, moves) -> None:
+        """moves: (row, dst0, src positions) per row: row's entries at `src` (absolute positions)
+        go to dst0, dst0+1, ... One gather per moved row and cache; none for a row whose entries
+        are already in place (a vanilla step of the longest row)."""
+        sd = 2 if self.seq_dim == 3 else 1  # the sequence axis of one row's [L, H, S, D] / [L, S, H, D]
+        for row, dst0, src in moves:
+            n = len(src)
+            if n == 0 or (src[0] == dst0 and src == list(range(dst0, dst0 + n))):
+                continue
+            idx = torch.tensor(src, dtype=torch.long, device=self.device)
+            for x in (self.k, self.v):
+                r = x[:, row] if self.seq_dim == 3 else x[:, :, row]
+                r.narrow(sd, dst0, n).copy_(r.index_select(sd, idx))  # read before write
 
     def zero_(self) -> "KVCache":
         """Zero both slabs. A batch cache needs it: a row's masked gap columns are still read
