@@ -431,3 +431,37 @@ def test_smollm2_with_the_shipped_head_equals_vanilla():
         res = SpeculativeDecoder(eng, draft, mode=mode, tree=spec).generate(prompt, 40)
         assert res.tokens == ref, spec
         assert res.stats.new_tokens / res.stats.target_calls > 1.1, spec  # the trained head earns its keep
+
+
+@pytest.mark.parametrize("spec", ["chain:3", "full:2,3", "dynamic:3,3,10"])
+def test_batched_decoding_with_eagle3_equals_decoding_alone(target, tmp_path, spec):
+    """Batched (runtime/batch_decode.py): every sequence drafts through its own fork of the head
+    (own cache, the verify call's features of its own row) and equals decoding it alone, with
+    the same verify steps (the same trees)."""
+    from arborspec.runtime.batch_decode import BatchDecoder
+
+    eng = TorchEngine(target)
+    prompts = [[5, 9, 2, 7, 1], [4], [3, 3, 8, 1, 6, 2, 9, 9, 4], [7, 2]]
+    mode = "chain" if spec.startswith("chain") else "tree"
+    solo = SpeculativeDecoder(eng, _draft(target, tmp_path), mode=mode, tree=spec)
+    ref = [solo.generate(p, 20) for p in prompts]
+    bd = BatchDecoder(eng, _draft(target, tmp_path), mode=mode, tree=spec, max_batch=3)
+    got = bd.generate_many(prompts, 20)
+    assert [s.tokens for s in got] == [r.tokens for r in ref]
+    assert [s.stats.steps for s in got] == [r.stats.steps for r in ref]
+
+
+def test_batched_decoding_with_the_exported_eagle3_head_on_onnxruntime(target, ort_pair):
+    """ONNX Runtime: the GroupQueryAttention target batches roots (trees while one sequence is
+    active), the head's forks keep their drafts in step: each output equals vanilla."""
+    from arborspec.runtime.backends.onnxruntime import OrtEngine
+    from arborspec.runtime.batch_decode import BatchDecoder
+    from arborspec.runtime.drafts_eagle3 import OrtEagle3Head
+
+    d, head, entry = ort_pair
+    eng = OrtEngine(d / "target.onnx")
+    prompts = [[5, 9, 2, 7, 1], [4], [3, 3, 8, 1, 6, 2, 9, 9, 4]]
+    ref = [SpeculativeDecoder(eng, mode="vanilla").generate(p, 16).tokens for p in prompts]
+    draft = Eagle3Draft(OrtEagle3Head(d / entry["file"], d / entry["fc_file"]))
+    bd = BatchDecoder(eng, draft, tree="full:2,3", max_batch=2)
+    assert [s.tokens for s in bd.generate_many(prompts, 16)] == ref
