@@ -80,15 +80,19 @@ def gqa_unsupported(cfg, dtype: str = "fp32") -> str | None:
 
 def attention_inputs(node, init, d: int, rope_theta: float, max_context: int, attn_np=np.float32, masked=None):
     """The GroupQueryAttention inputs every layer of a graph shares, derived from the contract
-    inputs' shapes: (seqlens_k [B] int32 = P+T-1, total_sequence_length scalar int32 = P+T,
-    the tree mask as an additive bias [B, 1, T, P+T]); also the rotary tables "cos_cache" and
-    "sin_cache" for `max_context` positions. `node`/`init` are the graph builder's."""
+    inputs: (seqlens_k [B] int32: per row, the last column its last token may see, which is
+    P+T-1 for every mask of the contract; total_sequence_length scalar int32 = P+T; the tree
+    mask as an additive bias [B, 1, T, P+T]); also the rotary tables "cos_cache" and "sin_cache"
+    for `max_context` positions. `node`/`init` are the graph builder's.
+
+    seqlens_k from the mask lets a batch of one-token rows be *ragged* (contract metadata
+    `arborspec.ragged_rows`): a row whose mask sees columns [0, len_b] only writes its new K/V at
+    len_b and attends over len_b + 1 columns, instead of every row over the longest row's P."""
     from onnx import TensorProto as TP
 
     masked = np.finfo(np.float32).min if masked is None else masked
     init("c_i2", np.array([2], np.int64))
     init("c_i0", np.array([0], np.int64))
-    init("c_one_i32", np.array(1, np.int32))
     init("c_zero_f", np.array(0.0, attn_np))
     init("c_min_f", np.array(masked, attn_np))
     init("c_axes1", np.array([1], np.int64))
@@ -96,10 +100,21 @@ def attention_inputs(node, init, d: int, rope_theta: float, max_context: int, at
     total64 = node("Gather", [mshape, "c_i2"], ["total64"], axis=0)  # [1]
     total32 = node("Cast", [total64], ["total32_1"], to=TP.INT32)
     total = node("Squeeze", [total32, "c_i0"], ["total_len"])  # scalar int32
-    ishape = node("Shape", [C.INPUT_IDS], ["ids_shape"])
-    batch = node("Gather", [ishape, "c_i0"], ["batch1"], axis=0)  # [1]
-    last = node("Sub", [total32, "c_one_i32"], ["last1"])  # [1] int32
-    seqlens = node("Expand", [last, batch], ["seqlens_k"])  # [B] int32
+    # the last column the last row may see: max over columns of (mask ? column : -1)
+    init("c_i0_s", np.array(0, np.int64))
+    init("c_i1_s", np.array(1, np.int64))
+    init("c_im1", np.array(-1, np.int64))
+    init("c_im1_1", np.array([-1], np.int64))
+    total_s = node("Squeeze", [total64, "c_i0"], ["total64_s"])
+    cols = node("Range", ["c_i0_s", total_s, "c_i1_s"], ["mask_cols"])  # [S]
+    last_row = node("Gather", [C.ATTENTION_MASK, "c_im1"], ["mask_last_row"], axis=1)  # [B, S]
+    seen = node("Where", [last_row, cols, "c_im1"], ["mask_last_seen"])
+    seen_max = node("ReduceMax", [seen, "c_im1_1"], ["mask_last_max"], keepdims=0)  # [B]
+    # a fully masked last row (allowed: it must not give NaN) keeps the whole P+T
+    none = node("Less", [seen_max, "c_i0_s"], ["mask_last_none"])
+    full = node("Sub", [total_s, "c_i1_s"], ["total_m1"])
+    last = node("Where", [none, full, seen_max], ["seqlens64"])
+    seqlens = node("Cast", [last], ["seqlens_k"], to=TP.INT32)  # [B] int32
     mask4 = node("Unsqueeze", [C.ATTENTION_MASK, "c_axes1"], ["mask4"])
     bias = node("Where", [mask4, "c_zero_f", "c_min_f"], ["attn_bias"])  # [B,1,T,S]
     cos, sin = rope_tables(d, rope_theta, max(max_context, 1))

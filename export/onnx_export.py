@@ -47,6 +47,7 @@ from arborspec.runtime.contract import (  # noqa: F401,E402
     META_KV_DTYPE,
     META_KV_LAYOUT,
     META_QUANTIZATION,
+    META_RAGGED_ROWS,
     META_ROLE,
     META_TOKENIZER,
     META_TOPK,
@@ -618,6 +619,7 @@ def export_gqa_onnx(
     )
     if feature_layers:
         meta[META_FEATURE_LAYERS] = json.dumps([int(i) for i in feature_layers])
+    meta[META_RAGGED_ROWS] = "1"  # seqlens_k from the mask (gqa_graph.attention_inputs)
     ir, nodes = _finalize(path, meta, bool(ext))
     res = ExportResult(
         path=path,

@@ -109,6 +109,8 @@ class BatchDecoder:
             raise InputError(f"draft {getattr(draft, 'kind', type(draft).__name__)} cannot be batched (no fork())")
         self._features = self._solo._features
         self._row_views = bool(getattr(target, "row_views", False))
+        self._ragged = bool(getattr(target, "ragged_rows", False))
+        self.ragged_steps = 0  # steps whose one-token rows each attended over their own length
         if speculate_max_batch is None:
             speculate_max_batch = max_batch if getattr(target, "batched_trees", True) else 1
         self.speculate_max_batch = speculate_max_batch
@@ -238,6 +240,10 @@ class BatchDecoder:
         mask = torch.zeros(n_rows, t, p + t, dtype=torch.bool)
         diag = torch.arange(t)
         mask[:, diag, p + diag] = True  # padding rows (and unused batch rows) see only themselves
+        # one token per row on a graph that reads each row's length from its mask: row b's root
+        # sees [0, len_b] and is written at len_b (no gap attended, nothing to move after)
+        ragged = t == 1 and self._ragged
+        self.ragged_steps += ragged
         for s, tree in zip(seqs, trees):
             b, n = s.row, tree.n + 1
             ids[b, 0] = s.root
@@ -245,6 +251,10 @@ class BatchDecoder:
             pos[b, :n] = s.length
             pos[b, 1:n] += tree.depth
             pos[b, n:] = s.length
+            if ragged:
+                mask[b, 0, p] = False
+                mask[b, 0, : s.length + 1] = True
+                continue
             mask[b, :, : s.length] = True
             mask[b, :n, p] = True  # every tree row sees the root
             mask[b, 1:n, p + 1 : p + n] = tree.anc
@@ -271,7 +281,8 @@ class BatchDecoder:
             new, stop = SpeculativeDecoder._truncate(acc.tokens, s.eos, s.max_new_tokens - s.produced)
             path = acc.path[: len(new) - 1].tolist()
             keep = [0] + [i + 1 for i in path]
-            moves.append((b, s.length, [p + j for j in keep]))
+            base = s.length if ragged else p  # where this step's rows were written
+            moves.append((b, s.length, [base + j for j in keep]))
             if spec:
                 s.draft.commit(tree, acc.path[: len(new) - 1], feats[b, : tree.n + 1] if feats is not None else None)
             elif not verify_trees and drafted[i]:

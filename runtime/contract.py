@@ -156,6 +156,9 @@ META_KV_DTYPE = "arborspec.kv_dtype"
 META_TOPK = "arborspec.topk"  # K of the fused top-k outputs (draft graphs), absent: none
 META_FEATURE_LAYERS = "arborspec.feature_layers"  # JSON list: the target-feature output's layers
 META_D2T = "arborspec.d2t"  # EAGLE-3 draft graphs: base64 int64 draft -> target id offsets
+# "1": the graph takes each row's attended length from its mask (GroupQueryAttention's per-row
+# seqlens_k), so batched one-token rows may be ragged (runtime/batch_decode.py); absent: no
+META_RAGGED_ROWS = "arborspec.ragged_rows"
 ROLE_EAGLE3 = "eagle3"
 META_QUANTIZATION = "arborspec.quantization"  # JSON {"scheme", "format", "layers_by_type", ...}; absent: float
 

@@ -159,6 +159,8 @@ def test_batched_onnxruntime_both_layouts(tmp_path):
             # GroupQueryAttention batches roots only: trees are verified while one sequence runs
             assert bd.speculate_max_batch == (1 if attention == "gqa" else 3)
             assert [s.tokens for s in bd.generate_many(prompts, 16)] == ref, attention
+            # ... and those one-token steps are ragged (each row attends over its own length)
+            assert (bd.ragged_steps > 0) == (attention == "gqa")
         with open_export(d, "onnxruntime") as ex:  # the export's layers:1 model draft
             solo = SpeculativeDecoder(ex.target, ex.draft, mode="chain", tree="chain:2")
             ref = [solo.generate(p, 12).tokens for p in prompts]

@@ -188,6 +188,8 @@ class OrtEngine(EngineBase):
         # GroupQueryAttention's CPU kernel rejects B > 1 with T > 1 after a prefix: batched
         # decoding verifies roots only (T = 1) while several sequences are active
         self.batched_trees = self.kv_layout != "bhsd"
+        # one-token rows of a batch may each attend over their own length (C.META_RAGGED_ROWS)
+        self.ragged_rows = meta.get(C.META_RAGGED_ROWS) == "1"
         self.info = EngineInfo(
             vocab_size=int(cfg["vocab_size"]),
             max_position=int(cfg["max_position"]),
