@@ -180,12 +180,7 @@ class PortableHead(torch.nn.Module):
 def export_portable_head(head, embed: torch.Tensor, path: str | Path, max_context: int, opset: int = 23) -> str:
     """torch.onnx.export (dynamo) of PortableHead into `path`; returns the exporter tag. B, T, P
     (and the mask's P+T) stay symbolic: the example sizes are distinct and >= 2."""
-    import contextlib
-    import io
-    import logging
-    import warnings
-
-    from .onnx_export import _dims
+    from .onnx_export import _dims, quiet_dynamo_export
 
     c = head.config
     module = PortableHead(head.float().eval(), embed).eval()
@@ -209,19 +204,7 @@ def export_portable_head(head, embed: torch.Tensor, path: str | Path, max_contex
     }
     names_in = [*C.input_names(1), C.HIDDEN_IN]
     names_out = [*C.output_names(1), C.HIDDEN_STATES]
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")
-        prog = torch.onnx.export(
-            module,
-            (ids, pos, mask, *past, hidden),
-            input_names=names_in,
-            output_names=names_out,
-            dynamic_shapes=ds,
-            opset_version=opset,
-            dynamo=True,
-            verbose=False,
-        )
+    prog = quiet_dynamo_export(module, (ids, pos, mask, *past, hidden), names_in, names_out, ds, opset)
     prog.save(str(path), external_data=False)
     return f"eagle3-dynamo:opset{opset}"
 

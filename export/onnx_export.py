@@ -127,21 +127,25 @@ def _export_dynamo(module, args, names_in, names_out, cfg, opset, max_context):
         "attention_mask": {0: b, 1: t, 2: s},
         "past": tuple({0: p, 1: b} for _ in range(n_past)),  # must be a tuple, one shared P
     }
-    # torch.onnx prints progress lines and warns about torchvision ops: keep the CLI quiet
+    return quiet_dynamo_export(module, args, names_in, names_out, ds, opset)
+
+
+def quiet_dynamo_export(module, args, names_in, names_out, dynamic_shapes, opset: int):
+    """torch.onnx.export (dynamo) -> its ONNXProgram. torch.onnx prints progress lines and warns
+    about torchvision ops: kept quiet for the CLI."""
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
-        prog = torch.onnx.export(
+        return torch.onnx.export(
             module,
             args,
             input_names=names_in,
             output_names=names_out,
-            dynamic_shapes=ds,
+            dynamic_shapes=dynamic_shapes,
             opset_version=opset,
             dynamo=True,
             verbose=False,
         )
-    return prog
 
 
 def _export_legacy(module, args, names_in, names_out, path, opset):

@@ -63,6 +63,42 @@ class BatchSequence:
     error: BaseException | None = None  # set when its row's logits were not finite
 
 
+# ---------------------------------------------------------------------- shared by the target's
+# batch cache here and the draft's (runtime/batch_drafts.py); owners have `.row` and `.length`
+def release_row(owners: list, owner, cache: KVCache) -> None:
+    """Drop `owner` from `owners` (owners[i].row == i): the last row moves into its place (its
+    first `length` positions copied) and the cache's P becomes the longest remaining row's."""
+    i = owner.row
+    last = owners.pop()
+    if last is not owner:
+        cache.move_row(last.row, i, last.length)
+        last.row = i
+        owners[i] = last
+    owner.row = -1
+    cache.length = max((o.length for o in owners), default=0)
+
+
+def sized_cache(cache: KVCache | None, spec, need: int, batch: int, device, top: int) -> KVCache:
+    """A zeroed batch cache with room for `need` positions: allocated at max(need, 256), then
+    grown by doubling, up to `top` (the model's context) unless `need` asks for more."""
+    if cache is None:
+        return KVCache(spec, max(need, 256), batch, device).zero_()
+    if cache.max_len < need:
+        return cache.grown(max(need, min(2 * cache.max_len, top)))
+    return cache
+
+
+def padded_call(n_rows: int, t: int, p: int):
+    """ids / positions / mask of a call of T tokens per row over P cached columns; every row
+    starts as padding that sees only itself (callers fill the rows in use)."""
+    ids = torch.zeros(n_rows, t, dtype=torch.long)
+    pos = torch.zeros(n_rows, t, dtype=torch.long)
+    mask = torch.zeros(n_rows, t, p + t, dtype=torch.bool)
+    d = torch.arange(t)
+    mask[:, d, p + d] = True
+    return ids, pos, mask
+
+
 class BatchDecoder:
     """Decodes up to `max_batch` sequences together, one verify call per step for all.
 
@@ -184,29 +220,18 @@ class BatchDecoder:
         """Free a sequence's row (finished or cancelled); the last row moves into its place."""
         if seq not in self.seqs:
             return
-        i = self.seqs.index(seq)
-        last = self.seqs.pop()
-        if last is not seq:
-            self._cache.move_row(last.row, i, last.length)
-            last.row = i
-            self.seqs[i] = last
-        seq.row = -1
+        release_row(self.seqs, seq, self._cache)
         if seq.draft is not None:  # reused by the next sequence that joins
             if hasattr(seq.draft, "leave"):
                 seq.draft.leave()  # its row of the batched draft cache
             self._spare_drafts.append(seq.draft)
             seq.draft = None
-        self._cache.length = max((s.length for s in self.seqs), default=0)
 
     def _ensure(self, need: int) -> None:
         """A cache of max_batch rows with room for `need` positions (grown by doubling)."""
         c = self.target
-        if self._cache is None:
-            self._cache = KVCache(c.info.cache, max(need, 256), self.max_batch, c.device).zero_()
-            self._cache.length = 0
-        elif self._cache.max_len < need:  # doubling, but never past the model's context
-            top = c.info.max_position + self._extra
-            self._cache = self._cache.grown(max(need, min(2 * self._cache.max_len, top)))
+        top = c.info.max_position + self._extra
+        self._cache = sized_cache(self._cache, c.info.cache, need, self.max_batch, c.device, top)
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
@@ -225,21 +250,16 @@ class BatchDecoder:
         trees = self._draft_trees(seqs, speculated)
         t_draft = time.perf_counter() - t0
         n_rows = len(self.seqs) if self._row_views else self.max_batch
-        verify_trees = len(seqs) <= self.speculate_max_batch
-        drafted_trees = trees
-        if not verify_trees:  # drafted (the drafts stay in step), but only the roots are verified
+        drafted = trees
+        if len(seqs) > self.speculate_max_batch:  # drafted (drafts stay in step), roots verified only
             trees = [Tree.empty()] * len(seqs)
-            drafted, speculated = speculated, [False] * len(seqs)
         t = max(tr.n for tr in trees) + 1
         p = max(s.length for s in self.seqs)
         self._ensure(p + t)
         cache = self._cache
         cache.length = p
-        ids = torch.zeros(n_rows, t, dtype=torch.long)
-        pos = torch.zeros(n_rows, t, dtype=torch.long)
-        mask = torch.zeros(n_rows, t, p + t, dtype=torch.bool)
-        diag = torch.arange(t)
-        mask[:, diag, p + diag] = True  # padding rows (and unused batch rows) see only themselves
+        # padding rows (and unused batch rows) see only themselves
+        ids, pos, mask = padded_call(n_rows, t, p)
         # one token per row on a graph that reads each row's length from its mask: row b's root
         # sees [0, len_b] and is written at len_b (no gap attended, nothing to move after)
         ragged = t == 1 and self._ragged
@@ -268,7 +288,7 @@ class BatchDecoder:
         t_verify = time.perf_counter() - t1
         moves = []  # (row, dst0, src positions): one gather per row after the loop
         out = []
-        for i, (s, tree, spec) in enumerate(zip(seqs, trees, speculated)):
+        for s, tree, drafted_tree, spec in zip(seqs, trees, drafted, speculated):
             b = s.row
             st = s.stats
             try:
@@ -283,10 +303,9 @@ class BatchDecoder:
             keep = [0] + [i + 1 for i in path]
             base = s.length if ragged else p  # where this step's rows were written
             moves.append((b, s.length, [base + j for j in keep]))
-            if spec:
-                s.draft.commit(tree, acc.path[: len(new) - 1], feats[b, : tree.n + 1] if feats is not None else None)
-            elif not verify_trees and drafted[i]:
-                s.draft.commit(drafted_trees[i], acc.path[:0], feats[b, :1] if feats is not None else None)
+            if spec:  # the draft keeps its accepted path (none when only the root was verified)
+                f = feats[b, : tree.n + 1] if feats is not None else None
+                s.draft.commit(drafted_tree, acc.path[: len(new) - 1], f)
             s.length += len(keep)
             s.produced += len(new)
             s.tokens += new

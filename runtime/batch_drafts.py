@@ -21,6 +21,7 @@ import time
 import numpy as np
 import torch
 
+from .batch_decode import padded_call, release_row, sized_cache
 from .decode import causal_prefill
 from .drafting import DraftCall
 from .drafts import DraftSource, topk_of
@@ -97,12 +98,7 @@ class BatchedModelDraft:
     # ------------------------------------------------------------------ rows
     def _ensure(self, need: int) -> None:
         e = self.engine
-        if self.cache is None:
-            self.cache = KVCache(e.info.cache, max(need, 256), self.max_batch, e.device).zero_()
-            self.cache.length = 0
-        elif self.cache.max_len < need:  # doubling, but never far past the model's context
-            top = e.info.max_position + 64
-            self.cache = self.cache.grown(max(need, min(2 * self.cache.max_len, top)))
+        self.cache = sized_cache(self.cache, e.info.cache, need, self.max_batch, e.device, e.info.max_position + 64)
 
     @torch.inference_mode()
     def join(self, h: RowDraft, committed: list[int]) -> None:
@@ -126,16 +122,8 @@ class BatchedModelDraft:
     @torch.inference_mode()
     def leave(self, h: RowDraft) -> None:
         self._flush()
-        if h.row < 0:
-            return
-        i = h.row
-        last = self.rows.pop()
-        if last is not h:
-            self.cache.move_row(last.row, i, last.length)
-            last.row = i
-            self.rows[i] = last
-        h.row = -1
-        self.cache.length = max((r.length for r in self.rows), default=0)
+        if h.row >= 0:
+            release_row(self.rows, h, self.cache)
 
     def commit(self, h: RowDraft, tree: Tree, path: torch.Tensor) -> None:
         """Queue the gather that keeps the row's chain and its accepted path's run nodes."""
@@ -185,15 +173,8 @@ class BatchedModelDraft:
         return logits
 
     def _frame(self, t: int, p: int):
-        """ids / positions / mask of a call of T tokens per row over P cached columns; every row
-        starts as padding that sees only itself."""
-        n_rows = len(self.rows) if self._row_views else self.max_batch
-        ids = torch.zeros(n_rows, t, dtype=torch.long)
-        pos = torch.zeros(n_rows, t, dtype=torch.long)
-        mask = torch.zeros(n_rows, t, p + t, dtype=torch.bool)
-        d = torch.arange(t)
-        mask[:, d, p + d] = True
-        return ids, pos, mask
+        """A padded call's ids / positions / mask over this cache's rows in use."""
+        return padded_call(len(self.rows) if self._row_views else self.max_batch, t, p)
 
     @staticmethod
     def _reply(rows: torch.Tensor, call: DraftCall):

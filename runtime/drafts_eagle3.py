@@ -192,7 +192,26 @@ class OrtProjection:
         return torch.from_numpy(self.session.run(None, {C.TARGET_FEATURES: x})[0])
 
 
-class OrtEagle3Head:
+class _HeadEngines:
+    """What the ONNX Runtime and TensorRT heads share: a layer engine (`forward_hidden`) and a
+    projection (`fc`), behind the head-engine interface."""
+
+    layer = fc = None
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        return self.fc(features)
+
+    def forward_hidden(self, input_ids, hidden, position_ids, mask, cache: KVCache):
+        return self.layer.forward_hidden(input_ids, hidden, position_ids, mask, cache)
+
+    def close(self) -> None:
+        self.layer.close()
+        close_fc = getattr(self.fc, "close", None)
+        if close_fc:
+            close_fc()
+
+
+class OrtEagle3Head(_HeadEngines):
     """The exported head (export/eagle3_graph.py) behind the head-engine interface: the layer
     graph through an OrtEngine (its cache read and written in place), the projection through
     OrtProjection, d2t from the graph's metadata."""
@@ -213,17 +232,8 @@ class OrtEagle3Head:
         self.feature_size = int(cfg["feature_size"])
         self.token_map = token_map_from_metadata(meta, layer_path, self.info.vocab_size)
 
-    def project(self, features: torch.Tensor) -> torch.Tensor:
-        return self.fc(features)
 
-    def forward_hidden(self, input_ids, hidden, position_ids, mask, cache: KVCache):
-        return self.layer.forward_hidden(input_ids, hidden, position_ids, mask, cache)
-
-    def close(self) -> None:
-        self.layer.close()
-
-
-class TrtEagle3Head:
+class TrtEagle3Head(_HeadEngines):
     """The portable head's TensorRT engines (`arborspec build` of an export made with
     `--attention onnx`) behind the head-engine interface: the layer through a TrtEngine (its
     "sbhd" cache bound by address, `hidden_in` / `hidden_states` bound beside it), the projection
@@ -255,13 +265,3 @@ class TrtEagle3Head:
         if (self.hidden_size, self.feature_size) != (self.fc.hidden_size, self.fc.feature_size):
             raise ExportDirError(f"{fc_engine}: the projection engine does not fit the head engine {layer_engine}")
         self.token_map = token_map_from_metadata(meta, f"{layer_engine} (engines.json)", self.info.vocab_size)
-
-    def project(self, features: torch.Tensor) -> torch.Tensor:
-        return self.fc(features)
-
-    def forward_hidden(self, input_ids, hidden, position_ids, mask, cache: KVCache):
-        return self.layer.forward_hidden(input_ids, hidden, position_ids, mask, cache)
-
-    def close(self) -> None:
-        self.layer.close()
-        self.fc.close()

@@ -36,6 +36,19 @@ def _bigram(vocab, seed=3):
     return BigramDraft(None, torch.randn(vocab, vocab, generator=g) * 3, vocab)
 
 
+def _counting(engine, calls: list):
+    """The engine, recording each call's input_ids shape (B, T) in `calls`."""
+
+    class Counting:
+        info, device, row_views = engine.info, engine.device, True
+
+        def forward(self, ids, pos, mask, cache):
+            calls.append(tuple(ids.shape))
+            return engine.forward(ids, pos, mask, cache)
+
+    return Counting()
+
+
 CASES = [
     ("vanilla", None, "full:3,2"),
     ("chain", "model", "chain:3"),
@@ -80,16 +93,7 @@ def test_batched_rows_share_one_draft_call_per_level(llama_pair):
     """4 sequences drafting full:3,2 trees cost 3 draft calls per step (one per level), not 12."""
     target, draft_engine = llama_pair
     calls = []
-    forward = draft_engine.forward
-
-    class Counting:
-        info, device, row_views = draft_engine.info, draft_engine.device, True
-
-        def forward(self, ids, pos, mask, cache):
-            calls.append(tuple(ids.shape))
-            return forward(ids, pos, mask, cache)
-
-    bd = BatchDecoder(target, ModelDraft(Counting()), tree="full:3,2", max_batch=4)
+    bd = BatchDecoder(target, ModelDraft(_counting(draft_engine, calls)), tree="full:3,2", max_batch=4)
     for p in _prompts(target.info.vocab_size, (4, 9, 2, 6)):
         bd.add(p, 8)
     calls.clear()
@@ -103,21 +107,12 @@ def test_batched_rows_share_one_verify_call(llama_pair):
     """n active sequences cost one target call per step, not n."""
     target, draft_engine = llama_pair
     calls = []
-    forward = target.forward
-
-    class Counting:
-        info, device, row_views = target.info, target.device, True
-
-        def forward(self, ids, pos, mask, cache):
-            calls.append(ids.shape)
-            return forward(ids, pos, mask, cache)
-
-    bd = BatchDecoder(Counting(), None, mode="vanilla", max_batch=4)
+    bd = BatchDecoder(_counting(target, calls), None, mode="vanilla", max_batch=4)
     for p in _prompts(target.info.vocab_size, (4, 4, 4, 4)):
         bd.add(p, 8)
     calls.clear()
     bd.step()
-    assert calls == [torch.Size([4, 1])]
+    assert calls == [(4, 1)]
 
 
 def test_batched_stop_conditions_per_sequence(llama_pair):
