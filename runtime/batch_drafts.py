@@ -26,6 +26,7 @@ from .decode import causal_prefill
 from .drafting import DraftCall
 from .drafts import DraftSource, topk_of
 from .kvcache import KVCache
+from .tree_plan import causal_block
 from .trees import Tree, TreePolicy
 
 
@@ -196,7 +197,7 @@ class BatchedModelDraft:
             pos[b, :m] = torch.arange(h.length, h.length + m)
             pos[b, m:] = h.length
             mask[b, :, : h.length] = True
-            mask[b, :m, p : p + m] = torch.ones(m, m, dtype=torch.bool).tril()
+            mask[b, :m, p : p + m] = causal_block(m)
             h.chain0, h.chain = p, m
             h.col.fill(-1)
         logits = self._call(ids, pos, mask)

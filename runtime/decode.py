@@ -31,7 +31,7 @@ from .guards import check_logits
 from .kvcache import KVCache
 from .sampling import SamplingParams
 from .stats import GenerationStats, Timer
-from .tree_plan import VerifyBuffers
+from .tree_plan import VerifyBuffers, causal_block
 from .trees import ChainTree, Tree, TreePolicy, parse_tree_spec
 
 MODES = ("vanilla", "chain", "tree")
@@ -282,7 +282,7 @@ def causal_prefill(engine, tokens: list[int], cache: KVCache, chunk: int = 512, 
         ids = torch.tensor([part], dtype=torch.long, device=dev)
         pos = torch.arange(p, p + c, device=dev)[None]
         mask = torch.ones(1, c, p + c, dtype=torch.bool, device=dev)
-        mask[0, :, p:] = torch.ones(c, c, dtype=torch.bool, device=dev).tril()
+        mask[0, :, p:] = causal_block(c, dev)
         if features:
             _, f = engine.forward_features(ids, pos, mask, cache)
             feats.append(f[0])

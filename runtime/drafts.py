@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .kvcache import KVCache
-from .tree_plan import MaskBuffer
+from .tree_plan import MaskBuffer, causal_block
 from .trees import Tree, TreePolicy
 
 
@@ -205,7 +205,7 @@ class ModelDraft(DraftSource):
         ids = torch.tensor([chain], dtype=torch.long, device=dev)
         pos = torch.arange(p, p + m, device=dev)[None]
         mask = self.mask.view(m, p)
-        mask[0, :, p:] = torch.ones(m, m, dtype=torch.bool, device=dev).tril()
+        mask[0, :, p:] = causal_block(m, dev)
         out = self._forward(ids, pos, mask, k, logprobs)
         self.mask.release()
         self._base, self._chain = p, m

@@ -39,7 +39,7 @@ import torch
 from . import contract as C
 from .drafts import DraftSource, NodeView, scratch_mask, tree_capacity
 from .kvcache import KVCache
-from .tree_plan import MaskBuffer
+from .tree_plan import MaskBuffer, causal_block
 from .trees import Tree, TreePolicy
 
 
@@ -115,7 +115,7 @@ class Eagle3Draft(DraftSource):
         p = c.length
         hidden = self.engine.project(feats).cpu()
         mask = self.mask.view(m, p)
-        mask[0, :, p:] = torch.ones(m, m, dtype=torch.bool).tril()
+        mask[0, :, p:] = causal_block(m)
         logits, out = self._run(tokens, hidden, torch.arange(p, p + m), mask)
         self.mask.release()
         self._base, self._chain = p, m

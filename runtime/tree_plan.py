@@ -104,6 +104,22 @@ def verify_block(anc: torch.Tensor) -> torch.Tensor:
     return block
 
 
+_CAUSAL: dict = {}
+
+
+def causal_block(m: int, device="cpu") -> torch.Tensor:
+    """A lower-triangular [m, m] bool block, a view of one cached per device (grown by doubling):
+    chain and prefill masks copy it instead of building `ones(m, m).tril()` every call (measured
+    in the decode loop on 2 busy cores: ~2 ms per tril call between ONNX Runtime calls, vs
+    microseconds for the copy)."""
+    dev = torch.device(device)
+    c = _CAUSAL.get(dev)
+    if c is None or c.shape[0] < m:
+        n = max(m, 64, 2 * (c.shape[0] if c is not None else 0))
+        c = _CAUSAL[dev] = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+    return c[:m, :m]
+
+
 class MaskBuffer:
     """A [1, T, P+T] bool mask over a preallocated buffer that is True outside the block."""
 

