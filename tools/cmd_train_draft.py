@@ -146,6 +146,9 @@ def run(args) -> int:
         else:
             head = eagle3_train.init_head(cfg, loaded.module, aux, vocab, args.seed)
         embed = loaded.module.model.embed_tokens.weight.detach().float()
+        before = None
+        if init is not None:  # the starting point, on the same held-out windows
+            before = eagle3_train.heldout_agreement(head, embed, corpus, args.ttt_steps, args.batch)
         torch.manual_seed(args.seed)
         report = eagle3_train.train(
             head,
@@ -164,14 +167,19 @@ def run(args) -> int:
         import shlex
 
         cmd = "arborspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        history = []  # a resumed run: the commands that trained this head, in order
-        prev = args.out / "training.json"
-        if not args.no_resume and prev.is_file():
+
+        def commands_of(where: Path) -> list[str]:
+            """The commands that trained the head in `where`, in order (its training.json)."""
             try:
-                old = json.loads(prev.read_text())
-                history = list(old.get("commands") or ([old["command"]] if old.get("command") else []))
+                old = json.loads((where / "training.json").read_text())
+                return list(old.get("commands") or ([old["command"]] if old.get("command") else []))
             except (ValueError, OSError):
-                history = []
+                return []
+
+        # the commands that made this head: the --init head's, a resumed run's, then this one
+        history = commands_of(folder) if init is not None else []
+        if not args.no_resume:
+            history += [c for c in commands_of(args.out) if c not in history]
         report.update(
             {
                 "corpus": info,
@@ -180,6 +188,8 @@ def run(args) -> int:
                 "total_minutes": round((time.perf_counter() - t0) / 60, 1),
             }
         )
+        if init is not None:
+            report["init"] = {"folder": str(folder), "heldout_before": before}
         eagle3_train.save_public(
             head,
             args.out,

@@ -113,6 +113,43 @@ def step_losses(outs, top_ids, top_lp, top1, vocab_t, steps: int):
     return losses, accs
 
 
+def corpus_batches(corpus: Path, holdout: float = 0.02):
+    """A built corpus (memory-mapped) -> (batch_at(window indices) -> (tokens, features,
+    top_ids, top_lp, top1) tensors, draft->target ids, train window indices, held-out window
+    indices: the last `holdout` fraction)."""
+    tokens = np.load(corpus / "tokens.npy", mmap_mode="r")
+    feats = np.load(corpus / "features.npy", mmap_mode="r")
+    top_ids = np.load(corpus / "top_ids.npy", mmap_mode="r")
+    top_lp = np.load(corpus / "top_lp.npy", mmap_mode="r")
+    top1 = np.load(corpus / "top1.npy", mmap_mode="r")
+    vocab_t = torch.from_numpy(np.load(corpus / "vocab.npy"))
+    n_win = tokens.shape[0]
+    n_hold = max(1, int(round(n_win * holdout)))
+
+    def batch_at(idx):
+        idx = np.sort(idx)
+        return (
+            torch.from_numpy(tokens[idx].astype(np.int64)),
+            torch.from_numpy(feats[idx].astype(np.float32)),
+            torch.from_numpy(top_ids[idx]),
+            torch.from_numpy(top_lp[idx].astype(np.float32)),
+            torch.from_numpy(top1[idx]),
+        )
+
+    return batch_at, vocab_t, np.arange(n_win - n_hold), np.arange(n_win - n_hold, n_win)
+
+
+def heldout_agreement(head: Eagle3Head, embed, corpus: Path, steps: int = 4, batch: int = 4, holdout: float = 0.02):
+    """The held-out report `train` ends with, for any head over this corpus's vocabulary (a head
+    before fine-tuning: the starting point of `train-draft --init`)."""
+    batch_at, vocab_t, _, hold_idx = corpus_batches(corpus, holdout)
+    was = head.training
+    head.eval()
+    out = evaluate(head, embed, batch_at, hold_idx, vocab_t, steps, batch)
+    head.train(was)
+    return out
+
+
 def train(
     head: Eagle3Head,
     embed: torch.Tensor,
@@ -136,16 +173,7 @@ def train(
 
     from arborspec.runtime.fileio import atomic_write_json
 
-    tokens = np.load(corpus / "tokens.npy", mmap_mode="r")
-    feats = np.load(corpus / "features.npy", mmap_mode="r")
-    top_ids = np.load(corpus / "top_ids.npy", mmap_mode="r")
-    top_lp = np.load(corpus / "top_lp.npy", mmap_mode="r")
-    top1 = np.load(corpus / "top1.npy", mmap_mode="r")
-    vocab_t = torch.from_numpy(np.load(corpus / "vocab.npy"))
-    n_win = tokens.shape[0]
-    n_hold = max(1, int(round(n_win * holdout)))
-    train_idx = np.arange(n_win - n_hold)
-    hold_idx = np.arange(n_win - n_hold, n_win)
+    batch_at, vocab_t, train_idx, hold_idx = corpus_batches(corpus, holdout)
     per_epoch = max(1, len(train_idx) // batch)
     total = max(1, int(per_epoch * epochs))
     params = [p for p in head.parameters() if p.requires_grad]
@@ -165,16 +193,6 @@ def train(
     rng = np.random.default_rng(seed)
     order = np.concatenate([rng.permutation(train_idx) for _ in range(int(math.ceil(epochs)) + 1)])
     weights = [0.8**k for k in range(steps)]
-
-    def batch_at(idx):
-        idx = np.sort(idx)
-        return (
-            torch.from_numpy(tokens[idx].astype(np.int64)),
-            torch.from_numpy(feats[idx].astype(np.float32)),
-            torch.from_numpy(top_ids[idx]),
-            torch.from_numpy(top_lp[idx].astype(np.float32)),
-            torch.from_numpy(top1[idx]),
-        )
 
     def save_state(i):
         tmp = state_file.with_name(f".{state_file.name}.{os.getpid()}")
