@@ -171,6 +171,7 @@ def export_folder(
     accuracy_level: int = 0,
     qformat: str = "matmulnbits",
     kv_dtype: str = "fp32",
+    draft_quantize: str | None = None,
 ) -> ExportSummary:
     """Export target (+ draft, tokenizer, manifest) into the folder `out`, atomically.
 
@@ -206,6 +207,13 @@ def export_folder(
                 f"--kv-dtype {kv_dtype} needs ONNX Runtime's graph (--attention gqa), "
                 "not the portable graph (--attention onnx or --format qdq)"
             )
+    if draft_quantize is not None:
+        if draft_quantize not in ("int4", "int8"):
+            raise InputError(f"unknown --draft-quantize {draft_quantize!r} (expected int4 or int8)")
+        if not (isinstance(draft, str) and draft.strip().lower().split(":", 1)[0] == "eagle3"):
+            raise InputError("--draft-quantize quantises an EAGLE-3 head: use it with --draft eagle3[:FOLDER]")
+        if attention == "onnx" or qformat == "qdq":
+            raise InputError("--draft-quantize needs ONNX Runtime's graph (--attention gqa), not the portable head")
     if qformat == "qdq":
         if not quantize:
             raise InputError("--format qdq describes quantised weights: give --quantize int4|int8 too")
@@ -352,7 +360,15 @@ def export_folder(
             # the head's graph follows the target's: GroupQueryAttention ("bhsd", ONNX Runtime)
             # or the portable one ("sbhd", standard ONNX: what `arborspec build` turns into engines)
             draft_entry = export_eagle3_head(
-                eagle3_head, embed, tmp, max_context, tokenizer_sha256=tok_sha, verify=verify, portable=not use_gqa
+                eagle3_head,
+                embed,
+                tmp,
+                max_context,
+                tokenizer_sha256=tok_sha,
+                verify=verify,
+                portable=not use_gqa,
+                quantize=draft_quantize,
+                block_size=block_size,
             )
             draft_entry["spec"] = draft
             for key, name in (("", draft_entry["file"]), ("fc_", draft_entry["fc_file"])):

@@ -465,3 +465,57 @@ def test_batched_decoding_with_the_exported_eagle3_head_on_onnxruntime(target, o
     draft = Eagle3Draft(OrtEagle3Head(d / entry["file"], d / entry["fc_file"]))
     bd = BatchDecoder(eng, draft, tree="full:2,3", max_batch=2)
     assert [s.tokens for s in bd.generate_many(prompts, 16)] == ref
+
+
+@pytest.mark.parametrize("bits", ["int8", "int4"])
+def test_quantised_eagle3_head_decodes_like_vanilla(tmp_path, capsys, bits):
+    """`export --draft eagle3:CKPT --draft-quantize int8|int4`: the head's and projection's
+    MatMuls become MatMulNBits (recorded in the manifest and the graph's metadata); the draft
+    only proposes, so greedy tree and chain decoding still equal vanilla token for token and the
+    head still gets tokens accepted. Misuse is one line, nothing written."""
+    pytest.importorskip("onnxruntime")
+    import onnx
+
+    from arborspec.export.export_folder import export_folder
+    from arborspec.runtime.errors import InputError
+    from arborspec.runtime.export_dir import open_export
+    from arborspec.tools.cli import main
+
+    m = random_model(tiny_config("llama", vocab=96, layers=4, hidden=64, heads=4, kv=2), seed=3)
+    checkpoint(tmp_path / "ckpt", m.config, 40, seed=5)
+    from types import SimpleNamespace
+
+    lm = SimpleNamespace(module=m, config=m.config, tokenizer=None, source={"kind": "test"})
+    out = tmp_path / "exp"
+    s = export_folder(lm, out, f"eagle3:{tmp_path / 'ckpt'}", max_context=256, progress=False, draft_quantize=bits)
+    d = s.manifest["draft"]
+    assert d["quantization"]["scheme"] == bits and d["max_abs_diff"] > 0  # the rounding shows
+    for f in (d["file"], d["fc_file"]):
+        ops = {n.op_type for n in onnx.load(str(out / f), load_external_data=False).graph.node}
+        assert "MatMulNBits" in ops and "MatMul" not in ops, (f, ops)
+    prompt = [5, 9, 2, 7, 1]
+    with open_export(out, draft="export", load_tok=False, verify=True) as ex:
+        ref = SpeculativeDecoder(ex.target, mode="vanilla").generate(prompt, 24).tokens
+        for mode, tree in (("tree", "full:2,2"), ("chain", "chain:3")):
+            res = SpeculativeDecoder(ex.target, ex.draft, mode=mode, tree=tree).generate(prompt, 24)
+            assert res.tokens == ref and res.stats.draft_calls > 0
+    with pytest.raises(InputError, match="EAGLE-3 head"):
+        export_folder(lm, tmp_path / "a", "layers:1", draft_quantize=bits, progress=False)
+    with pytest.raises(InputError, match="gqa"):
+        export_folder(lm, tmp_path / "b", f"eagle3:{tmp_path / 'ckpt'}", attention="onnx", draft_quantize=bits)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    rc = main(
+        [
+            "export",
+            "--model",
+            "smollm2-135m",
+            "--draft",
+            "layers:1",
+            "--draft-quantize",
+            bits,
+            "--out",
+            str(tmp_path / "c"),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "--draft eagle3" in err and not (tmp_path / "c").exists()
