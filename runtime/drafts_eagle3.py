@@ -46,6 +46,7 @@ from .trees import Tree, TreePolicy
 class Eagle3Draft(DraftSource):
     kind = "eagle3"
     needs_target_features = True
+    PREFILL_CHUNK = 512  # entries per call when start() runs a long chain (the prompt)
 
     def __init__(self, head, embed: torch.Tensor | None = None, device: str | torch.device = "cpu"):
         """head: a head engine (TorchEagle3Head, OrtEagle3Head), or a torch EAGLE-3 module with
@@ -114,9 +115,22 @@ class Eagle3Draft(DraftSource):
         c = self.cache
         p = c.length
         hidden = self.engine.project(feats).cpu()
-        mask = self.mask.view(m, p)
-        mask[0, :, p:] = causal_block(m)
-        logits, out = self._run(tokens, hidden, torch.arange(p, p + m), mask)
+        # a long chain (the prompt) runs in chunks over the cache: attention of CHUNK x P per
+        # call instead of m x m (measured on 4,472 prompt tokens: one call 3.07 s inside the
+        # decoder, its attention alone allocating ~0.7 GB); only the last chunk's logits are used
+        s = 0
+        while m - s > self.PREFILL_CHUNK:
+            q = c.length
+            mask = self.mask.view(self.PREFILL_CHUNK, q)
+            mask[0, :, q:] = causal_block(self.PREFILL_CHUNK)
+            e = s + self.PREFILL_CHUNK
+            self._run(tokens[s:e], hidden[s:e], torch.arange(q, q + self.PREFILL_CHUNK), mask)
+            self.mask.release()
+            c.length, s = q + self.PREFILL_CHUNK, e
+        q, r = c.length, m - s
+        mask = self.mask.view(r, q)
+        mask[0, :, q:] = causal_block(r)
+        logits, out = self._run(tokens[s:], hidden[s:], torch.arange(q, q + r), mask)
         self.mask.release()
         self._base, self._chain = p, m
         c.length = p + m

@@ -149,11 +149,16 @@ def test_greedy_with_eagle3_equals_vanilla(target, tmp_path, spec):
     assert dec.generate([4], 12).tokens == SpeculativeDecoder(eng, mode="vanilla").generate([4], 12).tokens
 
 
-def test_draft_cache_equals_a_fresh_prefill(target, tmp_path):
+@pytest.mark.parametrize("chunk", [512, 3])
+def test_draft_cache_equals_a_fresh_prefill(target, tmp_path, chunk):
+    """chunk 3: the prompt's chain runs through the head in chunks of 3 entries (how long
+    prompts run, Eagle3Draft.PREFILL_CHUNK) and leaves the same cache and the same output."""
     eng = TorchEngine(target)
     draft = _draft(target, tmp_path)
-    prompt = [5, 9, 2, 7, 1]
+    draft.PREFILL_CHUNK = chunk
+    prompt = [5, 9, 2, 7, 1, 11, 4, 8, 3, 6, 12]
     r = SpeculativeDecoder(eng, draft, tree="full:2,2").generate(prompt, 25)
+    assert r.tokens == SpeculativeDecoder(eng, mode="vanilla").generate(prompt, 25).tokens
     seq = prompt + r.tokens
     n = draft.cache.length  # entries (x[j+1], f[j]) for j < n
     full = KVCache(eng.info.cache, len(seq) + 1, 1)
