@@ -29,7 +29,7 @@ from typing import Sequence as Seq
 import torch
 
 from .accept import accept
-from .decode import MODES, SpeculativeDecoder, as_draft_source
+from .decode import MODES, SpeculativeDecoder, as_draft_source, host_threads
 from .drafting import TreeWorkspace, answer, tree_builder
 from .drafts import ModelDraft, tree_capacity
 from .errors import InputError, NumericalError
@@ -234,8 +234,14 @@ class BatchDecoder:
         self._cache = sized_cache(self._cache, c.info.cache, need, self.max_batch, c.device, top)
 
     # ------------------------------------------------------------------ one step
-    @torch.inference_mode()
     def step(self) -> list[tuple[BatchSequence, list[int]]]:
+        """One decode step for every active sequence (see `_step`), torch's host threads set for
+        the target (decode.host_threads)."""
+        with host_threads(self.target):
+            return self._step()
+
+    @torch.inference_mode()
+    def _step(self) -> list[tuple[BatchSequence, list[int]]]:
         """One decode step for every active sequence: -> [(sequence, its new tokens)]. A sequence
         that finished has `done` set (the caller removes it); one whose logits were NaN/Inf also
         has `error` set (a NumericalError) and no tokens from this step."""

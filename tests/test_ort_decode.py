@@ -298,3 +298,46 @@ def test_cli_tree_over_the_limit(cli_export, capsys):
     rc, err = _gen(cli_export, capsys, "--tree", "full:8,8")
     _one_line(rc, err)
     assert "full:8,8" in err and "limit of 64" in err
+
+
+def test_host_work_runs_on_one_torch_thread_while_onnxruntime_decodes(tmp_path, monkeypatch):
+    """On CPU, ONNX Runtime's pool owns the cores: the decoder's host work (accept, sampling)
+    runs with 1 torch thread, the caller's setting comes back afterwards; ARBORSPEC_HOST_THREADS
+    overrides (0: torch untouched); a bad value is one line."""
+    from conftest import tiny_text_export
+
+    import arborspec.runtime.decode as decode_mod
+    from arborspec.runtime.batch_decode import BatchDecoder
+    from arborspec.runtime.errors import InputError
+    from arborspec.runtime.export_dir import open_export
+    from arborspec.runtime.sampling import SamplingParams
+
+    folder = tiny_text_export(tmp_path / "e")
+    seen = []
+    real = decode_mod.accept
+
+    def spy(*a, **k):
+        seen.append(torch.get_num_threads())
+        return real(*a, **k)
+
+    monkeypatch.setattr(decode_mod, "accept", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for env, want in (("", 1), ("2", 2), ("0", 2)):
+            monkeypatch.setenv("ARBORSPEC_HOST_THREADS", env)
+            with open_export(folder, "onnxruntime", draft="none", load_tok=False) as ex:
+                seen.clear()
+                dec = SpeculativeDecoder(ex.target, mode="vanilla", sampling=SamplingParams(0.8))
+                dec.generate([5, 9, 2], 6)
+                assert seen and set(seen) == {want}, (env, seen)
+                assert torch.get_num_threads() == 2
+                seen.clear()
+                b = BatchDecoder(ex.target, None, mode="vanilla", max_batch=2)
+                b.generate_many([[5, 9, 2], [7, 1]], 4, (), SamplingParams(0.8))
+                assert torch.get_num_threads() == 2
+        monkeypatch.setenv("ARBORSPEC_HOST_THREADS", "many")
+        with pytest.raises(InputError, match="ARBORSPEC_HOST_THREADS"):
+            open_export(folder, "onnxruntime", draft="none", load_tok=False)
+    finally:
+        torch.set_num_threads(before)

@@ -87,6 +87,12 @@ class OrtEngine(EngineBase):
         if self.device.type not in ("cpu", "cuda"):
             raise InputError(f"onnxruntime backend supports cpu or cuda devices, not {device!r}")
         want_cuda = self.device.type == "cuda"
+        # torch threads for the decoder's host work while this engine runs (decode.host_threads):
+        # on CPU ONNX Runtime's pool owns the cores, so 1 (ARBORSPEC_HOST_THREADS overrides)
+        env = os.environ.get("ARBORSPEC_HOST_THREADS", "").strip()
+        if env and not env.isdigit():
+            raise InputError(f"ARBORSPEC_HOST_THREADS must be a whole number (0: leave torch alone), got {env!r}")
+        self.host_threads = None if want_cuda else (int(env) if env else 1)
         if providers is None:
             if want_cuda:
                 providers = [("CUDAExecutionProvider", {"device_id": self.device.index or 0}), "CPUExecutionProvider"]
