@@ -33,6 +33,7 @@ from .kvcache import KVCache
 from .sampling import SamplingParams
 from .stats import GenerationStats, Timer
 from .tree_plan import VerifyBuffers, causal_block
+from .trees import ChainTree, Tree, TreePolicy, parse_tree_spec
 
 
 @contextmanager
@@ -54,8 +55,6 @@ def host_threads(engine):
     finally:
         torch.set_num_threads(old)
 
-
-from .trees import ChainTree, Tree, TreePolicy, parse_tree_spec
 
 MODES = ("vanilla", "chain", "tree")
 
