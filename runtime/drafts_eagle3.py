@@ -118,22 +118,14 @@ class Eagle3Draft(DraftSource):
         # a long chain (the prompt) runs in chunks over the cache: attention of CHUNK x P per
         # call instead of m x m (measured on 4,472 prompt tokens: one call 3.07 s inside the
         # decoder, its attention alone allocating ~0.7 GB); only the last chunk's logits are used
-        s = 0
-        while m - s > self.PREFILL_CHUNK:
-            q = c.length
-            mask = self.mask.view(self.PREFILL_CHUNK, q)
-            mask[0, :, q:] = causal_block(self.PREFILL_CHUNK)
-            e = s + self.PREFILL_CHUNK
-            self._run(tokens[s:e], hidden[s:e], torch.arange(q, q + self.PREFILL_CHUNK), mask)
+        for s in range(0, m, self.PREFILL_CHUNK):
+            q, r = c.length, min(self.PREFILL_CHUNK, m - s)
+            mask = self.mask.view(r, q)
+            mask[0, :, q:] = causal_block(r)
+            logits, out = self._run(tokens[s : s + r], hidden[s : s + r], torch.arange(q, q + r), mask)
             self.mask.release()
-            c.length, s = q + self.PREFILL_CHUNK, e
-        q, r = c.length, m - s
-        mask = self.mask.view(r, q)
-        mask[0, :, q:] = causal_block(r)
-        logits, out = self._run(tokens[s:], hidden[s:], torch.arange(q, q + r), mask)
-        self.mask.release()
-        self._base, self._chain = p, m
-        c.length = p + m
+            c.length = q + r
+        self._base, self._chain = p, m  # c.length is p + m
         self._slot.fill(-1)
         self._root_hidden = out[-1]
         self._root_token = int(root)
