@@ -185,13 +185,10 @@ class OrtProjection:
     """`draft_fc.onnx`: target features [N, F] -> the head's hidden input [N, H]."""
 
     def __init__(self, path: str | Path):
-        from .backends.onnxruntime import _import_ort
+        from .backends.onnxruntime import _import_ort, new_session_options
 
         ort = _import_ort()
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(str(path), new_session_options(ort), providers=["CPUExecutionProvider"])
 
     def __call__(self, features: torch.Tensor) -> torch.Tensor:
         x = features.detach().float().cpu().contiguous().numpy()

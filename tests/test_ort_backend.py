@@ -207,22 +207,81 @@ def test_fused_draft_topk_equals_topk_of_logits(tmp_path):
 
 
 def test_target_threads_spin_only_where_no_draft_model_runs_between_calls(tmp_path, monkeypatch):
-    """open_export lets the target's ONNX Runtime threads spin-wait with a model-free draft
+    """In-process (no shared pool: it is process-wide, the embedding API leaves it to the
+    application) each session has its own pool: the target's spin-waits with a model-free draft
     (lookup, none: faster vanilla) and not with a draft model (its session needs the cores);
-    ARBORSPEC_ORT_SPINNING overrides both."""
+    ARBORSPEC_ORT_SPINNING overrides both. A bad ARBORSPEC_ORT_SHARED_POOL is one line."""
     from conftest import tiny_text_export
 
+    from arborspec.runtime.errors import InputError
     from arborspec.runtime.export_dir import open_export
 
     out = tiny_text_export(tmp_path / "exp")
     key = "session.intra_op.allow_spinning"
     monkeypatch.delenv("ARBORSPEC_ORT_SPINNING", raising=False)
+    monkeypatch.delenv("ARBORSPEC_ORT_SHARED_POOL", raising=False)
 
     def spin(draft):
         with open_export(out, draft=draft) as ex:
+            assert ex.target.thread_pool == "session"
             return ex.target.session.get_session_options().get_session_config_entry(key)
 
     assert spin("lookup") == "1" and spin("none") == "1"
     assert spin("export") == "0"  # the export's layers:1 draft model
     monkeypatch.setenv("ARBORSPEC_ORT_SPINNING", "0")
     assert spin("lookup") == "0"
+    monkeypatch.setenv("ARBORSPEC_ORT_SHARED_POOL", "yes")
+    with pytest.raises(InputError, match="ARBORSPEC_ORT_SHARED_POOL must be 0 or 1"):
+        open_export(out, draft="lookup")
+
+
+_POOL_PROBE = """
+import json, sys
+from arborspec.runtime.decode import SpeculativeDecoder
+from arborspec.runtime.export_dir import open_export
+with open_export(sys.argv[1], draft="export") as ex:
+    sessions = [ex.target.session, ex.draft.engine.session]
+    toks = SpeculativeDecoder(ex.target, ex.draft, tree="full:2,2").generate([1, 2, 3], 10).tokens
+    print(json.dumps([ex.target.thread_pool, [s.get_session_options().use_per_session_threads for s in sessions], toks]))
+"""
+
+
+def test_shared_pool_in_the_cli_and_on_request(tmp_path):
+    """The `arborspec` command runs a decoding command's sessions on ONNX Runtime's one shared
+    pool (bench records it); ARBORSPEC_ORT_SHARED_POOL=0 keeps a pool per session; an
+    application opts in with ARBORSPEC_ORT_SHARED_POOL=1 (or enable_shared_pool()): target and
+    draft then share it, and the tokens do not change. Subprocesses: the pool is process-wide."""
+    import json
+    import os
+
+    from conftest import tiny_text_export
+
+    out = tiny_text_export(tmp_path / "exp")
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([{"id": "a", "category": "chat", "text": "the cat sat"}]))
+
+    def run(args, **env):
+        e = {k: v for k, v in os.environ.items() if not k.startswith("ARBORSPEC_ORT_")} | env
+        return subprocess.run([sys.executable, *args], env=e, capture_output=True, text=True, timeout=300)
+
+    def bench(name, **env):
+        j = tmp_path / f"{name}.json"
+        args = ["-m", "arborspec.tools.cli", "bench", "--export-dir", str(out), "--tree", "full:2,2"]
+        args += ["--prompts", str(prompts), "--max-new-tokens", "8", "--warmup", "0", "--no-progress"]
+        r = run(args + ["--json", str(j)], **env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        res = json.loads(j.read_text())
+        return res["meta"]["ort_thread_pool"], res["per_prompt"][0]["runs"]["full:2,2"]["greedy_match"]
+
+    assert bench("shared") == ("shared", True)
+    assert bench("own", ARBORSPEC_ORT_SHARED_POOL="0") == ("session", True)
+    probe = tmp_path / "probe.py"
+    probe.write_text(_POOL_PROBE)
+    outs = {}
+    for flag in ("1", "0"):
+        r = run([str(probe), str(out)], ARBORSPEC_ORT_SHARED_POOL=flag)
+        assert r.returncode == 0, r.stderr[-2000:]
+        outs[flag] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert outs["1"][:2] == ["shared", [False, False]]
+    assert outs["0"][:2] == ["session", [True, True]]
+    assert outs["1"][2] == outs["0"][2]

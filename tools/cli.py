@@ -73,7 +73,14 @@ def _install_signal_handlers() -> dict:
     return old
 
 
-def main(argv: list[str] | None = None) -> int:
+# commands that only decode: the `arborspec` command runs their ONNX Runtime sessions on one
+# shared thread pool (runtime/backends/onnxruntime.py enable_shared_pool: faster, process-wide)
+SHARED_POOL_COMMANDS = ("generate", "bench", "tune", "serve")
+
+
+def main(argv: list[str] | None = None, shared_pool: bool = False) -> int:
+    """The CLI. shared_pool: let decoding commands turn on ONNX Runtime's process-wide shared
+    thread pool (the `arborspec` command does; in-process callers keep per-session pools)."""
     import signal
 
     parser = build_parser()
@@ -81,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     debug = bool(os.environ.get("ARBORSPEC_DEBUG"))
     old = _install_signal_handlers()
     try:
+        if shared_pool and getattr(args, "command", None) in SHARED_POOL_COMMANDS:
+            from ..runtime.backends.onnxruntime import enable_shared_pool
+
+            enable_shared_pool()
         return int(args.run(args) or 0)
     except Terminated:
         sys.stderr.write("arborspec: terminated (SIGTERM); partial output was removed\n")
@@ -99,5 +110,10 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, handler)
 
 
+def console_main() -> int:
+    """The `arborspec` console script (and `python -m arborspec.tools.cli`)."""
+    return main(shared_pool=True)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())

@@ -301,6 +301,8 @@ def run(args) -> int:
                 "model": str(args.model or args.export_dir),
                 "draft": _draft_name(args, models),
                 "describe": models.describe,
+                # ONNX Runtime threads: "shared" (one pool for every session), "session" (a pool each)
+                "ort_thread_pool": getattr(models.target, "thread_pool", None),
                 "source": {k: v for k, v in source.items() if k != "files"},
                 "versions": bench_report.versions(),
                 "command": _command_line(args),

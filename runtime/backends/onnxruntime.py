@@ -57,6 +57,73 @@ def qdq_exact_matmul(so) -> None:
     so.add_session_config_entry(QDQ_ACCURACY_KEY, os.environ.get("ARBORSPEC_ORT_QDQ_ACCURACY_LEVEL", "0"))
 
 
+SHARED_POOL_ENV = "ARBORSPEC_ORT_SHARED_POOL"
+_shared = False
+
+
+def _pool_env() -> str:
+    env = os.environ.get(SHARED_POOL_ENV, "").strip()
+    if env not in ("", "0", "1"):
+        raise InputError(f"{SHARED_POOL_ENV} must be 0 or 1, got {env!r}")
+    return env
+
+
+def enable_shared_pool() -> bool:
+    """Run every later arborspec session on one process-wide ONNX Runtime intra-op thread pool.
+    Returns whether it is on.
+
+    A decode step alternates sessions (the draft's level calls, the target's verify). With a
+    pool per session, each pool's threads either spin-wait after a run (and steal the cores the
+    other session needs next: on 2 cores a layers:4 tree ran 9.3 instead of 16.3 tok/s) or
+    sleep (and every run pays the wake-up: vanilla about 10 % slower). One shared pool spins and
+    is the pool the next session runs on. Measured, SmolLM2 fp32 + int8 EAGLE-3 head, 2 cores,
+    4 prompts x 64 tokens (total tok/s): vanilla 41.4 -> 46.4, EAGLE-3 full:2,2 50.3 -> 54.2,
+    lookup full:3,2 58.0 -> 62.8, layers:4 full:3,2 15.0 -> 15.6; the tokens are the same.
+
+    Process-wide and irreversible in ONNX Runtime: afterwards every session of the process must
+    be created with `use_per_session_threads = False` (a default session, Polygraphy's or your
+    own, fails), so the runtime never turns it on by itself: the `arborspec` command does for
+    generate, bench, tune and serve; an application opts in with this call or
+    ARBORSPEC_ORT_SHARED_POOL=1. ARBORSPEC_ORT_SHARED_POOL=0, or ARBORSPEC_ORT_SPINNING=0/1, keeps a
+    pool per session."""
+    global _shared
+    if _shared:
+        return True
+    if _pool_env() == "0" or os.environ.get("ARBORSPEC_ORT_SPINNING"):
+        return False
+    _import_ort()
+    try:
+        from onnxruntime.capi import _pybind_state
+
+        _pybind_state.set_global_thread_pool_sizes(0, 0)  # 0: ONNX Runtime's default size
+    except Exception:  # pragma: no cover - an onnxruntime build without global pools
+        return False
+    _shared = True
+    return True
+
+
+def shared_pool() -> bool:
+    """Whether new sessions run on the shared pool (`enable_shared_pool`)."""
+    if not _shared and _pool_env() == "1":
+        return enable_shared_pool()
+    return _shared
+
+
+def new_session_options(ort, spinning: bool = False):
+    """The SessionOptions of every session the runtime opens: the shared thread pool where it is
+    on (`enable_shared_pool`), else a pool of its own that spin-waits only if `spinning`
+    (ARBORSPEC_ORT_SPINNING=0/1 overrides); exact QDQ matmuls (`qdq_exact_matmul`)."""
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if shared_pool():
+        so.use_per_session_threads = False
+    else:
+        env = os.environ.get("ARBORSPEC_ORT_SPINNING")
+        so.add_session_config_entry("session.intra_op.allow_spinning", env or ("1" if spinning else "0"))
+    qdq_exact_matmul(so)
+    return so
+
+
 def _int8_qdq(meta: dict) -> bool:
     """Whether the graph's metadata says it holds 8-bit QDQ weights (export/qdq.py)."""
     try:
@@ -77,8 +144,9 @@ class OrtEngine(EngineBase):
         session_options=None,
         spinning: bool = False,
     ):
-        """spinning: let ONNX Runtime's threads spin-wait between runs (faster when nothing else
-        runs between calls: vanilla and model-free drafts); ARBORSPEC_ORT_SPINNING=0/1 overrides."""
+        """spinning: with per-session thread pools only (`new_session_options`), let this
+        session's threads spin-wait between runs (faster when no other session runs between its
+        calls: vanilla and model-free drafts)."""
         ort = _import_ort()
         path = Path(path)
         if not path.is_file():
@@ -98,20 +166,7 @@ class OrtEngine(EngineBase):
                 providers = [("CUDAExecutionProvider", {"device_id": self.device.index or 0}), "CPUExecutionProvider"]
             else:
                 providers = ["CPUExecutionProvider"]
-        so = session_options
-        if so is None:
-            so = ort.SessionOptions()
-            so.log_severity_level = 3
-            # ORT's intra-op threads spin-wait after each run by default; in a decode loop the
-            # next work is torch's (accept, tree building) or the other model's, and the
-            # spinning threads steal those cores. Measured on 2 CPU cores, SmolLM2 with a
-            # layers:4 draft: full:3,2 tree 9.3 -> 16.3 tok/s, runtime overhead per step
-            # 14.4 -> 2.7 ms; vanilla alone 43.7 -> 38.9 tok/s. So spinning is off unless asked for
-            # (`spinning`: open_export asks for it where no draft model runs between target calls;
-            # measured, vanilla 46.4 -> 49.5-49.9 tok/s, GenAI fp32 1.15x -> 1.08x ahead of us).
-            env = os.environ.get("ARBORSPEC_ORT_SPINNING")
-            so.add_session_config_entry("session.intra_op.allow_spinning", env or ("1" if spinning else "0"))
-            qdq_exact_matmul(so)
+        so = session_options if session_options is not None else new_session_options(ort, spinning)
         try:
             self.session = ort.InferenceSession(str(path), so, providers=providers)
             if session_options is None and _int8_qdq(self.session.get_modelmeta().custom_metadata_map):
@@ -127,6 +182,8 @@ class OrtEngine(EngineBase):
                     f"{path}: cannot load the model, an external-data file is missing or unreadable ({msg})"
                 ) from None
             raise ExportDirError(f"{path}: ONNX Runtime cannot load the model: {msg}") from None
+        # "shared": the process-wide pool every arborspec session runs on; "session": its own
+        self.thread_pool = "session" if so.use_per_session_threads else "shared"
         active = self.session.get_providers()
         if want_cuda and "CUDAExecutionProvider" not in active:
             # onnxruntime-gpu silently falls back to CPU when CUDA libraries are missing
