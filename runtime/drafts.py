@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .kvcache import KVCache
-from .tree_plan import MaskBuffer, causal_block
+from .tree_plan import MaskBuffer, run_chain
 from .trees import Tree, TreePolicy
 
 
@@ -148,6 +148,7 @@ class ModelDraft(DraftSource):
     bookkeeping lives here (`_slot`), keyed by the node's drafted index (`Tree.origin`)."""
 
     kind = "model"
+    PREFILL_CHUNK = 512  # entries per call when the chain is long (the prompt at the first step)
 
     def __init__(self, engine, max_len: int | None = None):
         self.engine = engine
@@ -196,20 +197,21 @@ class ModelDraft(DraftSource):
         return out
 
     def _start(self, root: int, k: int | None = None, logprobs: bool = False):
-        """Run the pending tokens and the root as a causal chain; the root's row of the output."""
+        """Run the pending tokens and the root as a causal chain (in chunks of PREFILL_CHUNK
+        when it is long: the prompt); the root's row of the output."""
         chain = self.pending + [root]
         m = len(chain)
         c = self.cache
         p = c.length
         dev = self.engine.device
-        ids = torch.tensor([chain], dtype=torch.long, device=dev)
-        pos = torch.arange(p, p + m, device=dev)[None]
-        mask = self.mask.view(m, p)
-        mask[0, :, p:] = causal_block(m, dev)
-        out = self._forward(ids, pos, mask, k, logprobs)
-        self.mask.release()
-        self._base, self._chain = p, m
-        c.length = p + m
+
+        def call(s, r, mask):
+            ids = torch.tensor([chain[s : s + r]], dtype=torch.long, device=dev)
+            pos = torch.arange(c.length, c.length + r, device=dev)[None]
+            return self._forward(ids, pos, mask, k, logprobs)
+
+        out = run_chain(call, self.mask, m, c, self.PREFILL_CHUNK)
+        self._base, self._chain = p, m  # c.length is p + m
         self._slot.fill(-1)
         if k is None:
             return out[0, -1]

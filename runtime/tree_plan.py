@@ -146,6 +146,25 @@ class MaskBuffer:
             self._open = None
 
 
+def run_chain(call, masks: MaskBuffer, n: int, cache, chunk: int):
+    """Append a causal chain of `n` entries to a draft's cache as calls of at most `chunk` rows
+    (a 4k-token prompt in one call would build a 4k x 4k attention; in chunks each call attends
+    CHUNK x P). `call(s, r, mask)` runs entries [s, s + r) at cache.length with the
+    [1, r, cache.length + r] mask; the cache grows by r after each call. -> the last call's
+    output (the chain's last row is its last row)."""
+    out = None
+    for s in range(0, n, max(1, int(chunk))):
+        q, r = cache.length, min(int(chunk), n - s)
+        mask = masks.view(r, q)
+        mask[0, :, q:] = causal_block(r, masks.device)
+        try:
+            out = call(s, r, mask)
+        finally:
+            masks.release()
+        cache.length = q + r
+    return out
+
+
 class VerifyBuffers:
     """Input ids, positions and the mask of the target's verify call, preallocated on the
     target's device and reused every step."""

@@ -87,11 +87,14 @@ def test_stops_at_max_context(llama_pair):
     assert r.tokens == ref.tokens and len(r.tokens) == 6 and r.stop_reason == "context"
 
 
-@pytest.mark.parametrize("spec", ["full:3,2", "dynamic:3,4,10"])
-def test_kv_cache_equals_fresh_prefill(llama_pair, spec):
-    """After many tree steps, both caches hold exactly the committed tokens' K/V."""
+@pytest.mark.parametrize("spec,chunk", [("full:3,2", 512), ("dynamic:3,4,10", 512), ("full:3,2", 3)])
+def test_kv_cache_equals_fresh_prefill(llama_pair, spec, chunk):
+    """After many tree steps, both caches hold exactly the committed tokens' K/V. chunk 3: the
+    draft runs the prompt's chain in calls of 3 entries (ModelDraft.PREFILL_CHUNK, how long
+    prompts run) and ends with the same cache and the same tokens."""
     target, draft = llama_pair
     dec = SpeculativeDecoder(target, draft, mode="tree", tree=spec)
+    dec.draft.PREFILL_CHUNK = chunk
     captured = {}
     orig = dec.target.forward
 
@@ -101,6 +104,7 @@ def test_kv_cache_equals_fresh_prefill(llama_pair, spec):
 
     dec.target.forward = spy
     r = dec.generate(PROMPT, 40)
+    assert r.tokens == SpeculativeDecoder(target, mode="vanilla").generate(PROMPT, 40).tokens
     tc = captured["cache"]
     seq = PROMPT + r.tokens[:-1]  # the last token (next root) is not in the cache yet
     assert tc.length == len(seq)
