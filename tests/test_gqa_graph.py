@@ -116,3 +116,32 @@ def test_unsupported_models_and_tensorrt_say_so(tmp_path, engines):
 
     with pytest.raises(EngineBuildError, match="--attention onnx"):
         build_engine(engines[1].path, tmp_path / "t.engine", compute_capability="8.9")
+
+
+def test_cache_binding_is_reused_per_cache_and_rebinds_the_rest(engines):
+    """The fast graph binds a cache's slabs once (OrtEngine._binding) and reuses the binding:
+    calls alternating between two caches, with different T and inputs, give exactly what a
+    fresh engine (new bindings every time) gives, and each cache has one binding."""
+    _, fast, _ = engines
+    fresh = OrtEngine(fast.path)
+    g = torch.Generator().manual_seed(3)
+    v = fast.info.vocab_size
+    caches = [KVCache(fast.info.cache, 64, 1), KVCache(fast.info.cache, 64, 1)]
+    twins = [KVCache(fast.info.cache, 64, 1), KVCache(fast.info.cache, 64, 1)]
+    fast._bindings.clear()
+    for step, t in enumerate([5, 1, 3, 2, 1, 4]):
+        i = step % 2
+        c, tw = caches[i], twins[i]
+        p = c.length
+        ids = torch.randint(0, v, (1, t), generator=g)
+        pos = torch.arange(p, p + t)[None]
+        mask = torch.ones(1, t, p + t, dtype=torch.bool)
+        mask[0, :, p:] = torch.ones(t, t, dtype=torch.bool).tril()
+        a = fast.forward(ids, pos, mask, c)
+        b = fresh.forward(ids, pos, mask, tw)
+        fresh._bindings.clear()  # the reference binds everything anew each call
+        assert torch.equal(a, b)
+        c.length = tw.length = p + t
+    assert len(fast._bindings) == 2
+    for c, tw in zip(caches, twins):
+        assert torch.equal(c.k[:, :, :, : c.length], tw.k[:, :, :, : tw.length])
