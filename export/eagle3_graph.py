@@ -214,6 +214,20 @@ def d2t_metadata(head) -> str:
     return base64.b64encode(np.ascontiguousarray(head.d2t.cpu().numpy().astype("<i8")).tobytes()).decode()
 
 
+HEAD_QUANTIZE = ("int4", "int8")
+
+
+def check_head_quantize(quantize: str | None, portable: bool) -> None:
+    """One error line for a head quantisation (`--draft-quantize`) this export cannot write:
+    an unknown scheme, or the portable head (MatMulNBits is ONNX Runtime's)."""
+    if quantize is None:
+        return
+    if quantize not in HEAD_QUANTIZE:
+        raise InputError(f"unknown --draft-quantize {quantize!r} (expected {' or '.join(HEAD_QUANTIZE)})")
+    if portable:
+        raise InputError("--draft-quantize needs ONNX Runtime's graph (--attention gqa), not the portable head")
+
+
 def export_eagle3_head(
     head,
     embed: torch.Tensor,
@@ -246,10 +260,9 @@ def export_eagle3_head(
             return json.dumps(cfg)
 
     layout = "sbhd" if portable else "bhsd"
+    check_head_quantize(quantize, portable)
     qinfo = None
     if quantize:
-        if portable:
-            raise InputError("--draft-quantize needs ONNX Runtime's graph (--attention gqa), not the portable head")
         qinfo = {"scheme": quantize, "format": "matmulnbits", "block_size": block_size, "accuracy_level": 4}
 
     def quantized(model):

@@ -208,12 +208,11 @@ def export_folder(
                 "not the portable graph (--attention onnx or --format qdq)"
             )
     if draft_quantize is not None:
-        if draft_quantize not in ("int4", "int8"):
-            raise InputError(f"unknown --draft-quantize {draft_quantize!r} (expected int4 or int8)")
+        from .eagle3_graph import check_head_quantize
+
         if not (isinstance(draft, str) and draft.strip().lower().split(":", 1)[0] == "eagle3"):
             raise InputError("--draft-quantize quantises an EAGLE-3 head: use it with --draft eagle3[:FOLDER]")
-        if attention == "onnx" or qformat == "qdq":
-            raise InputError("--draft-quantize needs ONNX Runtime's graph (--attention gqa), not the portable head")
+        check_head_quantize(draft_quantize, portable=attention == "onnx" or qformat == "qdq")
     if qformat == "qdq":
         if not quantize:
             raise InputError("--format qdq describes quantised weights: give --quantize int4|int8 too")

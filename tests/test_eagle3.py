@@ -508,6 +508,8 @@ def test_quantised_eagle3_head_decodes_like_vanilla(tmp_path, capsys, bits):
         export_folder(lm, tmp_path / "a", "layers:1", draft_quantize=bits, progress=False)
     with pytest.raises(InputError, match="gqa"):
         export_folder(lm, tmp_path / "b", f"eagle3:{tmp_path / 'ckpt'}", attention="onnx", draft_quantize=bits)
+    with pytest.raises(InputError, match="unknown --draft-quantize 'int3'"):
+        export_folder(lm, tmp_path / "b", f"eagle3:{tmp_path / 'ckpt'}", draft_quantize="int3", progress=False)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     rc = main(
         [
