@@ -410,6 +410,34 @@ def test_tune_ranks_per_depth_equal_the_training_time_test_forward(target, tmp_p
     assert len(acc["q"]) == depth and all(0 <= sum(row) <= 1 for row in acc["q"])
 
 
+@pytest.mark.parametrize("tree", ["chain:3", "full:1,8", "full:2,4", "static"])
+def test_tune_replay_counts_the_steps_of_real_eagle3_decoding(target, tmp_path, tree):
+    """`tune` prices trees by replaying the decoding loop over the EAGLE-3 ranks it measured per
+    depth (acceptance_sim.simulated_tokens_per_step): the replay takes exactly the verify
+    steps that real greedy decoding with the head takes (chain and trees; the wide trees get a
+    random head's tokens accepted, so the replay's acceptance is exercised)."""
+    from arborspec.tools.acceptance_sim import measure_acceptance, simulate_greedy_steps, spec_paths
+
+    draft = _draft(target, tmp_path, draft_vocab=60, seed=4, scale=0.5)
+    eng = TorchEngine(target)
+    paths = [[0], [1], [2], [3], [0, 0], [1, 0], [0, 0, 0]] if tree == "static" else spec_paths(tree)
+    spec = tree
+    if tree == "static":
+        (tmp_path / "t.json").write_text(json.dumps({"paths": paths}))
+        spec = f"static:{tmp_path / 't.json'}"
+    prompts = [[5, 9, 2, 7, 1], [3, 8, 8, 4], [11, 2]]
+    acc = measure_acceptance(eng, draft, prompts, 30, 8, 4)
+    steps = tokens = 0
+    for p, run in zip(prompts, acc["runs"]):
+        mode = "chain" if tree.startswith("chain") else "tree"
+        res = SpeculativeDecoder(eng, draft, mode=mode, tree=spec).generate(p, 30)
+        assert run["end"] - run["start"] == len(res.tokens)
+        assert simulate_greedy_steps(None, run["start"], run["end"], paths, run["by_depth"]) == res.stats.steps
+        steps, tokens = steps + res.stats.steps, tokens + len(res.tokens)
+    if tree != "chain:3":
+        assert steps < tokens  # drafted tokens were accepted
+
+
 def test_smollm2_with_the_shipped_head_equals_vanilla():
     """The head shipped for SmolLM2-135M (`--draft eagle3`): fits the target, greedy tree and
     chain decoding equal vanilla token for token, and it gets drafted tokens accepted."""

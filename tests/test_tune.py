@@ -76,6 +76,41 @@ def test_level_frontiers_and_cost():
     assert T.interp({1: 10.0, 8: 17.0}, 15) == pytest.approx(24.0)
 
 
+def test_choose_tree_prices_trees_with_the_replay_when_given():
+    """With `simulate` (the decoding loop replayed over measured ranks) the replayed tokens per
+    step price each DP tree; the DP's own estimate is kept beside it."""
+    q = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.5, 0.2, 0.1]]
+    verify, dcost = {1: 10.0, 64: 10.5}, {1: 0.01, 64: 0.02}
+    dp = T.choose_tree(q, verify, dcost, 8, 3)["best"]
+    assert dp["nodes"] > 1 and dp["expected_tokens_per_step"] == dp["dp_tokens_per_step"]
+    # a replay in which only the one-node tree ever gets a token accepted
+    best = T.choose_tree(q, verify, dcost, 8, 3, simulate=lambda paths: 2.0 if paths == [[0]] else 1.0)["best"]
+    assert best["paths"] == [[0]] and best["expected_tokens_per_step"] == 2.0 and best["dp_tokens_per_step"] > 1.0
+
+
+def test_calibration_prompts_follow_each_prompts_chat_flag(tmp_path):
+    """tune calibrates on text as bench decodes it: by default each prompt's own `chat` flag
+    decides the chat template; chat=True/False forces it for every text prompt."""
+    from arborspec.tools.prompts import calibration_prompts
+
+    class Tok:
+        meta = {"chat_template": "x"}
+
+        def apply_chat(self, messages):
+            return "<user>" + messages[0]["content"]
+
+        def encode(self, text, add_bos=True):
+            return [len(text)] + ([7] if text.startswith("<user>") else [])
+
+    f = tmp_path / "p.json"
+    # split_prompts holds out the even-indexed entries: "aa" and "bbb" are the training split
+    entries = [{"text": "held"}, {"text": "aa", "chat": True}, {"text": "held"}, {"text": "bbb"}]
+    f.write_text(json.dumps({"prompts": entries}))
+    assert calibration_prompts(Tok(), f, n=2) == [[8, 7], [3]]  # "<user>aa" templated, "bbb" not
+    assert calibration_prompts(Tok(), f, n=2, chat=True) == [[8, 7], [9, 7]]
+    assert calibration_prompts(Tok(), f, n=2, chat=False) == [[2], [3]]
+
+
 def test_choose_tree_prefers_small_trees_when_verify_is_steep():
     q = [[0.6, 0.2, 0.1]] * 4
     flat = T.choose_tree(q, {1: 10.0, 64: 10.5}, {1: 0.01, 64: 0.02}, 16, 4)["best"]

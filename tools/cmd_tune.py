@@ -38,7 +38,11 @@ def register(sub) -> None:
     )
     g.add_argument("--n-prompts", type=int, default=8, help="calibration prompts (default 8)")
     g.add_argument("--calib-tokens", type=int, default=64, help="greedy tokens per calibration prompt")
-    g.add_argument("--chat", action="store_true", help="wrap text prompts in the chat template")
+    g.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap every text prompt in the chat template (default: each prompt's own `chat` flag, as bench does)",
+    )
     g.add_argument("--max-nodes", type=int, default=32, help="largest tree considered (default 32)")
     g.add_argument("--max-depth", type=int, default=6, help="deepest tree considered (default 6)")
     g.add_argument("--max-width", type=int, default=8, help="draft candidates ranked per node (default 8)")
@@ -74,7 +78,7 @@ def run(args) -> int:
         reps=args.reps,
         prompts=args.prompts,
         n_prompts=args.n_prompts,
-        chat=args.chat,
+        chat=True if args.chat else None,
         calib_tokens=args.calib_tokens,
         seed=args.seed,
         out=args.out,

@@ -185,10 +185,11 @@ def random_seed_ids(vocab: int, n: int, seed: int) -> list[list[int]]:
 
 
 def calibration_prompts(
-    tok, prompts_file=None, n: int = 8, chat: bool = False, vocab: int = 0, seed: int = 0
+    tok, prompts_file=None, n: int = 8, chat: bool | None = None, vocab: int = 0, seed: int = 0
 ) -> list[list[int]]:
     """Calibration prompts: the prompts file's training split (tools/data/prompts.json by
-    default; held-out entries are left for evaluation), then built-in seeds."""
+    default; held-out entries are left for evaluation), then built-in seeds. chat: True/False
+    for every text prompt, None for each entry's own `chat` flag (the built-in seeds: none)."""
     entries = load_prompt_entries(prompts_file)
     train, _ = split_prompts(entries) if entries else ([], [])
     out = []

@@ -135,8 +135,11 @@ def step_cost_ms(paths, verify: dict, dcost: dict) -> float:
 
 
 # ----------------------------------------------------------------------------- tuning
-def choose_tree(q, verify: dict, dcost: dict, max_nodes: int, max_depth: int) -> dict:
-    """Every (n, D): DP tree, expected tokens/step, predicted step ms and tokens/s; the best."""
+def choose_tree(q, verify: dict, dcost: dict, max_nodes: int, max_depth: int, simulate=None) -> dict:
+    """Every (n, D): DP tree, expected tokens/step, predicted step ms and tokens/s; the best.
+    simulate: paths -> tokens per step of the decoding loop replayed on the calibration text
+    (`acceptance_sim.simulated_tokens_per_step`); when given, it prices every DP tree instead of
+    the DP's own estimate under q (kept as `dp_tokens_per_step`)."""
     grid = []
     for D in range(1, max_depth + 1):
         res = sequoia_dp(q, max_nodes, D)
@@ -144,7 +147,8 @@ def choose_tree(q, verify: dict, dcost: dict, max_nodes: int, max_depth: int) ->
             paths = res.tree(n)
             if len(paths) < n and n > 1:
                 continue  # the DP found nothing worth adding: same tree as a smaller budget
-            e = res.value[n] + 1.0
+            e_dp = res.value[n] + 1.0
+            e = simulate(paths) if simulate is not None else e_dp
             ms = step_cost_ms(paths, verify, dcost)
             grid.append(
                 {
@@ -152,6 +156,7 @@ def choose_tree(q, verify: dict, dcost: dict, max_nodes: int, max_depth: int) ->
                     "depth_limit": D,
                     "depth": max(len(p) for p in paths),
                     "expected_tokens_per_step": e,
+                    "dp_tokens_per_step": e_dp,
                     "step_ms": ms,
                     "tokens_per_s": 1e3 * e / ms,
                     "paths": paths,

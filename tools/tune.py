@@ -14,8 +14,11 @@ measurements and one optimisation:
    tokens above it on the path were each within the draft's top-k);
 4. Sequoia's dynamic programme over trees (see `sequoia_dp`) gives, for every node budget n
    and depth limit D, the tree maximising the expected accepted tokens under q; each such
-   tree is priced exactly (c(n+1) + d(1) for the root call + d(F_l) for every level l < depth
-   with F_l expandable nodes) and the (n, D) with the best E[accepted + 1] / step time wins.
+   tree's tokens per step are then replayed on the calibration text (the decoding loop run
+   over the measured ranks, `simulated_tokens_per_step`: q treats positions as independent
+   and overestimates, see there), it is priced exactly (c(n+1) + d(1) for the root call +
+   d(F_l) for every level l < depth with F_l expandable nodes) and the (n, D) with the best
+   tokens per step / step time wins.
 
 The result is a static tree spec (`static:FILE.json` accepts it) with its metadata; `--tree
 auto` in generate/bench resolves to it through `resolve_tree`.
@@ -40,6 +43,7 @@ from .acceptance_sim import (  # noqa: F401 - the tuning API, re-exported
     full_tree_paths,
     measure_acceptance,
     simulate_greedy_steps,
+    simulated_tokens_per_step,
     spec_paths,
     tree_children,
 )
@@ -99,7 +103,7 @@ class TuneOptions:
     reps: int = 5
     prompts: str | os.PathLike | None = None
     n_prompts: int = 8
-    chat: bool = False
+    chat: bool | None = None  # None: each prompt's own `chat` flag (as bench reads them)
     calib_tokens: int = 64
     seed: int = 0
     out: str | os.PathLike | None = None
@@ -189,7 +193,10 @@ def tune(models, key: ModelsKey, opts: TuneOptions | None = None, progress: bool
         eos,
         progress=(lambda it: bar(it, "acceptance (greedy)")) if bar else None,
     )
-    choice = choose_tree(acc["q"], verify, dcost, max_nodes, opts.max_depth)
+    runs = acc.pop("runs")
+    choice = choose_tree(
+        acc["q"], verify, dcost, max_nodes, opts.max_depth, lambda paths: simulated_tokens_per_step(runs, paths)
+    )
     best = choice["best"]
     backend = key.resolved_backend
     doc = {
@@ -197,7 +204,8 @@ def tune(models, key: ModelsKey, opts: TuneOptions | None = None, progress: bool
         "paths": best["paths"],
         "nodes": best["nodes"],
         "depth": best["depth"],
-        "expected_tokens_per_step": best["expected_tokens_per_step"],
+        "expected_tokens_per_step": best["expected_tokens_per_step"],  # replayed (simulated_tokens_per_step)
+        "dp_tokens_per_step": best["dp_tokens_per_step"],  # Sequoia's estimate under q
         "predicted_step_ms": best["step_ms"],
         "predicted_tokens_per_s": best["tokens_per_s"],
         "vanilla_tokens_per_s": choice["vanilla_tokens_per_s"],
