@@ -45,3 +45,9 @@ class OutputError(ArborspecError):
 
 class DeviceError(EngineError, RuntimeError):
     """The device asked for is not usable here (no CUDA GPU, a CPU-only ONNX Runtime)."""
+
+
+class InexactSpeculationWarning(UserWarning):
+    """The target's logits depend on how many tokens one call carries (e.g. ONNX Runtime's
+    MatMulNBits with int8 activations), so chain and tree decoding can differ from vanilla
+    decoding of the same export: the one correctness promise arborspec cannot keep there."""

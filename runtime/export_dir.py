@@ -14,12 +14,13 @@ arborspec.export.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .contract import FORMAT, MANIFEST_NAME, Manifest, check_arborspec_onnx, read_engines_manifest, read_manifest  # noqa: F401
-from .errors import ExportDirError, InputError, MissingFileError
+from .errors import ExportDirError, InexactSpeculationWarning, InputError, MissingFileError
 from .onnx_meta import read_onnx_metadata  # noqa: F401
 
 BACKENDS = ("onnxruntime", "tensorrt")
@@ -42,6 +43,12 @@ class OpenedExport:
         return dict(self.manifest.limits or {})
 
     @property
+    def exact_speculation(self) -> bool:
+        """Whether chain/tree decoding on this export reproduces its vanilla decoding (greedy:
+        token for token; sampled: the same distribution): see `inexact_speculation_reason`."""
+        return inexact_speculation_reason(self.manifest) is None
+
+    @property
     def tree_default(self) -> str | None:
         return (self.manifest.tree_defaults or {}).get("tree")
 
@@ -55,6 +62,24 @@ class OpenedExport:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def inexact_speculation_reason(man: Manifest) -> str | None:
+    """Why verifying T tokens in one target call can give other logits than T one-token calls
+    on this export, or None. ONNX Runtime's MatMulNBits at accuracy level 4 quantises the
+    activations to int8 with different kernels for one row and for several (measured on
+    SmolLM2-135M int4: the logits of 16 tokens of text verified in one call and one by one
+    differ by up to 2.6), so speculative output drifts from vanilla wherever the top two are
+    close; at level 0 (float) the two agree to 1e-4."""
+    q = (man.target or {}).get("quantization") or {}
+    level = q.get("accuracy_level") or 0
+    if q.get("format") == "matmulnbits" and int(level) >= 4:
+        return (
+            f"{man.root}: the target computes with int8 activations (--accuracy-level {level}), whose logits "
+            "depend on how many tokens a call verifies, so chain/tree output can differ from vanilla "
+            "(re-export with --accuracy-level 0 for exact speculation)"
+        )
+    return None
 
 
 def load_tokenizer(man: Manifest):
@@ -191,6 +216,9 @@ def open_export(
         elif kind != "none":
             raise ExportDirError(f"unknown draft kind {kind!r} in {man.root / MANIFEST_NAME}")
         opened.tokenizer = load_tokenizer(man) if load_tok else None
+        reason = inexact_speculation_reason(man) if opened.draft is not None else None
+        if reason:
+            warnings.warn(reason, InexactSpeculationWarning, stacklevel=2)
     except BaseException:
         opened.close()
         raise
@@ -218,6 +246,7 @@ __all__ = [
     "open_export",
     "load_export_dir",
     "load_tokenizer",
+    "inexact_speculation_reason",
     "Manifest",
     "ExportDirError",
     "read_manifest",

@@ -143,3 +143,45 @@ def test_export_folder_records_the_scheme_and_refuses_the_portable_graph(tmp_pat
     with pytest.raises(ArborspecError, match="--attention gqa"):
         export_folder(lm, tmp_path / "p", draft="none", progress=False, quantize="int4", attention="onnx")
     assert not (tmp_path / "p").exists()
+
+
+def test_int8_activation_exports_warn_that_speculation_is_inexact(tmp_path, capsys):
+    """--accuracy-level 4 (int8 activations): MatMulNBits gives other logits for one row than
+    for several, so opening such an export with a draft warns (one line on the CLI); the exact
+    default (level 0) and a draft-less open stay silent."""
+    import warnings
+    from types import SimpleNamespace
+
+    from arborspec.export.export_folder import export_folder
+    from arborspec.runtime.errors import InexactSpeculationWarning
+    from arborspec.runtime.export_dir import open_export
+    from arborspec.tools.cli import main
+
+    m = random_model(tiny_config("llama", vocab=64, layers=2, hidden=64, heads=4, kv=2), seed=6, scale=1.0)
+    lm = SimpleNamespace(module=m, config=m.config, tokenizer=None, source={"kind": "test"})
+    for level in (0, 4):
+        export_folder(
+            lm, tmp_path / f"a{level}", draft="layers:1", progress=False, quantize="int4", accuracy_level=level
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails these two
+        with open_export(tmp_path / "a0") as ex:
+            assert ex.exact_speculation
+        with open_export(tmp_path / "a4", draft="none") as ex:
+            assert not ex.exact_speculation
+    with pytest.warns(InexactSpeculationWarning, match="--accuracy-level 4"):
+        open_export(tmp_path / "a4").close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        rc = main(["generate", "--export-dir", str(tmp_path / "a4"), "--prompt-ids", "1,2,3", "--max-new-tokens", "4"])
+    assert rc == 0 and "arborspec: warning: " in capsys.readouterr().err
+
+
+def test_cli_prints_the_inexact_speculation_warning_as_one_line(tmp_path, capsys):
+    from arborspec.runtime.errors import InexactSpeculationWarning
+    from arborspec.tools import cli
+
+    cli._show_warning(InexactSpeculationWarning("X: int8 activations\nmore"), InexactSpeculationWarning, "f.py", 1)
+    assert capsys.readouterr().err == "arborspec: warning: X: int8 activations\n"
+    cli._show_warning(UserWarning("other"), UserWarning, "f.py", 7)
+    assert "f.py:7" in capsys.readouterr().err

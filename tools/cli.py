@@ -13,6 +13,7 @@ import argparse
 import importlib
 import os
 import sys
+import warnings
 
 COMMANDS = ["export", "build", "generate", "compare", "bench", "tune", "train-draft", "serve", "loadtest"]
 
@@ -78,6 +79,18 @@ def _install_signal_handlers() -> dict:
 SHARED_POOL_COMMANDS = ("generate", "bench", "tune", "serve")
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    """The runtime's warnings to a user (InexactSpeculationWarning): one line, no source
+    location; any other warning keeps Python's format."""
+    from arborspec.runtime.errors import InexactSpeculationWarning
+
+    if issubclass(category, InexactSpeculationWarning):
+        text = f"arborspec: warning: {str(message).splitlines()[0]}\n"
+    else:
+        text = warnings.formatwarning(message, category, filename, lineno, line)
+    (file or sys.stderr).write(text)
+
+
 def main(argv: list[str] | None = None, shared_pool: bool = False) -> int:
     """The CLI. shared_pool: let decoding commands turn on ONNX Runtime's process-wide shared
     thread pool (the `arborspec` command does; in-process callers keep per-session pools)."""
@@ -87,6 +100,7 @@ def main(argv: list[str] | None = None, shared_pool: bool = False) -> int:
     args = parser.parse_args(argv)
     debug = bool(os.environ.get("ARBORSPEC_DEBUG"))
     old = _install_signal_handlers()
+    old_show, warnings.showwarning = warnings.showwarning, _show_warning
     try:
         if shared_pool and getattr(args, "command", None) in SHARED_POOL_COMMANDS:
             from ..runtime.backends.onnxruntime import enable_shared_pool
@@ -106,6 +120,7 @@ def main(argv: list[str] | None = None, shared_pool: bool = False) -> int:
         sys.stderr.write(f"arborspec: error: {msg}\n")
         return 2
     finally:
+        warnings.showwarning = old_show
         for sig, handler in old.items():
             signal.signal(sig, handler)
 

@@ -98,7 +98,8 @@ def register(sub) -> None:
         type=int,
         default=0,
         metavar="N",
-        help="MatMulNBits compute: 0 fp32 (default, exact), 4 int8 activations (faster, rounds)",
+        help="MatMulNBits compute: 0 fp32 (default, exact), 4 int8 activations (faster; logits then depend "
+        "on how many tokens a call carries, so chain/tree output can differ from vanilla)",
     )
     p.add_argument(
         "--opset",
@@ -168,5 +169,10 @@ def run(args) -> int:
     elif d.get("kind") == "eagle3":
         dq = d.get("quantization")
         print(f"  draft ({d.get('spec')}): EAGLE-3 head, {dq['scheme'] + ' weights' if dq else 'fp32'}")
+    if q and int(q.get("accuracy_level") or 0) >= 4 and q.get("format", "matmulnbits") == "matmulnbits":
+        print(
+            "  note: int8 activations make the target's logits depend on how many tokens a call verifies: "
+            "chain/tree output can differ from vanilla on this export (--accuracy-level 0 keeps it exact)"
+        )
     sys.stdout.flush()
     return 0
