@@ -421,3 +421,13 @@ def test_bench_missing_or_failing_peer_is_one_line(tiny, tmp_path, monkeypatch, 
     assert [c["name"] for c in res["configs"]] == ["vanilla"]
     assert all(set(p["runs"]) == {"vanilla"} for p in res["per_prompt"])
     assert res["meta"]["skipped"]["llama-cpp"].startswith("failed while running")
+
+
+def test_a_greedy_mismatch_is_a_warning_only_where_it_should_not_happen():
+    from arborspec.tools.bench import BenchConfig, mismatch_message
+
+    ours = BenchConfig("full:2,2", "ours", "tree", "full:2,2")
+    assert mismatch_message(ours, "p", 5).startswith("WARNING greedy mismatch: full:2,2")
+    inexact = mismatch_message(ours, "p", 5, exact=False)
+    assert inexact.startswith("note: ") and "int8 activations" in inexact
+    assert "transformers" in mismatch_message(BenchConfig("hf-greedy", "hf", "vanilla"), "p", 5, exact=False)

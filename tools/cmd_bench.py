@@ -303,6 +303,7 @@ def run(args) -> int:
                 "describe": models.describe,
                 # ONNX Runtime threads: "shared" (one pool for every session), "session" (a pool each)
                 "ort_thread_pool": getattr(models.target, "thread_pool", None),
+                "exact_speculation": getattr(models.owner, "exact_speculation", True),
                 "source": {k: v for k, v in source.items() if k != "files"},
                 "versions": bench_report.versions(),
                 "command": _command_line(args),
