@@ -11,7 +11,8 @@ a new draft kind implements `DraftSource` and plugs in without touching them.
 Sources here: `ModelDraft` (any contract engine with the target's vocabulary: a smaller model,
 or a `layers:K` truncated copy of the target), `BigramDraft` (the seed's table draft: the
 target's own next-token top-k given one token; no cache). `LookupDraft` (prompt lookup) lives
-in runtime/lookup.py.
+in runtime/lookup.py, `Eagle3Draft` in runtime/drafts_eagle3.py, and `LookupMixDraft` (a model
+draft mixed with lookup) in runtime/drafts_mix.py.
 """
 
 from __future__ import annotations

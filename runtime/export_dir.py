@@ -169,9 +169,11 @@ def open_export(
     verify: bool = False,
 ) -> OpenedExport:
     """Open an export folder. draft: None or "export" (the export's own draft; "eagle3" names it
-    too when it is an EAGLE-3 head), "none", "lookup[:N]" (prompt lookup, no model). verify:
-    check every file's sha256 too."""
+    too when it is an EAGLE-3 head), "none", "lookup[:N]" (prompt lookup, no model), or
+    "export+lookup[:N]" (the export's model draft mixed with lookup, runtime/drafts_mix.py).
+    verify: check every file's sha256 too."""
     from .drafts import ModelDraft, load_bigram_table
+    from .drafts_mix import LookupMixDraft, split_mix_spec
     from .lookup import LookupDraft, parse_lookup_spec
 
     if backend not in BACKENDS:
@@ -184,6 +186,9 @@ def open_export(
     opened = OpenedExport(None, None, None, man, backend, device)
     try:
         spec = (draft or "export").strip()
+        mix = split_mix_spec(spec)  # BASE+lookup[:N]: the export's draft mixed with lookup
+        if mix:
+            spec = mix[0]
         n_lookup = parse_lookup_spec(spec)
         kind = man.draft.get("kind", "none")
         # no draft model runs between target calls: the target's threads may spin-wait
@@ -215,6 +220,13 @@ def open_export(
             opened.engines.append(opened.draft.engine)
         elif kind != "none":
             raise ExportDirError(f"unknown draft kind {kind!r} in {man.root / MANIFEST_NAME}")
+        if mix:
+            if opened.draft is None or kind in ("none", "bigram"):
+                raise InputError(
+                    f"--draft {draft!r}: {man.root} has no model draft to mix with lookup "
+                    f"(its draft: {kind}); use --draft lookup, or export with a model draft"
+                )
+            opened.draft = LookupMixDraft(opened.draft, LookupDraft(target.info.vocab_size, max_ngram=mix[1]))
         opened.tokenizer = load_tokenizer(man) if load_tok else None
         reason = inexact_speculation_reason(man) if opened.draft is not None else None
         if reason:

@@ -27,6 +27,7 @@ calls together, one verify call per step for all of them (runtime/batch_schedule
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,7 +148,7 @@ class Generator:
         try:
             tree = tree or ex.tree_default or "full:3,2"
             if str(tree).strip().lower() == "auto":
-                tree = auto_tree_spec(dir)
+                tree = auto_tree_spec(dir, draft)
             return cls(
                 ex.target,
                 ex.draft,
@@ -306,12 +307,21 @@ class Generator:
         self.close()
 
 
-def auto_tree_spec(export_dir) -> str:
-    """`static:DIR/tree_auto.json`, the tree `arborspec tune` chose, or one line saying how to
-    make it."""
-    path = Path(export_dir) / AUTO_TREE_FILE
+def auto_tree_file(export_dir, draft: str | None = None) -> Path:
+    """Where `arborspec tune --export-dir DIR [--draft SPEC]` writes its tree: DIR/tree_auto.json
+    for the export's own draft, DIR/tree_auto.SPEC.json for another (`lookup`, `export+lookup`:
+    each draft gets the tree tuned for it)."""
+    d = (draft or "export").strip().lower()
+    if d in ("export", "eagle3"):
+        return Path(export_dir) / AUTO_TREE_FILE
+    return Path(export_dir) / f"tree_auto.{re.sub(r'[^a-z0-9_.-]+', '_', d)}.json"
+
+
+def auto_tree_spec(export_dir, draft: str | None = None) -> str:
+    """`static:PATH` of the tree `arborspec tune` chose for this export and draft, or one line
+    saying how to make it."""
+    path = auto_tree_file(export_dir, draft)
     if not path.is_file():
-        raise MissingFileError(
-            f"tree auto: no tuned tree in {export_dir} (run `arborspec tune --export-dir {export_dir}` first)"
-        )
+        how = f"arborspec tune --export-dir {export_dir}" + (f" --draft {draft}" if path.name != AUTO_TREE_FILE else "")
+        raise MissingFileError(f"tree auto: no tuned tree {path.name} in {export_dir} (run `{how}` first)")
     return f"static:{path}"

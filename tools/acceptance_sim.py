@@ -133,6 +133,55 @@ def eagle3_depth_ranks(
     return ranks
 
 
+@torch.inference_mode()
+def source_depth_ranks(target, draft, seq: list[int], start: int, k: int, max_depth: int) -> torch.Tensor:
+    """[max_depth, n] ranks for ANY draft source, through the draft-source interface itself
+    (reset / start_topk / expand_topk / commit, as decoding calls them): for every root
+    position r >= start - 1, the rank of seq[r+d] among the top-k target ids at depth d of a
+    chain of the true tokens seq[r+1..r+d-1] (k: not in the top-k, or no such step). A chain
+    stops at the first miss (deeper ranks cannot be accepted), and each root is committed with
+    no path, so the source's state after root r is the state decoding has there. Exact for
+    sources whose candidates depend on the path (lookup, a mixed draft); one draft call per
+    depth per position, so it is for calibration-sized runs (a few hundred positions)."""
+    from arborspec.runtime.drafts import NodeView
+    from arborspec.runtime.kvcache import KVCache
+    from arborspec.runtime.trees import ChainTree, Tree
+
+    n = len(seq)
+    ranks = torch.full((max_depth, n), k, dtype=torch.long)
+    feats = None
+    if getattr(draft, "needs_target_features", False):
+        dev = target.device
+        cache = KVCache(target.info.cache, n, 1, dev)
+        step = max(1, min(128, target.info.max_tokens or 128))
+        parts = []
+        for a, b, mask in causal_chunks(n, step):
+            ids, pos = torch.tensor([seq[a:b]], device=dev), torch.arange(a, b, device=dev)[None]
+            parts.append(target.forward_features(ids, pos, mask.to(dev), cache)[1][0].float().cpu())
+            cache.length = b
+        feats = torch.cat(parts)
+    tmap = draft.token_map
+    to_target = (lambda t: tmap[t]) if tmap is not None else (lambda t: t)  # noqa: E731
+    tril = torch.ones(max_depth, max_depth, dtype=torch.bool).tril()
+    none = torch.zeros(0, dtype=torch.long)
+    draft.prepare(ChainTree(max_depth), n + max_depth + 2)
+    draft.reset(seq[: start - 1], feats[: start - 1] if feats is not None else None)
+    for r in range(start - 1, n - 1):
+        out = draft.start_topk(seq[r], k)
+        for d in range(1, max_depth + 1):
+            j = r + d
+            hit = (to_target(out.indices[-1]) == seq[j]).nonzero()
+            ranks[d - 1, j] = int(hit[0, 0]) if hit.numel() else k
+            if not hit.numel() or d == max_depth or j + 1 >= n:
+                break
+            toks = torch.tensor(seq[r + 1 : j + 1])
+            nodes = NodeView(toks, torch.arange(1, d + 1), torch.arange(-1, d - 1), tril[:d, :d])
+            out = draft.expand_topk(nodes, torch.tensor([d - 1]), k)
+        root_only = Tree.empty()
+        draft.commit(root_only, none, feats[r : r + 1] if feats is not None else None)
+    return ranks
+
+
 def measure_acceptance(
     target,
     draft,
@@ -147,8 +196,14 @@ def measure_acceptance(
     """Sequoia's positional acceptance vector, per depth, from greedy decoding of the prompts.
     `runs` (not JSON: tune drops it) keeps each prompt's ranks for `simulated_tokens_per_step`."""
     from arborspec.runtime.decode import SpeculativeDecoder
+    from arborspec.runtime.drafts import BigramDraft
 
     dec = SpeculativeDecoder(target, mode="vanilla")
+    # fast paths: an EAGLE-3 head (many positions per head call), a model engine or a bigram
+    # table (one causal pass); anything else goes through the draft-source interface
+    eagle3 = getattr(draft, "needs_target_features", False) and getattr(draft, "lookup", None) is None
+    text_model = isinstance(draft, BigramDraft) or (hasattr(draft, "forward") and hasattr(draft, "info"))
+    generic = not (eagle3 or text_model)
     hits = [[0] * k for _ in range(max_depth)]
     counts = [0] * max_depth
     runs = []
@@ -158,7 +213,11 @@ def measure_acceptance(
         seq = list(p) + gen
         if len(gen) < 1:
             continue
-        if getattr(draft, "needs_target_features", False):  # EAGLE-3: ranks depend on the depth
+        if generic:  # lookup, a mixed draft, any other source: ranks depend on the path
+            by_depth = source_depth_ranks(target, draft, seq, len(p), k, max_depth).tolist()
+            rank_at = lambda j, d: by_depth[d - 1][j]  # noqa: E731
+            runs.append({"by_depth": by_depth, "start": len(p), "end": len(seq)})
+        elif getattr(draft, "needs_target_features", False):  # EAGLE-3: ranks depend on the depth
             by_depth = eagle3_depth_ranks(target, draft, seq, k, max_depth).tolist()
             rank_at = lambda j, d: by_depth[d - 1][j]  # noqa: E731
             runs.append({"by_depth": by_depth, "start": len(p), "end": len(seq)})

@@ -77,7 +77,12 @@ def split_tree_specs(values: list[str] | None) -> list[str]:
 
 
 def build_configs(
-    modes: list[str], trees: list[str], chain: str, baselines: list[str], lookup_trees: list[str] = ()
+    modes: list[str],
+    trees: list[str],
+    chain: str,
+    baselines: list[str],
+    lookup_trees: list[str] = (),
+    mix_trees: list[str] = (),
 ) -> list[BenchConfig]:
     from arborspec.runtime.trees import ChainTree, parse_tree_spec
 
@@ -104,6 +109,9 @@ def build_configs(
     for spec in lookup_trees:  # the lookup draft next to the models' draft, in the same run
         pol = parse_tree_spec(spec)
         cfgs.append(BenchConfig(f"lookup+{pol.spec}", "ours", "tree", pol.spec, pol.kind, pol.max_nodes, "lookup"))
+    for spec in mix_trees:  # the models' draft mixed with lookup (runtime/drafts_mix.py)
+        pol = parse_tree_spec(spec)
+        cfgs.append(BenchConfig(f"mix+{pol.spec}", "ours", "tree", pol.spec, pol.kind, pol.max_nodes, "mix"))
     for b in dict.fromkeys(baselines):
         kind = "hf" if b in BASELINES else "peer"
         cfgs.append(BenchConfig(b, kind, b, None, kind, None))
@@ -153,6 +161,7 @@ def make_decoders(models, configs: list[BenchConfig], temperature: float, candid
 
     sp = SamplingParams(temperature, 0, 1.0)
     decs = {}
+    mixed = None  # one mixed draft over the models' draft, shared by the --mix-tree configs
     for c in configs:
         if c.kind != "ours":
             continue
@@ -161,6 +170,12 @@ def make_decoders(models, configs: list[BenchConfig], temperature: float, candid
             from arborspec.runtime.lookup import LookupDraft
 
             draft = LookupDraft(models.target.info.vocab_size)
+        elif c.draft == "mix":
+            from .engines import mixed_with_lookup
+
+            if mixed is None:
+                mixed = mixed_with_lookup(models.draft, models.target.info.vocab_size, spec="--mix-tree")
+            draft = mixed
         decs[c.name] = SpeculativeDecoder(
             models.target,
             draft,

@@ -9,6 +9,7 @@ a figure. Tree specs contain commas, so `--tree` is given once per spec and/or a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 from pathlib import Path
@@ -70,6 +71,14 @@ def register(sub) -> None:
         metavar="SPEC",
         help="also run the n-gram lookup draft with this tree, in the same run (repeatable; e.g. to "
         "put an EAGLE-3 or model draft next to lookup)",
+    )
+    g.add_argument(
+        "--mix-tree",
+        action="append",
+        default=None,
+        metavar="SPEC",
+        help="also run the models' draft mixed with the lookup draft (as --draft BASE+lookup) with "
+        "this tree, in the same run (repeatable)",
     )
     g.add_argument(
         "--baselines",
@@ -187,16 +196,18 @@ def run(args) -> int:
     # validate specs before loading models (the export default tree is filled in below)
     # (`auto` stands for the tuned tree, resolved once the models are open)
     lookup_trees = bench.split_tree_specs(args.lookup_tree)
+    mix_trees = bench.split_tree_specs(args.mix_tree)
     bench.build_configs(
         modes,
         [("full:3,2" if t.lower() == "auto" else t) for t in trees] or ["full:3,2"],
         args.chain,
         baselines,
         lookup_trees,
+        [("full:3,2" if t.lower() == "auto" else t) for t in mix_trees],
     )
     torch.set_num_threads(args.threads)
 
-    need_draft = any(m != "vanilla" for m in modes)
+    need_draft = any(m != "vanilla" for m in modes) or bool(mix_trees)
     if args.draft is None and args.export_dir is None:
         args.draft = "layers:4"
     models = open_models(args, need_draft=need_draft)
@@ -208,7 +219,10 @@ def run(args) -> int:
         from .tune import resolve_tree
 
         trees = [resolve_tree(t, models_key(args)) for t in trees]
-        configs = bench.build_configs(modes, trees, args.chain, baselines, lookup_trees)
+        # `auto` for the mixed draft: the tree tuned for it (tune --draft BASE+lookup)
+        mix_key = dataclasses.replace(models_key(args), draft=f"{args.draft or 'export'}+lookup")
+        mix_trees = [resolve_tree(t, mix_key) for t in mix_trees]
+        configs = bench.build_configs(modes, trees, args.chain, baselines, lookup_trees, mix_trees)
         prompts = prompt_sets.encode_prompts(prompt_sets.select_prompts(entries, args.limit_prompts), models.tokenizer)
         notes: list[str] = []
         limit = min(x for x in (models.limits.get("max_context"), models.target.info.max_position) if x)

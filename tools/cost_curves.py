@@ -83,7 +83,19 @@ def engine_cost_curve(engine, sizes: Sequence[int], past: int = 256, reps: int =
 def draft_cost_curve(draft, sizes: Sequence[int], past: int = 256, reps: int = 5, progress=None) -> dict:
     """{F: ms} of one draft level call over F frontier nodes (an engine call, or a table gather)."""
     from arborspec.runtime.drafts import BigramDraft
+    from arborspec.runtime.lookup import LookupDraft
 
+    if isinstance(draft, LookupDraft):  # a table lookup per node, no model
+        probe = draft.fork()
+        g = torch.Generator().manual_seed(0)
+        probe.reset(torch.randint(0, 64, (past,), generator=g).tolist())  # a small alphabet: every n-gram hits
+        tail = probe.ctx[-probe.max_n :]
+        return _time_sizes({int(f): (lambda f=f: probe._topk([tail] * f, 8, True)) for f in sizes}, reps)
+    if getattr(draft, "lookup", None) is not None:  # a mixed draft: its model's calls (lookup: ~0.1 ms)
+        base = draft.base
+        if not getattr(base, "needs_target_features", False) and hasattr(base, "engine"):
+            base = base.engine  # a ModelDraft: its engine's level call
+        return draft_cost_curve(base, sizes, past, reps, progress)
     if getattr(draft, "needs_target_features", False):
         return head_cost_curve(draft.engine, sizes, past, reps)  # an EAGLE-3 head
     if isinstance(draft, BigramDraft):

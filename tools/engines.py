@@ -50,8 +50,9 @@ def add_model_args(p, draft_default: str | None = None) -> None:
         default=draft_default,
         help="draft: layers:K (first K target layers), bigram (table from the target), "
         "lookup[:N] (n-gram prompt lookup, any backend), eagle3:FOLDER (an EAGLE-3 "
-        "checkpoint, torch backend), none, or a model name/path with the same vocabulary "
-        "(torch backend)",
+        "checkpoint, torch backend), none, a model name/path with the same vocabulary "
+        "(torch backend), or BASE+lookup[:N]: a model draft mixed with lookup (eagle3+lookup; "
+        "export+lookup for an export folder's own draft)",
     )
     g.add_argument(
         "--export-dir", type=Path, help="export folder from `arborspec export` (onnxruntime and tensorrt backends)"
@@ -136,6 +137,13 @@ def open_engines(
     `export_dir` (onnxruntime, tensorrt). `draft lookup[:N]` (a runtime-only n-gram draft)
     works with every backend, also on top of an export folder whose own draft it replaces."""
     backend = backend or ("torch" if model else "onnxruntime")
+    from arborspec.runtime.drafts_mix import split_mix_spec
+
+    mix = split_mix_spec(draft) if need_draft else None
+    if backend == "torch" and mix:  # BASE+lookup[:N]: the model draft mixed with lookup
+        models = open_engines(model, mix[0], export_dir, backend, device, engine_dir, verify, need_draft)
+        models.draft = mixed_with_lookup(models.draft, models.target.info.vocab_size, mix[1], draft)
+        return models
     if backend == "torch":
         if not model:
             raise UserError("--backend torch needs --model NAME|PATH")
@@ -171,6 +179,20 @@ def open_engines(
         describe=f"{export_dir} ({backend}, {device})",
         owner=ex,
     )
+
+
+def mixed_with_lookup(draft, vocab_size: int, max_ngram: int = 3, spec: str = ""):
+    """A model draft (DraftSource or engine) mixed with a lookup draft (runtime/drafts_mix.py)."""
+    from arborspec.runtime.decode import as_draft_source
+    from arborspec.runtime.drafts_mix import LookupMixDraft
+    from arborspec.runtime.lookup import LookupDraft
+
+    base = as_draft_source(draft)
+    if isinstance(base, LookupMixDraft):
+        raise UserError(f"{spec}: the draft is already mixed with lookup (--draft BASE+lookup): use --tree")
+    if base is None:
+        raise UserError(f"--draft {spec!r}: there is no model draft to mix with lookup")
+    return LookupMixDraft(base, LookupDraft(vocab_size, max_ngram=max_ngram))
 
 
 def _open_torch(model, draft_spec: str | None, device: str, need_draft: bool) -> OpenModels:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from arborspec.runtime.errors import InputError, MissingFileError, OutputError
 from arborspec.runtime.fileio import atomic_write_json
+from arborspec.runtime.generator import auto_tree_file
 
 from .acceptance_sim import (  # noqa: F401 - the tuning API, re-exported
     draft_topk_ranks,
@@ -116,7 +117,7 @@ def auto_tree_path(key: ModelsKey) -> Path:
     """Where `--tree auto` looks: EXPORT_DIR/tree_auto.json, or the user cache for --model
     runs, keyed by model + draft + backend + device."""
     if key.export_dir:
-        return Path(key.export_dir) / AUTO_FILE
+        return auto_tree_file(key.export_dir, key.draft)
     from arborspec.models.registry import cache_dir
 
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{Path(str(key.model)).name}-{Path(str(key.draft or 'none')).name}")[:80]
@@ -133,8 +134,9 @@ def resolve_tree(spec: str | None, key: ModelsKey | None = None) -> str | None:
     path = auto_tree_path(key)
     if not path.is_file():
         be = f" --backend {key.backend}" if key.backend else ""
+        own = path.name == AUTO_FILE  # the export's own draft
         how = (
-            f"arborspec tune --export-dir {key.export_dir}{be}"
+            f"arborspec tune --export-dir {key.export_dir}{'' if own else f' --draft {key.draft}'}{be}"
             if key.export_dir
             else f"arborspec tune --model {key.model} --draft {key.draft}{be}"
         )
