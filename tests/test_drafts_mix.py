@@ -206,3 +206,20 @@ def test_tune_and_tree_auto_per_draft_on_an_export(tmp_path, capsys):
     assert "tree_auto.export_lookup.json" in json.dumps(out)
     with Generator.from_export(e, draft="export+lookup", tree="auto") as g:
         assert "tree_auto.export_lookup.json" in str(g.tree)
+
+
+def test_batched_decoding_with_a_mixed_draft_equals_decoding_alone(target, tmp_path):
+    """Batched: every sequence drafts through its own fork (its own head cache and lookup index)
+    and equals decoding it alone, with the same verify steps."""
+    from arborspec.runtime.batch_decode import BatchDecoder
+
+    eng = TorchEngine(target)
+    prompts = [PROMPT, [4], [3, 3, 8, 1, 6, 3, 3, 8, 1], [7, 2]]
+
+    def mixed():
+        return LookupMixDraft(eagle3_draft(target, tmp_path), LookupDraft(96, max_ngram=2))
+
+    ref = [SpeculativeDecoder(eng, mixed(), tree="full:2,2").generate(p, 20) for p in prompts]
+    got = BatchDecoder(eng, mixed(), tree="full:2,2", max_batch=3).generate_many(prompts, 20)
+    assert [s.tokens for s in got] == [r.tokens for r in ref]
+    assert [s.stats.steps for s in got] == [r.stats.steps for r in ref]

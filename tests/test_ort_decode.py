@@ -96,7 +96,7 @@ def test_ort_greedy_equals_torch_and_vanilla(engines, spec, static_file):
 
 # ----------------------------------------------------------------------------- SmolLM2
 def _smollm2_export() -> Path | None:
-    """The cached SmolLM2 export shared with `make demo`; exported here only with ARBORSPEC_SLOW=1."""
+    """A cached SmolLM2 export with a layers:4 draft; exported here only with ARBORSPEC_SLOW=1."""
     from arborspec.models.registry import cache_dir, smollm2_available
 
     if not smollm2_available():
@@ -105,7 +105,7 @@ def _smollm2_export() -> Path | None:
     if (out / "manifest.json").is_file():
         return out
     if os.environ.get("ARBORSPEC_SLOW") != "1":
-        pytest.skip(f"no cached SmolLM2 export at {out} (about 4 min to make: set ARBORSPEC_SLOW=1 or run `make demo`)")
+        pytest.skip(f"no cached SmolLM2 export at {out} (about 4 min to make: set ARBORSPEC_SLOW=1)")
     export_folder("smollm2-135m", out, draft="layers:4", progress=False)
     return out
 
