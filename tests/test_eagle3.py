@@ -554,3 +554,60 @@ def test_quantised_eagle3_head_decodes_like_vanilla(tmp_path, capsys, bits):
     )
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "--draft eagle3" in err and not (tmp_path / "c").exists()
+
+
+def test_a_context_window_keeps_decoding_exact_and_tune_replays_it(target, tmp_path):
+    """Eagle3Draft(context=N) reads only the prompt's last N entries: greedy output still equals
+    vanilla, the head's cache after the first step equals a fresh prefill of those entries, and
+    tune's per-depth ranks (masked the same way) replay the real decoding steps exactly."""
+    from arborspec.tools.acceptance_sim import (
+        eagle3_depth_ranks,
+        measure_acceptance,
+        simulate_greedy_steps,
+        source_depth_ranks,
+        spec_paths,
+    )
+
+    eng = TorchEngine(target)
+    prompt = [5, 9, 2, 7, 1, 11, 4, 8, 3, 6, 12, 5, 9, 2]
+    ref = SpeculativeDecoder(eng, mode="vanilla").generate(prompt, 20).tokens
+    draft = _draft(target, tmp_path, draft_vocab=60, seed=4, scale=0.5)
+    draft.context = 4
+    dec = SpeculativeDecoder(eng, draft, tree="full:2,2")
+    assert dec.generate(prompt, 20).tokens == ref
+    draft.prepare(dec.policy, 64)
+    m = len(prompt) - 1  # decoding prefills all but the last prompt token
+    w = len(prompt)
+    ids = torch.tensor([prompt])
+    _, feats = eng.forward_features(
+        ids, torch.arange(w)[None], torch.ones(w, w, dtype=torch.bool).tril()[None], KVCache(eng.info.cache, w, 1)
+    )
+    draft.reset(prompt[:m], feats[0, :m])
+    draft.start(prompt[m])
+    kept = list(range(m - 1 - 4, m))  # the last 4 queued entries, then the root's
+    assert draft.cache.length == len(kept)
+    fresh = KVCache(draft.spec, len(kept) + 1, 1)
+    with torch.no_grad():
+        _, _, k, v = draft.engine.head(
+            draft.engine.embed[torch.tensor([prompt[i + 1] for i in kept])][None],
+            draft.engine.head.project(feats[0, kept])[None],
+            torch.arange(len(kept))[None],
+            torch.ones(len(kept), len(kept), dtype=torch.bool).tril()[None],
+            *fresh.past(0),
+        )
+    n = len(kept)
+    assert torch.allclose(draft.cache.k[0, :n], k, atol=1e-4) and torch.allclose(draft.cache.v[0, :n], v, atol=1e-4)
+    # the first-level ranks tune measures with the window masked == those of the draft itself
+    # (through the draft-source interface), and the mask matters (without it they differ); k =
+    # the whole draft vocabulary, so every rank of a drafted token is informative
+    seq = prompt + ref
+    masked = eagle3_depth_ranks(eng, draft, seq, 60, 2, start=len(prompt))[0, len(prompt) :]
+    real = source_depth_ranks(eng, draft, seq, len(prompt), 60, 2)[0, len(prompt) :]
+    unmasked = eagle3_depth_ranks(eng, draft, seq, 60, 2)[0, len(prompt) :]
+    assert (real < 60).sum() >= 8 and torch.equal(masked, real) and not torch.equal(unmasked, real)
+    paths = spec_paths("full:2,3")
+    prompts = [prompt, [3, 8, 8, 4, 1, 9, 2, 7, 7, 5]]
+    acc = measure_acceptance(eng, draft, prompts, 24, 8, 4)
+    for p, run in zip(prompts, acc["runs"]):
+        res = SpeculativeDecoder(eng, draft, tree="full:2,3").generate(p, 24)
+        assert simulate_greedy_steps(None, run["start"], run["end"], paths, run["by_depth"]) == res.stats.steps

@@ -61,7 +61,7 @@ def draft_topk_ranks(draft, seq: list[int], k: int, chunk: int = 128) -> torch.T
 
 @torch.inference_mode()
 def eagle3_depth_ranks(
-    target, draft, seq: list[int], k: int, max_depth: int, chunk: int = 128, block: int = 256
+    target, draft, seq: list[int], k: int, max_depth: int, chunk: int = 128, block: int = 256, start: int | None = None
 ) -> torch.Tensor:
     """[max_depth, n] ranks for an EAGLE-3 draft: ranks[d-1, j] is the rank of seq[j] among the
     draft's top-k target ids at depth d of a step rooted at seq[j-d] whose path is the true
@@ -70,7 +70,9 @@ def eagle3_depth_ranks(
     pass for the features, then head calls over many positions at once: depth 1 causal over the
     whole context (in chunks), then per block of rows one call per depth, whose rows attend to
     the depth-1 rows up to their own position and to their own chain's rows (the cache holds
-    the context plus (max_depth - 1) blocks, whatever the length)."""
+    the context plus (max_depth - 1) blocks, whatever the length). `start` (the prompt's length)
+    with a draft whose `context` limits the prompt entries it reads: the entries decoding drops
+    are masked out here too (RoPE attention: the same distances, so the same ranks)."""
     from arborspec.runtime.kvcache import KVCache
 
     n = len(seq)
@@ -89,6 +91,11 @@ def eagle3_depth_ranks(
     head = draft.engine
     dev = head.device
     hid0 = head.project(torch.cat(feats)[:m]).float().cpu()  # [m, H]
+    ctx = getattr(draft, "context", None)
+    # decoding prefills the prompt but its last token (the first root): it queues entries
+    # 0 .. start - 3 and keeps the last `context` of them
+    s0 = max(0, start - 2 - ctx) if ctx is not None and start is not None else 0
+    seen = torch.arange(m) >= s0  # the entries a row past s0 may attend to
     ids_all = torch.tensor(seq + [0] * (max_depth + 2))  # padded: rows past the end are ignored
     tmap = draft.token_map
     cache = KVCache(head.info.cache, m + (max_depth - 1) * block + 1, 1, dev)
@@ -114,6 +121,8 @@ def eagle3_depth_ranks(
     out0 = []
     for a, b, mask in causal_chunks(m, chunk):
         i = torch.arange(a, b)
+        if s0:
+            mask[0, i >= s0, :b] &= seen[:b]
         out0.append(call(i, 0, hid0[i], a, mask[0]))
     out0 = torch.cat(out0)
     # depths 2..: per block of rows, each row's chain at m + (e-1)*block + row
@@ -126,7 +135,7 @@ def eagle3_depth_ranks(
                 break
             length = m + (d - 1) * block
             mask = torch.zeros(len(i), length + len(i), dtype=torch.bool)
-            mask[:, :m] = torch.arange(m)[None, :] <= i[:, None]
+            mask[:, :m] = (torch.arange(m)[None, :] <= i[:, None]) & (seen[None, :] | (i[:, None] < s0))
             for e in range(1, d + 1):
                 mask[r, m + (e - 1) * block + r] = True
             hidden = call(i, d, hidden, length, mask)
@@ -218,7 +227,7 @@ def measure_acceptance(
             rank_at = lambda j, d: by_depth[d - 1][j]  # noqa: E731
             runs.append({"by_depth": by_depth, "start": len(p), "end": len(seq)})
         elif getattr(draft, "needs_target_features", False):  # EAGLE-3: ranks depend on the depth
-            by_depth = eagle3_depth_ranks(target, draft, seq, k, max_depth).tolist()
+            by_depth = eagle3_depth_ranks(target, draft, seq, k, max_depth, start=len(p)).tolist()
             rank_at = lambda j, d: by_depth[d - 1][j]  # noqa: E731
             runs.append({"by_depth": by_depth, "start": len(p), "end": len(seq)})
         else:  # the draft sees only text: a token's rank is the same at every depth
