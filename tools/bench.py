@@ -174,7 +174,7 @@ def make_decoders(models, configs: list[BenchConfig], temperature: float, candid
             from .engines import mixed_with_lookup
 
             if mixed is None:
-                mixed = mixed_with_lookup(models.draft, models.target.info.vocab_size, spec="--mix-tree")
+                mixed = mixed_with_lookup(models.draft, models.target.info.vocab_size, what="--mix-tree")
             draft = mixed
         decs[c.name] = SpeculativeDecoder(
             models.target,

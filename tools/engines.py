@@ -142,7 +142,7 @@ def open_engines(
     mix = split_mix_spec(draft) if need_draft else None
     if backend == "torch" and mix:  # BASE+lookup[:N]: the model draft mixed with lookup
         models = open_engines(model, mix[0], export_dir, backend, device, engine_dir, verify, need_draft)
-        models.draft = mixed_with_lookup(models.draft, models.target.info.vocab_size, mix[1], draft)
+        models.draft = mixed_with_lookup(models.draft, models.target.info.vocab_size, mix[1], f"--draft {draft}")
         return models
     if backend == "torch":
         if not model:
@@ -181,17 +181,18 @@ def open_engines(
     )
 
 
-def mixed_with_lookup(draft, vocab_size: int, max_ngram: int = 3, spec: str = ""):
-    """A model draft (DraftSource or engine) mixed with a lookup draft (runtime/drafts_mix.py)."""
+def mixed_with_lookup(draft, vocab_size: int, max_ngram: int = 3, what: str = "--draft BASE+lookup"):
+    """A model draft (DraftSource or engine) mixed with a lookup draft (runtime/drafts_mix.py);
+    `what`: the option asking for it, for the error line."""
     from arborspec.runtime.decode import as_draft_source
     from arborspec.runtime.drafts_mix import LookupMixDraft
     from arborspec.runtime.lookup import LookupDraft
 
     base = as_draft_source(draft)
     if isinstance(base, LookupMixDraft):
-        raise UserError(f"{spec}: the draft is already mixed with lookup (--draft BASE+lookup): use --tree")
+        raise UserError(f"{what}: the draft is already mixed with lookup (--draft BASE+lookup): use --tree")
     if base is None:
-        raise UserError(f"--draft {spec!r}: there is no model draft to mix with lookup")
+        raise UserError(f"{what}: there is no model draft to mix with lookup")
     return LookupMixDraft(base, LookupDraft(vocab_size, max_ngram=max_ngram))
 
 
