@@ -20,6 +20,7 @@ EXAMPLE = """examples:
       --chat --prompt 'Write a haiku about trees.' --max-new-tokens 64
   arborspec generate --export-dir ~/.cache/arborspec/exports/smollm2 --backend onnxruntime \\
       --temperature 0.8 --top-p 0.95 --n 3 --seed 1 --prompt 'Once upon a time' --json
+  arborspec generate --export-dir E3Q --draft export+lookup --tree auto --chat --prompt 'Sort: pears, apples'
   arborspec generate --model tiny.pt --draft bigram --prompt-ids 1,2,3 --json"""
 
 

@@ -19,6 +19,7 @@ from .engines import add_model_args, models_key, open_models
 EXAMPLE = """examples:
   arborspec tune --model smollm2-135m --draft layers:2 --plot tune.png
   arborspec tune --export-dir ~/.cache/arborspec/exports/smollm2 --backend onnxruntime --max-nodes 32
+  arborspec tune --export-dir E3Q --draft export+lookup   # the export's draft mixed with lookup: its own tree
   arborspec generate --model smollm2-135m --draft layers:2 --tree auto --prompt 'Hello'"""
 
 
