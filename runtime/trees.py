@@ -13,7 +13,9 @@ Spec strings (CLI `--tree`):
   beam:4,16,16     per level, the global top-n children of the whole frontier by cumulative
                    draft log-prob (LongSpec's beam tree)
   dynamic:K,D,N    EAGLE-2: expand the top-K nodes of each level by cumulative log-prob,
-                   K children each, D levels, then keep the best N nodes overall
+                   K children each, D levels, then keep the best N nodes overall;
+  dynamic:K,D,N,P  the same, keeping only nodes whose cumulative draft probability is >= P
+                   (0 < P < 1): the tree is as large as the draft is sure, step by step
   static:FILE.json explicit paths of child ranks, Medusa style: [[0],[1],[0,0],[0,1],...]
 """
 
@@ -116,14 +118,23 @@ class DynamicTree(TreePolicy):
     kind = "dynamic"
     data_dependent = True
 
-    def __init__(self, k: int, depth: int, budget: int, spec: str = ""):
+    def __init__(self, k: int, depth: int, budget: int, spec: str = "", min_prob: float | None = None):
         if k < 1 or depth < 1 or budget < 1:
             raise TreeSpecError("dynamic:K,D,N needs K, D, N >= 1")
+        if min_prob is not None and not 0.0 < min_prob < 1.0:
+            raise TreeSpecError(f"dynamic:K,D,N,P needs 0 < P < 1, got {min_prob}")
         self.k, self.depth, self.budget = k, depth, budget
-        self.spec = spec or f"dynamic:{k},{depth},{budget}"
+        self.min_logp = float(np.log(min_prob)) if min_prob is not None else None
+        tail = f",{min_prob:g}" if min_prob is not None else ""
+        self.spec = spec or f"dynamic:{k},{depth},{budget}{tail}"
 
     def width(self, level):
         return self.k
+
+    def select(self, level, scores):
+        if self.min_logp is None:
+            return np.ones(scores.shape, dtype=bool)
+        return scores >= self.min_logp
 
     def expand(self, level, scores):
         return _top_mask(scores, self.k)
@@ -211,7 +222,7 @@ def parse_tree_spec(spec: str, base_dir: str | None = None) -> TreePolicy:
     if not isinstance(spec, str) or ":" not in spec:
         raise TreeSpecError(
             f"malformed tree spec {spec!r}: expected chain:K, full:D,W, beam:n1,n2,..., "
-            "dynamic:K,D,N or static:FILE.json"
+            "dynamic:K,D,N[,P] or static:FILE.json"
         )
     kind, _, rest = spec.partition(":")
     kind = kind.strip().lower()
@@ -229,6 +240,15 @@ def parse_tree_spec(spec: str, base_dir: str | None = None) -> TreePolicy:
         if not isinstance(data, list):
             raise TreeSpecError(f"static tree file {path}: expected a list of paths")
         return StaticTree(data, spec)
+    if kind == "dynamic" and rest.count(",") == 3:  # dynamic:K,D,N,P (P a probability)
+        head, _, p = rest.rpartition(",")
+        try:
+            prob = float(p)
+        except ValueError:
+            raise TreeSpecError(f"malformed tree spec {spec!r}: P in dynamic:K,D,N,P is a probability") from None
+        vals = _ints(head, spec)
+        if len(vals) == 3:
+            return DynamicTree(*vals, spec=spec, min_prob=prob)
     vals = _ints(rest, spec)
     if kind == "chain" and len(vals) == 1:
         return ChainTree(vals[0], spec)
@@ -239,7 +259,7 @@ def parse_tree_spec(spec: str, base_dir: str | None = None) -> TreePolicy:
     if kind == "dynamic" and len(vals) == 3:
         return DynamicTree(*vals, spec=spec)
     raise TreeSpecError(
-        f"malformed tree spec {spec!r}: expected chain:K, full:D,W, beam:n1,n2,..., dynamic:K,D,N or static:FILE.json"
+        f"malformed tree spec {spec!r}: expected chain:K, full:D,W, beam:n1,n2,..., dynamic:K,D,N[,P] or static:FILE.json"
     )
 
 

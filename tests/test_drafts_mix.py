@@ -26,7 +26,7 @@ from arborspec.runtime.lookup import LookupDraft
 from arborspec.runtime.sampling import SamplingParams
 from arborspec.runtime.trees import StaticTree
 
-POLICIES = ["chain:3", "full:2,2", "beam:2,3,3", "dynamic:3,3,8", "static"]
+POLICIES = ["chain:3", "full:2,2", "beam:2,3,3", "dynamic:3,3,8", "dynamic:2,5,8,0.2", "static"]
 # a prompt that repeats itself, so lookup finds continuations and the mixture is exercised
 PROMPT = [5, 9, 2, 7, 1, 5, 9, 2, 7, 3, 5, 9, 2]
 
@@ -223,3 +223,41 @@ def test_batched_decoding_with_a_mixed_draft_equals_decoding_alone(target, tmp_p
     got = BatchDecoder(eng, mixed(), tree="full:2,2", max_batch=3).generate_many(prompts, 20)
     assert [s.tokens for s in got] == [r.tokens for r in ref]
     assert [s.stats.steps for s in got] == [r.stats.steps for r in ref]
+
+
+def test_a_probability_floor_sizes_the_tree_step_by_step(target, tmp_path):
+    """dynamic:K,D,N,P keeps only nodes whose cumulative draft probability is >= P: the trees
+    shrink where the draft is unsure (down to none: a plain one-token step), every node kept
+    clears the floor, and the output still equals vanilla."""
+    from arborspec.runtime.drafting import draft_tree
+    from arborspec.runtime.trees import parse_tree_spec
+
+    eng = TorchEngine(target)
+    ref = SpeculativeDecoder(eng, mode="vanilla").generate(PROMPT, 30).tokens
+    sizes = {}
+    for spec in ("dynamic:2,5,8", "dynamic:2,5,8,0.3"):
+        mix = LookupMixDraft(eagle3_draft(target, tmp_path), LookupDraft(96, max_ngram=2))
+        dec = SpeculativeDecoder(eng, mix, tree=spec)
+        r = dec.generate(PROMPT, 30)
+        assert r.tokens == ref
+        sizes[spec] = r.stats.tree_nodes / r.stats.steps
+    assert sizes["dynamic:2,5,8,0.3"] < sizes["dynamic:2,5,8"]
+    pol = parse_tree_spec("dynamic:2,5,8,0.3")
+    mix = LookupMixDraft(eagle3_draft(target, tmp_path), LookupDraft(96, max_ngram=2))
+    mix.prepare(pol, 64)
+    mix.reset(PROMPT[:-1], None if not mix.needs_target_features else _features(eng, PROMPT[:-1]))
+    tree = draft_tree(mix, pol, PROMPT[-1], SamplingParams())
+    assert tree.n <= 8 and bool((tree.score >= math.log(0.3) - 1e-6).all())
+
+
+def _features(eng, ids):
+    from arborspec.runtime.kvcache import KVCache
+
+    n = len(ids)
+    _, f = eng.forward_features(
+        torch.tensor([ids]),
+        torch.arange(n)[None],
+        torch.ones(n, n, dtype=torch.bool).tril()[None],
+        KVCache(eng.info.cache, n, 1),
+    )
+    return f[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -147,3 +148,16 @@ def test_lookup_topk_equals_topk_of_its_rows():
     fr = torch.tensor([0, 1])
     d.start(3)
     assert torch.allclose(d.expand_topk(nodes, fr, 3).values, topk_of(d.expand(nodes, fr), 3).values)
+
+
+def test_dynamic_with_a_probability_floor_parses_and_refuses_bad_values():
+    from arborspec.runtime.errors import TreeSpecError
+    from arborspec.runtime.trees import DynamicTree, parse_tree_spec
+
+    pol = parse_tree_spec("dynamic:2,6,8,0.1")
+    assert isinstance(pol, DynamicTree) and pol.max_nodes == 8 and pol.depth == 6
+    assert pol.select(1, np.log(np.array([[0.5, 0.09]]))).tolist() == [[True, False]]
+    assert parse_tree_spec("dynamic:2,6,8").select(1, np.log(np.array([[0.5, 0.09]]))).all()
+    for bad in ("dynamic:2,6,8,1.5", "dynamic:2,6,8,x", "dynamic:2,6,0.1"):
+        with pytest.raises(TreeSpecError):
+            parse_tree_spec(bad)
