@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from .drafting import _full_vocab, _to_target
 from .drafts import DraftSource, NodeView, TopK
 from .errors import InputError
 from .lookup import LookupDraft, parse_lookup_spec
@@ -88,9 +89,7 @@ class LookupMixDraft(DraftSource):
     # ------------------------------------------------------------------ full rows
     def _mix_rows(self, model_logits: torch.Tensor, lookup_logp: torch.Tensor) -> torch.Tensor:
         """log q [F, V_target] from the model's logits [F, V_draft] and lookup's log-probs."""
-        pm = torch.softmax(model_logits.float().cpu(), -1)
-        if self._tmap is not None:
-            pm = torch.zeros(pm.shape[0], self.vocab_size).index_copy_(1, self._tmap, pm)
+        pm = _full_vocab(torch.softmax(model_logits.float().cpu(), -1), self._tmap, self.vocab_size)
         pl = torch.exp(lookup_logp.float())  # 0 where lookup has nothing
         hit = (pl.sum(-1, keepdim=True) > 0).float()
         w = self.weight * hit
@@ -106,8 +105,7 @@ class LookupMixDraft(DraftSource):
     def _mix_topk(self, m: TopK, lk: TopK, k: int) -> TopK:
         """The top-k of q among both sources' top-k candidates (vectorised over rows; duplicate
         tokens merged): values log q (a lower bound where a source's tail is cut off)."""
-        mi = m.indices.cpu()
-        mt = self._tmap[mi] if self._tmap is not None else mi
+        mt = _to_target(m.indices.cpu(), self._tmap)
         mp = torch.exp(m.values.float().cpu())
         lp = torch.exp(lk.values.float().cpu())  # 0 for missing entries
         lt = torch.where(lp > 0, lk.indices.cpu(), torch.full_like(lk.indices.cpu(), -1))

@@ -64,6 +64,14 @@ class OpenedExport:
         self.close()
 
 
+def int8_activation_level(target: dict | None) -> int:
+    """The MatMulNBits accuracy level of a manifest's target entry when it computes with int8
+    activations (>= 4), else 0."""
+    q = (target or {}).get("quantization") or {}
+    level = int(q.get("accuracy_level") or 0)
+    return level if q.get("format", "matmulnbits") == "matmulnbits" and level >= 4 else 0
+
+
 def inexact_speculation_reason(man: Manifest) -> str | None:
     """Why verifying T tokens in one target call can give other logits than T one-token calls
     on this export, or None. ONNX Runtime's MatMulNBits at accuracy level 4 quantises the
@@ -71,9 +79,8 @@ def inexact_speculation_reason(man: Manifest) -> str | None:
     SmolLM2-135M int4: the logits of 16 tokens of text verified in one call and one by one
     differ by up to 2.6), so speculative output drifts from vanilla wherever the top two are
     close; at level 0 (float) the two agree to 1e-4."""
-    q = (man.target or {}).get("quantization") or {}
-    level = q.get("accuracy_level") or 0
-    if q.get("format") == "matmulnbits" and int(level) >= 4:
+    level = int8_activation_level(man.target)
+    if level:
         return (
             f"{man.root}: the target computes with int8 activations (--accuracy-level {level}), whose logits "
             "depend on how many tokens a call verifies, so chain/tree output can differ from vanilla "

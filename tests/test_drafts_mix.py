@@ -7,13 +7,13 @@ bad specs are one line."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
 import torch
 from conftest import random_model, tiny_config, truncated
 from lossless_util import chi_square_pvalue, exact_two_token_distribution, sample_two_tokens
+from test_eagle3 import SAMPLING_CASES, sampling_target
 from test_eagle3 import _draft as eagle3_draft
 
 from arborspec.models.eagle3 import default_aux_layers
@@ -91,18 +91,9 @@ def test_greedy_with_a_mixed_draft_equals_vanilla(target, tmp_path, spec):
         assert dec.generate([4], 12).tokens == SpeculativeDecoder(eng, mode="vanilla").generate([4], 12).tokens
 
 
-@pytest.mark.parametrize(
-    "cand,sp,spec",
-    [
-        ("topk", SamplingParams(1.0), "full:2,3"),
-        ("sample", SamplingParams(0.8, 0, 0.9), "full:2,3"),
-        ("sample-unique", SamplingParams(1.0), "chain:2"),
-    ],
-)
+@pytest.mark.parametrize("cand,sp,spec", SAMPLING_CASES)
 def test_sampling_with_a_mixed_draft_is_lossless(tmp_path, cand, sp, spec):
-    cfg = dataclasses.replace(tiny_config("llama", vocab=8, layers=4, hidden=64, heads=4, kv=2), tie_embeddings=False)
-    m = random_model(cfg, seed=5, scale=2.0)
-    m.feature_layers = default_aux_layers(4)
+    m = sampling_target()
     eng = TorchEngine(m)
     prompt = [1, 3, 2, 1, 3, 5, 1, 3]  # lookup proposes after "1 3", the head everywhere
     exact = exact_two_token_distribution(eng, prompt, sp)
@@ -231,6 +222,7 @@ def test_a_probability_floor_sizes_the_tree_step_by_step(target, tmp_path):
     clears the floor, and the output still equals vanilla."""
     from arborspec.runtime.drafting import draft_tree
     from arborspec.runtime.trees import parse_tree_spec
+    from arborspec.tools.acceptance_sim import target_features
 
     eng = TorchEngine(target)
     ref = SpeculativeDecoder(eng, mode="vanilla").generate(PROMPT, 30).tokens
@@ -245,19 +237,6 @@ def test_a_probability_floor_sizes_the_tree_step_by_step(target, tmp_path):
     pol = parse_tree_spec("dynamic:2,5,8,0.3")
     mix = LookupMixDraft(eagle3_draft(target, tmp_path), LookupDraft(96, max_ngram=2))
     mix.prepare(pol, 64)
-    mix.reset(PROMPT[:-1], None if not mix.needs_target_features else _features(eng, PROMPT[:-1]))
+    mix.reset(PROMPT[:-1], target_features(eng, PROMPT[:-1]))
     tree = draft_tree(mix, pol, PROMPT[-1], SamplingParams())
     assert tree.n <= 8 and bool((tree.score >= math.log(0.3) - 1e-6).all())
-
-
-def _features(eng, ids):
-    from arborspec.runtime.kvcache import KVCache
-
-    n = len(ids)
-    _, f = eng.forward_features(
-        torch.tensor([ids]),
-        torch.arange(n)[None],
-        torch.ones(n, n, dtype=torch.bool).tril()[None],
-        KVCache(eng.info.cache, n, 1),
-    )
-    return f[0]

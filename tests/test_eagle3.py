@@ -178,18 +178,24 @@ def test_draft_cache_equals_a_fresh_prefill(target, tmp_path, chunk):
     assert torch.allclose(draft.cache.k[0, :n], k, atol=1e-4) and torch.allclose(draft.cache.v[0, :n], v, atol=1e-4)
 
 
-@pytest.mark.parametrize(
-    "cand,sp,spec",
-    [
-        ("topk", SamplingParams(1.0), "full:2,3"),
-        ("sample", SamplingParams(0.8, 0, 0.9), "full:2,3"),
-        ("sample-unique", SamplingParams(1.0), "chain:2"),
-    ],
-)
-def test_eagle3_sampling_is_lossless(tmp_path, cand, sp, spec):
+# the chi-square cases (candidate mode, sampling, tree) and their target: vocabulary 8, spread
+SAMPLING_CASES = [
+    ("topk", SamplingParams(1.0), "full:2,3"),
+    ("sample", SamplingParams(0.8, 0, 0.9), "full:2,3"),
+    ("sample-unique", SamplingParams(1.0), "chain:2"),
+]
+
+
+def sampling_target():
     cfg = dataclasses.replace(tiny_config("llama", vocab=8, layers=4, hidden=64, heads=4, kv=2), tie_embeddings=False)
     m = random_model(cfg, seed=5, scale=2.0)
     m.feature_layers = default_aux_layers(4)
+    return m
+
+
+@pytest.mark.parametrize("cand,sp,spec", SAMPLING_CASES)
+def test_eagle3_sampling_is_lossless(tmp_path, cand, sp, spec):
+    m = sampling_target()
     eng = TorchEngine(m)
     draft = _draft(m, tmp_path, draft_vocab=5, seed=2, scale=0.3)  # 3 target tokens can never be drafted
     exact = exact_two_token_distribution(eng, PROMPT, sp)

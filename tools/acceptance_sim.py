@@ -60,6 +60,24 @@ def draft_topk_ranks(draft, seq: list[int], k: int, chunk: int = 128) -> torch.T
 
 
 @torch.inference_mode()
+def target_features(target, seq: list[int], chunk: int = 128) -> torch.Tensor:
+    """The target's features [n, F] for every position of `seq`: one causal pass, in calls of
+    at most `chunk` tokens (and the engine's own limit), on the CPU."""
+    from arborspec.runtime.kvcache import KVCache
+
+    n = len(seq)
+    dev = target.device
+    cache = KVCache(target.info.cache, n, 1, dev)
+    step = max(1, min(chunk, target.info.max_tokens or chunk))
+    parts = []
+    for a, b, mask in causal_chunks(n, step):
+        ids, pos = torch.tensor([seq[a:b]], device=dev), torch.arange(a, b, device=dev)[None]
+        parts.append(target.forward_features(ids, pos, mask.to(dev), cache)[1][0].float().cpu())
+        cache.length = b
+    return torch.cat(parts)
+
+
+@torch.inference_mode()
 def eagle3_depth_ranks(
     target, draft, seq: list[int], k: int, max_depth: int, chunk: int = 128, block: int = 256, start: int | None = None
 ) -> torch.Tensor:
@@ -80,17 +98,10 @@ def eagle3_depth_ranks(
     m = n - 2  # head entries i = 0..m-1 pair seq[i+1] with the features f[i]; depth 1 predicts seq[i+2]
     if m < 1:
         return ranks
-    dev = target.device
-    tcache = KVCache(target.info.cache, n, 1, dev)
-    step = max(1, min(chunk, target.info.max_tokens or chunk))
-    feats = []
-    for a, b, mask in causal_chunks(n, step):
-        ids, pos = torch.tensor([seq[a:b]], device=dev), torch.arange(a, b, device=dev)[None]
-        feats.append(target.forward_features(ids, pos, mask.to(dev), tcache)[1][0].float().cpu())
-        tcache.length = b
+    feats = target_features(target, seq, chunk)
     head = draft.engine
     dev = head.device
-    hid0 = head.project(torch.cat(feats)[:m]).float().cpu()  # [m, H]
+    hid0 = head.project(feats[:m]).float().cpu()  # [m, H]
     ctx = getattr(draft, "context", None)
     # decoding prefills the prompt but its last token (the first root): it queues entries
     # 0 .. start - 3 and keeps the last `context` of them
@@ -152,25 +163,14 @@ def source_depth_ranks(target, draft, seq: list[int], start: int, k: int, max_de
     no path, so the source's state after root r is the state decoding has there. Exact for
     sources whose candidates depend on the path (lookup, a mixed draft); one draft call per
     depth per position, so it is for calibration-sized runs (a few hundred positions)."""
+    from arborspec.runtime.drafting import _to_target
     from arborspec.runtime.drafts import NodeView
-    from arborspec.runtime.kvcache import KVCache
     from arborspec.runtime.trees import ChainTree, Tree
 
     n = len(seq)
     ranks = torch.full((max_depth, n), k, dtype=torch.long)
-    feats = None
-    if getattr(draft, "needs_target_features", False):
-        dev = target.device
-        cache = KVCache(target.info.cache, n, 1, dev)
-        step = max(1, min(128, target.info.max_tokens or 128))
-        parts = []
-        for a, b, mask in causal_chunks(n, step):
-            ids, pos = torch.tensor([seq[a:b]], device=dev), torch.arange(a, b, device=dev)[None]
-            parts.append(target.forward_features(ids, pos, mask.to(dev), cache)[1][0].float().cpu())
-            cache.length = b
-        feats = torch.cat(parts)
+    feats = target_features(target, seq) if getattr(draft, "needs_target_features", False) else None
     tmap = draft.token_map
-    to_target = (lambda t: tmap[t]) if tmap is not None else (lambda t: t)  # noqa: E731
     tril = torch.ones(max_depth, max_depth, dtype=torch.bool).tril()
     none = torch.zeros(0, dtype=torch.long)
     draft.prepare(ChainTree(max_depth), n + max_depth + 2)
@@ -179,7 +179,7 @@ def source_depth_ranks(target, draft, seq: list[int], start: int, k: int, max_de
         out = draft.start_topk(seq[r], k)
         for d in range(1, max_depth + 1):
             j = r + d
-            hit = (to_target(out.indices[-1]) == seq[j]).nonzero()
+            hit = (_to_target(out.indices[-1], tmap) == seq[j]).nonzero()
             ranks[d - 1, j] = int(hit[0, 0]) if hit.numel() else k
             if not hit.numel() or d == max_depth or j + 1 >= n:
                 break
