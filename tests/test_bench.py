@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 
-from arborspec.tools import bench, bench_report
 from arborspec.tools import prompts as prompt_sets
-from arborspec.tools.cli import main
+from arborspec.tools.bench.decoding import decoding as bench
+from arborspec.tools.bench.decoding import report as bench_report
+from arborspec.tools.commands.cli import main
 
 PROMPTS = {
     "prompts": [
@@ -369,7 +370,7 @@ def test_llama_cpp_lookup_prompt_longer_than_a_batch(tmp_path):
     """llama-cpp-python 0.3.36 with a draft and logits_all=False sizes its logits buffer to n_batch
     rows: a prompt longer than 512 tokens failed (found on SmolLM2's summaries)."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install 'arborspec[peers]')")
-    from arborspec.tools.bench_peers import LlamaCppRunner
+    from arborspec.tools.bench.peers import LlamaCppRunner
 
     gguf_path = _tiny_gguf(tmp_path / "tiny.gguf")
     prompt = [int(x) for x in torch.randint(3, 200, (600,), generator=torch.Generator().manual_seed(1))]
@@ -383,7 +384,7 @@ def test_bench_missing_or_failing_peer_is_one_line(tiny, tmp_path, monkeypatch, 
     that fails while running is dropped with one line; the bench goes on and exits 0."""
     import sys
 
-    from arborspec.tools import bench_peers
+    from arborspec.tools.bench.decoding import peers as bench_peers
 
     _, folder, prompts = tiny
     monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)  # import fails
@@ -424,7 +425,7 @@ def test_bench_missing_or_failing_peer_is_one_line(tiny, tmp_path, monkeypatch, 
 
 
 def test_a_greedy_mismatch_is_a_warning_only_where_it_should_not_happen():
-    from arborspec.tools.bench import BenchConfig, mismatch_message
+    from arborspec.tools.bench.decoding import BenchConfig, mismatch_message
 
     ours = BenchConfig("full:2,2", "ours", "tree", "full:2,2")
     assert mismatch_message(ours, "p", 5).startswith("WARNING greedy mismatch: full:2,2")

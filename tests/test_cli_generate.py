@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import random_model, tiny_config
 
-from arborspec.tools.cli import main
+from arborspec.tools.commands.cli import main
 
 
 def save_nanogpt(module, path):

@@ -21,7 +21,7 @@ pytest.importorskip("polygraphy")
 from conftest import random_model, tiny_config  # noqa: E402
 
 from arborspec.export.export_folder import export_folder  # noqa: E402
-from arborspec.tools.cli import main  # noqa: E402
+from arborspec.tools.commands.cli import main  # noqa: E402
 
 POLYGRAPHY = Path(sys.executable).parent / "polygraphy"
 
@@ -204,10 +204,10 @@ def test_save_and_replay_with_polygraphy_cli(export, tmp_path, capsys):
 
 
 def test_polygraphy_run_with_data_loader_script(export, tmp_path):
-    """The command documented in arborspec.tools.polygraphy_data_loader runs our feeds."""
+    """The command documented in arborspec.tools.compare.polygraphy_data_loader runs our feeds."""
     from polygraphy.comparator import RunResults
 
-    import arborspec.tools.polygraphy_data_loader as dl
+    import arborspec.tools.compare.polygraphy_data_loader as dl
 
     if "gpt2" not in str(export):
         pytest.skip("one family is enough for the CLI run")
@@ -246,7 +246,7 @@ def test_feeds_cover_every_policy():
     from conftest import truncated
 
     from arborspec.runtime.backends.torch_backend import TorchEngine
-    from arborspec.tools.compare import build_feeds
+    from arborspec.tools.compare.comparison import build_feeds
 
     m = random_model(tiny_config("llama"))
     f = build_feeds(TorchEngine(m), TorchEngine(truncated(m, 1)), max_tree_nodes=20, trees=2)

@@ -1,6 +1,6 @@
 """`arborspec compare` on a quantised export: logits against the fp32 PyTorch reference on the
 original weights, judged by top-1 agreement and relative logit error with the stated quantised
-tolerances (tools/compare.py QUANT_TOLERANCES); exit 1 outside them, 2 for a bad request."""
+tolerances (tools/compare/comparison.py QUANT_TOLERANCES); exit 1 outside them, 2 for a bad request."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from conftest import random_model, tiny_config  # noqa: E402
 from test_compare import save_hf_llama  # noqa: E402
 
 from arborspec.export.export_folder import export_folder  # noqa: E402
-from arborspec.tools.cli import main  # noqa: E402
-from arborspec.tools.compare import QUANT_TOLERANCES  # noqa: E402
+from arborspec.tools.commands.cli import main  # noqa: E402
+from arborspec.tools.compare.comparison import QUANT_TOLERANCES  # noqa: E402
 
 
 @pytest.fixture(scope="module")

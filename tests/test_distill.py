@@ -8,10 +8,10 @@ import torch
 from conftest import random_model, tiny_config
 
 from arborspec.models.registry import load_model
-from arborspec.tools import distill_cli as cli
-from arborspec.tools import distill_draft as dd
-from arborspec.tools import distill_eval as de
 from arborspec.tools import prompts
+from arborspec.tools.commands import distill as cli
+from arborspec.tools.train import distill_draft as dd
+from arborspec.tools.train import distill_eval as de
 
 
 def _tiny_target(tmp_path):

@@ -110,7 +110,7 @@ def test_export_folder_and_cli_take_a_mixed_draft(tmp_path, capsys):
 
     from arborspec.export.export_folder import export_folder
     from arborspec.runtime.export_dir import open_export
-    from arborspec.tools.cli import main
+    from arborspec.tools.commands.cli import main
 
     m = random_model(tiny_config("llama", vocab=64, layers=2, hidden=64, heads=4, kv=2), seed=6, scale=1.0)
     lm = SimpleNamespace(module=m, config=m.config, tokenizer=None, source={"kind": "test"})
@@ -140,8 +140,8 @@ def test_tune_replay_counts_the_steps_of_real_decoding(target, tmp_path, kind, t
     level call (the lookup's own table gather for plain lookup)."""
     import json
 
-    from arborspec.tools.acceptance_sim import measure_acceptance, simulate_greedy_steps, spec_paths
-    from arborspec.tools.cost_curves import draft_cost_curve
+    from arborspec.tools.tune.acceptance_sim import measure_acceptance, simulate_greedy_steps, spec_paths
+    from arborspec.tools.tune.cost_curves import draft_cost_curve
 
     eng = TorchEngine(target)
     look = LookupDraft(96, max_ngram=2)
@@ -175,7 +175,7 @@ def test_tune_and_tree_auto_per_draft_on_an_export(tmp_path, capsys):
 
     from arborspec.export.export_folder import export_folder
     from arborspec.runtime.generator import Generator, auto_tree_file
-    from arborspec.tools.cli import main
+    from arborspec.tools.commands.cli import main
 
     m = random_model(tiny_config("llama", vocab=64, layers=2, hidden=64, heads=4, kv=2), seed=6, scale=1.0)
     lm = SimpleNamespace(module=m, config=m.config, tokenizer=None, source={"kind": "test"})
@@ -222,7 +222,7 @@ def test_a_probability_floor_sizes_the_tree_step_by_step(target, tmp_path):
     clears the floor, and the output still equals vanilla."""
     from arborspec.runtime.drafting import draft_tree
     from arborspec.runtime.trees import parse_tree_spec
-    from arborspec.tools.acceptance_sim import target_features
+    from arborspec.tools.tune.acceptance_sim import target_features
 
     eng = TorchEngine(target)
     ref = SpeculativeDecoder(eng, mode="vanilla").generate(PROMPT, 30).tokens

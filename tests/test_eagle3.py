@@ -230,8 +230,8 @@ def test_bad_checkpoints_are_one_line(target, tmp_path):
 def test_cli_generate_with_an_eagle3_checkpoint(tmp_path, capsys):
     """`arborspec generate --model HF_FOLDER --draft eagle3:CKPT` on the torch backend equals
     vanilla, and a checkpoint for another model is one line."""
-    from arborspec.tools.cli import main
-    from arborspec.tools.distill_draft import save_hf_folder
+    from arborspec.tools.commands.cli import main
+    from arborspec.tools.train.distill_draft import save_hf_folder
 
     m = random_model(tiny_config("llama", vocab=96, layers=4, hidden=64, heads=4, kv=2), seed=3)
     save_hf_folder(m, tmp_path / "hf")
@@ -309,7 +309,7 @@ def test_export_folder_with_an_eagle3_draft_decodes_like_vanilla(tmp_path, capsy
     from arborspec.export.export_folder import export_folder
     from arborspec.runtime.errors import InputError, MissingFileError
     from arborspec.runtime.export_dir import open_export
-    from arborspec.tools.cli import main
+    from arborspec.tools.commands.cli import main
 
     m = random_model(tiny_config("llama", vocab=96, layers=4, hidden=64, heads=4, kv=2), seed=3)
     checkpoint(tmp_path / "ckpt", m.config, 40, seed=5)
@@ -346,7 +346,7 @@ def test_export_folder_with_an_eagle3_draft_decodes_like_vanilla(tmp_path, capsy
     assert json.loads(capsys.readouterr().out)["tokens"] == ref
 
     # compare: the target's hidden_states output and both head graphs, PyTorch vs ONNX Runtime
-    from arborspec.tools.compare import compare_export
+    from arborspec.tools.compare.comparison import compare_export
 
     rep = compare_export(
         out, "torch,onnxruntime", target_module=m, progress=False, draft_module=load_eagle3(tmp_path / "ckpt", m.config)
@@ -378,8 +378,8 @@ def test_export_folder_with_an_eagle3_draft_decodes_like_vanilla(tmp_path, capsy
 def test_tune_ranks_per_depth_equal_the_training_time_test_forward(target, tmp_path, monkeypatch):
     """`tune`'s per-depth ranks for an EAGLE-3 draft (one head call per depth, on the head
     engine) equal the ranks of the unrolled training-time-test forward, which equals decoding."""
-    from arborspec.tools.acceptance_sim import eagle3_depth_ranks, measure_acceptance
-    from arborspec.tools.eagle3_train import ttt_forward
+    from arborspec.tools.train.eagle3_train import ttt_forward
+    from arborspec.tools.tune.acceptance_sim import eagle3_depth_ranks, measure_acceptance
 
     draft = _draft(target, tmp_path, draft_vocab=60, seed=4, scale=0.5)
     eng = TorchEngine(target)
@@ -422,7 +422,7 @@ def test_tune_replay_counts_the_steps_of_real_eagle3_decoding(target, tmp_path, 
     depth (acceptance_sim.simulated_tokens_per_step): the replay takes exactly the verify
     steps that real greedy decoding with the head takes (chain and trees; the wide trees get a
     random head's tokens accepted, so the replay's acceptance is exercised)."""
-    from arborspec.tools.acceptance_sim import measure_acceptance, simulate_greedy_steps, spec_paths
+    from arborspec.tools.tune.acceptance_sim import measure_acceptance, simulate_greedy_steps, spec_paths
 
     draft = _draft(target, tmp_path, draft_vocab=60, seed=4, scale=0.5)
     eng = TorchEngine(target)
@@ -518,7 +518,7 @@ def test_quantised_eagle3_head_decodes_like_vanilla(tmp_path, capsys, bits):
     from arborspec.export.export_folder import export_folder
     from arborspec.runtime.errors import InputError
     from arborspec.runtime.export_dir import open_export
-    from arborspec.tools.cli import main
+    from arborspec.tools.commands.cli import main
 
     m = random_model(tiny_config("llama", vocab=96, layers=4, hidden=64, heads=4, kv=2), seed=3)
     checkpoint(tmp_path / "ckpt", m.config, 40, seed=5)
@@ -566,7 +566,7 @@ def test_a_context_window_keeps_decoding_exact_and_tune_replays_it(target, tmp_p
     """Eagle3Draft(context=N) reads only the prompt's last N entries: greedy output still equals
     vanilla, the head's cache after the first step equals a fresh prefill of those entries, and
     tune's per-depth ranks (masked the same way) replay the real decoding steps exactly."""
-    from arborspec.tools.acceptance_sim import (
+    from arborspec.tools.tune.acceptance_sim import (
         eagle3_depth_ranks,
         measure_acceptance,
         simulate_greedy_steps,

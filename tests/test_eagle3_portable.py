@@ -106,7 +106,7 @@ def test_greedy_with_the_portable_head_equals_vanilla_on_onnxruntime(portable, s
 
 
 def test_compare_covers_the_portable_head(portable):
-    from arborspec.tools.compare import compare_export
+    from arborspec.tools.compare.comparison import compare_export
 
     out, m, head = portable
     rep = compare_export(out, "torch,onnxruntime", target_module=m, draft_module=head, progress=False)
@@ -124,7 +124,7 @@ def test_compare_covers_the_portable_head(portable):
 @needs_rtx
 def test_build_engines_for_the_portable_head_ahead_of_time(portable, tmp_path, capsys, monkeypatch):
     from arborspec.runtime import contract as C
-    from arborspec.tools.cli import main
+    from arborspec.tools.commands.cli import main
 
     out, _, _ = portable
     monkeypatch.setenv("ARBORSPEC_TRT_MODULE", "tensorrt_rtx")
@@ -157,7 +157,7 @@ def test_build_refuses_the_gqa_head_in_one_line(portable, tmp_path, capsys):
     """A head written as ONNX Runtime's GroupQueryAttention graph cannot be built: one line,
     before any TensorRT work (needs no TensorRT module)."""
     from arborspec.export.eagle3_graph import export_eagle3_head
-    from arborspec.tools.cli import main
+    from arborspec.tools.commands.cli import main
 
     out, m, head = portable
     gqa = tmp_path / "gqa"
@@ -175,7 +175,7 @@ def test_build_refuses_the_gqa_head_in_one_line(portable, tmp_path, capsys):
 def test_greedy_with_the_head_on_tensorrt_equals_vanilla(portable, tmp_path, monkeypatch):
     from arborspec.export.trt_build import EngineBuildError
     from arborspec.runtime.export_dir import open_export
-    from arborspec.tools.cli import main
+    from arborspec.tools.commands.cli import main
 
     out, _, _ = portable
     work = tmp_path / "exp"

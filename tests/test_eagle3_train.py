@@ -10,8 +10,8 @@ import torch
 from conftest import random_model, tiny_config
 
 from arborspec.models.eagle3 import default_aux_layers, load_eagle3
-from arborspec.tools import eagle3_train
-from arborspec.tools.eagle3_corpus import draft_vocabulary
+from arborspec.tools.train import eagle3_train as eagle3_train
+from arborspec.tools.train.eagle3_corpus import draft_vocabulary
 
 
 def _head(seed=0, draft_vocab=40):
@@ -69,7 +69,7 @@ def test_training_lowers_the_loss_and_the_head_round_trips(tmp_path):
     cfg, target, head = _head(draft_vocab=48)
     embed = target.model.embed_tokens.weight.detach()
     # a corpus in the builder's layout: the target's own greedy labels over random windows
-    from arborspec.tools.distill_corpus import causal_forward
+    from arborspec.tools.train.distill_corpus import causal_forward
 
     target.feature_layers = list(head.config.aux_layers)
     n, w = 10, 16
@@ -144,7 +144,7 @@ def test_batched_response_generator_equals_one_prompt_at_a_time(tmp_path):
     unbatched vanilla decode of its prompt; sampled ones are reproducible from the seed."""
     from arborspec.runtime.backends.onnxruntime import OrtEngine
     from arborspec.runtime.decode import SpeculativeDecoder
-    from arborspec.tools.eagle3_corpus import ResponseGenerator, target_graph
+    from arborspec.tools.train.eagle3_corpus import ResponseGenerator, target_graph
 
     lm = _tiny_loaded()
     aux = default_aux_layers(lm.config.n_layers)
@@ -169,7 +169,7 @@ def test_corpus_with_a_fixed_vocabulary_and_fine_tuning_a_saved_head(tmp_path):
     """build_corpus end to end on a tiny target (generated responses + machine text, features
     from ONNX Runtime) with the draft vocabulary of an existing head (what `train-draft --init`
     does); the features equal the torch target's, and training continues from the head."""
-    from arborspec.tools.eagle3_corpus import build_corpus
+    from arborspec.tools.train.eagle3_corpus import build_corpus
 
     lm = _tiny_loaded(1)
     cfg = lm.config
@@ -215,7 +215,7 @@ def test_corpus_with_a_fixed_vocabulary_and_fine_tuning_a_saved_head(tmp_path):
 
 def test_train_draft_init_that_does_not_fit_the_target_is_one_error_line(tmp_path, capsys):
     from arborspec.models.registry import smollm2_available
-    from arborspec.tools.cli import main
+    from arborspec.tools.commands.cli import main
 
     if not smollm2_available():
         import pytest

@@ -211,7 +211,7 @@ def test_draft_vocab_mismatch_leaves_nothing(tmp_path):
 
 
 def test_cli_help_and_one_line_errors(tmp_path, capsys):
-    from arborspec.tools.cli import main
+    from arborspec.tools.commands.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["export", "--help"])

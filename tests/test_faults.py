@@ -20,13 +20,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from arborspec.runtime.errors import ArborspecError
-from arborspec.tools.cli import main
+from arborspec.tools.commands.cli import main
 
-ARBOR = [sys.executable, "-m", "arborspec.tools.cli"]
+ARBOR = [sys.executable, "-m", "arborspec.tools.commands.cli"]
 
 
 def _hf_folder(path: Path, hidden=64, layers=2, vocab=64) -> Path:
-    from arborspec.tools.distill_draft import save_hf_folder
+    from arborspec.tools.train.distill_draft import save_hf_folder
 
     save_hf_folder(random_model(tiny_config("llama", vocab=vocab, layers=layers, hidden=hidden, heads=4, kv=2)), path)
     return path

@@ -1,5 +1,5 @@
 """The GPU path (issue 11): every test here is marked `gpu` and skips with a reason where there is
-no CUDA GPU or the package it needs (onnxruntime-gpu, tensorrt_rtx). `tools/gpu/run.sh` runs
+no CUDA GPU or the package it needs (onnxruntime-gpu, tensorrt_rtx). `tools/bench/gpu_run.sh` runs
 them on a lent machine (`pytest -m gpu`); set ARBORSPEC_GPU_OUT to a folder to get what they
 saw (placements, errors, tolerances) in `gpu_tests.json` there.
 
@@ -549,7 +549,7 @@ def test_tensorrt_greedy_equals_vanilla(trt_answer, dtype):
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_tensorrt_compare_cli(trt_answer, dtype, capsys):
-    from arborspec.tools.cli import main
+    from arborspec.tools.commands.cli import main
 
     d = _trt_runs(trt_answer, dtype)
     tol = ["--atol", "2e-2", "--rtol", "2e-2"] if dtype == "fp16" else []

@@ -27,7 +27,7 @@ from arborspec.runtime.decode import SpeculativeDecoder  # noqa: E402
 from arborspec.runtime.errors import ExportDirError, InputError  # noqa: E402
 from arborspec.runtime.kvcache import KVCache  # noqa: E402
 from arborspec.runtime.onnx_meta import read_onnx_metadata  # noqa: E402
-from arborspec.tools.cli import main  # noqa: E402
+from arborspec.tools.commands.cli import main  # noqa: E402
 
 # fp16 rounds each cached K/V to 11 significant bits (relative 4.9e-4): through 2 layers the
 # logits move by well under 1 % of the largest logit (measured: ~6e-4)

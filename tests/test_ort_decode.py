@@ -33,7 +33,7 @@ from arborspec.runtime.backends.torch_backend import TorchEngine  # noqa: E402
 from arborspec.runtime.decode import SpeculativeDecoder  # noqa: E402
 from arborspec.runtime.export_dir import load_export_dir  # noqa: E402
 from arborspec.runtime.sampling import SamplingParams  # noqa: E402
-from arborspec.tools.cli import main  # noqa: E402
+from arborspec.tools.commands.cli import main  # noqa: E402
 
 STATIC = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 POLICIES = ["chain:3", "full:2,2", "full:3,2", "beam:2,3,3", "dynamic:3,3,10", "static"]

@@ -1,4 +1,4 @@
-"""tools/quality.py and `arborspec bench --quality`: perplexity of the packaged held-out text
+"""tools/bench/quality.py and `arborspec bench --quality`: perplexity of the packaged held-out text
 through the runtime's ONNX Runtime engine, in chunks over the KV cache (equal to PyTorch's
 full-sequence perplexity, whatever the chunk), equal for two identical exports, different but
 close for a quantised export; greedy agreement with the fp32 export; the table."""
@@ -20,7 +20,7 @@ from conftest import tiny_text_export  # noqa: E402
 from arborspec.runtime.backends.torch_backend import TorchEngine  # noqa: E402
 from arborspec.runtime.export_dir import open_export  # noqa: E402
 from arborspec.tools import quality  # noqa: E402
-from arborspec.tools.cli import main  # noqa: E402
+from arborspec.tools.commands.cli import main  # noqa: E402
 
 SCALE = 0.5  # a milder random model than the decoding tests' (perplexities in a readable range)
 

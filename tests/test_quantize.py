@@ -155,7 +155,7 @@ def test_int8_activation_exports_warn_that_speculation_is_inexact(tmp_path, caps
     from arborspec.export.export_folder import export_folder
     from arborspec.runtime.errors import InexactSpeculationWarning
     from arborspec.runtime.export_dir import open_export
-    from arborspec.tools.cli import main
+    from arborspec.tools.commands.cli import main
 
     m = random_model(tiny_config("llama", vocab=64, layers=2, hidden=64, heads=4, kv=2), seed=6, scale=1.0)
     lm = SimpleNamespace(module=m, config=m.config, tokenizer=None, source={"kind": "test"})
@@ -179,7 +179,7 @@ def test_int8_activation_exports_warn_that_speculation_is_inexact(tmp_path, caps
 
 def test_cli_prints_the_inexact_speculation_warning_as_one_line(tmp_path, capsys):
     from arborspec.runtime.errors import InexactSpeculationWarning
-    from arborspec.tools import cli
+    from arborspec.tools.commands import cli as cli
 
     cli._show_warning(InexactSpeculationWarning("X: int8 activations\nmore"), InexactSpeculationWarning, "f.py", 1)
     assert capsys.readouterr().err == "arborspec: warning: X: int8 activations\n"

@@ -23,7 +23,7 @@ pytest.importorskip("prometheus_client")
 from conftest import tiny_text_export  # noqa: E402
 
 from arborspec.runtime.generator import Generator  # noqa: E402
-from arborspec.tools.serve_app import GeneratorPool, create_app  # noqa: E402
+from arborspec.tools.serve.app import GeneratorPool, create_app  # noqa: E402
 
 KEY = "sekrit"
 
@@ -177,7 +177,7 @@ def test_disconnect_mid_stream_frees_the_generator(server):
 
 
 def test_loadtest_against_the_server(server, tmp_path, capsys):
-    from arborspec.tools.cli import main
+    from arborspec.tools.commands.cli import main
 
     base, _ = server
     out = tmp_path / "lt.json"

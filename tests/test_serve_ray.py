@@ -24,7 +24,7 @@ pytest.importorskip("fastapi")
 from conftest import tiny_text_export  # noqa: E402
 
 from arborspec.runtime.generator import Generator  # noqa: E402
-from arborspec.tools.cli import main  # noqa: E402
+from arborspec.tools.commands.cli import main  # noqa: E402
 
 needs_ray = pytest.mark.skipif(
     importlib.util.find_spec("ray") is None, reason="Ray Serve is not installed (pip install 'arborspec[ray]')"
@@ -44,7 +44,7 @@ def ray_server(export_dir, tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = tmp_path_factory.mktemp("serve_ray_log") / "serve.log"
-    cmd = [sys.executable, "-m", "arborspec.tools.cli", "serve", "--export-dir", str(export_dir), "--tree", TREE]
+    cmd = [sys.executable, "-m", "arborspec.tools.commands.cli", "serve", "--export-dir", str(export_dir), "--tree", TREE]
     cmd += ["--ray", "--replicas", "2", "--port", str(port)]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -313,7 +313,7 @@ def test_not_an_onnx_file(tmp_path):
 
 @needs_rtx
 def test_cli_build(export_dir, tmp_path, capsys, monkeypatch):
-    from arborspec.tools.cli import main
+    from arborspec.tools.commands.cli import main
 
     monkeypatch.setenv("ARBORSPEC_TRT_MODULE", "tensorrt_rtx")
     out = tmp_path / "engines"

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from arborspec.runtime.trees import StaticTree, parse_tree_spec
-from arborspec.tools import tune as T
+from arborspec.tools.tune.tuner import tuner as T
 
 
 def _all_trees(k: int, depth: int, budget: int):
@@ -140,7 +140,7 @@ def test_tree_auto_missing_is_one_clean_error(tmp_path, monkeypatch, capsys):
         T.resolve_tree("auto", eargs)
     # through the CLI: one line on stderr, exit 2 (before any model is loaded would be nicer,
     # but the export dir does not exist anyway)
-    from arborspec.tools.cli import main
+    from arborspec.tools.commands.cli import main
 
     (tmp_path / "exp").mkdir()
     rc = main(["generate", "--export-dir", str(tmp_path / "exp"), "--tree", "auto", "--prompt-ids", "1,2"])
@@ -151,7 +151,7 @@ def test_tree_auto_missing_is_one_clean_error(tmp_path, monkeypatch, capsys):
 def _tiny_models(tmp_path):
     from conftest import random_model, tiny_config
 
-    from arborspec.tools.distill_draft import save_hf_folder
+    from arborspec.tools.train.distill_draft import save_hf_folder
 
     m = random_model(tiny_config("llama", vocab=96, layers=3, hidden=64))
     return save_hf_folder(m, tmp_path / "tiny")
@@ -160,7 +160,7 @@ def _tiny_models(tmp_path):
 def test_tune_end_to_end_and_tree_auto(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
     folder = _tiny_models(tmp_path)
-    from arborspec.tools.cli import main
+    from arborspec.tools.commands.cli import main
 
     out = tmp_path / "tree.json"
     png = tmp_path / "tune.png"

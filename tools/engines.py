@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .cli import UserError
+from arborspec.tools.commands.cli import UserError
 
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
 
@@ -235,8 +235,8 @@ def _open_torch(model, draft_spec: str | None, device: str, need_draft: bool) ->
 
 
 def models_key(args):
-    """The tuned-tree key (arborspec.tools.tune.ModelsKey) of CLI-style model arguments."""
-    from .tune import ModelsKey
+    """The tuned-tree key (arborspec.tools.tune.tuner.ModelsKey) of CLI-style model arguments."""
+    from arborspec.tools.tune.tuner import ModelsKey
 
     return ModelsKey(
         model=getattr(args, "model", None),

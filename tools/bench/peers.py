@@ -43,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .bench_baselines import hf_source_path
+from arborspec.tools.bench.baselines import hf_source_path
 
 PEERS = ("ort-genai", "ort-genai-int4", "ort-genai-ngram", "ort-genai-int4-ngram", "llama-cpp", "llama-cpp-lookup")
 GENAI_PKG = "onnxruntime-genai"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .prompts import SEEDS, encode_entry, random_seed_ids
+from arborspec.tools.prompts import SEEDS, encode_entry, random_seed_ids
 
 
 # ----------------------------------------------------------------------------- corpus

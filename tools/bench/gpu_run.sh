@@ -10,7 +10,7 @@
 #            (default .whl), installed offline: pip install --no-index --no-deps --target /tmp/site
 #   tests    pytest -m gpu tests/test_gpu.py tests/test_trt_build.py (JUnit XML + log);
 #            $ARBORSPEC_GPU_OUT=$OUT makes the tests write what they saw to gpu_tests.json
-#   bench    tools/gpu/bench_gpu.py: cost curves (1.1B random Llama, T = 1..128, P = 512/2048),
+#   bench    tools/bench/gpu.py: cost curves (1.1B random Llama, T = 1..128, P = 512/2048),
 #            CUDA graphs vs eager, vanilla/chain/tree tokens/s + runtime overhead, ORT CUDA (if any)
 # Files back in $OUT (the tool returns at most 8): summary.json, run.log, pytest_gpu.xml,
 # pytest_gpu.log, gpu_tests.json, bench_gpu.json, bench_gpu.log.
@@ -19,7 +19,7 @@
 # onnxruntime CPU, scipy, pytest; no onnxruntime-gpu, tensorrt_rtx, polygraphy or gguf):
 #
 # A. torch CUDA only (ORT CUDA and TensorRT tests skip with a reason), one call, no carry:
-#      run(command="bash tools/gpu/run.sh", timeout_s=600)
+#      run(command="bash tools/bench/gpu_run.sh", timeout_s=600)
 #
 # B. everything: onnxruntime-gpu (256 MB) and tensorrt-rtx (97 MB) do not fit one call's 64 MiB,
 #    so they travel in loads of <= 50 MB over back-to-back calls (the machine stays warm 30 s
@@ -34,7 +34,7 @@
 #    calls, about 8 loads; then, without pausing between calls:
 #      run(command="bash .carry/load0/unpack.sh", carry=[".carry/load0"])
 #      ...                                                            (one call per load)
-#      run(command="bash .carry/loadN/unpack.sh && bash tools/gpu/run.sh", carry=[".carry/loadN"])
+#      run(command="bash .carry/loadN/unpack.sh && bash tools/bench/gpu_run.sh", carry=[".carry/loadN"])
 #    The last unpack.sh joins the pieces and installs every wheel into /tmp/site, which this
 #    script puts first on PYTHONPATH (so the carried onnxruntime-gpu shadows the image's CPU
 #    onnxruntime). If a load was lost (the machine went back in between), the `wheels` part
@@ -120,7 +120,7 @@ do_tests() {
 do_bench() {
   local dry=""
   "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' || dry="--dry-run"
-  timeout -s INT -k 20 "${BENCH_TIMEOUT:-280}" "$PY" -P tools/gpu/bench_gpu.py $dry --out "$OUT/bench_gpu.json" \
+  timeout -s INT -k 20 "${BENCH_TIMEOUT:-280}" "$PY" -P tools/bench/gpu.py $dry --out "$OUT/bench_gpu.json" \
     --parts cost,graphs,decode,ort --prompts 4 --max-new-tokens 96 ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_gpu.log"
   return "${PIPESTATUS[0]}"
 }

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from .prompts import encode_entry, load_prompt_entries, split_prompts
+from arborspec.tools.prompts import encode_entry, load_prompt_entries, split_prompts
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -23,8 +23,7 @@ def evaluate_drafts(
     """Greedy speculative decoding (torch backend) of each prompt with each draft and tree:
     mean accepted tokens per target call (the target's bonus token included) and tok/s."""
     from arborspec.runtime.decode import SpeculativeDecoder
-
-    from .engines import open_engines
+    from arborspec.tools.engines import open_engines
 
     rows = []
     base = None
@@ -83,9 +82,8 @@ def simulate_drafts(
     static-shaped tree (chain, full, static) would take. Equal to real decoding's steps
     (tests/test_tune.py checks it)."""
     from arborspec.runtime.decode import SpeculativeDecoder
-
-    from .acceptance_sim import draft_topk_ranks, simulate_greedy_steps, spec_paths
-    from .engines import open_engines
+    from arborspec.tools.engines import open_engines
+    from arborspec.tools.tune.acceptance_sim import draft_topk_ranks, simulate_greedy_steps, spec_paths
 
     tree_paths = {t: spec_paths(t) for t in trees}
     k = max(max(p[-1] for p in ps) for ps in tree_paths.values()) + 1

@@ -15,7 +15,7 @@ Measurement
   plus the first token), tokens/s = (new tokens - 1) / decode time. Target and assistant
   forward calls are counted and timed with forward hooks (verify / draft time, same
   subtraction), so mean accepted = new tokens / target forward calls.
-- peers (tools/bench_peers.py: ort-genai*, llama-cpp*): the same prompt ids, greedy; prefill =
+- peers (tools/bench/peers.py: ort-genai*, llama-cpp*): the same prompt ids, greedy; prefill =
   until their first new token, decode = the rest, tokens/s = (new tokens - 1) / decode time.
 - aggregate per configuration: the median over prompts AND the total (sum of tokens / sum of
   decode time); speed-up vs our vanilla (median of per-prompt ratios, and ratio of totals)
@@ -28,9 +28,9 @@ Measurement
   baseline, prompts identical to vanilla / prompts (share of vanilla's tokens in agreeing
   prefixes), so a faster peer that decodes other tokens (int4, 8-bit activations) is visible.
 
-This module runs the measurements; tools/bench_baselines.py holds the transformers
-baselines, tools/bench_peers.py ONNX Runtime GenAI and llama.cpp, tools/bench_report.py the JSON schema (`SCHEMA`), aggregation, table and plot,
-tools/prompts.py the prompt sets, tools/cmd_bench.py the command line.
+This module runs the measurements; tools/bench/baselines.py holds the transformers
+baselines, tools/bench/peers.py ONNX Runtime GenAI and llama.cpp, tools/bench/report.py the JSON schema (`SCHEMA`), aggregation, table and plot,
+tools/prompts.py the prompt sets, tools/commands/bench.py the command line.
 """
 
 from __future__ import annotations
@@ -39,10 +39,9 @@ import sys
 from dataclasses import dataclass
 
 from arborspec.runtime.errors import InputError
-
-from .bench_baselines import BASELINES, HFBaselines
-from .bench_peers import PEERS
-from .bench_report import SPLIT_KEYS, _ratio
+from arborspec.tools.bench.baselines import BASELINES, HFBaselines
+from arborspec.tools.bench.peers import PEERS
+from arborspec.tools.bench.report import SPLIT_KEYS, _ratio
 
 
 # ---------------------------------------------------------------------------------- configs
@@ -171,7 +170,7 @@ def make_decoders(models, configs: list[BenchConfig], temperature: float, candid
 
             draft = LookupDraft(models.target.info.vocab_size)
         elif c.draft == "mix":
-            from .engines import mixed_with_lookup
+            from arborspec.tools.engines import mixed_with_lookup
 
             if mixed is None:
                 mixed = mixed_with_lookup(models.draft, models.target.info.vocab_size, what="--mix-tree")
@@ -206,11 +205,11 @@ def run_bench(
     """Runs every config on every prompt -> (per_prompt list, warnings).
 
     `peers`: {config name: runner} for the ONNX Runtime GenAI / llama.cpp baselines
-    (tools/bench_peers.py). A peer that fails while running is dropped with a one-line note
+    (tools/bench/peers.py). A peer that fails while running is dropped with a one-line note
     (its reason goes into `skipped`), and the others go on."""
     from tqdm import tqdm
 
-    from .bench_peers import _one_line
+    from arborspec.tools.bench.peers import _one_line
 
     log = log or (lambda s: print(s, file=sys.stderr))
     peers = dict(peers or {})

@@ -90,8 +90,8 @@ def run(args) -> int:
 
     from arborspec.models.eagle3 import default_aux_layers
     from arborspec.models.registry import cache_dir, load_model
-
-    from . import eagle3_corpus, eagle3_train
+    from arborspec.tools.train import eagle3_corpus as eagle3_corpus
+    from arborspec.tools.train import eagle3_train as eagle3_train
 
     progress = not args.quiet
     t0 = time.perf_counter()

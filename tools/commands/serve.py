@@ -1,6 +1,6 @@
 """`arborspec serve`: an OpenAI-compatible HTTP server over an export folder.
 
-Role in one decode step: none of its own; each request is one generation (tools/serve_app.py).
+Role in one decode step: none of its own; each request is one generation (tools/serve/app.py).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     if args.ray:
-        from .serve_ray import run as run_on_ray
+        from arborspec.tools.serve.ray_serve import run as run_on_ray
 
         return run_on_ray(args)
     if args.replicas != 1:
@@ -73,8 +73,7 @@ def run(args) -> int:
         raise InputError(f"--max-batch must be >= 1, got {args.max_batch}")
     from arborspec.runtime.contract import read_manifest
     from arborspec.runtime.generator import Generator
-
-    from .serve_app import GeneratorPool, create_app
+    from arborspec.tools.serve.app import GeneratorPool, create_app
 
     man = read_manifest(args.export_dir)
     name = args.model_name or man.data.get("source", {}).get("model") or Path(args.export_dir).name

@@ -1,4 +1,4 @@
-"""Training an EAGLE-3 head on a built corpus (tools/eagle3_corpus.py) with the training-time
+"""Training an EAGLE-3 head on a built corpus (tools/train/eagle3_corpus.py) with the training-time
 test: several unrolled draft steps per position, each reading the previous step's own hidden
 state, with the attention the runtime's tree mask gives at inference.
 

@@ -2,12 +2,12 @@
 
 Role in one decode step: none of its own. Each replica is a Ray actor process that opens its own
 engines (`Generator.from_export`) into a pool and runs `create_app`'s FastAPI app
-(tools/serve_app.py) unchanged; Ray's HTTP proxy takes the requests and its router balances them
+(tools/serve/app.py) unchanged; Ray's HTTP proxy takes the requests and its router balances them
 over the replicas. Every response carries `x-arborspec-replica: PID` (the replica's process id).
 
 Two ways to start it:
     arborspec serve --export-dir DIR --ray --replicas 2 [--host 127.0.0.1] [--port 8000]
-    RAY_USAGE_STATS_ENABLED=0 serve run arborspec.tools.serve_ray:app_builder export_dir=DIR replicas=2
+    RAY_USAGE_STATS_ENABLED=0 serve run arborspec.tools.serve.ray_serve:app_builder export_dir=DIR replicas=2
 `arborspec serve --ray` starts a local-only Ray (no dashboard, no usage reports, temp dir under
 /tmp) and blocks until SIGINT/SIGTERM, then shuts Serve and Ray down.
 """
@@ -53,8 +53,7 @@ class ArborspecReplica:
         self, export_dir, backend, device, draft, tree, workers, model_name, max_context, api_key, max_batch=1
     ):
         from arborspec.runtime.generator import Generator
-
-        from .serve_app import GeneratorPool, create_app
+        from arborspec.tools.serve.app import GeneratorPool, create_app
 
         self.pool = GeneratorPool(
             lambda: Generator.from_export(export_dir, backend, device, draft=draft, tree=tree, max_batch=max_batch),
@@ -112,11 +111,11 @@ def build(
 
 
 def app_builder(args: dict):
-    """`serve run arborspec.tools.serve_ray:app_builder export_dir=DIR [replicas=N] [backend=...]
+    """`serve run arborspec.tools.serve.ray_serve:app_builder export_dir=DIR [replicas=N] [backend=...]
     [device=...] [draft=...] [tree=...] [workers=N] [max_batch=N] [model_name=...] [api_key=...]`."""
     args = dict(args)
     if "export_dir" not in args:
-        raise InputError("serve run arborspec.tools.serve_ray:app_builder needs export_dir=DIR")
+        raise InputError("serve run arborspec.tools.serve.ray_serve:app_builder needs export_dir=DIR")
     for key in ("replicas", "workers", "max_batch"):
         if key in args:
             args[key] = int(args[key])

@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError, MissingFileError
-
-from .engines import add_model_args, models_key, open_models
+from arborspec.tools.engines import add_model_args, models_key, open_models
 
 EXAMPLE = """examples:
   arborspec generate --model smollm2-135m --draft layers:4 --mode tree --tree full:3,2 \\
@@ -108,7 +107,7 @@ def resolve_tree_arg(models, args, mode: str):
         return None
     if mode != "tree":
         raise InputError("--tree auto picks a static tree: use it with --mode tree")
-    from .tune import resolve_tree
+    from arborspec.tools.tune.tuner import resolve_tree
 
     return resolve_tree(args.tree, models_key(args))
 

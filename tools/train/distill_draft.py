@@ -9,9 +9,9 @@ continuations of the prompts file and of simple seeds, produced with our runtime
 decoding on the torch backend and cached), with KL(target || draft) on the target's top-k
 log-probs plus a cross-entropy term on the target's own tokens.
 
-    python -m arborspec.tools.distill_cli --model smollm2-135m --layers 1 \\
+    python -m arborspec.tools.commands.distill --model smollm2-135m --layers 1 \\
         --time-budget-min 30                    # -> ~/.cache/arborspec/drafts/smollm2-135m-distilled-L1
-    python -m arborspec.tools.distill_cli --model smollm2-135m --eval \\
+    python -m arborspec.tools.commands.distill --model smollm2-135m --eval \\
         --drafts bigram,layers:2,layers:4,~/.cache/arborspec/drafts/smollm2-135m-distilled-L1
 
 The output folder is Hugging Face style (config.json with model_type llama, model.safetensors,
@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from arborspec.runtime.errors import InputError
-
-from .distill_corpus import (
+from arborspec.tools.prompts import load_prompt_entries, split_prompts
+from arborspec.tools.train.distill_corpus import (
     cache_root,
     causal_forward,
     corpus_key,
@@ -42,7 +42,6 @@ from .distill_corpus import (
     teacher_topk,
     windows,
 )
-from .prompts import load_prompt_entries, split_prompts
 
 
 # ----------------------------------------------------------------------------- the draft
@@ -159,7 +158,7 @@ def distill_loss(
 
 @dataclass
 class DistillOptions:
-    """Settings of one distillation run (the flags of `python -m arborspec.tools.distill_cli`)."""
+    """Settings of one distillation run (the flags of `python -m arborspec.tools.commands.distill`)."""
 
     model: str = "smollm2-135m"
     layers: int = 1

@@ -38,8 +38,8 @@ from pathlib import Path
 from arborspec.runtime.errors import InputError, MissingFileError, OutputError
 from arborspec.runtime.fileio import atomic_write_json
 from arborspec.runtime.generator import auto_tree_file
-
-from .acceptance_sim import (  # noqa: F401 - the tuning API, re-exported
+from arborspec.tools.prompts import calibration_prompts
+from arborspec.tools.tune.acceptance_sim import (  # noqa: F401 - the tuning API, re-exported
     draft_topk_ranks,
     full_tree_paths,
     measure_acceptance,
@@ -48,9 +48,8 @@ from .acceptance_sim import (  # noqa: F401 - the tuning API, re-exported
     spec_paths,
     tree_children,
 )
-from .cost_curves import draft_cost_curve, engine_cost_curve, sample_sizes
-from .prompts import calibration_prompts
-from .tree_dp import (  # noqa: F401 - the tuning API, re-exported
+from arborspec.tools.tune.cost_curves import draft_cost_curve, engine_cost_curve, sample_sizes
+from arborspec.tools.tune.tree_dp import (  # noqa: F401 - the tuning API, re-exported
     DPResult,
     choose_tree,
     interp,

@@ -1,5 +1,5 @@
 """`arborspec compare`: Polygraphy comparison of an export folder, PyTorch vs ONNX Runtime
-(vs TensorRT), on the feeds the runtime itself produces (see arborspec.tools.compare).
+(vs TensorRT), on the feeds the runtime itself produces (see arborspec.tools.compare.comparison).
 
 Exit status: 0 all outputs within tolerance, 1 some output beyond it (named in the table),
 2 a usage error (one line).
@@ -53,7 +53,7 @@ def register(sub) -> None:
         default=None,
         metavar="F",
         help="quantised exports: minimum top-1 agreement with the fp32 PyTorch reference "
-        "(default: int8 0.95, int4 0.85; see QUANT_TOLERANCES in arborspec.tools.compare)",
+        "(default: int8 0.95, int4 0.85; see QUANT_TOLERANCES in arborspec.tools.compare.comparison)",
     )
     p.add_argument(
         "--max-logit-rel",
@@ -77,7 +77,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from .compare import compare_export, parse_runners
+    from arborspec.tools.compare.comparison import compare_export, parse_runners
 
     parse_runners(args.runners)  # cheap checks first
     if args.trees < 1:

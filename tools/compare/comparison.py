@@ -43,8 +43,7 @@ from typing import Iterable
 import numpy as np
 
 from arborspec.runtime.errors import InputError
-
-from .compare_feeds import (  # noqa: F401 - public API
+from arborspec.tools.compare.feeds import (  # noqa: F401 - public API
     STATIC_PATHS,
     Feed,
     build_feeds,
@@ -52,7 +51,7 @@ from .compare_feeds import (  # noqa: F401 - public API
     feed_in_layout,
     outputs_in_layout,
 )
-from .compare_runners import (
+from arborspec.tools.compare.runners import (
     _gpu_available,
     _polygraphy,
     _runner_classes,
@@ -224,7 +223,7 @@ class CompareReport:
         lines.append(
             f"quantised ({q['scheme']}) tolerances, per graph over all feeds: top-1 agreement >= "
             f"{q['min_top1']:.0%}, relative logit error ||d||/||ref|| <= {q['max_rel']:g} "
-            "(arborspec.tools.compare.QUANT_TOLERANCES)"
+            "(arborspec.tools.compare.comparison.QUANT_TOLERANCES)"
         )
         lines.append(
             f"{'PASSED' if self.passed else 'FAILED'}: {len(judged) - len(bad)}/{len(judged)} graphs within "
@@ -475,7 +474,7 @@ def compare_export(
     if "draft" in feeds:
         graphs.append(("draft", man.draft["file"], draft_module, "draft.engine"))
     if dkind == "eagle3":
-        from .compare_feeds import eagle3_head_feeds
+        from arborspec.tools.compare.feeds import eagle3_head_feeds
 
         feeds["draft"] = eagle3_head_feeds(draft_module.config, seed)
         report.n_feeds["draft"] = len(feeds["draft"])
@@ -610,6 +609,6 @@ __all__ = [
 
 
 def __getattr__(name):  # TorchRunner & co. import polygraphy lazily
-    from . import compare_runners
+    from arborspec.tools.compare.comparison import runners as compare_runners
 
     return getattr(compare_runners, name)

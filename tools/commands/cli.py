@@ -1,6 +1,6 @@
 """The `arborspec` command line: export | build | generate | compare | bench | tune.
 
-Each command lives in its own module `arborspec.tools.cmd_<name>` exposing
+Each command lives in its own module `arborspec.tools.commands.<name>` exposing
 `register(subparsers)` (adds its parser, with an example in the help) and `run(args) -> int`.
 A user mistake raises an `ArborspecError` (arborspec.runtime.errors; `UserError` here is one)
 and ends as one clear line on stderr and exit status 2: never a traceback. Anything else is a
@@ -42,9 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in COMMANDS:
         try:
-            mod = importlib.import_module(f"arborspec.tools.cmd_{name.replace('-', '_')}")
+            mod = importlib.import_module(f"arborspec.tools.commands.{name.replace('-', '_')}")
         except ModuleNotFoundError as e:
-            if e.name == f"arborspec.tools.cmd_{name.replace('-', '_')}":
+            if e.name == f"arborspec.tools.commands.{name.replace('-', '_')}":
                 continue
             raise
         mod.register(sub)
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None, shared_pool: bool = False) -> int:
     old_show, warnings.showwarning = warnings.showwarning, _show_warning
     try:
         if shared_pool and getattr(args, "command", None) in SHARED_POOL_COMMANDS:
-            from ..runtime.backends.onnxruntime import enable_shared_pool
+            from arborspec.runtime.backends.onnxruntime import enable_shared_pool
 
             enable_shared_pool()
         return int(args.run(args) or 0)
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None, shared_pool: bool = False) -> int:
 
 
 def console_main() -> int:
-    """The `arborspec` console script (and `python -m arborspec.tools.cli`)."""
+    """The `arborspec` console script (and `python -m arborspec.tools.commands.cli`)."""
     return main(shared_pool=True)
 
 

@@ -3,7 +3,7 @@
 Role in one decode step: none; measures what one model call of a step (T new tokens over P
 cached ones) spends in each operator, the way the README's base-engine profile was taken.
 
-    python -m arborspec.tools.profile_ort EXPORT_DIR/target.onnx --tokens 1 --past 256 --reps 20
+    python -m arborspec.tools.bench.profile_ort EXPORT_DIR/target.onnx --tokens 1 --past 256 --reps 20
 """
 
 from __future__ import annotations

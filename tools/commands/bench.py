@@ -1,7 +1,7 @@
 """`arborspec bench`: vanilla vs chain vs tree (and transformers', ONNX Runtime GenAI's and llama.cpp's alternatives) on the same prompts.
 
 Role: opens the engines once (tools/engines.py), runs every configuration on every prompt in one
-process (tools/bench.py), prints the aggregate table, and optionally writes the JSON results and
+process (tools/bench/decoding.py), prints the aggregate table, and optionally writes the JSON results and
 a figure. Tree specs contain commas, so `--tree` is given once per spec and/or as one
 ';'-separated list: `--tree full:3,2 --tree beam:4,8,8` == `--tree 'full:3,2;beam:4,8,8'`.
 """
@@ -16,8 +16,7 @@ from pathlib import Path
 
 from arborspec.runtime.errors import InputError
 from arborspec.runtime.fileio import atomic_write_json
-
-from .engines import add_model_args, models_key, open_models
+from arborspec.tools.engines import add_model_args, models_key, open_models
 
 EXAMPLE = """examples:
   arborspec bench --model smollm2-135m --draft layers:4 --modes vanilla,chain,tree \\
@@ -172,8 +171,11 @@ def _command_line(args) -> str:
 def run(args) -> int:
     import torch
 
-    from . import bench, bench_baselines, bench_peers, bench_report
-    from . import prompts as prompt_sets
+    from arborspec.tools import prompts as prompt_sets
+    from arborspec.tools.bench.decoding import baselines as bench_baselines
+    from arborspec.tools.bench.decoding import decoding as bench
+    from arborspec.tools.bench.decoding import peers as bench_peers
+    from arborspec.tools.bench.decoding import report as bench_report
 
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -216,7 +218,7 @@ def run(args) -> int:
             raise InputError("modes chain/tree need a draft: give --draft layers:K|bigram|MODEL (or --modes vanilla)")
         if not trees:
             trees = [models.tree_default or "full:3,2"]
-        from .tune import resolve_tree
+        from arborspec.tools.tune.tuner import resolve_tree
 
         trees = [resolve_tree(t, models_key(args)) for t in trees]
         # `auto` for the mixed draft: the tree tuned for it (tune --draft BASE+lookup)
@@ -366,13 +368,12 @@ def _draft_name(args, models) -> str | None:
 
 
 def _run_quality(args) -> int:
-    """`bench --quality`: perplexity + greedy agreement table (tools/quality.py)."""
+    """`bench --quality`: perplexity + greedy agreement table (tools/bench/quality.py)."""
     import torch
 
     from arborspec.runtime.export_dir import load_tokenizer, read_manifest
-
-    from . import prompts as prompt_sets
-    from . import quality
+    from arborspec.tools import prompts as prompt_sets
+    from arborspec.tools.bench.decoding import quality as quality
 
     if args.export_dir is None:
         raise InputError(

@@ -25,7 +25,7 @@ import torch
 
 from arborspec.runtime.errors import InputError, MissingFileError
 
-HELDOUT_PATH = Path(__file__).parent / "data" / "heldout.txt"
+HELDOUT_PATH = Path(__file__).parent.parent / "data" / "heldout.txt"
 DEFAULT_WINDOW = 256
 DEFAULT_CHUNK = 64
 

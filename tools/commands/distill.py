@@ -1,8 +1,8 @@
-"""`python -m arborspec.tools.distill_cli`: distil a small Llama draft from the target, or
+"""`python -m arborspec.tools.commands.distill`: distil a small Llama draft from the target, or
 evaluate drafts (--eval).
 
-Role in one decode step: none; the command line of tools/distill_draft.py (training),
-tools/distill_eval.py (evaluation) and tools/distill_corpus.py (data).
+Role in one decode step: none; the command line of tools/train/distill_draft.py (training),
+tools/train/distill_eval.py (evaluation) and tools/train/distill_corpus.py (data).
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ import torch
 
 from arborspec.runtime.errors import ArborspecError, InputError
 from arborspec.runtime.fileio import atomic_write_json
-
-from . import distill_draft
-from .distill_draft import DistillOptions, distill
-from .distill_eval import (
+from arborspec.tools.train import distill_draft as distill_draft
+from arborspec.tools.train.distill_draft import DistillOptions, distill
+from arborspec.tools.train.distill_eval import (
     eval_prompt_ids,
     evaluate_drafts,
     markdown_table,
@@ -28,7 +27,7 @@ from .distill_eval import (
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m arborspec.tools.distill_cli",
+        prog="python -m arborspec.tools.commands.distill",
         description=distill_draft.__doc__.split("\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=distill_draft.__doc__.split("\n\n", 2)[2],

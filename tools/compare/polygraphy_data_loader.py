@@ -3,7 +3,7 @@
 Role: lets the stock `polygraphy run` CLI exercise an export on real decoding inputs. Without
 a data loader Polygraphy fills every dynamic dimension with 1 and "passes" while checking
 nothing useful (T = 1, P = 1, a one-column mask). `load_data()` yields, for the graph being
-run, the same feeds `arborspec compare` uses (arborspec.tools.compare.build_feeds): a prefill
+run, the same feeds `arborspec compare` uses (arborspec.tools.compare.comparison.build_feeds): a prefill
 (P = 0, a prompt chain), a one-token decode (T = 1, P > 0) and one verify step per tree policy
 (chain, full, beam, static, dynamic up to max_tree_nodes nodes) drafted by the real
 draft_tree over a cache of P > 0 past tokens; for draft.onnx, the draft's own calls (its
@@ -19,7 +19,7 @@ Exact command (ONNX Runtime on the export's target graph; add `--load-outputs to
 from `arborspec compare --save-outputs torch.json` to compare against PyTorch):
 
     polygraphy run DIR/target.onnx --onnxrt \\
-        --data-loader-script $(python -c 'import arborspec.tools.polygraphy_data_loader as m; print(m.__file__)')
+        --data-loader-script $(python -c 'import arborspec.tools.compare.polygraphy_data_loader as m; print(m.__file__)')
 
 and for the draft graph the same with DIR/draft.onnx.
 """
@@ -54,7 +54,7 @@ def feeds(
     """The feed dicts (OrderedDict[str, numpy.ndarray]) for one graph of an export folder."""
     from arborspec.runtime.drafts import load_bigram_table
     from arborspec.runtime.export_dir import load_export_dir
-    from arborspec.tools.compare import build_feeds
+    from arborspec.tools.compare.comparison import build_feeds
 
     root, onnx_arg = _locate() if export_dir is None else (Path(export_dir), None)
     target, draft, _, man = load_export_dir(root, load_tokenizer=False)
@@ -84,7 +84,7 @@ def feeds(
     )
     from arborspec.runtime.contract import kv_layout
     from arborspec.runtime.onnx_meta import read_onnx_metadata
-    from arborspec.tools.compare_feeds import feed_in_layout
+    from arborspec.tools.compare.feeds import feed_in_layout
 
     entry = man.target if graph == "target" else man.draft
     layout = kv_layout(read_onnx_metadata(man.path(entry["file"]))["metadata"])

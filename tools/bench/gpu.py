@@ -1,8 +1,8 @@
 """GPU benchmark for issue 11, one JSON: verify cost curves, decode speed, runtime overhead and
 CUDA graphs on the torch CUDA backend (and ONNX Runtime CUDA where onnxruntime-gpu is present).
 
-    python tools/gpu/bench_gpu.py --out $OUT/bench_gpu.json            # on the GPU (tools/gpu/run.sh)
-    python tools/gpu/bench_gpu.py --dry-run --out /tmp/bench_dry.json   # tiny sizes on the CPU: checks the script
+    python tools/bench/gpu.py --out $OUT/bench_gpu.json            # on the GPU (tools/bench/gpu_run.sh)
+    python tools/bench/gpu.py --dry-run --out /tmp/bench_dry.json   # tiny sizes on the CPU: checks the script
 
 Parts (--parts, default all):
   cost    c(T) for T = 1..128 at P = 512 and 2048: one verify call of T new tokens after P cached
@@ -351,7 +351,7 @@ def part_graphs(a, res: dict) -> None:
     res["graphs"] = {
         **out,
         "note": "the module's forward captured per T at fixed P vs eager (launch overhead removed); "
-        "not yet used by the decode loop (TODO in tools/gpu/bench_gpu.py)",
+        "not yet used by the decode loop (TODO in tools/bench/gpu.py)",
     }
 
 

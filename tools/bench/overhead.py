@@ -7,7 +7,7 @@ with a real model's shapes (default SmolLM2-135M: 30 layers, 3 KV heads, head di
 vocabulary 49152) that return precomputed logits instantly, so what is timed is exactly
 the runtime's overhead.
 
-    python -m arborspec.tools.overhead --trees chain:4 full:3,2 beam:4,8,8 dynamic:8,6,64 \
+    python -m arborspec.tools.bench.overhead --trees chain:4 full:3,2 beam:4,8,8 dynamic:8,6,64 \
         --steps 200 [--vocab 49152] [--threads 1] [--temperature 0.8] [--host-topk] [--json OUT]
 """
 

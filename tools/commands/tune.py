@@ -13,8 +13,7 @@ import json
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError, MissingFileError
-
-from .engines import add_model_args, models_key, open_models
+from arborspec.tools.engines import add_model_args, models_key, open_models
 
 EXAMPLE = """examples:
   arborspec tune --model smollm2-135m --draft layers:2 --plot tune.png
@@ -80,7 +79,7 @@ def run(args) -> int:
     if args.model and not args.draft:
         raise InputError("tune needs a draft: give --draft layers:K|bigram|MODEL")
     models = open_models(args)
-    from .tune import TuneOptions, tune
+    from arborspec.tools.tune.tuner import TuneOptions, tune
 
     opts = TuneOptions(
         max_nodes=args.max_nodes,

@@ -1,0 +1,1 @@
+"""Benchmarks: decoding speed side by side, peers, baselines, runtime overhead, ORT profiles, output quality, the GPU benchmark."""

@@ -1,0 +1,1 @@
+"""The `arborspec` command line: argparse and one module per command; the only code that sees argparse."""

@@ -1,0 +1,1 @@
+"""Polygraphy comparisons of an export folder: the feeds, the runners, the comparison."""

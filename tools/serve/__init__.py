@@ -1,0 +1,1 @@
+"""Serving: the OpenAI-compatible FastAPI app and its Ray Serve deployment."""
