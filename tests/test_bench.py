@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from arborspec.tools import prompts as prompt_sets
-from arborspec.tools.bench.decoding import decoding as bench
-from arborspec.tools.bench.decoding import report as bench_report
+from arborspec.tools.bench import decoding as bench
+from arborspec.tools.bench import report as bench_report
 from arborspec.tools.commands.cli import main
 
 PROMPTS = {
@@ -384,7 +384,7 @@ def test_bench_missing_or_failing_peer_is_one_line(tiny, tmp_path, monkeypatch, 
     that fails while running is dropped with one line; the bench goes on and exits 0."""
     import sys
 
-    from arborspec.tools.bench.decoding import peers as bench_peers
+    from arborspec.tools.bench import peers as bench_peers
 
     _, folder, prompts = tiny
     monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)  # import fails

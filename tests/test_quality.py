@@ -19,7 +19,7 @@ from conftest import tiny_text_export  # noqa: E402
 
 from arborspec.runtime.backends.torch_backend import TorchEngine  # noqa: E402
 from arborspec.runtime.export_dir import open_export  # noqa: E402
-from arborspec.tools import quality  # noqa: E402
+from arborspec.tools.bench import quality  # noqa: E402
 from arborspec.tools.commands.cli import main  # noqa: E402
 
 SCALE = 0.5  # a milder random model than the decoding tests' (perplexities in a readable range)

@@ -179,7 +179,7 @@ def test_int8_activation_exports_warn_that_speculation_is_inexact(tmp_path, caps
 
 def test_cli_prints_the_inexact_speculation_warning_as_one_line(tmp_path, capsys):
     from arborspec.runtime.errors import InexactSpeculationWarning
-    from arborspec.tools.commands import cli as cli
+    from arborspec.tools.commands import cli
 
     cli._show_warning(InexactSpeculationWarning("X: int8 activations\nmore"), InexactSpeculationWarning, "f.py", 1)
     assert capsys.readouterr().err == "arborspec: warning: X: int8 activations\n"

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from arborspec.runtime.trees import StaticTree, parse_tree_spec
-from arborspec.tools.tune.tuner import tuner as T
+from arborspec.tools.tune import tuner as T
 
 
 def _all_trees(k: int, depth: int, budget: int):

@@ -172,10 +172,10 @@ def run(args) -> int:
     import torch
 
     from arborspec.tools import prompts as prompt_sets
-    from arborspec.tools.bench.decoding import baselines as bench_baselines
-    from arborspec.tools.bench.decoding import decoding as bench
-    from arborspec.tools.bench.decoding import peers as bench_peers
-    from arborspec.tools.bench.decoding import report as bench_report
+    from arborspec.tools.bench import baselines as bench_baselines
+    from arborspec.tools.bench import decoding as bench
+    from arborspec.tools.bench import peers as bench_peers
+    from arborspec.tools.bench import report as bench_report
 
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -373,7 +373,7 @@ def _run_quality(args) -> int:
 
     from arborspec.runtime.export_dir import load_tokenizer, read_manifest
     from arborspec.tools import prompts as prompt_sets
-    from arborspec.tools.bench.decoding import quality as quality
+    from arborspec.tools.bench import quality
 
     if args.export_dir is None:
         raise InputError(

@@ -609,6 +609,6 @@ __all__ = [
 
 
 def __getattr__(name):  # TorchRunner & co. import polygraphy lazily
-    from arborspec.tools.compare.comparison import runners as compare_runners
+    from arborspec.tools.compare import runners as compare_runners
 
     return getattr(compare_runners, name)
