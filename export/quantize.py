@@ -23,6 +23,7 @@ step multiply with. Two sources:
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -163,8 +164,25 @@ class GGUFBlocks:
 def quantize_float_model(model, bits: int = 4, block_size: int = 32, accuracy_level: int | None = None):
     """ONNX Runtime's blockwise round-to-nearest MatMulNBits quantisation of every MatMul with a
     constant weight (the float-weights path)."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
+    MatMulNBitsQuantizer = _quiet_quantizer()
     q = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=False, accuracy_level=accuracy_level)
     q.process()
     return q.model.model
+
+
+def _quiet_quantizer():
+    """ONNX Runtime's MatMulNBitsQuantizer class, without its console chatter: importing its module
+    calls `logging.basicConfig(level=INFO)` (a stderr handler on the root logger) and it logs two
+    INFO lines per quantised MatMul, which would land in the middle of `arborspec export`'s
+    progress bar. The root logger gets back its handlers and level; ONNX Runtime's quantisation loggers
+    keep warnings and errors."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    for h in root.handlers[:]:
+        if h not in handlers:
+            root.removeHandler(h)
+    root.setLevel(level)
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
+    return MatMulNBitsQuantizer
