@@ -20,6 +20,7 @@ import re
 import signal
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from arborspec.runtime.errors import ArborspecError, InputError
@@ -122,11 +123,26 @@ def app_builder(args: dict):
     return build(args.pop("export_dir"), **args)
 
 
+# Ray Serve's start-up waits, sized for a machine whose cores are busy with other work. Serve's
+# controller gives its HTTP proxy actor 5 s to report ready, then kills and restarts it, and
+# `serve.start` waits a fixed 60 s for the first one: on 2 loaded cores the proxy's Python start-up
+# alone can take longer, so the driver's wait was cancelled with the actor (tests/test_serve_ray.py
+# errored at setup). The controller, a Ray actor, reads these variables from the environment it
+# inherits from `ray.init`; `start` then waits for the proxy itself, up to START_TIMEOUT_S.
+RAY_SERVE_SLOW_START = {
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",  # Ray's default 5 (x restarts)
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30",  # Ray's default 10 (3 misses restart the proxy)
+}
+START_TIMEOUT_S = 300.0  # ARBORSPEC_RAY_START_TIMEOUT_S overrides
+
+
 def start_local_ray() -> None:
     """A local-only Ray: a new cluster on this machine, no dashboard, no usage reports."""
     import ray
 
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    for key, value in RAY_SERVE_SLOW_START.items():
+        os.environ.setdefault(key, value)
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # our own line says where it serves
     ray.init(
         address="local",
@@ -140,14 +156,38 @@ def start_local_ray() -> None:
 
 
 def start(app, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Start Serve's HTTP proxy on host:port and deploy `app` at / (blocks until it is up)."""
+    """Start Serve's HTTP proxy on host:port and deploy `app` at / (blocks until both are up)."""
+    import ray
     from ray import serve
 
-    serve.start(http_options={"host": host, "port": port})
+    deadline = time.monotonic() + float(os.environ.get("ARBORSPEC_RAY_START_TIMEOUT_S", START_TIMEOUT_S))
+    try:
+        serve.start(http_options={"host": host, "port": port})
+    except (TimeoutError, ray.exceptions.RayError):
+        pass  # its fixed 60 s wait for the proxy ran out (a busy machine); the controller keeps starting it
     try:
         serve.run(app, name="arborspec", route_prefix="/")
     except Exception as e:  # a replica that cannot open its engines: one line, not Ray's report
         raise ArborspecError(f"the Ray Serve deployment did not start: {_replica_error(e)}") from None
+    _wait_for_proxies(host, port, deadline)
+
+
+def _wait_for_proxies(host: str, port: int, deadline: float) -> None:
+    """Until every Serve HTTP proxy reports HEALTHY; past the deadline, one line saying why."""
+    from ray import serve
+
+    while True:
+        proxies = {str(v.value if hasattr(v, "value") else v) for v in serve.status().proxies.values()}
+        if proxies == {"HEALTHY"}:
+            return
+        if time.monotonic() > deadline:
+            load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+            raise ArborspecError(
+                f"Ray Serve's HTTP proxy on {host}:{port} did not start in time (proxy status: "
+                f"{', '.join(sorted(proxies)) or 'none yet'}; load average {load:.1f} on {os.cpu_count()} cores): "
+                "set ARBORSPEC_RAY_START_TIMEOUT_S (seconds, default 300) to wait longer on a busy machine"
+            )
+        time.sleep(0.5)
 
 
 def _replica_error(e: Exception) -> str:
