@@ -9,8 +9,8 @@ PIP := $(VENV)/bin/pip
 ARBOR := $(VENV)/bin/arborspec
 STAMP := $(VENV)/.installed
 CACHE ?= $(if $(ARBORSPEC_CACHE),$(ARBORSPEC_CACHE),$(HOME)/.cache/arborspec)
-# the demo decodes with the fastest configuration measured here whose output is exact (README
-# "EAGLE-3 drafts", Measured): the fp32 GroupQueryAttention export (the model's full 8192
+# the demo decodes with the fastest configuration measured here whose output is exact (docs/drafts-and-trees.md
+# "Measured: EAGLE-3, lookup and the mixed draft"): the fp32 GroupQueryAttention export (the model's full 8192
 # context) with the shipped EAGLE-3 head (int8) mixed with prompt lookup, on the tree `tune`
 # chose for it on this machine (tuned once, about a minute, kept in the export folder)
 EXPORT_DRAFT ?= eagle3

@@ -1,6 +1,6 @@
 """What a batched verify call costs: one target call of B rows x T = 1 token over P cached
 columns (every row attends over all P: rows share the cache's columns), median of N calls, for
-the README's "Batched decoding" analysis.
+docs/serving.md, "Batched decoding".
 
     python benchmarks/batch_call_cost.py --export-dir DIR [--batches 1,4,8] [--pasts 128,2048] [--json OUT]
 """

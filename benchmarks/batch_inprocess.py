@@ -1,4 +1,4 @@
-"""In-process batched decoding throughput (README "Batched decoding"): aggregate tokens/s of
+"""In-process batched decoding throughput (docs/serving.md, "Batched decoding"): aggregate tokens/s of
 `BatchDecoder` over the packaged prompts at B = 1, 4 and 8, vanilla next to trees, side by side
 in one process, next to the unbatched decoder (one prompt at a time); greedy outputs are checked
 equal to the unbatched ones. Tokens/s are aggregate and include the prompts' prefill.

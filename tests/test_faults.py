@@ -1,4 +1,4 @@
-"""Faults and what they get (README "Faults and what they get"): an export killed with SIGTERM
+"""Faults and what they get (docs/faults.md): an export killed with SIGTERM
 cleans up and exits 143 with one line; one killed with SIGKILL leaves a partial folder that the
 next run removes; a write past a file-size limit is one line and leaves nothing; truncated,
 bit-flipped and mismatched files are one line naming the file; property-based runs of the CLI

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Serving sweep (README "Serving"): one server per configuration, loadtest at 1, 4 and 8
+# Serving sweep (docs/serving.md): one server per configuration, loadtest at 1, 4 and 8
 # concurrent streaming chat clients, 64 max tokens, greedy. JSON per run in $OUT.
 #   bash benchmarks/serve/sweep.sh EXPORT_DIR [OUT]
 set -euo pipefail
