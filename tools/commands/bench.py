@@ -16,6 +16,7 @@ from pathlib import Path
 
 from arborspec.runtime.errors import InputError
 from arborspec.runtime.fileio import atomic_write_json
+from arborspec.tools.commands.cli import summary
 from arborspec.tools.engines import add_model_args, models_key, open_models
 
 EXAMPLE = """examples:
@@ -43,7 +44,7 @@ def register(sub) -> None:
     p = sub.add_parser(
         "bench",
         help="benchmark vanilla / chain / tree decoding, HF, GenAI and llama.cpp baselines",
-        description=__doc__.split("\n")[0],
+        description=summary(__doc__),
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,4 +1,4 @@
-"""The `arborspec` command line: export | build | generate | compare | bench | tune.
+"""The `arborspec` command line: one module per command (COMMANDS below).
 
 Each command lives in its own module `arborspec.tools.commands.<name>` exposing
 `register(subparsers)` (adds its parser, with an example in the help) and `run(args) -> int`.
@@ -25,6 +25,11 @@ class UserError(InputError):
     """A mistake in the user's command-line input: reported as one line, exit status 2."""
 
 
+def summary(doc: str) -> str:
+    """A module docstring's first paragraph as one line: the description a command's --help shows."""
+    return " ".join(doc.strip().split("\n\n")[0].split())
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2, as argparse does, without the usage block
         sys.stderr.write(f"arborspec: error: {message}\n")
@@ -32,14 +37,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from arborspec import __version__
+
     p = _Parser(
         prog="arborspec",
-        description=__doc__.split("\n")[0],
+        description="Tree speculative decoding with ONNX Runtime / TensorRT engines: "
+        + " | ".join(COMMANDS)
+        + ".\n`arborspec COMMAND --help` shows what a command takes, with examples.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  arborspec generate --model smollm2-135m --draft layers:4 "
-        "--mode tree --tree full:3,2 --prompt 'Hello'",
+        epilog="examples:\n  arborspec export --model smollm2-135m --draft layers:4 --out out/smollm2\n"
+        "  arborspec generate --export-dir out/smollm2 --chat --prompt 'Write a haiku about trees.'\n"
+        "  arborspec serve --export-dir out/smollm2 --port 8000",
     )
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p.add_argument("--version", action="version", version=f"arborspec {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
     for name in COMMANDS:
         try:
             mod = importlib.import_module(f"arborspec.tools.commands.{name.replace('-', '_')}")

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError, MissingFileError
+from arborspec.tools.commands.cli import summary
 
 EXAMPLE = """examples:
   arborspec compare --export-dir ~/.cache/arborspec/exports/smollm2-135m-layers4 --atol 1e-2
@@ -33,7 +34,7 @@ def register(sub) -> None:
     p = sub.add_parser(
         "compare",
         help="compare PyTorch / ONNX Runtime / TensorRT on runtime-made feeds",
-        description=__doc__.split("\n")[0],
+        description=summary(__doc__),
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -10,7 +10,6 @@ import argparse
 import sys
 
 from arborspec.runtime.errors import InputError
-from arborspec.runtime.export_dir import int8_activation_level
 
 EXAMPLE = """examples:
   arborspec export --model smollm2-135m --draft layers:4 --out out/smollm2
@@ -170,6 +169,8 @@ def run(args) -> int:
     elif d.get("kind") == "eagle3":
         dq = d.get("quantization")
         print(f"  draft ({d.get('spec')}): EAGLE-3 head, {dq['scheme'] + ' weights' if dq else 'fp32'}")
+    from arborspec.runtime.export_dir import int8_activation_level
+
     if int8_activation_level(t):
         print(
             "  note: int8 activations make the target's logits depend on how many tokens a call verifies: "

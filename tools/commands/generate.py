@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError, MissingFileError
+from arborspec.tools.commands.cli import summary
 from arborspec.tools.engines import add_model_args, models_key, open_models
 
 EXAMPLE = """examples:
@@ -27,7 +28,7 @@ def register(sub) -> None:
     p = sub.add_parser(
         "generate",
         help="generate text with vanilla / chain / tree decoding",
-        description=__doc__.split("\n")[0],
+        description=summary(__doc__),
         epilog=EXAMPLE,
         formatter_class=__import__("argparse").RawDescriptionHelpFormatter,
     )

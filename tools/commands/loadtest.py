@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from arborspec.runtime.errors import InputError
 from arborspec.runtime.fileio import atomic_write_json
+from arborspec.tools.commands.cli import summary
 
 EXAMPLE = """examples:
   arborspec loadtest --url http://127.0.0.1:8000 --concurrency 4 --requests 40 --stream --max-tokens 64
@@ -35,7 +36,7 @@ def register(sub) -> None:
     p = sub.add_parser(
         "loadtest",
         help="concurrent clients against an OpenAI-compatible server",
-        description=__doc__.split("\n")[0],
+        description=summary(__doc__),
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError
+from arborspec.tools.commands.cli import summary
 
 EXAMPLE = """examples:
   arborspec serve --export-dir ~/.cache/arborspec/exports/smollm2-135m-layers4-v2 --draft lookup --port 8000
@@ -23,7 +24,7 @@ def register(sub) -> None:
     p = sub.add_parser(
         "serve",
         help="OpenAI-compatible HTTP server (completions, chat, SSE, metrics)",
-        description=__doc__.split("\n")[0],
+        description=summary(__doc__),
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError, OutputError
+from arborspec.tools.commands.cli import summary
 
 EXAMPLE = """examples:
   arborspec train-draft --model smollm2-135m --out heads/smollm2-eagle3
@@ -31,7 +32,7 @@ def register(sub) -> None:
     p = sub.add_parser(
         "train-draft",
         help="train an EAGLE-3 draft head for a target on this machine",
-        description=__doc__.split("\n")[0],
+        description=summary(__doc__),
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError, MissingFileError
+from arborspec.tools.commands.cli import summary
 from arborspec.tools.engines import add_model_args, models_key, open_models
 
 EXAMPLE = """examples:
@@ -28,7 +29,7 @@ def register(sub) -> None:
     p = sub.add_parser(
         "tune",
         help="choose the fastest static tree for this backend (Sequoia DP)",
-        description=__doc__.split("\n")[0],
+        description=summary(__doc__),
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
