@@ -94,7 +94,7 @@ def _bigram_from_target(engine, source: dict, progress: bool = True):
     if progress:
         from tqdm import tqdm
 
-        bar = lambda it: tqdm(it, desc="bigram table from the target", unit="batch", leave=False)  # noqa: E731
+        bar = lambda it: tqdm(it, desc="bigram table from the target", unit="batch", leave=False, disable=None)  # noqa: E731
     idx, logits = bigram_table_from_target(engine, progress=bar)
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)

@@ -85,6 +85,9 @@ def _install_signal_handlers() -> dict:
     return old
 
 
+# commands whose output files are written atomically (or removed) when interrupted
+CLEANS_UP_OUTPUT = ("export", "build", "bench", "tune", "train-draft")
+
 # commands that only decode: the `arborspec` command runs their ONNX Runtime sessions on one
 # shared thread pool (runtime/backends/onnxruntime.py enable_shared_pool: faster, process-wide)
 SHARED_POOL_COMMANDS = ("generate", "bench", "tune", "serve")
@@ -100,6 +103,10 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
     else:
         text = warnings.formatwarning(message, category, filename, lineno, line)
     (file or sys.stderr).write(text)
+
+
+def _cleanup_note(args) -> str:
+    return "; partial output was removed" if getattr(args, "command", None) in CLEANS_UP_OUTPUT else ""
 
 
 def main(argv: list[str] | None = None, shared_pool: bool = False) -> int:
@@ -119,11 +126,15 @@ def main(argv: list[str] | None = None, shared_pool: bool = False) -> int:
             enable_shared_pool()
         return int(args.run(args) or 0)
     except Terminated:
-        sys.stderr.write("arborspec: terminated (SIGTERM); partial output was removed\n")
+        sys.stderr.write(f"arborspec: terminated (SIGTERM){_cleanup_note(args)}\n")
         return 143
     except KeyboardInterrupt:
-        sys.stderr.write("arborspec: interrupted; partial output was removed\n")
+        sys.stderr.write(f"arborspec: interrupted{_cleanup_note(args)}\n")
         return 130
+    except BrokenPipeError:  # `arborspec generate ... | head`: the reader has all it wants
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's last flush cannot fail again
+        return 141
     except ArborspecError as e:
         if debug:
             raise

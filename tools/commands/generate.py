@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from arborspec.runtime.errors import InputError, MissingFileError
+from arborspec.runtime.errors import InputError
 from arborspec.tools.commands.cli import summary
 from arborspec.tools.engines import add_model_args, models_key, open_models
 
@@ -34,7 +34,12 @@ def register(sub) -> None:
     )
     add_model_args(p)
     g = p.add_argument_group("decoding")
-    g.add_argument("--mode", choices=["vanilla", "chain", "tree"], default="tree")
+    g.add_argument(
+        "--mode",
+        choices=["vanilla", "chain", "tree"],
+        default=None,
+        help="default: tree when there is a draft (an export's own, or --draft), else vanilla",
+    )
     g.add_argument(
         "--tree",
         default=None,
@@ -94,9 +99,9 @@ def prompt_ids(args, tok) -> list[int]:
 
 
 def _read(path: Path) -> str:
-    if not path.is_file():
-        raise MissingFileError(f"prompt file not found: {path}")
-    return path.read_text()
+    from arborspec.runtime.fileio import read_text_file
+
+    return read_text_file(path, "prompt file")
 
 
 def resolve_tree_arg(models, args, mode: str):
@@ -167,12 +172,16 @@ def run(args) -> int:
     SamplingParams(args.temperature, args.top_k, args.top_p)
     if args.tree and args.tree.strip().lower() != "auto":
         parse_tree_spec(args.tree)
-    if args.prompt_file is not None and not args.prompt_file.is_file():
-        raise MissingFileError(f"prompt file not found: {args.prompt_file}")
+    if sum(x is not None for x in (args.prompt, args.prompt_file, args.prompt_ids)) != 1:
+        raise InputError("give exactly one of --prompt, --prompt-file, --prompt-ids")
+    if args.prompt_file is not None:
+        _read(args.prompt_file)  # missing or not UTF-8: one line before the models load
     models = open_models(args, need_draft=args.mode != "vanilla")
     with models:  # closes the engines it opened (TensorRT-RTX saves its runtime cache)
+        if args.mode is None:  # as serve and Generator.from_export: speculate when there is a draft
+            args.mode = "tree" if models.draft is not None else "vanilla"
         if args.mode != "vanilla" and models.draft is None:
-            raise InputError(f"mode {args.mode} needs a draft: give --draft layers:K|bigram|MODEL (or --mode vanilla)")
+            raise InputError(f"--mode {args.mode} needs a draft: {_draft_hint(args)} (or --mode vanilla)")
         tok = models.tokenizer
         ids = prompt_ids(args, tok)
         _check_limits(models, len(ids), args.max_new_tokens)
@@ -233,6 +242,13 @@ def run(args) -> int:
             sp = st.tokens_per_s / vanilla.stats.tokens_per_s if vanilla.stats.tokens_per_s else float("nan")
             print(f"speed-up {sp:.2f}x vs vanilla" + (" | identical tokens" if same else ""), file=sys.stderr)
         return 0
+
+
+def _draft_hint(args) -> str:
+    """The drafts this backend takes, for the 'needs a draft' line."""
+    if args.model and (args.backend or "torch") == "torch":
+        return "give --draft layers:K|bigram|lookup[:N]|eagle3[:DIR]|MODEL"
+    return "this export has no draft; give --draft lookup[:N] (or export one: arborspec export --draft layers:K)"
 
 
 def _aggregate(stats: list[dict]) -> dict:
