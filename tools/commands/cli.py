@@ -25,6 +25,26 @@ class UserError(InputError):
     """A mistake in the user's command-line input: reported as one line, exit status 2."""
 
 
+# one vocabulary for the same idea in every command's help
+TREE_HELP = (
+    "tree policy: chain:K | full:D,W | beam:n1,n2,... | dynamic:K,D,N[,P] | static:FILE.json | "
+    "auto (the tree `arborspec tune` chose) (default: the export's tree, else full:3,2)"
+)
+DRAFT_HELP = (
+    "draft: layers:K (the target's first K layers), bigram (a table from the target), "
+    "lookup[:N] (n-gram prompt lookup; any backend), eagle3[:DIR] (an EAGLE-3 head; torch backend), "
+    "none, a model NAME|PATH with the same vocabulary (torch backend), or BASE+lookup[:N] (a model "
+    "draft mixed with lookup: eagle3+lookup; export+lookup for an export folder's own draft). "
+    "With --export-dir: export (its own draft; default), none, lookup[:N] or export+lookup[:N]"
+)
+DRAFT_HELP_EXPORT = (
+    "draft: export (the folder's own draft; default), none, lookup[:N] (n-gram prompt lookup), "
+    "or export+lookup[:N] (the folder's draft mixed with lookup)"
+)
+JSON_HELP = "print the result as one JSON object on stdout (instead of text)"
+JSON_OUT_HELP = "also write the results to this JSON file"
+
+
 def summary(doc: str) -> str:
     """A module docstring's first paragraph as one line: the description a command's --help shows."""
     return " ".join(doc.strip().split("\n\n")[0].split())

@@ -44,8 +44,9 @@ def register(sub) -> None:
         "--draft",
         default="layers:2",
         metavar="SPEC",
-        help="layers:K (first K target layers), bigram (table), none, or a model "
-        "NAME|PATH with the same vocabulary (default: layers:2)",
+        help="layers:K (the target's first K layers), bigram (a table from the target), eagle3[:DIR] "
+        "(an EAGLE-3 head: the shipped one, or a `train-draft` folder), none, or a model NAME|PATH with the "
+        "same vocabulary (default: layers:2); lookup needs no export: give it to generate/serve/bench",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
     p.add_argument(

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError
-from arborspec.tools.commands.cli import summary
+from arborspec.tools.commands.cli import JSON_HELP, TREE_HELP, summary
 from arborspec.tools.engines import add_model_args, models_key, open_models
 
 EXAMPLE = """examples:
@@ -40,13 +40,7 @@ def register(sub) -> None:
         default=None,
         help="default: tree when there is a draft (an export's own, or --draft), else vanilla",
     )
-    g.add_argument(
-        "--tree",
-        default=None,
-        help="tree policy: chain:K | full:D,W | beam:n1,n2,.. | dynamic:K,D,N | static:FILE.json | "
-        "auto (the tree `arborspec tune` chose) "
-        "(default: the export's, else full:3,2; chain mode: chain:4)",
-    )
+    g.add_argument("--tree", default=None, help=TREE_HELP + "; chain mode: chain:4")
     g.add_argument(
         "--candidates",
         choices=["topk", "sample", "sample-unique"],
@@ -66,7 +60,7 @@ def register(sub) -> None:
     pr.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     pr.add_argument("--system", default=None, help="system message with --chat")
     o = p.add_argument_group("output")
-    o.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    o.add_argument("--json", action="store_true", help=JSON_HELP)
     o.add_argument(
         "--vs-vanilla", action="store_true", help="also run vanilla decoding on the same backend and print both stats"
     )
