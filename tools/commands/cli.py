@@ -116,9 +116,9 @@ SHARED_POOL_COMMANDS = ("generate", "bench", "tune", "serve")
 def _show_warning(message, category, filename, lineno, file=None, line=None):
     """The runtime's warnings to a user (InexactSpeculationWarning): one line, no source
     location; any other warning keeps Python's format."""
-    from arborspec.runtime.errors import InexactSpeculationWarning
+    from arborspec.runtime.errors import EmptyCompletionWarning, InexactSpeculationWarning
 
-    if issubclass(category, InexactSpeculationWarning):
+    if issubclass(category, (InexactSpeculationWarning, EmptyCompletionWarning)):
         text = f"arborspec: warning: {str(message).splitlines()[0]}\n"
     else:
         text = warnings.formatwarning(message, category, filename, lineno, line)

@@ -195,6 +195,10 @@ def run(args) -> int:
             if sd is not None:
                 sys.stdout.write(sd.finish() + "\n")
             runs.append((toks, dec.last_stats, dec.last_stop_reason))
+        if args.prompt_ids is None and not args.chat:
+            from arborspec.runtime.generator import warn_if_empty_answer
+
+            warn_if_empty_answer(tok, len(runs[0][0]), runs[0][2], "--chat")
         vanilla = None
         if args.vs_vanilla and args.mode != "vanilla":
             vdec = make_decoder(models, args, mode="vanilla")

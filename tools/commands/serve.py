@@ -104,12 +104,11 @@ def run(args) -> int:
         raise InputError(f"--workers must be >= 1, got {args.workers}")
     if args.max_batch < 1:
         raise InputError(f"--max-batch must be >= 1, got {args.max_batch}")
-    from arborspec.runtime.contract import read_manifest
-
-    man = read_manifest(args.export_dir)
-    sock = _bind(args.host, args.port)
+    sock = _bind(args.host, args.port)  # first: a port clash is one line, before anything loads
     try:
-        return _serve(args, man, sock, uvicorn)
+        from arborspec.runtime.contract import read_manifest
+
+        return _serve(args, read_manifest(args.export_dir), sock, uvicorn)
     finally:
         sock.close()
 
