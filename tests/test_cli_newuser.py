@@ -98,6 +98,10 @@ def test_every_command_help_is_whole_and_speaks_one_vocabulary(capsys):
         assert _action(subs[name], "--json-out") is not None
     for name in ("bench", "tune"):
         assert _action(subs[name], "--limit-prompts") is not None
+    for name in ("export", "compare", "bench", "tune", "train-draft", "serve"):  # less on stderr: one name
+        assert _action(subs[name], "--quiet") is not None, name
+    for name, p in subs.items():  # every option says what it takes
+        assert all(a.help for a in p._actions if a.option_strings), name
 
 
 # ----------------------------------------------------------------------------- tune

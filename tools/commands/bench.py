@@ -17,7 +17,7 @@ from pathlib import Path
 
 from arborspec.runtime.errors import InputError
 from arborspec.runtime.fileio import atomic_write_json
-from arborspec.tools.commands.cli import JSON_HELP, JSON_OUT_HELP, TREE_HELP, summary
+from arborspec.tools.commands.cli import JSON_HELP, JSON_OUT_HELP, QUIET_HELP, TREE_HELP, summary
 from arborspec.tools.engines import add_model_args, models_key, open_models
 
 EXAMPLE = """examples:
@@ -104,12 +104,13 @@ def register(sub) -> None:
     r = p.add_argument_group("run")
     r.add_argument("--prompts", type=Path, default=None, help="prompts JSON file (default: the packaged set)")
     r.add_argument("--limit-prompts", type=int, default=None, help="use N prompts (round-robin over categories)")
-    r.add_argument("--max-new-tokens", type=int, default=64)
+    r.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; checks greedy_match)")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     r.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     r.add_argument("--warmup", type=int, default=1, help="warm-up generations per config before timing (1)")
-    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--quiet", dest="no_progress", action="store_true", help=QUIET_HELP)
+    r.add_argument("--no-progress", action="store_true", help=argparse.SUPPRESS)  # the old name
     qa = p.add_argument_group("quality (instead of speed)")
     qa.add_argument(
         "--quality",

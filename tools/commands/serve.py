@@ -37,12 +37,12 @@ def register(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--export-dir", type=Path, required=True, help="export folder from `arborspec export`")
-    p.add_argument("--backend", choices=["onnxruntime", "tensorrt"], default="onnxruntime")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--backend", choices=["onnxruntime", "tensorrt"], default="onnxruntime", help="default onnxruntime")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--draft", default=None, help=DRAFT_HELP_EXPORT)
     p.add_argument("--tree", default=None, help=TREE_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument(
         "--max-batch",
         type=int,

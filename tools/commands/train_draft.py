@@ -59,7 +59,7 @@ def register(sub) -> None:
     t.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (default 5e-4)")
     t.add_argument("--epochs", type=float, default=2.0, help="passes over the corpus (default 2)")
     t.add_argument("--minutes", type=float, default=60.0, help="training time budget (default 60)")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     t.add_argument(
         "--init",
         type=Path,

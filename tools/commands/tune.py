@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError, MissingFileError
-from arborspec.tools.commands.cli import summary
+from arborspec.tools.commands.cli import QUIET_HELP, summary
 from arborspec.tools.engines import add_model_args, models_key, open_models
 
 EXAMPLE = """examples:
@@ -37,9 +37,7 @@ def register(sub) -> None:
     g.add_argument(
         "--prompts", type=Path, help="calibration prompts file (default tools/data/prompts.json, else built-in prompts)"
     )
-    g.add_argument(
-        "--limit-prompts", type=int, default=8, metavar="N", help="use N calibration prompts (default 8)"
-    )
+    g.add_argument("--limit-prompts", type=int, default=8, metavar="N", help="use N calibration prompts (default 8)")
     g.add_argument("--n-prompts", dest="limit_prompts", type=int, help=argparse.SUPPRESS)  # the old name
     g.add_argument("--calib-tokens", type=int, default=64, help="greedy tokens per calibration prompt")
     g.add_argument(
@@ -60,12 +58,12 @@ def register(sub) -> None:
         "and choose among them by that (default 4; 0: the cost model alone)",
     )
     g.add_argument("--loop-tokens", type=int, default=32, help="tokens per prompt in that pass (default 32)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of the built-in calibration prompts (default 0)")
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, help="also write the tree file here")
     o.add_argument("--plot", type=Path, help="PNG: cost curves and predicted tokens/s vs budget")
     o.add_argument("--json", action="store_true", help="print the tuned document as one JSON object on stdout")
-    o.add_argument("--quiet", action="store_true", help="no progress bars (they are shown only on a terminal)")
+    o.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     p.set_defaults(run=run)
 
 
