@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -214,11 +216,27 @@ def test_serve_port_in_use_is_one_line_before_loading(exports, tmp_path):
     one_error_line(r, f"cannot listen on 127.0.0.1:{port}")
 
 
-def _wait_for(proc, pattern: str, lines: list[str], timeout=180) -> str:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        line = proc.stderr.readline()
-        if not line:
+def _stderr_lines(proc) -> queue.Queue:
+    """The process's stderr lines, read by a thread (a silent process cannot block the test)."""
+    q: queue.Queue = queue.Queue()
+
+    def read():
+        for line in proc.stderr:
+            q.put(line)
+        q.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    return q
+
+
+def _wait_for(q: queue.Queue, pattern: str, lines: list[str], timeout=180) -> str:
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            line = q.get(timeout=max(0.1, end - time.time()))
+        except queue.Empty:
+            break
+        if line is None:
             break
         lines.append(line)
         if pattern in line:
@@ -242,8 +260,9 @@ def test_serve_says_where_it_listens_logs_requests_and_stops(exports, tmp_path, 
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
     )
     lines: list[str] = []
+    q = _stderr_lines(proc)
     try:
-        up = _wait_for(proc, "serving", lines)
+        up = _wait_for(q, "serving", lines)
         assert f"http://127.0.0.1:{port}" in up and "tiny-llama" in up and "batch 2" in up and "tree" in up, up
         base = f"http://127.0.0.1:{port}"
         assert httpx.get(base + "/v1/models").json()["data"][0]["id"] == "tiny-llama"
@@ -252,7 +271,7 @@ def test_serve_says_where_it_listens_logs_requests_and_stops(exports, tmp_path, 
         )
         n = r.json()["usage"]["completion_tokens"]
         proc.send_signal(signal.SIGINT)
-        _wait_for(proc, "stopped serving", lines)
+        _wait_for(q, "stopped serving", lines)
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
