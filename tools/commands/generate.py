@@ -67,10 +67,13 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
-def prompt_ids(args, tok) -> list[int]:
-    given = [x for x in (args.prompt, args.prompt_file, args.prompt_ids) if x is not None]
-    if len(given) != 1:
+def _check_one_prompt(args) -> None:
+    if sum(x is not None for x in (args.prompt, args.prompt_file, args.prompt_ids)) != 1:
         raise InputError("give exactly one of --prompt, --prompt-file, --prompt-ids")
+
+
+def prompt_ids(args, tok) -> list[int]:
+    _check_one_prompt(args)
     if args.prompt_ids is not None:
         try:
             ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
@@ -166,8 +169,7 @@ def run(args) -> int:
     SamplingParams(args.temperature, args.top_k, args.top_p)
     if args.tree and args.tree.strip().lower() != "auto":
         parse_tree_spec(args.tree)
-    if sum(x is not None for x in (args.prompt, args.prompt_file, args.prompt_ids)) != 1:
-        raise InputError("give exactly one of --prompt, --prompt-file, --prompt-ids")
+    _check_one_prompt(args)  # before the models load
     if args.prompt_file is not None:
         _read(args.prompt_file)  # missing or not UTF-8: one line before the models load
     models = open_models(args, need_draft=args.mode != "vanilla")
