@@ -54,7 +54,7 @@ test: lint
 
 bench: $(STAMP)
 	$(ARBOR) bench --export-dir "$(DEMO_EXPORT)" --backend onnxruntime --draft $(DEMO_DRAFT) --limit-prompts 8 \
-	  --tree "$(DEMO_TREE)" --max-new-tokens 64 --json benchmarks/last.json --plot benchmarks/last.png
+	  --tree "$(DEMO_TREE)" --max-new-tokens 64 --json-out benchmarks/last.json --plot benchmarks/last.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -225,7 +225,7 @@ def export_folder(
     kind, arg = parse_draft_spec(draft)
     out = Path(out)
     stages = ["load model", "build draft", "tokenizer", "export target", "export draft", "manifest"]
-    bar = tqdm(total=len(stages), desc="export", unit="stage", disable=not progress, leave=False)
+    bar = tqdm(total=len(stages), desc="export", unit="stage", disable=None if progress else True, leave=False)
 
     def stage(name):
         bar.set_description(f"export: {name}")

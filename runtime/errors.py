@@ -51,3 +51,8 @@ class InexactSpeculationWarning(UserWarning):
     """The target's logits depend on how many tokens one call carries (e.g. ONNX Runtime's
     MatMulNBits with int8 activations), so chain and tree decoding can differ from vanilla
     decoding of the same export: the one correctness promise arborspec cannot keep there."""
+
+
+class EmptyCompletionWarning(UserWarning):
+    """A text prompt answered with EOS at once by a model that has a chat template: an
+    instruct model asked without its template (the fix: chat=True / `--chat`)."""

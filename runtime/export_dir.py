@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .contract import FORMAT, MANIFEST_NAME, Manifest, check_arborspec_onnx, read_engines_manifest, read_manifest  # noqa: F401
-from .errors import ExportDirError, InexactSpeculationWarning, InputError, MissingFileError
+from .errors import DeviceError, ExportDirError, InexactSpeculationWarning, InputError, MissingFileError
 from .onnx_meta import read_onnx_metadata  # noqa: F401
 
 BACKENDS = ("onnxruntime", "tensorrt")
@@ -189,6 +189,14 @@ def open_export(
             f"{', '.join(BACKENDS)}; the torch backend loads models with --model)"
         )
     man = read_manifest(dir, check_checksums=verify)
+    if backend == "tensorrt":
+        import torch
+
+        if not torch.cuda.is_available():  # before pointing at `arborspec build`: engines need a GPU to run
+            raise DeviceError(
+                "--backend tensorrt runs on an NVIDIA GPU with CUDA and none is visible here: "
+                "use --backend onnxruntime (CPU)"
+            )
     engine_dir = Path(engine_dir) if engine_dir else None
     opened = OpenedExport(None, None, None, man, backend, device)
     try:

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import OutputError
+from .errors import InputError, MissingFileError, OutputError
 
 CHUNK = 1 << 22
 
@@ -44,6 +44,22 @@ def describe_os_error(e: OSError, path: str | os.PathLike) -> str:
     else:
         why = e.strerror or type(e).__name__
     return f"cannot write {path}: {why}"
+
+
+def read_text_file(path: str | os.PathLike, what: str = "file") -> str:
+    """A UTF-8 text file the user named: a missing file or one that is not UTF-8 is one
+    `ArborspecError` line naming the file (and the first bad byte), not a traceback."""
+    p = Path(path)
+    if not p.is_file():
+        raise MissingFileError(f"{what} not found: {p}")
+    data = p.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(
+            f"{what} {p} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+            "convert it, e.g. iconv -f latin1 -t utf-8"
+        ) from None
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: str = "wb") -> Path:

@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import re
 import threading
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
 from .decode import MODES, SpeculativeDecoder
-from .errors import InputError, MissingFileError
+from .errors import EmptyCompletionWarning, InputError, MissingFileError
 from .sampling import SamplingParams
 from .stats import GenerationStats
 from .stats import GenerationStats as _Stats
@@ -212,12 +213,28 @@ class Generator:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int = 0,
+        chat: bool = False,
     ) -> Completion:
-        """One completion of a text or token-id prompt."""
+        """One completion of a text or token-id prompt. chat=True: a text prompt is one user
+        message through the model's chat template (what an instruct model expects; without it
+        such a model often answers '' at once, and an EmptyCompletionWarning says so)."""
+        if chat:
+            if not isinstance(prompt, str):
+                raise InputError("chat=True takes a text prompt (for messages use chat())")
+            return self.chat(
+                [{"role": "user", "content": prompt}],
+                max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                seed=seed,
+            )
         ids = self._ids(prompt)
         out: list[int] = []
         for chunk in self._token_stream(ids, max_new_tokens, SamplingParams(temperature, top_k, top_p), seed):
             out += chunk
+        if isinstance(prompt, str):
+            warn_if_empty_answer(self.tokenizer, len(out), self.last_stop_reason, "generate(prompt, chat=True)")
         return Completion(self._text(out), out, len(ids), self.last_stop_reason, self.last_stats)
 
     def _token_stream(self, ids: list[int], max_new_tokens: int, sp: SamplingParams, seed: int):
@@ -305,6 +322,19 @@ class Generator:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def warn_if_empty_answer(tokenizer, n_tokens: int, stop_reason: str | None, fix: str) -> None:
+    """EmptyCompletionWarning when a text prompt got EOS as its first token (n_tokens: those
+    generated, the EOS included) from a model with a chat template (an instruct model asked
+    without it); `fix`: how the caller adds the template."""
+    if n_tokens <= 1 and stop_reason == "eos" and getattr(tokenizer, "chat_template", None):
+        warnings.warn(
+            "the model answered with end-of-sequence at once: an instruct/chat model expects its chat "
+            f"template: use {fix}",
+            EmptyCompletionWarning,
+            stacklevel=3,
+        )
 
 
 def auto_tree_file(export_dir, draft: str | None = None) -> Path:

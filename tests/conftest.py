@@ -80,9 +80,9 @@ def externalize_target(d):
     (d / "manifest.json").write_text(json.dumps(man))
 
 
-def tiny_text_export(folder, seed: int = 0, scale: float = 3.0, **export_kw):
-    """An export folder (target + layers:1 draft + a real byte-level BPE tokenizer) of a tiny
-    random Llama: what the CLI, server and embedding-API tests run text through."""
+def tiny_text_export(folder, seed: int = 0, scale: float = 3.0, draft: str = "layers:1", **export_kw):
+    """An export folder (target + a layers:1 draft (or `draft`) + a real byte-level BPE
+    tokenizer) of a tiny random Llama: what the CLI, server and embedding-API tests run text through."""
     from types import SimpleNamespace
 
     from test_tokenizer import synthetic_meta
@@ -97,7 +97,7 @@ def tiny_text_export(folder, seed: int = 0, scale: float = 3.0, **export_kw):
     export_folder(
         SimpleNamespace(module=m, config=m.config, tokenizer=tok, source={"kind": "test"}),
         folder,
-        draft="layers:1",
+        draft=draft,
         progress=False,
         verify=False,
         **export_kw,

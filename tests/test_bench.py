@@ -135,7 +135,7 @@ def test_bench_torch_with_hf_baselines(tiny, capsys):
             "--hf-assistant-layers",
             "1",
             "--no-progress",
-            "--json",
+            "--json-out",
             str(out),
             "--plot",
             str(png),
@@ -188,7 +188,7 @@ def test_bench_onnxruntime_export(tiny, tmp_path):
             "--lookup-tree",
             "full:3,2",
             "--no-progress",
-            "--json",
+            "--json-out",
             str(out),
         ]
     )
@@ -266,7 +266,7 @@ def _peer_bench(model, prompts, out, baselines, extra=()):
             "--baselines",
             baselines,
             "--no-progress",
-            "--json",
+            "--json-out",
             str(out),
             *extra,
         ]

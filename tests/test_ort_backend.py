@@ -268,7 +268,7 @@ def test_shared_pool_in_the_cli_and_on_request(tmp_path):
         j = tmp_path / f"{name}.json"
         args = ["-m", "arborspec.tools.commands.cli", "bench", "--export-dir", str(out), "--tree", "full:2,2"]
         args += ["--prompts", str(prompts), "--max-new-tokens", "8", "--warmup", "0", "--no-progress"]
-        r = run(args + ["--json", str(j)], **env)
+        r = run(args + ["--json-out", str(j)], **env)
         assert r.returncode == 0, r.stderr[-2000:]
         res = json.loads(j.read_text())
         return res["meta"]["ort_thread_pool"], res["per_prompt"][0]["runs"]["full:2,2"]["greedy_match"]

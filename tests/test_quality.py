@@ -118,7 +118,7 @@ def test_bench_quality_cli(exports, tmp_path, capsys):
             "--max-new-tokens",
             "8",
             "--no-progress",
-            "--json",
+            "--json-out",
             str(out),
         ]
     )

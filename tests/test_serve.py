@@ -195,7 +195,7 @@ def test_loadtest_against_the_server(server, tmp_path, capsys):
             "--stream",
             "--api-key",
             KEY,
-            "--json",
+            "--json-out",
             str(out),
         ]
     )

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from arborspec.tools.commands.cli import UserError
+from arborspec.tools.commands.cli import DRAFT_HELP, UserError
 
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
 
@@ -45,15 +45,7 @@ def add_model_args(p, draft_default: str | None = None) -> None:
     g.add_argument(
         "--model", help="target: registry name (smollm2-135m), .gguf, HF folder or nanoGPT .pt (torch backend)"
     )
-    g.add_argument(
-        "--draft",
-        default=draft_default,
-        help="draft: layers:K (first K target layers), bigram (table from the target), "
-        "lookup[:N] (n-gram prompt lookup, any backend), eagle3:FOLDER (an EAGLE-3 "
-        "checkpoint, torch backend), none, a model name/path with the same vocabulary "
-        "(torch backend), or BASE+lookup[:N]: a model draft mixed with lookup (eagle3+lookup; "
-        "export+lookup for an export folder's own draft)",
-    )
+    g.add_argument("--draft", default=draft_default, help=DRAFT_HELP)
     g.add_argument(
         "--export-dir", type=Path, help="export folder from `arborspec export` (onnxruntime and tensorrt backends)"
     )
@@ -94,7 +86,7 @@ def _bigram_from_target(engine, source: dict, progress: bool = True):
     if progress:
         from tqdm import tqdm
 
-        bar = lambda it: tqdm(it, desc="bigram table from the target", unit="batch", leave=False)  # noqa: E731
+        bar = lambda it: tqdm(it, desc="bigram table from the target", unit="batch", leave=False, disable=None)  # noqa: E731
     idx, logits = bigram_table_from_target(engine, progress=bar)
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from arborspec.runtime.errors import InputError, MissingFileError
+from arborspec.runtime.fileio import read_text_file
 
 
 # ---------------------------------------------------------------------------------- prompts
@@ -25,10 +26,9 @@ def read_prompts_file(path: str | os.PathLike | None) -> tuple[list[dict], str]:
     """-> raw prompt entries and the path read. The file is {"prompts": [...]} or a list; each
     entry has "id", "category" and either "text" (+ optional "chat": true, "system") or "ids"."""
     p = Path(path) if path else default_prompts_path()
-    if not p.is_file():
-        raise MissingFileError(f"prompts file not found: {p}")
+    text = read_text_file(p, "prompts file")
     try:
-        data = json.loads(p.read_text())
+        data = json.loads(text)
     except ValueError as e:
         raise InputError(f"{p}: not valid JSON ({e})") from None
     entries = data.get("prompts") if isinstance(data, dict) else data
@@ -142,7 +142,10 @@ def load_prompt_entries(path: str | Path | None) -> list[dict]:
         if path:
             raise MissingFileError(f"prompts file not found: {p}")
         return []
-    data = json.loads(p.read_text())
+    try:
+        data = json.loads(read_text_file(p, "prompts file"))
+    except json.JSONDecodeError as e:
+        raise InputError(f"{p}: not valid JSON ({e})") from None
     if isinstance(data, dict):
         data = data.get("prompts", data.get("items", []))
     out = []

@@ -18,7 +18,7 @@ for cfg in "1 none" "1 lookup" "8 none" "8 lookup"; do
     n=$((c == 1 ? 8 : 16)); if [ "$c" = 8 ] && [ "$mb" != 1 ]; then n=$REQ8; fi
     echo "max-batch $mb draft $draft clients $c requests $n"
     arborspec loadtest --url "http://127.0.0.1:$PORT" --concurrency "$c" --requests "$n" --stream --chat \
-      --max-tokens 64 --json "$OUT/mb${mb}-${draft}-c${c}.json"
+      --max-tokens 64 --json-out "$OUT/mb${mb}-${draft}-c${c}.json"
   done
   curl -s "localhost:$PORT/metrics" | grep -E "^arborspec_(mean_batch_size|mean_accepted|request_errors)" || true
   kill -TERM $pid; wait $pid || true

@@ -243,7 +243,13 @@ def run_bench(
                     break
     warnings: list[str] = []
     per_prompt = []
-    bar = tqdm(total=len(prompts) * len(run_cfgs), desc="bench", unit="run", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=len(prompts) * len(run_cfgs),
+        desc="bench",
+        unit="run",
+        disable=None if progress else True,
+        dynamic_ncols=True,
+    )
     try:
         for p in prompts:
             runs: dict[str, dict] = {}

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from arborspec.runtime.errors import InputError, MissingFileError
+from arborspec.runtime.errors import InputError
+from arborspec.runtime.fileio import read_text_file
 
 HELDOUT_PATH = Path(__file__).parent.parent / "data" / "heldout.txt"
 DEFAULT_WINDOW = 256
@@ -32,9 +33,7 @@ DEFAULT_CHUNK = 64
 
 def heldout_text(path: str | os.PathLike | None = None) -> str:
     p = Path(path) if path else HELDOUT_PATH
-    if not p.is_file():
-        raise MissingFileError(f"held-out text not found: {p}")
-    text = p.read_text(encoding="utf-8")
+    text = read_text_file(p, "held-out text")
     if not text.strip():
         raise InputError(f"{p}: the held-out text is empty")
     return text

@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import shlex
 import sys
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError
 from arborspec.runtime.fileio import atomic_write_json
+from arborspec.tools.commands.cli import JSON_HELP, JSON_OUT_HELP, QUIET_HELP, TREE_HELP, summary
 from arborspec.tools.engines import add_model_args, models_key, open_models
 
 EXAMPLE = """examples:
   arborspec bench --model smollm2-135m --draft layers:4 --modes vanilla,chain,tree \\
       --chain chain:4 --tree 'full:3,2;beam:4,8,8;dynamic:4,4,16' --limit-prompts 8 \\
       --max-new-tokens 64 --baselines hf-greedy,hf-assisted,hf-lookup \\
-      --json benchmarks/smollm2_cpu_torch.json --plot benchmarks/smollm2_cpu_torch.png
+      --json-out benchmarks/smollm2_cpu_torch.json --plot benchmarks/smollm2_cpu_torch.png
   arborspec bench --export-dir ~/.cache/arborspec/exports/smollm2 --backend onnxruntime \\
       --tree full:3,2 --tree dynamic:4,4,16 --limit-prompts 4
   arborspec bench --quality --export-dir out/int4 --reference-export-dir out/fp32 --limit-prompts 8
@@ -43,7 +45,7 @@ def register(sub) -> None:
     p = sub.add_parser(
         "bench",
         help="benchmark vanilla / chain / tree decoding, HF, GenAI and llama.cpp baselines",
-        description=__doc__.split("\n")[0],
+        description=summary(__doc__),
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -59,8 +61,7 @@ def register(sub) -> None:
         action="append",
         default=None,
         metavar="SPEC",
-        help="tree policy to run in tree mode; repeat the flag or separate specs with ';' "
-        "(`auto`: the tree `arborspec tune` chose; default: the export's tree, else full:3,2)",
+        help=TREE_HELP + "; repeat the flag or separate specs with ';' to run several",
     )
     g.add_argument("--chain", default="chain:4", help="chain mode spec (default chain:4)")
     g.add_argument(
@@ -103,12 +104,13 @@ def register(sub) -> None:
     r = p.add_argument_group("run")
     r.add_argument("--prompts", type=Path, default=None, help="prompts JSON file (default: the packaged set)")
     r.add_argument("--limit-prompts", type=int, default=None, help="use N prompts (round-robin over categories)")
-    r.add_argument("--max-new-tokens", type=int, default=64)
+    r.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; checks greedy_match)")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     r.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     r.add_argument("--warmup", type=int, default=1, help="warm-up generations per config before timing (1)")
-    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--quiet", dest="no_progress", action="store_true", help=QUIET_HELP)
+    r.add_argument("--no-progress", action="store_true", help=argparse.SUPPRESS)  # the old name
     qa = p.add_argument_group("quality (instead of speed)")
     qa.add_argument(
         "--quality",
@@ -146,7 +148,8 @@ def register(sub) -> None:
         help="--quality: tokens per engine call inside a window (default 64)",
     )
     o = p.add_argument_group("output")
-    o.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON")
+    o.add_argument("--json", action="store_true", help=JSON_HELP + " (the table then goes to stderr)")
+    o.add_argument("--json-out", type=Path, default=None, metavar="OUT.json", help=JSON_OUT_HELP)
     o.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="write the figure (PNG)")
     p.set_defaults(run=run)
 
@@ -338,7 +341,7 @@ def run(args) -> int:
             "aggregate": agg,
         }
         table = bench_report.format_table(results)
-        print(table)
+        print(table, file=sys.stderr if args.json else sys.stdout)
         if agg["greedy_match"] is False:
             print(
                 "WARNING: greedy_match is FALSE: some configuration's tokens differ from vanilla's "
@@ -347,12 +350,19 @@ def run(args) -> int:
             )
         for n in notes:
             print(f"note: {n}", file=sys.stderr)
-        if args.json is not None:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(args.json, results, indent=1)
+        _write_json(args, results)
         if args.plot is not None:
             bench_report.plot(results, args.plot)
         return 0
+
+
+def _write_json(args, results: dict) -> None:
+    """--json: the results on stdout; --json-out FILE: written there (atomically)."""
+    if args.json:
+        print(json.dumps(results))
+    if args.json_out is not None:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(args.json_out, results, indent=1)
 
 
 def _draft_name(args, models) -> str | None:
@@ -410,7 +420,8 @@ def _run_quality(args) -> int:
         chunk=args.quality_chunk,
         max_new_tokens=args.max_new_tokens,
     )
-    print(quality.quality_table(rows))
+    out = sys.stderr if args.json else sys.stdout
+    print(quality.quality_table(rows), file=out)
     n = rows[-1]["tokens"]
     print(
         f"perplexity over {n} tokens of {'the packaged held-out text' if args.quality_text is None else args.quality_text}"
@@ -420,9 +431,8 @@ def _run_quality(args) -> int:
             f"{len(prompts)} prompts x {args.max_new_tokens} new tokens"
             if prompts
             else ""
-        )
+        ),
+        file=out,
     )
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(args.json, {"quality": rows, "command": _command_line(args)}, indent=1)
+    _write_json(args, {"quality": rows, "command": _command_line(args)})
     return 0

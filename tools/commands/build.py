@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError, MissingFileError
+from arborspec.tools.commands.cli import summary
 
 EXAMPLE = """example:
   arborspec build --export-dir exports/smollm2 --max-tree-nodes 32 --max-context 2048
@@ -34,7 +35,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "build",
         help="build TensorRT engines from an export folder",
-        description=__doc__.split("\n")[0],
+        description=summary(__doc__),
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,4 +1,4 @@
-"""The `arborspec` command line: export | build | generate | compare | bench | tune.
+"""The `arborspec` command line: one module per command (COMMANDS below).
 
 Each command lives in its own module `arborspec.tools.commands.<name>` exposing
 `register(subparsers)` (adds its parser, with an example in the help) and `run(args) -> int`.
@@ -25,6 +25,32 @@ class UserError(InputError):
     """A mistake in the user's command-line input: reported as one line, exit status 2."""
 
 
+# one vocabulary for the same idea in every command's help
+TREE_HELP = (
+    "tree policy: chain:K | full:D,W | beam:n1,n2,... | dynamic:K,D,N[,P] | static:FILE.json | "
+    "auto (the tree `arborspec tune` chose) (default: the export's tree, else full:3,2)"
+)
+DRAFT_HELP = (
+    "draft: layers:K (the target's first K layers), bigram (a table from the target), "
+    "lookup[:N] (n-gram prompt lookup; any backend), eagle3[:DIR] (an EAGLE-3 head; torch backend), "
+    "none, a model NAME|PATH with the same vocabulary (torch backend), or BASE+lookup[:N] (a model "
+    "draft mixed with lookup: eagle3+lookup; export+lookup for an export folder's own draft). "
+    "With --export-dir: export (its own draft; default), none, lookup[:N] or export+lookup[:N]"
+)
+DRAFT_HELP_EXPORT = (
+    "draft: export (the folder's own draft; default), none, lookup[:N] (n-gram prompt lookup), "
+    "or export+lookup[:N] (the folder's draft mixed with lookup)"
+)
+QUIET_HELP = "no progress bars (they are drawn only when stderr is a terminal anyway)"
+JSON_HELP = "print the result as one JSON object on stdout (instead of text)"
+JSON_OUT_HELP = "also write the results to this JSON file"
+
+
+def summary(doc: str) -> str:
+    """A module docstring's first paragraph as one line: the description a command's --help shows."""
+    return " ".join(doc.strip().split("\n\n")[0].split())
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2, as argparse does, without the usage block
         sys.stderr.write(f"arborspec: error: {message}\n")
@@ -32,14 +58,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from arborspec import __version__
+
     p = _Parser(
         prog="arborspec",
-        description=__doc__.split("\n")[0],
+        description="Tree speculative decoding with ONNX Runtime / TensorRT engines: "
+        + " | ".join(COMMANDS)
+        + ".\n`arborspec COMMAND --help` shows what a command takes, with examples.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  arborspec generate --model smollm2-135m --draft layers:4 "
-        "--mode tree --tree full:3,2 --prompt 'Hello'",
+        epilog="examples:\n  arborspec export --model smollm2-135m --draft layers:4 --out out/smollm2\n"
+        "  arborspec generate --export-dir out/smollm2 --chat --prompt 'Write a haiku about trees.'\n"
+        "  arborspec serve --export-dir out/smollm2 --port 8000",
     )
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p.add_argument("--version", action="version", version=f"arborspec {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
     for name in COMMANDS:
         try:
             mod = importlib.import_module(f"arborspec.tools.commands.{name.replace('-', '_')}")
@@ -74,6 +106,9 @@ def _install_signal_handlers() -> dict:
     return old
 
 
+# commands whose output files are written atomically (or removed) when interrupted
+CLEANS_UP_OUTPUT = ("export", "build", "bench", "tune", "train-draft")
+
 # commands that only decode: the `arborspec` command runs their ONNX Runtime sessions on one
 # shared thread pool (runtime/backends/onnxruntime.py enable_shared_pool: faster, process-wide)
 SHARED_POOL_COMMANDS = ("generate", "bench", "tune", "serve")
@@ -82,13 +117,17 @@ SHARED_POOL_COMMANDS = ("generate", "bench", "tune", "serve")
 def _show_warning(message, category, filename, lineno, file=None, line=None):
     """The runtime's warnings to a user (InexactSpeculationWarning): one line, no source
     location; any other warning keeps Python's format."""
-    from arborspec.runtime.errors import InexactSpeculationWarning
+    from arborspec.runtime.errors import EmptyCompletionWarning, InexactSpeculationWarning
 
-    if issubclass(category, InexactSpeculationWarning):
+    if issubclass(category, (InexactSpeculationWarning, EmptyCompletionWarning)):
         text = f"arborspec: warning: {str(message).splitlines()[0]}\n"
     else:
         text = warnings.formatwarning(message, category, filename, lineno, line)
     (file or sys.stderr).write(text)
+
+
+def _cleanup_note(args) -> str:
+    return "; partial output was removed" if getattr(args, "command", None) in CLEANS_UP_OUTPUT else ""
 
 
 def main(argv: list[str] | None = None, shared_pool: bool = False) -> int:
@@ -108,11 +147,15 @@ def main(argv: list[str] | None = None, shared_pool: bool = False) -> int:
             enable_shared_pool()
         return int(args.run(args) or 0)
     except Terminated:
-        sys.stderr.write("arborspec: terminated (SIGTERM); partial output was removed\n")
+        sys.stderr.write(f"arborspec: terminated (SIGTERM){_cleanup_note(args)}\n")
         return 143
     except KeyboardInterrupt:
-        sys.stderr.write("arborspec: interrupted; partial output was removed\n")
+        sys.stderr.write(f"arborspec: interrupted{_cleanup_note(args)}\n")
         return 130
+    except BrokenPipeError:  # `arborspec generate ... | head`: the reader has all it wants
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's last flush cannot fail again
+        return 141
     except ArborspecError as e:
         if debug:
             raise

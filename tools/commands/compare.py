@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError, MissingFileError
+from arborspec.tools.commands.cli import QUIET_HELP, summary
 
 EXAMPLE = """examples:
   arborspec compare --export-dir ~/.cache/arborspec/exports/smollm2-135m-layers4 --atol 1e-2
@@ -33,7 +34,7 @@ def register(sub) -> None:
     p = sub.add_parser(
         "compare",
         help="compare PyTorch / ONNX Runtime / TensorRT on runtime-made feeds",
-        description=__doc__.split("\n")[0],
+        description=summary(__doc__),
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -71,7 +72,8 @@ def register(sub) -> None:
     p.add_argument("--save-inputs", type=Path, default=None, help="Polygraphy JSON of the feeds")
     p.add_argument("--save-outputs", type=Path, default=None, help="Polygraphy RunResults JSON")
     p.add_argument("--all-outputs", action="store_true", help="one row per K/V output (default: folded per kind)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--quiet", dest="no_progress", action="store_true", help=QUIET_HELP)
+    p.add_argument("--no-progress", action="store_true", help=argparse.SUPPRESS)  # the old name
     p.add_argument("--verify", action="store_true", help="check every file's sha256 against the manifest first")
     p.set_defaults(run=run)
 

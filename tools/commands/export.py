@@ -10,7 +10,6 @@ import argparse
 import sys
 
 from arborspec.runtime.errors import InputError
-from arborspec.runtime.export_dir import int8_activation_level
 
 EXAMPLE = """examples:
   arborspec export --model smollm2-135m --draft layers:4 --out out/smollm2
@@ -45,8 +44,9 @@ def register(sub) -> None:
         "--draft",
         default="layers:2",
         metavar="SPEC",
-        help="layers:K (first K target layers), bigram (table), none, or a model "
-        "NAME|PATH with the same vocabulary (default: layers:2)",
+        help="layers:K (the target's first K layers), bigram (a table from the target), eagle3[:DIR] "
+        "(an EAGLE-3 head: the shipped one, or a `train-draft` folder), none, or a model NAME|PATH with the "
+        "same vocabulary (default: layers:2); lookup needs no export: give it to generate/serve/bench",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
     p.add_argument(
@@ -170,6 +170,8 @@ def run(args) -> int:
     elif d.get("kind") == "eagle3":
         dq = d.get("quantization")
         print(f"  draft ({d.get('spec')}): EAGLE-3 head, {dq['scheme'] + ' weights' if dq else 'fp32'}")
+    from arborspec.runtime.export_dir import int8_activation_level
+
     if int8_activation_level(t):
         print(
             "  note: int8 activations make the target's logits depend on how many tokens a call verifies: "

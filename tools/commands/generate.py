@@ -11,7 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from arborspec.runtime.errors import InputError, MissingFileError
+from arborspec.runtime.errors import InputError
+from arborspec.tools.commands.cli import JSON_HELP, TREE_HELP, summary
 from arborspec.tools.engines import add_model_args, models_key, open_models
 
 EXAMPLE = """examples:
@@ -27,20 +28,19 @@ def register(sub) -> None:
     p = sub.add_parser(
         "generate",
         help="generate text with vanilla / chain / tree decoding",
-        description=__doc__.split("\n")[0],
+        description=summary(__doc__),
         epilog=EXAMPLE,
         formatter_class=__import__("argparse").RawDescriptionHelpFormatter,
     )
     add_model_args(p)
     g = p.add_argument_group("decoding")
-    g.add_argument("--mode", choices=["vanilla", "chain", "tree"], default="tree")
     g.add_argument(
-        "--tree",
+        "--mode",
+        choices=["vanilla", "chain", "tree"],
         default=None,
-        help="tree policy: chain:K | full:D,W | beam:n1,n2,.. | dynamic:K,D,N | static:FILE.json | "
-        "auto (the tree `arborspec tune` chose) "
-        "(default: the export's, else full:3,2; chain mode: chain:4)",
+        help="default: tree when there is a draft (an export's own, or --draft), else vanilla",
     )
+    g.add_argument("--tree", default=None, help=TREE_HELP + "; chain mode: chain:4")
     g.add_argument(
         "--candidates",
         choices=["topk", "sample", "sample-unique"],
@@ -48,29 +48,32 @@ def register(sub) -> None:
         help="how draft children are chosen when sampling (default topk)",
     )
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--top-k", type=int, default=0, help="sample from the K most likely tokens (0: all; default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     g.add_argument("--n", type=int, default=1, help="independent completions (seeds seed..seed+N-1)")
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     pr = p.add_argument_group("prompt (one of)")
-    pr.add_argument("--prompt")
-    pr.add_argument("--prompt-file", type=Path)
+    pr.add_argument("--prompt", help="the prompt text")
+    pr.add_argument("--prompt-file", type=Path, help="a UTF-8 text file holding the prompt")
     pr.add_argument("--prompt-ids", help="comma-separated token ids (models without a tokenizer)")
     pr.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     pr.add_argument("--system", default=None, help="system message with --chat")
     o = p.add_argument_group("output")
-    o.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    o.add_argument("--json", action="store_true", help=JSON_HELP)
     o.add_argument(
         "--vs-vanilla", action="store_true", help="also run vanilla decoding on the same backend and print both stats"
     )
     p.set_defaults(run=run)
 
 
-def prompt_ids(args, tok) -> list[int]:
-    given = [x for x in (args.prompt, args.prompt_file, args.prompt_ids) if x is not None]
-    if len(given) != 1:
+def _check_one_prompt(args) -> None:
+    if sum(x is not None for x in (args.prompt, args.prompt_file, args.prompt_ids)) != 1:
         raise InputError("give exactly one of --prompt, --prompt-file, --prompt-ids")
+
+
+def prompt_ids(args, tok) -> list[int]:
+    _check_one_prompt(args)
     if args.prompt_ids is not None:
         try:
             ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
@@ -93,9 +96,9 @@ def prompt_ids(args, tok) -> list[int]:
 
 
 def _read(path: Path) -> str:
-    if not path.is_file():
-        raise MissingFileError(f"prompt file not found: {path}")
-    return path.read_text()
+    from arborspec.runtime.fileio import read_text_file
+
+    return read_text_file(path, "prompt file")
 
 
 def resolve_tree_arg(models, args, mode: str):
@@ -166,12 +169,15 @@ def run(args) -> int:
     SamplingParams(args.temperature, args.top_k, args.top_p)
     if args.tree and args.tree.strip().lower() != "auto":
         parse_tree_spec(args.tree)
-    if args.prompt_file is not None and not args.prompt_file.is_file():
-        raise MissingFileError(f"prompt file not found: {args.prompt_file}")
+    _check_one_prompt(args)  # before the models load
+    if args.prompt_file is not None:
+        _read(args.prompt_file)  # missing or not UTF-8: one line before the models load
     models = open_models(args, need_draft=args.mode != "vanilla")
     with models:  # closes the engines it opened (TensorRT-RTX saves its runtime cache)
+        if args.mode is None:  # as serve and Generator.from_export: speculate when there is a draft
+            args.mode = "tree" if models.draft is not None else "vanilla"
         if args.mode != "vanilla" and models.draft is None:
-            raise InputError(f"mode {args.mode} needs a draft: give --draft layers:K|bigram|MODEL (or --mode vanilla)")
+            raise InputError(f"--mode {args.mode} needs a draft: {_draft_hint(args)} (or --mode vanilla)")
         tok = models.tokenizer
         ids = prompt_ids(args, tok)
         _check_limits(models, len(ids), args.max_new_tokens)
@@ -191,6 +197,10 @@ def run(args) -> int:
             if sd is not None:
                 sys.stdout.write(sd.finish() + "\n")
             runs.append((toks, dec.last_stats, dec.last_stop_reason))
+        if args.prompt_ids is None and not args.chat:
+            from arborspec.runtime.generator import warn_if_empty_answer
+
+            warn_if_empty_answer(tok, len(runs[0][0]), runs[0][2], "--chat")
         vanilla = None
         if args.vs_vanilla and args.mode != "vanilla":
             vdec = make_decoder(models, args, mode="vanilla")
@@ -232,6 +242,13 @@ def run(args) -> int:
             sp = st.tokens_per_s / vanilla.stats.tokens_per_s if vanilla.stats.tokens_per_s else float("nan")
             print(f"speed-up {sp:.2f}x vs vanilla" + (" | identical tokens" if same else ""), file=sys.stderr)
         return 0
+
+
+def _draft_hint(args) -> str:
+    """The drafts this backend takes, for the 'needs a draft' line."""
+    if args.model and (args.backend or "torch") == "torch":
+        return "give --draft layers:K|bigram|lookup[:N]|eagle3[:DIR]|MODEL"
+    return "this export has no draft; give --draft lookup[:N] (or export one: arborspec export --draft layers:K)"
 
 
 def _aggregate(stats: list[dict]) -> dict:

@@ -10,16 +10,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from arborspec.runtime.errors import InputError
 from arborspec.runtime.fileio import atomic_write_json
+from arborspec.tools.commands.cli import JSON_HELP, JSON_OUT_HELP, summary
 
 EXAMPLE = """examples:
   arborspec loadtest --url http://127.0.0.1:8000 --concurrency 4 --requests 40 --stream --max-tokens 64
-  arborspec loadtest --url http://127.0.0.1:8000 --concurrency 1 --requests 10 --json one.json
+  arborspec loadtest --url http://127.0.0.1:8000 --concurrency 1 --requests 10 --chat --json-out one.json
 """
 PROMPTS = [
     "Write a haiku about trees.",
@@ -35,20 +38,21 @@ def register(sub) -> None:
     p = sub.add_parser(
         "loadtest",
         help="concurrent clients against an OpenAI-compatible server",
-        description=__doc__.split("\n")[0],
+        description=summary(__doc__),
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--requests", type=int, default=20)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=4, help="clients sending at once (default 4)")
+    p.add_argument("--requests", type=int, default=20, help="requests in all (default 20)")
+    p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each request (default 64)")
     p.add_argument("--stream", action="store_true", help="stream (measures time to first token)")
     p.add_argument("--chat", action="store_true", help="/v1/chat/completions instead of /v1/completions")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--temperature", type=float, default=0.0, help="sent with each request (default 0: greedy)")
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument("--json", default=None, metavar="OUT", help="write the results here")
+    p.add_argument("--json", action="store_true", help=JSON_HELP + " (the summary line then goes to stderr)")
+    p.add_argument("--json-out", type=Path, default=None, metavar="OUT.json", help=JSON_OUT_HELP)
     p.set_defaults(run=run)
 
 
@@ -187,8 +191,17 @@ def run(args) -> int:
     print(
         f"{res['ok']}/{res['requests']} ok, {res['errors']} errors, {res['tokens']} tokens in {res['wall_s']:.1f} s "
         f"= {res['tokens_per_s']:.1f} tok/s | latency p50 {f(res['latency_p50_s'])} s p99 {f(res['latency_p99_s'])} s"
-        f" | ttft p50 {f(res['ttft_p50_s'])} s p99 {f(res['ttft_p99_s'])} s"
+        f" | ttft p50 {f(res['ttft_p50_s'])} s p99 {f(res['ttft_p99_s'])} s",
+        file=sys.stderr if args.json else sys.stdout,
     )
+    if res["ok"] and res["tokens"] / res["ok"] <= 2 < args.max_tokens and not args.chat:
+        print(
+            f"arborspec: warning: the answers average {res['tokens'] / res['ok']:.1f} tokens: a chat/instruct model "
+            "ends raw-text completions at once (no chat template); measure with --chat",
+            file=sys.stderr,
+        )
     if args.json:
-        atomic_write_json(args.json, res, indent=1)
+        print(json.dumps(res))
+    if args.json_out is not None:
+        atomic_write_json(args.json_out, res, indent=1)
     return 0 if res["errors"] == 0 else 1

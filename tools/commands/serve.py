@@ -6,16 +6,25 @@ Role in one decode step: none of its own; each request is one generation (tools/
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import socket
+import sys
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError
+from arborspec.tools.commands.cli import DRAFT_HELP_EXPORT, TREE_HELP, summary
 
 EXAMPLE = """examples:
   arborspec serve --export-dir ~/.cache/arborspec/exports/smollm2-135m-layers4-v2 --draft lookup --port 8000
   curl -s localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'
   arborspec serve --export-dir DIR --host 0.0.0.0 --api-key "$KEY" --max-batch 8
   arborspec serve --export-dir DIR --ray --replicas 2   # Ray Serve: 2 replicas, each with its own engines
+defaults: a request without "temperature" samples at 1.0, OpenAI's default (`arborspec generate` is
+greedy by default): send "temperature": 0 for the greedy answer. A chat/instruct model answers
+/v1/completions (raw text, no chat template) with a token or two: use /v1/chat/completions.
+The server prints one line when it listens (URL, model id, draft, tree, batch), one line per request
+(method, path, status, generated tokens, ms; --quiet: none) and one when it stops.
 """
 
 
@@ -23,17 +32,17 @@ def register(sub) -> None:
     p = sub.add_parser(
         "serve",
         help="OpenAI-compatible HTTP server (completions, chat, SSE, metrics)",
-        description=__doc__.split("\n")[0],
+        description=summary(__doc__),
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--export-dir", type=Path, required=True, help="export folder from `arborspec export`")
-    p.add_argument("--backend", choices=["onnxruntime", "tensorrt"], default="onnxruntime")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--draft", default=None, help="export (default), none, or lookup[:N]")
-    p.add_argument("--tree", default=None, help="tree spec (default: the export's)")
+    p.add_argument("--backend", choices=["onnxruntime", "tensorrt"], default="onnxruntime", help="default onnxruntime")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    p.add_argument("--draft", default=None, help=DRAFT_HELP_EXPORT)
+    p.add_argument("--tree", default=None, help=TREE_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument(
         "--max-batch",
         type=int,
@@ -50,7 +59,31 @@ def register(sub) -> None:
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the export's name)")
     p.add_argument("--ray", action="store_true", help="run on Ray Serve (pip install 'arborspec[ray]')")
     p.add_argument("--replicas", type=int, default=1, help="with --ray: replicas, each with its own engines")
+    p.add_argument("--quiet", action="store_true", help="no per-request log lines")
     p.set_defaults(run=run)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before any model loads: a port in use (or an address this
+    machine does not have) is one line, not a traceback after a minute of loading."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as e:
+        raise InputError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        hint = " (another server is there: pick another --port)" if e.errno == errno.EADDRINUSE else ""
+        raise InputError(f"cannot listen on {host}:{port}: {e.strerror or e}{hint}") from None
+    return sock
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(f"arborspec: {line}\n")
+    sys.stderr.flush()
 
 
 def run(args) -> int:
@@ -71,12 +104,20 @@ def run(args) -> int:
         raise InputError(f"--workers must be >= 1, got {args.workers}")
     if args.max_batch < 1:
         raise InputError(f"--max-batch must be >= 1, got {args.max_batch}")
-    from arborspec.runtime.contract import read_manifest
-    from arborspec.runtime.generator import Generator
-    from arborspec.tools.serve.app import GeneratorPool, create_app
+    sock = _bind(args.host, args.port)  # first: a port clash is one line, before anything loads
+    try:
+        from arborspec.runtime.contract import read_manifest
 
-    man = read_manifest(args.export_dir)
-    name = args.model_name or man.data.get("source", {}).get("model") or Path(args.export_dir).name
+        return _serve(args, read_manifest(args.export_dir), sock, uvicorn)
+    finally:
+        sock.close()
+
+
+def _serve(args, man, sock, uvicorn) -> int:
+    from arborspec.runtime.generator import Generator
+    from arborspec.tools.serve.app import GeneratorPool, create_app, served_model_name
+
+    name = args.model_name or served_model_name(man.data, args.export_dir)
     pool = GeneratorPool(
         lambda: Generator.from_export(
             args.export_dir, args.backend, args.device, draft=args.draft, tree=args.tree, max_batch=args.max_batch
@@ -90,8 +131,24 @@ def run(args) -> int:
             str(name),
             api_key=args.api_key or os.environ.get("ARBORSPEC_API_KEY"),
             max_context=int(man.limits.get("max_context", 2048)),
+            access_log=None if args.quiet else _say,
         )
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10)
+        g = pool.all[0]
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        url = f"http://{host}:{args.port}"
+        draft = "none" if g.draft is None else (args.draft or "export")
+        tree = g.tree if g.mode != "vanilla" else "-"
+        sock.listen(2048)
+        _say(
+            f"serving {name} on {url} (draft {draft}, mode {g.mode}, tree {tree}, batch {args.max_batch}, "
+            f"workers {args.workers}; requests default to temperature 1.0; Ctrl-C stops)"
+        )
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10)
+        try:
+            uvicorn.Server(config).run(sockets=[sock])
+        except KeyboardInterrupt:  # a second Ctrl-C, or uvicorn re-raising the first
+            pass
+        _say(f"stopped serving on {url}")
     finally:
         pool.close()
     return 0

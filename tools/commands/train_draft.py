@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError, OutputError
+from arborspec.tools.commands.cli import summary
 
 EXAMPLE = """examples:
   arborspec train-draft --model smollm2-135m --out heads/smollm2-eagle3
@@ -31,7 +32,7 @@ def register(sub) -> None:
     p = sub.add_parser(
         "train-draft",
         help="train an EAGLE-3 draft head for a target on this machine",
-        description=__doc__.split("\n")[0],
+        description=summary(__doc__),
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -58,7 +59,7 @@ def register(sub) -> None:
     t.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (default 5e-4)")
     t.add_argument("--epochs", type=float, default=2.0, help="passes over the corpus (default 2)")
     t.add_argument("--minutes", type=float, default=60.0, help="training time budget (default 60)")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     t.add_argument(
         "--init",
         type=Path,

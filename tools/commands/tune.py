@@ -9,10 +9,12 @@ the best few in the decoding loop itself, and writes the winner as a static tree
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError, MissingFileError
+from arborspec.tools.commands.cli import QUIET_HELP, summary
 from arborspec.tools.engines import add_model_args, models_key, open_models
 
 EXAMPLE = """examples:
@@ -23,12 +25,10 @@ EXAMPLE = """examples:
 
 
 def register(sub) -> None:
-    import argparse
-
     p = sub.add_parser(
         "tune",
         help="choose the fastest static tree for this backend (Sequoia DP)",
-        description=__doc__.split("\n")[0],
+        description=summary(__doc__),
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -37,7 +37,8 @@ def register(sub) -> None:
     g.add_argument(
         "--prompts", type=Path, help="calibration prompts file (default tools/data/prompts.json, else built-in prompts)"
     )
-    g.add_argument("--n-prompts", type=int, default=8, help="calibration prompts (default 8)")
+    g.add_argument("--limit-prompts", type=int, default=8, metavar="N", help="use N calibration prompts (default 8)")
+    g.add_argument("--n-prompts", dest="limit_prompts", type=int, help=argparse.SUPPRESS)  # the old name
     g.add_argument("--calib-tokens", type=int, default=64, help="greedy tokens per calibration prompt")
     g.add_argument(
         "--chat",
@@ -57,17 +58,17 @@ def register(sub) -> None:
         "and choose among them by that (default 4; 0: the cost model alone)",
     )
     g.add_argument("--loop-tokens", type=int, default=32, help="tokens per prompt in that pass (default 32)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of the built-in calibration prompts (default 0)")
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, help="also write the tree file here")
     o.add_argument("--plot", type=Path, help="PNG: cost curves and predicted tokens/s vs budget")
-    o.add_argument("--json", action="store_true", help="print the tuned document as JSON")
-    o.add_argument("--quiet", action="store_true", help="no progress bars")
+    o.add_argument("--json", action="store_true", help="print the tuned document as one JSON object on stdout")
+    o.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
-    for name in ("n_prompts", "calib_tokens", "max_nodes", "max_depth", "max_width", "reps"):
+    for name in ("limit_prompts", "calib_tokens", "max_nodes", "max_depth", "max_width", "reps"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1")
     if args.past < 0:
@@ -77,7 +78,7 @@ def run(args) -> int:
     if args.prompts is not None and not args.prompts.is_file():
         raise MissingFileError(f"prompts file not found: {args.prompts}")
     if args.model and not args.draft:
-        raise InputError("tune needs a draft: give --draft layers:K|bigram|MODEL")
+        raise InputError("tune needs a draft: give --draft layers:K|bigram|lookup[:N]|eagle3[:DIR]|MODEL")
     models = open_models(args)
     from arborspec.tools.tune.tuner import TuneOptions, tune
 
@@ -88,7 +89,7 @@ def run(args) -> int:
         past=args.past,
         reps=args.reps,
         prompts=args.prompts,
-        n_prompts=args.n_prompts,
+        n_prompts=args.limit_prompts,
         chat=True if args.chat else None,
         calib_tokens=args.calib_tokens,
         loop_candidates=args.loop_candidates,

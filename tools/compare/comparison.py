@@ -482,7 +482,7 @@ def compare_export(
     total = sum(len(feeds[g]) for g, *_ in graphs) * len(active)
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=total, desc="compare", unit="run", disable=not progress, leave=False)
+    bar = tqdm(total=total, desc="compare", unit="run", disable=None if progress else True, leave=False)
     TorchRunner, OrtRunner, TrtEngineRunner, OrtEngineRunner, Eagle3HeadRunner = _runner_classes()
     old_sev = G_LOGGER.module_severity
     if not os.environ.get("ARBORSPEC_DEBUG"):

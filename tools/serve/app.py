@@ -26,6 +26,19 @@ from fastapi import Request  # module level: FastAPI resolves the (string) annot
 from arborspec.runtime.errors import ArborspecError
 
 
+def served_model_name(manifest_data: dict, export_dir) -> str:
+    """The model id clients send: the export's source model as a clean name (a registry name as
+    is; a path's last part without .gguf/.pt: `./tiny-llama` -> `tiny-llama`), else the
+    export folder's name."""
+    from pathlib import Path
+
+    src = str((manifest_data.get("source") or {}).get("model") or "").rstrip("/\\")
+    name = Path(src).name if src else ""
+    for ext in (".gguf", ".pt", ".safetensors"):
+        name = name.removesuffix(ext)
+    return name or Path(export_dir).resolve().name
+
+
 class GeneratorPool:
     """N generators with `slots` sequences each (their max_batch); `acquire()` blocks until a
     slot is free (the queue depth is what waits) and returns its generator."""
@@ -68,7 +81,16 @@ class GeneratorPool:
             g.close()
 
 
-def create_app(pool: GeneratorPool, model_name: str, *, api_key: str | None = None, max_context: int = 2048):
+def create_app(
+    pool: GeneratorPool,
+    model_name: str,
+    *,
+    api_key: str | None = None,
+    max_context: int = 2048,
+    access_log: Callable[[str], None] | None = None,
+):
+    """The app. access_log: called with one line per request (method, path, status, generated
+    tokens, ms) once its response (or stream) has ended; None: no access log."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -132,6 +154,40 @@ def create_app(pool: GeneratorPool, model_name: str, *, api_key: str | None = No
                     code="invalid_api_key",
                 )
         return await call_next(request)
+
+    if access_log is not None:
+
+        @app.middleware("http")
+        async def _log(request: Request, call_next):
+            t0 = time.perf_counter()
+            request.state.tokens = {"n": None}  # _run fills it in
+            resp = await call_next(request)
+
+            def line():
+                n = request.state.tokens["n"]
+                ms = 1e3 * (time.perf_counter() - t0)
+                toks = f"{n} tokens" if n is not None else "- tokens"
+                access_log(f"{request.method} {request.url.path} {resp.status_code} {toks} {ms:.0f} ms")
+
+            if resp.headers.get("content-type", "").startswith("text/event-stream"):
+                body = resp.body_iterator
+
+                async def logged():  # a stream is logged when it ends (its tokens known)
+                    try:
+                        async for chunk in body:
+                            yield chunk
+                    finally:
+                        line()
+
+                resp.body_iterator = logged()
+            else:
+                line()
+            return resp
+
+    def _count(request: Request, n: int) -> None:
+        tokens = getattr(request.state, "tokens", None)
+        if tokens is not None:
+            tokens["n"] = n
 
     @app.get("/health")
     async def health():
@@ -307,6 +363,7 @@ def create_app(pool: GeneratorPool, model_name: str, *, api_key: str | None = No
                 r = await anyio.to_thread.run_sync(lambda: _run(prompt, params, chat))
             except ArborspecError as e:
                 return error(400, str(e).splitlines()[0])
+            _count(request, r["completion_tokens"])
             return _response("chat" if chat else "text", rid, created, r)
 
         # streaming: the generation runs in a worker thread and hands chunks over a queue
@@ -316,6 +373,7 @@ def create_app(pool: GeneratorPool, model_name: str, *, api_key: str | None = No
         def work():
             try:
                 r = _run(prompt, params, chat, on_chunk=lambda c: q.put(("chunk", c)), cancelled=stop.is_set)
+                _count(request, r["completion_tokens"])
                 q.put(("done", r))
             except ArborspecError as e:
                 q.put(("error", str(e).splitlines()[0]))

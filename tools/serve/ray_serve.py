@@ -85,6 +85,7 @@ def build(
     from ray import serve
 
     from arborspec.runtime.contract import read_manifest
+    from arborspec.tools.serve.app import served_model_name
 
     if int(replicas) < 1:
         raise InputError(f"--replicas must be >= 1, got {replicas}")
@@ -94,7 +95,7 @@ def build(
         raise InputError(f"--max-batch must be >= 1, got {max_batch}")
     export_dir = Path(export_dir).expanduser().resolve()
     man = read_manifest(export_dir)  # a bad folder is one line here, not N failing replicas
-    name = model_name or man.data.get("source", {}).get("model") or export_dir.name
+    name = model_name or served_model_name(man.data, export_dir)
     cpus = min(1.0, (os.cpu_count() or 1) / int(replicas))
     deployment = serve.deployment(serve.ingress(_ReplicaApp())(ArborspecReplica), name="arborspec")
     return deployment.options(num_replicas=int(replicas), ray_actor_options={"num_cpus": cpus}).bind(

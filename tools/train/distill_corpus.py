@@ -62,7 +62,7 @@ def generate_corpus(
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=corpus_tokens, desc="corpus (target generations)", unit="tok", leave=False)
+        bar = tqdm(total=corpus_tokens, desc="corpus (target generations)", unit="tok", leave=False, disable=None)
     rnd = 0
     while made < corpus_tokens:
         for i, p in enumerate(prompts):
@@ -116,7 +116,7 @@ def teacher_topk(target_module, ids: torch.Tensor, k: int, batch: int = 8, progr
     if progress:
         from tqdm import tqdm
 
-        starts = tqdm(starts, desc="teacher logits", unit="batch", leave=False)
+        starts = tqdm(starts, desc="teacher logits", unit="batch", leave=False, disable=None)
     for s in starts:
         logits = causal_forward(target_module, ids[s : s + batch, :-1]).float()
         top = torch.topk(torch.log_softmax(logits, -1), k, dim=-1)

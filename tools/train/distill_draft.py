@@ -256,7 +256,7 @@ def distill(opts: DistillOptions) -> dict:
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(bar, desc=f"distil L{opts.layers}", unit="step")
+        bar = tqdm(bar, desc=f"distil L{opts.layers}", unit="step", disable=None)
     hist = []
     steps_done = 0
     draft.train()

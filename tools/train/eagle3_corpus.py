@@ -210,7 +210,7 @@ def build_token_stream(
     stats = {"generated_tokens": 0, "generated_responses": 0, "machine_tokens": 0, "machine_files": 0}
     t0 = time.perf_counter()
     prompts = prompt_mix(max(1, generated_tokens // max(gen_len // 2, 1) + 2 * batch), seed)
-    bar = tqdm(total=generated_tokens, desc="corpus: target responses", unit="tok", disable=not progress)
+    bar = tqdm(total=generated_tokens, desc="corpus: target responses", unit="tok", disable=None if progress else True)
     i = 0
     step = 2 * batch  # more prompts than rows: a finished row takes the next prompt at once
     while stats["generated_tokens"] < generated_tokens and i < len(prompts):
@@ -278,7 +278,7 @@ def build_features(
     mask = torch.ones(w, w, dtype=torch.bool).tril()[None]
     pos = torch.arange(w)[None]
     t0 = time.perf_counter()
-    for i in tqdm(range(n), desc="corpus: target features", unit="window", disable=not progress):
+    for i in tqdm(range(n), desc="corpus: target features", unit="window", disable=None if progress else True):
         cache.reset()
         logits, fe = eng.forward_features(torch.from_numpy(windows[i : i + 1].astype(np.int64)), pos, mask, cache)
         lp = torch.log_softmax(logits[0], -1)

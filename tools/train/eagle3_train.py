@@ -204,7 +204,7 @@ def train(
     head.train()
     t_start = time.perf_counter() - spent
     last_save = time.perf_counter()
-    bar = tqdm(total=total, initial=start, desc="train-draft", unit="batch", disable=not progress)
+    bar = tqdm(total=total, initial=start, desc="train-draft", unit="batch", disable=None if progress else True)
     i = start
     run_loss, run_acc = [], []
     stop_reason = "done"

@@ -104,6 +104,8 @@ def draft_cost_curve(draft, sizes: Sequence[int], past: int = 256, reps: int = 5
             toks = torch.randint(0, draft.vocab_size, (f,), generator=torch.Generator().manual_seed(f))
             calls[int(f)] = lambda toks=toks: draft._rows(toks)
         return _time_sizes(calls, reps)
+    if not hasattr(draft, "info") and hasattr(draft, "engine"):
+        draft = draft.engine  # a ModelDraft (an export's layers:K draft): its engine's level call
     return engine_cost_curve(draft, sizes, past, reps, progress)
 
 

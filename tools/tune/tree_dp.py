@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from arborspec.runtime.errors import InputError
+
 
 # ----------------------------------------------------------------------------- the DP
 @dataclass
@@ -145,8 +147,8 @@ def choose_tree(q, verify: dict, dcost: dict, max_nodes: int, max_depth: int, si
         res = sequoia_dp(q, max_nodes, D)
         for n in range(1, max_nodes + 1):
             paths = res.tree(n)
-            if len(paths) < n and n > 1:
-                continue  # the DP found nothing worth adding: same tree as a smaller budget
+            if not paths or (len(paths) < n and n > 1):
+                continue  # the DP found nothing (worth adding): no tree, or a smaller budget's
             e_dp = res.value[n] + 1.0
             e = simulate(paths) if simulate is not None else e_dp
             ms = step_cost_ms(paths, verify, dcost)
@@ -162,5 +164,10 @@ def choose_tree(q, verify: dict, dcost: dict, max_nodes: int, max_depth: int, si
                     "paths": paths,
                 }
             )
+    if not grid:
+        raise InputError(
+            "no tree pays: the draft's proposals were never accepted on the calibration prompts "
+            "(give more --calib-tokens or --limit-prompts, or another --draft)"
+        )
     best = max(grid, key=lambda g: g["tokens_per_s"])
     return {"best": best, "grid": grid, "vanilla_tokens_per_s": 1e3 / interp(verify, 1)}

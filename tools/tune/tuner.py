@@ -227,7 +227,7 @@ def tune(models, key: ModelsKey, opts: TuneOptions | None = None, progress: bool
     if progress:
         from tqdm import tqdm
 
-        bar = lambda it, desc="": tqdm(it, desc=desc, leave=False)  # noqa: E731
+        bar = lambda it, desc="": tqdm(it, desc=desc, leave=False, disable=None)  # noqa: E731
     t0 = time.perf_counter()
     verify = engine_cost_curve(
         target,
