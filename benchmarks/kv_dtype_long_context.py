@@ -3,7 +3,7 @@ the `--kv-dtype fp16` cache), each repeat alternating between them, median time 
 and decode tok/s.
 
     python benchmarks/kv_dtype_long_context.py --export fp32=DIR32 --export fp16=DIR16 \
-        --prompt-tokens 4000 --max-new-tokens 64 --repeats 3 --json benchmarks/kv_dtype_long_context.json
+        --prompt-tokens 4000 --max-new-tokens 64 --repeats 3 --json-out benchmarks/kv_dtype_long_context.json
 
 The prompt is a paragraph repeated and cut to exactly --prompt-tokens ids of the first export's
 tokenizer (all exports must share it); greedy; the lookup-free vanilla loop (draft none).
