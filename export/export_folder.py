@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from arborspec.runtime.drafts.spec import parse_draft_spec
 from arborspec.runtime.errors import ArborspecError, InputError, OutputError
 from arborspec.runtime.fileio import describe_os_error, partial_dir, remove_stale_partials
 
@@ -72,24 +73,6 @@ def truncated_draft(module: torch.nn.Module, k: int) -> torch.nn.Module:
     return draft.to(dtype=next(module.parameters()).dtype).eval()
 
 
-def parse_draft_spec(spec: str | None) -> tuple[str, Any]:
-    """-> ("layers", K) | ("bigram", None) | ("none", None) | ("eagle3", spec) | ("model", spec)."""
-    if spec is None or spec.strip().lower() in ("", "none"):
-        return "none", None
-    s = spec.strip()
-    if s.lower().startswith("layers:"):
-        try:
-            k = int(s.split(":", 1)[1])
-        except ValueError:
-            raise InputError(f"bad draft spec {spec!r}: expected layers:K with an integer K") from None
-        return "layers", k
-    if s.lower() == "bigram":
-        return "bigram", None
-    if s.lower() == "eagle3" or s.lower().startswith("eagle3:"):
-        return "eagle3", s
-    return "model", s
-
-
 def _load(spec):
     """A LoadedModel-like object (module, config, tokenizer, source) from a spec or itself."""
     if hasattr(spec, "module") and hasattr(spec, "config"):
@@ -111,7 +94,7 @@ def _json_safe(obj):
 
 def _save_bigram(module, path: Path, top_k: int = 32) -> dict[str, Any]:
     from arborspec.runtime.backends.torch_backend import TorchEngine
-    from arborspec.runtime.drafts import bigram_table_from_target, save_bigram_table
+    from arborspec.runtime.drafts.bigram import bigram_table_from_target, save_bigram_table
 
     engine = TorchEngine(module)
     indices, logits = bigram_table_from_target(engine, top_k=top_k)
@@ -222,7 +205,13 @@ def export_folder(
                 "(ONNX Runtime's GroupQueryAttention graph takes --format matmulnbits)"
             )
         attention = "onnx"
-    kind, arg = parse_draft_spec(draft)
+    ds = parse_draft_spec(draft)
+    if ds.kind in ("export", "lookup") or ds.mix:
+        raise InputError(
+            f"--draft {draft}: a lookup draft is chosen when decoding, not exported: export with a model "
+            "draft (or none) and decode with --draft lookup or --draft export+lookup"
+        )
+    kind, arg = ds.kind, ds.arg
     out = Path(out)
     stages = ["load model", "build draft", "tokenizer", "export target", "export draft", "manifest"]
     bar = tqdm(total=len(stages), desc="export", unit="stage", disable=not progress, leave=False)

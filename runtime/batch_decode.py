@@ -29,14 +29,17 @@ from typing import Sequence as Seq
 import torch
 
 from .accept import accept
-from .decode import MODES, SpeculativeDecoder, as_draft_source, host_threads
-from .drafting import TreeWorkspace, answer, tree_builder
-from .drafts import ModelDraft, tree_capacity
+from .decode import MODES, SpeculativeDecoder, host_threads
+from .drafts.base import tree_capacity
+from .drafts.batched import BatchedModelDraft
+from .drafts.model import ModelDraft, as_draft_source
+from .drafts.tree_builder import TreeWorkspace, answer, tree_builder
 from .errors import InputError, NumericalError
 from .guards import check_logits
-from .kvcache import KVCache
+from .kvcache import KVCache, release_row, sized_cache
 from .sampling import SamplingParams
 from .stats import GenerationStats
+from .tree_plan import padded_call
 from .trees import Tree
 
 
@@ -61,42 +64,6 @@ class BatchSequence:
     t_start: float = 0.0
     ws: TreeWorkspace | None = None
     error: BaseException | None = None  # set when its row's logits were not finite
-
-
-# ---------------------------------------------------------------------- shared by the target's
-# batch cache here and the draft's (runtime/batch_drafts.py); owners have `.row` and `.length`
-def release_row(owners: list, owner, cache: KVCache) -> None:
-    """Drop `owner` from `owners` (owners[i].row == i): the last row moves into its place (its
-    first `length` positions copied) and the cache's P becomes the longest remaining row's."""
-    i = owner.row
-    last = owners.pop()
-    if last is not owner:
-        cache.move_row(last.row, i, last.length)
-        last.row = i
-        owners[i] = last
-    owner.row = -1
-    cache.length = max((o.length for o in owners), default=0)
-
-
-def sized_cache(cache: KVCache | None, spec, need: int, batch: int, device, top: int) -> KVCache:
-    """A zeroed batch cache with room for `need` positions: allocated at max(need, 256), then
-    grown by doubling, up to `top` (the model's context) unless `need` asks for more."""
-    if cache is None:
-        return KVCache(spec, max(need, 256), batch, device).zero_()
-    if cache.max_len < need:
-        return cache.grown(max(need, min(2 * cache.max_len, top)))
-    return cache
-
-
-def padded_call(n_rows: int, t: int, p: int):
-    """ids / positions / mask of a call of T tokens per row over P cached columns; every row
-    starts as padding that sees only itself (callers fill the rows in use)."""
-    ids = torch.zeros(n_rows, t, dtype=torch.long)
-    pos = torch.zeros(n_rows, t, dtype=torch.long)
-    mask = torch.zeros(n_rows, t, p + t, dtype=torch.bool)
-    d = torch.arange(t)
-    mask[:, d, p + d] = True
-    return ids, pos, mask
 
 
 class BatchDecoder:
@@ -152,12 +119,10 @@ class BatchDecoder:
         self.speculate_max_batch = speculate_max_batch
         self.seqs: list[BatchSequence] = []  # active, seqs[i].row == i
         # a model draft whose engine batches trees drafts every sequence with one call per level
-        # (runtime/batch_drafts.py); other sources draft each sequence through its own fork()
+        # (runtime/drafts/batched.py); other sources draft each sequence through its own fork()
         self.draft_batch = None
         self._spare_drafts: list = [draft] if draft is not None else []
         if isinstance(draft, ModelDraft) and getattr(draft.engine, "batched_trees", True) and self.policy:
-            from .batch_drafts import BatchedModelDraft
-
             self.draft_batch = BatchedModelDraft(draft.engine, max_batch)
             self._spare_drafts = []
         self._cache: KVCache | None = None

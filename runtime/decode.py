@@ -1,7 +1,7 @@
 """The decode loop: vanilla, chain and tree speculative decoding around engine calls.
 
-Role: one step is (1) draft a tree level by level (runtime/drafting.py, through the draft
-source's interface, runtime/drafts.py), (2) flatten it into ids / positions / tree mask in the
+Role: one step is (1) draft a tree level by level (runtime/drafts/tree_builder.py, through the
+draft source's interface, runtime/drafts/base.py), (2) flatten it into ids / positions / tree mask in the
 preallocated verify buffers (runtime/tree_plan.py), (3) verify it with ONE target call, (4)
 accept the longest valid path plus one target token (runtime/accept.py), (5) commit the
 accepted K/V with one gather in the target's cache, tell the draft source which path won,
@@ -11,7 +11,7 @@ The last committed token (the root) is not yet in the target cache: each verify 
 [root, nodes...] so the root's K/V and every node's are written together. `vanilla` is the
 same loop with an empty tree (one token per target call); `chain` is a depth-K, width-1 tree.
 The loop is backend-agnostic (engines follow runtime/backends/base.Engine) and draft-agnostic
-(sources follow runtime/drafts.DraftSource). A decoder runs one sequence at a time: use one
+(sources follow runtime/drafts/base.DraftSource). A decoder runs one sequence at a time: use one
 per thread (runtime/generator.Generator serialises calls with a lock).
 """
 
@@ -25,14 +25,15 @@ from typing import Iterator, Sequence
 import torch
 
 from .accept import accept
-from .drafting import CANDIDATE_MODES, TreeWorkspace, draft_tree
-from .drafts import DraftSource, ModelDraft, tree_capacity
+from .drafts.base import tree_capacity
+from .drafts.model import as_draft_source
+from .drafts.tree_builder import CANDIDATE_MODES, TreeWorkspace, draft_tree
 from .errors import InputError
 from .guards import check_logits
 from .kvcache import KVCache
 from .sampling import SamplingParams
 from .stats import GenerationStats, Timer
-from .tree_plan import VerifyBuffers, causal_block
+from .tree_plan import VerifyBuffers, causal_prefill
 from .trees import ChainTree, Tree, TreePolicy, parse_tree_spec
 
 
@@ -64,15 +65,6 @@ class GenerationResult:
     tokens: list[int]
     stats: GenerationStats
     stop_reason: str = "length"  # "eos", "length" or "context"
-
-
-def as_draft_source(draft) -> DraftSource | None:
-    """A draft source from a source (returned as is), an engine (wrapped in ModelDraft) or None."""
-    if draft is None or (hasattr(draft, "start") and hasattr(draft, "expand")):
-        return draft
-    if hasattr(draft, "forward") and hasattr(draft, "info"):
-        return ModelDraft(draft)
-    raise InputError(f"not a draft source or engine: {type(draft).__name__}")
 
 
 class SpeculativeDecoder:
@@ -291,28 +283,3 @@ class SpeculativeDecoder:
         sees only its own rows). Returns (the target features of those tokens [n, F] when the
         draft reads them, else None; the number of target calls)."""
         return causal_prefill(self.target, tokens, cache, self.prefill_chunk, self._features)
-
-
-def causal_prefill(engine, tokens: list[int], cache: KVCache, chunk: int = 512, features: bool = False):
-    """Append `tokens` to a one-row cache with causal calls of at most `chunk` tokens; ->
-    (the engine's features of those tokens [n, F] when `features`, else None; calls made)."""
-    dev = engine.device
-    n = len(tokens)
-    chunk = max(1, int(chunk or n))
-    feats = []
-    starts = range(0, n, chunk)
-    for s in starts:
-        part = tokens[s : s + chunk]
-        c = len(part)
-        p = cache.length
-        ids = torch.tensor([part], dtype=torch.long, device=dev)
-        pos = torch.arange(p, p + c, device=dev)[None]
-        mask = torch.ones(1, c, p + c, dtype=torch.bool, device=dev)
-        mask[0, :, p:] = causal_block(c, dev)
-        if features:
-            _, f = engine.forward_features(ids, pos, mask, cache)
-            feats.append(f[0])
-        else:
-            engine.forward(ids, pos, mask, cache)
-        cache.commit(None, c)
-    return (torch.cat(feats) if feats else None), len(starts)

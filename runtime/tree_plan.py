@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .kvcache import KVCache
 from .trees import TreePolicy
 
 PLANNED_KINDS = ("chain", "full", "static")
@@ -212,3 +213,39 @@ class VerifyBuffers:
 
     def release(self) -> None:
         self.mask.release()
+
+
+def padded_call(n_rows: int, t: int, p: int):
+    """ids / positions / mask of a call of T tokens per row over P cached columns; every row
+    starts as padding that sees only itself (callers fill the rows in use)."""
+    ids = torch.zeros(n_rows, t, dtype=torch.long)
+    pos = torch.zeros(n_rows, t, dtype=torch.long)
+    mask = torch.zeros(n_rows, t, p + t, dtype=torch.bool)
+    d = torch.arange(t)
+    mask[:, d, p + d] = True
+    return ids, pos, mask
+
+
+def causal_prefill(engine, tokens: list[int], cache: KVCache, chunk: int = 512, features: bool = False):
+    """Append `tokens` to a one-row cache with causal calls of at most `chunk` tokens; ->
+    (the engine's features of those tokens [n, F] when `features`, else None; calls made)."""
+    dev = engine.device
+    n = len(tokens)
+    chunk = max(1, int(chunk or n))
+    feats = []
+    starts = range(0, n, chunk)
+    for s in starts:
+        part = tokens[s : s + chunk]
+        c = len(part)
+        p = cache.length
+        ids = torch.tensor([part], dtype=torch.long, device=dev)
+        pos = torch.arange(p, p + c, device=dev)[None]
+        mask = torch.ones(1, c, p + c, dtype=torch.bool, device=dev)
+        mask[0, :, p:] = causal_block(c, dev)
+        if features:
+            _, f = engine.forward_features(ids, pos, mask, cache)
+            feats.append(f[0])
+        else:
+            engine.forward(ids, pos, mask, cache)
+        cache.commit(None, c)
+    return (torch.cat(feats) if feats else None), len(starts)

@@ -19,10 +19,11 @@ from conftest import random_model, tiny_config, truncated
 from arborspec.runtime.backends.torch_backend import TorchEngine
 from arborspec.runtime.batch_decode import BatchDecoder
 from arborspec.runtime.decode import SpeculativeDecoder
-from arborspec.runtime.drafts import BigramDraft, ModelDraft
+from arborspec.runtime.drafts.bigram import BigramDraft
+from arborspec.runtime.drafts.lookup import LookupDraft
+from arborspec.runtime.drafts.model import ModelDraft
 from arborspec.runtime.errors import InputError
 from arborspec.runtime.generator import Generator
-from arborspec.runtime.lookup import LookupDraft
 from arborspec.runtime.sampling import SamplingParams
 
 

@@ -179,7 +179,8 @@ def test_fused_draft_topk_equals_topk_of_logits(tmp_path):
     from arborspec.export.onnx_export import export_contract_onnx
     from arborspec.runtime.backends.onnxruntime import OrtEngine
     from arborspec.runtime.decode import SpeculativeDecoder
-    from arborspec.runtime.drafts import ModelDraft, topk_of
+    from arborspec.runtime.drafts.base import topk_of
+    from arborspec.runtime.drafts.model import ModelDraft
     from arborspec.runtime.kvcache import KVCache
 
     torch.manual_seed(3)

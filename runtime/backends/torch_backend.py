@@ -51,7 +51,7 @@ class TorchEngine(EngineBase):
     def forward_topk(self, input_ids, position_ids, mask, cache: KVCache, k: int, logprobs: bool = False):
         """forward + the top-k of every row, on the module's device (a CUDA draft never copies
         a vocabulary-wide row to the host): (values [B, T, k], indices [B, T, k])."""
-        from ..drafts import topk_of
+        from ..drafts.base import topk_of
 
         logits = self.forward(input_ids, position_ids, mask, cache)
         b, t, v = logits.shape

@@ -66,7 +66,7 @@ class NullEngine:
         """A draft engine that computes its top-k where its logits are (fused in the ONNX graph,
         on the GPU): precomputed here, so the host sees only [F, k]."""
         if (k, logprobs) not in self._top:
-            from arborspec.runtime.drafts import topk_of
+            from arborspec.runtime.drafts.base import topk_of
 
             t = topk_of(self.bank, k, logprobs)
             self._top[(k, logprobs)] = (t.values, t.indices)

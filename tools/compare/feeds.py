@@ -133,8 +133,9 @@ def build_feeds(
     target: an Engine; draft: an Engine (neural draft: its calls are recorded), a BigramDraft,
     or None (the target itself shapes the trees). `trees` trees per policy, each over a cache
     of P > 0 random past tokens (P differs from tree to tree)."""
-    from arborspec.runtime.drafting import draft_tree
-    from arborspec.runtime.drafts import BigramDraft, ModelDraft
+    from arborspec.runtime.drafts.bigram import BigramDraft
+    from arborspec.runtime.drafts.model import ModelDraft
+    from arborspec.runtime.drafts.tree_builder import draft_tree
     from arborspec.runtime.kvcache import KVCache
     from arborspec.runtime.sampling import SamplingParams
     from arborspec.runtime.trees import Tree, parse_tree_spec, verify_inputs

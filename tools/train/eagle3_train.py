@@ -4,7 +4,7 @@ state, with the attention the runtime's tree mask gives at inference.
 
 Role in one decode step: none; it makes the weights the `eagle3` draft source runs in step 1.
 
-Alignment (the runtime's, runtime/drafts_eagle3.py): window tokens x[0..W-1], target features
+Alignment (the runtime's, runtime/drafts/eagle3.py): window tokens x[0..W-1], target features
 f[j] (at position j, where the target predicted x[j+1]). Entry j of step 0 pairs token x[j+1]
 with fc(f[j]) at position j; entry j of step k pairs x[j+1+k] with step k-1's output hidden of
 entry j at position j+k, and attends to step 0's entries 0..j (the committed chain) and to

@@ -11,7 +11,7 @@ reused every step.
 The level loop is written as a generator of `DraftCall` requests (`tree_builder`): `draft_tree`
 answers each request at once with the sequence's own draft source; a batch driver
 (runtime/batch_decode.py) gathers one request from every sequence and answers them all with one
-draft call (runtime/batch_drafts.py), so B trees cost one draft call per level.
+draft call (runtime/drafts/batched.py), so B trees cost one draft call per level.
 
 Candidates: `topk` (deterministic: the policy's top children), `sample` (i.i.d. draws from the
 draft, with replacement) or `sample-unique` (draws without replacement, by the Gumbel-top-k
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .drafts import DraftSource, NodeView, topk_of, tree_capacity
-from .errors import InputError
-from .sampling import SamplingParams, warp_logits
-from .tree_plan import PLANNED_KINDS, plan_for
-from .trees import Tree, TreePolicy
+from ..errors import InputError
+from ..sampling import SamplingParams, warp_logits
+from ..tree_plan import PLANNED_KINDS, plan_for
+from ..trees import Tree, TreePolicy
+from .base import DraftSource, NodeView, full_vocab, to_target, topk_of, tree_capacity
 
 CANDIDATE_MODES = ("topk", "sample", "sample-unique")
 
@@ -80,18 +80,6 @@ class TreeWorkspace:
 def _gumbel(shape, rng) -> torch.Tensor:
     u = torch.rand(shape, generator=rng).clamp_(1e-20, 1.0)
     return -torch.log(-torch.log(u))
-
-
-def _to_target(toks: torch.Tensor, token_map: torch.Tensor | None) -> torch.Tensor:
-    return toks if token_map is None else token_map[toks]
-
-
-def _full_vocab(q: torch.Tensor, token_map: torch.Tensor | None, out_vocab: int) -> torch.Tensor:
-    """A draft distribution over the target vocabulary (zeros outside the draft's)."""
-    if token_map is None:
-        return q
-    full = torch.zeros(q.shape[0], out_vocab, dtype=q.dtype, device=q.device)
-    return full.index_copy_(1, token_map.to(q.device), q)
 
 
 @torch.inference_mode()
@@ -173,12 +161,12 @@ def _draft_planned(draft, policy, root, sp, keep_q, out_vocab) -> Tree:
     for li, lv in enumerate(levels):
         if keep_q:
             toks = torch.topk(out, lv.k, dim=-1).indices
-            qs.append(_full_vocab(torch.softmax(warp_logits(out.float(), sp), -1), tmap, out_vocab).cpu())
+            qs.append(full_vocab(torch.softmax(warp_logits(out.float(), sp), -1), tmap, out_vocab).cpu())
             qrow[lv.start : lv.end] = n_q + lv.rows
             n_q += out.shape[0]
         else:
             toks = out.indices[:, : lv.k]
-        tokens[lv.start : lv.end] = _to_target(toks, tmap).cpu()[lv.rows, lv.ranks]
+        tokens[lv.start : lv.end] = to_target(toks, tmap).cpu()[lv.rows, lv.ranks]
         if li == last or lv.frontier.numel() == 0:
             break
         e = lv.end
@@ -228,7 +216,7 @@ def _draft_dynamic(draft, policy, root, sp, mode, rng, keep_q, ws: TreeWorkspace
             # handles), normalised to log-probs (keep_q: analysis and tests)
             t = topk_of(out, k, True)
             vals, toks = t.values, t.indices
-            qs.append(_full_vocab(torch.softmax(warp_logits(out, sp), -1), tmap, out_vocab).cpu())
+            qs.append(full_vocab(torch.softmax(warp_logits(out, sp), -1), tmap, out_vocab).cpu())
         else:
             warped = warp_logits(out, sp)
             # a table draft may have no opinion at a node (every logit -inf): no candidates there
@@ -240,9 +228,9 @@ def _draft_dynamic(draft, policy, root, sp, mode, rng, keep_q, ws: TreeWorkspace
             else:  # without replacement: Gumbel-top-k == sequential draws without replacement
                 toks = torch.topk(logq + _gumbel(logq.shape, rng), k, dim=-1).indices
             vals = logq.gather(1, toks).masked_fill(empty, float("-inf"))
-            qs.append(_full_vocab(q.masked_fill(empty, 0.0), tmap, out_vocab).cpu())
+            qs.append(full_vocab(q.masked_fill(empty, 0.0), tmap, out_vocab).cpu())
         vals = vals.float().cpu().numpy()
-        toks = _to_target(toks, tmap).cpu().numpy()
+        toks = to_target(toks, tmap).cpu().numpy()
         scores = f_score[:, None] + vals
         keep = policy.select(level, scores)
         if policy.kind != "static":  # a fixed structure keeps its shape; others drop q = 0
