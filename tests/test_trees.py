@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from arborspec.runtime.drafts.base import DraftSource
 from arborspec.runtime.drafts.tree_builder import draft_tree
 from arborspec.runtime.sampling import SamplingParams
-from arborspec.runtime.trees import TreeSpecError, parse_tree_spec, verify_inputs
+from arborspec.runtime.tree_plan import verify_inputs
+from arborspec.runtime.trees import TreeSpecError, parse_tree_spec
 
 
 class RandomDraft(DraftSource):

@@ -8,7 +8,7 @@ the outputs of several runners with Polygraphy's `Comparator.run` + `compare_acc
   P > 0, exactly vanilla's step) and, over a cache prefilled with P > 0 random past tokens, one
   verify step per tree policy (chain, full, beam, dynamic with a budget of the manifest's
   max_tree_nodes, and a static file), each drafted by the real `draft_tree` with the export's
-  draft and flattened by the real `verify_inputs`, so T runs from 1 up to max_tree_nodes + 1;
+  draft and flattened by the decoder's own path (`tree_plan.write_tree`), so T runs from 1 up to max_tree_nodes + 1;
   the draft graph gets the draft's own calls recorded while drafting (its prefill chain and
   one call per tree level over its scratch cache);
 * runners: `TorchRunner` (ours: Polygraphy's PytRunner is broken in 0.53), whose module is

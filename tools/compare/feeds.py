@@ -138,7 +138,8 @@ def build_feeds(
     from arborspec.runtime.drafts.tree_builder import draft_tree
     from arborspec.runtime.kvcache import KVCache
     from arborspec.runtime.sampling import SamplingParams
-    from arborspec.runtime.trees import Tree, parse_tree_spec, verify_inputs
+    from arborspec.runtime.tree_plan import causal_prefill, verify_inputs
+    from arborspec.runtime.trees import Tree, parse_tree_spec
 
     if trees < 1:
         raise InputError(f"--trees must be >= 1, got {trees}")
@@ -175,11 +176,7 @@ def build_feeds(
             cache = KVCache(target.info.cache, cap, 1, target.device)
             # prefill: a prompt chain over an empty cache (P = 0)
             rec_t.enabled, rec_t.label = i == 0, "prefill (chain)"
-            ids = torch.tensor([past], device=target.device)
-            pos = torch.arange(p, device=target.device)[None]
-            mask = torch.ones(p, p, dtype=torch.bool, device=target.device).tril()[None]
-            rec_t.forward(ids, pos, mask, cache)
-            cache.commit(None, p)
+            causal_prefill(rec_t, past, cache, chunk=p)
             rec_t.enabled = True
             if i == 0:  # vanilla's step: the root alone over the cache
                 rec_t.label = "decode (vanilla)"
