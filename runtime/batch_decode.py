@@ -30,8 +30,7 @@ import torch
 
 from .decode import MODES, SpeculativeDecoder, check_prompt, host_threads, settle, verify
 from .drafts.base import tree_capacity
-from .drafts.batched import BatchedModelDraft
-from .drafts.model import ModelDraft, as_draft_source
+from .drafts.model import as_draft_source
 from .drafts.tree_builder import TreeWorkspace, answer, tree_builder
 from .errors import InputError, NumericalError
 from .kvcache import KVCache, release_row, sized_cache
@@ -86,14 +85,14 @@ class BatchDecoder:
         """speculate_max_batch: verify trees only while at most this many sequences are active;
         above it every sequence still drafts (its draft stays in step) but only its root is
         verified (vanilla, T = 1). Default: no limit where the target batches trees
-        (`engine.batched_trees`), else 1 (ONNX Runtime's GroupQueryAttention CPU kernel rejects
+        (`engine.caps.batched_trees`), else 1 (ONNX Runtime's GroupQueryAttention CPU kernel rejects
         B > 1 with T > 1 after a prefix: "batch_size must be 1 when sequence_length > 1 and past
         context is given")."""
         if not isinstance(max_batch, int) or max_batch < 1:
             raise InputError(f"max-batch must be an integer >= 1, got {max_batch!r}")
         if mode not in MODES:
             raise InputError(f"unknown mode {mode!r} (expected one of {', '.join(MODES)})")
-        engine_b = getattr(target, "max_batch", None)  # a TensorRT engine's profiles fix B
+        engine_b = target.caps.max_batch  # a TensorRT engine's profiles fix B
         if max_batch > 1 and engine_b is not None and max_batch > engine_b:
             raise InputError(
                 f"max-batch {max_batch} is over the engine's B <= {engine_b}: rebuild it with "
@@ -109,19 +108,21 @@ class BatchDecoder:
         if self.policy is not None and not hasattr(draft, "fork"):
             raise InputError(f"draft {getattr(draft, 'kind', type(draft).__name__)} cannot be batched (no fork())")
         self.needs_features = self._solo.needs_features
-        self._row_views = bool(getattr(target, "row_views", False))
-        self._ragged = bool(getattr(target, "ragged_rows", False))
+        self._row_views = target.caps.row_views
+        self._ragged = target.caps.ragged_rows
         self.ragged_steps = 0  # steps whose one-token rows each attended over their own length
         if speculate_max_batch is None:
-            speculate_max_batch = max_batch if getattr(target, "batched_trees", True) else 1
+            speculate_max_batch = max_batch if target.caps.batched_trees else 1
         self.speculate_max_batch = speculate_max_batch
         self.seqs: list[BatchSequence] = []  # active, seqs[i].row == i
-        # a model draft whose engine batches trees drafts every sequence with one call per level
+        # a draft that declares a batch driver (a model draft whose engine batches trees) drafts
+        # every sequence with one call per level
         # (runtime/drafts/batched.py); other sources draft each sequence through its own fork()
         self.draft_batch = None
         self._spare_drafts: list = [draft] if draft is not None else []
-        if isinstance(draft, ModelDraft) and getattr(draft.engine, "batched_trees", True) and self.policy:
-            self.draft_batch = BatchedModelDraft(draft.engine, max_batch)
+        if self.policy is not None:
+            self.draft_batch = draft.batch_driver(max_batch)  # declared by the draft (DraftSource)
+        if self.draft_batch is not None:
             self._spare_drafts = []
         self._cache: KVCache | None = None
         self._scratch: KVCache | None = None  # one-row cache for a joining sequence's prefill
@@ -183,8 +184,7 @@ class BatchDecoder:
             return
         release_row(self.seqs, seq, self._cache)
         if seq.draft is not None:  # reused by the next sequence that joins
-            if hasattr(seq.draft, "leave"):
-                seq.draft.leave()  # its row of the batched draft cache
+            seq.draft.leave()  # e.g. its row of the batched draft cache
             self._spare_drafts.append(seq.draft)
             seq.draft = None
 

@@ -45,7 +45,7 @@ def host_threads(engine):
     caller's setting restored afterwards. Measured on 2 cores, SmolLM2 vanilla sampling at
     T = 0.8: softmax + multinomial over 49,152 logits between ONNX Runtime calls took 10-14 ms
     per token with torch's 2 threads, 1.9 ms with 1 (25.9 -> 38.8 tok/s)."""
-    n = getattr(engine, "host_threads", None)
+    n = engine.caps.host_threads
     old = torch.get_num_threads()
     if not n or n == old:
         yield

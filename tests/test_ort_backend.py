@@ -187,7 +187,7 @@ def test_fused_draft_topk_equals_topk_of_logits(tmp_path):
     m = build_model(tiny("llama")).eval()
     export_contract_onnx(m, tmp_path / "d.onnx", verify=True, topk=5)
     e = OrtEngine(tmp_path / "d.onnx")
-    assert e.max_topk == 5
+    assert e.caps.max_topk == 5
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, e.info.vocab_size, (1, 6), generator=g)
     pos = torch.arange(6)[None]

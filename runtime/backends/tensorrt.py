@@ -33,7 +33,7 @@ from .. import contract as C
 from ..errors import DeviceError, EngineError, InputError, MissingFileError
 from ..fileio import atomic_write_bytes
 from ..kvcache import CacheSpec, KVCache
-from .base import EngineBase, EngineInfo, check_call
+from .base import EngineBase, EngineCapabilities, EngineInfo, check_call
 
 _ENV_MODULE = "ARBORSPEC_TRT_MODULE"
 _INSTALL_HINT = (
@@ -256,6 +256,7 @@ class TrtEngine(EngineBase):
                 }
             )
         self.max_batch = max(p["B"][1] for p in self.profiles)
+        self.caps = EngineCapabilities(max_batch=self.max_batch)  # the profiles fix the largest B
         self.max_tokens = max(p["T"][1] for p in self.profiles)
         kv_dtype = self.dtypes["past_key.0"]
         cfg = {}
@@ -354,13 +355,13 @@ class TrtEngine(EngineBase):
             self._logits_buf = torch.empty(cap, dtype=self.dtypes["logits"], device=self.device)
         return self._logits_buf[:n].view(b, t, self.info.vocab_size)
 
-    def forward(
+    def forward_impl(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: KVCache
     ) -> torch.Tensor:
         """See Engine.forward (a graph with a hidden input needs forward_hidden)."""
         return self._run(input_ids, position_ids, mask, cache)[0]
 
-    def forward_features(self, input_ids, position_ids, mask, cache: KVCache):
+    def forward_features_impl(self, input_ids, position_ids, mask, cache: KVCache):
         """-> (logits [B, T, V], target features [B, T, F]) from an engine with the contract's
         `hidden_states` output (an EAGLE-3 draft's target); (logits, None) without one."""
         logits, extra = self._run(input_ids, position_ids, mask, cache)
@@ -371,13 +372,13 @@ class TrtEngine(EngineBase):
         the draft vocabulary [B, T, Vd], the layer's output hidden states [B, T, H])."""
         if not self.has_hidden_in:
             raise EngineError(f"{self.path.name} is not an EAGLE-3 head engine (no {C.HIDDEN_IN} input)")
+        self.check_inputs(input_ids, position_ids, mask, cache)
         logits, extra = self._run(input_ids, position_ids, mask, cache, hidden)
         return logits, extra[C.HIDDEN_STATES]
 
-    def _run(self, input_ids, position_ids, mask, cache: KVCache, hidden: torch.Tensor | None = None):
+    def check_inputs(self, input_ids, position_ids, mask, cache: KVCache) -> None:
+        """The contract's checks plus this engine's: the cache's device, dtype, shape, layout."""
         self._check_open()
-        if self.has_hidden_in and hidden is None:
-            raise EngineError(f"{self.path.name} is an EAGLE-3 head engine: call forward_hidden")
         check_call(self.info, input_ids, position_ids, mask, cache)
         if cache.device != self.device:
             raise InputError(f"KV cache is on {cache.device}, the engine on {self.device}")
@@ -392,8 +393,13 @@ class TrtEngine(EngineBase):
             )
         if not (cache.k.is_contiguous() and cache.v.is_contiguous()):
             raise InputError("KV cache slabs must be contiguous to be bound by address")
+
+    def _run(self, input_ids, position_ids, mask, cache: KVCache, hidden: torch.Tensor | None = None):
+        if self.has_hidden_in and hidden is None:
+            raise EngineError(f"{self.path.name} is an EAGLE-3 head engine: call forward_hidden")
         b, t = input_ids.shape
         p = cache.length
+        spec = self.info.cache
         ctx = self.context
         stream = torch.cuda.current_stream(self.device)
         k = self.profile_for(b, t, p)

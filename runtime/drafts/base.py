@@ -99,6 +99,17 @@ class DraftSource:
         """Keep the accepted path (node indices, root excluded); `features` are the verify
         call's target features over [root, nodes...] when `needs_target_features`."""
 
+    def batch_driver(self, max_batch: int):
+        """A driver that drafts a whole batch with ONE draft call per tree level
+        (runtime/drafts/batched.py: `answer(pairs)`, `handle()` per sequence), or None: each
+        sequence then drafts through its own `fork()`. Declared per draft kind: a model draft
+        whose engine batches trees has one; table drafts (bigram, lookup: no model call), EAGLE-3
+        and mixed drafts do not (their forks share the engines)."""
+        return None
+
+    def leave(self) -> None:
+        """The sequence leaves a batch (a batched draft frees its cache row); nothing by default."""
+
     def fork(self) -> "DraftSource":
         """A source for another sequence of a batch (runtime/batch_decode.py): the same engines
         and tables, its own per-sequence state. Closing a fork never closes shared engines."""
@@ -136,7 +147,6 @@ def tree_capacity(policy: TreePolicy, vocab: int) -> int:
         return len(policy.paths)
     w = min(policy.w, vocab)
     return sum(w**lvl for lvl in range(1, policy.depth + 1))
-
 
 
 def to_target(toks: torch.Tensor, token_map: torch.Tensor | None) -> torch.Tensor:

@@ -84,7 +84,7 @@ class BatchedModelDraft:
         self.rows: list[RowDraft] = []  # rows[i].row == i
         self.cache: KVCache | None = None
         self._scratch: KVCache | None = None
-        self._row_views = bool(getattr(engine, "row_views", False))
+        self._row_views = engine.caps.row_views
         self._gather: list = []  # queued commits: (row, dst0, src positions)
         self.model_s = 0.0
         self.calls = 0

@@ -62,7 +62,7 @@ class Eagle3Draft(DraftSource):
     ):
         """head: a head engine (TorchEagle3Head, OrtEagle3Head), or a torch EAGLE-3 module with
         `embed` (the target's token embeddings), wrapped in a TorchEagle3Head."""
-        if not hasattr(head, "forward_hidden"):
+        if isinstance(head, torch.nn.Module):
             from ..backends.torch_backend import TorchEagle3Head
 
             if embed is None:

@@ -50,6 +50,14 @@ class ModelDraft(DraftSource):
         f._owns_engine = False
         return f
 
+    def batch_driver(self, max_batch: int):
+        """One draft call per level for the whole batch, where the engine batches trees."""
+        if not self.engine.caps.batched_trees:
+            return None
+        from .batched import BatchedModelDraft
+
+        return BatchedModelDraft(self.engine, max_batch)
+
     def prepare(self, policy: TreePolicy, max_len: int) -> None:
         cap = tree_capacity(policy, self.vocab_size)
         need = max_len + cap + 2
@@ -123,7 +131,7 @@ class ModelDraft(DraftSource):
 
     def _fused(self, k: int) -> bool:
         """Whether the engine returns its own top-k (fused in the graph, or on its device)."""
-        return getattr(self.engine, "max_topk", 0) >= k and hasattr(self.engine, "forward_topk")
+        return self.engine.caps.max_topk >= k
 
     def start_topk(self, root: int, k: int, logprobs: bool = False) -> TopK:
         if not self._fused(k):

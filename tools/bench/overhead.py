@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from arborspec.runtime.backends.base import EngineInfo
+from arborspec.runtime.backends.base import EngineCapabilities, EngineInfo
 from arborspec.runtime.decode import SpeculativeDecoder
 from arborspec.runtime.kvcache import CacheSpec
 from arborspec.runtime.sampling import SamplingParams
@@ -29,6 +29,8 @@ from arborspec.runtime.sampling import SamplingParams
 class HostTopkNullEngine:
     """The same null engine without `forward_topk`: the runtime takes the draft's top-k from
     the full logits rows on the host (what an ONNX Runtime CPU draft without fused top-k costs)."""
+
+    caps = EngineCapabilities()  # max_topk 0: no forward_topk
 
     def __init__(self, inner):
         self.inner, self.info, self.device = inner, inner.info, inner.device
@@ -54,7 +56,7 @@ class NullEngine:
         self.bank = copy_of.bank if copy_of is not None else torch.randn(512, vocab, generator=g) * 4
 
         self._top: dict = {}
-        self.max_topk = vocab
+        self.caps = EngineCapabilities(max_topk=vocab)
 
     def forward(self, ids, pos, mask, cache):
         p, t = cache.length, ids.shape[1]

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from arborspec.runtime import contract as C
+from arborspec.runtime.backends.base import EngineCapabilities
 from arborspec.runtime.errors import InputError
 
 STATIC_PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]
@@ -90,6 +91,7 @@ class _Recorder:
 
     def __init__(self, engine, kv_dtype=np.float32):
         self.engine, self.info, self.device = engine, engine.info, engine.device
+        self.caps = EngineCapabilities()  # plain forward calls only (recorded one by one)
         self.kv_dtype = kv_dtype
         self.label = ""
         self.feeds: list[Feed] = []
