@@ -17,8 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,7 @@ import torch
 
 from arborspec.runtime.drafts.spec import parse_draft_spec
 from arborspec.runtime.errors import ArborspecError, InputError, OutputError
-from arborspec.runtime.fileio import describe_os_error, partial_dir, remove_stale_partials
+from arborspec.runtime.fileio import PartialFolder, describe_os_error, remove_stale_partials
 
 from .gqa_graph import KV_DTYPES
 from .manifest import build_manifest, graph_entry, write_manifest
@@ -111,7 +109,7 @@ def _save_bigram(module, path: Path, top_k: int = 32) -> dict[str, Any]:
     }
 
 
-def _prepare_out(out: Path, force: bool) -> Path:
+def _prepare_out(out: Path, force: bool) -> PartialFolder:
     if out.exists():
         if not out.is_dir():
             raise InputError(f"{out} exists and is not a folder")
@@ -119,17 +117,7 @@ def _prepare_out(out: Path, force: bool) -> Path:
             raise InputError(f"{out} exists and is not empty (pass --force to replace it)")
     for stale in remove_stale_partials(out):
         log.warning("removed %s, a partial export left by a run that was killed", stale)
-    return partial_dir(out)
-
-
-def _swap_in(tmp: Path, out: Path) -> None:
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    return PartialFolder(out)
 
 
 def export_folder(
@@ -219,7 +207,8 @@ def export_folder(
     def stage(name):
         bar.set_description(f"export: {name}")
 
-    tmp = _prepare_out(out, force)
+    part = _prepare_out(out, force)
+    tmp = part.path
     try:
         stage("load model")
         lm = _load(model)
@@ -384,15 +373,15 @@ def export_folder(
         read_manifest(tmp)  # the folder must read back before it is published
         bar.update(1)
         files = sorted(p.name for p in tmp.iterdir())
-        _swap_in(tmp, out)
+        part.publish()
     except ArborspecError:  # its own one-line message (a MissingFileError is an OSError too)
-        shutil.rmtree(tmp, ignore_errors=True)
+        part.discard()
         raise
     except OSError as e:  # a full disk, a file-size limit: one line, nothing half-written left
-        shutil.rmtree(tmp, ignore_errors=True)
+        part.discard()
         raise OutputError(describe_os_error(e, out) + " (nothing was written)") from e
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        part.discard()
         raise
     finally:
         bar.close()
