@@ -118,9 +118,9 @@ class SpeculativeDecoder:
                 raise InputError(f"draft vocabulary ({draft.vocab_size}) differs from the target's ({tv})")
             if draft.token_map is not None and int(draft.token_map.max()) >= tv:
                 raise InputError(f"draft token map points outside the target vocabulary ({tv})")
-            if getattr(draft, "needs_target_features", False) and not getattr(target.info, "n_features", 0):
+            if draft.needs_target_features and not target.info.n_features:
                 raise InputError(
-                    f"draft {getattr(draft, 'kind', '')} reads target features, but the "
+                    f"draft {draft.kind} reads target features, but the "
                     "target engine has no feature output (re-export the target for it)"
                 )
         self.draft = draft
@@ -133,7 +133,7 @@ class SpeculativeDecoder:
     @property
     def needs_features(self) -> bool:
         """Whether the verify calls must return the target's features (an EAGLE-3 draft reads them)."""
-        return self.policy is not None and getattr(self.draft, "needs_target_features", False)
+        return self.policy is not None and self.draft.needs_target_features
 
     # ------------------------------------------------------------------ public API
     def generate(

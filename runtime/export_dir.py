@@ -154,7 +154,7 @@ def _eagle3_draft(backend: str, man: Manifest, target, device: str, engine_dir: 
                 f"`arborspec build --export-dir {man.root}` first"
             )
         head = TrtEagle3Head(paths[0], paths[1], device=device if device.startswith("cuda") else "cuda")
-    n = getattr(target.info, "n_features", 0)
+    n = target.info.n_features
     if n != head.feature_size:
         head.close()
         raise ExportDirError(

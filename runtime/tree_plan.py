@@ -1,4 +1,4 @@
-"""Tree plans and verify buffers: what depends only on a tree's shape, computed once.
+"""Tree plans and the call inputs: the flatten step, verify buffers, the chunked prefill.
 
 Role in one decode step: steps 1-3. For policies whose structure never changes (chain, full,
 static) with deterministic top-k candidates, a `TreePlan` holds the node layout (parents,
@@ -12,6 +12,11 @@ draft level's) attention mask [1, T, P+T]. Its invariant is "all True except the
 block", so the cache-prefix columns are never rewritten: each call writes only the block over
 the new tokens' columns and puts it back to True afterwards (O(T^2) per step, not O(T*(P+T))).
 `VerifyBuffers` adds the input-id and position buffers.
+
+`write_tree` is THE flatten step (2): one tree into one row of a verify call, used by the
+decoder (VerifyBuffers.fill), by batched decoding (one row per sequence, `padded_call` frames)
+and by `verify_inputs` (compare's feeds). `run_chain` is the one chunked causal chain: the
+target's prefill (`causal_prefill`) and the model / EAGLE-3 drafts' start calls run on it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tree policies and the flattened tree: which candidates to draft, and the verify inputs.
+"""Tree policies and the drafted tree: which candidates to draft, kept as flat tensors.
 
 Role in one decoding step: steps 1 and 2. A policy decides, level by level, which of each
 frontier node's candidate children enter the tree and which new nodes are expanded at the
