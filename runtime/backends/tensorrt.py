@@ -421,17 +421,7 @@ class TrtEngine(EngineBase):
                 (C.POSITION_IDS, (b, t), pos.data_ptr()),
                 (C.ATTENTION_MASK, (b, t, p + t), msk.data_ptr()),
             ]
-            kv_tail = (spec.n_kv_heads, spec.head_dim)
-            for i in range(spec.n_layers):
-                for past_name, new_name, slab in (
-                    (C.past_key(i), C.new_key(i), cache.k),
-                    (C.past_value(i), C.new_value(i), cache.v),
-                ):
-                    layer = slab[i]  # [S_max, B, Hkv, D], contiguous
-                    # P = 0: a zero-size input still needs a valid, non-null address
-                    past_ptr = layer.data_ptr() if p == 0 else layer[:p].data_ptr()
-                    binds.append((past_name, (p, b) + kv_tail, past_ptr))
-                    binds.append((new_name, None, layer[p : p + t].data_ptr()))
+            binds += self._kv_binds(cache, b, t, p)
             if self.has_hidden_in:
                 hid = hidden.to(self.device, self.dtypes[C.HIDDEN_IN]).contiguous()
                 if tuple(hid.shape[:2]) != (b, t):
@@ -441,25 +431,14 @@ class TrtEngine(EngineBase):
             logits = self._logits_out(b, t)
             binds.append((C.LOGITS, None, logits.data_ptr()))
 
-            for name, shape, ptr in binds:
-                if shape is not None and not ctx.set_input_shape(name, shape):
-                    raise EngineError(
-                        f"{self.path.name}: shape {shape} rejected for {name}: " + "; ".join(_Log.get(self.trt).take())
-                    )
-                if not ctx.set_tensor_address(name, ptr):
-                    raise EngineError(f"{self.path.name}: cannot bind {name}: " + "; ".join(_Log.get(self.trt).take()))
+            self._set_bindings(binds)
             # output shapes follow from the inputs; check them against the buffers once bound
+            kv_tail = (spec.n_kv_heads, spec.head_dim)
             for name, want in (("logits", (b, t, self.info.vocab_size)), ("new_key.0", (t, b) + kv_tail)):
                 got = tuple(ctx.get_tensor_shape(name))
                 if got != want:
                     raise EngineError(f"{self.path.name}: {name} would be {got}, expected {want}")
-            # every output needs an address: the extra ones get fresh buffers of their shapes
-            extra = {}
-            for name in self.extra_outputs:
-                buf = torch.empty(tuple(ctx.get_tensor_shape(name)), dtype=self.dtypes[name], device=self.device)
-                if not ctx.set_tensor_address(name, buf.data_ptr()):
-                    raise EngineError(f"{self.path.name}: cannot bind {name}: " + "; ".join(_Log.get(self.trt).take()))
-                extra[name] = buf
+            extra = self._extra_outputs()
             if not ctx.execute_async_v3(stream.cuda_stream):
                 raise EngineError(f"{self.path.name}: execute_async_v3 failed: " + "; ".join(_Log.get(self.trt).take()))
             # the temporaries were allocated on this stream: the caching allocator will not
@@ -470,6 +449,45 @@ class TrtEngine(EngineBase):
         if C.HIDDEN_STATES in extra:
             extra[C.HIDDEN_STATES] = extra[C.HIDDEN_STATES].float()
         return out, extra
+
+    def _kv_binds(self, cache: KVCache, b: int, t: int, p: int) -> list:
+        """(name, input shape or None, address) of every layer's past [0, P) and new tail [P, P+T)."""
+        spec = self.info.cache
+        kv_tail = (spec.n_kv_heads, spec.head_dim)
+        binds = []
+        for i in range(spec.n_layers):
+            for past_name, new_name, slab in (
+                (C.past_key(i), C.new_key(i), cache.k),
+                (C.past_value(i), C.new_value(i), cache.v),
+            ):
+                layer = slab[i]  # [S_max, B, Hkv, D], contiguous
+                # P = 0: a zero-size input still needs a valid, non-null address
+                past_ptr = layer.data_ptr() if p == 0 else layer[:p].data_ptr()
+                binds.append((past_name, (p, b) + kv_tail, past_ptr))
+                binds.append((new_name, None, layer[p : p + t].data_ptr()))
+        return binds
+
+    def _set_bindings(self, binds: list) -> None:
+        """Input shapes and tensor addresses on the execution context (one line on a refusal)."""
+        ctx = self.context
+        for name, shape, ptr in binds:
+            if shape is not None and not ctx.set_input_shape(name, shape):
+                raise EngineError(
+                    f"{self.path.name}: shape {shape} rejected for {name}: " + "; ".join(_Log.get(self.trt).take())
+                )
+            if not ctx.set_tensor_address(name, ptr):
+                raise EngineError(f"{self.path.name}: cannot bind {name}: " + "; ".join(_Log.get(self.trt).take()))
+
+    def _extra_outputs(self) -> dict:
+        """Every output needs an address: the extra ones get fresh buffers of their shapes."""
+        ctx = self.context
+        extra = {}
+        for name in self.extra_outputs:
+            buf = torch.empty(tuple(ctx.get_tensor_shape(name)), dtype=self.dtypes[name], device=self.device)
+            if not ctx.set_tensor_address(name, buf.data_ptr()):
+                raise EngineError(f"{self.path.name}: cannot bind {name}: " + "; ".join(_Log.get(self.trt).take()))
+            extra[name] = buf
+        return extra
 
 
 class TrtProjection(TrtEngine):
