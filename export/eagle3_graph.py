@@ -311,7 +311,7 @@ def verify_head(head, embed, layer_path, fc_path, seed: int = 0, with_scale: boo
     """The graphs against the torch head on a chain call then a tree level; max abs difference
     (with_scale: and the largest absolute PyTorch output, -> (diff, scale))."""
     from arborspec.runtime.backends.onnxruntime import OrtEngine
-    from arborspec.runtime.drafts_eagle3 import OrtProjection
+    from arborspec.runtime.drafts.eagle3 import OrtProjection
     from arborspec.runtime.kvcache import KVCache
 
     g = torch.Generator().manual_seed(seed)

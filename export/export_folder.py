@@ -17,16 +17,15 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from arborspec.runtime.drafts.spec import parse_draft_spec
 from arborspec.runtime.errors import ArborspecError, InputError, OutputError
-from arborspec.runtime.fileio import describe_os_error, partial_dir, remove_stale_partials
+from arborspec.runtime.fileio import PartialFolder, describe_os_error, remove_stale_partials
 
 from .gqa_graph import KV_DTYPES
 from .manifest import build_manifest, graph_entry, write_manifest
@@ -72,24 +71,6 @@ def truncated_draft(module: torch.nn.Module, k: int) -> torch.nn.Module:
     return draft.to(dtype=next(module.parameters()).dtype).eval()
 
 
-def parse_draft_spec(spec: str | None) -> tuple[str, Any]:
-    """-> ("layers", K) | ("bigram", None) | ("none", None) | ("eagle3", spec) | ("model", spec)."""
-    if spec is None or spec.strip().lower() in ("", "none"):
-        return "none", None
-    s = spec.strip()
-    if s.lower().startswith("layers:"):
-        try:
-            k = int(s.split(":", 1)[1])
-        except ValueError:
-            raise InputError(f"bad draft spec {spec!r}: expected layers:K with an integer K") from None
-        return "layers", k
-    if s.lower() == "bigram":
-        return "bigram", None
-    if s.lower() == "eagle3" or s.lower().startswith("eagle3:"):
-        return "eagle3", s
-    return "model", s
-
-
 def _load(spec):
     """A LoadedModel-like object (module, config, tokenizer, source) from a spec or itself."""
     if hasattr(spec, "module") and hasattr(spec, "config"):
@@ -111,7 +92,7 @@ def _json_safe(obj):
 
 def _save_bigram(module, path: Path, top_k: int = 32) -> dict[str, Any]:
     from arborspec.runtime.backends.torch_backend import TorchEngine
-    from arborspec.runtime.drafts import bigram_table_from_target, save_bigram_table
+    from arborspec.runtime.drafts.bigram import bigram_table_from_target, save_bigram_table
 
     engine = TorchEngine(module)
     indices, logits = bigram_table_from_target(engine, top_k=top_k)
@@ -128,7 +109,7 @@ def _save_bigram(module, path: Path, top_k: int = 32) -> dict[str, Any]:
     }
 
 
-def _prepare_out(out: Path, force: bool) -> Path:
+def _prepare_out(out: Path, force: bool) -> PartialFolder:
     if out.exists():
         if not out.is_dir():
             raise InputError(f"{out} exists and is not a folder")
@@ -136,17 +117,7 @@ def _prepare_out(out: Path, force: bool) -> Path:
             raise InputError(f"{out} exists and is not empty (pass --force to replace it)")
     for stale in remove_stale_partials(out):
         log.warning("removed %s, a partial export left by a run that was killed", stale)
-    return partial_dir(out)
-
-
-def _swap_in(tmp: Path, out: Path) -> None:
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    return PartialFolder(out)
 
 
 def export_folder(
@@ -222,7 +193,13 @@ def export_folder(
                 "(ONNX Runtime's GroupQueryAttention graph takes --format matmulnbits)"
             )
         attention = "onnx"
-    kind, arg = parse_draft_spec(draft)
+    ds = parse_draft_spec(draft)
+    if ds.kind in ("export", "lookup") or ds.mix:
+        raise InputError(
+            f"--draft {draft}: a lookup draft is chosen when decoding, not exported: export with a model "
+            "draft (or none) and decode with --draft lookup or --draft export+lookup"
+        )
+    kind, arg = ds.kind, ds.arg
     out = Path(out)
     stages = ["load model", "build draft", "tokenizer", "export target", "export draft", "manifest"]
     bar = tqdm(total=len(stages), desc="export", unit="stage", disable=None if progress else True, leave=False)
@@ -230,7 +207,8 @@ def export_folder(
     def stage(name):
         bar.set_description(f"export: {name}")
 
-    tmp = _prepare_out(out, force)
+    part = _prepare_out(out, force)
+    tmp = part.path
     try:
         stage("load model")
         lm = _load(model)
@@ -395,15 +373,15 @@ def export_folder(
         read_manifest(tmp)  # the folder must read back before it is published
         bar.update(1)
         files = sorted(p.name for p in tmp.iterdir())
-        _swap_in(tmp, out)
+        part.publish()
     except ArborspecError:  # its own one-line message (a MissingFileError is an OSError too)
-        shutil.rmtree(tmp, ignore_errors=True)
+        part.discard()
         raise
     except OSError as e:  # a full disk, a file-size limit: one line, nothing half-written left
-        shutil.rmtree(tmp, ignore_errors=True)
+        part.discard()
         raise OutputError(describe_os_error(e, out) + " (nothing was written)") from e
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        part.discard()
         raise
     finally:
         bar.close()

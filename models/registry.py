@@ -17,15 +17,14 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from arborspec.runtime.errors import InputError, MissingFileError
+from arborspec.runtime.errors import InputError, MissingFileError, OutputError
+from arborspec.runtime.fileio import PartialFolder, atomic_write_text
 
 from ..runtime.tokenizer import TextTokenizer
 from .config import ModelConfig
@@ -73,14 +72,6 @@ def cache_dir() -> Path:
     return Path(os.environ.get("ARBORSPEC_CACHE") or Path.home() / ".cache" / "arborspec")
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def file_sha256(path: str | Path) -> str:
     """sha256 of a file, remembered in the cache by (absolute path, size, mtime_ns)."""
     path = Path(path).resolve()
@@ -99,8 +90,8 @@ def file_sha256(path: str | Path) -> str:
             h.update(chunk)
     index[key] = h.hexdigest()
     try:
-        _atomic_write_text(index_file, json.dumps(index, indent=0))
-    except OSError:
+        atomic_write_text(index_file, json.dumps(index, indent=0))
+    except (OSError, OutputError):
         pass  # a read-only cache only costs a re-hash
     return index[key]
 
@@ -127,9 +118,8 @@ def _load_cached_gguf(entry: Path, dtype: torch.dtype) -> tuple[torch.nn.Module,
 def _write_gguf_cache(entry: Path, module, cfg: ModelConfig, tok: TextTokenizer | None, meta: dict) -> None:
     from safetensors.torch import save_file
 
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}.tmp-"))
-    try:
+    # another process may publish the entry first: its entry is as good as ours
+    with PartialFolder(entry, keep_existing=True) as tmp:
         sd = {k: v.detach().float().contiguous() for k, v in module.state_dict().items()}
         if cfg.tie_embeddings:
             sd.pop("lm_head.weight", None)
@@ -139,13 +129,6 @@ def _write_gguf_cache(entry: Path, module, cfg: ModelConfig, tok: TextTokenizer 
         (tmp / "gguf_meta.json").write_text(json.dumps({"format": CACHE_FORMAT, **small}, indent=1, default=str))
         if tok is not None:
             tok.save(tmp)
-        try:
-            os.replace(tmp, entry)
-        except OSError:  # another process won the race: its entry is as good as ours
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def load_gguf_cached(path: Path, dtype: torch.dtype = torch.float32) -> LoadedModel:

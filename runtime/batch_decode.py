@@ -28,15 +28,15 @@ from typing import Sequence as Seq
 
 import torch
 
-from .accept import accept
-from .decode import MODES, SpeculativeDecoder, as_draft_source, host_threads
-from .drafting import TreeWorkspace, answer, tree_builder
-from .drafts import ModelDraft, tree_capacity
+from .decode import MODES, SpeculativeDecoder, check_prompt, host_threads, settle, verify
+from .drafts.base import tree_capacity
+from .drafts.model import as_draft_source
+from .drafts.tree_builder import TreeWorkspace, answer, tree_builder
 from .errors import InputError, NumericalError
-from .guards import check_logits
-from .kvcache import KVCache
+from .kvcache import KVCache, release_row, sized_cache
 from .sampling import SamplingParams
 from .stats import GenerationStats
+from .tree_plan import padded_call, write_tree
 from .trees import Tree
 
 
@@ -63,42 +63,6 @@ class BatchSequence:
     error: BaseException | None = None  # set when its row's logits were not finite
 
 
-# ---------------------------------------------------------------------- shared by the target's
-# batch cache here and the draft's (runtime/batch_drafts.py); owners have `.row` and `.length`
-def release_row(owners: list, owner, cache: KVCache) -> None:
-    """Drop `owner` from `owners` (owners[i].row == i): the last row moves into its place (its
-    first `length` positions copied) and the cache's P becomes the longest remaining row's."""
-    i = owner.row
-    last = owners.pop()
-    if last is not owner:
-        cache.move_row(last.row, i, last.length)
-        last.row = i
-        owners[i] = last
-    owner.row = -1
-    cache.length = max((o.length for o in owners), default=0)
-
-
-def sized_cache(cache: KVCache | None, spec, need: int, batch: int, device, top: int) -> KVCache:
-    """A zeroed batch cache with room for `need` positions: allocated at max(need, 256), then
-    grown by doubling, up to `top` (the model's context) unless `need` asks for more."""
-    if cache is None:
-        return KVCache(spec, max(need, 256), batch, device).zero_()
-    if cache.max_len < need:
-        return cache.grown(max(need, min(2 * cache.max_len, top)))
-    return cache
-
-
-def padded_call(n_rows: int, t: int, p: int):
-    """ids / positions / mask of a call of T tokens per row over P cached columns; every row
-    starts as padding that sees only itself (callers fill the rows in use)."""
-    ids = torch.zeros(n_rows, t, dtype=torch.long)
-    pos = torch.zeros(n_rows, t, dtype=torch.long)
-    mask = torch.zeros(n_rows, t, p + t, dtype=torch.bool)
-    d = torch.arange(t)
-    mask[:, d, p + d] = True
-    return ids, pos, mask
-
-
 class BatchDecoder:
     """Decodes up to `max_batch` sequences together, one verify call per step for all.
 
@@ -121,14 +85,14 @@ class BatchDecoder:
         """speculate_max_batch: verify trees only while at most this many sequences are active;
         above it every sequence still drafts (its draft stays in step) but only its root is
         verified (vanilla, T = 1). Default: no limit where the target batches trees
-        (`engine.batched_trees`), else 1 (ONNX Runtime's GroupQueryAttention CPU kernel rejects
+        (`engine.caps.batched_trees`), else 1 (ONNX Runtime's GroupQueryAttention CPU kernel rejects
         B > 1 with T > 1 after a prefix: "batch_size must be 1 when sequence_length > 1 and past
         context is given")."""
         if not isinstance(max_batch, int) or max_batch < 1:
             raise InputError(f"max-batch must be an integer >= 1, got {max_batch!r}")
         if mode not in MODES:
             raise InputError(f"unknown mode {mode!r} (expected one of {', '.join(MODES)})")
-        engine_b = getattr(target, "max_batch", None)  # a TensorRT engine's profiles fix B
+        engine_b = target.caps.max_batch  # a TensorRT engine's profiles fix B
         if max_batch > 1 and engine_b is not None and max_batch > engine_b:
             raise InputError(
                 f"max-batch {max_batch} is over the engine's B <= {engine_b}: rebuild it with "
@@ -143,22 +107,22 @@ class BatchDecoder:
         self.mode, self.candidates, self.max_batch = mode, candidates, max_batch
         if self.policy is not None and not hasattr(draft, "fork"):
             raise InputError(f"draft {getattr(draft, 'kind', type(draft).__name__)} cannot be batched (no fork())")
-        self._features = self._solo._features
-        self._row_views = bool(getattr(target, "row_views", False))
-        self._ragged = bool(getattr(target, "ragged_rows", False))
+        self.needs_features = self._solo.needs_features
+        self._row_views = target.caps.row_views
+        self._ragged = target.caps.ragged_rows
         self.ragged_steps = 0  # steps whose one-token rows each attended over their own length
         if speculate_max_batch is None:
-            speculate_max_batch = max_batch if getattr(target, "batched_trees", True) else 1
+            speculate_max_batch = max_batch if target.caps.batched_trees else 1
         self.speculate_max_batch = speculate_max_batch
         self.seqs: list[BatchSequence] = []  # active, seqs[i].row == i
-        # a model draft whose engine batches trees drafts every sequence with one call per level
-        # (runtime/batch_drafts.py); other sources draft each sequence through its own fork()
+        # a draft that declares a batch driver (a model draft whose engine batches trees) drafts
+        # every sequence with one call per level
+        # (runtime/drafts/batched.py); other sources draft each sequence through its own fork()
         self.draft_batch = None
         self._spare_drafts: list = [draft] if draft is not None else []
-        if isinstance(draft, ModelDraft) and getattr(draft.engine, "batched_trees", True) and self.policy:
-            from .batch_drafts import BatchedModelDraft
-
-            self.draft_batch = BatchedModelDraft(draft.engine, max_batch)
+        if self.policy is not None:
+            self.draft_batch = draft.batch_driver(max_batch)  # declared by the draft (DraftSource)
+        if self.draft_batch is not None:
             self._spare_drafts = []
         self._cache: KVCache | None = None
         self._scratch: KVCache | None = None  # one-row cache for a joining sequence's prefill
@@ -180,7 +144,7 @@ class BatchDecoder:
         batch is full or the request is invalid."""
         if len(self.seqs) >= self.max_batch:
             raise InputError(f"batch full ({self.max_batch} sequences)")
-        prompt = self._solo._check_prompt(prompt_ids, max_new_tokens)
+        prompt = check_prompt(self.target.info, prompt_ids, max_new_tokens)
         sp = sampling or SamplingParams()
         tgt = self.target
         seq = BatchSequence(prompt, max_new_tokens, {int(e) for e in eos_token_ids}, sp, torch.Generator())
@@ -194,10 +158,8 @@ class BatchDecoder:
         if scratch is None or scratch.max_len < cap:
             scratch = self._scratch = KVCache(tgt.info.cache, cap, 1, tgt.device)
         scratch.reset()
-        feats = None
-        if len(prompt) > 1:
-            feats, calls = self._solo._prefill(prompt[:-1], scratch)
-            st.target_calls += calls
+        feats, calls = self._solo.prefill(prompt[:-1], scratch)
+        st.target_calls += calls
         if self.policy is not None:
             if self._spare_drafts:
                 seq.draft = self._spare_drafts.pop()
@@ -222,8 +184,7 @@ class BatchDecoder:
             return
         release_row(self.seqs, seq, self._cache)
         if seq.draft is not None:  # reused by the next sequence that joins
-            if hasattr(seq.draft, "leave"):
-                seq.draft.leave()  # its row of the batched draft cache
+            seq.draft.leave()  # e.g. its row of the batched draft cache
             self._spare_drafts.append(seq.draft)
             seq.draft = None
 
@@ -244,27 +205,47 @@ class BatchDecoder:
     def _step(self) -> list[tuple[BatchSequence, list[int]]]:
         """One decode step for every active sequence: -> [(sequence, its new tokens)]. A sequence
         that finished has `done` set (the caller removes it); one whose logits were NaN/Inf also
-        has `error` set (a NumericalError) and no tokens from this step."""
+        has `error` set (a NumericalError) and no tokens from this step. The steps are
+        runtime/decode.py's: (1) draft (each sequence's tree_builder, in lockstep), (2) flatten
+        (tree_plan.write_tree, one row each), (3) verify (decode.verify, ONE call), (4) accept
+        (decode.settle per row), (5) commit (one gather for all rows, each draft its path)."""
         seqs = [s for s in self.seqs if not s.done]
         if not seqs:
             return []
         tgt, policy = self.target, self.policy
-        max_pos = tgt.info.max_position
-        dev = tgt.device
         t0 = time.perf_counter()
-        speculated = [policy is not None and s.length + policy.depth < max_pos for s in seqs]
-        trees = self._draft_trees(seqs, speculated)
+        speculated = [policy is not None and s.length + policy.depth < tgt.info.max_position for s in seqs]
+        drafted = self._draft_trees(seqs, speculated)
         t_draft = time.perf_counter() - t0
-        n_rows = len(self.seqs) if self._row_views else self.max_batch
-        drafted = trees
+        trees = drafted
         if len(seqs) > self.speculate_max_batch:  # drafted (drafts stay in step), roots verified only
             trees = [Tree.empty()] * len(seqs)
+        ids, pos, mask, view, ragged = self._flatten(seqs, trees)
+        t1 = time.perf_counter()
+        dev = tgt.device
+        logits, feats = verify(tgt, ids.to(dev), pos.to(dev), mask.to(dev), view, self.needs_features)
+        share = (t_draft / len(seqs), (time.perf_counter() - t1) / len(seqs))
+        moves = []  # (row, dst0, src positions): one gather for all rows after the loop
+        p = self._cache.length
+        out = []
+        for s, tree, drafted_tree, spec in zip(seqs, trees, drafted, speculated):
+            # where this step's rows were written: at P, or at the row's own length (ragged)
+            base = s.length if ragged else p
+            out.append((s, self._settle(s, logits, feats, tree, drafted_tree, spec, base, moves, share)))
+        self._cache.commit_rows(moves)
+        self._cache.length = max(s.length for s in self.seqs)
+        return out
+
+    def _flatten(self, seqs: list[BatchSequence], trees: list[Tree]):
+        """Step 2 for the batch: one [n_rows, T] call, T the largest tree + 1, row b sequence b's
+        tree (tree_plan.write_tree) over its own cache length; padding rows (and unused batch
+        rows) see only themselves. -> ids, pos, mask, the cache view, whether the call is ragged."""
+        n_rows = len(self.seqs) if self._row_views else self.max_batch
         t = max(tr.n for tr in trees) + 1
         p = max(s.length for s in self.seqs)
         self._ensure(p + t)
         cache = self._cache
         cache.length = p
-        # padding rows (and unused batch rows) see only themselves
         ids, pos, mask = padded_call(n_rows, t, p)
         # one token per row on a graph that reads each row's length from its mask: row b's root
         # sees [0, len_b] and is written at len_b (no gap attended, nothing to move after)
@@ -272,69 +253,44 @@ class BatchDecoder:
         self.ragged_steps += ragged
         for s, tree in zip(seqs, trees):
             b, n = s.row, tree.n + 1
-            ids[b, 0] = s.root
-            ids[b, 1:n] = tree.tokens
-            pos[b, :n] = s.length
-            pos[b, 1:n] += tree.depth
-            pos[b, n:] = s.length
             if ragged:
+                ids[b, 0], pos[b, 0] = s.root, s.length
                 mask[b, 0, p] = False
                 mask[b, 0, : s.length + 1] = True
                 continue
+            write_tree(ids[b], pos[b], mask[b, :n, p : p + n], s.root, tree, s.length)
+            pos[b, n:] = s.length
             mask[b, :, : s.length] = True
-            mask[b, :n, p] = True  # every tree row sees the root
-            mask[b, 1:n, p + 1 : p + n] = tree.anc
         view = cache.rows(n_rows) if n_rows != cache.batch else cache
-        t1 = time.perf_counter()
-        ids, pos, mask = ids.to(dev), pos.to(dev), mask.to(dev)
-        if self._features:
-            logits, feats = tgt.forward_features(ids, pos, mask, view)
-        else:
-            logits, feats = tgt.forward(ids, pos, mask, view), None
-        t_verify = time.perf_counter() - t1
-        moves = []  # (row, dst0, src positions): one gather per row after the loop
-        out = []
-        for s, tree, drafted_tree, spec in zip(seqs, trees, drafted, speculated):
-            b = s.row
-            st = s.stats
-            try:
-                acc = accept(logits[b, : tree.n + 1], tree, s.sampling, s.rng)
-                check_logits(logits[b], [0] + [j + 1 for j in acc.path.tolist()], st.steps + 1, tgt.info.name)
-            except NumericalError as e:  # this row only: the sequence ends with the error, the rest go on
-                s.done, s.stop_reason, s.error = True, "error", e
-                out.append((s, []))
-                continue
-            new, stop = SpeculativeDecoder._truncate(acc.tokens, s.eos, s.max_new_tokens - s.produced)
-            path = acc.path[: len(new) - 1].tolist()
-            keep = [0] + [i + 1 for i in path]
-            base = s.length if ragged else p  # where this step's rows were written
-            moves.append((b, s.length, [base + j for j in keep]))
-            if spec:  # the draft keeps its accepted path (none when only the root was verified)
-                f = feats[b, : tree.n + 1] if feats is not None else None
-                s.draft.commit(drafted_tree, acc.path[: len(new) - 1], f)
-            s.length += len(keep)
-            s.produced += len(new)
-            s.tokens += new
-            s.root = new[-1]
-            st.steps += 1
-            st.target_calls += 1
-            st.draft_calls += tree.draft_calls
-            st.tree_nodes += tree.n
-            st.new_tokens = s.produced
-            st.accepted_hist[len(new)] = st.accepted_hist.get(len(new), 0) + 1
-            st.draft_s += t_draft / len(seqs)
-            st.verify_s += t_verify / len(seqs)
-            st.total_s = time.perf_counter() - s.t_start
-            if st.ttft_s is None:
-                st.ttft_s = st.total_s
-            if stop:
-                s.done, s.stop_reason = True, stop
-            elif s.length >= max_pos:
-                s.done, s.stop_reason = True, "context"
-            out.append((s, new))
-        cache.commit_rows(moves)
-        cache.length = max(s.length for s in self.seqs)
-        return out
+        return ids, pos, mask, view, ragged
+
+    def _settle(self, s: BatchSequence, logits, feats, tree, drafted_tree, spec: bool, base: int, moves, share):
+        """Steps 4-5 for one sequence (its row of the verify call, written at `base`): accept,
+        queue its cache gather in `moves`, tell its draft, record its stats. -> its new tokens
+        ([] with `error` set when its logits were not finite: the rest of the batch goes on)."""
+        b, st = s.row, s.stats
+        room = s.max_new_tokens - s.produced
+        try:
+            new, path, stop = settle(logits[b], tree, s.sampling, s.rng, s.eos, room, st, self.target.info.name)
+        except NumericalError as e:
+            s.done, s.stop_reason, s.error = True, "error", e
+            return []
+        keep = [0] + [i + 1 for i in path.tolist()]
+        moves.append((b, s.length, [base + j for j in keep]))
+        if spec:  # the draft keeps its accepted path (none when only the root was verified)
+            s.draft.commit(drafted_tree, path, feats[b, : tree.n + 1] if feats is not None else None)
+        s.length += len(keep)
+        s.produced += len(new)
+        s.tokens += new
+        s.root = new[-1]
+        st.draft_s += share[0]
+        st.verify_s += share[1]
+        st.record_step(tree.n, tree.draft_calls, len(new), time.perf_counter() - s.t_start)
+        if stop:
+            s.done, s.stop_reason = True, stop
+        elif s.length >= self.target.info.max_position:
+            s.done, s.stop_reason = True, "context"
+        return new
 
     def _draft_trees(self, seqs: list[BatchSequence], speculated: list[bool]) -> list[Tree]:
         """Every sequence's tree, its level loop driven in lockstep with the others': per level

@@ -1,7 +1,7 @@
 """The decode loop: vanilla, chain and tree speculative decoding around engine calls.
 
-Role: one step is (1) draft a tree level by level (runtime/drafting.py, through the draft
-source's interface, runtime/drafts.py), (2) flatten it into ids / positions / tree mask in the
+Role: one step is (1) draft a tree level by level (runtime/drafts/tree_builder.py, through the
+draft source's interface, runtime/drafts/base.py), (2) flatten it into ids / positions / tree mask in the
 preallocated verify buffers (runtime/tree_plan.py), (3) verify it with ONE target call, (4)
 accept the longest valid path plus one target token (runtime/accept.py), (5) commit the
 accepted K/V with one gather in the target's cache, tell the draft source which path won,
@@ -11,7 +11,7 @@ The last committed token (the root) is not yet in the target cache: each verify 
 [root, nodes...] so the root's K/V and every node's are written together. `vanilla` is the
 same loop with an empty tree (one token per target call); `chain` is a depth-K, width-1 tree.
 The loop is backend-agnostic (engines follow runtime/backends/base.Engine) and draft-agnostic
-(sources follow runtime/drafts.DraftSource). A decoder runs one sequence at a time: use one
+(sources follow runtime/drafts/base.DraftSource). A decoder runs one sequence at a time: use one
 per thread (runtime/generator.Generator serialises calls with a lock).
 """
 
@@ -19,20 +19,21 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import torch
 
 from .accept import accept
-from .drafting import CANDIDATE_MODES, TreeWorkspace, draft_tree
-from .drafts import DraftSource, ModelDraft, tree_capacity
+from .drafts.base import tree_capacity
+from .drafts.model import as_draft_source
+from .drafts.tree_builder import CANDIDATE_MODES, TreeWorkspace, draft_tree
 from .errors import InputError
 from .guards import check_logits
 from .kvcache import KVCache
 from .sampling import SamplingParams
 from .stats import GenerationStats, Timer
-from .tree_plan import VerifyBuffers, causal_block
+from .tree_plan import VerifyBuffers, causal_prefill
 from .trees import ChainTree, Tree, TreePolicy, parse_tree_spec
 
 
@@ -44,7 +45,7 @@ def host_threads(engine):
     caller's setting restored afterwards. Measured on 2 cores, SmolLM2 vanilla sampling at
     T = 0.8: softmax + multinomial over 49,152 logits between ONNX Runtime calls took 10-14 ms
     per token with torch's 2 threads, 1.9 ms with 1 (25.9 -> 38.8 tok/s)."""
-    n = getattr(engine, "host_threads", None)
+    n = engine.caps.host_threads
     old = torch.get_num_threads()
     if not n or n == old:
         yield
@@ -64,15 +65,6 @@ class GenerationResult:
     tokens: list[int]
     stats: GenerationStats
     stop_reason: str = "length"  # "eos", "length" or "context"
-
-
-def as_draft_source(draft) -> DraftSource | None:
-    """A draft source from a source (returned as is), an engine (wrapped in ModelDraft) or None."""
-    if draft is None or (hasattr(draft, "start") and hasattr(draft, "expand")):
-        return draft
-    if hasattr(draft, "forward") and hasattr(draft, "info"):
-        return ModelDraft(draft)
-    raise InputError(f"not a draft source or engine: {type(draft).__name__}")
 
 
 class SpeculativeDecoder:
@@ -126,9 +118,9 @@ class SpeculativeDecoder:
                 raise InputError(f"draft vocabulary ({draft.vocab_size}) differs from the target's ({tv})")
             if draft.token_map is not None and int(draft.token_map.max()) >= tv:
                 raise InputError(f"draft token map points outside the target vocabulary ({tv})")
-            if getattr(draft, "needs_target_features", False) and not getattr(target.info, "n_features", 0):
+            if draft.needs_target_features and not target.info.n_features:
                 raise InputError(
-                    f"draft {getattr(draft, 'kind', '')} reads target features, but the "
+                    f"draft {draft.kind} reads target features, but the "
                     "target engine has no feature output (re-export the target for it)"
                 )
         self.draft = draft
@@ -136,10 +128,12 @@ class SpeculativeDecoder:
         self._vbuf = VerifyBuffers(target.device)
         self._cache: KVCache | None = None  # the target's cache, reused by the next generation
         self._ws = TreeWorkspace(tree_capacity(self.policy, target.info.vocab_size)) if self.policy else None
+        self._seq: _Sequence | None = None  # the sequence `start` began, advanced by `step`
 
     @property
-    def _features(self) -> bool:
-        return self.policy is not None and getattr(self.draft, "needs_target_features", False)
+    def needs_features(self) -> bool:
+        """Whether the verify calls must return the target's features (an EAGLE-3 draft reads them)."""
+        return self.policy is not None and self.draft.needs_target_features
 
     # ------------------------------------------------------------------ public API
     def generate(
@@ -155,164 +149,172 @@ class SpeculativeDecoder:
     ) -> Iterator[list[int]]:
         """Yields the tokens committed by each step; stats in `self.last_stats` at the end."""
         with host_threads(self.target):
-            yield from self._stream(prompt_ids, max_new_tokens, eos_token_ids, seed)
+            self.start(prompt_ids, max_new_tokens, eos_token_ids, seed)
+            try:
+                while True:
+                    new = self.step()
+                    if not new:
+                        break
+                    yield new
+            finally:
+                self._finish()
 
-    def _stream(self, prompt_ids, max_new_tokens, eos_token_ids, seed) -> Iterator[list[int]]:
-        prompt = self._check_prompt(prompt_ids, max_new_tokens)
-        eos = set(int(e) for e in eos_token_ids)
-        st = GenerationStats(mode=self.mode, tree=self.policy.spec if self.policy else "", prompt_tokens=len(prompt))
-        self.last_stats, self.last_stop_reason = st, "length"
-        timer = Timer(st, self._timer_sync)
-        rng = torch.Generator().manual_seed(int(seed))
-        t_start = time.perf_counter()
+    def start(
+        self, prompt_ids: Sequence[int], max_new_tokens: int = 64, eos_token_ids: Sequence[int] = (), seed: int = 0
+    ) -> None:
+        """Begin a sequence: check the prompt, prefill all of it but its last token (the first
+        root) into the target's cache, reset the draft. Then call `step()` until it returns []."""
+        prompt = check_prompt(self.target.info, prompt_ids, max_new_tokens)
         tgt, draft, policy = self.target, self.draft, self.policy
-        speculating = policy is not None
+        st = GenerationStats(mode=self.mode, tree=policy.spec if policy else "", prompt_tokens=len(prompt))
+        self.last_stats, self.last_stop_reason = st, "length"
+        rng = torch.Generator().manual_seed(int(seed))
+        seq = self._seq = _Sequence(prompt[-1], max_new_tokens, {int(e) for e in eos_token_ids}, rng, st)
+        seq.timer = Timer(st, self._timer_sync)
+        seq.model_s0 = draft.model_s if draft is not None else 0.0
         extra = (policy.max_nodes if policy else 0) + 2
         cap = min(len(prompt) + max_new_tokens + extra, tgt.info.max_position + extra)
-        model_s0 = draft.model_s if draft is not None else 0.0
-        with timer("prefill_s"):
+        with seq.timer("prefill_s"):
             cache = self._cache
             if cache is None or not cache.fits(tgt.info.cache, cap, 1, tgt.device):
                 cache = self._cache = KVCache(tgt.info.cache, cap, 1, tgt.device)
             cache.reset()
-            feats = None
-            if len(prompt) > 1:
-                feats, calls = self._prefill(prompt[:-1], cache)
-                st.target_calls += calls
-            if speculating:
+            feats, calls = self.prefill(prompt[:-1], cache)
+            st.target_calls += calls
+            if policy is not None:
                 draft.prepare(policy, min(len(prompt) + max_new_tokens, tgt.info.max_position))
                 draft.reset(prompt[:-1], feats)
-        root = prompt[-1]
-        produced = 0
-        max_pos = tgt.info.max_position
-        vbuf = self._vbuf
-        try:
-            while produced < max_new_tokens:
-                past = cache.length
-                if past >= max_pos:
-                    self.last_stop_reason = "context"
-                    break
-                speculate = speculating and past + policy.depth < max_pos
-                with timer("draft_s"):
-                    tree = (
-                        draft_tree(
-                            draft,
-                            policy,
-                            root,
-                            self.sampling,
-                            self.candidates,
-                            rng,
-                            self.keep_draft_probs,
-                            self._ws,
-                            tgt.info.vocab_size,
-                        )
-                        if speculate
-                        else Tree.empty()
-                    )
-                # flattening lands in other_s (the runtime's own time), the call in verify_s
-                if tree.plan is not None:
-                    offsets, block = tree.plan.verify_block(tgt.device)
-                    ids, pos, mask = vbuf.fill(root, tree.tokens, offsets, block, None, past)
-                else:
-                    offsets = torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])
-                    ids, pos, mask = vbuf.fill(root, tree.tokens, offsets, None, tree.anc, past)
-                with timer("verify_s"):
-                    if self._features:
-                        logits, feats = tgt.forward_features(ids, pos, mask, cache)
-                    else:
-                        logits = tgt.forward(ids, pos, mask, cache)
-                with timer("accept_kv_s"):
-                    vbuf.release()
-                    acc = accept(logits[0], tree, self.sampling, rng)
-                    # the rows the accept rule read: the accepted path's and the next token's
-                    check_logits(logits[0], [0] + [i + 1 for i in acc.path.tolist()], st.steps + 1, tgt.info.name)
-                    new, stop = self._truncate(acc.tokens, eos, max_new_tokens - produced)
-                    # the caches keep every committed token but the last (the next root)
-                    path = acc.path[: len(new) - 1]
-                    cache.commit([0] + [i + 1 for i in path.tolist()], tree.n + 1)
-                    if speculate:
-                        draft.commit(tree, path, feats[0] if self._features else None)
-                st.steps += 1
-                st.target_calls += 1
-                st.draft_calls += tree.draft_calls
-                st.tree_nodes += tree.n
-                produced += len(new)
-                st.new_tokens = produced
-                st.accepted_hist[len(new)] = st.accepted_hist.get(len(new), 0) + 1
-                st.total_s = time.perf_counter() - t_start
-                if st.ttft_s is None:
-                    st.ttft_s = st.total_s
-                yield new
-                if stop:
-                    self.last_stop_reason = stop
-                    break
-                root = new[-1]
-        finally:
-            st.total_s = time.perf_counter() - t_start
-            if draft is not None:
-                st.draft_model_s = draft.model_s - model_s0
-            st.other_s = max(0.0, st.total_s - st.prefill_s - st.draft_s - st.verify_s - st.accept_kv_s)
 
-    # ------------------------------------------------------------------ helpers
-    @staticmethod
-    def _truncate(tokens: list[int], eos: set, room: int) -> tuple[list[int], str | None]:
-        """Cut a step's tokens at the first EOS (kept) or at the max-new-tokens budget."""
-        for i, t in enumerate(tokens):
-            if t in eos:
-                tokens = tokens[: i + 1]
-                return tokens[:room], "eos" if i < room else "length"
-        if len(tokens) >= room:
-            return tokens[:room], "length"
-        return tokens, None
+    def step(self) -> list[int]:
+        """One decode step of the started sequence: (1) draft a tree, (2) flatten it, (3) verify
+        it with one target call, (4) accept, (5) commit the target's and the draft's caches.
+        -> the tokens it commits; [] once the sequence is over (`last_stop_reason` says why)."""
+        seq, tgt, policy, cache = self._seq, self.target, self.policy, self._cache
+        if seq is None or seq.done:
+            return []
+        past, timer = cache.length, seq.timer
+        if past >= tgt.info.max_position:
+            seq.done, self.last_stop_reason = True, "context"
+            return []
+        speculate = policy is not None and past + policy.depth < tgt.info.max_position
+        with timer("draft_s"):
+            tree = self._draft(seq) if speculate else Tree.empty()
+        # flattening lands in other_s (the runtime's own time), the call in verify_s
+        ids, pos, mask = self._vbuf.fill(seq.root, tree, past)
+        with timer("verify_s"):
+            logits, feats = verify(tgt, ids, pos, mask, cache, self.needs_features)
+        with timer("accept_kv_s"):
+            self._vbuf.release()
+            room = seq.max_new_tokens - seq.produced
+            new, path, stop = settle(logits[0], tree, self.sampling, seq.rng, seq.eos, room, seq.stats, tgt.info.name)
+            # the caches keep every committed token but the last (the next root)
+            cache.commit([0] + [i + 1 for i in path.tolist()], tree.n + 1)
+            if speculate:
+                self.draft.commit(tree, path, feats[0] if feats is not None else None)
+        seq.produced += len(new)
+        seq.stats.record_step(tree.n, tree.draft_calls, len(new), time.perf_counter() - seq.t_start)
+        if stop:
+            seq.done, self.last_stop_reason = True, stop
+        seq.root = new[-1]
+        return new
 
-    def _check_prompt(self, prompt_ids, max_new_tokens) -> list[int]:
-        try:
-            prompt = [int(t) for t in prompt_ids]
-        except (TypeError, ValueError):
-            raise InputError("prompt ids must be integers") from None
-        if not prompt:
-            raise InputError("empty prompt: give at least one token")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise InputError(f"max-new-tokens must be an integer >= 1, got {max_new_tokens!r}")
-        v = self.target.info.vocab_size
-        bad = [t for t in prompt if not 0 <= t < v]
-        if bad:
-            raise InputError(f"prompt token id {bad[0]} is outside the vocabulary [0, {v})")
-        ctx = self.target.info.max_position
-        if len(prompt) > ctx:
-            raise InputError(f"prompt of {len(prompt)} tokens is beyond the model's max context of {ctx}")
-        return prompt
-
-    prefill_chunk = 512  # tokens per prefill call (long prompts run as several causal chunks)
-
-    def _prefill(self, tokens: list[int], cache: KVCache):
-        """Run the prompt (all but its last token) as causal calls of at most `prefill_chunk`
+    def prefill(self, tokens: list[int], cache: KVCache):
+        """Run `tokens` (a prompt but its last token) as causal calls of at most `prefill_chunk`
         tokens (a 4k-token prompt in one call builds a 4k x 4k attention; in chunks each call
         sees only its own rows). Returns (the target features of those tokens [n, F] when the
         draft reads them, else None; the number of target calls)."""
-        return causal_prefill(self.target, tokens, cache, self.prefill_chunk, self._features)
+        if not tokens:
+            return None, 0
+        return causal_prefill(self.target, tokens, cache, self.prefill_chunk, self.needs_features, self._vbuf.mask)
+
+    prefill_chunk = 512  # tokens per prefill call (long prompts run as several causal chunks)
+
+    # ------------------------------------------------------------------ helpers
+    def _draft(self, seq: "_Sequence") -> Tree:
+        return draft_tree(
+            self.draft,
+            self.policy,
+            seq.root,
+            self.sampling,
+            self.candidates,
+            seq.rng,
+            self.keep_draft_probs,
+            self._ws,
+            self.target.info.vocab_size,
+        )
+
+    def _finish(self) -> None:
+        """The sequence's closing stats: total time, time inside draft engines, the rest."""
+        seq = self._seq
+        st = seq.stats
+        st.total_s = time.perf_counter() - seq.t_start
+        if self.draft is not None:
+            st.draft_model_s = self.draft.model_s - seq.model_s0
+        st.other_s = max(0.0, st.total_s - st.prefill_s - st.draft_s - st.verify_s - st.accept_kv_s)
 
 
-def causal_prefill(engine, tokens: list[int], cache: KVCache, chunk: int = 512, features: bool = False):
-    """Append `tokens` to a one-row cache with causal calls of at most `chunk` tokens; ->
-    (the engine's features of those tokens [n, F] when `features`, else None; calls made)."""
-    dev = engine.device
-    n = len(tokens)
-    chunk = max(1, int(chunk or n))
-    feats = []
-    starts = range(0, n, chunk)
-    for s in starts:
-        part = tokens[s : s + chunk]
-        c = len(part)
-        p = cache.length
-        ids = torch.tensor([part], dtype=torch.long, device=dev)
-        pos = torch.arange(p, p + c, device=dev)[None]
-        mask = torch.ones(1, c, p + c, dtype=torch.bool, device=dev)
-        mask[0, :, p:] = causal_block(c, dev)
-        if features:
-            _, f = engine.forward_features(ids, pos, mask, cache)
-            feats.append(f[0])
-        else:
-            engine.forward(ids, pos, mask, cache)
-        cache.commit(None, c)
-    return (torch.cat(feats) if feats else None), len(starts)
+@dataclass(eq=False)
+class _Sequence:
+    """Where the decoder's current sequence stands between steps."""
+
+    root: int
+    max_new_tokens: int
+    eos: set
+    rng: torch.Generator
+    stats: GenerationStats
+    produced: int = 0
+    done: bool = False
+    timer: Timer | None = None
+    model_s0: float = 0.0
+    t_start: float = field(default_factory=time.perf_counter)
+
+
+# ---------------------------------------------------------------------- the steps both decoders share
+def check_prompt(info, prompt_ids, max_new_tokens) -> list[int]:
+    """A request's prompt as a list of ids, checked against the engine's `info` (one-line errors)."""
+    try:
+        prompt = [int(t) for t in prompt_ids]
+    except (TypeError, ValueError):
+        raise InputError("prompt ids must be integers") from None
+    if not prompt:
+        raise InputError("empty prompt: give at least one token")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InputError(f"max-new-tokens must be an integer >= 1, got {max_new_tokens!r}")
+    v = info.vocab_size
+    bad = [t for t in prompt if not 0 <= t < v]
+    if bad:
+        raise InputError(f"prompt token id {bad[0]} is outside the vocabulary [0, {v})")
+    if len(prompt) > info.max_position:
+        raise InputError(f"prompt of {len(prompt)} tokens is beyond the model's max context of {info.max_position}")
+    return prompt
+
+
+def verify(engine, ids, pos, mask, cache, features: bool):
+    """Step 3: ONE target call over the flattened trees -> (logits [B, T, V], the target's
+    features [B, T, F] when the draft reads them, else None)."""
+    if features:
+        return engine.forward_features(ids, pos, mask, cache)
+    return engine.forward(ids, pos, mask, cache), None
+
+
+def settle(logits, tree: Tree, sampling, rng, eos: set, room: int, stats: GenerationStats, name: str):
+    """Step 4 for one sequence: accept over its rows `logits` [>= tree.n + 1, V] (checked
+    finite where read), cut at EOS / the token budget `room` -> (new tokens, the accepted path
+    to commit: node indices, root excluded, the last token left out as the next root, stop
+    reason or None)."""
+    acc = accept(logits[: tree.n + 1], tree, sampling, rng)
+    # the rows the accept rule read: the accepted path's and the next token's
+    check_logits(logits, [0] + [i + 1 for i in acc.path.tolist()], stats.steps + 1, name)
+    new, stop = truncate(acc.tokens, eos, room)
+    return new, acc.path[: len(new) - 1], stop
+
+
+def truncate(tokens: list[int], eos: set, room: int) -> tuple[list[int], str | None]:
+    """Cut a step's tokens at the first EOS (kept) or at the max-new-tokens budget."""
+    for i, t in enumerate(tokens):
+        if t in eos:
+            tokens = tokens[: i + 1]
+            return tokens[:room], "eos" if i < room else "length"
+    if len(tokens) >= room:
+        return tokens[:room], "length"
+    return tokens, None

@@ -135,7 +135,7 @@ def _engine(
 def _eagle3_draft(backend: str, man: Manifest, target, device: str, engine_dir: Path | None = None):
     """The export's EAGLE-3 head (ONNX Runtime: its two graphs; TensorRT: the engines `arborspec
     build` made from the portable graphs), checked against the target's feature output."""
-    from .drafts_eagle3 import Eagle3Draft, OrtEagle3Head, TrtEagle3Head
+    from .drafts.eagle3 import Eagle3Draft, OrtEagle3Head, TrtEagle3Head
 
     if backend == "onnxruntime":
         head = OrtEagle3Head(man.path(man.draft["file"]), man.path(man.draft["fc_file"]), device=device)
@@ -154,7 +154,7 @@ def _eagle3_draft(backend: str, man: Manifest, target, device: str, engine_dir: 
                 f"`arborspec build --export-dir {man.root}` first"
             )
         head = TrtEagle3Head(paths[0], paths[1], device=device if device.startswith("cuda") else "cuda")
-    n = getattr(target.info, "n_features", 0)
+    n = target.info.n_features
     if n != head.feature_size:
         head.close()
         raise ExportDirError(
@@ -177,11 +177,13 @@ def open_export(
 ) -> OpenedExport:
     """Open an export folder. draft: None or "export" (the export's own draft; "eagle3" names it
     too when it is an EAGLE-3 head), "none", "lookup[:N]" (prompt lookup, no model), or
-    "export+lookup[:N]" (the export's model draft mixed with lookup, runtime/drafts_mix.py).
-    verify: check every file's sha256 too."""
-    from .drafts import ModelDraft, load_bigram_table
-    from .drafts_mix import LookupMixDraft, split_mix_spec
-    from .lookup import LookupDraft, parse_lookup_spec
+    "export+lookup[:N]" (the export's model draft mixed with lookup, runtime/drafts/mixed.py);
+    parsed by runtime/drafts/spec.py. verify: check every file's sha256 too."""
+    from .drafts.bigram import load_bigram_table
+    from .drafts.lookup import LookupDraft
+    from .drafts.mixed import LookupMixDraft
+    from .drafts.model import ModelDraft
+    from .drafts.spec import parse_draft_spec
 
     if backend not in BACKENDS:
         raise InputError(
@@ -200,24 +202,20 @@ def open_export(
     engine_dir = Path(engine_dir) if engine_dir else None
     opened = OpenedExport(None, None, None, man, backend, device)
     try:
-        spec = (draft or "export").strip()
-        mix = split_mix_spec(spec)  # BASE+lookup[:N]: the export's draft mixed with lookup
-        if mix:
-            spec = mix[0]
-        n_lookup = parse_lookup_spec(spec)
+        ds = parse_draft_spec(draft, default="export")  # ds.mix: the export's draft mixed with lookup
         kind = man.draft.get("kind", "none")
         # no draft model runs between target calls: the target's threads may spin-wait
-        model_free = n_lookup is not None or spec.lower() == "none" or kind in ("none", "bigram")
+        model_free = ds.kind in ("lookup", "none") or kind in ("none", "bigram")
         target = _engine(backend, man, "target", device, providers, engine_dir, spinning=model_free)
         opened.target = target
         opened.engines.append(target)
-        if n_lookup is not None:
-            opened.draft = LookupDraft(target.info.vocab_size, max_ngram=n_lookup)
-        elif spec.lower() == "none":
+        if ds.kind == "lookup":
+            opened.draft = LookupDraft(target.info.vocab_size, max_ngram=ds.arg)
+        elif ds.kind == "none":
             opened.draft = None
-        elif spec.lower() != "export" and not (spec.lower() == "eagle3" == kind):  # "eagle3": the export's own
+        elif ds.kind != "export" and not (ds.text.lower() == "eagle3" == kind):  # "eagle3": the export's own
             raise InputError(
-                f"--draft {spec!r} cannot be used with an export folder: its draft is "
+                f"--draft {ds.text!r} cannot be used with an export folder: its draft is "
                 "fixed at export time (use `export`, `none` or `lookup[:N]`, or re-export)"
             )
         elif kind == "onnx":
@@ -235,13 +233,13 @@ def open_export(
             opened.engines.append(opened.draft.engine)
         elif kind != "none":
             raise ExportDirError(f"unknown draft kind {kind!r} in {man.root / MANIFEST_NAME}")
-        if mix:
+        if ds.mix:
             if opened.draft is None or kind in ("none", "bigram"):
                 raise InputError(
                     f"--draft {draft!r}: {man.root} has no model draft to mix with lookup "
                     f"(its draft: {kind}); use --draft lookup, or export with a model draft"
                 )
-            opened.draft = LookupMixDraft(opened.draft, LookupDraft(target.info.vocab_size, max_ngram=mix[1]))
+            opened.draft = LookupMixDraft(opened.draft, LookupDraft(target.info.vocab_size, max_ngram=ds.mix))
         opened.tokenizer = load_tokenizer(man) if load_tok else None
         reason = inexact_speculation_reason(man) if opened.draft is not None else None
         if reason:

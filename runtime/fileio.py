@@ -2,9 +2,10 @@
 
 Role in one decode step: none; before the first step an export folder's files are checked
 with `sha256_file`, and everything arborspec writes (manifests, tables, caches, engines) goes
-through `atomic_write_*`: a temporary sibling, fsync, rename. A failed write (full disk,
-file-size limit) removes the temporary file and raises one `OutputError` line, so no reader
-ever sees half a file.
+through `atomic_write_*`: a temporary sibling, fsync, rename; folders through `PartialFolder`
+(a hidden sibling folder, renamed into place). A failed write (full disk, file-size limit)
+removes the temporary file and raises one `OutputError` line, so no reader ever sees half a
+file.
 """
 
 from __future__ import annotations
@@ -137,6 +138,57 @@ def partial_dir(out: str | os.PathLike) -> Path:
     tmp = out.parent / f".{out.name}{PARTIAL_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     return tmp
+
+
+class PartialFolder:
+    """A folder written atomically, the one helper for "write to a temp folder, rename, remove on
+    failure": `path` is a fresh hidden sibling of `out` (partial_dir) to fill; `publish()` puts it
+    in `out`'s place (an existing `out` is moved aside first and removed after; keep_existing: a
+    folder another process published first wins and ours is dropped); `discard()` removes it.
+    As a context manager it yields `path`, publishes when the block ends, discards on any error."""
+
+    def __init__(self, out: str | os.PathLike, keep_existing: bool = False):
+        self.out, self.keep_existing = Path(out), keep_existing
+        self.path = partial_dir(self.out)
+
+    def publish(self) -> Path:
+        import shutil
+        import uuid
+
+        out, old = self.out, None
+        if out.exists():
+            if self.keep_existing:
+                self.discard()
+                return out
+            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(out, old)
+        try:
+            os.replace(self.path, out)
+        except OSError:
+            if not (self.keep_existing and out.exists()):  # not a race lost to another writer
+                raise
+            self.discard()
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return out
+
+    def discard(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def __enter__(self) -> Path:
+        return self.path
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.discard()
+            return
+        try:
+            self.publish()
+        except BaseException:
+            self.discard()
+            raise
 
 
 def _pid_alive(pid: int) -> bool:

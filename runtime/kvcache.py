@@ -177,3 +177,29 @@ class KVCache:
             )
         new.length = self.length
         return new
+
+
+# ---------------------------------------------------------------------- batch caches: shared by the
+# target's (runtime/batch_decode.py) and the batched draft's (runtime/drafts/batched.py); owners have `.row`
+# and `.length`
+def release_row(owners: list, owner, cache: KVCache) -> None:
+    """Drop `owner` from `owners` (owners[i].row == i): the last row moves into its place (its
+    first `length` positions copied) and the cache's P becomes the longest remaining row's."""
+    i = owner.row
+    last = owners.pop()
+    if last is not owner:
+        cache.move_row(last.row, i, last.length)
+        last.row = i
+        owners[i] = last
+    owner.row = -1
+    cache.length = max((o.length for o in owners), default=0)
+
+
+def sized_cache(cache: KVCache | None, spec, need: int, batch: int, device, top: int) -> KVCache:
+    """A zeroed batch cache with room for `need` positions: allocated at max(need, 256), then
+    grown by doubling, up to `top` (the model's context) unless `need` asks for more."""
+    if cache is None:
+        return KVCache(spec, max(need, 256), batch, device).zero_()
+    if cache.max_len < need:
+        return cache.grown(max(need, min(2 * cache.max_len, top)))
+    return cache

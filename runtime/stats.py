@@ -53,6 +53,20 @@ class GenerationStats:
         own = self.draft_s - self.draft_model_s + self.accept_kv_s + self.other_s
         return 1e3 * own / self.steps if self.steps else 0.0
 
+    def record_step(self, tree_nodes: int, draft_calls: int, n_new: int, elapsed: float) -> None:
+        """One decode step's counts (the one place both decoders record them): one verify call
+        over `tree_nodes` drafted nodes that cost `draft_calls`, `n_new` tokens committed,
+        `elapsed` seconds since the generation started."""
+        self.steps += 1
+        self.target_calls += 1
+        self.draft_calls += draft_calls
+        self.tree_nodes += tree_nodes
+        self.new_tokens += n_new
+        self.accepted_hist[n_new] = self.accepted_hist.get(n_new, 0) + 1
+        self.total_s = elapsed
+        if self.ttft_s is None:
+            self.ttft_s = elapsed
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(

@@ -1,4 +1,4 @@
-"""Tree plans and verify buffers: what depends only on a tree's shape, computed once.
+"""Tree plans and the call inputs: the flatten step, verify buffers, the chunked prefill.
 
 Role in one decode step: steps 1-3. For policies whose structure never changes (chain, full,
 static) with deterministic top-k candidates, a `TreePlan` holds the node layout (parents,
@@ -12,6 +12,11 @@ draft level's) attention mask [1, T, P+T]. Its invariant is "all True except the
 block", so the cache-prefix columns are never rewritten: each call writes only the block over
 the new tokens' columns and puts it back to True afterwards (O(T^2) per step, not O(T*(P+T))).
 `VerifyBuffers` adds the input-id and position buffers.
+
+`write_tree` is THE flatten step (2): one tree into one row of a verify call, used by the
+decoder (VerifyBuffers.fill), by batched decoding (one row per sequence, `padded_call` frames)
+and by `verify_inputs` (compare's feeds). `run_chain` is the one chunked causal chain: the
+target's prefill (`causal_prefill`) and the model / EAGLE-3 drafts' start calls run on it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .kvcache import KVCache
 from .trees import TreePolicy
 
 PLANNED_KINDS = ("chain", "full", "static")
@@ -180,35 +186,81 @@ class VerifyBuffers:
             self.ids = torch.empty(2 * t, dtype=torch.long, device=self.device)
             self.pos = torch.empty(2 * t, dtype=torch.long, device=self.device)
 
-    def fill(
-        self,
-        root: int,
-        tokens: torch.Tensor,
-        offsets: torch.Tensor,
-        block: torch.Tensor | None,
-        anc: torch.Tensor | None,
-        past: int,
-    ):
-        """-> input_ids [1, T], position_ids [1, T], mask [1, T, P+T] for [root, nodes...].
-        offsets [T]: depth of each row (0 for the root); either the full `block` [T, T]
-        (a plan's, on the device) or the nodes' `anc` [N, N]."""
-        t = int(tokens.numel()) + 1
+    def fill(self, root: int, tree, past: int):
+        """-> input_ids [1, T], position_ids [1, T], mask [1, T, P+T] for [root, nodes...] of
+        `tree` over `past` cached positions (write_tree fills them)."""
+        t = tree.n + 1
         self._grow(t)
-        ids = self.ids[:t]
-        ids[0] = root
-        if t > 1:
-            ids[1:].copy_(tokens)
-        pos = self.pos[:t]
-        torch.add(offsets.to(self.device), past, out=pos)
+        ids, pos = self.ids[:t], self.pos[:t]
         mask = self.mask.view(t, past)
-        if block is not None:
-            mask[0, :, past:].copy_(block)
-        else:
-            m = mask[0, :, past:]
-            m[0, 1:] = False
-            if t > 1:
-                m[1:, 1:].copy_(anc)
+        write_tree(ids, pos, mask[0, :, past:], root, tree, past)
         return ids.view(1, t), pos.view(1, t), mask
 
     def release(self) -> None:
         self.mask.release()
+
+
+def write_tree(ids: torch.Tensor, pos: torch.Tensor, block: torch.Tensor, root: int, tree, past: int) -> None:
+    """THE flatten step (2): [root, nodes...] of `tree` into one row of a verify call, n = tree.n + 1:
+    ids[:n] the tokens, pos[:n] past + depth (siblings share a position), block [n, n] the mask
+    over the new tokens' columns (every row sees the root, a node its ancestors and itself).
+    The cache columns are the caller's (all visible in VerifyBuffers, the row's own length in a
+    batch). Used by VerifyBuffers.fill (the decoder), BatchDecoder (one row per sequence) and
+    verify_inputs (compare's feeds, tests)."""
+    n = tree.n + 1
+    ids[0] = root
+    if n > 1:
+        ids[1:n].copy_(tree.tokens)
+    if tree.plan is not None:  # a fixed shape: offsets and block built once, on the device
+        offsets, blk = tree.plan.verify_block(ids.device)
+        torch.add(offsets, past, out=pos[:n])
+        block.copy_(blk)
+        return
+    pos[0] = past
+    block[:, 0] = True
+    block[0, 1:] = False
+    if n > 1:
+        pos[1:n].copy_(tree.depth)
+        pos[1:n] += past
+        block[1:, 1:].copy_(tree.anc)
+
+
+def verify_inputs(root: int, tree, past: int, device="cpu"):
+    """Fresh input_ids [1, T], position_ids [1, T], mask [1, T, P+T] of the verify call over
+    [root, nodes...] (the decoder's own path, VerifyBuffers.fill, copied out of its buffers)."""
+    vb = VerifyBuffers(device, tree.n + 1)
+    return tuple(x.clone() for x in vb.fill(root, tree, past))
+
+
+def padded_call(n_rows: int, t: int, p: int):
+    """ids / positions / mask of a call of T tokens per row over P cached columns; every row
+    starts as padding that sees only itself (callers fill the rows in use)."""
+    ids = torch.zeros(n_rows, t, dtype=torch.long)
+    pos = torch.zeros(n_rows, t, dtype=torch.long)
+    mask = torch.zeros(n_rows, t, p + t, dtype=torch.bool)
+    d = torch.arange(t)
+    mask[:, d, p + d] = True
+    return ids, pos, mask
+
+
+def causal_prefill(
+    engine, tokens: list[int], cache: KVCache, chunk: int = 512, features: bool = False, masks: MaskBuffer | None = None
+):
+    """Append `tokens` to a one-row cache with causal calls of at most `chunk` tokens (run_chain:
+    the one chunked prefill); -> (the engine's features of those tokens [n, F] when `features`,
+    else None; calls made). masks: a MaskBuffer on the engine's device to reuse."""
+    dev = engine.device
+    n = len(tokens)
+    chunk = max(1, int(chunk or n))
+    feats = []
+
+    def call(s, r, mask):
+        ids = torch.tensor([tokens[s : s + r]], dtype=torch.long, device=dev)
+        pos = torch.arange(cache.length, cache.length + r, device=dev)[None]
+        if features:
+            feats.append(engine.forward_features(ids, pos, mask, cache)[1][0])
+        else:
+            engine.forward(ids, pos, mask, cache)
+
+    run_chain(call, masks or MaskBuffer(dev, 1 << 12), n, cache, chunk)
+    return (torch.cat(feats) if feats else None), len(range(0, n, chunk))

@@ -1,11 +1,11 @@
-"""Tree policies and the flattened tree: which candidates to draft, and the verify inputs.
+"""Tree policies and the drafted tree: which candidates to draft, kept as flat tensors.
 
 Role in one decoding step: steps 1 and 2. A policy decides, level by level, which of each
 frontier node's candidate children enter the tree and which new nodes are expanded at the
 next level (one draft call per level over that frontier); `Tree` holds the result as flat
 tensors in level order (parent index < child index) with the ancestor matrix maintained
-incrementally, and `verify_inputs` turns it into the target's input ids, position ids
-(past_len + depth: siblings share a position) and tree attention mask with tensor ops.
+incrementally; runtime/tree_plan.write_tree turns it into the target's input ids, position
+ids (past_len + depth: siblings share a position) and tree attention mask with tensor ops.
 
 Spec strings (CLI `--tree`):
   chain:K          classic speculative decoding, K drafted tokens
@@ -324,23 +324,3 @@ class Tree:
             self.candidates,
             self.draft_calls,
         )
-
-
-def verify_inputs(root_token: int, tree: Tree, past_len: int, device="cpu"):
-    """Flatten [root, nodes...] into the target's inputs for one verify call.
-
-    Returns input_ids [1, T], position_ids [1, T] (past_len + depth), mask bool [1, T, P+T]:
-    the cache columns are all visible, the root sees itself, every node sees the root, its
-    ancestors and itself."""
-    n = tree.n
-    t = n + 1
-    ids = torch.empty(1, t, dtype=torch.long)
-    ids[0, 0] = root_token
-    ids[0, 1:] = tree.tokens
-    pos = torch.empty(1, t, dtype=torch.long)
-    pos[0, 0] = past_len
-    pos[0, 1:] = tree.depth + past_len
-    mask = torch.zeros(1, t, past_len + t, dtype=torch.bool)
-    mask[0, :, : past_len + 1] = True
-    mask[0, 1:, past_len + 1 :] = tree.anc
-    return ids.to(device), pos.to(device), mask.to(device)

@@ -16,13 +16,15 @@ import pytest
 import torch
 from conftest import random_model, tiny_config, truncated
 
+from arborspec.runtime.backends.base import EngineCapabilities
 from arborspec.runtime.backends.torch_backend import TorchEngine
 from arborspec.runtime.batch_decode import BatchDecoder
 from arborspec.runtime.decode import SpeculativeDecoder
-from arborspec.runtime.drafts import BigramDraft, ModelDraft
+from arborspec.runtime.drafts.bigram import BigramDraft
+from arborspec.runtime.drafts.lookup import LookupDraft
+from arborspec.runtime.drafts.model import ModelDraft
 from arborspec.runtime.errors import InputError
 from arborspec.runtime.generator import Generator
-from arborspec.runtime.lookup import LookupDraft
 from arborspec.runtime.sampling import SamplingParams
 
 
@@ -40,7 +42,7 @@ def _counting(engine, calls: list):
     """The engine, recording each call's input_ids shape (B, T) in `calls`."""
 
     class Counting:
-        info, device, row_views = engine.info, engine.device, True
+        info, device, caps = engine.info, engine.device, EngineCapabilities(row_views=True)
 
         def forward(self, ids, pos, mask, cache):
             calls.append(tuple(ids.shape))
@@ -270,7 +272,7 @@ def test_nan_in_one_row_fails_only_that_sequence(llama_pair):
     forward = target.forward
 
     class Poisoning:
-        info, device, row_views = target.info, target.device, True
+        info, device, caps = target.info, target.device, EngineCapabilities(row_views=True)
 
         def forward(self, ids, pos, mask, cache):
             logits = forward(ids, pos, mask, cache)
@@ -325,7 +327,7 @@ def test_max_batch_over_the_engines_profiles_is_one_line(llama_pair):
     target, _ = llama_pair
 
     class Built:
-        info, device, max_batch = target.info, target.device, 2
+        info, device, caps = target.info, target.device, EngineCapabilities(max_batch=2)
 
     with pytest.raises(InputError, match="rebuild it with `arborspec build --max-batch 4`"):
         BatchDecoder(Built(), None, mode="vanilla", max_batch=4)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from arborspec.runtime.decode import SpeculativeDecoder
-from arborspec.runtime.drafts import BigramDraft, bigram_table_from_target
+from arborspec.runtime.drafts.bigram import BigramDraft, bigram_table_from_target
 from arborspec.runtime.kvcache import KVCache
 
 POLICIES = [
@@ -148,7 +148,7 @@ def test_smollm2_greedy_tree_equals_vanilla():
 
 
 def test_lookup_draft_matches_vanilla_and_accepts_repeats(llama_pair):
-    from arborspec.runtime.drafts import LookupDraft
+    from arborspec.runtime.drafts.lookup import LookupDraft
 
     target, _ = llama_pair
     prompt = [1, 5, 7, 9, 3, 11] * 4

@@ -1,4 +1,4 @@
-"""A model draft mixed with prompt lookup (`--draft BASE+lookup[:N]`, runtime/drafts_mix.py):
+"""A model draft mixed with prompt lookup (`--draft BASE+lookup[:N]`, runtime/drafts/mixed.py):
 the mixture's top-k and rows are what its docstring says (q = w p_L + (1 - w) p_M where
 lookup finds a continuation, p_M elsewhere, duplicates merged); greedy tree (every policy) and
 chain == vanilla with a layers:K draft and with an EAGLE-3 head over a reduced vocabulary;
@@ -18,11 +18,13 @@ from test_eagle3 import _draft as eagle3_draft
 
 from arborspec.models.eagle3 import default_aux_layers
 from arborspec.runtime.backends.torch_backend import TorchEngine
-from arborspec.runtime.decode import SpeculativeDecoder, as_draft_source
-from arborspec.runtime.drafts import TopK
-from arborspec.runtime.drafts_mix import LookupMixDraft, split_mix_spec
+from arborspec.runtime.decode import SpeculativeDecoder
+from arborspec.runtime.drafts.base import TopK
+from arborspec.runtime.drafts.lookup import LookupDraft
+from arborspec.runtime.drafts.mixed import LookupMixDraft
+from arborspec.runtime.drafts.model import as_draft_source
+from arborspec.runtime.drafts.spec import DraftSpec, parse_draft_spec
 from arborspec.runtime.errors import ArborspecError
-from arborspec.runtime.lookup import LookupDraft
 from arborspec.runtime.sampling import SamplingParams
 from arborspec.runtime.trees import StaticTree
 
@@ -61,13 +63,18 @@ def test_the_mixture_ranks_lookup_first_and_merges_duplicates():
     assert torch.allclose(rows.exp().sum(-1), torch.ones(1)) and rows[0, 10].exp() == pytest.approx(0.5)
 
 
-def test_mix_specs_parse_or_fail_in_one_line():
-    assert split_mix_spec("eagle3+lookup") == ("eagle3", 3)
-    assert split_mix_spec("eagle3:/x/y+lookup:5") == ("eagle3:/x/y", 5)
-    assert split_mix_spec("layers:2") is None and split_mix_spec(None) is None
-    for bad in ("+lookup", "lookup+lookup", "eagle3+bigram", "eagle3+lookup:0"):
+def test_draft_specs_parse_or_fail_in_one_line():
+    """The one draft-spec parser (runtime/drafts/spec.py) the runtime, the CLI and export share."""
+    assert parse_draft_spec("eagle3+lookup") == DraftSpec("eagle3", "eagle3", 3, "eagle3")
+    assert parse_draft_spec("eagle3:/x/y+lookup:5") == DraftSpec("eagle3", "eagle3:/x/y", 5, "eagle3:/x/y")
+    assert parse_draft_spec("layers:2") == DraftSpec("layers", 2, None, "layers:2")
+    assert parse_draft_spec(None).kind == "none" and parse_draft_spec(" ", default="export").kind == "export"
+    assert parse_draft_spec("lookup").arg == 3 and parse_draft_spec("LOOKUP:5").arg == 5
+    assert parse_draft_spec("export+lookup:4") == DraftSpec("export", None, 4, "export")
+    assert parse_draft_spec("bigram").kind == "bigram" and parse_draft_spec("HuggingFaceTB/x").kind == "model"
+    for bad in ("+lookup", "lookup+lookup", "eagle3+bigram", "eagle3+lookup:0", "layers:x", "lookup:two"):
         with pytest.raises(ArborspecError) as e:
-            split_mix_spec(bad)
+            parse_draft_spec(bad)
         assert "\n" not in str(e.value)
 
 
@@ -220,7 +227,7 @@ def test_a_probability_floor_sizes_the_tree_step_by_step(target, tmp_path):
     """dynamic:K,D,N,P keeps only nodes whose cumulative draft probability is >= P: the trees
     shrink where the draft is unsure (down to none: a plain one-token step), every node kept
     clears the floor, and the output still equals vanilla."""
-    from arborspec.runtime.drafting import draft_tree
+    from arborspec.runtime.drafts.tree_builder import draft_tree
     from arborspec.runtime.trees import parse_tree_spec
     from arborspec.tools.tune.acceptance_sim import target_features
 

@@ -17,7 +17,7 @@ from lossless_util import PROMPT, chi_square_pvalue, exact_two_token_distributio
 from arborspec.models.eagle3 import Eagle3Config, default_aux_layers, load_eagle3
 from arborspec.runtime.backends.torch_backend import TorchEngine
 from arborspec.runtime.decode import SpeculativeDecoder
-from arborspec.runtime.drafts_eagle3 import Eagle3Draft
+from arborspec.runtime.drafts.eagle3 import Eagle3Draft
 from arborspec.runtime.errors import ArborspecError
 from arborspec.runtime.kvcache import KVCache
 from arborspec.runtime.sampling import SamplingParams
@@ -281,7 +281,7 @@ def test_exported_head_and_target_features_match_torch(target, ort_pair):
 @pytest.mark.parametrize("spec", ["chain:3", "full:2,3", "dynamic:3,3,10"])
 def test_greedy_with_the_exported_eagle3_head_equals_vanilla_on_onnxruntime(target, ort_pair, spec):
     from arborspec.runtime.backends.onnxruntime import OrtEngine
-    from arborspec.runtime.drafts_eagle3 import OrtEagle3Head
+    from arborspec.runtime.drafts.eagle3 import OrtEagle3Head
 
     d, head, entry = ort_pair
     eng = OrtEngine(d / "target.onnx")
@@ -495,7 +495,7 @@ def test_batched_decoding_with_the_exported_eagle3_head_on_onnxruntime(target, o
     active), the head's forks keep their drafts in step: each output equals vanilla."""
     from arborspec.runtime.backends.onnxruntime import OrtEngine
     from arborspec.runtime.batch_decode import BatchDecoder
-    from arborspec.runtime.drafts_eagle3 import OrtEagle3Head
+    from arborspec.runtime.drafts.eagle3 import OrtEagle3Head
 
     d, head, entry = ort_pair
     eng = OrtEngine(d / "target.onnx")

@@ -23,7 +23,7 @@ from test_eagle3 import checkpoint
 
 from arborspec.models.eagle3 import default_aux_layers, load_eagle3
 from arborspec.runtime.decode import SpeculativeDecoder
-from arborspec.runtime.drafts_eagle3 import Eagle3Draft
+from arborspec.runtime.drafts.eagle3 import Eagle3Draft
 
 pytest.importorskip("onnxruntime")
 HAS_RTX = importlib.util.find_spec("tensorrt_rtx") is not None
@@ -61,7 +61,7 @@ def test_portable_head_graphs_are_standard_onnx_in_the_contract(portable):
     import onnx
 
     from arborspec.runtime import contract as C
-    from arborspec.runtime.drafts_eagle3 import OrtEagle3Head
+    from arborspec.runtime.drafts.eagle3 import OrtEagle3Head
 
     out, m, head = portable
     man = json.loads((out / "manifest.json").read_text())

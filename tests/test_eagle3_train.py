@@ -161,7 +161,7 @@ def test_batched_response_generator_equals_one_prompt_at_a_time(tmp_path):
     solo = SpeculativeDecoder(eng, None, mode="vanilla")
     assert greedy == [solo.generate(p, 20, [2]).tokens for p in prompts]
     assert s1 == s2 and s1 != greedy
-    assert eng.ragged_rows  # batched one-token rows each attend over their own length
+    assert eng.caps.ragged_rows  # batched one-token rows each attend over their own length
     eng.close()
 
 

@@ -269,6 +269,25 @@ def test_atomic_writes_sweep_what_a_killed_writer_left(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp") and p != live]
 
 
+def test_partial_folder_publishes_whole_or_leaves_nothing(tmp_path):
+    """The one "temp folder, rename, remove on failure" helper (export, caches, checkpoints)."""
+    from arborspec.runtime.fileio import PartialFolder
+
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError):
+        with PartialFolder(out) as d:
+            (d / "a").write_text("half")
+            raise RuntimeError("killed mid-write")
+    assert list(tmp_path.iterdir()) == []  # neither out nor a partial sibling
+    for text in ("one", "two"):  # the second replaces the first
+        with PartialFolder(out) as d:
+            (d / "a").write_text(text)
+        assert (out / "a").read_text() == text and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    with PartialFolder(out, keep_existing=True) as d:  # another writer published first: it wins
+        (d / "a").write_text("three")
+    assert (out / "a").read_text() == "two" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_a_top_p_below_float32_range_keeps_the_top_token():
     """Found by the hypothesis suite: top_p = 2e-313 rounds to 0 in float32 and used to drop every
     token (NaN probabilities). The most likely token always stays."""

@@ -149,7 +149,7 @@ def test_from_export_every_draft_and_lifecycle(export_dir):
 
 def test_open_export_closes_what_it_opened(export_dir):
     _, d = export_dir
-    from arborspec.runtime.drafts import ModelDraft
+    from arborspec.runtime.drafts.model import ModelDraft
     from arborspec.runtime.export_dir import open_export
 
     with open_export(d) as ex:

@@ -92,7 +92,8 @@ def cuda_models():
 
 def _draft_of(kind: str, target, draft_module, device=DEV):
     from arborspec.runtime.backends.torch_backend import TorchEngine
-    from arborspec.runtime.drafts import BigramDraft, LookupDraft, bigram_table_from_target
+    from arborspec.runtime.drafts.bigram import BigramDraft, bigram_table_from_target
+    from arborspec.runtime.drafts.lookup import LookupDraft
 
     if kind == "layers:1":
         return TorchEngine(draft_module, device=device)
@@ -138,7 +139,7 @@ def test_torch_cuda_eagle3_greedy_equals_vanilla(spec, tmp_path):
     from arborspec.models.eagle3 import default_aux_layers, load_eagle3
     from arborspec.runtime.backends.torch_backend import TorchEngine
     from arborspec.runtime.decode import SpeculativeDecoder
-    from arborspec.runtime.drafts_eagle3 import Eagle3Draft
+    from arborspec.runtime.drafts.eagle3 import Eagle3Draft
 
     m = random_model(tiny_config("llama", vocab=96, layers=4, hidden=64, heads=4, kv=2), seed=3)
     m.feature_layers = default_aux_layers(4)
@@ -366,7 +367,7 @@ def test_ort_cuda_greedy_equals_vanilla(ort_exports, attn, kind):
     from arborspec.runtime.backends.onnxruntime import OrtEngine
     from arborspec.runtime.backends.torch_backend import TorchEngine
     from arborspec.runtime.decode import SpeculativeDecoder
-    from arborspec.runtime.drafts import LookupDraft
+    from arborspec.runtime.drafts.lookup import LookupDraft
 
     d = ort_exports[attn]
     target = OrtEngine(d / "target.onnx", device=DEV)
@@ -532,7 +533,7 @@ def _trt_runs(ans, dtype):
 def test_tensorrt_greedy_equals_vanilla(trt_answer, dtype):
     from arborspec.runtime.backends.tensorrt import TrtEngine
     from arborspec.runtime.decode import SpeculativeDecoder
-    from arborspec.runtime.drafts import LookupDraft
+    from arborspec.runtime.drafts.lookup import LookupDraft
 
     d = _trt_runs(trt_answer, dtype)
     target = TrtEngine(d / "engines" / "target.engine")

@@ -16,7 +16,7 @@ class BreaksAtCall:
 
     def __init__(self, engine, n: int, value=float("nan")):
         self.engine, self.n, self.value, self.calls = engine, n, value, 0
-        self.info, self.device = engine.info, engine.device
+        self.info, self.device, self.caps = engine.info, engine.device, engine.caps
 
     def forward(self, *a):
         self.calls += 1

@@ -76,7 +76,7 @@ def test_seed_rule_fails(pair, cand):
 @pytest.mark.parametrize("cand", ["topk", "sample"])
 def test_lossless_lookup_draft(pair, cand):
     """A table draft with no model (n-gram lookup, most candidates at q = 0) is lossless too."""
-    from arborspec.runtime.drafts import LookupDraft
+    from arborspec.runtime.drafts.lookup import LookupDraft
 
     target, _ = pair
     sp = SamplingParams(1.0)

@@ -179,14 +179,15 @@ def test_fused_draft_topk_equals_topk_of_logits(tmp_path):
     from arborspec.export.onnx_export import export_contract_onnx
     from arborspec.runtime.backends.onnxruntime import OrtEngine
     from arborspec.runtime.decode import SpeculativeDecoder
-    from arborspec.runtime.drafts import ModelDraft, topk_of
+    from arborspec.runtime.drafts.base import topk_of
+    from arborspec.runtime.drafts.model import ModelDraft
     from arborspec.runtime.kvcache import KVCache
 
     torch.manual_seed(3)
     m = build_model(tiny("llama")).eval()
     export_contract_onnx(m, tmp_path / "d.onnx", verify=True, topk=5)
     e = OrtEngine(tmp_path / "d.onnx")
-    assert e.max_topk == 5
+    assert e.caps.max_topk == 5
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, e.info.vocab_size, (1, 6), generator=g)
     pos = torch.arange(6)[None]

@@ -139,7 +139,7 @@ def test_export_folder_records_the_scheme_and_refuses_the_portable_graph(tmp_pat
     q = s.manifest["target"]["quantization"]
     assert q["scheme"] == "int4" and q["format"] == "matmulnbits" and s.manifest["draft"]["quantization"]
     with open_export(tmp_path / "q") as ex:
-        assert ex.target.kv_layout == "bhsd" and ex.draft.engine.max_topk == 16
+        assert ex.target.kv_layout == "bhsd" and ex.draft.engine.caps.max_topk == 16
     with pytest.raises(ArborspecError, match="--attention gqa"):
         export_folder(lm, tmp_path / "p", draft="none", progress=False, quantize="int4", attention="onnx")
     assert not (tmp_path / "p").exists()

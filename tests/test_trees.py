@@ -11,10 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arborspec.runtime.drafting import draft_tree
-from arborspec.runtime.drafts import DraftSource
+from arborspec.runtime.drafts.base import DraftSource
+from arborspec.runtime.drafts.tree_builder import draft_tree
 from arborspec.runtime.sampling import SamplingParams
-from arborspec.runtime.trees import TreeSpecError, parse_tree_spec, verify_inputs
+from arborspec.runtime.tree_plan import verify_inputs
+from arborspec.runtime.trees import TreeSpecError, parse_tree_spec
 
 
 class RandomDraft(DraftSource):
@@ -129,8 +130,8 @@ def test_static_errors(tmp_path):
 def test_lookup_topk_equals_topk_of_its_rows():
     """LookupDraft's direct top-k (no vocabulary-wide row) gives the same values as the top-k of
     its full rows, and candidates with the same counts."""
-    from arborspec.runtime.drafts import NodeView, topk_of
-    from arborspec.runtime.lookup import LookupDraft
+    from arborspec.runtime.drafts.base import NodeView, topk_of
+    from arborspec.runtime.drafts.lookup import LookupDraft
 
     g = torch.Generator().manual_seed(0)
     seq = torch.randint(0, 6, (80,), generator=g).tolist()

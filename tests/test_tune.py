@@ -257,7 +257,7 @@ def test_acceptance_of_the_target_itself_is_one_at_rank_zero():
     from conftest import random_model, tiny_config
 
     from arborspec.runtime.backends.torch_backend import TorchEngine
-    from arborspec.runtime.drafts import BigramDraft
+    from arborspec.runtime.drafts.bigram import BigramDraft
 
     eng = TorchEngine(random_model(tiny_config("llama", vocab=96, layers=2, hidden=64)))
     acc = T.measure_acceptance(eng, eng, [[1, 2, 3], [4, 5]], max_new_tokens=20, k=4, max_depth=3)

@@ -69,7 +69,7 @@ def _bigram_from_target(engine, source: dict, progress: bool = True):
     """The bigram draft of a torch target, cached in the user cache by the weights' sha256."""
 
     from arborspec.models.registry import cache_dir
-    from arborspec.runtime.drafts import (
+    from arborspec.runtime.drafts.bigram import (
         BigramDraft,
         bigram_table_from_target,
         load_bigram_table,
@@ -92,13 +92,6 @@ def _bigram_from_target(engine, source: dict, progress: bool = True):
         cache.parent.mkdir(parents=True, exist_ok=True)
         save_bigram_table(cache, idx, logits, engine.info.vocab_size)
     return BigramDraft(idx, logits, engine.info.vocab_size)
-
-
-def lookup_spec(spec: str | None) -> int | None:
-    """`lookup` / `lookup:N` (prompt-lookup n-gram draft, n <= N) -> N, else None."""
-    from arborspec.runtime.lookup import parse_lookup_spec
-
-    return parse_lookup_spec(spec)
 
 
 def open_models(args, need_draft: bool = True) -> OpenModels:
@@ -129,25 +122,23 @@ def open_engines(
     `export_dir` (onnxruntime, tensorrt). `draft lookup[:N]` (a runtime-only n-gram draft)
     works with every backend, also on top of an export folder whose own draft it replaces."""
     backend = backend or ("torch" if model else "onnxruntime")
-    from arborspec.runtime.drafts_mix import split_mix_spec
+    from arborspec.runtime.drafts.spec import parse_draft_spec
 
-    mix = split_mix_spec(draft) if need_draft else None
-    if backend == "torch" and mix:  # BASE+lookup[:N]: the model draft mixed with lookup
-        models = open_engines(model, mix[0], export_dir, backend, device, engine_dir, verify, need_draft)
-        models.draft = mixed_with_lookup(models.draft, models.target.info.vocab_size, mix[1], f"--draft {draft}")
+    ds = parse_draft_spec(draft) if need_draft else None
+    if backend == "torch" and ds is not None and ds.mix:  # BASE+lookup[:N]: the model draft mixed with lookup
+        models = open_engines(model, ds.text, export_dir, backend, device, engine_dir, verify, need_draft)
+        models.draft = mixed_with_lookup(models.draft, models.target.info.vocab_size, ds.mix, f"--draft {draft}")
         return models
     if backend == "torch":
         if not model:
             raise UserError("--backend torch needs --model NAME|PATH")
-        n_lookup = lookup_spec(draft)
-        if n_lookup is not None:
-            from arborspec.runtime.lookup import LookupDraft
+        if ds is not None and ds.kind == "lookup":
+            from arborspec.runtime.drafts.lookup import LookupDraft
 
             models = _open_torch(model, None, device, need_draft=False)
-            if need_draft:
-                models.draft = LookupDraft(models.target.info.vocab_size, max_ngram=n_lookup)
+            models.draft = LookupDraft(models.target.info.vocab_size, max_ngram=ds.arg)
             return models
-        return _open_torch(model, draft, device, need_draft)
+        return _open_torch(model, ds, device, need_draft)
     if export_dir is None:
         raise UserError(f"--backend {backend} needs --export-dir DIR (make one with `arborspec export`)")
     if model:
@@ -174,11 +165,11 @@ def open_engines(
 
 
 def mixed_with_lookup(draft, vocab_size: int, max_ngram: int = 3, what: str = "--draft BASE+lookup"):
-    """A model draft (DraftSource or engine) mixed with a lookup draft (runtime/drafts_mix.py);
+    """A model draft (DraftSource or engine) mixed with a lookup draft (runtime/drafts/mixed.py);
     `what`: the option asking for it, for the error line."""
-    from arborspec.runtime.decode import as_draft_source
-    from arborspec.runtime.drafts_mix import LookupMixDraft
-    from arborspec.runtime.lookup import LookupDraft
+    from arborspec.runtime.drafts.lookup import LookupDraft
+    from arborspec.runtime.drafts.mixed import LookupMixDraft
+    from arborspec.runtime.drafts.model import as_draft_source
 
     base = as_draft_source(draft)
     if isinstance(base, LookupMixDraft):
@@ -188,18 +179,19 @@ def mixed_with_lookup(draft, vocab_size: int, max_ngram: int = 3, what: str = "-
     return LookupMixDraft(base, LookupDraft(vocab_size, max_ngram=max_ngram))
 
 
-def _open_torch(model, draft_spec: str | None, device: str, need_draft: bool) -> OpenModels:
+def _open_torch(model, ds, device: str, need_draft: bool) -> OpenModels:
+    """ds: a parsed draft spec (runtime/drafts/spec.py) or None."""
     from arborspec.models.registry import load_model
     from arborspec.runtime.backends.torch_backend import TorchEngine
 
     loaded = load_model(model)
-    spec = (draft_spec or "none").strip()
-    if need_draft and (spec.lower() == "eagle3" or spec.lower().startswith("eagle3:")):
+    kind = ds.kind if ds is not None else "none"
+    if need_draft and kind == "eagle3":
         # an EAGLE-3 head reads the target's features: the target module must output them
         from arborspec.models.eagle3 import eagle3_folder, load_eagle3
-        from arborspec.runtime.drafts_eagle3 import Eagle3Draft
+        from arborspec.runtime.drafts.eagle3 import Eagle3Draft
 
-        head = load_eagle3(eagle3_folder(spec, str(model)), loaded.config)
+        head = load_eagle3(eagle3_folder(ds.arg, str(model)), loaded.config)
         loaded.module.feature_layers = list(head.config.aux_layers)
         target = TorchEngine(loaded.module, device=device)
         draft = Eagle3Draft(head, loaded.module.model.embed_tokens.weight.detach(), device=device)
@@ -208,10 +200,10 @@ def _open_torch(model, draft_spec: str | None, device: str, need_draft: bool) ->
         )
     target = TorchEngine(loaded.module, device=device)
     draft = None
-    if need_draft and spec.lower() != "none":
-        from arborspec.export.export_folder import parse_draft_spec, truncated_draft
+    if need_draft and kind != "none":
+        from arborspec.export.export_folder import truncated_draft
 
-        kind, val = parse_draft_spec(spec)
+        val = ds.arg
         if kind == "layers":
             draft = TorchEngine(truncated_draft(loaded.module, val), device=device)
         elif kind == "bigram":
@@ -223,6 +215,8 @@ def _open_torch(model, draft_spec: str | None, device: str, need_draft: bool) ->
                     f"draft vocabulary ({d.config.vocab_size}) differs from the target's ({loaded.config.vocab_size})"
                 )
             draft = TorchEngine(d.module, device=device)
+        else:  # "export": an export folder's own draft
+            raise UserError(f"--draft {ds.text}: the torch backend has no export folder; use --export-dir with it")
     return OpenModels(target, draft, loaded.tokenizer, describe=f"{model} (torch, {device})", source=loaded.source)
 
 

@@ -27,11 +27,73 @@ class EngineInfo:
     n_features: int = 0  # width of the target-feature output (forward_features), 0: none
 
 
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine can do beyond the plain contract call, declared by its backend (the
+    defaults are the plain contract's): the decoders read these, never probe for attributes.
+
+    batched_trees: B > 1 with T > 1 over a past works (ONNX Runtime's GroupQueryAttention CPU
+      kernel: no, so batched decoding verifies roots only while several sequences are active);
+    row_views: runs n rows of a larger batch cache (KVCache.rows), else every call is max_batch rows;
+    ragged_rows: a batch of one-token rows may each attend over their own length (no gap read);
+    max_topk: `forward_topk` returns up to this many candidates per row where the logits are
+      (0: none; the draft then takes its top-k from full logits rows on the host);
+    max_batch: the largest B the engine accepts (TensorRT's optimisation profiles), None: any;
+    host_threads: torch threads for the decoder's host work while this engine runs
+      (decode.host_threads; ONNX Runtime on CPU: 1), None: leave torch alone."""
+
+    batched_trees: bool = True
+    row_views: bool = False
+    ragged_rows: bool = False
+    max_topk: int = 0
+    max_batch: int | None = None
+    host_threads: int | None = None
+
+
 class EngineBase:
-    """Lifecycle shared by every backend class (Polygraphy spirit): an engine is usable once
-    constructed, `close()` releases it (idempotent), and it is a context manager."""
+    """What every backend class shares (Polygraphy's BaseRunner shape): `forward`,
+    `forward_features` and `forward_topk` validate the call (`check_inputs`) and then run the
+    backend's `*_impl`; an engine is usable once constructed, `close()` releases it
+    (idempotent), and it is a context manager. `caps` declares its optional abilities."""
 
     closed = False
+    caps = EngineCapabilities()
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
+        """See Engine.forward."""
+        self.check_inputs(input_ids, position_ids, mask, cache)
+        return self.forward_impl(input_ids, position_ids, mask, cache)
+
+    def forward_features(self, input_ids, position_ids, mask, cache: KVCache):
+        """-> (logits [B, T, V], the target features [B, T, F], or None without a feature output)."""
+        self.check_inputs(input_ids, position_ids, mask, cache)
+        return self.forward_features_impl(input_ids, position_ids, mask, cache)
+
+    def forward_topk(self, input_ids, position_ids, mask, cache: KVCache, k: int, logprobs: bool = False):
+        """forward + each row's top-k where the logits are: (values [B, T, k], ids [B, T, k]);
+        only for k <= caps.max_topk."""
+        if k > self.caps.max_topk:
+            raise EngineError(
+                f"{self.info.name or type(self).__name__} returns its top-{self.caps.max_topk} only, {k} were asked for"
+            )
+        self.check_inputs(input_ids, position_ids, mask, cache)
+        return self.forward_topk_impl(input_ids, position_ids, mask, cache, k, logprobs)
+
+    def check_inputs(self, input_ids, position_ids, mask, cache: KVCache) -> None:
+        """Open, and shapes that fit the contract (backends add their own checks)."""
+        self._check_open()
+        check_call(self.info, input_ids, position_ids, mask, cache)
+
+    def forward_impl(self, input_ids, position_ids, mask, cache: KVCache) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward_features_impl(self, input_ids, position_ids, mask, cache: KVCache):
+        return self.forward_impl(input_ids, position_ids, mask, cache), None
+
+    def forward_topk_impl(self, input_ids, position_ids, mask, cache: KVCache, k: int, logprobs: bool):
+        raise NotImplementedError
 
     def close(self) -> None:
         self.closed = True
@@ -48,8 +110,11 @@ class EngineBase:
 
 
 class Engine(Protocol):
+    """What the decoders call (EngineBase implements it; a wrapper may too)."""
+
     info: EngineInfo
     device: torch.device
+    caps: EngineCapabilities
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: KVCache

@@ -23,7 +23,7 @@ import torch
 from .. import contract as C
 from ..errors import DeviceError, EngineError, ExportDirError, InputError, MissingFileError
 from ..kvcache import CacheSpec, KVCache
-from .base import EngineBase, EngineInfo, check_call
+from .base import EngineBase, EngineCapabilities, EngineInfo, check_call
 
 _ORT_TYPES = C.ORT_TYPES
 _ELEM = C.ONNX_ELEM
@@ -160,7 +160,7 @@ class OrtEngine(EngineBase):
         env = os.environ.get("ARBORSPEC_HOST_THREADS", "").strip()
         if env and not env.isdigit():
             raise InputError(f"ARBORSPEC_HOST_THREADS must be a whole number (0: leave torch alone), got {env!r}")
-        self.host_threads = None if want_cuda else (int(env) if env else 1)
+        host_threads = None if want_cuda else (int(env) if env else 1)
         if providers is None:
             if want_cuda:
                 providers = [("CUDAExecutionProvider", {"device_id": self.device.index or 0}), "CPUExecutionProvider"]
@@ -209,9 +209,9 @@ class OrtEngine(EngineBase):
         # K in the metadata), then the target features / an EAGLE-3 head's output hidden state
         # (HIDDEN_STATES); an EAGLE-3 head graph has one more input (HIDDEN_IN)
         extra_out = got_out[len(self.output_names) :]
-        self.max_topk = 0
+        max_topk = 0
         if extra_out[:2] == list(C.TOPK_OUTPUTS) and C.META_TOPK in meta:
-            self.max_topk = int(meta[C.META_TOPK])
+            max_topk = int(meta[C.META_TOPK])
             extra_out = extra_out[2:]
         n_features = 0
         if extra_out == [C.HIDDEN_STATES]:
@@ -250,12 +250,16 @@ class OrtEngine(EngineBase):
         if logits_type != "tensor(float)":
             raise ExportDirError(f"{path}: logits are {logits_type}, the contract wants float32")
         self.kv_layout = C.kv_layout(meta, path)
-        self.row_views = self.kv_layout == "bhsd"  # runs n rows of a larger batch cache (KVCache.rows)
-        # GroupQueryAttention's CPU kernel rejects B > 1 with T > 1 after a prefix: batched
-        # decoding verifies roots only (T = 1) while several sequences are active
-        self.batched_trees = self.kv_layout != "bhsd"
-        # one-token rows of a batch may each attend over their own length (C.META_RAGGED_ROWS)
-        self.ragged_rows = meta.get(C.META_RAGGED_ROWS) == "1"
+        self.caps = EngineCapabilities(
+            # GroupQueryAttention's CPU kernel rejects B > 1 with T > 1 after a prefix: batched
+            # decoding verifies roots only (T = 1) while several sequences are active
+            batched_trees=self.kv_layout != "bhsd",
+            row_views=self.kv_layout == "bhsd",  # runs n rows of a larger batch cache (KVCache.rows)
+            # one-token rows of a batch may each attend over their own length (C.META_RAGGED_ROWS)
+            ragged_rows=meta.get(C.META_RAGGED_ROWS) == "1",
+            max_topk=max_topk,
+            host_threads=host_threads,
+        )
         self.info = EngineInfo(
             vocab_size=int(cfg["vocab_size"]),
             max_position=int(cfg["max_position"]),
@@ -265,7 +269,8 @@ class OrtEngine(EngineBase):
         )
 
     # ------------------------------------------------------------------ checks
-    def _check(self, input_ids, position_ids, mask, cache: KVCache) -> None:
+    def check_inputs(self, input_ids, position_ids, mask, cache: KVCache) -> None:
+        """The contract's checks plus this graph's: dtypes, the cache's layout, devices."""
         self._check_open()
         check_call(self.info, input_ids, position_ids, mask, cache)
         if input_ids.dtype != torch.int64 or position_ids.dtype != torch.int64:
@@ -308,14 +313,14 @@ class OrtEngine(EngineBase):
     def _bind_out(self, io, name: str, t: torch.Tensor) -> None:
         io.bind_output(name, self._device_type, self._device_id, _ELEM[t.dtype], tuple(t.shape), t.data_ptr())
 
-    def forward(
+    def forward_impl(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: KVCache
     ) -> torch.Tensor:
         """See Engine.forward: writes new K/V onto cache[:, P:P+T] (cache.length unchanged)
         and returns logits float32 [B, T, V] on self.device."""
         return self._run(input_ids, position_ids, mask, cache, None)[0]
 
-    def forward_features(self, input_ids, position_ids, mask, cache: KVCache):
+    def forward_features_impl(self, input_ids, position_ids, mask, cache: KVCache):
         """-> (logits [B, T, V], target features [B, T, F]) from a graph with the contract's
         `hidden_states` output (an EAGLE-3 draft's target); (logits, None) without one."""
         logits, _, _, feats = self._run(input_ids, position_ids, mask, cache, None)
@@ -326,19 +331,17 @@ class OrtEngine(EngineBase):
         the draft vocabulary [B, T, Vd], the layer's output hidden states [B, T, H])."""
         if not self.has_hidden_in:
             raise EngineError(f"{self.path.name} is not an EAGLE-3 head graph (no {C.HIDDEN_IN} input)")
+        self.check_inputs(input_ids, position_ids, mask, cache)
         logits, _, _, out = self._run(input_ids, position_ids, mask, cache, None, hidden)
         return logits, out
 
-    def forward_topk(self, input_ids, position_ids, mask, cache: KVCache, k: int, logprobs: bool = True):
-        """A draft graph with fused top-k (max_topk >= k): (log-probs [B, T, k], ids [B, T, k])
+    def forward_topk_impl(self, input_ids, position_ids, mask, cache: KVCache, k: int, logprobs: bool = True):
+        """A draft graph with fused top-k (caps.max_topk >= k): (log-probs [B, T, k], ids [B, T, k])
         straight from the graph; the vocabulary-wide logits go to a reused scratch buffer."""
-        if k > self.max_topk:
-            raise EngineError(f"{self.path.name} returns its top-{self.max_topk} only, {k} were asked for")
         _, vals, ids, _ = self._run(input_ids, position_ids, mask, cache, k)
         return vals[..., :k], ids[..., :k]
 
     def _run(self, input_ids, position_ids, mask, cache: KVCache, k: int | None, hidden=None):
-        self._check(input_ids, position_ids, mask, cache)
         b, t = input_ids.shape
         p = cache.length
         if self.has_hidden_in:
@@ -365,8 +368,8 @@ class OrtEngine(EngineBase):
             logits = self._logits_scratch[:n_logits].view(b, t, self.info.vocab_size)
         self._bind_out(io, C.LOGITS, logits)
         vals = idx = None
-        if self.max_topk:
-            kk = self.max_topk
+        if self.caps.max_topk:
+            kk = self.caps.max_topk
             vals = torch.empty((b, t, kk), dtype=torch.float32, device=self.device)
             idx = torch.empty((b, t, kk), dtype=torch.int64, device=self.device)
             self._bind_out(io, C.TOPK_LOGPROBS, vals)
@@ -437,7 +440,8 @@ class OrtEngine(EngineBase):
             cache.length = 0
         return tuple(None if a is None else torch.cat([a, r], 1) for a, r in zip(first, rest))
 
-    __call__ = forward
+    def __call__(self, input_ids, position_ids, mask, cache: KVCache) -> torch.Tensor:
+        return self.forward(input_ids, position_ids, mask, cache)
 
     def close(self) -> None:
         """Release the ONNX Runtime session."""

@@ -33,7 +33,7 @@ from .. import contract as C
 from ..errors import DeviceError, EngineError, InputError, MissingFileError
 from ..fileio import atomic_write_bytes
 from ..kvcache import CacheSpec, KVCache
-from .base import EngineBase, EngineInfo, check_call
+from .base import EngineBase, EngineCapabilities, EngineInfo, check_call
 
 _ENV_MODULE = "ARBORSPEC_TRT_MODULE"
 _INSTALL_HINT = (
@@ -256,6 +256,7 @@ class TrtEngine(EngineBase):
                 }
             )
         self.max_batch = max(p["B"][1] for p in self.profiles)
+        self.caps = EngineCapabilities(max_batch=self.max_batch)  # the profiles fix the largest B
         self.max_tokens = max(p["T"][1] for p in self.profiles)
         kv_dtype = self.dtypes["past_key.0"]
         cfg = {}
@@ -354,13 +355,13 @@ class TrtEngine(EngineBase):
             self._logits_buf = torch.empty(cap, dtype=self.dtypes["logits"], device=self.device)
         return self._logits_buf[:n].view(b, t, self.info.vocab_size)
 
-    def forward(
+    def forward_impl(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: KVCache
     ) -> torch.Tensor:
         """See Engine.forward (a graph with a hidden input needs forward_hidden)."""
         return self._run(input_ids, position_ids, mask, cache)[0]
 
-    def forward_features(self, input_ids, position_ids, mask, cache: KVCache):
+    def forward_features_impl(self, input_ids, position_ids, mask, cache: KVCache):
         """-> (logits [B, T, V], target features [B, T, F]) from an engine with the contract's
         `hidden_states` output (an EAGLE-3 draft's target); (logits, None) without one."""
         logits, extra = self._run(input_ids, position_ids, mask, cache)
@@ -371,13 +372,13 @@ class TrtEngine(EngineBase):
         the draft vocabulary [B, T, Vd], the layer's output hidden states [B, T, H])."""
         if not self.has_hidden_in:
             raise EngineError(f"{self.path.name} is not an EAGLE-3 head engine (no {C.HIDDEN_IN} input)")
+        self.check_inputs(input_ids, position_ids, mask, cache)
         logits, extra = self._run(input_ids, position_ids, mask, cache, hidden)
         return logits, extra[C.HIDDEN_STATES]
 
-    def _run(self, input_ids, position_ids, mask, cache: KVCache, hidden: torch.Tensor | None = None):
+    def check_inputs(self, input_ids, position_ids, mask, cache: KVCache) -> None:
+        """The contract's checks plus this engine's: the cache's device, dtype, shape, layout."""
         self._check_open()
-        if self.has_hidden_in and hidden is None:
-            raise EngineError(f"{self.path.name} is an EAGLE-3 head engine: call forward_hidden")
         check_call(self.info, input_ids, position_ids, mask, cache)
         if cache.device != self.device:
             raise InputError(f"KV cache is on {cache.device}, the engine on {self.device}")
@@ -392,8 +393,13 @@ class TrtEngine(EngineBase):
             )
         if not (cache.k.is_contiguous() and cache.v.is_contiguous()):
             raise InputError("KV cache slabs must be contiguous to be bound by address")
+
+    def _run(self, input_ids, position_ids, mask, cache: KVCache, hidden: torch.Tensor | None = None):
+        if self.has_hidden_in and hidden is None:
+            raise EngineError(f"{self.path.name} is an EAGLE-3 head engine: call forward_hidden")
         b, t = input_ids.shape
         p = cache.length
+        spec = self.info.cache
         ctx = self.context
         stream = torch.cuda.current_stream(self.device)
         k = self.profile_for(b, t, p)
@@ -415,17 +421,7 @@ class TrtEngine(EngineBase):
                 (C.POSITION_IDS, (b, t), pos.data_ptr()),
                 (C.ATTENTION_MASK, (b, t, p + t), msk.data_ptr()),
             ]
-            kv_tail = (spec.n_kv_heads, spec.head_dim)
-            for i in range(spec.n_layers):
-                for past_name, new_name, slab in (
-                    (C.past_key(i), C.new_key(i), cache.k),
-                    (C.past_value(i), C.new_value(i), cache.v),
-                ):
-                    layer = slab[i]  # [S_max, B, Hkv, D], contiguous
-                    # P = 0: a zero-size input still needs a valid, non-null address
-                    past_ptr = layer.data_ptr() if p == 0 else layer[:p].data_ptr()
-                    binds.append((past_name, (p, b) + kv_tail, past_ptr))
-                    binds.append((new_name, None, layer[p : p + t].data_ptr()))
+            binds += self._kv_binds(cache, b, t, p)
             if self.has_hidden_in:
                 hid = hidden.to(self.device, self.dtypes[C.HIDDEN_IN]).contiguous()
                 if tuple(hid.shape[:2]) != (b, t):
@@ -435,25 +431,14 @@ class TrtEngine(EngineBase):
             logits = self._logits_out(b, t)
             binds.append((C.LOGITS, None, logits.data_ptr()))
 
-            for name, shape, ptr in binds:
-                if shape is not None and not ctx.set_input_shape(name, shape):
-                    raise EngineError(
-                        f"{self.path.name}: shape {shape} rejected for {name}: " + "; ".join(_Log.get(self.trt).take())
-                    )
-                if not ctx.set_tensor_address(name, ptr):
-                    raise EngineError(f"{self.path.name}: cannot bind {name}: " + "; ".join(_Log.get(self.trt).take()))
+            self._set_bindings(binds)
             # output shapes follow from the inputs; check them against the buffers once bound
+            kv_tail = (spec.n_kv_heads, spec.head_dim)
             for name, want in (("logits", (b, t, self.info.vocab_size)), ("new_key.0", (t, b) + kv_tail)):
                 got = tuple(ctx.get_tensor_shape(name))
                 if got != want:
                     raise EngineError(f"{self.path.name}: {name} would be {got}, expected {want}")
-            # every output needs an address: the extra ones get fresh buffers of their shapes
-            extra = {}
-            for name in self.extra_outputs:
-                buf = torch.empty(tuple(ctx.get_tensor_shape(name)), dtype=self.dtypes[name], device=self.device)
-                if not ctx.set_tensor_address(name, buf.data_ptr()):
-                    raise EngineError(f"{self.path.name}: cannot bind {name}: " + "; ".join(_Log.get(self.trt).take()))
-                extra[name] = buf
+            extra = self._extra_outputs()
             if not ctx.execute_async_v3(stream.cuda_stream):
                 raise EngineError(f"{self.path.name}: execute_async_v3 failed: " + "; ".join(_Log.get(self.trt).take()))
             # the temporaries were allocated on this stream: the caching allocator will not
@@ -464,6 +449,45 @@ class TrtEngine(EngineBase):
         if C.HIDDEN_STATES in extra:
             extra[C.HIDDEN_STATES] = extra[C.HIDDEN_STATES].float()
         return out, extra
+
+    def _kv_binds(self, cache: KVCache, b: int, t: int, p: int) -> list:
+        """(name, input shape or None, address) of every layer's past [0, P) and new tail [P, P+T)."""
+        spec = self.info.cache
+        kv_tail = (spec.n_kv_heads, spec.head_dim)
+        binds = []
+        for i in range(spec.n_layers):
+            for past_name, new_name, slab in (
+                (C.past_key(i), C.new_key(i), cache.k),
+                (C.past_value(i), C.new_value(i), cache.v),
+            ):
+                layer = slab[i]  # [S_max, B, Hkv, D], contiguous
+                # P = 0: a zero-size input still needs a valid, non-null address
+                past_ptr = layer.data_ptr() if p == 0 else layer[:p].data_ptr()
+                binds.append((past_name, (p, b) + kv_tail, past_ptr))
+                binds.append((new_name, None, layer[p : p + t].data_ptr()))
+        return binds
+
+    def _set_bindings(self, binds: list) -> None:
+        """Input shapes and tensor addresses on the execution context (one line on a refusal)."""
+        ctx = self.context
+        for name, shape, ptr in binds:
+            if shape is not None and not ctx.set_input_shape(name, shape):
+                raise EngineError(
+                    f"{self.path.name}: shape {shape} rejected for {name}: " + "; ".join(_Log.get(self.trt).take())
+                )
+            if not ctx.set_tensor_address(name, ptr):
+                raise EngineError(f"{self.path.name}: cannot bind {name}: " + "; ".join(_Log.get(self.trt).take()))
+
+    def _extra_outputs(self) -> dict:
+        """Every output needs an address: the extra ones get fresh buffers of their shapes."""
+        ctx = self.context
+        extra = {}
+        for name in self.extra_outputs:
+            buf = torch.empty(tuple(ctx.get_tensor_shape(name)), dtype=self.dtypes[name], device=self.device)
+            if not ctx.set_tensor_address(name, buf.data_ptr()):
+                raise EngineError(f"{self.path.name}: cannot bind {name}: " + "; ".join(_Log.get(self.trt).take()))
+            extra[name] = buf
+        return extra
 
 
 class TrtProjection(TrtEngine):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..kvcache import CacheSpec, KVCache
-from .base import EngineBase, EngineInfo, check_call
+from .base import EngineBase, EngineCapabilities, EngineInfo
 
 
 class TorchEngine(EngineBase):
@@ -25,19 +25,17 @@ class TorchEngine(EngineBase):
             name=cfg.name,
             n_features=len(getattr(module, "feature_layers", None) or ()) * getattr(cfg, "hidden_size", 0),
         )
-        self.max_topk = cfg.vocab_size  # forward_topk: any k, on the module's device
-        self.row_views = True  # runs n rows of a larger batch cache (KVCache.rows)
+        # forward_topk: any k, on the module's device; runs n rows of a larger batch cache
+        self.caps = EngineCapabilities(row_views=True, max_topk=cfg.vocab_size)
 
     @torch.inference_mode()
-    def forward(self, input_ids, position_ids, mask, cache: KVCache) -> torch.Tensor:
-        return self.forward_features(input_ids, position_ids, mask, cache)[0]
+    def forward_impl(self, input_ids, position_ids, mask, cache: KVCache) -> torch.Tensor:
+        return self.forward_features_impl(input_ids, position_ids, mask, cache)[0]
 
     @torch.inference_mode()
-    def forward_features(self, input_ids, position_ids, mask, cache: KVCache):
+    def forward_features_impl(self, input_ids, position_ids, mask, cache: KVCache):
         """-> (logits [B, T, V], target features [B, T, F] or None): the features are the
         hidden states entering the module's `feature_layers` (an EAGLE-3 draft reads them)."""
-        self._check_open()
-        check_call(self.info, input_ids, position_ids, mask, cache)
         n = self.info.cache.n_layers
         past = []
         for i in range(n):
@@ -48,12 +46,12 @@ class TorchEngine(EngineBase):
         return out[0], (out[1 + 2 * n] if len(out) > 1 + 2 * n else None)
 
     @torch.inference_mode()
-    def forward_topk(self, input_ids, position_ids, mask, cache: KVCache, k: int, logprobs: bool = False):
+    def forward_topk_impl(self, input_ids, position_ids, mask, cache: KVCache, k: int, logprobs: bool = False):
         """forward + the top-k of every row, on the module's device (a CUDA draft never copies
         a vocabulary-wide row to the host): (values [B, T, k], indices [B, T, k])."""
-        from ..drafts import topk_of
+        from ..drafts.base import topk_of
 
-        logits = self.forward(input_ids, position_ids, mask, cache)
+        logits = self.forward_impl(input_ids, position_ids, mask, cache)
         b, t, v = logits.shape
         top = topk_of(logits.view(b * t, v), k, logprobs)
         return top.values.view(b, t, -1), top.indices.view(b, t, -1)

@@ -108,7 +108,7 @@ def build_configs(
     for spec in lookup_trees:  # the lookup draft next to the models' draft, in the same run
         pol = parse_tree_spec(spec)
         cfgs.append(BenchConfig(f"lookup+{pol.spec}", "ours", "tree", pol.spec, pol.kind, pol.max_nodes, "lookup"))
-    for spec in mix_trees:  # the models' draft mixed with lookup (runtime/drafts_mix.py)
+    for spec in mix_trees:  # the models' draft mixed with lookup (runtime/drafts/mixed.py)
         pol = parse_tree_spec(spec)
         cfgs.append(BenchConfig(f"mix+{pol.spec}", "ours", "tree", pol.spec, pol.kind, pol.max_nodes, "mix"))
     for b in dict.fromkeys(baselines):
@@ -166,7 +166,7 @@ def make_decoders(models, configs: list[BenchConfig], temperature: float, candid
             continue
         draft = models.draft if c.mode != "vanilla" else None
         if c.draft == "lookup":
-            from arborspec.runtime.lookup import LookupDraft
+            from arborspec.runtime.drafts.lookup import LookupDraft
 
             draft = LookupDraft(models.target.info.vocab_size)
         elif c.draft == "mix":

@@ -225,7 +225,7 @@ def part_decode(a, res: dict) -> None:
     from arborspec.export.export_folder import truncated_draft
     from arborspec.runtime.backends.torch_backend import TorchEngine
     from arborspec.runtime.decode import SpeculativeDecoder
-    from arborspec.runtime.drafts import LookupDraft
+    from arborspec.runtime.drafts.lookup import LookupDraft
 
     module, tok, desc = decode_model(a)
     k = 1 if a.dry_run else 4

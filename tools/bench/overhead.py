@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from arborspec.runtime.backends.base import EngineInfo
+from arborspec.runtime.backends.base import EngineCapabilities, EngineInfo
 from arborspec.runtime.decode import SpeculativeDecoder
 from arborspec.runtime.kvcache import CacheSpec
 from arborspec.runtime.sampling import SamplingParams
@@ -29,6 +29,8 @@ from arborspec.runtime.sampling import SamplingParams
 class HostTopkNullEngine:
     """The same null engine without `forward_topk`: the runtime takes the draft's top-k from
     the full logits rows on the host (what an ONNX Runtime CPU draft without fused top-k costs)."""
+
+    caps = EngineCapabilities()  # max_topk 0: no forward_topk
 
     def __init__(self, inner):
         self.inner, self.info, self.device = inner, inner.info, inner.device
@@ -54,7 +56,7 @@ class NullEngine:
         self.bank = copy_of.bank if copy_of is not None else torch.randn(512, vocab, generator=g) * 4
 
         self._top: dict = {}
-        self.max_topk = vocab
+        self.caps = EngineCapabilities(max_topk=vocab)
 
     def forward(self, ids, pos, mask, cache):
         p, t = cache.length, ids.shape[1]
@@ -66,7 +68,7 @@ class NullEngine:
         """A draft engine that computes its top-k where its logits are (fused in the ONNX graph,
         on the GPU): precomputed here, so the host sees only [F, k]."""
         if (k, logprobs) not in self._top:
-            from arborspec.runtime.drafts import topk_of
+            from arborspec.runtime.drafts.base import topk_of
 
             t = topk_of(self.bank, k, logprobs)
             self._top[(k, logprobs)] = (t.values, t.indices)

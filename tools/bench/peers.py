@@ -43,6 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from arborspec.runtime.fileio import PartialFolder
 from arborspec.tools.bench.baselines import hf_source_path
 
 PEERS = ("ort-genai", "ort-genai-int4", "ort-genai-ngram", "ort-genai-int4-ngram", "llama-cpp", "llama-cpp-lookup")
@@ -197,56 +198,51 @@ def genai_model_dirs(source: dict, precisions: list[str], log=None) -> dict[str,
                 ) from None
         for prec in todo:
             entry = out[prec]
-            built = work / f"model-{prec}"
-            log(f"building the ONNX Runtime GenAI {prec} model (once; cached in {entry}) ...")
-            cmd = [
-                sys.executable,
-                "-m",
-                "onnxruntime_genai.models.builder",
-                "-i",
-                str(hf_dir),
-                "-o",
-                str(built),
-                "-p",
-                prec,
-                "-e",
-                "cpu",
-                "-c",
-                str(work / "cache"),
-            ]
-            env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-            t0 = time.perf_counter()
-            r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            if r.returncode != 0 or not (built / "genai_config.json").is_file():
-                lines = [ln.strip() for ln in (r.stderr + r.stdout).splitlines() if ln.strip()]
-                raise PeerUnavailable(
-                    f"the GenAI model builder failed for {prec} (exit {r.returncode}: "
-                    f"{lines[-1] if lines else 'no output'})"
-                )
-            (built / "arborspec_peer.json").write_text(
-                json.dumps(
-                    {
-                        "format": BUILD_FORMAT,
-                        "builder": "onnxruntime_genai.models.builder",
-                        GENAI_PKG: version,
-                        "transformers": pkg_version("transformers"),
-                        "precision": prec,
-                        "command": ["python"] + cmd[1:4] + ["HF_DIR", "-o", "OUT", "-p", prec, "-e", "cpu"],
-                        "source": {
-                            "path": str(((mdir / gguf) if gguf else mdir).resolve()),
-                            "sha256": sha,
-                            "bytes": size,
+            with PartialFolder(entry) as built:  # renamed into place once the build is complete
+                log(f"building the ONNX Runtime GenAI {prec} model (once; cached in {entry}) ...")
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "onnxruntime_genai.models.builder",
+                    "-i",
+                    str(hf_dir),
+                    "-o",
+                    str(built),
+                    "-p",
+                    prec,
+                    "-e",
+                    "cpu",
+                    "-c",
+                    str(work / "cache"),
+                ]
+                env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+                t0 = time.perf_counter()
+                r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                if r.returncode != 0 or not (built / "genai_config.json").is_file():
+                    lines = [ln.strip() for ln in (r.stderr + r.stdout).splitlines() if ln.strip()]
+                    raise PeerUnavailable(
+                        f"the GenAI model builder failed for {prec} (exit {r.returncode}: "
+                        f"{lines[-1] if lines else 'no output'})"
+                    )
+                (built / "arborspec_peer.json").write_text(
+                    json.dumps(
+                        {
+                            "format": BUILD_FORMAT,
+                            "builder": "onnxruntime_genai.models.builder",
+                            GENAI_PKG: version,
+                            "transformers": pkg_version("transformers"),
+                            "precision": prec,
+                            "command": ["python"] + cmd[1:4] + ["HF_DIR", "-o", "OUT", "-p", prec, "-e", "cpu"],
+                            "source": {
+                                "path": str(((mdir / gguf) if gguf else mdir).resolve()),
+                                "sha256": sha,
+                                "bytes": size,
+                            },
+                            "build_s": round(time.perf_counter() - t0, 1),
                         },
-                        "build_s": round(time.perf_counter() - t0, 1),
-                    },
-                    indent=1,
+                        indent=1,
+                    )
                 )
-            )
-            try:
-                os.replace(built, entry)
-            except OSError:  # another process built it first: its folder is as good as ours
-                if not (entry / "genai_config.json").is_file():
-                    raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out

@@ -265,8 +265,10 @@ def run(args) -> int:
             else:
                 k = args.hf_assistant_layers
                 if k is None:
-                    d = (args.draft or "").strip().lower()
-                    k = int(d.split(":", 1)[1]) if d.startswith("layers:") and d.split(":", 1)[1].isdigit() else 4
+                    from arborspec.runtime.drafts.spec import parse_draft_spec
+
+                    ds = parse_draft_spec(args.draft)
+                    k = ds.arg if ds.kind == "layers" else 4
                 if not args.no_progress:
                     print(
                         f"loading the transformers baselines from {mdir / gguf if gguf else mdir} ...", file=sys.stderr

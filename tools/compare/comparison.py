@@ -8,7 +8,7 @@ the outputs of several runners with Polygraphy's `Comparator.run` + `compare_acc
   P > 0, exactly vanilla's step) and, over a cache prefilled with P > 0 random past tokens, one
   verify step per tree policy (chain, full, beam, dynamic with a budget of the manifest's
   max_tree_nodes, and a static file), each drafted by the real `draft_tree` with the export's
-  draft and flattened by the real `verify_inputs`, so T runs from 1 up to max_tree_nodes + 1;
+  draft and flattened by the decoder's own path (`tree_plan.write_tree`), so T runs from 1 up to max_tree_nodes + 1;
   the draft graph gets the draft's own calls recorded while drafting (its prefill chain and
   one call per tree level over its scratch cache);
 * runners: `TorchRunner` (ours: Polygraphy's PytRunner is broken in 0.53), whose module is
@@ -90,8 +90,9 @@ def source_spec(man) -> str | None:
 
 def reference_modules(man, model: str | None = None):
     """(target module, draft module or None, description) rebuilt from the export's source."""
-    from arborspec.export.export_folder import parse_draft_spec, truncated_draft
+    from arborspec.export.export_folder import truncated_draft
     from arborspec.models.registry import load_model
+    from arborspec.runtime.drafts.spec import parse_draft_spec
 
     spec = model or source_spec(man)
     if spec is None:
@@ -114,7 +115,8 @@ def reference_modules(man, model: str | None = None):
         draft = load_eagle3(eagle3_folder(d.get("spec") or "eagle3", spec), lm.config).eval()
         target.feature_layers = list(d.get("aux_layers") or draft.config.aux_layers)
     elif d.get("kind") == "onnx":
-        kind, arg = parse_draft_spec(d.get("spec"))
+        ds = parse_draft_spec(d.get("spec"))
+        kind, arg = ds.kind, ds.arg
         if kind == "layers":
             draft = truncated_draft(target, arg)
         elif kind == "model":
@@ -369,7 +371,7 @@ def compare_export(
     from polygraphy.logger import G_LOGGER
 
     from arborspec.runtime.backends.torch_backend import TorchEngine
-    from arborspec.runtime.drafts import load_bigram_table
+    from arborspec.runtime.drafts.bigram import load_bigram_table
     from arborspec.runtime.export_dir import read_manifest
 
     names, explicit = parse_runners(runners)
@@ -504,7 +506,7 @@ def compare_export(
                         emb = target_module.model.embed_tokens.weight.detach().float()
                         rs.append(Eagle3HeadRunner(lambda: TorchEagle3Head(module, emb), name="torch", on_infer=tick))
                     elif n == "onnxruntime":
-                        from arborspec.runtime.drafts_eagle3 import OrtEagle3Head
+                        from arborspec.runtime.drafts.eagle3 import OrtEagle3Head
 
                         fc = man.path(man.draft["fc_file"])
                         rs.append(
@@ -513,7 +515,7 @@ def compare_export(
                             )
                         )
                     else:  # TensorRT: the engines `arborspec build` made from the portable head
-                        from arborspec.runtime.drafts_eagle3 import TrtEagle3Head
+                        from arborspec.runtime.drafts.eagle3 import TrtEagle3Head
 
                         rs.append(
                             Eagle3HeadRunner(

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from arborspec.runtime import contract as C
+from arborspec.runtime.backends.base import EngineCapabilities
 from arborspec.runtime.errors import InputError
 
 STATIC_PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]
@@ -90,6 +91,7 @@ class _Recorder:
 
     def __init__(self, engine, kv_dtype=np.float32):
         self.engine, self.info, self.device = engine, engine.info, engine.device
+        self.caps = EngineCapabilities()  # plain forward calls only (recorded one by one)
         self.kv_dtype = kv_dtype
         self.label = ""
         self.feeds: list[Feed] = []
@@ -133,11 +135,13 @@ def build_feeds(
     target: an Engine; draft: an Engine (neural draft: its calls are recorded), a BigramDraft,
     or None (the target itself shapes the trees). `trees` trees per policy, each over a cache
     of P > 0 random past tokens (P differs from tree to tree)."""
-    from arborspec.runtime.drafting import draft_tree
-    from arborspec.runtime.drafts import BigramDraft, ModelDraft
+    from arborspec.runtime.drafts.bigram import BigramDraft
+    from arborspec.runtime.drafts.model import ModelDraft
+    from arborspec.runtime.drafts.tree_builder import draft_tree
     from arborspec.runtime.kvcache import KVCache
     from arborspec.runtime.sampling import SamplingParams
-    from arborspec.runtime.trees import Tree, parse_tree_spec, verify_inputs
+    from arborspec.runtime.tree_plan import causal_prefill, verify_inputs
+    from arborspec.runtime.trees import Tree, parse_tree_spec
 
     if trees < 1:
         raise InputError(f"--trees must be >= 1, got {trees}")
@@ -174,11 +178,7 @@ def build_feeds(
             cache = KVCache(target.info.cache, cap, 1, target.device)
             # prefill: a prompt chain over an empty cache (P = 0)
             rec_t.enabled, rec_t.label = i == 0, "prefill (chain)"
-            ids = torch.tensor([past], device=target.device)
-            pos = torch.arange(p, device=target.device)[None]
-            mask = torch.ones(p, p, dtype=torch.bool, device=target.device).tril()[None]
-            rec_t.forward(ids, pos, mask, cache)
-            cache.commit(None, p)
+            causal_prefill(rec_t, past, cache, chunk=p)
             rec_t.enabled = True
             if i == 0:  # vanilla's step: the root alone over the cache
                 rec_t.label = "decode (vanilla)"

@@ -52,7 +52,7 @@ def feeds(
     seed: int | None = None,
 ) -> list:
     """The feed dicts (OrderedDict[str, numpy.ndarray]) for one graph of an export folder."""
-    from arborspec.runtime.drafts import load_bigram_table
+    from arborspec.runtime.drafts.bigram import load_bigram_table
     from arborspec.runtime.export_dir import load_export_dir
     from arborspec.tools.compare.comparison import build_feeds
 

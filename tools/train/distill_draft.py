@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 
 from arborspec.runtime.errors import InputError
+from arborspec.runtime.fileio import atomic_write_text
 from arborspec.tools.prompts import load_prompt_entries, split_prompts
 from arborspec.tools.train.distill_corpus import (
     cache_root,
@@ -109,15 +109,12 @@ def hf_config(cfg, extra: dict | None = None) -> dict:
 
 def save_hf_folder(module, out: str | Path, tok=None, extra: dict | None = None) -> Path:
     """config.json (model_type llama) + model.safetensors (+ tokenizer), written atomically."""
-    import shutil
-    import tempfile
-
     from safetensors.torch import save_file
 
+    from arborspec.runtime.fileio import PartialFolder
+
     out = Path(out).expanduser()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
+    with PartialFolder(out) as tmp:
         sd = {k: v.detach().float().contiguous() for k, v in module.state_dict().items()}
         if module.config.tie_embeddings:
             sd.pop("lm_head.weight", None)  # tied: embed_tokens is the head
@@ -125,12 +122,6 @@ def save_hf_folder(module, out: str | Path, tok=None, extra: dict | None = None)
         (tmp / "config.json").write_text(json.dumps(hf_config(module.config, extra), indent=1))
         if tok is not None:
             tok.save(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -221,10 +212,7 @@ def distill(opts: DistillOptions) -> dict:
         seqs = generate_corpus(
             target, tok, train_entries, opts.corpus_tokens, opts.gen_len, opts.seed, opts.temperature, progress=progress
         )
-        corpus_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = corpus_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"model": opts.model, "sequences": seqs}))
-        os.replace(tmp, corpus_file)
+        atomic_write_text(corpus_file, json.dumps({"model": opts.model, "sequences": seqs}))
         _log(
             opts,
             f"corpus: generated {sum(map(len, seqs))} tokens in {len(seqs)} sequences "

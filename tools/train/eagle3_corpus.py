@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
-import shutil
 import sysconfig
 import time
 from pathlib import Path
@@ -31,6 +29,7 @@ import numpy as np
 import torch
 
 from arborspec.runtime.errors import InputError
+from arborspec.runtime.fileio import PartialFolder
 
 # ------------------------------------------------------------------------ prompt mix
 # Kept apart from the packaged benchmark prompts (tools/data/prompts.json): none of these
@@ -339,10 +338,7 @@ def build_corpus(
     if (out / "corpus.json").is_file():
         return out
     root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{key}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with PartialFolder(out) as tmp:
         module.eval()
         ctx = min(cfg.max_position, max(window, gen_len + 256))  # chat prompts are < 256 tokens
         g = target_graph(module, cfg, ctx, aux_layers, tmp / "target_features.onnx")
@@ -381,10 +377,4 @@ def build_corpus(
             }
         )
         (tmp / "corpus.json").write_text(json.dumps(stats, indent=1))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

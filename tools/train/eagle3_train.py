@@ -4,7 +4,7 @@ state, with the attention the runtime's tree mask gives at inference.
 
 Role in one decode step: none; it makes the weights the `eagle3` draft source runs in step 1.
 
-Alignment (the runtime's, runtime/drafts_eagle3.py): window tokens x[0..W-1], target features
+Alignment (the runtime's, runtime/drafts/eagle3.py): window tokens x[0..W-1], target features
 f[j] (at position j, where the target predicted x[j+1]). Entry j of step 0 pairs token x[j+1]
 with fc(f[j]) at position j; entry j of step k pairs x[j+1+k] with step k-1's output hidden of
 entry j at position j+k, and attends to step 0's entries 0..j (the committed chain) and to
@@ -16,7 +16,6 @@ over the full vocabulary), step weights 0.8^k.
 from __future__ import annotations
 
 import math
-import os
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import torch
 
 from arborspec.models.eagle3 import Eagle3Config, Eagle3Head
 from arborspec.models.llama import apply_rope, repeat_kv
+from arborspec.runtime.fileio import atomic_write
 
 
 def init_head(cfg_t, target_module, aux_layers: list[int], vocab: np.ndarray, seed: int) -> Eagle3Head:
@@ -195,11 +195,8 @@ def train(
     weights = [0.8**k for k in range(steps)]
 
     def save_state(i):
-        tmp = state_file.with_name(f".{state_file.name}.{os.getpid()}")
-        torch.save(
-            {"head": head.state_dict(), "opt": opt.state_dict(), "step": i, "curve": curve, "spent_s": spent}, tmp
-        )
-        os.replace(tmp, state_file)
+        state = {"head": head.state_dict(), "opt": opt.state_dict(), "step": i, "curve": curve, "spent_s": spent}
+        atomic_write(state_file, lambda f: torch.save(state, f))
 
     head.train()
     t_start = time.perf_counter() - spent
@@ -286,16 +283,14 @@ def evaluate(head, embed, batch_at, idx, vocab_t, steps: int, batch: int) -> dic
 def save_public(head: Eagle3Head, folder: Path, extra: dict | None = None) -> list[str]:
     """Write the head in the public EAGLE-3 layout: config.json + model.safetensors (fp16
     weights; d2t int64, t2d bool), so other tools load it too."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
-    from arborspec.runtime.fileio import atomic_write_json
+    from arborspec.runtime.fileio import atomic_write_bytes, atomic_write_json
 
     folder.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().contiguous() for k, v in head.state_dict().items() if not k.startswith("rotary")}
     sd = {k: (v.half() if v.is_floating_point() else v) for k, v in sd.items()}
-    tmp = folder / f".model.safetensors.{os.getpid()}"
-    save_file(sd, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, folder / "model.safetensors")
+    atomic_write_bytes(folder / "model.safetensors", save(sd, metadata={"format": "pt"}))
     cfg = head.config.to_json()
     if extra:
         cfg.update(extra)

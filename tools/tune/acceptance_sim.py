@@ -28,7 +28,7 @@ def causal_chunks(n: int, step: int):
 
 def draft_topk_ranks(draft, seq: list[int], k: int, chunk: int = 128) -> torch.Tensor:
     """rank[j] (j >= 1) of seq[j] among the draft's top-k given seq[:j] (k when not in it)."""
-    from arborspec.runtime.drafts import BigramDraft
+    from arborspec.runtime.drafts.bigram import BigramDraft
     from arborspec.runtime.kvcache import KVCache
 
     n = len(seq)
@@ -163,8 +163,7 @@ def source_depth_ranks(target, draft, seq: list[int], start: int, k: int, max_de
     no path, so the source's state after root r is the state decoding has there. Exact for
     sources whose candidates depend on the path (lookup, a mixed draft); one draft call per
     depth per position, so it is for calibration-sized runs (a few hundred positions)."""
-    from arborspec.runtime.drafting import _to_target
-    from arborspec.runtime.drafts import NodeView
+    from arborspec.runtime.drafts.base import NodeView, to_target
     from arborspec.runtime.trees import ChainTree, Tree
 
     n = len(seq)
@@ -179,7 +178,7 @@ def source_depth_ranks(target, draft, seq: list[int], start: int, k: int, max_de
         out = draft.start_topk(seq[r], k)
         for d in range(1, max_depth + 1):
             j = r + d
-            hit = (_to_target(out.indices[-1], tmap) == seq[j]).nonzero()
+            hit = (to_target(out.indices[-1], tmap) == seq[j]).nonzero()
             ranks[d - 1, j] = int(hit[0, 0]) if hit.numel() else k
             if not hit.numel() or d == max_depth or j + 1 >= n:
                 break
@@ -205,7 +204,7 @@ def measure_acceptance(
     """Sequoia's positional acceptance vector, per depth, from greedy decoding of the prompts.
     `runs` (not JSON: tune drops it) keeps each prompt's ranks for `simulated_tokens_per_step`."""
     from arborspec.runtime.decode import SpeculativeDecoder
-    from arborspec.runtime.drafts import BigramDraft
+    from arborspec.runtime.drafts.bigram import BigramDraft
 
     dec = SpeculativeDecoder(target, mode="vanilla")
     # fast paths: an EAGLE-3 head (many positions per head call), a model engine or a bigram

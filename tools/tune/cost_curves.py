@@ -82,8 +82,8 @@ def engine_cost_curve(engine, sizes: Sequence[int], past: int = 256, reps: int =
 
 def draft_cost_curve(draft, sizes: Sequence[int], past: int = 256, reps: int = 5, progress=None) -> dict:
     """{F: ms} of one draft level call over F frontier nodes (an engine call, or a table gather)."""
-    from arborspec.runtime.drafts import BigramDraft
-    from arborspec.runtime.lookup import LookupDraft
+    from arborspec.runtime.drafts.bigram import BigramDraft
+    from arborspec.runtime.drafts.lookup import LookupDraft
 
     if isinstance(draft, LookupDraft):  # a table lookup per node, no model
         probe = draft.fork()

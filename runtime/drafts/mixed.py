@@ -2,7 +2,7 @@
 
 Role in one decode step: step 1. Every call asks both sources for the same nodes: the model
 draft (an EAGLE-3 head, a `layers:K` draft, ...) for its distribution p_M, the lookup index
-(runtime/lookup.py) for the continuations of the longest n-gram it finds, p_L. Where lookup
+(runtime/drafts/lookup.py) for the continuations of the longest n-gram it finds, p_L. Where lookup
 finds one, the node's distribution is the mixture q = w * p_L + (1 - w) * p_M; where it finds
 none, q = p_M. So a continuation the text has seen before ranks first, and the model's best
 guesses follow as siblings and fill every node lookup has no opinion on: the tree gets
@@ -18,26 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from .drafting import _full_vocab, _to_target
-from .drafts import DraftSource, NodeView, TopK
-from .errors import InputError
-from .lookup import LookupDraft, parse_lookup_spec
+from ..errors import InputError
+from .base import DraftSource, NodeView, TopK, full_vocab, to_target
+from .lookup import LookupDraft
 
 LOOKUP_WEIGHT = 0.5  # w: the lookup's share of q where it finds a continuation
-
-
-def split_mix_spec(spec: str | None) -> tuple[str, int] | None:
-    """`BASE+lookup[:N]` -> (BASE, N); None for a spec without `+`. One line for a bad one."""
-    if not spec or "+" not in spec:
-        return None
-    base, _, look = spec.strip().rpartition("+")
-    n = parse_lookup_spec(look)
-    if n is None or not base.strip() or parse_lookup_spec(base) is not None:
-        raise InputError(
-            f"bad draft spec {spec!r}: a mixed draft is BASE+lookup[:N] with a model draft as BASE "
-            "(e.g. eagle3+lookup, export+lookup:4)"
-        )
-    return base.strip(), n
 
 
 class LookupMixDraft(DraftSource):
@@ -89,7 +74,7 @@ class LookupMixDraft(DraftSource):
     # ------------------------------------------------------------------ full rows
     def _mix_rows(self, model_logits: torch.Tensor, lookup_logp: torch.Tensor) -> torch.Tensor:
         """log q [F, V_target] from the model's logits [F, V_draft] and lookup's log-probs."""
-        pm = _full_vocab(torch.softmax(model_logits.float().cpu(), -1), self._tmap, self.vocab_size)
+        pm = full_vocab(torch.softmax(model_logits.float().cpu(), -1), self._tmap, self.vocab_size)
         pl = torch.exp(lookup_logp.float())  # 0 where lookup has nothing
         hit = (pl.sum(-1, keepdim=True) > 0).float()
         w = self.weight * hit
@@ -105,7 +90,7 @@ class LookupMixDraft(DraftSource):
     def _mix_topk(self, m: TopK, lk: TopK, k: int) -> TopK:
         """The top-k of q among both sources' top-k candidates (vectorised over rows; duplicate
         tokens merged): values log q (a lower bound where a source's tail is cut off)."""
-        mt = _to_target(m.indices.cpu(), self._tmap)
+        mt = to_target(m.indices.cpu(), self._tmap)
         mp = torch.exp(m.values.float().cpu())
         lp = torch.exp(lk.values.float().cpu())  # 0 for missing entries
         lt = torch.where(lp > 0, lk.indices.cpu(), torch.full_like(lk.indices.cpu(), -1))

@@ -11,7 +11,7 @@ reused every step.
 The level loop is written as a generator of `DraftCall` requests (`tree_builder`): `draft_tree`
 answers each request at once with the sequence's own draft source; a batch driver
 (runtime/batch_decode.py) gathers one request from every sequence and answers them all with one
-draft call (runtime/batch_drafts.py), so B trees cost one draft call per level.
+draft call (runtime/drafts/batched.py), so B trees cost one draft call per level.
 
 Candidates: `topk` (deterministic: the policy's top children), `sample` (i.i.d. draws from the
 draft, with replacement) or `sample-unique` (draws without replacement, by the Gumbel-top-k
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .drafts import DraftSource, NodeView, topk_of, tree_capacity
-from .errors import InputError
-from .sampling import SamplingParams, warp_logits
-from .tree_plan import PLANNED_KINDS, plan_for
-from .trees import Tree, TreePolicy
+from ..errors import InputError
+from ..sampling import SamplingParams, warp_logits
+from ..tree_plan import PLANNED_KINDS, plan_for
+from ..trees import Tree, TreePolicy
+from .base import DraftSource, NodeView, full_vocab, to_target, topk_of, tree_capacity
 
 CANDIDATE_MODES = ("topk", "sample", "sample-unique")
 
@@ -80,18 +80,6 @@ class TreeWorkspace:
 def _gumbel(shape, rng) -> torch.Tensor:
     u = torch.rand(shape, generator=rng).clamp_(1e-20, 1.0)
     return -torch.log(-torch.log(u))
-
-
-def _to_target(toks: torch.Tensor, token_map: torch.Tensor | None) -> torch.Tensor:
-    return toks if token_map is None else token_map[toks]
-
-
-def _full_vocab(q: torch.Tensor, token_map: torch.Tensor | None, out_vocab: int) -> torch.Tensor:
-    """A draft distribution over the target vocabulary (zeros outside the draft's)."""
-    if token_map is None:
-        return q
-    full = torch.zeros(q.shape[0], out_vocab, dtype=q.dtype, device=q.device)
-    return full.index_copy_(1, token_map.to(q.device), q)
 
 
 @torch.inference_mode()
@@ -173,12 +161,12 @@ def _draft_planned(draft, policy, root, sp, keep_q, out_vocab) -> Tree:
     for li, lv in enumerate(levels):
         if keep_q:
             toks = torch.topk(out, lv.k, dim=-1).indices
-            qs.append(_full_vocab(torch.softmax(warp_logits(out.float(), sp), -1), tmap, out_vocab).cpu())
+            qs.append(full_vocab(torch.softmax(warp_logits(out.float(), sp), -1), tmap, out_vocab).cpu())
             qrow[lv.start : lv.end] = n_q + lv.rows
             n_q += out.shape[0]
         else:
             toks = out.indices[:, : lv.k]
-        tokens[lv.start : lv.end] = _to_target(toks, tmap).cpu()[lv.rows, lv.ranks]
+        tokens[lv.start : lv.end] = to_target(toks, tmap).cpu()[lv.rows, lv.ranks]
         if li == last or lv.frontier.numel() == 0:
             break
         e = lv.end
@@ -205,7 +193,6 @@ def _draft_planned(draft, policy, root, sp, keep_q, out_vocab) -> Tree:
 def _draft_dynamic(draft, policy, root, sp, mode, rng, keep_q, ws: TreeWorkspace, out_vocab) -> Tree:
     vocab = draft.vocab_size
     tmap = draft.token_map
-    tokens, parents, depth, score, qrow, anc = ws.tokens, ws.parents, ws.depth, ws.score, ws.qrow, ws.anc
     topk_only = mode == "topk" and not keep_q  # no full rows needed: the source may fuse top-k
     logprobs = policy.data_dependent
     qs: list[torch.Tensor] = []
@@ -220,56 +207,22 @@ def _draft_dynamic(draft, policy, root, sp, mode, rng, keep_q, ws: TreeWorkspace
     f_score = np.zeros(1, dtype=np.float32)
     for level in range(1, policy.depth + 1):
         k = min(policy.width(level), vocab)
-        if topk_only:
-            vals, toks = out.values[:, :k], out.indices[:, :k]
-        elif mode == "topk":
-            # deterministic candidates: the draft's top-k by raw logits (the ranking does not
-            # depend on the temperature; top-k/top-p only mask a tail that the accept rule
-            # handles), normalised to log-probs (keep_q: analysis and tests)
-            t = topk_of(out, k, True)
-            vals, toks = t.values, t.indices
-            qs.append(_full_vocab(torch.softmax(warp_logits(out, sp), -1), tmap, out_vocab).cpu())
-        else:
-            warped = warp_logits(out, sp)
-            # a table draft may have no opinion at a node (every logit -inf): no candidates there
-            empty = ~torch.isfinite(warped).any(-1, keepdim=True)
-            q = torch.softmax(warped.masked_fill(empty, 0.0), -1)
-            logq = torch.log(q)
-            if mode == "sample":
-                toks = torch.multinomial(q, k, replacement=True, generator=rng)
-            else:  # without replacement: Gumbel-top-k == sequential draws without replacement
-                toks = torch.topk(logq + _gumbel(logq.shape, rng), k, dim=-1).indices
-            vals = logq.gather(1, toks).masked_fill(empty, float("-inf"))
-            qs.append(_full_vocab(q.masked_fill(empty, 0.0), tmap, out_vocab).cpu())
-        vals = vals.float().cpu().numpy()
-        toks = _to_target(toks, tmap).cpu().numpy()
-        scores = f_score[:, None] + vals
-        keep = policy.select(level, scores)
-        if policy.kind != "static":  # a fixed structure keeps its shape; others drop q = 0
-            keep &= np.isfinite(vals)
-        fi, ci = np.nonzero(keep)
-        m = fi.size
-        new = ws.arange[n : n + m]
-        par = frontier[fi]
-        tokens[n : n + m], parents[n : n + m], depth[n : n + m] = toks[fi, ci], par, level
-        score[n : n + m] = scores[fi, ci]
+        vals, toks, q = _candidates(out, k, mode, topk_only, sp, rng, tmap, out_vocab)
+        if q is not None:
+            qs.append(q)
+        n, m, fi = _add_level(ws, policy, level, n, frontier, f_score, vals, to_target(toks, tmap).cpu().numpy())
         if qs:
-            qrow[n : n + m] = n_q + fi
+            ws.qrow[n - m : n] = n_q + fi
             n_q += frontier.size
-        anc[n : n + m] = False
-        has_par = par >= 0
-        anc[new[has_par]] = anc[par[has_par]]
-        anc[new, new] = True
-        n += m
-        expand = policy.expand(level, score[n - m : n]) if m else np.zeros(0, dtype=bool)
-        frontier, f_score = new[expand], score[n - m : n][expand]
+        expand = policy.expand(level, ws.score[n - m : n]) if m else np.zeros(0, dtype=bool)
+        frontier, f_score = ws.arange[n - m : n][expand], ws.score[n - m : n][expand]
         if level == policy.depth or frontier.size == 0:
             break
         nodes = NodeView(
-            torch.from_numpy(tokens[:n]),
-            torch.from_numpy(depth[:n]),
-            torch.from_numpy(parents[:n]),
-            torch.from_numpy(anc[:n, :n]),
+            torch.from_numpy(ws.tokens[:n]),
+            torch.from_numpy(ws.depth[:n]),
+            torch.from_numpy(ws.parents[:n]),
+            torch.from_numpy(ws.anc[:n, :n]),
         )
         fr = torch.from_numpy(frontier)
         if topk_only:
@@ -279,21 +232,73 @@ def _draft_dynamic(draft, policy, root, sp, mode, rng, keep_q, ws: TreeWorkspace
         else:
             out = (yield DraftCall("expand", nodes=nodes, frontier=fr)).float()
         calls += 1
-    keep = policy.finalize(score[:n], depth[:n])
+    return _final_tree(ws, policy, n, qs, mode, calls)
+
+
+def _candidates(out, k: int, mode: str, topk_only: bool, sp, rng, tmap, out_vocab):
+    """One level's candidates from the draft's answer: (values [F, k] log-probs or logits,
+    draft ids [F, k], the rows' draft distribution q over the target vocabulary or None)."""
+    if topk_only:
+        return out.values[:, :k], out.indices[:, :k], None
+    if mode == "topk":
+        # deterministic candidates: the draft's top-k by raw logits (the ranking does not
+        # depend on the temperature; top-k/top-p only mask a tail that the accept rule
+        # handles), normalised to log-probs (keep_q: analysis and tests)
+        t = topk_of(out, k, True)
+        return t.values, t.indices, full_vocab(torch.softmax(warp_logits(out, sp), -1), tmap, out_vocab).cpu()
+    warped = warp_logits(out, sp)
+    # a table draft may have no opinion at a node (every logit -inf): no candidates there
+    empty = ~torch.isfinite(warped).any(-1, keepdim=True)
+    q = torch.softmax(warped.masked_fill(empty, 0.0), -1)
+    logq = torch.log(q)
+    if mode == "sample":
+        toks = torch.multinomial(q, k, replacement=True, generator=rng)
+    else:  # without replacement: Gumbel-top-k == sequential draws without replacement
+        toks = torch.topk(logq + _gumbel(logq.shape, rng), k, dim=-1).indices
+    vals = logq.gather(1, toks).masked_fill(empty, float("-inf"))
+    return vals, toks, full_vocab(q.masked_fill(empty, 0.0), tmap, out_vocab).cpu()
+
+
+def _add_level(ws: TreeWorkspace, policy, level: int, n: int, frontier, f_score, vals, toks):
+    """Append the candidates the policy keeps at `level` to the workspace's nodes [0, n): their
+    tokens, parents, depth, cumulative scores and ancestor rows. -> (new n, nodes added m,
+    each new node's frontier row)."""
+    vals = vals.float().cpu().numpy()
+    scores = f_score[:, None] + vals
+    keep = policy.select(level, scores)
+    if policy.kind != "static":  # a fixed structure keeps its shape; others drop q = 0
+        keep &= np.isfinite(vals)
+    fi, ci = np.nonzero(keep)
+    m = fi.size
+    new = ws.arange[n : n + m]
+    par = frontier[fi]
+    ws.tokens[n : n + m], ws.parents[n : n + m], ws.depth[n : n + m] = toks[fi, ci], par, level
+    ws.score[n : n + m] = scores[fi, ci]
+    anc = ws.anc
+    anc[n : n + m] = False
+    has_par = par >= 0
+    anc[new[has_par]] = anc[par[has_par]]
+    anc[new, new] = True
+    return n + m, m, fi
+
+
+def _final_tree(ws: TreeWorkspace, policy, n: int, qs: list, mode: str, calls: int) -> Tree:
+    """The policy's final pruning of the workspace's n nodes, as a Tree (parents renumbered)."""
+    keep = policy.finalize(ws.score[:n], ws.depth[:n])
     idx = ws.arange[:n] if keep is None else np.nonzero(keep)[0]  # ancestor-closed, in order
-    par = parents[idx]
+    par = ws.parents[idx]
     if keep is not None:  # renumber parents after the final pruning
         remap = np.full(n, -1, dtype=np.int64)
         remap[idx] = np.arange(idx.size)
         par = np.where(par >= 0, remap[np.maximum(par, 0)], par)
     return Tree(
-        torch.from_numpy(tokens[idx]),
+        torch.from_numpy(ws.tokens[idx]),
         torch.from_numpy(par),
-        torch.from_numpy(depth[idx]),
-        torch.from_numpy(score[idx]),
-        torch.from_numpy(anc[np.ix_(idx, idx)]),
+        torch.from_numpy(ws.depth[idx]),
+        torch.from_numpy(ws.score[idx]),
+        torch.from_numpy(ws.anc[np.ix_(idx, idx)]),
         torch.from_numpy(idx.copy()),
-        torch.from_numpy(qrow[idx]) if qs else torch.full((idx.size,), -1, dtype=torch.long),
+        torch.from_numpy(ws.qrow[idx]) if qs else torch.full((idx.size,), -1, dtype=torch.long),
         torch.cat(qs) if qs else None,
         mode,
         calls,

@@ -11,22 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .drafts import DraftSource, NodeView, TopK, topk_of
-from .errors import InputError
-
-
-def parse_lookup_spec(spec: str | None) -> int | None:
-    """`lookup` / `lookup:N` (n <= N) -> N; anything else -> None."""
-    if not spec or not spec.strip().lower().startswith("lookup"):
-        return None
-    _, _, n = spec.strip().partition(":")
-    try:
-        n = int(n) if n else 3
-    except ValueError:
-        raise InputError(f"bad draft spec {spec!r}: expected lookup or lookup:N") from None
-    if n < 1:
-        raise InputError(f"bad draft spec {spec!r}: N must be >= 1")
-    return n
+from ..errors import InputError
+from .base import DraftSource, NodeView, TopK, topk_of
 
 
 class LookupDraft(DraftSource):

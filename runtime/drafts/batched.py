@@ -1,7 +1,7 @@
 """One draft call per tree level for a whole batch: a model draft with one B-row cache.
 
 Role in one decode step: step 1 for batched decoding (runtime/batch_decode.py). Every sequence
-builds its tree with its own level loop (runtime/drafting.tree_builder); the batch driver
+builds its tree with its own level loop (runtime/drafts/tree_builder.py); the batch driver
 collects one `DraftCall` from each sequence per level and `BatchedModelDraft.answer` runs them
 as ONE engine call: row b carries sequence b's chain (its pending tokens and root) at the start,
 or its frontier at a deeper level, padded to the batch's widest; padding rows see only
@@ -21,13 +21,11 @@ import time
 import numpy as np
 import torch
 
-from .batch_decode import padded_call, release_row, sized_cache
-from .decode import causal_prefill
-from .drafting import DraftCall
-from .drafts import DraftSource, topk_of
-from .kvcache import KVCache
-from .tree_plan import causal_block
-from .trees import Tree, TreePolicy
+from ..kvcache import KVCache, release_row, sized_cache
+from ..tree_plan import causal_block, causal_prefill, padded_call
+from ..trees import Tree, TreePolicy
+from .base import DraftSource, topk_of, tree_capacity
+from .tree_builder import DraftCall
 
 
 class RowDraft(DraftSource):
@@ -49,8 +47,6 @@ class RowDraft(DraftSource):
         return self.batch.model_s
 
     def prepare(self, policy: TreePolicy, max_len: int) -> None:
-        from .drafts import tree_capacity
-
         cap = tree_capacity(policy, self.vocab_size)
         if self.col.size < cap:
             self.col = np.full(cap, -1, dtype=np.int64)
@@ -88,7 +84,7 @@ class BatchedModelDraft:
         self.rows: list[RowDraft] = []  # rows[i].row == i
         self.cache: KVCache | None = None
         self._scratch: KVCache | None = None
-        self._row_views = bool(getattr(engine, "row_views", False))
+        self._row_views = engine.caps.row_views
         self._gather: list = []  # queued commits: (row, dst0, src positions)
         self.model_s = 0.0
         self.calls = 0

@@ -37,11 +37,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import contract as C
-from .drafts import DraftSource, NodeView, scratch_mask, tree_capacity
-from .kvcache import KVCache
-from .tree_plan import MaskBuffer, run_chain
-from .trees import Tree, TreePolicy
+from .. import contract as C
+from ..kvcache import KVCache
+from ..tree_plan import MaskBuffer, run_chain
+from ..trees import Tree, TreePolicy
+from .base import DraftSource, NodeView, scratch_mask, tree_capacity
 
 
 class Eagle3Draft(DraftSource):
@@ -62,8 +62,8 @@ class Eagle3Draft(DraftSource):
     ):
         """head: a head engine (TorchEagle3Head, OrtEagle3Head), or a torch EAGLE-3 module with
         `embed` (the target's token embeddings), wrapped in a TorchEagle3Head."""
-        if not hasattr(head, "forward_hidden"):
-            from .backends.torch_backend import TorchEagle3Head
+        if isinstance(head, torch.nn.Module):
+            from ..backends.torch_backend import TorchEagle3Head
 
             if embed is None:
                 raise ValueError("Eagle3Draft(module, embed): a torch head needs the target's token embeddings")
@@ -192,7 +192,7 @@ class Eagle3Draft(DraftSource):
 
 def token_map_from_metadata(meta: dict, where, vocab_size: int) -> torch.Tensor:
     """Draft id -> target id from a head graph's metadata (base64 int64 offsets, META_D2T)."""
-    from .errors import ExportDirError
+    from ..errors import ExportDirError
 
     try:
         d2t = np.frombuffer(base64.b64decode(meta[C.META_D2T]), dtype="<i8").astype(np.int64)
@@ -207,7 +207,7 @@ class OrtProjection:
     """`draft_fc.onnx`: target features [N, F] -> the head's hidden input [N, H]."""
 
     def __init__(self, path: str | Path):
-        from .backends.onnxruntime import _import_ort, new_session_options
+        from ..backends.onnxruntime import _import_ort, new_session_options
 
         ort = _import_ort()
         self.session = ort.InferenceSession(str(path), new_session_options(ort), providers=["CPUExecutionProvider"])
@@ -242,8 +242,8 @@ class OrtEagle3Head(_HeadEngines):
     OrtProjection, d2t from the graph's metadata."""
 
     def __init__(self, layer_path: str | Path, fc_path: str | Path, device: str | torch.device = "cpu"):
-        from .backends.onnxruntime import OrtEngine
-        from .errors import ExportDirError
+        from ..backends.onnxruntime import OrtEngine
+        from ..errors import ExportDirError
 
         self.layer = OrtEngine(layer_path, device=device)
         if not self.layer.has_hidden_in:
@@ -267,8 +267,8 @@ class TrtEagle3Head(_HeadEngines):
     def __init__(self, layer_engine: str | Path, fc_engine: str | Path, device: str | torch.device = "cuda"):
         import json
 
-        from .backends.tensorrt import TrtEngine, TrtProjection
-        from .errors import ExportDirError
+        from ..backends.tensorrt import TrtEngine, TrtProjection
+        from ..errors import ExportDirError
 
         self.layer = TrtEngine(layer_engine, device=device)
         try:
