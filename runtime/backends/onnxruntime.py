@@ -23,6 +23,7 @@ import torch
 from .. import contract as C
 from ..errors import DeviceError, EngineError, ExportDirError, InputError, MissingFileError
 from ..kvcache import CacheSpec, KVCache
+from . import row_layout
 from .base import EngineBase, EngineInfo, check_call
 
 _ORT_TYPES = C.ORT_TYPES
@@ -143,6 +144,7 @@ class OrtEngine(EngineBase):
         device: str | torch.device = "cpu",
         session_options=None,
         spinning: bool = False,
+        row_invariant: bool | None = None,
     ):
         """spinning: with per-session thread pools only (`new_session_options`), let this
         session's threads spin-wait between runs (faster when no other session runs between its
@@ -256,6 +258,12 @@ class OrtEngine(EngineBase):
         self.batched_trees = self.kv_layout != "bhsd"
         # one-token rows of a batch may each attend over their own length (C.META_RAGGED_ROWS)
         self.ragged_rows = meta.get(C.META_RAGGED_ROWS) == "1"
+        # target graphs of the in-place layout lay every call out row-invariantly (row_layout.py)
+        self.row_invariant = (
+            (meta.get(C.META_ROLE) == "target" if row_invariant is None else row_invariant)
+            and self.kv_layout == "bhsd"
+            and not self.has_hidden_in
+        )
         self.info = EngineInfo(
             vocab_size=int(cfg["vocab_size"]),
             max_position=int(cfg["max_position"]),
@@ -337,10 +345,14 @@ class OrtEngine(EngineBase):
         _, vals, ids, _ = self._run(input_ids, position_ids, mask, cache, k)
         return vals[..., :k], ids[..., :k]
 
-    def _run(self, input_ids, position_ids, mask, cache: KVCache, k: int | None, hidden=None):
+    def _run(self, input_ids, position_ids, mask, cache: KVCache, k: int | None, hidden=None, laid_out=False):
         self._check(input_ids, position_ids, mask, cache)
         b, t = input_ids.shape
         p = cache.length
+        if self.row_invariant and not laid_out and b == 1 and p > 0:
+            out = self._run_laid_out(input_ids, position_ids, mask, cache, k)
+            if out is not None:
+                return out
         if self.has_hidden_in:
             if hidden is None:
                 raise EngineError(f"{self.path.name} is an EAGLE-3 head graph: call forward_hidden")
@@ -388,6 +400,52 @@ class OrtEngine(EngineBase):
         # keep the bound tensors alive until the run has finished
         del ids, pos, msk, hidden
         return logits, vals, idx, feats
+
+    def _run_laid_out(self, input_ids, position_ids, mask, cache: KVCache, k: int | None):
+        """The call in row_layout's row-invariant layout (dummy rows where a node's column must
+        match its position modulo 16; a one-row call gets a second row), or one chain call per
+        root-to-leaf path when no such layout fits; None when the call needs no change."""
+        p, t = cache.length, input_ids.shape[1]
+        anc = row_layout.ancestors(mask, p)
+        rows = row_layout.slots(position_ids[0], anc, p)
+        if rows is not None and t > 1 and rows == list(range(t)):
+            return None
+        if rows is None or p + max(max(rows) + 1, 2) > cache.max_len:
+            return self._run_paths(input_ids, position_ids, mask, cache, k, anc)
+        ids, pos, m = row_layout.padded_call(input_ids, position_ids, mask, p, rows)
+        out = self._run(ids, pos, m, cache, k, None, laid_out=True)
+        row_layout.move_kv(cache, p, rows)
+        sel = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        return tuple(None if x is None else x.index_select(1, sel) for x in out)
+
+    def _run_paths(self, input_ids, position_ids, mask, cache: KVCache, k: int | None, anc):
+        """A tree verified as one chain call per root-to-leaf path (each node at the column it
+        commits to: row-invariant at any P, at the price of one call per leaf). None when the
+        nodes are not a tree rooted at position P (the plain call then runs)."""
+        p, t = cache.length, input_ids.shape[1]
+        pos = position_ids[0]
+        todo = row_layout.paths(anc)
+        if any(pos[path].tolist() != list(range(p, p + len(path))) for path in todo):
+            return None
+        outs: list = [None] * 4
+        kv = torch.empty((2, *cache.k.shape[:3], t, cache.k.shape[4]), dtype=cache.k.dtype, device=cache.k.device)
+        for path in todo:
+            idx = torch.as_tensor(path, dtype=torch.long, device=self.device)
+            call = row_layout.padded_call(
+                input_ids[:, idx], position_ids[:, idx], mask[:, idx][:, :, list(range(p)) + [p + j for j in path]],
+                p, list(range(len(path)))
+            )
+            res = self._run(*call, cache, k, None, laid_out=True)
+            for i, x in enumerate(res):
+                if x is not None:
+                    if outs[i] is None:
+                        outs[i] = x.new_empty((x.shape[0], t, *x.shape[2:]))
+                    outs[i][:, idx] = x[:, : len(path)]
+            kv[0][..., idx, :] = cache.k[:, :, :, p : p + len(path)]
+            kv[1][..., idx, :] = cache.v[:, :, :, p : p + len(path)]
+        cache.k[:, :, :, p : p + t] = kv[0]
+        cache.v[:, :, :, p : p + t] = kv[1]
+        return tuple(outs)
 
     def _binding(self, cache: KVCache, p: int, t: int):
         """An IOBinding with the cache bound. bhsd: each layer's whole slab is both input and

@@ -1,0 +1,108 @@
+"""Row-invariant verify layout for ONNX Runtime's GroupQueryAttention (CPU): where each row of a
+call goes so that its logits and K/V are bit-identical to vanilla decoding's.
+
+Role in one decode step: the ONNX Runtime engine (backends/onnxruntime.py) passes every target
+call through `plan` before running it; vanilla steps, prefills and verify calls then all take
+the same arithmetic path, so greedy tree == vanilla holds by construction, not by luck.
+
+Measured on ONNX Runtime 1.32's CPU kernel (tools/bench/row_invariance.py; the int8-activation
+int4 export turns any last-bit difference into whole logits, the fp32 export shows ~1e-5):
+
+* a one-row call takes another path than a call of two or more rows (the 1-row matrix-vector
+  kernels), so a one-row call gets a dummy second row that sees only the cache and itself;
+* the attention's reductions over keys run in 16 fp32 lanes, so a key's contribution depends
+  on its column modulo 16: a tree node verified g rows after its parent gets other logits than
+  the same token decoded after its parent unless g is a multiple of 16. Each node therefore
+  sits at a column congruent (mod 16) to the position it will be committed to (its
+  position id): node rows are spread over "bands" of 16 rows, a node at depth d in band r sits
+  at row 16 r + (P + d - P) mod 16 ... i.e. slot s with P + s = position (mod 16), its parent in
+  the same or an earlier band; the free slots are dummy rows. A chain needs no dummy rows, a
+  tree of greatest level width w needs about 16 (w - 1) + depth + 1 rows;
+* the matrix product over keys is cut into chunks of CHUNK columns, so a node also stays in
+  the CHUNK-aligned block of its committed position (else the plan gives up: None).
+
+The engine runs the padded call, returns the logits of the node rows in the caller's order and
+moves each node's K/V from its slot to P + its index (what the caller expects).
+"""
+
+from __future__ import annotations
+
+import torch
+
+LANES = 16
+CHUNK = 256
+
+
+def ancestors(mask: torch.Tensor, p: int) -> torch.Tensor:
+    """The new-token block [T, T] of a one-sequence mask [1, T, P+T]."""
+    return mask[0, :, p:]
+
+
+def slots(pos: torch.Tensor, anc: torch.Tensor, p: int) -> list[int] | None:
+    """Row of each node (caller order) in the padded call, or None when no layout keeps every
+    node's column congruent to its position and inside its CHUNK block. pos: [T] position ids;
+    anc: [T, T] bool, row j = j's ancestors and itself (parents before children)."""
+    t = len(pos)
+    pos_l = pos.tolist()
+    if all(pos_l[j] == p + j for j in range(t)) and bool(torch.equal(anc, torch.ones(t, t, dtype=torch.bool).tril())):
+        return list(range(t))  # a causal chain at its own positions: every row is where it commits
+    eye = torch.eye(t, dtype=torch.bool)
+    strict = (anc & ~eye).to(torch.int64)
+    # parent: the latest strict ancestor (ancestors form a chain in topological order)
+    idx = torch.arange(t)
+    parent = torch.where(strict.any(1), (strict * idx).argmax(1), torch.full((t,), -1)).tolist()
+    heavy = anc.sum(0).tolist()  # 1 + descendants: heavier subtrees take the lower bands
+    band = [0] * t
+    taken: dict[int, set] = {}  # residue -> bands in use
+    out = [0] * t
+    for j in sorted(range(t), key=lambda j: (pos_l[j], -heavy[j])):  # parents first
+        r = (pos_l[j] - p) % LANES
+        b = 0
+        if parent[j] >= 0:  # the parent's row must come first
+            b = band[parent[j]] + (out[parent[j]] % LANES >= r)
+        used = taken.setdefault(r, set())
+        while b in used:
+            b += 1
+        used.add(b)
+        band[j], out[j] = b, b * LANES + r
+        if (p + out[j]) // CHUNK != pos_l[j] // CHUNK:
+            return None
+    return out
+
+
+def padded_call(input_ids, position_ids, mask, p: int, rows: list[int]):
+    """The padded call's (ids, positions, mask) [1, R, ...] for node rows `rows` (R = max + 1,
+    at least 2): node j at row rows[j] with its mask columns moved with it; the dummy rows see
+    the cache and themselves (token 0 at position P)."""
+    r = max(max(rows) + 1, 2)
+    dev = input_ids.device
+    idx = torch.as_tensor(rows, dtype=torch.long, device=dev)
+    ids = torch.zeros(1, r, dtype=input_ids.dtype, device=dev)
+    ids[0, idx] = input_ids[0]
+    pos = torch.full((1, r), p, dtype=position_ids.dtype, device=dev)
+    pos[0, idx] = position_ids[0]
+    m = torch.zeros(1, r, p + r, dtype=torch.bool, device=dev)
+    m[0, :, :p] = True
+    m[0, torch.arange(r, device=dev), p + torch.arange(r, device=dev)] = True  # every row sees itself
+    new = torch.zeros(len(rows), r, dtype=torch.bool, device=dev)
+    new[:, idx] = ancestors(mask, p)
+    m[0, idx, p:] = new
+    m[0, idx, :p] = mask[0, :, :p]
+    return ids, pos, m
+
+
+def move_kv(cache, p: int, rows: list[int]) -> None:
+    """Node j's K/V from column P + rows[j] to P + j (bhsd cache, batch row 0), all layers."""
+    t = len(rows)
+    if rows == list(range(t)):
+        return
+    src = torch.as_tensor(rows, dtype=torch.long, device=cache.k.device) + p
+    for x in (cache.k, cache.v):
+        x[:, :, :, p : p + t] = x.index_select(3, src)
+
+
+def paths(anc: torch.Tensor) -> list[list[int]]:
+    """Root-to-leaf paths (node indices, root first) covering every node of the tree [T, T]."""
+    t = anc.shape[0]
+    leaf = (anc.sum(0) == 1).tolist()  # an ancestor of nobody but itself
+    return [anc[j].nonzero().flatten().tolist() for j in range(t) if leaf[j]]
