@@ -407,6 +407,8 @@ class OrtEngine(EngineBase):
         root-to-leaf path when no such layout fits; None when the call needs no change."""
         p, t = cache.length, input_ids.shape[1]
         anc = row_layout.ancestors(mask, p)
+        if not bool(mask[0, :, :p].all()) or row_layout.parents(anc) is None:
+            return None  # not one tree over the whole cache (a cost probe, a ragged row): run it as it is
         rows = row_layout.slots(position_ids[0], anc, p)
         if rows is not None and t > 1 and rows == list(range(t)):
             return None

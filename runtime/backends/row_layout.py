@@ -2,7 +2,7 @@
 call goes so that its logits and K/V are bit-identical to vanilla decoding's.
 
 Role in one decode step: the ONNX Runtime engine (backends/onnxruntime.py) passes every target
-call through `plan` before running it; vanilla steps, prefills and verify calls then all take
+call through this layout before running it; vanilla steps, prefills and verify calls then all take
 the same arithmetic path, so greedy tree == vanilla holds by construction, not by luck.
 
 Measured on ONNX Runtime 1.32's CPU kernel (tools/bench/row_invariance.py; the int8-activation
@@ -10,16 +10,17 @@ int4 export turns any last-bit difference into whole logits, the fp32 export sho
 
 * a one-row call takes another path than a call of two or more rows (the 1-row matrix-vector
   kernels), so a one-row call gets a dummy second row that sees only the cache and itself;
-* the attention's reductions over keys run in 16 fp32 lanes, so a key's contribution depends
-  on its column modulo 16: a tree node verified g rows after its parent gets other logits than
-  the same token decoded after its parent unless g is a multiple of 16. Each node therefore
-  sits at a column congruent (mod 16) to the position it will be committed to (its
-  position id): node rows are spread over "bands" of 16 rows, a node at depth d in band r sits
-  at row 16 r + (P + d - P) mod 16 ... i.e. slot s with P + s = position (mod 16), its parent in
-  the same or an earlier band; the free slots are dummy rows. A chain needs no dummy rows, a
-  tree of greatest level width w needs about 16 (w - 1) + depth + 1 rows;
-* the matrix product over keys is cut into chunks of CHUNK columns, so a node also stays in
-  the CHUNK-aligned block of its committed position (else the plan gives up: None).
+* the attention's sum of exponentials runs in 16 fp32 lanes (MLAS's softmax kernel), so a key's
+  contribution depends on its column modulo 16: a node verified g rows after its parent gets
+  other logits than the same token decoded right after its parent unless g = 0 (mod 16). So
+  each node sits at a row s with P + s = its position (mod 16). Rows come in bands of 16: a
+  node at depth d takes row 16 b + d (mod 16) in the lowest free band b at or after its
+  parent's (heavier subtrees first); the free rows are dummy rows. A chain needs none; a tree
+  whose widest level has w nodes needs about 16 (w - 1) + depth + 1 rows;
+* the product of the probabilities with V is cut into chunks of CHUNK = 256 keys (MLAS SGEMM's
+  K stride for N = head size 64), so a node also stays in the 256-block of its committed
+  position. Where no layout does (a 256 boundary inside the tree's rows) or it does not fit
+  the cache, the engine verifies the tree as one chain call per root-to-leaf path instead.
 
 The engine runs the padded call, returns the logits of the node rows in the caller's order and
 moves each node's K/V from its slot to P + its index (what the caller expects).
@@ -38,6 +39,20 @@ def ancestors(mask: torch.Tensor, p: int) -> torch.Tensor:
     return mask[0, :, p:]
 
 
+def parents(anc: torch.Tensor) -> torch.Tensor | None:
+    """Each node's parent (-1 for a root) when `anc` [T, T] is a tree mask in topological order
+    (row j = j's ancestors and itself, each ancestor set a chain), else None."""
+    t = anc.shape[0]
+    eye = torch.eye(t, dtype=torch.bool, device=anc.device)
+    if not bool(anc.diagonal().all()) or bool((anc & ~eye).triu().any()):
+        return None
+    strict = (anc & ~eye).to(torch.int64)
+    idx = torch.arange(t, device=anc.device)
+    par = torch.where(strict.any(1), (strict * idx).argmax(1), torch.full_like(idx, -1))
+    expect = torch.where((par >= 0)[:, None], anc[par.clamp(min=0)], torch.zeros_like(anc)) | eye
+    return par if bool(torch.equal(expect, anc)) else None
+
+
 def slots(pos: torch.Tensor, anc: torch.Tensor, p: int) -> list[int] | None:
     """Row of each node (caller order) in the padded call, or None when no layout keeps every
     node's column congruent to its position and inside its CHUNK block. pos: [T] position ids;
@@ -46,11 +61,10 @@ def slots(pos: torch.Tensor, anc: torch.Tensor, p: int) -> list[int] | None:
     pos_l = pos.tolist()
     if all(pos_l[j] == p + j for j in range(t)) and bool(torch.equal(anc, torch.ones(t, t, dtype=torch.bool).tril())):
         return list(range(t))  # a causal chain at its own positions: every row is where it commits
-    eye = torch.eye(t, dtype=torch.bool)
-    strict = (anc & ~eye).to(torch.int64)
-    # parent: the latest strict ancestor (ancestors form a chain in topological order)
-    idx = torch.arange(t)
-    parent = torch.where(strict.any(1), (strict * idx).argmax(1), torch.full((t,), -1)).tolist()
+    par = parents(anc)
+    if par is None:
+        return None
+    parent = par.tolist()
     heavy = anc.sum(0).tolist()  # 1 + descendants: heavier subtrees take the lower bands
     band = [0] * t
     taken: dict[int, set] = {}  # residue -> bands in use
