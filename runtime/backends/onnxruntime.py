@@ -264,6 +264,8 @@ class OrtEngine(EngineBase):
             and self.kv_layout == "bhsd"
             and not self.has_hidden_in
         )
+        # how a tree is laid out: "auto" (row_layout.choose), "bands" (one padded call), "paths"
+        self.tree_layout = "auto"
         self.info = EngineInfo(
             vocab_size=int(cfg["vocab_size"]),
             max_position=int(cfg["max_position"]),
@@ -412,7 +414,12 @@ class OrtEngine(EngineBase):
         rows = row_layout.slots(position_ids[0], anc, p)
         if rows is not None and t > 1 and rows == list(range(t)):
             return None
-        if rows is None or p + max(max(rows) + 1, 2) > cache.max_len:
+        if (
+            rows is None
+            or p + max(max(rows) + 1, 2) > cache.max_len
+            or self.tree_layout == "paths"
+            or (self.tree_layout == "auto" and t > 1 and row_layout.prefer_paths(rows, anc))
+        ):
             return self._run_paths(input_ids, position_ids, mask, cache, k, anc)
         ids, pos, m = row_layout.padded_call(input_ids, position_ids, mask, p, rows)
         out = self._run(ids, pos, m, cache, k, None, laid_out=True)
@@ -421,30 +428,37 @@ class OrtEngine(EngineBase):
         return tuple(None if x is None else x.index_select(1, sel) for x in out)
 
     def _run_paths(self, input_ids, position_ids, mask, cache: KVCache, k: int | None, anc):
-        """A tree verified as one chain call per root-to-leaf path (each node at the column it
-        commits to: row-invariant at any P, at the price of one call per leaf). None when the
-        nodes are not a tree rooted at position P (the plain call then runs)."""
+        """A tree verified as chain calls, one per root-to-leaf path in depth-first order, each
+        carrying only the nodes below where it leaves the previous path (whose K/V already sit
+        at their committed columns): every node at the column it commits to, row-invariant at
+        any P, one call per leaf. None when the paths do not start at position P."""
         p, t = cache.length, input_ids.shape[1]
-        pos = position_ids[0]
         todo = row_layout.paths(anc)
+        pos = position_ids[0]
         if any(pos[path].tolist() != list(range(p, p + len(path))) for path in todo):
             return None
         outs: list = [None] * 4
         kv = torch.empty((2, *cache.k.shape[:3], t, cache.k.shape[4]), dtype=cache.k.dtype, device=cache.k.device)
-        for path in todo:
-            idx = torch.as_tensor(path, dtype=torch.long, device=self.device)
-            call = row_layout.padded_call(
-                input_ids[:, idx], position_ids[:, idx], mask[:, idx][:, :, list(range(p)) + [p + j for j in path]],
-                p, list(range(len(path)))
-            )
-            res = self._run(*call, cache, k, None, laid_out=True)
-            for i, x in enumerate(res):
-                if x is not None:
-                    if outs[i] is None:
-                        outs[i] = x.new_empty((x.shape[0], t, *x.shape[2:]))
-                    outs[i][:, idx] = x[:, : len(path)]
-            kv[0][..., idx, :] = cache.k[:, :, :, p : p + len(path)]
-            kv[1][..., idx, :] = cache.v[:, :, :, p : p + len(path)]
+        prev: list = []
+        try:
+            for path in todo:
+                b = next((i for i, (x, y) in enumerate(zip(path, prev)) if x != y), min(len(path), len(prev)))
+                prev, new = path, path[b:]
+                cache.length = p + b
+                idx = torch.as_tensor(new, dtype=torch.long, device=self.device)
+                m = torch.ones(1, len(new), p + b, dtype=torch.bool, device=mask.device)
+                m = torch.cat([m, torch.ones(len(new), len(new), dtype=torch.bool, device=mask.device).tril()[None]], 2)
+                call = row_layout.padded_call(input_ids[:, idx], position_ids[:, idx], m, p + b, list(range(len(new))))
+                res = self._run(*call, cache, k, None, laid_out=True)
+                for i, x in enumerate(res):
+                    if x is not None:
+                        if outs[i] is None:
+                            outs[i] = x.new_empty((x.shape[0], t, *x.shape[2:]))
+                        outs[i][:, idx] = x[:, : len(new)]
+                kv[0][..., idx, :] = cache.k[:, :, :, p + b : p + len(path)]
+                kv[1][..., idx, :] = cache.v[:, :, :, p + b : p + len(path)]
+        finally:
+            cache.length = p
         cache.k[:, :, :, p : p + t] = kv[0]
         cache.v[:, :, :, p : p + t] = kv[1]
         return tuple(outs)

@@ -116,7 +116,44 @@ def move_kv(cache, p: int, rows: list[int]) -> None:
 
 
 def paths(anc: torch.Tensor) -> list[list[int]]:
-    """Root-to-leaf paths (node indices, root first) covering every node of the tree [T, T]."""
+    """Root-to-leaf paths (node indices, root first) covering every node of the tree [T, T], in
+    depth-first order (consecutive paths share their longest common prefix)."""
     t = anc.shape[0]
     leaf = (anc.sum(0) == 1).tolist()  # an ancestor of nobody but itself
-    return [anc[j].nonzero().flatten().tolist() for j in range(t) if leaf[j]]
+    return sorted(anc[j].nonzero().flatten().tolist() for j in range(t) if leaf[j])
+
+
+# a call's fixed cost in rows (weights read once per call): c(T) ~ a + b T with a ~ 12-19 b in
+# the tune cost curves of SmolLM2 on this CPU (int4 and fp32 exports)
+CALL_ROWS = 12
+
+
+def path_rows(anc: torch.Tensor) -> list[int]:
+    """Rows of each chain call when the tree is verified path by path (`paths` order; a path
+    carries its nodes below where it leaves the previous one, one-row calls padded to two)."""
+    out, prev = [], []
+    for path in paths(anc):
+        b = next((i for i, (x, y) in enumerate(zip(path, prev)) if x != y), min(len(path), len(prev)))
+        out.append(max(len(path) - b, 2))
+        prev = path
+    return out
+
+
+def prefer_paths(rows: list[int], anc: torch.Tensor) -> bool:
+    """Whether one chain call per path is expected to cost less than the band layout's one call
+    (each call costs CALL_ROWS + its rows)."""
+    calls = path_rows(anc)
+    return CALL_ROWS * len(calls) + sum(calls) < CALL_ROWS + max(rows) + 1
+
+
+def verify_calls(anc: torch.Tensor) -> list[int]:
+    """Rows of the calls the engine makes to verify this tree [T, T] (root first, positions
+    P + depth) where no 256-block boundary is near: what a step's verify costs under the layout."""
+    t = anc.shape[0]
+    depth = anc.sum(1) - 1
+    rows = slots(depth, anc, 0)
+    if rows is not None and t > 1 and rows == list(range(t)):
+        return [t]
+    if rows is None or (t > 1 and prefer_paths(rows, anc)):
+        return path_rows(anc)
+    return [max(max(rows) + 1, 2)]

@@ -52,6 +52,7 @@ from arborspec.tools.tune.cost_curves import draft_cost_curve, engine_cost_curve
 from arborspec.tools.tune.tree_dp import (  # noqa: F401 - the tuning API, re-exported
     DPResult,
     choose_tree,
+    layout_calls,
     interp,
     level_frontiers,
     sequoia_dp,
@@ -254,7 +255,13 @@ def tune(models, key: ModelsKey, opts: TuneOptions | None = None, progress: bool
     )
     runs = acc.pop("runs")
     choice = choose_tree(
-        acc["q"], verify, dcost, max_nodes, opts.max_depth, lambda paths: simulated_tokens_per_step(runs, paths)
+        acc["q"],
+        verify,
+        dcost,
+        max_nodes,
+        opts.max_depth,
+        lambda paths: simulated_tokens_per_step(runs, paths),
+        layout_calls if getattr(target, "row_invariant", False) else None,
     )
     loop = price_in_loop(target, draft, choice, prompts, eos, opts.loop_candidates, opts.loop_tokens, bar)
     best = choice["best"]
