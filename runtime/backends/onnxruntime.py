@@ -125,6 +125,18 @@ def new_session_options(ort, spinning: bool = False):
     return so
 
 
+ROW_LAYOUT_ENV = "ARBORSPEC_ORT_ROW_LAYOUT"
+
+
+def row_layout_env() -> bool:
+    """Whether target engines use the row-invariant layout (ARBORSPEC_ORT_ROW_LAYOUT: 1, the
+    default, or 0)."""
+    env = os.environ.get(ROW_LAYOUT_ENV, "").strip()
+    if env not in ("", "0", "1"):
+        raise InputError(f"{ROW_LAYOUT_ENV} must be 0 or 1, got {env!r}")
+    return env != "0"
+
+
 def _int8_qdq(meta: dict) -> bool:
     """Whether the graph's metadata says it holds 8-bit QDQ weights (export/qdq.py)."""
     try:
@@ -258,9 +270,12 @@ class OrtEngine(EngineBase):
         self.batched_trees = self.kv_layout != "bhsd"
         # one-token rows of a batch may each attend over their own length (C.META_RAGGED_ROWS)
         self.ragged_rows = meta.get(C.META_RAGGED_ROWS) == "1"
-        # target graphs of the in-place layout lay every call out row-invariantly (row_layout.py)
+        # target graphs of the in-place layout lay every call out row-invariantly (row_layout.py);
+        # ARBORSPEC_ORT_ROW_LAYOUT=0 turns that off (faster one-token calls, inexact speculation)
+        if row_invariant is None:
+            row_invariant = meta.get(C.META_ROLE) == "target" and row_layout_env()
         self.row_invariant = (
-            (meta.get(C.META_ROLE) == "target" if row_invariant is None else row_invariant)
+            row_invariant
             and self.kv_layout == "bhsd"
             and not self.has_hidden_in
         )

@@ -52,8 +52,8 @@ from arborspec.tools.tune.cost_curves import draft_cost_curve, engine_cost_curve
 from arborspec.tools.tune.tree_dp import (  # noqa: F401 - the tuning API, re-exported
     DPResult,
     choose_tree,
-    layout_calls,
     interp,
+    layout_calls,
     level_frontiers,
     sequoia_dp,
     step_cost_ms,
