@@ -366,8 +366,11 @@ class OrtEngine(EngineBase):
         self._check(input_ids, position_ids, mask, cache)
         b, t = input_ids.shape
         p = cache.length
-        if self.row_invariant and not laid_out and b == 1 and p > 0:
-            out = self._run_laid_out(input_ids, position_ids, mask, cache, k)
+        if self.row_invariant and not laid_out and p > 0:
+            if b == 1:
+                out = self._run_laid_out(input_ids, position_ids, mask, cache, k)
+            else:
+                out = self._run_rows(input_ids, position_ids, mask, cache, k) if t == 1 else None
             if out is not None:
                 return out
         if self.has_hidden_in:
@@ -441,6 +444,33 @@ class OrtEngine(EngineBase):
         row_layout.move_kv(cache, p, rows)
         sel = torch.as_tensor(rows, dtype=torch.long, device=self.device)
         return tuple(None if x is None else x.index_select(1, sel) for x in out)
+
+    def _run_rows(self, input_ids, position_ids, mask, cache: KVCache, k: int | None):
+        """A batch of one-token rows, each seeing a prefix [0, len_b] of its row (the ragged
+        form), as one padded call per row: GroupQueryAttention cannot take B > 1 with T > 1 after
+        a prefix, and a one-row call would take its one-row kernel (other logits than vanilla's
+        padded calls). Rows that see only their own column P are padding (zero logits). None
+        when a row has another form (the plain call then runs)."""
+        b, p = input_ids.shape[0], cache.length
+        seen = mask[:, 0, :]  # [B, P+1]
+        last = torch.where(seen, torch.arange(p + 1, device=mask.device), -1).amax(1)  # [B]
+        prefix = seen.sum(1) == last + 1
+        padding = (last == p) & (seen.sum(1) == 1)
+        if not bool((prefix | padding).all()) or int(last.max()) + 2 > cache.max_len:
+            return None
+        outs: list = [None] * 4
+        for i in range(b):
+            if bool(padding[i]) and p > 0:
+                continue
+            n = int(last[i])
+            row = row_layout.row_view(cache, i, n)
+            res = self._run(input_ids[i : i + 1], position_ids[i : i + 1], mask[i : i + 1, :, : n + 1], row, k)
+            for j, x in enumerate(res):
+                if x is not None:
+                    if outs[j] is None:
+                        outs[j] = x.new_zeros((b, *x.shape[1:]))
+                    outs[j][i] = x[0]
+        return tuple(outs)
 
     def _run_paths(self, input_ids, position_ids, mask, cache: KVCache, k: int | None, anc):
         """A tree verified as chain calls, one per root-to-leaf path in depth-first order, each

@@ -157,3 +157,13 @@ def verify_calls(anc: torch.Tensor) -> list[int]:
     if rows is None or (t > 1 and prefer_paths(rows, anc)):
         return path_rows(anc)
     return [max(max(rows) + 1, 2)]
+
+
+def row_view(cache, row: int, length: int):
+    """Batch row `row` of a bhsd cache as a one-row cache with `length` committed positions,
+    sharing its storage (each layer's slab stays contiguous, so an engine binds it by address)."""
+    view = object.__new__(type(cache))
+    view.spec, view.max_len, view.batch, view.seq_dim = cache.spec, cache.max_len, 1, cache.seq_dim
+    view.k, view.v = cache.k.narrow(1, row, 1), cache.v.narrow(1, row, 1)
+    view.length = length
+    return view
