@@ -77,9 +77,11 @@ def inexact_speculation_reason(man: Manifest, row_invariant: bool = False) -> st
     on this export, or None. ONNX Runtime's MatMulNBits at accuracy level 4 rounds activations
     to int8, which turns any last-bit difference between a row computed alone and inside a
     larger call into whole logits (measured on SmolLM2-135M int4: up to 1.5). The ONNX Runtime
-    engine's row-invariant layout (`row_invariant`: runtime/backends/row_layout.py, on for the
-    in-place graph unless ARBORSPEC_ORT_ROW_LAYOUT=0) removes those differences, so the
-    export is exact there; elsewhere (the portable graph, the layout turned off) it is not."""
+    engine's row-invariant layout (`row_invariant`: runtime/backends/row_layout.py, on for such
+    exports unless ARBORSPEC_ORT_ROW_LAYOUT=0) removes those differences, so the export is exact
+    there; elsewhere (the portable graph, the layout turned off) it is not. (Float exports differ
+    by ~1e-5 in a logit without the layout: greedy equality by observation; with
+    ARBORSPEC_ORT_ROW_LAYOUT=1 by construction, at the layout's cost: docs/int4.md.)"""
     level = int8_activation_level(man.target)
     if level and not row_invariant:
         return (
@@ -118,9 +120,17 @@ def _engine(
     backend: str, man: Manifest, role: str, device: str, providers, engine_dir: Path | None, spinning: bool = False
 ):
     if backend == "onnxruntime":
-        from .backends.onnxruntime import OrtEngine
+        from .backends.onnxruntime import OrtEngine, row_layout_env
 
-        return OrtEngine(man.path(man.data[role]["file"]), providers=providers, device=device, spinning=spinning)
+        env = row_layout_env()  # unset: the row-invariant layout where int8 activations need it
+        invariant = role == "target" and (bool(int8_activation_level(man.target)) if env is None else env)
+        return OrtEngine(
+            man.path(man.data[role]["file"]),
+            providers=providers,
+            device=device,
+            spinning=spinning,
+            row_invariant=invariant,
+        )
     from .backends.tensorrt import TrtEngine
 
     edir = engine_dir or man.root / "engines"

@@ -128,13 +128,13 @@ def new_session_options(ort, spinning: bool = False):
 ROW_LAYOUT_ENV = "ARBORSPEC_ORT_ROW_LAYOUT"
 
 
-def row_layout_env() -> bool:
-    """Whether target engines use the row-invariant layout (ARBORSPEC_ORT_ROW_LAYOUT: 1, the
-    default, or 0)."""
+def row_layout_env() -> bool | None:
+    """ARBORSPEC_ORT_ROW_LAYOUT: 1 lays every target call out row-invariantly (row_layout.py), 0
+    never, unset (None) where the export needs it (int8 activations: export_dir.open_export)."""
     env = os.environ.get(ROW_LAYOUT_ENV, "").strip()
     if env not in ("", "0", "1"):
         raise InputError(f"{ROW_LAYOUT_ENV} must be 0 or 1, got {env!r}")
-    return env != "0"
+    return None if env == "" else env == "1"
 
 
 def _int8_qdq(meta: dict) -> bool:
@@ -160,7 +160,10 @@ class OrtEngine(EngineBase):
     ):
         """spinning: with per-session thread pools only (`new_session_options`), let this
         session's threads spin-wait between runs (faster when no other session runs between its
-        calls: vanilla and model-free drafts)."""
+        calls: vanilla and model-free drafts). row_invariant: run every call in the row-invariant
+        layout (runtime/backends/row_layout.py; in-place "bhsd" graphs only): one-token calls
+        padded to two rows, tree nodes at columns congruent to their positions, batches of
+        one-token rows row by row; None: ARBORSPEC_ORT_ROW_LAYOUT=1."""
         ort = _import_ort()
         path = Path(path)
         if not path.is_file():
@@ -270,12 +273,10 @@ class OrtEngine(EngineBase):
         self.batched_trees = self.kv_layout != "bhsd"
         # one-token rows of a batch may each attend over their own length (C.META_RAGGED_ROWS)
         self.ragged_rows = meta.get(C.META_RAGGED_ROWS) == "1"
-        # target graphs of the in-place layout lay every call out row-invariantly (row_layout.py);
-        # ARBORSPEC_ORT_ROW_LAYOUT=0 turns that off (faster one-token calls, inexact speculation)
-        if row_invariant is None:
-            row_invariant = meta.get(C.META_ROLE) == "target" and row_layout_env()
+        # row_invariant: lay every call out so that a row's logits and K/V do not depend on the
+        # call that carries it (row_layout.py; in-place graphs only); None: ARBORSPEC_ORT_ROW_LAYOUT=1
         self.row_invariant = (
-            row_invariant
+            bool(row_layout_env() if row_invariant is None else row_invariant)
             and self.kv_layout == "bhsd"
             and not self.has_hidden_in
         )
