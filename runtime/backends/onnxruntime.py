@@ -280,7 +280,7 @@ class OrtEngine(EngineBase):
             and self.kv_layout == "bhsd"
             and not self.has_hidden_in
         )
-        # how a tree is laid out: "auto" (row_layout.choose), "bands" (one padded call), "paths"
+        # how a tree is laid out: "auto" (row_layout.prefer_paths), "bands" (one padded call), "paths"
         self.tree_layout = "auto"
         self.info = EngineInfo(
             vocab_size=int(cfg["vocab_size"]),
@@ -461,7 +461,7 @@ class OrtEngine(EngineBase):
             return None
         outs: list = [None] * 4
         for i in range(b):
-            if bool(padding[i]) and p > 0:
+            if bool(padding[i]):
                 continue
             n = int(last[i])
             row = row_layout.row_view(cache, i, n)
