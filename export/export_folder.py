@@ -139,7 +139,7 @@ def export_folder(
     attention: str = "auto",
     quantize: str | None = None,
     block_size: int = 32,
-    accuracy_level: int = 0,
+    accuracy_level: int | None = None,
     qformat: str = "matmulnbits",
     kv_dtype: str = "fp32",
     draft_quantize: str | None = None,
@@ -153,13 +153,17 @@ def export_folder(
     the gqa graph) or "qdq" (standard blockwise DequantizeLinear + MatMul on the portable graph,
     which TensorRT parses; export/qdq.py). kv_dtype: "fp32" (default) or "fp16", the KV cache's
     dtype in the gqa graphs of target and draft (fp32 weights and activations; fp16 needs the gqa
-    graph and fp32 weights: `--dtype fp16` keeps its cache in fp16 already).
+    graph and fp32 weights: `--dtype fp16` keeps its cache in fp16 already). accuracy_level:
+    MatMulNBits compute, default 4 (int8 activations) for int4 MatMulNBits, else 0 (float):
+    exact under speculation on ONNX Runtime through its row-invariant layout (docs/int4.md).
 
     model: a spec for load_model (registry name, HF folder, .gguf, nanoGPT .pt) or an
     already loaded object with .module/.config/.tokenizer/.source. draft_model: an already
     loaded draft for a model-spec draft (tests); otherwise the draft spec is loaded."""
     from tqdm.auto import tqdm
 
+    if accuracy_level is None:  # int8 activations for int4 blocks: the fastest, and exact (row_layout.py)
+        accuracy_level = 4 if quantize == "int4" and qformat == "matmulnbits" else 0
     if dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
     if attention not in ATTENTIONS:

@@ -46,7 +46,7 @@ class OpenedExport:
     def exact_speculation(self) -> bool:
         """Whether chain/tree decoding on this export reproduces its vanilla decoding (greedy:
         token for token; sampled: the same distribution): see `inexact_speculation_reason`."""
-        return inexact_speculation_reason(self.manifest) is None
+        return inexact_speculation_reason(self.manifest, self.target.caps.row_invariant) is None
 
     @property
     def tree_default(self) -> str | None:
@@ -72,19 +72,22 @@ def int8_activation_level(target: dict | None) -> int:
     return level if q.get("format", "matmulnbits") == "matmulnbits" and level >= 4 else 0
 
 
-def inexact_speculation_reason(man: Manifest) -> str | None:
+def inexact_speculation_reason(man: Manifest, row_invariant: bool = False) -> str | None:
     """Why verifying T tokens in one target call can give other logits than T one-token calls
-    on this export, or None. ONNX Runtime's MatMulNBits at accuracy level 4 quantises the
-    activations to int8 with different kernels for one row and for several (measured on
-    SmolLM2-135M int4: the logits of 16 tokens of text verified in one call and one by one
-    differ by up to 2.6), so speculative output drifts from vanilla wherever the top two are
-    close; at level 0 (float) the two agree to 1e-4."""
+    on this export, or None. ONNX Runtime's MatMulNBits at accuracy level 4 rounds activations
+    to int8, which turns any last-bit difference between a row computed alone and inside a
+    larger call into whole logits (measured on SmolLM2-135M int4: up to 1.5). The ONNX Runtime
+    engine's row-invariant layout (`row_invariant`: runtime/backends/row_layout.py, on for such
+    exports unless ARBORSPEC_ORT_ROW_LAYOUT=0) removes those differences, so the export is exact
+    there; elsewhere (the portable graph, the layout turned off) it is not. (Float exports differ
+    by ~1e-5 in a logit without the layout: greedy equality by observation; with
+    ARBORSPEC_ORT_ROW_LAYOUT=1 by construction, at the layout's cost: docs/int4.md.)"""
     level = int8_activation_level(man.target)
-    if level:
+    if level and not row_invariant:
         return (
-            f"{man.root}: the target computes with int8 activations (--accuracy-level {level}), whose logits "
-            "depend on how many tokens a call verifies, so chain/tree output can differ from vanilla "
-            "(re-export with --accuracy-level 0 for exact speculation)"
+            f"{man.root}: the target computes with int8 activations (--accuracy-level {level}) and this engine "
+            "does not lay calls out row-invariantly (ARBORSPEC_ORT_ROW_LAYOUT=0, or not ONNX Runtime's gqa graph): "
+            "logits depend on how many tokens a call verifies, so chain/tree output can differ from vanilla"
         )
     return None
 
@@ -117,9 +120,17 @@ def _engine(
     backend: str, man: Manifest, role: str, device: str, providers, engine_dir: Path | None, spinning: bool = False
 ):
     if backend == "onnxruntime":
-        from .backends.onnxruntime import OrtEngine
+        from .backends.onnxruntime import OrtEngine, row_layout_env
 
-        return OrtEngine(man.path(man.data[role]["file"]), providers=providers, device=device, spinning=spinning)
+        env = row_layout_env()  # unset: the row-invariant layout where int8 activations need it
+        invariant = role == "target" and (bool(int8_activation_level(man.target)) if env is None else env)
+        return OrtEngine(
+            man.path(man.data[role]["file"]),
+            providers=providers,
+            device=device,
+            spinning=spinning,
+            row_invariant=invariant,
+        )
     from .backends.tensorrt import TrtEngine
 
     edir = engine_dir or man.root / "engines"
@@ -241,7 +252,9 @@ def open_export(
                 )
             opened.draft = LookupMixDraft(opened.draft, LookupDraft(target.info.vocab_size, max_ngram=ds.mix))
         opened.tokenizer = load_tokenizer(man) if load_tok else None
-        reason = inexact_speculation_reason(man) if opened.draft is not None else None
+        reason = (
+            inexact_speculation_reason(man, target.caps.row_invariant) if opened.draft is not None else None
+        )
         if reason:
             warnings.warn(reason, InexactSpeculationWarning, stacklevel=2)
     except BaseException:

@@ -145,10 +145,11 @@ def test_export_folder_records_the_scheme_and_refuses_the_portable_graph(tmp_pat
     assert not (tmp_path / "p").exists()
 
 
-def test_int8_activation_exports_warn_that_speculation_is_inexact(tmp_path, capsys):
-    """--accuracy-level 4 (int8 activations): MatMulNBits gives other logits for one row than
-    for several, so opening such an export with a draft warns (one line on the CLI); the exact
-    default (level 0) and a draft-less open stay silent."""
+def test_int8_activation_exports_warn_only_without_the_row_layout(tmp_path, capsys, monkeypatch):
+    """--accuracy-level 4 (int8 activations): exact on ONNX Runtime through the engine's
+    row-invariant layout, so opening it with a draft is silent; with the layout off
+    (ARBORSPEC_ORT_ROW_LAYOUT=0) a row's logits depend on the call that carries it, so opening
+    it with a draft warns (one line on the CLI); level 0 and a draft-less open stay silent."""
     import warnings
     from types import SimpleNamespace
 
@@ -164,11 +165,15 @@ def test_int8_activation_exports_warn_that_speculation_is_inexact(tmp_path, caps
             lm, tmp_path / f"a{level}", draft="layers:1", progress=False, quantize="int4", accuracy_level=level
         )
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # any warning fails these two
-        with open_export(tmp_path / "a0") as ex:
-            assert ex.exact_speculation
+        warnings.simplefilter("error")  # any warning fails these
+        for level in (0, 4):
+            with open_export(tmp_path / f"a{level}") as ex:
+                assert ex.exact_speculation
+        monkeypatch.setenv("ARBORSPEC_ORT_ROW_LAYOUT", "0")
         with open_export(tmp_path / "a4", draft="none") as ex:
             assert not ex.exact_speculation
+        with open_export(tmp_path / "a0") as ex:
+            assert ex.exact_speculation
     with pytest.warns(InexactSpeculationWarning, match="--accuracy-level 4"):
         open_export(tmp_path / "a4").close()
     with warnings.catch_warnings():

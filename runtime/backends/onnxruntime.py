@@ -23,6 +23,7 @@ import torch
 from .. import contract as C
 from ..errors import DeviceError, EngineError, ExportDirError, InputError, MissingFileError
 from ..kvcache import CacheSpec, KVCache
+from . import row_layout
 from .base import EngineBase, EngineCapabilities, EngineInfo, check_call
 
 _ORT_TYPES = C.ORT_TYPES
@@ -124,6 +125,18 @@ def new_session_options(ort, spinning: bool = False):
     return so
 
 
+ROW_LAYOUT_ENV = "ARBORSPEC_ORT_ROW_LAYOUT"
+
+
+def row_layout_env() -> bool | None:
+    """ARBORSPEC_ORT_ROW_LAYOUT: 1 lays every target call out row-invariantly (row_layout.py), 0
+    never, unset (None) where the export needs it (int8 activations: export_dir.open_export)."""
+    env = os.environ.get(ROW_LAYOUT_ENV, "").strip()
+    if env not in ("", "0", "1"):
+        raise InputError(f"{ROW_LAYOUT_ENV} must be 0 or 1, got {env!r}")
+    return None if env == "" else env == "1"
+
+
 def _int8_qdq(meta: dict) -> bool:
     """Whether the graph's metadata says it holds 8-bit QDQ weights (export/qdq.py)."""
     try:
@@ -143,10 +156,14 @@ class OrtEngine(EngineBase):
         device: str | torch.device = "cpu",
         session_options=None,
         spinning: bool = False,
+        row_invariant: bool | None = None,
     ):
         """spinning: with per-session thread pools only (`new_session_options`), let this
         session's threads spin-wait between runs (faster when no other session runs between its
-        calls: vanilla and model-free drafts)."""
+        calls: vanilla and model-free drafts). row_invariant: run every call in the row-invariant
+        layout (runtime/backends/row_layout.py; in-place "bhsd" graphs only): one-token calls
+        padded to two rows, tree nodes at columns congruent to their positions, batches of
+        one-token rows row by row; None: ARBORSPEC_ORT_ROW_LAYOUT=1."""
         ort = _import_ort()
         path = Path(path)
         if not path.is_file():
@@ -250,6 +267,13 @@ class OrtEngine(EngineBase):
         if logits_type != "tensor(float)":
             raise ExportDirError(f"{path}: logits are {logits_type}, the contract wants float32")
         self.kv_layout = C.kv_layout(meta, path)
+        # row_invariant: lay every call out so that a row's logits and K/V do not depend on the
+        # call that carries it (row_layout.py; in-place graphs only); None: ARBORSPEC_ORT_ROW_LAYOUT=1
+        self.row_invariant = (
+            bool(row_layout_env() if row_invariant is None else row_invariant)
+            and self.kv_layout == "bhsd"
+            and not self.has_hidden_in
+        )
         self.caps = EngineCapabilities(
             # GroupQueryAttention's CPU kernel rejects B > 1 with T > 1 after a prefix: batched
             # decoding verifies roots only (T = 1) while several sequences are active
@@ -259,7 +283,10 @@ class OrtEngine(EngineBase):
             ragged_rows=meta.get(C.META_RAGGED_ROWS) == "1",
             max_topk=max_topk,
             host_threads=host_threads,
+            row_invariant=self.row_invariant,
         )
+        # how a tree is laid out: "auto" (row_layout.prefer_paths), "bands" (one padded call), "paths"
+        self.tree_layout = "auto"
         self.info = EngineInfo(
             vocab_size=int(cfg["vocab_size"]),
             max_position=int(cfg["max_position"]),
@@ -341,9 +368,16 @@ class OrtEngine(EngineBase):
         _, vals, ids, _ = self._run(input_ids, position_ids, mask, cache, k)
         return vals[..., :k], ids[..., :k]
 
-    def _run(self, input_ids, position_ids, mask, cache: KVCache, k: int | None, hidden=None):
+    def _run(self, input_ids, position_ids, mask, cache: KVCache, k: int | None, hidden=None, laid_out=False):
         b, t = input_ids.shape
         p = cache.length
+        if self.row_invariant and not laid_out and p > 0:
+            if b == 1:
+                out = self._run_laid_out(input_ids, position_ids, mask, cache, k)
+            else:
+                out = self._run_rows(input_ids, position_ids, mask, cache, k) if t == 1 else None
+            if out is not None:
+                return out
         if self.has_hidden_in:
             if hidden is None:
                 raise EngineError(f"{self.path.name} is an EAGLE-3 head graph: call forward_hidden")
@@ -391,6 +425,93 @@ class OrtEngine(EngineBase):
         # keep the bound tensors alive until the run has finished
         del ids, pos, msk, hidden
         return logits, vals, idx, feats
+
+    def _run_laid_out(self, input_ids, position_ids, mask, cache: KVCache, k: int | None):
+        """The call in row_layout's row-invariant layout (dummy rows where a node's column must
+        match its position modulo 16; a one-row call gets a second row), or one chain call per
+        root-to-leaf path when no such layout fits; None when the call needs no change."""
+        p, t = cache.length, input_ids.shape[1]
+        anc = row_layout.ancestors(mask, p)
+        if not bool(mask[0, :, :p].all()) or row_layout.parents(anc) is None:
+            return None  # not one tree over the whole cache (a cost probe, a ragged row): run it as it is
+        rows = row_layout.slots(position_ids[0], anc, p)
+        if rows is not None and t > 1 and rows == list(range(t)):
+            return None
+        if (
+            rows is None
+            or p + max(max(rows) + 1, 2) > cache.max_len
+            or self.tree_layout == "paths"
+            or (self.tree_layout == "auto" and t > 1 and row_layout.prefer_paths(rows, anc))
+        ):
+            return self._run_paths(input_ids, position_ids, mask, cache, k, anc)
+        ids, pos, m = row_layout.padded_call(input_ids, position_ids, mask, p, rows)
+        out = self._run(ids, pos, m, cache, k, None, laid_out=True)
+        row_layout.move_kv(cache, p, rows)
+        sel = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        return tuple(None if x is None else x.index_select(1, sel) for x in out)
+
+    def _run_rows(self, input_ids, position_ids, mask, cache: KVCache, k: int | None):
+        """A batch of one-token rows, each seeing a prefix [0, len_b] of its row (the ragged
+        form), as one padded call per row: GroupQueryAttention cannot take B > 1 with T > 1 after
+        a prefix, and a one-row call would take its one-row kernel (other logits than vanilla's
+        padded calls). Rows that see only their own column P are padding (zero logits). None
+        when a row has another form (the plain call then runs)."""
+        b, p = input_ids.shape[0], cache.length
+        seen = mask[:, 0, :]  # [B, P+1]
+        last = torch.where(seen, torch.arange(p + 1, device=mask.device), -1).amax(1)  # [B]
+        prefix = seen.sum(1) == last + 1
+        padding = (last == p) & (seen.sum(1) == 1)
+        if not bool((prefix | padding).all()) or int(last.max()) + 2 > cache.max_len:
+            return None
+        outs: list = [None] * 4
+        for i in range(b):
+            if bool(padding[i]):
+                continue
+            n = int(last[i])
+            row = row_layout.row_view(cache, i, n)
+            res = self._run(input_ids[i : i + 1], position_ids[i : i + 1], mask[i : i + 1, :, : n + 1], row, k)
+            for j, x in enumerate(res):
+                if x is not None:
+                    if outs[j] is None:
+                        outs[j] = x.new_zeros((b, *x.shape[1:]))
+                    outs[j][i] = x[0]
+        return tuple(outs)
+
+    def _run_paths(self, input_ids, position_ids, mask, cache: KVCache, k: int | None, anc):
+        """A tree verified as chain calls, one per root-to-leaf path in depth-first order, each
+        carrying only the nodes below where it leaves the previous path (whose K/V already sit
+        at their committed columns): every node at the column it commits to, row-invariant at
+        any P, one call per leaf. None when the paths do not start at position P."""
+        p, t = cache.length, input_ids.shape[1]
+        todo = row_layout.paths(anc)
+        pos = position_ids[0]
+        if any(pos[path].tolist() != list(range(p, p + len(path))) for path in todo):
+            return None
+        outs: list = [None] * 4
+        kv = torch.empty((2, *cache.k.shape[:3], t, cache.k.shape[4]), dtype=cache.k.dtype, device=cache.k.device)
+        prev: list = []
+        try:
+            for path in todo:
+                b = next((i for i, (x, y) in enumerate(zip(path, prev)) if x != y), min(len(path), len(prev)))
+                prev, new = path, path[b:]
+                cache.length = p + b
+                idx = torch.as_tensor(new, dtype=torch.long, device=self.device)
+                m = torch.ones(1, len(new), p + b, dtype=torch.bool, device=mask.device)
+                m = torch.cat([m, torch.ones(len(new), len(new), dtype=torch.bool, device=mask.device).tril()[None]], 2)
+                call = row_layout.padded_call(input_ids[:, idx], position_ids[:, idx], m, p + b, list(range(len(new))))
+                res = self._run(*call, cache, k, None, laid_out=True)
+                for i, x in enumerate(res):
+                    if x is not None:
+                        if outs[i] is None:
+                            outs[i] = x.new_empty((x.shape[0], t, *x.shape[2:]))
+                        outs[i][:, idx] = x[:, : len(new)]
+                kv[0][..., idx, :] = cache.k[:, :, :, p + b : p + len(path)]
+                kv[1][..., idx, :] = cache.v[:, :, :, p + b : p + len(path)]
+        finally:
+            cache.length = p
+        cache.k[:, :, :, p : p + t] = kv[0]
+        cache.v[:, :, :, p : p + t] = kv[1]
+        return tuple(outs)
 
     def _binding(self, cache: KVCache, p: int, t: int):
         """An IOBinding with the cache bound. bhsd: each layer's whole slab is both input and

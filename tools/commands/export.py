@@ -97,10 +97,10 @@ def register(sub) -> None:
     p.add_argument(
         "--accuracy-level",
         type=int,
-        default=0,
+        default=None,
         metavar="N",
-        help="MatMulNBits compute: 0 fp32 (default, exact), 4 int8 activations (faster; logits then depend "
-        "on how many tokens a call carries, so chain/tree output can differ from vanilla)",
+        help="MatMulNBits compute: 4 int8 activations (the default for --quantize int4: fastest, and exact under "
+        "speculation through ONNX Runtime's row-invariant layout, docs/int4.md), 0 fp32 (the default otherwise)",
     )
     p.add_argument(
         "--opset",
@@ -174,8 +174,8 @@ def run(args) -> int:
 
     if int8_activation_level(t):
         print(
-            "  note: int8 activations make the target's logits depend on how many tokens a call verifies: "
-            "chain/tree output can differ from vanilla on this export (--accuracy-level 0 keeps it exact)"
+            "  note: int8 activations: chain/tree output == vanilla only through ONNX Runtime's row-invariant "
+            "layout (the default; ARBORSPEC_ORT_ROW_LAYOUT=0 turns it off: faster one-token calls, inexact trees)"
         )
     sys.stdout.flush()
     return 0

@@ -129,16 +129,40 @@ def interp(curve: dict, x: float) -> float:
     return float(curve[a] + (curve[b] - curve[a]) * (x - a) / (b - a))
 
 
-def step_cost_ms(paths, verify: dict, dcost: dict) -> float:
-    """Predicted time of one step with this tree: verify over root + nodes, the draft's root
-    call and one draft call per expanded level."""
-    n = len(paths)
-    return interp(verify, n + 1) + interp(dcost, 1) + sum(interp(dcost, f) for f in level_frontiers(paths) if f)
+def tree_ancestors(paths: Sequence[Sequence[int]]):
+    """The tree mask [T, T] (bool) of root + the rank paths, nodes by depth then rank: row j
+    holds j's ancestors and j."""
+    import torch
+
+    nodes = [()] + sorted({tuple(x) for x in paths}, key=lambda x: (len(x), x))
+    index = {n: i for i, n in enumerate(nodes)}
+    anc = torch.eye(len(nodes), dtype=torch.bool)
+    for i, n in enumerate(nodes[1:], 1):
+        anc[i] |= anc[index[n[:-1]]]
+    return anc
+
+
+def layout_calls(paths: Sequence[Sequence[int]]) -> list[int]:
+    """Rows of the verify calls a row-invariant ONNX Runtime target makes for this tree
+    (runtime/backends/row_layout.py: one padded call, or one chain call per path)."""
+    from arborspec.runtime.backends.row_layout import verify_calls
+
+    return verify_calls(tree_ancestors(paths))
+
+
+def step_cost_ms(paths, verify: dict, dcost: dict, calls=None) -> float:
+    """Predicted time of one step with this tree: verify over root + nodes (calls: paths -> the
+    rows of each verify call, for a target that lays trees out, see `layout_calls`; default one
+    call of root + nodes), the draft's root call and one draft call per expanded level."""
+    rows = calls(paths) if calls is not None else [len(paths) + 1]
+    verify_ms = sum(interp(verify, r) for r in rows)
+    return verify_ms + interp(dcost, 1) + sum(interp(dcost, f) for f in level_frontiers(paths) if f)
 
 
 # ----------------------------------------------------------------------------- tuning
-def choose_tree(q, verify: dict, dcost: dict, max_nodes: int, max_depth: int, simulate=None) -> dict:
+def choose_tree(q, verify: dict, dcost: dict, max_nodes: int, max_depth: int, simulate=None, calls=None) -> dict:
     """Every (n, D): DP tree, expected tokens/step, predicted step ms and tokens/s; the best.
+    calls: see `step_cost_ms`.
     simulate: paths -> tokens per step of the decoding loop replayed on the calibration text
     (`acceptance_sim.simulated_tokens_per_step`); when given, it prices every DP tree instead of
     the DP's own estimate under q (kept as `dp_tokens_per_step`)."""
@@ -151,7 +175,7 @@ def choose_tree(q, verify: dict, dcost: dict, max_nodes: int, max_depth: int, si
                 continue  # the DP found nothing (worth adding): no tree, or a smaller budget's
             e_dp = res.value[n] + 1.0
             e = simulate(paths) if simulate is not None else e_dp
-            ms = step_cost_ms(paths, verify, dcost)
+            ms = step_cost_ms(paths, verify, dcost, calls)
             grid.append(
                 {
                     "nodes": len(paths),

@@ -53,6 +53,7 @@ from arborspec.tools.tune.tree_dp import (  # noqa: F401 - the tuning API, re-ex
     DPResult,
     choose_tree,
     interp,
+    layout_calls,
     level_frontiers,
     sequoia_dp,
     step_cost_ms,
@@ -254,7 +255,13 @@ def tune(models, key: ModelsKey, opts: TuneOptions | None = None, progress: bool
     )
     runs = acc.pop("runs")
     choice = choose_tree(
-        acc["q"], verify, dcost, max_nodes, opts.max_depth, lambda paths: simulated_tokens_per_step(runs, paths)
+        acc["q"],
+        verify,
+        dcost,
+        max_nodes,
+        opts.max_depth,
+        lambda paths: simulated_tokens_per_step(runs, paths),
+        layout_calls if target.caps.row_invariant else None,
     )
     loop = price_in_loop(target, draft, choice, prompts, eos, opts.loop_candidates, opts.loop_tokens, bar)
     best = choice["best"]
