@@ -78,6 +78,11 @@ def gqa_unsupported(cfg, dtype: str = "fp32") -> str | None:
         return f"exports fp32 only, not {dtype}"
     if cfg.head_dim % 16:
         return f"ONNX Runtime's GroupQueryAttention needs a head size that is a multiple of 16 (this model: {cfg.head_dim})"
+    from arborspec.models.rope import rope_dim
+
+    rot = rope_dim(cfg.head_dim, cfg.rope_scaling)
+    if rot % 16:
+        return f"ONNX Runtime's GroupQueryAttention needs a rotary size that is a multiple of 16 (this model: {rot})"
     return None
 
 

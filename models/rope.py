@@ -143,7 +143,8 @@ def rope_scaling_from_hf(hf: dict, params: dict | None = None) -> dict | None:
     params = dict(params if params is not None else (hf.get("rope_parameters") or {}))
     params.update(hf.get("rope_scaling") or {})
     kind = params.get("rope_type") or params.get("type") or "default"
-    kind = "longrope" if kind == "su" else kind  # early Phi-3 checkpoints' name for longrope
+    if kind == "su" or (hf.get("model_type") == "phi3" and kind == "yarn"):
+        kind = "longrope"  # what Phi3Config itself makes of them
     if kind in ("dynamic", "ntk"):
         raise InputError(
             f"model_type {hf.get('model_type')!r}: rope scaling {kind!r} (dynamic NTK) is not supported: its "

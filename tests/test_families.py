@@ -72,18 +72,47 @@ def _hf_model(kind: str):
         return T.Qwen2ForCausalLM(
             T.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=8, max_window_layers=1)
         )
+    if kind.startswith(("phi3", "phi4")):  # fused projections, longrope; Phi-4-mini: partial rotary, tied
+        rot = 16  # of 16 (phi4-mini: 48 of 64, 0.75 as Phi-4-mini's 96 of 128)
+        long = [1.5 + 0.7 * i for i in range(rot // 2)]
+        rope = dict(
+            rope_type="longrope",
+            rope_theta=10000.0,
+            short_factor=long if kind == "phi3-long" else [1.0 + 0.1 * i for i in range(rot // 2)],
+            long_factor=long,
+            partial_rotary_factor=1.0,
+        )
+        c = {**COMMON, "tie_word_embeddings": False, "pad_token_id": 0}
+        if kind == "phi4-mini":
+            c.update(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+            rot = 48
+            rope.update(
+                short_factor=[1.0 + 0.05 * i for i in range(rot // 2)],
+                long_factor=[1.5 + 0.2 * i for i in range(rot // 2)],
+                partial_rotary_factor=0.75,
+            )
+        return T.Phi3ForCausalLM(
+            T.Phi3Config(**c, rope_parameters=rope, original_max_position_embeddings=32, sliding_window=12)
+        )
     raise KeyError(kind)
 
 
-# prompt length: past the sliding window (8) / the original context (32)
+# prompt length (past the sliding window, 8 or 12, or the original context, 32), new tokens.
+# longrope (phi3, phi4-mini) stays below the original context: once a sequence passes it,
+# transformers' Phi-3 `generate` drops the cache and re-rotates every earlier token with the long
+# factors, where we rotate each position by its own factor set (models/rope.py); phi3-long has
+# short == long factors, so both rules agree and the long set is checked past 32.
 FAMILIES = {
-    "llama3": 44,
-    "llama-linear": 20,
-    "llama-yarn": 44,
-    "qwen2.5": 20,
-    "qwen3": 44,
-    "mistral": 20,
-    "qwen2-sliding": 20,
+    "llama3": (44, 24),
+    "llama-linear": (20, 24),
+    "llama-yarn": (44, 24),
+    "qwen2.5": (20, 24),
+    "qwen3": (44, 24),
+    "mistral": (20, 24),
+    "qwen2-sliding": (20, 24),
+    "phi3": (20, 12),
+    "phi4-mini": (20, 12),
+    "phi3-long": (44, 24),
 }
 
 
@@ -133,12 +162,13 @@ def greedy_tokens(hf, ours, n: int = 24, prompt_len: int = 20):
 @pytest.mark.parametrize("kind", list(FAMILIES))
 def test_family_matches_transformers(kind, tmp_path):
     hf, ours, cfg = make_family(kind, tmp_path)
-    check_logits(hf, ours, cfg, FAMILIES[kind])
-    prompt, mine, theirs = greedy_tokens(hf, ours, prompt_len=FAMILIES[kind])
+    prompt_len, n_new = FAMILIES[kind]
+    check_logits(hf, ours, cfg, prompt_len)
+    prompt, mine, theirs = greedy_tokens(hf, ours, n_new, prompt_len)
     assert mine == theirs
 
 
-@pytest.mark.parametrize("kind", ["llama3", "qwen3", "mistral", "qwen2-sliding"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen3", "mistral", "qwen2-sliding", "phi3", "phi4-mini"])
 def test_family_onnx_tree_equals_vanilla(kind, tmp_path):
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
@@ -146,7 +176,8 @@ def test_family_onnx_tree_equals_vanilla(kind, tmp_path):
     from arborspec.runtime.backends.onnxruntime import OrtEngine
 
     hf, ours, cfg = make_family(kind, tmp_path)
-    prompt = [int(x) for x in torch.randint(3, cfg.vocab_size, (FAMILIES[kind],), generator=torch.Generator())]
+    prompt_len = FAMILIES[kind][0]
+    prompt = [int(x) for x in torch.randint(3, cfg.vocab_size, (prompt_len,), generator=torch.Generator())]
     ref = SpeculativeDecoder(TorchEngine(ours), mode="vanilla").generate(prompt, 20).tokens
     draft = TorchEngine(truncated(ours, 1))
     export_gqa_onnx(ours, tmp_path / "gqa.onnx", max_context=128)
