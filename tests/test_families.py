@@ -201,3 +201,130 @@ def test_rope_and_family_config_errors():
     assert cfg.qk_norm and cfg.sliding_window == 0
     trunc = dataclasses.replace(cfg, sliding_window=4, layer_types=["full_attention"]).truncated(1)
     assert not trunc.is_sliding(0)
+
+
+# ------------------------------------------------------------- public EAGLE-3 head layouts
+def public_eagle3_head(folder, target_cfg, layout: str, draft_vocab: int = 40, seed: int = 0) -> None:
+    """A random head with the key names, shapes, dtypes and config fields of a public checkpoint,
+    at tiny sizes: "llama3.1" = yuhuili/EAGLE3-LLaMA3.1-Instruct-8B (pytorch_model.bin in float16,
+    the target's llama3 rope_scaling, no aux-layer ids: EAGLE-3's default layers); "qwen3" =
+    SpecForge / AngelSlim Qwen3 heads (model.safetensors in bfloat16, head_dim, target_hidden_size,
+    Qwen fields, an embed_tokens.weight the runtime ignores)."""
+    h, heads, kv = target_cfg.hidden_size, target_cfg.n_heads, target_cfg.n_kv_heads
+    hd, inter, v = target_cfg.head_dim, 2 * h, target_cfg.vocab_size
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
+
+    chosen = torch.randperm(v, generator=g)[:draft_vocab].sort().values
+    sd = {
+        "fc.weight": r(h, 3 * h),
+        "midlayer.hidden_norm.weight": 1 + 0.1 * r(h),
+        "midlayer.input_layernorm.weight": 1 + 0.1 * r(h),
+        "midlayer.post_attention_layernorm.weight": 1 + 0.1 * r(h),
+        "midlayer.self_attn.q_proj.weight": r(heads * hd, 2 * h),
+        "midlayer.self_attn.k_proj.weight": r(kv * hd, 2 * h),
+        "midlayer.self_attn.v_proj.weight": r(kv * hd, 2 * h),
+        "midlayer.self_attn.o_proj.weight": r(h, heads * hd),
+        "midlayer.mlp.gate_proj.weight": r(inter, h),
+        "midlayer.mlp.up_proj.weight": r(inter, h),
+        "midlayer.mlp.down_proj.weight": r(h, inter),
+        "norm.weight": 1 + 0.1 * r(h),
+        "lm_head.weight": 8 * r(draft_vocab, h),
+        "d2t": chosen - torch.arange(draft_vocab),
+        "t2d": torch.zeros(v, dtype=torch.bool).index_fill_(0, chosen, True),
+    }
+    common = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "hidden_act": "silu",
+        "hidden_size": h,
+        "initializer_range": 0.02,
+        "intermediate_size": inter,
+        "model_type": "llama",
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "num_hidden_layers": 1,
+        "use_cache": True,
+        "vocab_size": v,
+        "draft_vocab_size": draft_vocab,
+    }
+    folder.mkdir(parents=True)
+    if layout == "llama3.1":
+        cfg = {
+            **common,
+            "bos_token_id": 1,
+            "eos_token_id": [2],
+            "max_position_embeddings": target_cfg.max_position,
+            "pad_token_id": 0,
+            "rms_norm_eps": 1e-05,
+            "rope_scaling": {**target_cfg.rope_scaling, "rope_type": "llama3"},
+            "rope_theta": target_cfg.rope_theta,
+            "tie_word_embeddings": False,
+            "torch_dtype": "float16",
+            "transformers_version": "4.28.1",
+        }
+        torch.save({k: (x.half() if x.is_floating_point() else x) for k, x in sd.items()}, folder / "pytorch_model.bin")
+    else:
+        from safetensors.torch import save_file
+
+        cfg = {
+            **common,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "head_dim": hd,
+            "max_position_embeddings": 4 * target_cfg.max_position,
+            "max_window_layers": 1,
+            "rms_norm_eps": 1e-06,
+            "rope_scaling": None,
+            "rope_theta": 1000000,
+            "sliding_window": None,
+            "target_hidden_size": h,
+            "tie_word_embeddings": True,
+            "torch_dtype": "bfloat16",
+            "use_sliding_window": False,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 1]},
+        }
+        sd["embed_tokens.weight"] = r(v, h)
+        save_file(
+            {k: (x.bfloat16() if x.is_floating_point() else x) for k, x in sd.items()},
+            str(folder / "model.safetensors"),
+        )
+    (folder / "config.json").write_text(__import__("json").dumps(cfg))
+
+
+@pytest.mark.parametrize("layout,kind", [("llama3.1", "llama3"), ("qwen3", "qwen3")])
+def test_public_eagle3_layouts_load_and_decode_like_vanilla(layout, kind, tmp_path):
+    from arborspec.models.eagle3 import load_eagle3
+    from arborspec.runtime.drafts_eagle3 import Eagle3Draft
+
+    _, target, cfg = make_family(kind, tmp_path)
+    public_eagle3_head(tmp_path / "head", cfg, layout)
+    head = load_eagle3(tmp_path / "head", cfg)
+    if layout == "llama3.1":  # the head rotates as its target does (llama3 scaling)
+        assert head.config.rope_scaling["rope_type"] == "llama3" and head.config.aux_layers == [1, 1, 0]
+        assert torch.equal(head.rotary.inv_freq, target.rotary.inv_freq)
+    else:
+        assert head.config.head_dim == cfg.head_dim and head.config.rope_scaling is None
+    target.feature_layers = head.config.aux_layers
+    eng = TorchEngine(target)
+    prompt = [int(x) for x in torch.randint(3, cfg.vocab_size, (FAMILIES[kind][0],), generator=torch.Generator())]
+    ref = SpeculativeDecoder(eng, mode="vanilla").generate(prompt, 20).tokens
+    draft = Eagle3Draft(head, target.model.embed_tokens.weight.detach())
+    for spec in ("full:2,3", "dynamic:3,3,8"):
+        res = SpeculativeDecoder(eng, draft, tree=spec).generate(prompt, 20)
+        assert res.tokens == ref and res.stats.draft_calls > 0, spec
+    if layout != "llama3.1":
+        return
+    pytest.importorskip("onnxruntime")
+    from arborspec.export.eagle3_graph import export_eagle3_head
+    from arborspec.export.onnx_export import export_gqa_onnx
+    from arborspec.runtime.backends.onnxruntime import OrtEngine
+    from arborspec.runtime.drafts_eagle3 import OrtEagle3Head
+
+    export_gqa_onnx(target, tmp_path / "target.onnx", max_context=128, feature_layers=head.config.aux_layers)
+    entry = export_eagle3_head(head, target.model.embed_tokens.weight.detach(), tmp_path, 128 + 32)
+    assert entry["max_abs_diff"] < 1e-3
+    ort_draft = Eagle3Draft(OrtEagle3Head(tmp_path / entry["file"], tmp_path / entry["fc_file"]))
+    res = SpeculativeDecoder(OrtEngine(tmp_path / "target.onnx"), ort_draft, tree="full:2,3").generate(prompt, 20)
+    assert res.tokens == ref
