@@ -20,15 +20,13 @@ from safetensors.torch import load_file
 from arborspec.runtime.errors import InputError, MissingFileError
 
 from .config import ModelConfig
-from .gpt2 import GPT2Decoder
-from .llama import LlamaDecoder
-from .rope import Rotary, rope_scaling_from_hf
+from .rope import rope_scaling_from_hf
 
 LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm", "smollm2")
+GEMMA3_TYPES = ("gemma3_text",)
 # what the families we do not run would need (the error line names it)
 MISSING = {
-    "gemma3_text": "Gemma 3 blocks ((1 + w) norms, pre/post feed-forward norms, GeGLU, per-layer RoPE bases)",
-    "gemma3": "Gemma 3 blocks (and its vision tower)",
+    "gemma3": "vision tower (Gemma 3 multimodal; its text_config as a gemma3_text folder loads)",
     "gemma2": "Gemma 2 blocks (logit softcapping, (1 + w) norms)",
     "gemma": "Gemma blocks ((1 + w) norms, GeGLU, scaled embeddings)",
     "phi": "Phi-1/2 blocks (parallel attention/MLP, LayerNorm, partial rotary)",
@@ -126,6 +124,8 @@ def config_from_hf(hf: dict, name: str = "") -> ModelConfig:
             mlp_bias=bool(hf.get("mlp_bias", False)),
             **common,
         )
+    if mt in GEMMA3_TYPES:
+        return gemma3_config(hf, common)
     if mt in GPT2_TYPES:
         act = hf.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -156,7 +156,52 @@ def config_from_hf(hf: dict, name: str = "") -> ModelConfig:
         )
     what = MISSING.get(mt, "a reference decoder for this architecture")
     raise InputError(
-        f"unsupported model_type {mt!r}: arborspec has no {what} (supported: {', '.join(LLAMA_TYPES + GPT2_TYPES)})"
+        f"unsupported model_type {mt!r}: arborspec has no {what} (supported: {', '.join(LLAMA_TYPES + GEMMA3_TYPES + GPT2_TYPES)})"
+    )
+
+
+def gemma3_config(hf: dict, common: dict) -> ModelConfig:
+    """Gemma 3 text: rope_parameters per layer type (transformers 5) or rope_theta /
+    rope_local_base_freq / rope_scaling (transformers 4, on the full-attention layers)."""
+    if hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise InputError(f"model_type 'gemma3_text': unsupported hidden_activation {hf['hidden_activation']!r}")
+    if hf.get("use_bidirectional_attention"):
+        raise InputError("model_type 'gemma3_text': bidirectional attention (an encoder) is not a decoder")
+    n_layers, n_heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+    params = hf.get("rope_parameters") or {}
+    full = dict(params.get("full_attention") or {})
+    local = dict(params.get("sliding_attention") or {})
+    full.update(hf.get("rope_scaling") or {})  # transformers 4: the full-attention layers' scaling
+    full.setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0))
+    local.setdefault("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
+    if (local.get("rope_type") or "default") != "default":
+        raise InputError(f"model_type 'gemma3_text': unsupported sliding-layer rope scaling {local['rope_type']!r}")
+    types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % hf.get("sliding_window_pattern", 6) else "full_attention"
+        for i in range(n_layers)
+    ]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
+    return ModelConfig(
+        family="gemma3",
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=head_dim,
+        intermediate_size=hf["intermediate_size"],
+        max_position=hf.get("max_position_embeddings", 32768),
+        rope_theta=float(full["rope_theta"]),
+        rope_scaling=rope_scaling_from_hf({**hf, "rope_scaling": None}, full),
+        rope_local_theta=float(local["rope_theta"]),
+        qk_norm=True,
+        sliding_window=int(hf.get("sliding_window") or 0),
+        layer_types=list(types),
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        attention_bias=bool(hf.get("attention_bias", False)),
+        attn_scale=float(hf.get("query_pre_attn_scalar") or head_dim) ** -0.5,
+        final_softcap=float(hf.get("final_logit_softcapping") or 0.0),
+        **common,
     )
 
 
@@ -219,14 +264,16 @@ def load_state(module: torch.nn.Module, sd: dict[str, torch.Tensor], dtype: torc
 
 
 def build_from_state(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype, where: str) -> torch.nn.Module:
+    from . import build_model
+
     with torch.device("meta"):
-        module = LlamaDecoder(cfg) if cfg.family == "llama" else GPT2Decoder(cfg)
+        module = build_model(cfg)
     module = module.to_empty(device="cpu")
-    if cfg.family == "llama":  # non-persistent buffers, lost by to_empty
-        module.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position)
+    if hasattr(module, "init_buffers"):  # non-persistent buffers (RoPE), lost by to_empty
+        module.init_buffers()
     load_state(module, sd, dtype, where)
     if cfg.tie_embeddings:  # assign=True replaced the embedding Parameter: tie again
-        module.lm_head.weight = (module.model.embed_tokens if cfg.family == "llama" else module.transformer.wte).weight
+        module.lm_head.weight = (module.transformer.wte if cfg.family == "gpt2" else module.model.embed_tokens).weight
     return module.to(dtype).eval()
 
 
@@ -243,6 +290,6 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32) -> tupl
         sd = gpt2_hf_to_ours(sd)
     elif hf.get("model_type") == "phi3":
         sd = phi3_hf_to_ours(sd, cfg)
-    if cfg.family == "llama" and "lm_head.weight" not in sd and not cfg.tie_embeddings:
+    if cfg.family != "gpt2" and "lm_head.weight" not in sd and not cfg.tie_embeddings:
         raise InputError(f"{path}: tie_word_embeddings is false but there is no lm_head.weight")
     return build_from_state(cfg, sd, dtype, str(path)), cfg

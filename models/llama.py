@@ -172,13 +172,18 @@ class LlamaDecoder(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = _Body(cfg)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position)
+        self.init_buffers()
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # target features for an EAGLE-3 draft: the hidden states entering these layers,
         # concatenated [B, T, len * H], returned as one more output (None: no such output)
         self.feature_layers: list[int] | None = None
+
+    def init_buffers(self) -> None:
+        """The RoPE frequencies (non-persistent buffers: rebuilt after a meta-device build)."""
+        cfg = self.config
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position)
 
     def forward(self, input_ids, position_ids, attention_mask, *past):
         x = self.model.embed_tokens(input_ids)

@@ -94,6 +94,24 @@ def _hf_model(kind: str):
         return T.Phi3ForCausalLM(
             T.Phi3Config(**c, rope_parameters=rope, original_max_position_embeddings=32, sliding_window=12)
         )
+    if kind == "gemma3":  # interleaved sliding (own RoPE base) / full layers (linear scaling), logit softcap
+        c = {k: v for k, v in COMMON.items() if k not in ("tie_word_embeddings",)}
+        rope = {
+            "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1e6),
+            "sliding_attention": dict(rope_type="default", rope_theta=1e4),
+        }
+        return T.Gemma3ForCausalLM(
+            T.Gemma3TextConfig(
+                **c,
+                head_dim=16,
+                tie_word_embeddings=True,
+                rope_parameters=rope,
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"],
+                query_pre_attn_scalar=24,
+                final_logit_softcapping=30.0,
+            )
+        )
     raise KeyError(kind)
 
 
@@ -113,6 +131,7 @@ FAMILIES = {
     "phi3": (20, 12),
     "phi4-mini": (20, 12),
     "phi3-long": (44, 24),
+    "gemma3": (20, 24),
 }
 
 
