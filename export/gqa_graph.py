@@ -72,8 +72,8 @@ FP16_MASKED = -30000.0
 
 def gqa_unsupported(cfg, dtype: str = "fp32") -> str | None:
     """Why this model cannot use the GroupQueryAttention graph, or None when it can."""
-    if cfg.family != "llama":
-        return f"needs a Llama-family model, not {cfg.family}"
+    if cfg.family not in ("llama", "gemma3"):
+        return f"needs a Llama-family (or Gemma 3) model, not {cfg.family}"
     if dtype != "fp32":
         return f"exports fp32 only, not {dtype}"
     if cfg.head_dim % 16:
@@ -160,8 +160,9 @@ def window_bias(node, init, window: int) -> str:
     return node("Where", [both4, "c_zero_f", "c_min_f"], ["win_bias"])
 
 
-def qk_norm(node, init, qkv: str, layer: int, sd: dict, cfg) -> str:
-    """Qwen3's RMSNorm over each head of q and k (before the kernel's RoPE), on the packed qkv."""
+def qk_norm(node, init, qkv: str, layer: int, sd: dict, cfg, offset: float = 0.0) -> str:
+    """Qwen3's (Gemma 3's: offset 1, weights 1 + w) RMSNorm over each head of q and k (before the
+    kernel's RoPE), on the packed qkv."""
     nq, nkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     p = f"model.layers.{layer}.self_attn."
     init(f"l{layer}.qkv_split", np.array([nq * d, nkv * d, nkv * d], np.int64))
@@ -171,7 +172,7 @@ def qk_norm(node, init, qkv: str, layer: int, sd: dict, cfg) -> str:
         heads_shape = init(f"l{layer}.{name}_heads", np.array([0, 0, heads, d], np.int64))
         flat_shape = init(f"l{layer}.{name}_flat", np.array([0, 0, heads * d], np.int64))
         xh = node("Reshape", [x, heads_shape], [f"l{layer}.{name}_h"])
-        w = init(f"l{layer}.{name}_norm", _np(sd[p + f"{name}_norm.weight"]))
+        w = init(f"l{layer}.{name}_norm", _np(sd[p + f"{name}_norm.weight"]) + np.float32(offset))
         xn = node(
             "RMSNormalization", [xh, w], [f"l{layer}.{name}_hn"], axis=-1, epsilon=float(cfg.norm_eps), stash_type=1
         )
@@ -179,9 +180,12 @@ def qk_norm(node, init, qkv: str, layer: int, sd: dict, cfg) -> str:
     return node("Concat", [*out, v], [f"l{layer}.qkv_n"], axis=-1)
 
 
-def gqa_node(node, qkv: str, layer: int, out: str, nq: int, nkv: int, d: int, seqlens, total, bias):
+def gqa_node(
+    node, qkv: str, layer: int, out: str, nq: int, nkv: int, d: int, seqlens, total, bias, rope="", scale=None
+):
     """One GroupQueryAttention over layer `layer`'s cache slab (read and written in place, rotary
-    inside from position_ids, the tree mask as bias): -> [attention out, new K, new V]."""
+    inside from position_ids with the tables "cos_cache{rope}" / "sin_cache{rope}", the tree mask
+    as bias, scores scaled by `scale`, default d ** -0.5): -> [attention out, new K, new V]."""
     return node(
         "GroupQueryAttention",
         [
@@ -192,8 +196,8 @@ def gqa_node(node, qkv: str, layer: int, out: str, nq: int, nkv: int, d: int, se
             C.past_value(layer),
             seqlens,
             total,
-            "cos_cache",
-            "sin_cache",
+            "cos_cache" + rope,
+            "sin_cache" + rope,
             C.POSITION_IDS,
             bias,
         ],
@@ -204,7 +208,7 @@ def gqa_node(node, qkv: str, layer: int, out: str, nq: int, nkv: int, d: int, se
         do_rotary=1,
         rotary_interleaved=0,
         causal=0,
-        scale=float(d) ** -0.5,
+        scale=float(scale or float(d) ** -0.5),
     )
 
 
@@ -347,18 +351,28 @@ def build_gqa_model(
         node, init, d, cfg.rope_theta, max_context, attn_np, masked, rotary=module.rotary
     )
     local = window_bias(node, init, cfg.sliding_window) if cfg.sliding_window > 0 else None
+    # Gemma 3 (models/gemma3.py): norms multiply by 1 + w, embeddings scaled by sqrt(H), a norm on
+    # the attention output and on the MLP output, tanh GELU, its own attention scale, and the
+    # sliding layers rotate with their own RoPE base (tables "cos_cache_local" / "sin_cache_local")
+    gemma = cfg.family == "gemma3"
+    one = np.float32(1.0 if gemma else 0.0)
+
+    def gamma(name: str) -> np.ndarray:
+        return _np(sd[name]) + one
+
+    if gemma:
+        for kind, table in zip(("cos", "sin"), rope_tables(d, 0.0, max(max_context, 1), module.rotary_local)):
+            init(f"{kind}_cache_local", table.astype(attn_np))
+
+    def rms(x: str, name: str, out: str) -> str:
+        return node("RMSNormalization", [x, init(out + ".w", gamma(name))], [out], axis=-1, epsilon=eps, stash_type=1)
 
     emb = init("embed_tokens", _np(sd["model.embed_tokens.weight"]))
     x = node("Gather", [emb, C.INPUT_IDS], ["x0"], axis=0)
+    if gemma:  # the scale rounded to float32, as the module multiplies it
+        x = node("Mul", [x, init("embed_scale", np.array(cfg.hidden_size**0.5, np.float32))], ["x0_scaled"])
     eps = float(cfg.norm_eps)
-    normed = node(
-        "RMSNormalization",
-        [x, init("l0.in_norm", _np(sd["model.layers.0.input_layernorm.weight"]))],
-        ["l0.normed"],
-        axis=-1,
-        epsilon=eps,
-        stash_type=1,
-    )
+    normed = rms(x, "model.layers.0.input_layernorm.weight", "l0.normed")
     residual = x
     feature_layers = [int(i) for i in feature_layers or []]
     if any(not 0 <= i < cfg.n_layers for i in feature_layers):
@@ -372,16 +386,34 @@ def build_gqa_model(
             bqkv = np.concatenate([_np(sd[p + f"self_attn.{n}_proj.bias"]) for n in "qkv"])
             qkv = node("Add", [qkv, init(f"l{i}.qkv_b", bqkv)], [f"l{i}.qkv_biased"])
         if cfg.qk_norm:
-            qkv = qk_norm(node, init, qkv, i, sd, cfg)
+            qkv = qk_norm(node, init, qkv, i, sd, cfg, float(one))
         if half:
             qkv = node("Cast", [qkv], [f"l{i}.qkv_h"], to=TP.FLOAT16)
         b_i = local if cfg.is_sliding(i) else bias
-        attn = gqa_node(node, qkv, i, f"l{i}.attn_h" if half else f"l{i}.attn", nq, nkv, d, seqlens, total, b_i)
+        rope = "_local" if gemma and cfg.is_sliding(i) else ""
+        attn = gqa_node(
+            node,
+            qkv,
+            i,
+            f"l{i}.attn_h" if half else f"l{i}.attn",
+            nq,
+            nkv,
+            d,
+            seqlens,
+            total,
+            b_i,
+            rope,
+            cfg.attn_scale,
+        )
         attn_out = node("Cast", [attn[0]], [f"l{i}.attn"], to=TP.FLOAT) if half else attn[0]
         o = matmul(attn_out, [p + "self_attn.o_proj.weight"], f"l{i}.o")
+        mlp_norm = p + "post_attention_layernorm.weight"
+        if gemma:
+            o = rms(o, mlp_norm, f"l{i}.o_normed")
+            mlp_norm = p + "pre_feedforward_layernorm.weight"
         post = node(
             "SkipSimplifiedLayerNormalization",
-            [o, residual, init(f"l{i}.post_norm", _np(sd[p + "post_attention_layernorm.weight"]))],
+            [o, residual, init(f"l{i}.post_norm", gamma(mlp_norm))],
             [f"l{i}.post_normed", "", "", f"l{i}.res1"],
             domain="com.microsoft",
             epsilon=eps,
@@ -392,17 +424,21 @@ def build_gqa_model(
         if cfg.mlp_bias:
             gate = node("Add", [gate, init(f"l{i}.gate_b", _np(sd[p + "mlp.gate_proj.bias"]))], [f"l{i}.gate_b_out"])
             up = node("Add", [up, init(f"l{i}.up_b", _np(sd[p + "mlp.up_proj.bias"]))], [f"l{i}.up_b_out"])
-        sig = node("Sigmoid", [gate], [f"l{i}.sig"])
-        silu = node("Mul", [gate, sig], [f"l{i}.silu"])
-        act = node("Mul", [silu, up], [f"l{i}.act"])
+        if gemma:
+            gated = node("Gelu", [gate], [f"l{i}.gelu"], approximate="tanh")
+        else:
+            gated = node("Mul", [gate, node("Sigmoid", [gate], [f"l{i}.sig"])], [f"l{i}.silu"])
+        act = node("Mul", [gated, up], [f"l{i}.act"])
         down = matmul(act, [p + "mlp.down_proj.weight"], f"l{i}.down")
         if cfg.mlp_bias:
             down = node("Add", [down, init(f"l{i}.down_b", _np(sd[p + "mlp.down_proj.bias"]))], [f"l{i}.down_b_out"])
+        if gemma:
+            down = rms(down, p + "post_feedforward_layernorm.weight", f"l{i}.down_normed")
         last_layer = i == cfg.n_layers - 1
-        gamma = _np(sd["model.norm.weight"]) if last_layer else _np(sd[f"model.layers.{i + 1}.input_layernorm.weight"])
+        nxt_norm = "model.norm.weight" if last_layer else f"model.layers.{i + 1}.input_layernorm.weight"
         nxt = node(
             "SkipSimplifiedLayerNormalization",
-            [down, residual, init(f"l{i}.next_norm", gamma)],
+            [down, residual, init(f"l{i}.next_norm", gamma(nxt_norm))],
             [f"l{i}.next_normed", "", "", f"l{i}.res2"],
             domain="com.microsoft",
             epsilon=eps,
@@ -420,6 +456,10 @@ def build_gqa_model(
         bt = node("Shape", [C.INPUT_IDS], ["bt_shape"])
         out_shape = node("Concat", [bt, "c_vocab"], ["logits_shape"], axis=0)
         logits = node("Reshape", [flat, out_shape], ["logits_raw"])
+    if cfg.final_softcap > 0:  # Gemma: tanh(logits / cap) * cap
+        cap = init("c_softcap", np.array(cfg.final_softcap, np.float32))
+        capped = node("Tanh", [node("Div", [logits, cap], ["logits_div"])], ["logits_tanh"])
+        logits = node("Mul", [capped, cap], ["logits_capped"])
     if topk:
         node("Identity", [logits], [C.LOGITS])
         lse = node("ReduceLogSumExp", [logits, init("c_axes_last", np.array([-1], np.int64))], ["lse"], keepdims=1)

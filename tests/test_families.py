@@ -187,7 +187,7 @@ def test_family_matches_transformers(kind, tmp_path):
     assert mine == theirs
 
 
-@pytest.mark.parametrize("kind", ["llama3", "qwen3", "mistral", "qwen2-sliding", "phi3", "phi4-mini"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen3", "mistral", "qwen2-sliding", "phi3", "phi4-mini", "gemma3"])
 def test_family_onnx_tree_equals_vanilla(kind, tmp_path):
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
