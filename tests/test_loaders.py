@@ -33,14 +33,15 @@ def contract_call(module, cfg, ids):
         return module(ids, torch.arange(t).expand(b, t), mask, *empty)[0]
 
 
-def write_tiny_gguf(hf_model, path, tied: bool, tokenizer: dict | None = None):
-    """A llama GGUF with F32 tensors the way llama.cpp's converter lays them out (and, given
-    `tokenizer` = GGUF tokenizer metadata such as test_tokenizer.synthetic_meta(), a vocabulary
-    llama.cpp and transformers can load)."""
+def write_tiny_gguf(hf_model, path, tied: bool, tokenizer: dict | None = None, arch: str = "llama"):
+    """A llama (qwen2, qwen3) GGUF with F32 tensors the way llama.cpp's converter lays them out
+    (and, given `tokenizer` = GGUF tokenizer metadata such as test_tokenizer.synthetic_meta(), a
+    vocabulary llama.cpp and transformers can load)."""
     import gguf
 
     c = hf_model.config
-    w = gguf.GGUFWriter(str(path), arch="llama")
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w = gguf.GGUFWriter(str(path), arch=arch)
     w.add_name("tiny-llama")
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
@@ -51,7 +52,9 @@ def write_tiny_gguf(hf_model, path, tied: bool, tokenizer: dict | None = None):
     w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
-    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     if tokenizer is not None:
@@ -74,6 +77,8 @@ def write_tiny_gguf(hf_model, path, tied: bool, tokenizer: dict | None = None):
         "self_attn.k_proj": "attn_k",
         "self_attn.v_proj": "attn_v",
         "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
         "mlp.gate_proj": "ffn_gate",
         "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
@@ -87,7 +92,9 @@ def write_tiny_gguf(hf_model, path, tied: bool, tokenizer: dict | None = None):
             continue
         _, _, i, rest = k.split(".", 3)
         mod, kind = rest.rsplit(".", 1)
-        if mod == "self_attn.q_proj":
+        if arch != "llama":  # qwen2/qwen3: NEOX RoPE, rows as in HF
+            pass
+        elif mod == "self_attn.q_proj":
             a = llamacpp_permute(a, c.num_attention_heads)
         elif mod == "self_attn.k_proj":
             a = llamacpp_permute(a, c.num_key_value_heads)
@@ -112,6 +119,39 @@ def test_tiny_gguf_matches_transformers(tmp_path, tied):
     ours, cfg, meta = load_gguf(path)
     assert cfg.tie_embeddings == tied and cfg.n_kv_heads == 2 and cfg.eos_token_ids == [2]
     assert meta["general.architecture"] == "llama"
+    compare_with_hf(hf_model, ours, cfg)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_tiny_qwen_gguf_matches_transformers(tmp_path, arch):
+    """qwen2 (q/k/v biases) and qwen3 (q/k norms, head_dim 32 != hidden / heads): no row permutation."""
+    T = transformers
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    if arch == "qwen2":
+        hf_model = T.Qwen2ForCausalLM(T.Qwen2Config(**common)).eval()
+    else:
+        hf_model = T.Qwen3ForCausalLM(T.Qwen3Config(**common, head_dim=32)).eval()
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    path = write_tiny_gguf(hf_model, tmp_path / f"{arch}.gguf", tied=False, arch=arch)
+    ours, cfg, _ = load_gguf(path)
+    assert (
+        cfg.qk_norm == (arch == "qwen3")
+        and cfg.attention_bias == (arch == "qwen2")
+        and cfg.head_dim == (32 if arch == "qwen3" else 16)
+    )
     compare_with_hf(hf_model, ours, cfg)
 
 
