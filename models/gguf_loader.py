@@ -124,9 +124,9 @@ def gguf_state_dict(reader, cfg: ModelConfig, permuted: bool = True) -> dict[str
             name = GLOBAL_NAMES[t.name]
         else:
             parts = t.name.split(".", 2)  # blk, i, rest
+            if t.name == "rope_freqs.weight":  # read by load_gguf (Llama 3.1's scaled RoPE)
+                continue
             if parts[0] != "blk" or parts[2] not in LAYER_NAMES:
-                if t.name.startswith("rope_freqs"):
-                    raise InputError("unsupported GGUF tensor rope_freqs (scaled RoPE, e.g. Llama 3.1)")
                 raise InputError(f"unsupported GGUF tensor {t.name!r}")
             name = f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
         w = dequantize(t.data, t.tensor_type)
@@ -158,7 +158,17 @@ def load_gguf(
     meta = read_metadata(reader)
     cfg = config_from_gguf(meta)
     sd = gguf_state_dict(reader, cfg, meta.get("general.architecture") in PERMUTED_ARCHS)
+    freqs = [t for t in reader.tensors if t.name == "rope_freqs.weight"]
+    scaling = None
+    if freqs:  # llama.cpp's converter writes Llama 3.x's llama3 scaling as per-frequency divisors
+        factors = np.array(freqs[0].data, dtype=np.float32).reshape(-1)
+        if len(factors) != cfg.head_dim // 2:
+            raise InputError(f"{path}: rope_freqs has {len(factors)} entries for a head dim of {cfg.head_dim}")
+        scaling = {"rope_type": "freq_factors", "factors": [float(f) for f in factors]}
     cfg = dataclasses.replace(
-        cfg, tie_embeddings="lm_head.weight" not in sd, attention_bias="model.layers.0.self_attn.q_proj.bias" in sd
+        cfg,
+        tie_embeddings="lm_head.weight" not in sd,
+        attention_bias="model.layers.0.self_attn.q_proj.bias" in sd,
+        rope_scaling=scaling,
     )
     return build_from_state(cfg, sd, dtype, str(path)), cfg, meta

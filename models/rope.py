@@ -13,6 +13,8 @@ per position: `short_factor` below `original_max_position_embeddings`, `long_fac
 on (vLLM's rule). transformers instead picks one set for a whole call from the call's largest
 position, so its outputs past the original context depend on how a sequence is split into calls;
 per position they do not, which is what lets a tree reproduce vanilla decoding.
+A GGUF of a Llama 3.1 model carries the llama3 scaling as llama.cpp's `rope_freqs` tensor (one
+divisor per frequency): rope_type "freq_factors" with those divisors.
 dynamic NTK is refused: it re-derives the frequencies from the longest sequence seen so far, so
 cached keys would have been rotated with other frequencies than new ones.
 """
@@ -96,7 +98,7 @@ class Rotary(torch.nn.Module):
         super().__init__()
         s = dict(scaling or {})
         kind = s.get("rope_type", "default")
-        if kind not in ROPE_TYPES:
+        if kind not in ROPE_TYPES + ("freq_factors",):
             raise InputError(f"unsupported rope scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
         dim = rope_dim(head_dim, s)
         inv = _base_inv_freq(dim, theta)
@@ -105,6 +107,8 @@ class Rotary(torch.nn.Module):
             inv = long_inv = inv / float(s["factor"])
         elif kind == "llama3":
             inv = long_inv = _llama3(inv, s)
+        elif kind == "freq_factors":  # llama.cpp: theta_i = pos * inv_freq_i / rope_freqs_i
+            inv = long_inv = inv / torch.tensor(s["factors"], dtype=torch.float32)
         elif kind == "yarn":
             inv, self.attention_factor = _yarn(dim, theta, s, max_position)
             long_inv = inv

@@ -208,6 +208,43 @@ def test_family_onnx_tree_equals_vanilla(kind, tmp_path):
         engine.close()
 
 
+def llamacpp_rope_freqs(head_dim: int, s: dict):
+    """The rope_freqs tensor llama.cpp's convert_hf_to_gguf writes for rope_type llama3: one divisor
+    per frequency (1 for high frequencies, factor for low ones, smoothed in between)."""
+    import math
+
+    freqs = 1.0 / (s["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    old, factor, lo, hi = (
+        s["original_max_position_embeddings"],
+        s["factor"],
+        s["low_freq_factor"],
+        s["high_freq_factor"],
+    )
+    out = []
+    for f in freqs.tolist():
+        wavelen = 2 * math.pi / f
+        if wavelen < old / hi:
+            out.append(1.0)
+        elif wavelen > old / lo:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32).numpy()
+
+
+def test_llama31_gguf_with_rope_freqs_matches_transformers(tmp_path):
+    from test_loaders import write_tiny_gguf
+
+    from arborspec.models.gguf_loader import load_gguf
+
+    hf, _, cfg = make_family("llama3", tmp_path)
+    extra = {"rope_freqs.weight": llamacpp_rope_freqs(cfg.head_dim, LLAMA3)}
+    ours, gcfg, _ = load_gguf(write_tiny_gguf(hf, tmp_path / "l31.gguf", tied=False, extra=extra))
+    assert gcfg.rope_scaling["rope_type"] == "freq_factors"
+    check_logits(hf, ours, gcfg, FAMILIES["llama3"][0])  # past the original context (32)
+
+
 def test_rope_and_family_config_errors():
     base = dict(vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16)
     with pytest.raises(ValueError, match="'dynamic'"):

@@ -33,9 +33,9 @@ def contract_call(module, cfg, ids):
         return module(ids, torch.arange(t).expand(b, t), mask, *empty)[0]
 
 
-def write_tiny_gguf(hf_model, path, tied: bool, tokenizer: dict | None = None, arch: str = "llama"):
-    """A llama (qwen2, qwen3) GGUF with F32 tensors the way llama.cpp's converter lays them out
-    (and, given `tokenizer` = GGUF tokenizer metadata such as test_tokenizer.synthetic_meta(), a
+def write_tiny_gguf(hf_model, path, tied: bool, tokenizer: dict | None = None, arch: str = "llama", extra=None):
+    """A llama (qwen2, qwen3) GGUF with F32 tensors the way llama.cpp's converter lays them out,
+    plus the `extra` {name: array} tensors (and, given `tokenizer` = GGUF tokenizer metadata such as test_tokenizer.synthetic_meta(), a
     vocabulary llama.cpp and transformers can load)."""
     import gguf
 
@@ -99,6 +99,8 @@ def write_tiny_gguf(hf_model, path, tied: bool, tokenizer: dict | None = None, a
         elif mod == "self_attn.k_proj":
             a = llamacpp_permute(a, c.num_key_value_heads)
         w.add_tensor(f"blk.{i}.{layer[mod]}.{kind}", a)
+    for name, a in (extra or {}).items():
+        w.add_tensor(name, a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
