@@ -33,9 +33,12 @@ def contract_call(module, cfg, ids):
         return module(ids, torch.arange(t).expand(b, t), mask, *empty)[0]
 
 
-def write_tiny_gguf(hf_model, path, tied: bool, tokenizer: dict | None = None, arch: str = "llama", extra=None):
-    """A llama (qwen2, qwen3) GGUF with F32 tensors the way llama.cpp's converter lays them out,
-    plus the `extra` {name: array} tensors (and, given `tokenizer` = GGUF tokenizer metadata such as test_tokenizer.synthetic_meta(), a
+def write_tiny_gguf(
+    hf_model, path, tied: bool, tokenizer: dict | None = None, arch: str = "llama", extra=None, qtype=None
+):
+    """A llama (qwen2, qwen3) GGUF with F32 tensors (the layers' matrices in `qtype`, a
+    gguf.GGMLQuantizationType, when given) the way llama.cpp's converter lays them out, plus the
+    `extra` {name: array} tensors (and, given `tokenizer` = GGUF tokenizer metadata such as test_tokenizer.synthetic_meta(), a
     vocabulary llama.cpp and transformers can load)."""
     import gguf
 
@@ -98,6 +101,11 @@ def write_tiny_gguf(hf_model, path, tied: bool, tokenizer: dict | None = None, a
             a = llamacpp_permute(a, c.num_attention_heads)
         elif mod == "self_attn.k_proj":
             a = llamacpp_permute(a, c.num_key_value_heads)
+        if qtype is not None and kind == "weight" and a.ndim == 2:
+            from gguf.quants import quantize
+
+            w.add_tensor(f"blk.{i}.{layer[mod]}.{kind}", quantize(a, qtype), raw_dtype=qtype)
+            continue
         w.add_tensor(f"blk.{i}.{layer[mod]}.{kind}", a)
     for name, a in (extra or {}).items():
         w.add_tensor(name, a)
@@ -155,6 +163,19 @@ def test_tiny_qwen_gguf_matches_transformers(tmp_path, arch):
         and cfg.head_dim == (32 if arch == "qwen3" else 16)
     )
     compare_with_hf(hf_model, ours, cfg)
+    # the GGUF's Q4_0 blocks carried into MatMulNBits as they are (q/k rows not permuted for qwen):
+    # the export's self-check holds them to the dequantised module within fp32 tolerance
+    pytest.importorskip("onnxruntime")
+    import gguf
+
+    from arborspec.export.onnx_export import export_gqa_onnx
+
+    q4 = write_tiny_gguf(
+        hf_model, tmp_path / f"{arch}-q4.gguf", tied=False, arch=arch, qtype=gguf.GGMLQuantizationType.Q4_0
+    )
+    module, _, _ = load_gguf(q4)
+    res = export_gqa_onnx(module, tmp_path / "q4.onnx", max_context=64, quantize="int4", gguf_path=str(q4))
+    assert res.quantization["layers_by_source"].get("gguf-q4_0", 0) >= 7 * cfg.n_layers and res.max_abs_diff < 1e-2
 
 
 def test_gguf_rejects_other_architectures(tmp_path):
