@@ -12,6 +12,10 @@ F16, F32, ...) and renamed to Hugging Face names. Two details:
   rotate-half, so we undo it (transformers' reverse_permute), with n_head = KV heads for
   attn_k. qwen2 / qwen3 use llama.cpp's NEOX RoPE (rotate-half): their rows are as in HF.
 - qwen3 adds attn_q_norm / attn_k_norm (RMSNorm over each head of q and k).
+- gemma3 (models/gemma3.py): the converter stores every norm weight as 1 + w (we subtract the 1),
+  names the pre-feed-forward norm ffn_norm, and leaves out what llama.cpp hard-codes for Gemma 3:
+  every 6th layer is full attention, the others slide with RoPE base 10000, and the attention
+  scale is head_dim ** -0.5 (hidden / heads for the 62-layer 27B).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from arborspec.runtime.errors import InputError, MissingFileError
 from .config import ModelConfig
 from .hf_loader import build_from_state
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 PERMUTED_ARCHS = ("llama",)  # llama.cpp's converter permutes q/k rows for these
 
 LAYER_NAMES = {
@@ -45,6 +49,12 @@ LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+GEMMA3_LAYER_NAMES = {
+    **LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -83,7 +93,10 @@ def config_from_gguf(meta: dict[str, Any], name: str = "") -> ModelConfig:
         return meta.get(f"{arch}.{key}", default)
 
     scaling = get("rope.scaling.type", "none")
-    if scaling not in ("none", None):
+    rope_scaling = None
+    if arch == "gemma3" and scaling == "linear":  # Gemma 3 4B+: linear on the full-attention layers
+        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif scaling not in ("none", None):
         raise InputError(f"unsupported rope scaling type {scaling!r} in GGUF (only default RoPE is supported)")
     hidden, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // n_heads))
@@ -94,23 +107,35 @@ def config_from_gguf(meta: dict[str, Any], name: str = "") -> ModelConfig:
     eot = meta.get("tokenizer.ggml.eot_token_id")
     eos_ids = [int(e) for e in (eos, eot) if e is not None]
     bos = meta.get("tokenizer.ggml.bos_token_id")
+    n_layers = int(get("block_count"))
+    gemma = {}
+    if arch == "gemma3":
+        gemma = dict(
+            sliding_window=int(get("attention.sliding_window", 0) or 0),
+            layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n_layers)],
+            rope_local_theta=10000.0,
+            attn_scale=float(hidden // n_heads if n_layers == 62 else head_dim) ** -0.5,
+            final_softcap=float(get("final_logit_softcapping", 0.0) or 0.0),
+        )
     return ModelConfig(
-        family="llama",
+        family="gemma3" if arch == "gemma3" else "llama",
         vocab_size=int(vocab),
         hidden_size=hidden,
-        n_layers=int(get("block_count")),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(get("attention.head_count_kv", n_heads)),
         head_dim=head_dim,
         intermediate_size=int(get("feed_forward_length")),
         max_position=int(get("context_length", 2048)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
-        qk_norm=arch == "qwen3",
+        rope_scaling=rope_scaling,
+        qk_norm=arch in ("qwen3", "gemma3"),
         norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings=True,  # fixed by the caller from the tensor list
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=list(dict.fromkeys(eos_ids)),
         name=name or meta.get("general.name", ""),
+        **gemma,
     )
 
 
@@ -118,6 +143,8 @@ def gguf_state_dict(reader, cfg: ModelConfig, permuted: bool = True) -> dict[str
     """Dequantised tensors under HF names, q/k rows un-permuted (`permuted`: the llama arch)."""
     from gguf.quants import dequantize
 
+    gemma = cfg.family == "gemma3"
+    layer_names = GEMMA3_LAYER_NAMES if gemma else LAYER_NAMES
     sd = {}
     for t in reader.tensors:
         if t.name in GLOBAL_NAMES:
@@ -126,13 +153,15 @@ def gguf_state_dict(reader, cfg: ModelConfig, permuted: bool = True) -> dict[str
             parts = t.name.split(".", 2)  # blk, i, rest
             if t.name == "rope_freqs.weight":  # read by load_gguf (Llama 3.1's scaled RoPE)
                 continue
-            if parts[0] != "blk" or parts[2] not in LAYER_NAMES:
+            if parts[0] != "blk" or parts[2] not in layer_names:
                 raise InputError(f"unsupported GGUF tensor {t.name!r}")
-            name = f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
+            name = f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
         w = dequantize(t.data, t.tensor_type)
         w = np.array(w, dtype=np.float32).reshape(
             [int(d) for d in reversed(t.shape)]
         )  # copy: reader is a read-only mmap
+        if gemma and t.name.endswith("norm.weight"):
+            w = w - np.float32(1.0)  # the converter stored 1 + w
         if not permuted:
             pass
         elif ".attn_q." in t.name:
@@ -169,6 +198,6 @@ def load_gguf(
         cfg,
         tie_embeddings="lm_head.weight" not in sd,
         attention_bias="model.layers.0.self_attn.q_proj.bias" in sd,
-        rope_scaling=scaling,
+        rope_scaling=scaling or cfg.rope_scaling,
     )
     return build_from_state(cfg, sd, dtype, str(path)), cfg, meta

@@ -245,6 +245,84 @@ def test_llama31_gguf_with_rope_freqs_matches_transformers(tmp_path):
     check_logits(hf, ours, gcfg, FAMILIES["llama3"][0])  # past the original context (32)
 
 
+def test_gemma3_gguf_matches_transformers(tmp_path):
+    """A gemma3 GGUF written as llama.cpp's converter writes one (norms stored as 1 + w, ffn_norm =
+    the pre-feed-forward norm, rope_local_base_freq / the 1-in-6 layer pattern / the attention
+    scale left to llama.cpp's hard-coded values, linear scaling as rope.scaling.*)."""
+    import gguf
+
+    from arborspec.models.gguf_loader import load_gguf
+
+    T = transformers
+    torch.manual_seed(0)
+    c = {k: v for k, v in COMMON.items() if k != "tie_word_embeddings"}
+    c["num_hidden_layers"] = 6  # llama.cpp's pattern: layers 0-4 slide, layer 5 is full
+    rope = {
+        "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1e6),
+        "sliding_attention": dict(rope_type="default", rope_theta=1e4),
+    }
+    hf = T.Gemma3ForCausalLM(
+        T.Gemma3TextConfig(
+            **c,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=8,
+            rope_parameters=rope,
+            final_logit_softcapping=30.0,
+        )
+    ).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    hc = hf.config
+    w = gguf.GGUFWriter(str(tmp_path / "g3.gguf"), arch="gemma3")
+    w.add_block_count(hc.num_hidden_layers)
+    w.add_context_length(hc.max_position_embeddings)
+    w.add_embedding_length(hc.hidden_size)
+    w.add_feed_forward_length(hc.intermediate_size)
+    w.add_head_count(hc.num_attention_heads)
+    w.add_head_count_kv(hc.num_key_value_heads)
+    w.add_layer_norm_rms_eps(hc.rms_norm_eps)
+    w.add_key_length(16)
+    w.add_value_length(16)
+    w.add_rope_freq_base(1e6)
+    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    w.add_rope_scaling_factor(2.0)
+    w.add_final_logit_softcapping(30.0)
+    w.add_sliding_window(8)
+    w.add_vocab_size(hc.vocab_size)
+    names = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    for k, v in hf.state_dict().items():
+        a = v.detach().float().numpy().copy() + (1.0 if k.endswith("norm.weight") else 0.0)
+        if k == "model.embed_tokens.weight":
+            w.add_tensor("token_embd.weight", a)
+        elif k == "model.norm.weight":
+            w.add_tensor("output_norm.weight", a)
+        elif k.startswith("model.layers."):
+            _, _, i, rest = k.split(".", 3)
+            mod, kind = rest.rsplit(".", 1)
+            w.add_tensor(f"blk.{i}.{names[mod]}.{kind}", a)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    ours, cfg, _ = load_gguf(tmp_path / "g3.gguf")
+    assert cfg.family == "gemma3" and cfg.layer_types[5] == "full_attention" and cfg.tie_embeddings
+    check_logits(hf, ours, cfg, 20)  # past the window
+
+
 def test_rope_and_family_config_errors():
     base = dict(vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16)
     with pytest.raises(ValueError, match="'dynamic'"):
