@@ -16,6 +16,9 @@ F16, F32, ...) and renamed to Hugging Face names. Two details:
   names the pre-feed-forward norm ffn_norm, and leaves out what llama.cpp hard-codes for Gemma 3:
   every 6th layer is full attention, the others slide with RoPE base 10000, and the attention
   scale is head_dim ** -0.5 (hidden / heads for the 62-layer 27B).
+- phi3 (Phi-3/3.5/4-mini): fused attn_qkv and ffn_up (= [gate | up]) split as the HF loader does,
+  longrope as the rope_factors_short / rope_factors_long tensors with rope.scaling.attn_factor and
+  original_context_length, partial rotary as rope.dimension_count, sliding_window 0 = none.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from arborspec.runtime.errors import InputError, MissingFileError
 from .config import ModelConfig
 from .hf_loader import build_from_state
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
 PERMUTED_ARCHS = ("llama",)  # llama.cpp's converter permutes q/k rows for these
 
 LAYER_NAMES = {
@@ -56,6 +59,12 @@ GEMMA3_LAYER_NAMES = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+PHI3_LAYER_NAMES = {
+    **LAYER_NAMES,
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
+ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -100,8 +109,11 @@ def config_from_gguf(meta: dict[str, Any], name: str = "") -> ModelConfig:
         raise InputError(f"unsupported rope scaling type {scaling!r} in GGUF (only default RoPE is supported)")
     hidden, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // n_heads))
-    if int(get("rope.dimension_count", head_dim)) != head_dim:
+    rot = int(get("rope.dimension_count", head_dim))
+    if rot != head_dim and arch != "phi3":
         raise InputError("unsupported partial RoPE (rope.dimension_count != head dim)")
+    if rot != head_dim:
+        rope_scaling = {"rope_type": "default", "partial_rotary_factor": rot / head_dim}
     vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
     eos = meta.get("tokenizer.ggml.eos_token_id")
     eot = meta.get("tokenizer.ggml.eot_token_id")
@@ -109,6 +121,8 @@ def config_from_gguf(meta: dict[str, Any], name: str = "") -> ModelConfig:
     bos = meta.get("tokenizer.ggml.bos_token_id")
     n_layers = int(get("block_count"))
     gemma = {}
+    if arch == "phi3":
+        gemma = dict(sliding_window=int(get("attention.sliding_window", 0) or 0))
     if arch == "gemma3":
         gemma = dict(
             sliding_window=int(get("attention.sliding_window", 0) or 0),
@@ -144,14 +158,15 @@ def gguf_state_dict(reader, cfg: ModelConfig, permuted: bool = True) -> dict[str
     from gguf.quants import dequantize
 
     gemma = cfg.family == "gemma3"
-    layer_names = GEMMA3_LAYER_NAMES if gemma else LAYER_NAMES
+    phi3 = "blk.0.attn_qkv.weight" in {t.name for t in reader.tensors}
+    layer_names = GEMMA3_LAYER_NAMES if gemma else PHI3_LAYER_NAMES if phi3 else LAYER_NAMES
     sd = {}
     for t in reader.tensors:
         if t.name in GLOBAL_NAMES:
             name = GLOBAL_NAMES[t.name]
         else:
             parts = t.name.split(".", 2)  # blk, i, rest
-            if t.name == "rope_freqs.weight":  # read by load_gguf (Llama 3.1's scaled RoPE)
+            if t.name in ROPE_FACTOR_TENSORS:  # read by load_gguf (scaled RoPE)
                 continue
             if parts[0] != "blk" or parts[2] not in layer_names:
                 raise InputError(f"unsupported GGUF tensor {t.name!r}")
@@ -187,13 +202,28 @@ def load_gguf(
     meta = read_metadata(reader)
     cfg = config_from_gguf(meta)
     sd = gguf_state_dict(reader, cfg, meta.get("general.architecture") in PERMUTED_ARCHS)
-    freqs = [t for t in reader.tensors if t.name == "rope_freqs.weight"]
+    extra = {t.name: [float(f) for f in np.array(t.data, np.float32).reshape(-1)] for t in reader.tensors}
+    extra = {k: v for k, v in extra.items() if k in ROPE_FACTOR_TENSORS}
     scaling = None
-    if freqs:  # llama.cpp's converter writes Llama 3.x's llama3 scaling as per-frequency divisors
-        factors = np.array(freqs[0].data, dtype=np.float32).reshape(-1)
+    if "rope_freqs.weight" in extra:  # llama.cpp's converter writes Llama 3.x's llama3 scaling as divisors
+        factors = extra["rope_freqs.weight"]
         if len(factors) != cfg.head_dim // 2:
             raise InputError(f"{path}: rope_freqs has {len(factors)} entries for a head dim of {cfg.head_dim}")
-        scaling = {"rope_type": "freq_factors", "factors": [float(f) for f in factors]}
+        scaling = {"rope_type": "freq_factors", "factors": factors}
+    if "rope_factors_long.weight" in extra:  # Phi-3 longrope
+        arch = meta["general.architecture"]
+        scaling = {
+            **(cfg.rope_scaling or {}),
+            "rope_type": "longrope",
+            "long_factor": extra["rope_factors_long.weight"],
+            "short_factor": extra["rope_factors_short.weight"],
+            "original_max_position_embeddings": int(meta[f"{arch}.rope.scaling.original_context_length"]),
+            "attention_factor": float(meta.get(f"{arch}.rope.scaling.attn_factor", 1.0)),
+        }
+    if "model.layers.0.self_attn.qkv_proj.weight" in sd:
+        from .hf_loader import phi3_hf_to_ours
+
+        sd = phi3_hf_to_ours(sd, cfg)
     cfg = dataclasses.replace(
         cfg,
         tie_embeddings="lm_head.weight" not in sd,

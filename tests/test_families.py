@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -321,6 +322,63 @@ def test_gemma3_gguf_matches_transformers(tmp_path):
     ours, cfg, _ = load_gguf(tmp_path / "g3.gguf")
     assert cfg.family == "gemma3" and cfg.layer_types[5] == "full_attention" and cfg.tie_embeddings
     check_logits(hf, ours, cfg, 20)  # past the window
+
+
+@pytest.mark.parametrize("kind", ["phi3", "phi4-mini"])
+def test_phi3_gguf_matches_transformers(kind, tmp_path):
+    """A phi3 GGUF laid out as llama.cpp's converter writes it: fused attn_qkv / ffn_up, longrope
+    as rope_factors_short / rope_factors_long + attn_factor + original_context_length, partial
+    rotary as rope.dimension_count."""
+    import gguf
+
+    from arborspec.models.gguf_loader import load_gguf
+
+    hf, _, cfg = make_family(kind, tmp_path)
+    hc, rp = hf.config, hf.config.rope_parameters
+    rot = int(cfg.head_dim * rp.get("partial_rotary_factor", 1.0))
+    w = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), arch="phi3")
+    w.add_block_count(hc.num_hidden_layers)
+    w.add_context_length(hc.max_position_embeddings)
+    w.add_rope_scaling_orig_ctx_len(32)
+    w.add_embedding_length(hc.hidden_size)
+    w.add_feed_forward_length(hc.intermediate_size)
+    w.add_head_count(hc.num_attention_heads)
+    w.add_head_count_kv(hc.num_key_value_heads)
+    w.add_layer_norm_rms_eps(hc.rms_norm_eps)
+    w.add_rope_dimension_count(rot)
+    w.add_rope_freq_base(rp["rope_theta"])
+    w.add_sliding_window(hc.sliding_window)
+    w.add_vocab_size(hc.vocab_size)
+    w.add_rope_scaling_attn_factors(float(hf.model.rotary_emb.attention_scaling))
+    w.add_tensor("rope_factors_long.weight", np.array(rp["long_factor"], np.float32))
+    w.add_tensor("rope_factors_short.weight", np.array(rp["short_factor"], np.float32))
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    layer = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.qkv_proj": "attn_qkv",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    for k, v in hf.state_dict().items():
+        a = v.detach().float().numpy().copy()
+        if k in names:
+            if not (k == "lm_head.weight" and cfg.tie_embeddings):
+                w.add_tensor(names[k], a)
+            continue
+        _, _, i, rest = k.split(".", 3)
+        mod, kind_ = rest.rsplit(".", 1)
+        w.add_tensor(f"blk.{i}.{layer[mod]}.{kind_}", a)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    ours, gcfg, _ = load_gguf(tmp_path / "phi.gguf")
+    assert gcfg.rope_scaling["rope_type"] == "longrope" and gcfg.sliding_window == 12
+    assert gcfg.tie_embeddings == cfg.tie_embeddings
+    check_logits(hf, ours, gcfg, FAMILIES[kind][0])
 
 
 def test_rope_and_family_config_errors():
