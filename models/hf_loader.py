@@ -4,7 +4,8 @@ Role: turns a downloaded checkpoint folder into the PyTorch reference module tha
 backend is compared against (target or draft). Supported: model_type llama (Llama 2/3.x, with
 llama3 / linear / yarn RoPE scaling), mistral (sliding window), qwen2 (Qwen2/2.5: q/k/v biases),
 qwen3 (q/k norms), phi3 (Phi-3/3.5/4-mini: fused qkv_proj and gate_up_proj are split here;
-longrope) and SmolLM (llama) -> family "llama"; gpt2 -> family "gpt2" (its Conv1D weights
+longrope) and SmolLM (llama) -> family "llama"; gemma3_text -> family "gemma3"
+(models/gemma3.py); gpt2 -> family "gpt2" (its Conv1D weights
 [in, out] are transposed into our nn.Linear [out, in]). Everything else is rejected with one
 line naming the model_type and what is missing. Never touches the network.
 """

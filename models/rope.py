@@ -92,7 +92,7 @@ class Rotary(torch.nn.Module):
     """position_ids [B, T] -> (cos, sin) [B, T, rope_dim], rotate-half convention, scaled.
 
     Buffers: inv_freq [rope_dim/2] (longrope: the short set) and inv_freq_long (longrope's long
-    set; equal to inv_freq otherwise), used from position `switch` on."""
+    set, used from position `switch` on; equal to inv_freq otherwise, switch None)."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None = None, max_position: int = 2048):
         super().__init__()
@@ -102,7 +102,7 @@ class Rotary(torch.nn.Module):
             raise InputError(f"unsupported rope scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
         dim = rope_dim(head_dim, s)
         inv = _base_inv_freq(dim, theta)
-        long_inv, self.switch, self.attention_factor = inv, 1 << 62, 1.0
+        long_inv, self.switch, self.attention_factor = inv, None, 1.0
         if kind == "linear":
             inv = long_inv = inv / float(s["factor"])
         elif kind == "llama3":
@@ -123,7 +123,9 @@ class Rotary(torch.nn.Module):
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         pos = position_ids[..., None]
-        inv = torch.where(pos >= self.switch, self.inv_freq_long, self.inv_freq)  # [B, T, dim/2]
+        inv = self.inv_freq
+        if self.switch is not None:  # longrope: the long set from the original context on
+            inv = torch.where(pos >= self.switch, self.inv_freq_long, self.inv_freq)  # [B, T, dim/2]
         freqs = pos.float() * inv
         emb = torch.cat([freqs, freqs], dim=-1)
         if self.attention_factor == 1.0:
