@@ -101,7 +101,7 @@ def build_head_model(head, embed: torch.Tensor, max_context: int):
         h.make_tensor_value_info(C.new_value(0), TP.FLOAT, ["batch", nkv, "max_seq", d]),
         h.make_tensor_value_info(C.HIDDEN_STATES, TP.FLOAT, ["batch", "tokens", hs]),
     ]
-    seqlens, total, bias = attention_inputs(node, init, d, c.rope_theta, max_context)
+    seqlens, total, bias = attention_inputs(node, init, d, c.rope_theta, max_context, rotary=head.rotary)
 
     e = node("Gather", [init("embed_tokens", _np(embed)), C.INPUT_IDS], ["embeds"], axis=0)
     en = rms(e, "midlayer.input_layernorm.weight", "in_norm")

@@ -54,11 +54,14 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().float().cpu().contiguous().numpy()
 
 
-def rope_tables(head_dim: int, theta: float, max_position: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin [max_position, D/2] computed exactly as models/llama.Rotary does (float32)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq
-    return freqs.cos().numpy(), freqs.sin().numpy()
+def rope_tables(head_dim: int, theta: float, max_position: int, rotary=None) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [max_position, R/2] computed by models/rope.Rotary (float32): `rotary` (a model's
+    own, with its scaling and partial rotary) or default RoPE of `theta`."""
+    from arborspec.models.rope import Rotary
+
+    rotary = rotary if rotary is not None else Rotary(head_dim, theta)
+    cos, sin = rotary.tables(max_position)
+    return cos.numpy(), sin.numpy()
 
 
 KV_DTYPES = ("fp32", "fp16")
@@ -69,21 +72,29 @@ FP16_MASKED = -30000.0
 
 def gqa_unsupported(cfg, dtype: str = "fp32") -> str | None:
     """Why this model cannot use the GroupQueryAttention graph, or None when it can."""
-    if cfg.family != "llama":
-        return f"needs a Llama-family model, not {cfg.family}"
+    if cfg.family not in ("llama", "gemma3"):
+        return f"needs a Llama-family (or Gemma 3) model, not {cfg.family}"
     if dtype != "fp32":
         return f"exports fp32 only, not {dtype}"
     if cfg.head_dim % 16:
         return f"ONNX Runtime's GroupQueryAttention needs a head size that is a multiple of 16 (this model: {cfg.head_dim})"
+    from arborspec.models.rope import rope_dim
+
+    rot = rope_dim(cfg.head_dim, cfg.rope_scaling)
+    if rot % 16:
+        return f"ONNX Runtime's GroupQueryAttention needs a rotary size that is a multiple of 16 (this model: {rot})"
     return None
 
 
-def attention_inputs(node, init, d: int, rope_theta: float, max_context: int, attn_np=np.float32, masked=None):
+def attention_inputs(
+    node, init, d: int, rope_theta: float, max_context: int, attn_np=np.float32, masked=None, rotary=None
+):
     """The GroupQueryAttention inputs every layer of a graph shares, derived from the contract
     inputs: (seqlens_k [B] int32: per row, the last column its last token may see, which is
     P+T-1 for every mask of the contract; total_sequence_length scalar int32 = P+T; the tree
     mask as an additive bias [B, 1, T, P+T]); also the rotary tables "cos_cache" and "sin_cache"
-    for `max_context` positions. `node`/`init` are the graph builder's.
+    for `max_context` positions (from `rotary`, a models/rope.Rotary, when given: scaled RoPE, every
+    position's row its own rotation). `node`/`init` are the graph builder's.
 
     seqlens_k from the mask lets a batch of one-token rows be *ragged* (contract metadata
     `arborspec.ragged_rows`): a row whose mask sees columns [0, len_b] only writes its new K/V at
@@ -117,15 +128,64 @@ def attention_inputs(node, init, d: int, rope_theta: float, max_context: int, at
     seqlens = node("Cast", [last], ["seqlens_k"], to=TP.INT32)  # [B] int32
     mask4 = node("Unsqueeze", [C.ATTENTION_MASK, "c_axes1"], ["mask4"])
     bias = node("Where", [mask4, "c_zero_f", "c_min_f"], ["attn_bias"])  # [B,1,T,S]
-    cos, sin = rope_tables(d, rope_theta, max(max_context, 1))
+    cos, sin = rope_tables(d, rope_theta, max(max_context, 1), rotary)
     init("cos_cache", cos.astype(attn_np))
     init("sin_cache", sin.astype(attn_np))
     return seqlens, total, bias
 
 
-def gqa_node(node, qkv: str, layer: int, out: str, nq: int, nkv: int, d: int, seqlens, total, bias):
+def window_bias(node, init, window: int) -> str:
+    """The attention bias of a sliding-window layer [B, 1, T, P+T]: the tree mask AND "the key's
+    position > the query's position - window", with cache column j at position j and the new
+    tokens at their position_ids (models/llama.window_mask). Positions, not columns: a tree node
+    at depth d sits at column P + i >= P + d, so GroupQueryAttention's own local_window_size
+    (which counts columns) would cut a tree's keys short; the bias is exact and costs one
+    [B, T, P+T] compare per call."""
+    init("c_window", np.array(window, np.int64))
+    t = node("Shape", [C.POSITION_IDS], ["win_pos_shape"])
+    b_t = node("Gather", [t, "c_i0"], ["win_b"], axis=0)  # [1]
+    t1 = node("Gather", [t, "c_i1"], ["win_t"], axis=0)  # [1]
+    p1 = node("Sub", ["total64", t1], ["win_p"])  # [1] = P
+    p_s = node("Squeeze", [p1, "c_i0"], ["win_p_s"])
+    past = node("Range", ["c_i0_s", p_s, "c_i1_s"], ["win_past_pos"])  # [P]
+    shape = node("Concat", [b_t, p1], ["win_past_shape"], axis=0)
+    past_b = node("Expand", [past, shape], ["win_past_b"])  # [B, P]
+    keys = node("Concat", [past_b, C.POSITION_IDS], ["win_key_pos"], axis=1)  # [B, S]
+    q = node("Unsqueeze", [C.POSITION_IDS, "c_i2"], ["win_q"])  # [B, T, 1]
+    k = node("Unsqueeze", [keys, "c_i1"], ["win_k"])  # [B, 1, S]
+    diff = node("Sub", [q, k], ["win_diff"])
+    inside = node("Less", [diff, "c_window"], ["win_inside"])
+    both = node("And", [C.ATTENTION_MASK, inside], ["win_mask"])
+    both4 = node("Unsqueeze", [both, "c_axes1"], ["win_mask4"])
+    return node("Where", [both4, "c_zero_f", "c_min_f"], ["win_bias"])
+
+
+def qk_norm(node, init, qkv: str, layer: int, sd: dict, cfg, offset: float = 0.0) -> str:
+    """Qwen3's (Gemma 3's: offset 1, weights 1 + w) RMSNorm over each head of q and k (before the
+    kernel's RoPE), on the packed qkv."""
+    nq, nkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    p = f"model.layers.{layer}.self_attn."
+    init(f"l{layer}.qkv_split", np.array([nq * d, nkv * d, nkv * d], np.int64))
+    q, k, v = node("Split", [qkv, f"l{layer}.qkv_split"], [f"l{layer}.q", f"l{layer}.k", f"l{layer}.v"], axis=-1)
+    out = []
+    for name, x, heads in (("q", q, nq), ("k", k, nkv)):
+        heads_shape = init(f"l{layer}.{name}_heads", np.array([0, 0, heads, d], np.int64))
+        flat_shape = init(f"l{layer}.{name}_flat", np.array([0, 0, heads * d], np.int64))
+        xh = node("Reshape", [x, heads_shape], [f"l{layer}.{name}_h"])
+        w = init(f"l{layer}.{name}_norm", _np(sd[p + f"{name}_norm.weight"]) + np.float32(offset))
+        xn = node(
+            "RMSNormalization", [xh, w], [f"l{layer}.{name}_hn"], axis=-1, epsilon=float(cfg.norm_eps), stash_type=1
+        )
+        out.append(node("Reshape", [xn, flat_shape], [f"l{layer}.{name}_n"]))
+    return node("Concat", [*out, v], [f"l{layer}.qkv_n"], axis=-1)
+
+
+def gqa_node(
+    node, qkv: str, layer: int, out: str, nq: int, nkv: int, d: int, seqlens, total, bias, rope="", scale=None
+):
     """One GroupQueryAttention over layer `layer`'s cache slab (read and written in place, rotary
-    inside from position_ids, the tree mask as bias): -> [attention out, new K, new V]."""
+    inside from position_ids with the tables "cos_cache{rope}" / "sin_cache{rope}", the tree mask
+    as bias, scores scaled by `scale`, default d ** -0.5): -> [attention out, new K, new V]."""
     return node(
         "GroupQueryAttention",
         [
@@ -136,8 +196,8 @@ def gqa_node(node, qkv: str, layer: int, out: str, nq: int, nkv: int, d: int, se
             C.past_value(layer),
             seqlens,
             total,
-            "cos_cache",
-            "sin_cache",
+            "cos_cache" + rope,
+            "sin_cache" + rope,
             C.POSITION_IDS,
             bias,
         ],
@@ -148,7 +208,7 @@ def gqa_node(node, qkv: str, layer: int, out: str, nq: int, nkv: int, d: int, se
         do_rotary=1,
         rotary_interleaved=0,
         causal=0,
-        scale=float(d) ** -0.5,
+        scale=float(scale or float(d) ** -0.5),
     )
 
 
@@ -287,19 +347,32 @@ def build_gqa_model(
     init("c_i1", np.array([1], np.int64))
     init("c_axes_m1", np.array([-1], np.int64))
     masked = FP16_MASKED if half else np.finfo(np.float32).min
-    seqlens, total, bias = attention_inputs(node, init, d, cfg.rope_theta, max_context, attn_np, masked)
+    seqlens, total, bias = attention_inputs(
+        node, init, d, cfg.rope_theta, max_context, attn_np, masked, rotary=module.rotary
+    )
+    local = window_bias(node, init, cfg.sliding_window) if cfg.sliding_window > 0 else None
+    # Gemma 3 (models/gemma3.py): norms multiply by 1 + w, embeddings scaled by sqrt(H), a norm on
+    # the attention output and on the MLP output, tanh GELU, its own attention scale, and the
+    # sliding layers rotate with their own RoPE base (tables "cos_cache_local" / "sin_cache_local")
+    gemma = cfg.family == "gemma3"
+    one = np.float32(1.0 if gemma else 0.0)
+
+    def gamma(name: str) -> np.ndarray:
+        return _np(sd[name]) + one
+
+    if gemma:
+        for kind, table in zip(("cos", "sin"), rope_tables(d, 0.0, max(max_context, 1), module.rotary_local)):
+            init(f"{kind}_cache_local", table.astype(attn_np))
+
+    def rms(x: str, name: str, out: str) -> str:
+        return node("RMSNormalization", [x, init(out + ".w", gamma(name))], [out], axis=-1, epsilon=eps, stash_type=1)
 
     emb = init("embed_tokens", _np(sd["model.embed_tokens.weight"]))
     x = node("Gather", [emb, C.INPUT_IDS], ["x0"], axis=0)
+    if gemma:  # the scale rounded to float32, as the module multiplies it
+        x = node("Mul", [x, init("embed_scale", np.array(cfg.hidden_size**0.5, np.float32))], ["x0_scaled"])
     eps = float(cfg.norm_eps)
-    normed = node(
-        "RMSNormalization",
-        [x, init("l0.in_norm", _np(sd["model.layers.0.input_layernorm.weight"]))],
-        ["l0.normed"],
-        axis=-1,
-        epsilon=eps,
-        stash_type=1,
-    )
+    normed = rms(x, "model.layers.0.input_layernorm.weight", "l0.normed")
     residual = x
     feature_layers = [int(i) for i in feature_layers or []]
     if any(not 0 <= i < cfg.n_layers for i in feature_layers):
@@ -312,14 +385,35 @@ def build_gqa_model(
         if cfg.attention_bias:
             bqkv = np.concatenate([_np(sd[p + f"self_attn.{n}_proj.bias"]) for n in "qkv"])
             qkv = node("Add", [qkv, init(f"l{i}.qkv_b", bqkv)], [f"l{i}.qkv_biased"])
+        if cfg.qk_norm:
+            qkv = qk_norm(node, init, qkv, i, sd, cfg, float(one))
         if half:
             qkv = node("Cast", [qkv], [f"l{i}.qkv_h"], to=TP.FLOAT16)
-        attn = gqa_node(node, qkv, i, f"l{i}.attn_h" if half else f"l{i}.attn", nq, nkv, d, seqlens, total, bias)
+        b_i = local if cfg.is_sliding(i) else bias
+        rope = "_local" if gemma and cfg.is_sliding(i) else ""
+        attn = gqa_node(
+            node,
+            qkv,
+            i,
+            f"l{i}.attn_h" if half else f"l{i}.attn",
+            nq,
+            nkv,
+            d,
+            seqlens,
+            total,
+            b_i,
+            rope,
+            cfg.attn_scale,
+        )
         attn_out = node("Cast", [attn[0]], [f"l{i}.attn"], to=TP.FLOAT) if half else attn[0]
         o = matmul(attn_out, [p + "self_attn.o_proj.weight"], f"l{i}.o")
+        mlp_norm = p + "post_attention_layernorm.weight"
+        if gemma:
+            o = rms(o, mlp_norm, f"l{i}.o_normed")
+            mlp_norm = p + "pre_feedforward_layernorm.weight"
         post = node(
             "SkipSimplifiedLayerNormalization",
-            [o, residual, init(f"l{i}.post_norm", _np(sd[p + "post_attention_layernorm.weight"]))],
+            [o, residual, init(f"l{i}.post_norm", gamma(mlp_norm))],
             [f"l{i}.post_normed", "", "", f"l{i}.res1"],
             domain="com.microsoft",
             epsilon=eps,
@@ -330,17 +424,21 @@ def build_gqa_model(
         if cfg.mlp_bias:
             gate = node("Add", [gate, init(f"l{i}.gate_b", _np(sd[p + "mlp.gate_proj.bias"]))], [f"l{i}.gate_b_out"])
             up = node("Add", [up, init(f"l{i}.up_b", _np(sd[p + "mlp.up_proj.bias"]))], [f"l{i}.up_b_out"])
-        sig = node("Sigmoid", [gate], [f"l{i}.sig"])
-        silu = node("Mul", [gate, sig], [f"l{i}.silu"])
-        act = node("Mul", [silu, up], [f"l{i}.act"])
+        if gemma:
+            gated = node("Gelu", [gate], [f"l{i}.gelu"], approximate="tanh")
+        else:
+            gated = node("Mul", [gate, node("Sigmoid", [gate], [f"l{i}.sig"])], [f"l{i}.silu"])
+        act = node("Mul", [gated, up], [f"l{i}.act"])
         down = matmul(act, [p + "mlp.down_proj.weight"], f"l{i}.down")
         if cfg.mlp_bias:
             down = node("Add", [down, init(f"l{i}.down_b", _np(sd[p + "mlp.down_proj.bias"]))], [f"l{i}.down_b_out"])
+        if gemma:
+            down = rms(down, p + "post_feedforward_layernorm.weight", f"l{i}.down_normed")
         last_layer = i == cfg.n_layers - 1
-        gamma = _np(sd["model.norm.weight"]) if last_layer else _np(sd[f"model.layers.{i + 1}.input_layernorm.weight"])
+        nxt_norm = "model.norm.weight" if last_layer else f"model.layers.{i + 1}.input_layernorm.weight"
         nxt = node(
             "SkipSimplifiedLayerNormalization",
-            [down, residual, init(f"l{i}.next_norm", gamma)],
+            [down, residual, init(f"l{i}.next_norm", gamma(nxt_norm))],
             [f"l{i}.next_normed", "", "", f"l{i}.res2"],
             domain="com.microsoft",
             epsilon=eps,
@@ -358,6 +456,10 @@ def build_gqa_model(
         bt = node("Shape", [C.INPUT_IDS], ["bt_shape"])
         out_shape = node("Concat", [bt, "c_vocab"], ["logits_shape"], axis=0)
         logits = node("Reshape", [flat, out_shape], ["logits_raw"])
+    if cfg.final_softcap > 0:  # Gemma: tanh(logits / cap) * cap
+        cap = init("c_softcap", np.array(cfg.final_softcap, np.float32))
+        capped = node("Tanh", [node("Div", [logits, cap], ["logits_div"])], ["logits_tanh"])
+        logits = node("Mul", [capped, cap], ["logits_capped"])
     if topk:
         node("Identity", [logits], [C.LOGITS])
         lse = node("ReduceLogSumExp", [logits, init("c_axes_last", np.array([-1], np.int64))], ["lse"], keepdims=1)

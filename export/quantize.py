@@ -132,6 +132,10 @@ class GGUFBlocks:
         self.reader = GGUFReader(self.path)
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        from arborspec.models.gguf_loader import PERMUTED_ARCHS
+
+        arch = self.reader.fields.get("general.architecture")
+        self.permuted = arch is None or arch.contents() in PERMUTED_ARCHS
 
     def _gguf_name(self, hf_name: str) -> str:
         if hf_name == "lm_head.weight":
@@ -155,7 +159,7 @@ class GGUFBlocks:
             return None
         k, n = (int(x) for x in t.shape[:2])  # GGUF shapes are [in, out]
         raw = np.asarray(t.data).reshape(n, -1)
-        if ".attn_q." in t.name or ".attn_k." in t.name:
+        if self.permuted and (".attn_q." in t.name or ".attn_k." in t.name):
             heads = self.n_heads if ".attn_q." in t.name else self.n_kv_heads
             raw = raw[_row_permutation(n, heads)]
         return nbits_from_gguf(raw, qtype, n, k)

@@ -17,7 +17,7 @@ from arborspec.runtime.errors import InputError
 
 @dataclass
 class ModelConfig:
-    family: str  # "llama" (Llama, Qwen2, Mistral, SmolLM) or "gpt2" (GPT-2 / NanoGPT)
+    family: str  # "llama" (Llama, Qwen2/2.5/3, Mistral, Phi-3, SmolLM), "gemma3" or "gpt2" (GPT-2 / NanoGPT)
     vocab_size: int
     hidden_size: int
     n_layers: int
@@ -32,15 +32,28 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     mlp_bias: bool = False
     bias: bool = True  # gpt2: biases in linear layers and layer norms
+    rope_scaling: dict | None = None  # models/rope.py: rope_type + its parameters (None: default RoPE)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    sliding_window: int = 0  # > 0: a query sees only keys less than this many positions before it
+    layer_types: list[str] | None = None  # per layer "sliding_attention" / "full_attention" (None: all alike)
+    rope_local_theta: float = 0.0  # Gemma 3: the sliding layers' RoPE base (0: rope_theta)
+    attn_scale: float = 0.0  # Gemma 3: query_pre_attn_scalar ** -0.5 (0: head_dim ** -0.5)
+    final_softcap: float = 0.0  # tanh softcapping of the logits (0: none)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
 
     def __post_init__(self) -> None:
-        if self.family not in ("llama", "gpt2"):
-            raise InputError(f"unknown model family {self.family!r} (expected llama or gpt2)")
+        if self.family not in ("llama", "gemma3", "gpt2"):
+            raise InputError(f"unknown model family {self.family!r} (expected llama, gemma3 or gpt2)")
         if self.n_heads % self.n_kv_heads:
             raise InputError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer `layer` attends through the sliding window."""
+        if self.sliding_window <= 0:
+            return False
+        return self.layer_types is None or self.layer_types[layer] == "sliding_attention"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -55,4 +68,5 @@ class ModelConfig:
 
     def truncated(self, n_layers: int) -> "ModelConfig":
         """Config of a self-draft made of the first n_layers layers."""
-        return dataclasses.replace(self, n_layers=n_layers, name=f"{self.name}[layers:{n_layers}]")
+        types = None if self.layer_types is None else self.layer_types[:n_layers]
+        return dataclasses.replace(self, n_layers=n_layers, layer_types=types, name=f"{self.name}[layers:{n_layers}]")

@@ -17,10 +17,12 @@ Layer (names as in the public EAGLE-3 checkpoints, so their weights load as they
 `out` is the hidden state that the node's children read. Token embeddings come from the target.
 
 Checkpoint folder: config.json (hidden_size, intermediate_size, num_attention_heads,
-num_key_value_heads, head_dim?, rms_norm_eps, rope_theta, vocab_size, draft_vocab_size,
-target_hidden_size?, eagle_config.eagle_aux_hidden_state_layer_ids?) and model.safetensors or
-pytorch_model.bin (loaded with weights_only) holding fc.weight, midlayer.*, norm.weight,
-lm_head.weight, d2t, t2d.
+num_key_value_heads, head_dim?, rms_norm_eps, rope_theta, rope_scaling? / rope_parameters?,
+vocab_size, draft_vocab_size, target_hidden_size?, eagle_config.eagle_aux_hidden_state_layer_ids?)
+and model.safetensors or pytorch_model.bin (loaded with weights_only) holding fc.weight,
+midlayer.*, norm.weight, lm_head.weight, d2t, t2d (and embed_tokens.weight in some, ignored: the
+target's embeddings are used). The public heads made for Llama 3.1/3.3 targets carry the
+target's llama3 rope_scaling: the head rotates with it (models/rope.py), as it was trained.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ import torch.nn.functional as F
 
 from arborspec.runtime.errors import ExportDirError, InputError, MissingFileError
 
-from .llama import RMSNorm, Rotary, additive_mask, apply_rope, attend, merge_past, repeat_kv
+from .llama import RMSNorm, additive_mask, apply_rope, attend, merge_past, repeat_kv
+from .rope import Rotary, rope_scaling_from_hf
 
 
 @dataclass
@@ -52,6 +55,7 @@ class Eagle3Config:
     rms_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position: int = 2048
+    rope_scaling: dict | None = None  # models/rope.py (None: default RoPE)
 
     @property
     def feature_size(self) -> int:
@@ -76,9 +80,12 @@ class Eagle3Config:
                 target_hidden_size=int(d.get("target_hidden_size") or h),
                 aux_layers=[int(x) for x in aux or []],
                 rms_eps=float(d.get("rms_norm_eps", 1e-5)),
-                rope_theta=float(d.get("rope_theta", 10000.0)),
+                rope_theta=float((d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta", 10000.0))),
                 max_position=int(d.get("max_position_embeddings", 2048)),
+                rope_scaling=rope_scaling_from_hf(d),
             )
+        except InputError:
+            raise  # an unsupported rope scaling: its own line
         except (KeyError, TypeError, ValueError) as e:
             raise ExportDirError(f"EAGLE-3 config is missing or has a bad field: {e}") from None
 
@@ -95,6 +102,7 @@ class Eagle3Config:
             "rms_norm_eps": self.rms_eps,
             "rope_theta": self.rope_theta,
             "max_position_embeddings": self.max_position,
+            **({"rope_scaling": dict(self.rope_scaling)} if self.rope_scaling else {}),
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layers)},
             "architectures": ["LlamaForCausalLMEagle3"],
         }
@@ -162,7 +170,7 @@ class Eagle3Head(nn.Module):
         self.midlayer = Eagle3Layer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
-        self.rotary = Rotary(c.head_dim, c.rope_theta)
+        self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
 

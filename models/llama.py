@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral, SmolLM) with the arborspec engine contract.
+"""Llama-family decoder (Llama 2/3.x, Qwen2/2.5/3, Mistral, Phi-3, SmolLM) with the arborspec engine contract.
 
 Role in one decoding step: this is the target (or draft) forward. It takes the T new tokens
 (a prompt, a chain or a flattened tree), their position ids (past_len + depth, so siblings
@@ -10,6 +10,12 @@ Cache layout (the contract): one tensor per layer and kind, sequence-major
 [S, B, Hkv, D], so that a layer's past is the dense prefix [0, P) of one preallocated slab
 and the new K/V can be written straight onto [P, P+T).
 
+The variants are a few config switches, nothing more: RoPE scaling (models/rope.py: llama3,
+linear, yarn, longrope, partial rotary), biases on q/k/v (Qwen2/2.5), RMSNorm over each head of
+q and k before RoPE (Qwen3, `qk_norm`), and a sliding window (Mistral, Phi-3, Qwen with
+use_sliding_window: a query at position p sees keys at positions > p - window, per layer as
+`layer_types` says). Phi-3's fused qkv_proj / gate_up_proj are split by the loader.
+
 Written for export: no Python control flow on tensor values, no data-dependent shapes.
 """
 
@@ -20,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .rope import Rotary
 
 
 def additive_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -31,6 +38,16 @@ def additive_mask(mask: torch.Tensor) -> torch.Tensor:
     zero = torch.zeros((), dtype=torch.float32)
     neg = torch.full((), torch.finfo(torch.float32).min, dtype=torch.float32)
     return torch.where(mask, zero, neg).unsqueeze(1)
+
+
+def window_mask(mask: torch.Tensor, position_ids: torch.Tensor, window: int) -> torch.Tensor:
+    """The contract mask [B, T, P+T] narrowed to a sliding window: key columns 0..P-1 hold
+    positions 0..P-1 (the committed cache), the last T columns the new tokens' position_ids; a
+    query at position p keeps keys at positions > p - window (transformers' sliding_window_overlay)."""
+    p = mask.shape[-1] - position_ids.shape[-1]
+    past = torch.arange(p, device=position_ids.device).expand(position_ids.shape[0], p)
+    key_pos = torch.cat([past, position_ids], dim=-1)  # [B, P+T]
+    return mask & (position_ids[:, :, None] - key_pos[:, None, :] < window)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -66,29 +83,19 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-class Rotary(nn.Module):
-    """RoPE driven by position_ids (rotate-half convention, as in Hugging Face checkpoints)."""
-
-    def __init__(self, head_dim: int, theta: float):
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids.float()[..., None] * self.inv_freq  # [B,T,D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos(), emb.sin()
-
-
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B,H,T,D], cos/sin [B,T,D]."""
+    """x [B,H,T,D], cos/sin [B,T,R] with R <= D: the first R channels rotate (partial rotary)."""
     cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
-    return x * cos + rotate_half(x) * sin
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rot, keep = x[..., :r], x[..., r:]
+    return torch.cat([rot * cos + rotate_half(rot) * sin, keep], dim=-1)
 
 
 class Attention(nn.Module):
@@ -100,11 +107,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(c, self.n_kv * self.hd, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(c, self.n_kv * self.hd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * self.hd, c, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.hd, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.hd, cfg.norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x, cos, sin, bias, past_k, past_v):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.hd).transpose(1, 2)
+        q = self.q_proj(x).view(b, t, self.n_heads, self.hd)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.hd)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv, self.hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         rep = self.n_heads // self.n_kv
@@ -158,7 +172,7 @@ class LlamaDecoder(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = _Body(cfg)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.init_buffers()
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -166,16 +180,25 @@ class LlamaDecoder(nn.Module):
         # concatenated [B, T, len * H], returned as one more output (None: no such output)
         self.feature_layers: list[int] | None = None
 
+    def init_buffers(self) -> None:
+        """The RoPE frequencies (non-persistent buffers: rebuilt after a meta-device build)."""
+        cfg = self.config
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position)
+
     def forward(self, input_ids, position_ids, attention_mask, *past):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(position_ids)
+        cfg = self.config
         bias = additive_mask(attention_mask)
+        if cfg.sliding_window > 0:
+            local = additive_mask(window_mask(attention_mask, position_ids, cfg.sliding_window))
         new, feats = [], {}
         wanted = set(self.feature_layers or ())
         for i, layer in enumerate(self.model.layers):
             if i in wanted:
                 feats[i] = x
-            x, k, v = layer(x, cos, sin, bias, past[2 * i], past[2 * i + 1])
+            b_i = local if cfg.is_sliding(i) else bias
+            x, k, v = layer(x, cos, sin, b_i, past[2 * i], past[2 * i + 1])
             new += [k, v]
         logits = self.lm_head(self.model.norm(x)).float()
         if self.feature_layers:

@@ -44,6 +44,7 @@ def init_head(cfg_t, target_module, aux_layers: list[int], vocab: np.ndarray, se
         rms_eps=float(cfg_t.norm_eps),
         rope_theta=float(cfg_t.rope_theta),
         max_position=int(cfg_t.max_position),
+        rope_scaling=cfg_t.rope_scaling,
     )
     head = Eagle3Head(c)
     for name, p in head.named_parameters():
