@@ -394,8 +394,9 @@ class Corpus:
     computes their features and appends them as one shard (atomically), then records the
     progress. Everything a later run needs to continue is on disk after each shard."""
 
-    def __init__(self, loaded, aux_layers, root: Path, settings: dict, vocab, threads, batch):
+    def __init__(self, loaded, aux_layers, root: Path, settings: dict, vocab, threads, batch, shard_prompts):
         self.loaded, self.aux, self.settings, self.threads, self.batch = loaded, aux_layers, settings, threads, batch
+        self.shard_prompts = shard_prompts  # not a setting: runs may differ
         self.folder = root / corpus_key(target_id_of(loaded), settings)
         self.folder.mkdir(parents=True, exist_ok=True)
         atomic_write_json(self.folder / "settings.json", settings)
@@ -440,7 +441,7 @@ class Corpus:
     def add_shard(self) -> dict:
         s, tok = self.settings, self.loaded.tokenizer
         prog = self.progress()
-        first, n_prompts = prog["next_prompt"], s["shard_prompts"]
+        first, n_prompts = prog["next_prompt"], self.shard_prompts
         if self.generator is None:
             self.generator = ResponseGenerator(self._graph(), self.batch, self.threads)
         eos = list(tok.meta.get("eos_token_ids") or [])
@@ -538,14 +539,13 @@ def grow_corpus(
         "topk": topk,
         "seed": seed,
         "aux": list(aux_layers),
-        "shard_prompts": shard_prompts,
         "v": 3,
     }
     if vocab is not None:
         if len(vocab) != draft_vocab:
             raise InputError(f"the fixed draft vocabulary has {len(vocab)} ids, expected {draft_vocab}")
         settings["vocab_sha256"] = hashlib.sha256(np.asarray(vocab, dtype=np.int64).tobytes()).hexdigest()[:16]
-    corpus = Corpus(loaded, aux_layers, root, settings, vocab, threads, batch)
+    corpus = Corpus(loaded, aux_layers, root, settings, vocab, threads, batch, shard_prompts)
     t0 = time.perf_counter()
     try:
         prog = corpus.progress()
