@@ -3,12 +3,12 @@
 # trains, each resuming where the last round stopped; lowest CPU priority, one thread, progress
 # as plain lines (stderr is a file). The last round trains only. Run it in the background:
 #   nohup tools/train/rounds.sh 11:20 ~/.cache/arborspec/train/smollm2-135m-eagle3 --init eagle3 \
-#       --lr 3e-4 --schedule-batches 300 > ~/.cache/arborspec/train/smollm2-135m-eagle3.log 2>&1 &
+#       --lr 3e-4 --schedule-batches 300 --shard-prompts 32 --eval-minutes 30 > ~/.cache/arborspec/train/smollm2-135m-eagle3.log 2>&1 &
 # Stop early: kill the running `arborspec` (SIGTERM: it checkpoints, measures, writes the head).
 set -u
 END=$1 OUT=$2
 shift 2
-CORPUS_MIN=${CORPUS_MIN:-20} TRAIN_MIN=${TRAIN_MIN:-12}
+CORPUS_MIN=${CORPUS_MIN:-20} TRAIN_MIN=${TRAIN_MIN:-15}
 mkdir -p "$OUT"
 while :; do
     left=$(( ($(date -u -d "$END" +%s) - $(date -u +%s)) / 60 - 3 ))  # 3 min: load, final measure
