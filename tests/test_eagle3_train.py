@@ -296,3 +296,125 @@ def test_train_draft_init_that_does_not_fit_the_target_is_one_error_line(tmp_pat
     err = capsys.readouterr().err.strip().splitlines()
     assert rc != 0 and len(err) == 1 and "hidden size 64" in err[0] and "576" in err[0], err
     assert not (tmp_path / "o").exists()
+
+
+def _shingles(text: str, n: int = 6) -> set:
+    words = text.lower().split()
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+def test_heldout_prompts_are_apart_from_training_and_benchmark_prompts():
+    """The held-out prompts: every kind users send, and none of them (nor a run of 6 words of
+    one) is a training prompt (the first 20000 of the stream, every template and passage) or a
+    benchmark prompt (tools/data/prompts.json)."""
+    import json
+
+    from arborspec.tools.train import eagle3_corpus as ec
+    from arborspec.tools.train.eagle3_heldout import PROMPTS_PATH, heldout_prompts
+
+    held = heldout_prompts()
+    assert {p["kind"] for p in held} == {"instruction", "code", "summary", "extraction"}
+    assert len({p["text"] for p in held}) == len(held) >= 30
+    train = {ec.prompt_at(i, 0) for i in range(20000)}
+    bench = [p.get("text", "") for p in json.loads((PROMPTS_PATH.parent / "prompts.json").read_text())["prompts"]]
+    others = (
+        list(ec.passages())
+        + bench
+        + ec.CHAT_TEMPLATES
+        + ec.CODE_TEMPLATES
+        + ec.INSTRUCTION_TEMPLATES
+        + ec.PASSAGE_TEMPLATES
+        + ec.NOTES
+    )
+    other_shingles = set().union(*(_shingles(t) for t in others))
+    for p in held:
+        assert p["text"] not in train and p["text"] not in bench, p["id"]
+        assert not _shingles(p["text"]) & other_shingles, p["id"]
+    # and the check itself sees an overlap where there is one
+    assert _shingles(ec.prompt_at(3, 0)) & set().union(*(_shingles(t) for t in train))
+
+
+def _tiny_heldout(tmp_path, lm, aux, n=4):
+    from arborspec.tools.train.eagle3_corpus import target_graph
+    from arborspec.tools.train.eagle3_heldout import build_heldout, heldout_prompts
+
+    graph = target_graph(lm.module, lm.config, 400, aux, tmp_path / "t.onnx")
+    short = sorted(heldout_prompts(), key=lambda p: len(p["text"]))[:n]
+    return build_heldout(lm, aux, graph, tmp_path / "h", gen_len=24, prompts=short)
+
+
+def test_heldout_ranks_equal_the_tune_ranks_of_decoding(tmp_path):
+    """The held-out measure's per-depth ranks (one unrolled forward over each prompt + response)
+    equal `tune`'s ranks (head calls per depth, as decoding makes them) over the responses, and
+    the set is built once (cached)."""
+    from arborspec.runtime.backends.torch_backend import TorchEngine
+    from arborspec.runtime.drafts_eagle3 import Eagle3Draft
+    from arborspec.tools.train.eagle3_heldout import depth_ranks, evaluate_heldout
+    from arborspec.tools.tune.acceptance_sim import eagle3_depth_ranks
+
+    lm = _tiny_loaded(2)
+    aux = default_aux_layers(lm.config.n_layers)
+    folder = _tiny_heldout(tmp_path, lm, aux)
+    assert _tiny_heldout(tmp_path, lm, aux) == folder
+    vocab = np.random.default_rng(0).permutation(lm.config.vocab_size)[:80].astype(np.int64)
+    head = eagle3_train.init_head(lm.config, lm.module, aux, vocab, 3).eval()
+    with torch.no_grad():
+        for p in head.midlayer.parameters():
+            p.mul_(5.0) if p.dim() == 2 else p.add_(0.1 * torch.randn_like(p))
+    embed = lm.module.model.embed_tokens.weight.detach().float()
+    k, steps = 8, 3
+    rows = depth_ranks(head, embed, folder, steps, k)
+    tokens = np.load(folder / "tokens.npy")
+    lm.module.feature_layers = aux
+    draft = Eagle3Draft(head, embed)
+    wrong = compared = 0
+    for (ranks, start, end), row in zip(rows, tokens):
+        seq = row[:end].tolist()
+        ref = eagle3_depth_ranks(TorchEngine(lm.module), draft, seq, k, steps)
+        for d in range(steps):
+            for p in range(start - 1 + d + 1, end):
+                compared += 1
+                wrong += ranks[d][p] != int(ref[d, p])
+    assert compared > 100 and wrong <= compared // 50, (wrong, compared)  # near-ties: fp16 features
+    res = evaluate_heldout(head, embed, folder, steps, k)
+    assert res["positions"] == sum(e - s for _, s, e in rows)
+    assert 1.0 <= res["tokens_per_step"]["chain:4"] <= 1 + steps
+
+
+def test_install_only_a_head_that_beats_the_shipped_one(tmp_path):
+    """The compare-and-install rule: a head replaces the shipped one only if its held-out mean
+    agreement is higher and the tuned tree's tokens per step not lower; otherwise the shipped
+    files stay as they are. A head measured equal to the shipped one is not installed."""
+    from arborspec.tools.train.eagle3_heldout import TUNED, beats, evaluate_heldout, install_if_better
+
+    def measured(acc, tps):
+        return {"top1_agreement_per_depth": acc, "tokens_per_step": {TUNED: tps, "chain:4": 1.0}}
+
+    shipped, cand = tmp_path / "shipped", tmp_path / "cand"
+    shipped.mkdir()
+    cand.mkdir()
+    for name in ("model.safetensors", "config.json", "training.json"):
+        (shipped / name).write_text("old " + name)
+        (cand / name).write_text("new " + name)
+    before = {f.name: (f.read_bytes(), f.stat().st_mtime_ns) for f in shipped.iterdir()}
+    old = measured([0.55, 0.5, 0.5, 0.5], 1.8)
+    for worse in (
+        measured([0.54, 0.5, 0.5, 0.5], 1.9),  # lower agreement
+        measured([0.7, 0.3, 0.3, 0.3], 1.7),  # higher at depth 1, lower mean
+        measured([0.6, 0.5, 0.5, 0.5], 1.79),  # higher agreement, fewer tokens per step
+        old,  # equal
+    ):
+        assert not beats(worse, old) and not install_if_better(cand, shipped, worse, old)
+        assert {f.name: (f.read_bytes(), f.stat().st_mtime_ns) for f in shipped.iterdir()} == before
+    # measured: the same head on the same held-out set twice does not replace itself
+    lm = _tiny_loaded(2)
+    aux = default_aux_layers(lm.config.n_layers)
+    folder = _tiny_heldout(tmp_path, lm, aux, n=2)
+    head = eagle3_train.init_head(lm.config, lm.module, aux, np.arange(80), 3)
+    embed = lm.module.model.embed_tokens.weight.detach().float()
+    a, b = evaluate_heldout(head, embed, folder), evaluate_heldout(head, embed, folder)
+    assert a == b and not install_if_better(cand, shipped, a, b)
+    better = measured([0.56, 0.5, 0.5, 0.5], 1.8)
+    assert beats(better, old) and install_if_better(cand, shipped, better, old)
+    assert {f.name: f.read_text() for f in shipped.iterdir()} == {f.name: f.read_text() for f in cand.iterdir()}
+    assert not list(shipped.glob(".*"))  # no temp file left
