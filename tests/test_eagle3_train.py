@@ -6,6 +6,7 @@ saved in the public layout loads back with the loader other tools use."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from conftest import random_model, tiny_config
 
@@ -418,3 +419,21 @@ def test_install_only_a_head_that_beats_the_shipped_one(tmp_path):
     assert beats(better, old) and install_if_better(cand, shipped, better, old)
     assert {f.name: f.read_text() for f in shipped.iterdir()} == {f.name: f.read_text() for f in cand.iterdir()}
     assert not list(shipped.glob(".*"))  # no temp file left
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--install", "--init", "some/head"], "--install replaces the shipped head"),
+        (["--corpus-minutes", "-1"], "--corpus-minutes must be >= 0"),
+        (["--schedule-batches", "0"], "--schedule-batches must be >= 1"),
+        (["--threads", "0"], "--threads must be >= 1"),
+    ],
+)
+def test_train_draft_mistakes_are_one_error_line(tmp_path, capsys, extra, message):
+    from arborspec.tools.commands.cli import main
+
+    rc = main(["train-draft", "--model", "smollm2-135m", "--out", str(tmp_path / "o"), *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and len(err) == 1 and err[0].startswith("arborspec: error:") and message in err[0], err
+    assert not (tmp_path / "o").exists()
