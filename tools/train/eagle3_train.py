@@ -298,7 +298,7 @@ def train(
                 stop_reason = "stopped by a signal"
                 break
             if (time.perf_counter() - run_start) / 60 >= minutes or (batches is not None and step - first >= batches):
-                stop_reason = f"this run's budget ({minutes:g} min, {batches} batches)"
+                stop_reason = f"this run's budget ({minutes:g} min)" if batches is None else f"{batches} batches"
                 break
             tk, fe, ti, tl, t1 = data.batch_at(next_batch())
             for g in opt.param_groups:
