@@ -386,6 +386,8 @@ def test_install_only_a_head_that_beats_the_shipped_one(tmp_path):
     """The compare-and-install rule: a head replaces the shipped one only if its held-out mean
     agreement is higher and the tuned tree's tokens per step not lower; otherwise the shipped
     files stay as they are. A head measured equal to the shipped one is not installed."""
+    import json
+
     from arborspec.tools.train.eagle3_heldout import TUNED, beats, evaluate_heldout, install_if_better
 
     def measured(acc, tps):
@@ -394,9 +396,11 @@ def test_install_only_a_head_that_beats_the_shipped_one(tmp_path):
     shipped, cand = tmp_path / "shipped", tmp_path / "cand"
     shipped.mkdir()
     cand.mkdir()
-    for name in ("model.safetensors", "config.json", "training.json"):
+    for name in ("model.safetensors", "config.json"):
         (shipped / name).write_text("old " + name)
         (cand / name).write_text("new " + name)
+    (shipped / "training.json").write_text(json.dumps({"command": "old"}))
+    (cand / "training.json").write_text(json.dumps({"command": "new"}))
     before = {f.name: (f.read_bytes(), f.stat().st_mtime_ns) for f in shipped.iterdir()}
     old = measured([0.55, 0.5, 0.5, 0.5], 1.8)
     for worse in (
@@ -417,7 +421,11 @@ def test_install_only_a_head_that_beats_the_shipped_one(tmp_path):
     assert a == b and not install_if_better(cand, shipped, a, b)
     better = measured([0.56, 0.5, 0.5, 0.5], 1.8)
     assert beats(better, old) and install_if_better(cand, shipped, better, old)
-    assert {f.name: f.read_text() for f in shipped.iterdir()} == {f.name: f.read_text() for f in cand.iterdir()}
+    for name in ("model.safetensors", "config.json"):
+        assert (shipped / name).read_bytes() == (cand / name).read_bytes()
+    report = json.loads((shipped / "training.json").read_text())
+    assert report["command"] == "new" and report["replaced"] == {"command": "old"}
+    assert report["replaced_measured_now"] == old
     assert not list(shipped.glob(".*"))  # no temp file left
 
 

@@ -169,15 +169,22 @@ def beats(new: dict, old: dict) -> bool:
 
 def install_if_better(candidate: Path, shipped: Path, new: dict, old: dict) -> bool:
     """Copy the candidate head's files over the shipped head's (each file atomically) when
-    `beats(new, old)`; returns whether it did. Nothing is touched otherwise."""
+    `beats(new, old)`; returns whether it did. Nothing is touched otherwise. The installed
+    training.json keeps the replaced head's under `replaced` (the history of every run)."""
     if not beats(new, old):
         return False
-    for name in ("model.safetensors", "config.json", "training.json"):
-        src = candidate / name
-        if src.is_file():
-            tmp = shipped / f".{name}.{os.getpid()}"
-            shutil.copyfile(src, tmp)
-            os.replace(tmp, shipped / name)
+    try:
+        history = json.loads((shipped / "training.json").read_text())
+    except (OSError, ValueError):
+        history = None
+    for name in ("model.safetensors", "config.json"):
+        tmp = shipped / f".{name}.{os.getpid()}"
+        shutil.copyfile(candidate / name, tmp)
+        os.replace(tmp, shipped / name)
+    if (candidate / "training.json").is_file():
+        report = json.loads((candidate / "training.json").read_text())
+        report.update({"replaced_measured_now": old, "replaced": history})
+        atomic_write_json(shipped / "training.json", report, indent=1)
     return True
 
 
