@@ -6,6 +6,7 @@ saved in the public layout loads back with the loader other tools use."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from conftest import random_model, tiny_config
 
@@ -65,14 +66,9 @@ def test_ttt_equals_the_inference_forward_on_tree_chains():
                 hidden = outk[0, 0]
 
 
-def test_training_lowers_the_loss_and_the_head_round_trips(tmp_path):
-    cfg, target, head = _head(draft_vocab=48)
-    embed = target.model.embed_tokens.weight.detach()
-    # a corpus in the builder's layout: the target's own greedy labels over random windows
-    from arborspec.tools.train.distill_corpus import causal_forward
-
+def _synthetic_corpus(folder, cfg, target, head, n=10, w=16, shards=(6, 4)):
+    """A corpus in the builder's shard layout: the target's own greedy labels over random windows."""
     target.feature_layers = list(head.config.aux_layers)
-    n, w = 10, 16
     tokens = torch.randint(0, cfg.vocab_size, (n, w), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         out = target(
@@ -82,18 +78,36 @@ def test_training_lowers_the_loss_and_the_head_round_trips(tmp_path):
             *[torch.zeros(0, n, cfg.n_kv_heads, cfg.head_dim)] * (2 * cfg.n_layers),
         )
     logits, feats = out[0], out[-1]
-    assert feats.shape[-1] == head.config.feature_size and causal_forward is not None
+    assert feats.shape[-1] == head.config.feature_size
     vocab = (head.d2t + torch.arange(head.config.draft_vocab_size)).numpy()
     lp = torch.log_softmax(logits, -1)
-    to_draft = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
-    to_draft[torch.from_numpy(vocab)] = torch.arange(len(vocab))
     v, ix = torch.topk(lp[..., torch.from_numpy(vocab)], 4, dim=-1)
-    np.save(tmp_path / "tokens.npy", tokens.int().numpy())
-    np.save(tmp_path / "features.npy", feats.half().numpy())
-    np.save(tmp_path / "top_ids.npy", ix.int().numpy())
-    np.save(tmp_path / "top_lp.npy", v.half().numpy())
-    np.save(tmp_path / "top1.npy", lp.argmax(-1).int().numpy())
-    np.save(tmp_path / "vocab.npy", vocab)
+    arrays = {
+        "tokens": tokens.int().numpy(),
+        "features": feats.half().numpy(),
+        "top_ids": ix.int().numpy(),
+        "top_lp": v.half().numpy(),
+        "top1": lp.argmax(-1).int().numpy(),
+    }
+    start = 0
+    for s, size in enumerate(shards):
+        d = folder / "shards" / f"{s:05d}"
+        d.mkdir(parents=True)
+        for name, arr in arrays.items():
+            np.save(d / f"{name}.npy", arr[start : start + size])
+        start += size
+    np.save(folder / "vocab.npy", vocab)
+    return arrays
+
+
+def test_training_lowers_the_loss_and_the_head_round_trips(tmp_path):
+    cfg, target, head = _head(draft_vocab=48)
+    embed = target.model.embed_tokens.weight.detach()
+    arrays = _synthetic_corpus(tmp_path, cfg, target, head)
+    data = eagle3_train.ShardData(tmp_path)  # the shards under one index, in order
+    assert len(data) == 10
+    tk, fe, *_ = data.batch_at(np.array([7, 2]))
+    assert torch.equal(tk, torch.from_numpy(arrays["tokens"][[2, 7]]).long())
     work = tmp_path / "work"
     work.mkdir()
     rep = eagle3_train.train(
@@ -104,19 +118,57 @@ def test_training_lowers_the_loss_and_the_head_round_trips(tmp_path):
         steps=2,
         batch=2,
         lr=3e-3,
-        epochs=30,
+        schedule_batches=120,
         minutes=5,
-        holdout=0.1,
         progress=False,
         log_every=10,
     )
     first, last = rep["curve"][0]["loss"], rep["curve"][-1]["loss"]
     assert last < 0.7 * first, rep["curve"]
+    assert rep["batches"] == 120 and rep["epoch"] == 23  # 5 batches per pass over 10 windows
     assert (work / "train_state.pt").is_file() and (work / "training.json").is_file()
     eagle3_train.save_public(head, tmp_path / "head")
     loaded = load_eagle3(tmp_path / "head", cfg)
     assert torch.equal(loaded.token_map(), head.token_map())
     torch.testing.assert_close(loaded.fc.weight, head.fc.weight.half().float())
+
+
+def test_training_resumes_from_its_checkpoint_with_identical_state(tmp_path):
+    """One run of 7 batches == a run stopped after 3 (checkpointed) + a new run resuming from the
+    checkpoint into a fresh head: same weights, optimiser moments, step, epoch, window order and
+    position (so the same next batches), and the same learning-rate schedule."""
+    cfg, target, head = _head(draft_vocab=48)
+    embed = target.model.embed_tokens.weight.detach()
+    _synthetic_corpus(tmp_path, cfg, target, head)
+    start = {k: v.clone() for k, v in head.state_dict().items()}
+    kw = dict(steps=2, batch=3, lr=3e-3, schedule_batches=20, minutes=5, progress=False, seed=4)
+
+    def fresh():
+        h = _head(draft_vocab=48)[2]
+        h.load_state_dict(start)
+        return h
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    eagle3_train.train(fresh(), embed, tmp_path, tmp_path / "a", batches=7, **kw)
+    first = eagle3_train.train(fresh(), embed, tmp_path, tmp_path / "b", batches=3, **kw)
+    assert first["batches"] == 3 and first["stopped"] == "3 batches"
+    mid = torch.load(tmp_path / "b" / "train_state.pt", weights_only=False)
+    assert (mid["step"], mid["epoch"], mid["pos"]) == (3, 0, 9)  # 3 batches of 3 per pass over 10 windows
+    second = eagle3_train.train(fresh(), embed, tmp_path, tmp_path / "b", batches=4, **kw)
+    assert second["batches"] == 7
+    a = torch.load(tmp_path / "a" / "train_state.pt", weights_only=False)
+    b = torch.load(tmp_path / "b" / "train_state.pt", weights_only=False)
+    assert (a["step"], a["epoch"], a["pos"]) == (b["step"], b["epoch"], b["pos"]) == (7, 2, 3)
+    assert np.array_equal(a["order"], b["order"]) and a["schedule"] == b["schedule"]
+    for k, v in a["head"].items():
+        assert torch.equal(v, b["head"][k]), k
+    for (ka, sa), (kb, sb) in zip(a["opt"]["state"].items(), b["opt"]["state"].items()):
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(sa[name], sb[name]), (ka, name)
+    assert [c["batch"] for c in b["curve"]] == [c["batch"] for c in a["curve"]]
+    assert eagle3_train.lr_at(0, 1.0, 20, 3) < eagle3_train.lr_at(2, 1.0, 20, 3)  # warm-up
+    assert eagle3_train.lr_at(19, 1.0, 20, 3) < 0.2 < eagle3_train.lr_at(5, 1.0, 20, 3)  # cosine to a tenth
 
 
 def test_fr_spec_vocabulary_is_the_most_frequent_tokens_plus_eos():
@@ -165,11 +217,15 @@ def test_batched_response_generator_equals_one_prompt_at_a_time(tmp_path):
     eng.close()
 
 
-def test_corpus_with_a_fixed_vocabulary_and_fine_tuning_a_saved_head(tmp_path):
-    """build_corpus end to end on a tiny target (generated responses + machine text, features
-    from ONNX Runtime) with the draft vocabulary of an existing head (what `train-draft --init`
-    does); the features equal the torch target's, and training continues from the head."""
-    from arborspec.tools.train.eagle3_corpus import build_corpus
+def test_corpus_grows_by_appending_shards_and_a_saved_head_fine_tunes_on_it(tmp_path):
+    """grow_corpus end to end on a tiny target (the target's responses, features from ONNX
+    Runtime) with the draft vocabulary of an existing head (what `train-draft --init` does): a
+    second run with a larger size appends shards and leaves the finished ones untouched, going on
+    with the next prompts; a killed run's unfinished shard is swept; the features equal the torch
+    target's; training continues from the head."""
+    import json
+
+    from arborspec.tools.train.eagle3_corpus import grow_corpus, read_progress, shard_dirs
 
     lm = _tiny_loaded(1)
     cfg = lm.config
@@ -181,16 +237,29 @@ def test_corpus_with_a_fixed_vocabulary_and_fine_tuning_a_saved_head(tmp_path):
     init = load_eagle3(tmp_path / "head", cfg)
     fixed = (torch.arange(init.config.draft_vocab_size) + init.d2t.long()).numpy()
     assert fixed.tolist() == vocab.tolist()
-    kw = dict(total_tokens=2000, generated_tokens=100, gen_len=12, batch=2, window=64, draft_vocab=64, topk=4, seed=0)
-    corpus = build_corpus(lm, aux, root=tmp_path / "c", vocab=fixed, progress=False, **kw)
-    info = __import__("json").loads((corpus / "corpus.json").read_text())
-    assert info["generated_tokens"] >= 100 and info["total_tokens"] == 2000 + 1  # machine text fills up
-    assert info["machine_tokens"] > 0 and info["machine_tokens"] + info["generated_tokens"] < info["total_tokens"]
+    kw = dict(shard_prompts=6, gen_len=12, batch=2, window=64, draft_vocab=64, topk=4, seed=0, vocab=fixed)
+    corpus = grow_corpus(lm, aux, root=tmp_path / "c", total_tokens=300, minutes=5, verbose=False, **kw)
+    p1 = read_progress(corpus)
+    assert p1["shards"] == len(shard_dirs(corpus)) >= 1 and p1["tokens"] >= 300
+    assert p1["next_prompt"] == 6 * p1["shards"] and p1["generated_tokens"] > 0
+    first = {f: (f.stat().st_mtime_ns, f.read_bytes()) for f in shard_dirs(corpus)[0].iterdir()}
+    (corpus / "shards" / ".partial-00009-1").mkdir()  # what a killed run leaves
+    assert grow_corpus(lm, aux, root=tmp_path / "c", total_tokens=300, minutes=5, verbose=False, **kw) == corpus
+    assert read_progress(corpus) == p1  # nothing to add: nothing built
+    grow_corpus(lm, aux, root=tmp_path / "c", total_tokens=p1["tokens"] + 1, minutes=5, verbose=False, **kw)
+    p2 = read_progress(corpus)
+    assert p2["shards"] == p1["shards"] + 1 and p2["next_prompt"] == p1["next_prompt"] + 6
+    assert p2["windows"] == sum(np.load(d / "tokens.npy").shape[0] for d in shard_dirs(corpus))
+    assert {f: (f.stat().st_mtime_ns, f.read_bytes()) for f in shard_dirs(corpus)[0].iterdir()} == first
+    assert not list((corpus / "shards").glob(".partial-*"))
+    new = json.loads((shard_dirs(corpus)[-1] / "shard.json").read_text())
+    assert new["prompts"] == [p1["next_prompt"], p2["next_prompt"]]
+    assert grow_corpus(lm, aux, root=tmp_path / "c", total_tokens=10**9, minutes=0, verbose=False, **kw) == corpus
+    assert read_progress(corpus) == p2  # no time: no shard
     assert np.load(corpus / "vocab.npy").tolist() == vocab.tolist()
-    # the same settings and vocabulary: a cache hit (the key holds both)
-    assert build_corpus(lm, aux, root=tmp_path / "c", vocab=fixed, progress=False, **kw) == corpus
-    tokens = np.load(corpus / "tokens.npy")
-    feats = np.load(corpus / "features.npy")
+    d = shard_dirs(corpus)[-1]
+    tokens = np.load(d / "tokens.npy")
+    feats = np.load(d / "features.npy")
     lm.module.feature_layers = aux
     w = tokens.shape[1]
     with torch.no_grad():
@@ -201,14 +270,13 @@ def test_corpus_with_a_fixed_vocabulary_and_fine_tuning_a_saved_head(tmp_path):
             *[torch.zeros(0, 1, cfg.n_kv_heads, cfg.head_dim)] * (2 * cfg.n_layers),
         )
     torch.testing.assert_close(torch.from_numpy(feats[0]).float(), out[-1][0], rtol=2e-2, atol=2e-2)
-    top_ids = np.load(corpus / "top_ids.npy")
-    assert top_ids.max() < 64 and (top_ids >= -1).all()
+    assert np.load(d / "top_ids.npy").max() < 64 and (np.load(d / "top_ids.npy") >= -1).all()
     work = tmp_path / "work"
     work.mkdir()
     start = {k: v.clone() for k, v in init.state_dict().items()}
     embed = lm.module.model.embed_tokens.weight.detach().float()
-    rep = eagle3_train.train(init.float(), embed, corpus, work, steps=2, batch=2, epochs=1, minutes=2, progress=False)
-    assert rep["batches"] >= 1
+    rep = eagle3_train.train(init.float(), embed, corpus, work, steps=2, batch=2, batches=2, progress=False)
+    assert rep["batches"] == 2 and rep["train_windows"] == p2["windows"]
     moved = [k for k, v in init.state_dict().items() if v.is_floating_point() and not torch.equal(v, start[k].float())]
     assert "midlayer.self_attn.q_proj.weight" in moved and "fc.weight" in moved
 
@@ -228,4 +296,152 @@ def test_train_draft_init_that_does_not_fit_the_target_is_one_error_line(tmp_pat
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc != 0 and len(err) == 1 and "hidden size 64" in err[0] and "576" in err[0], err
+    assert not (tmp_path / "o").exists()
+
+
+def _shingles(text: str, n: int = 6) -> set:
+    words = text.lower().split()
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+def test_heldout_prompts_are_apart_from_training_and_benchmark_prompts():
+    """The held-out prompts: every kind users send, and none of them (nor a run of 6 words of
+    one) is a training prompt (the first 20000 of the stream, every template and passage) or a
+    benchmark prompt (tools/data/prompts.json)."""
+    import json
+
+    from arborspec.tools.train import eagle3_corpus as ec
+    from arborspec.tools.train.eagle3_heldout import PROMPTS_PATH, heldout_prompts
+
+    held = heldout_prompts()
+    assert {p["kind"] for p in held} == {"instruction", "code", "summary", "extraction"}
+    assert len({p["text"] for p in held}) == len(held) >= 30
+    train = {ec.prompt_at(i, 0) for i in range(20000)}
+    bench = [p.get("text", "") for p in json.loads((PROMPTS_PATH.parent / "prompts.json").read_text())["prompts"]]
+    others = (
+        list(ec.passages())
+        + bench
+        + ec.CHAT_TEMPLATES
+        + ec.CODE_TEMPLATES
+        + ec.INSTRUCTION_TEMPLATES
+        + ec.PASSAGE_TEMPLATES
+        + ec.NOTES
+    )
+    other_shingles = set().union(*(_shingles(t) for t in others))
+    for p in held:
+        assert p["text"] not in train and p["text"] not in bench, p["id"]
+        assert not _shingles(p["text"]) & other_shingles, p["id"]
+    # and the check itself sees an overlap where there is one
+    assert _shingles(ec.prompt_at(3, 0)) & set().union(*(_shingles(t) for t in train))
+
+
+def _tiny_heldout(tmp_path, lm, aux, n=4):
+    from arborspec.tools.train.eagle3_corpus import target_graph
+    from arborspec.tools.train.eagle3_heldout import build_heldout, heldout_prompts
+
+    graph = target_graph(lm.module, lm.config, 400, aux, tmp_path / "t.onnx")
+    short = sorted(heldout_prompts(), key=lambda p: len(p["text"]))[:n]
+    return build_heldout(lm, aux, graph, tmp_path / "h", gen_len=24, prompts=short)
+
+
+def test_heldout_ranks_equal_the_tune_ranks_of_decoding(tmp_path):
+    """The held-out measure's per-depth ranks (one unrolled forward over each prompt + response)
+    equal `tune`'s ranks (head calls per depth, as decoding makes them) over the responses, and
+    the set is built once (cached)."""
+    from arborspec.runtime.backends.torch_backend import TorchEngine
+    from arborspec.runtime.drafts_eagle3 import Eagle3Draft
+    from arborspec.tools.train.eagle3_heldout import depth_ranks, evaluate_heldout
+    from arborspec.tools.tune.acceptance_sim import eagle3_depth_ranks
+
+    lm = _tiny_loaded(2)
+    aux = default_aux_layers(lm.config.n_layers)
+    folder = _tiny_heldout(tmp_path, lm, aux)
+    assert _tiny_heldout(tmp_path, lm, aux) == folder
+    vocab = np.random.default_rng(0).permutation(lm.config.vocab_size)[:80].astype(np.int64)
+    head = eagle3_train.init_head(lm.config, lm.module, aux, vocab, 3).eval()
+    with torch.no_grad():
+        for p in head.midlayer.parameters():
+            p.mul_(5.0) if p.dim() == 2 else p.add_(0.1 * torch.randn_like(p))
+    embed = lm.module.model.embed_tokens.weight.detach().float()
+    k, steps = 8, 3
+    rows = depth_ranks(head, embed, folder, steps, k)
+    tokens = np.load(folder / "tokens.npy")
+    lm.module.feature_layers = aux
+    draft = Eagle3Draft(head, embed)
+    wrong = compared = 0
+    for (ranks, start, end), row in zip(rows, tokens):
+        seq = row[:end].tolist()
+        ref = eagle3_depth_ranks(TorchEngine(lm.module), draft, seq, k, steps)
+        for d in range(steps):
+            for p in range(start - 1 + d + 1, end):
+                compared += 1
+                wrong += ranks[d][p] != int(ref[d, p])
+    assert compared > 100 and wrong <= compared // 50, (wrong, compared)  # near-ties: fp16 features
+    res = evaluate_heldout(head, embed, folder, steps, k)
+    assert res["positions"] == sum(e - s for _, s, e in rows)
+    assert 1.0 <= res["tokens_per_step"]["chain:4"] <= 1 + steps
+
+
+def test_install_only_a_head_that_beats_the_shipped_one(tmp_path):
+    """The compare-and-install rule: a head replaces the shipped one only if its held-out mean
+    agreement is higher and the tuned tree's tokens per step not lower; otherwise the shipped
+    files stay as they are. A head measured equal to the shipped one is not installed."""
+    import json
+
+    from arborspec.tools.train.eagle3_heldout import TUNED, beats, evaluate_heldout, install_if_better
+
+    def measured(acc, tps):
+        return {"top1_agreement_per_depth": acc, "tokens_per_step": {TUNED: tps, "chain:4": 1.0}}
+
+    shipped, cand = tmp_path / "shipped", tmp_path / "cand"
+    shipped.mkdir()
+    cand.mkdir()
+    for name in ("model.safetensors", "config.json"):
+        (shipped / name).write_text("old " + name)
+        (cand / name).write_text("new " + name)
+    (shipped / "training.json").write_text(json.dumps({"command": "old"}))
+    (cand / "training.json").write_text(json.dumps({"command": "new"}))
+    before = {f.name: (f.read_bytes(), f.stat().st_mtime_ns) for f in shipped.iterdir()}
+    old = measured([0.55, 0.5, 0.5, 0.5], 1.8)
+    for worse in (
+        measured([0.54, 0.5, 0.5, 0.5], 1.9),  # lower agreement
+        measured([0.7, 0.3, 0.3, 0.3], 1.7),  # higher at depth 1, lower mean
+        measured([0.6, 0.5, 0.5, 0.5], 1.79),  # higher agreement, fewer tokens per step
+        old,  # equal
+    ):
+        assert not beats(worse, old) and not install_if_better(cand, shipped, worse, old)
+        assert {f.name: (f.read_bytes(), f.stat().st_mtime_ns) for f in shipped.iterdir()} == before
+    # measured: the same head on the same held-out set twice does not replace itself
+    lm = _tiny_loaded(2)
+    aux = default_aux_layers(lm.config.n_layers)
+    folder = _tiny_heldout(tmp_path, lm, aux, n=2)
+    head = eagle3_train.init_head(lm.config, lm.module, aux, np.arange(80), 3)
+    embed = lm.module.model.embed_tokens.weight.detach().float()
+    a, b = evaluate_heldout(head, embed, folder), evaluate_heldout(head, embed, folder)
+    assert a == b and not install_if_better(cand, shipped, a, b)
+    better = measured([0.56, 0.5, 0.5, 0.5], 1.8)
+    assert beats(better, old) and install_if_better(cand, shipped, better, old)
+    for name in ("model.safetensors", "config.json"):
+        assert (shipped / name).read_bytes() == (cand / name).read_bytes()
+    report = json.loads((shipped / "training.json").read_text())
+    assert report["command"] == "new" and report["replaced"] == {"command": "old"}
+    assert report["replaced_measured_now"] == old
+    assert not list(shipped.glob(".*"))  # no temp file left
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--install", "--init", "some/head"], "--install replaces the shipped head"),
+        (["--corpus-minutes", "-1"], "--corpus-minutes must be >= 0"),
+        (["--schedule-batches", "0"], "--schedule-batches must be >= 1"),
+        (["--threads", "0"], "--threads must be >= 1"),
+    ],
+)
+def test_train_draft_mistakes_are_one_error_line(tmp_path, capsys, extra, message):
+    from arborspec.tools.commands.cli import main
+
+    rc = main(["train-draft", "--model", "smollm2-135m", "--out", str(tmp_path / "o"), *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and len(err) == 1 and err[0].startswith("arborspec: error:") and message in err[0], err
     assert not (tmp_path / "o").exists()

@@ -1,17 +1,20 @@
-"""`arborspec train-draft`: train an EAGLE-3 head for a target on this CPU and write it in the
-public EAGLE-3 checkpoint layout (config.json + model.safetensors), which `--draft eagle3:DIR`
-(and other EAGLE-3 tools) load.
+"""`arborspec train-draft`: train an EAGLE-3 head for a target on this machine, over as many runs
+as it takes, and write it in the public EAGLE-3 checkpoint layout (config.json +
+model.safetensors), which `--draft eagle3:DIR` (and other EAGLE-3 tools) load.
 
-Role: none in a decode step; it makes the draft of step 1. Stages: corpus (the target's own
-responses to a varied prompt mix, generated in batches, plus text on this machine), the draft
-vocabulary from the corpus's token frequencies (FR-Spec), the target's features and next-token
-distributions (ONNX Runtime), then training with the training-time test. The corpus is cached in
-the user cache; training checkpoints in OUT and resumes from there (--no-resume: start over).
+Role: none in a decode step; it makes the draft of step 1. Stages, each resumable: the corpus
+(the target's own responses to a varied prompt mix, appended in shards until --corpus-tokens or
+--corpus-minutes; cached in the user cache), the held-out set (tools/data/heldout_prompts.json
+and the target's responses; built once), then training with the training-time test, which
+checkpoints OUT/.train/train_state.pt every few minutes and continues from it on the next run.
+`kill PID` (SIGTERM) stops a run cleanly: checkpoint, held-out measure, head written. --install
+then replaces the shipped head only if this one measures better on the held-out set.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -23,7 +26,10 @@ EXAMPLE = """examples:
   arborspec train-draft --model smollm2-135m --out heads/smollm2-eagle3
   arborspec train-draft --model smollm2-135m --out /tmp/h --corpus-tokens 20000 --minutes 2   # a quick try
   arborspec train-draft --model smollm2-135m --init eagle3 --out heads/tuned --minutes 40      # fine-tune the shipped head
-  arborspec generate --model smollm2-135m --draft eagle3:heads/smollm2-eagle3 --mode tree --prompt 'Hello'"""
+  nohup nice -n 19 arborspec train-draft --model smollm2-135m --init eagle3 --out ~/.cache/arborspec/train/h \\
+      --threads 1 --corpus-tokens 2000000 --corpus-minutes 30 --minutes 30 > train.log 2>&1 &  # rerun: it resumes
+  arborspec train-draft --model smollm2-135m --init eagle3 --out ~/.cache/arborspec/train/h --corpus-minutes 0 \\
+      --minutes 0 --install   # measure the trained head against the shipped one; install it only if better"""
 
 
 def register(sub) -> None:
@@ -31,7 +37,7 @@ def register(sub) -> None:
 
     p = sub.add_parser(
         "train-draft",
-        help="train an EAGLE-3 draft head for a target on this machine",
+        help="train an EAGLE-3 draft head for a target on this machine (resumable)",
         description=summary(__doc__),
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -40,25 +46,28 @@ def register(sub) -> None:
         "--model", required=True, help="target: a registered name (smollm2-135m), a GGUF file or a HF folder"
     )
     p.add_argument("--out", type=Path, required=True, help="folder for the head (public EAGLE-3 layout)")
-    c = p.add_argument_group("corpus")
-    c.add_argument("--corpus-tokens", type=int, default=500_000, help="corpus size in tokens (default 500000)")
-    c.add_argument(
-        "--generated-tokens",
-        type=int,
-        default=300_000,
-        help="of which the target's own responses (default 300000; the rest is text on this machine)",
-    )
+    c = p.add_argument_group("corpus (appended in shards; a later run continues it)")
+    c.add_argument("--corpus-tokens", type=int, default=500_000, help="grow the corpus to this many tokens (500000)")
+    c.add_argument("--corpus-minutes", type=float, default=60.0, help="time this run may add shards (60; 0: none)")
+    c.add_argument("--shard-prompts", type=int, default=64, help="responses generated per shard (default 64)")
     c.add_argument("--gen-len", type=int, default=192, help="max tokens per generated response (default 192)")
     c.add_argument("--gen-batch", type=int, default=32, help="responses generated at once (default 32)")
     c.add_argument("--window", type=int, default=512, help="training window in tokens (default 512)")
     c.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size, FR-Spec (default 8192)")
     c.add_argument("--topk", type=int, default=8, help="target distribution kept per row, top-K (default 8)")
-    t = p.add_argument_group("training")
+    t = p.add_argument_group("training (resumes from OUT/.train/train_state.pt)")
     t.add_argument("--ttt-steps", type=int, default=4, help="unrolled draft steps per position (default 4)")
     t.add_argument("--batch", type=int, default=4, help="windows per batch (default 4)")
     t.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (default 5e-4)")
-    t.add_argument("--epochs", type=float, default=2.0, help="passes over the corpus (default 2)")
-    t.add_argument("--minutes", type=float, default=60.0, help="training time budget (default 60)")
+    t.add_argument("--minutes", type=float, default=60.0, help="training time of this run (default 60; 0: none)")
+    t.add_argument(
+        "--schedule-batches",
+        type=int,
+        default=None,
+        help="batches the warm-up + cosine schedule spans (default: 2 passes over the corpus at the first run; "
+        "a resumed run keeps its checkpoint's unless given); training stops there",
+    )
+    t.add_argument("--eval-minutes", type=float, default=10.0, help="held-out measure every N minutes (default 10)")
     t.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     t.add_argument(
         "--init",
@@ -69,52 +78,78 @@ def register(sub) -> None:
         "its draft vocabulary and layer ids are kept",
     )
     t.add_argument("--no-resume", action="store_true", help="start training over (default: resume from OUT)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--install",
+        action="store_true",
+        help="afterwards, replace the head shipped for --model with OUT's only if it beats it on the held-out set",
+    )
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (torch and ONNX Runtime; default: all)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars (also off when stderr is not a terminal)")
     p.set_defaults(run=run)
 
 
-def run(args) -> int:
-    for name in ("corpus_tokens", "gen_len", "gen_batch", "window", "draft_vocab", "topk", "ttt_steps", "batch"):
+def check_args(args) -> None:
+    for name in ("corpus_tokens", "shard_prompts", "gen_len", "gen_batch", "window", "draft_vocab", "topk"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.generated_tokens < 0 or args.generated_tokens > args.corpus_tokens:
-        raise InputError("--generated-tokens must be between 0 and --corpus-tokens")
+    for name in ("ttt_steps", "batch"):
+        if getattr(args, name) < 1:
+            raise InputError(f"--{name.replace('_', '-')} must be >= 1")
     if args.window <= args.ttt_steps + 2:
         raise InputError("--window must be larger than --ttt-steps + 2")
-    if args.minutes <= 0 or args.epochs <= 0 or args.lr <= 0:
-        raise InputError("--minutes, --epochs and --lr must be > 0")
-    if args.corpus_tokens < 2 * args.window:
-        raise InputError(f"--corpus-tokens must hold at least two windows ({2 * args.window} tokens)")
+    if args.minutes < 0 or args.corpus_minutes < 0 or args.lr <= 0 or args.eval_minutes <= 0:
+        raise InputError("--minutes and --corpus-minutes must be >= 0, --lr and --eval-minutes > 0")
+    if args.schedule_batches is not None and args.schedule_batches < 1:
+        raise InputError("--schedule-batches must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        raise InputError("--threads must be >= 1")
     if args.out.exists() and not args.out.is_dir():
         raise InputError(f"--out {args.out} exists and is not a folder")
+    if args.install and args.init is not None and str(args.init) != "eagle3":
+        raise InputError("--install replaces the shipped head: use it with --init eagle3 or without --init")
+
+
+def commands_of(where: Path) -> list[str]:
+    """The commands that trained the head in `where`, in order (its training.json)."""
+    try:
+        old = json.loads((where / "training.json").read_text())
+        return list(old.get("commands") or ([old["command"]] if old.get("command") else []))
+    except (ValueError, OSError):
+        return []
+
+
+def run(args) -> int:
+    check_args(args)
     import torch
 
-    from arborspec.models.eagle3 import default_aux_layers
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from arborspec.models.eagle3 import default_aux_layers, eagle3_folder, load_eagle3
     from arborspec.models.registry import cache_dir, load_model
-    from arborspec.tools.train import eagle3_corpus as eagle3_corpus
-    from arborspec.tools.train import eagle3_train as eagle3_train
+    from arborspec.tools.train import eagle3_corpus, eagle3_heldout, eagle3_train
+    from arborspec.tools.train.eagle3_corpus import log
 
-    progress = not args.quiet
+    progress = not args.quiet and sys.stderr.isatty()
     t0 = time.perf_counter()
     loaded = load_model(args.model)
     cfg = loaded.config
     if cfg.family != "llama":
         raise InputError(f"train-draft trains EAGLE-3 heads for Llama-family targets, not {cfg.family}")
+    shipped = eagle3_folder("eagle3", args.model) if args.install or str(args.init) == "eagle3" else None
     aux, init, fixed_vocab, draft_vocab = default_aux_layers(cfg.n_layers), None, None, args.draft_vocab
     if args.init is not None:
-        from arborspec.models.eagle3 import eagle3_folder, load_eagle3
-
-        folder = eagle3_folder("eagle3", args.model) if str(args.init) == "eagle3" else args.init
+        folder = shipped if str(args.init) == "eagle3" else args.init
         init = load_eagle3(folder, cfg)
         aux = list(init.config.aux_layers)
         fixed_vocab = (torch.arange(init.config.draft_vocab_size) + init.d2t.long()).numpy()
         draft_vocab = len(fixed_vocab)
-    corpus = eagle3_corpus.build_corpus(
+    corpus = eagle3_corpus.grow_corpus(
         loaded,
         aux,
         root=cache_dir() / "eagle3-corpus",
         total_tokens=args.corpus_tokens,
-        generated_tokens=args.generated_tokens,
+        minutes=args.corpus_minutes,
+        shard_prompts=args.shard_prompts,
         gen_len=args.gen_len,
         batch=args.gen_batch,
         window=args.window,
@@ -122,34 +157,41 @@ def run(args) -> int:
         topk=args.topk,
         seed=args.seed,
         vocab=fixed_vocab,
-        progress=progress,
+        threads=args.threads,
     )
-    info = json.loads((corpus / "corpus.json").read_text())
-    print(
-        f"corpus: {info['total_tokens']} tokens ({info['generated_tokens']} generated by the target in "
-        f"{info['generated_responses']} responses, {info['machine_tokens']} from {info['machine_files']} files "
-        f"on this machine), {info['windows']} windows; {corpus}",
-        file=sys.stderr,
+    info = eagle3_corpus.read_progress(corpus)
+    log(
+        f"corpus: {info['tokens']} tokens in {info['windows']} windows, {info['shards']} shards "
+        f"({info['generated_responses']} responses by the target); {corpus}"
     )
-    import numpy as np
+    heldout = eagle3_heldout.build_heldout(
+        loaded, aux, eagle3_corpus.corpus_graph(loaded, corpus), cache_dir() / "eagle3-heldout", threads=args.threads
+    )
+    embed = loaded.module.model.embed_tokens.weight.detach().float()
+
+    def measure(h):
+        return eagle3_heldout.evaluate_heldout(h, embed, heldout, args.ttt_steps)
 
     work = args.out / ".train"
     try:
         work.mkdir(parents=True, exist_ok=True)
         if args.no_resume:
-            for f in ("train_state.pt", "training.json"):
+            for f in ("train_state.pt", "training.json", "before.json"):
                 (work / f).unlink(missing_ok=True)
-        vocab = np.load(corpus / "vocab.npy")
         if init is not None:
             head = init.float()
             for p in head.parameters():
                 p.requires_grad_(True)
         else:
-            head = eagle3_train.init_head(cfg, loaded.module, aux, vocab, args.seed)
-        embed = loaded.module.model.embed_tokens.weight.detach().float()
-        before = None
-        if init is not None:  # the starting point, on the same held-out windows
-            before = eagle3_train.heldout_agreement(head, embed, corpus, args.ttt_steps, args.batch)
+            import numpy as np
+
+            head = eagle3_train.init_head(cfg, loaded.module, aux, np.load(corpus / "vocab.npy"), args.seed)
+        before_file = work / "before.json"  # the starting point on the held-out set, measured once
+        if not before_file.is_file():
+            from arborspec.runtime.fileio import atomic_write_json
+
+            atomic_write_json(before_file, measure(head))
+        before = json.loads(before_file.read_text())
         torch.manual_seed(args.seed)
         report = eagle3_train.train(
             head,
@@ -160,52 +202,50 @@ def run(args) -> int:
             batch=args.batch,
             lr=args.lr,
             minutes=args.minutes,
-            epochs=args.epochs,
+            schedule_batches=args.schedule_batches,
             seed=args.seed,
             resume=not args.no_resume,
+            evaluate=measure,
+            eval_every_s=args.eval_minutes * 60,
             progress=progress,
         )
-        import shlex
-
         cmd = "arborspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-
-        def commands_of(where: Path) -> list[str]:
-            """The commands that trained the head in `where`, in order (its training.json)."""
-            try:
-                old = json.loads((where / "training.json").read_text())
-                return list(old.get("commands") or ([old["command"]] if old.get("command") else []))
-            except (ValueError, OSError):
-                return []
-
-        # the commands that made this head: the --init head's, a resumed run's, then this one
-        history = commands_of(folder) if init is not None else []
-        if not args.no_resume:
-            history += [c for c in commands_of(args.out) if c not in history]
+        history = [] if args.no_resume else commands_of(args.out)
         report.update(
             {
                 "corpus": info,
+                "heldout_set": json.loads((heldout / "heldout.json").read_text()),
+                "heldout_before": before,
+                "init": str(args.init) if args.init is not None else None,
                 "command": cmd,
                 "commands": history + [cmd],
-                "total_minutes": round((time.perf_counter() - t0) / 60, 1),
+                "total_minutes_this_run": round((time.perf_counter() - t0) / 60, 1),
             }
         )
-        if init is not None:
-            report["init"] = {"folder": str(folder), "heldout_before": before}
-        eagle3_train.save_public(
-            head,
-            args.out,
-            {
-                "arborspec_training": {
-                    "heldout": report["heldout"],
-                    "corpus_tokens": info["total_tokens"],
-                    "minutes": report["minutes"],
-                }
-            },
-        )
+        meta = {"heldout": report["heldout"], "corpus_tokens": info["tokens"], "minutes": report["minutes"]}
+        eagle3_train.save_public(head, args.out, {"arborspec_training": meta})
         (args.out / "training.json").write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.out} ({eagle3_train.head_bytes(head) / 1e6:.1f} MB): {eagle3_train.describe(report)}")
+        if args.install:
+            install(args, shipped, report, measure, cfg)
     except OSError as e:
         from arborspec.runtime.fileio import describe_os_error
 
         raise OutputError(describe_os_error(e, args.out)) from e
-    print(f"wrote {args.out} ({eagle3_train.head_bytes(head) / 1e6:.1f} MB): {eagle3_train.describe(report)}")
     return 0
+
+
+def install(args, shipped: Path, report: dict, measure, cfg) -> None:
+    """The compare-and-install step: the shipped head measured on the same held-out set now."""
+    from arborspec.models.eagle3 import load_eagle3
+    from arborspec.tools.train import eagle3_heldout
+
+    old = measure(load_eagle3(shipped, cfg).float())
+    new = report["heldout"]
+    done = eagle3_heldout.install_if_better(args.out, shipped, new, old)
+    verdict = "installed" if done else "NOT installed (it does not beat the shipped head)"
+    print(
+        f"{verdict}: held-out top-1 per depth {new['top1_agreement_per_depth']} vs shipped "
+        f"{old['top1_agreement_per_depth']}; tokens per step of the tuned tree "
+        f"{new['tokens_per_step'][eagle3_heldout.TUNED]} vs {old['tokens_per_step'][eagle3_heldout.TUNED]} ({shipped})"
+    )

@@ -1,39 +1,50 @@
-"""The EAGLE-3 training corpus: the target's own responses to a varied prompt mix plus text
-already on this machine, the draft vocabulary chosen from its token frequencies (FR-Spec), and
-the target's features and next-token distributions over it.
+"""The EAGLE-3 training corpus: the target's own responses to a varied prompt mix, the draft
+vocabulary chosen from their token frequencies (FR-Spec), and the target's features and
+next-token distributions over them. Built in shards that are appended, never rebuilt: a run
+adds shards until it has the tokens asked for or its time is up, and the next run continues
+where it stopped (a killed run loses at most the shard it was building).
 
 Role in one decode step: none; it makes the data `arborspec train-draft` trains a head on.
 
-Layout of a built corpus (a folder in the user cache, keyed by the target and the settings;
-built into a temp folder and renamed, so a killed build leaves nothing half-written):
-    tokens.npy     int32 [N, W]      windows of W tokens (documents joined by EOS)
-    features.npy   float16 [N, W, F] the target's hidden states entering the aux layers
-    top_ids.npy    int32 [N, W, K]   the target's top-K next tokens per row, draft ids (-1: the
-                                     token is outside the draft vocabulary)
-    top_lp.npy     float16 [N, W, K] their log-probs (normalised over the full vocabulary)
-    top1.npy       int32 [N, W]      the target's greedy next token (target ids)
-    vocab.npy      int64 [Vd]        draft id -> target id (most frequent first)
-    corpus.json    sizes, sources, timings
+Layout of a corpus (a folder in the user cache, keyed by the target and the settings that
+shape its rows; the corpus size is not in the key: a later run with more tokens grows it):
+    settings.json                    the key's settings
+    vocab.npy      int64 [Vd]        draft id -> target id (given, or FR-Spec over shard 0)
+    target_features.onnx             the target's graph with features (kept for the next run)
+    corpus.json    progress: shards, windows, tokens, next prompt index, timings (atomic)
+    shards/NNNNN/  one shard, written into a temp folder and renamed:
+      tokens.npy     int32 [N, W]      windows of W tokens (documents joined by EOS)
+      features.npy   float16 [N, W, F] the target's hidden states entering the aux layers
+      top_ids.npy    int32 [N, W, K]   the target's top-K next tokens per row, draft ids (-1:
+                                       the token is outside the draft vocabulary)
+      top_lp.npy     float16 [N, W, K] their log-probs (normalised over the full vocabulary)
+      top1.npy       int32 [N, W]      the target's greedy next token (target ids)
+      shard.json     prompts [first, end), tokens, timings
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
+import re
+import shutil
+import sys
 import sysconfig
 import time
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from arborspec.runtime.errors import InputError
-from arborspec.runtime.fileio import PartialFolder
+from arborspec.runtime.fileio import PARTIAL_TAG, PartialFolder, atomic_write, atomic_write_json
 
 # ------------------------------------------------------------------------ prompt mix
-# Kept apart from the packaged benchmark prompts (tools/data/prompts.json): none of these
-# templates or topics is used there.
+# Kept apart from the packaged benchmark prompts (tools/data/prompts.json) and from the held-out
+# prompts (tools/data/heldout_prompts.json; tests/test_eagle3_train.py checks both).
 TOPICS = [
     "photosynthesis",
     "the water cycle",
@@ -77,6 +88,26 @@ TOPICS = [
     "learning a new language",
     "bread baking",
     "marathon training",
+    "submarines",
+    "the periodic table",
+    "lighthouses",
+    "urban planning",
+    "migratory birds",
+    "the Silk Road",
+    "nuclear fusion",
+    "tea ceremonies",
+    "wind turbines",
+    "the human brain",
+    "podcasts",
+    "personal budgeting",
+    "desert ecosystems",
+    "the theory of evolution",
+    "3D printing",
+    "mountain climbing",
+    "the Renaissance",
+    "antibiotics",
+    "remote work",
+    "board games",
 ]
 CODE_TASKS = [
     "reverses a string",
@@ -99,6 +130,14 @@ CODE_TASKS = [
     "transposes a matrix",
     "generates all permutations of a list",
     "parses a date string",
+    "counts how often each character occurs in a string",
+    "rotates a list by k positions",
+    "checks whether two strings are anagrams",
+    "computes the running average of a stream of numbers",
+    "converts a Roman numeral to an integer",
+    "finds the longest common prefix of a list of strings",
+    "implements a stack with push and pop",
+    "splits a list into chunks of size n",
 ]
 LANGS = ["Python", "JavaScript", "C", "Rust", "Go", "a shell script"]
 CHAT_TEMPLATES = [
@@ -114,6 +153,11 @@ CHAT_TEMPLATES = [
     "Write an email to a friend about {t}.",
     "Summarize what you know about {t} in two sentences.",
     "Write a blog post introduction about {t}.",
+    "What are common misconceptions about {t}?",
+    "Compare {t} and {u} in a few sentences.",
+    "Write a short dialogue between two people discussing {t}.",
+    "Give a one-paragraph explanation of {t} for a busy manager.",
+    "Write three quiz questions about {t}, with answers.",
 ]
 CODE_TEMPLATES = [
     "Write a {lang} function that {task}.",
@@ -122,28 +166,92 @@ CODE_TEMPLATES = [
 ]
 
 
-def prompt_mix(n: int, seed: int) -> list[str]:
-    """n varied user prompts: explanations, lists, stories, emails, code (chat-formatted later)."""
-    rnd = random.Random(seed)
+INSTRUCTION_TEMPLATES = [
+    'Rewrite this sentence in a more formal tone: "{s}"',
+    'Translate into simple English for a child: "{s}"',
+    'Turn this note into a polite email: "{s}"',
+    'Give three ways to say this more concisely: "{s}"',
+    'Fix the grammar of this sentence and explain the changes: "{s}"',
+]
+NOTES = [
+    "we gotta move the meeting cause the room is booked",
+    "the report is late again and nobody told me why",
+    "pls send me the slides before friday thx",
+    "i think the new design looks kinda cluttered",
+    "cant make it tonight, my car broke down",
+    "the printer on floor two is out of paper again",
+    "can u check if the invoice got paid",
+    "this app keeps crashing when i open the camera",
+]
+PASSAGE_TEMPLATES = [
+    "Summarize the following text in two sentences:\n\n{p}",
+    "Summarize this paragraph as three bullet points:\n\n{p}",
+    "What is the main point of this text?\n\n{p}",
+    "List every technical term that appears in the following text:\n\n{p}",
+    "Extract the rules this text states, one per line:\n\n{p}",
+    "Write one question that this text answers, and answer it:\n\n{p}",
+]
+
+
+@lru_cache(maxsize=1)
+def passages() -> tuple[str, ...]:
+    """Prose paragraphs already on this machine (Python's documentation topics), 250-700
+    characters, for the summarisation and extraction prompts."""
+    path = Path(sysconfig.get_paths()["stdlib"]) / "pydoc_data" / "topics.py"
+    if not path.is_file():
+        return ()
+    ns: dict = {}
+    exec(compile(path.read_text(), str(path), "exec"), ns)  # a dict literal: {topic: text}
     out = []
-    for i in range(n):
-        if i % 3 == 2:
-            out.append(rnd.choice(CODE_TEMPLATES).format(lang=rnd.choice(LANGS), task=rnd.choice(CODE_TASKS)))
-        else:
-            out.append(rnd.choice(CHAT_TEMPLATES).format(t=rnd.choice(TOPICS)))
-    return out
+    for key in sorted(ns.get("topics", {})):
+        for para in re.split(r"\n\s*\n", ns["topics"][key]):
+            s = " ".join(para.split())
+            letters = sum(c.isalpha() or c == " " for c in s)
+            if 250 <= len(s) <= 700 and "::=" not in s and letters > 0.9 * len(s):
+                out.append(s)
+    return tuple(out)
 
 
-def machine_text_files() -> list[Path]:
-    """Text already on the machine, in a fixed order: Python's documentation topics (prose),
-    the standard library's sources (code and docstrings), the licences (legal prose)."""
-    std = Path(sysconfig.get_paths()["stdlib"])
-    files = [std / "pydoc_data" / "topics.py"]
-    files += sorted(p for p in std.glob("*.py") if p.stat().st_size > 4000)
-    lic = Path("/usr/share/common-licenses")
-    if lic.is_dir():
-        files += sorted(p for p in lic.iterdir() if p.is_file())
-    return [f for f in files if f.is_file()]
+def prompt_at(i: int, seed: int) -> str:
+    """The i-th training prompt (a function of i alone, so a resumed corpus continues the
+    stream): explanations, lists, stories, comparisons, rewrites, code, summaries, extraction."""
+    rnd = random.Random(seed * 1_000_003 + i)
+    kind = rnd.random()
+    paras = passages()
+    if kind < 0.45:
+        t, u = rnd.sample(TOPICS, 2)
+        return rnd.choice(CHAT_TEMPLATES).format(t=t, u=u)
+    if kind < 0.7:
+        return rnd.choice(CODE_TEMPLATES).format(lang=rnd.choice(LANGS), task=rnd.choice(CODE_TASKS))
+    if kind < 0.8 or not paras:
+        return rnd.choice(INSTRUCTION_TEMPLATES).format(s=rnd.choice(NOTES))
+    return rnd.choice(PASSAGE_TEMPLATES).format(p=rnd.choice(paras))
+
+
+def chat_ids(tok, text: str) -> list[int]:
+    """A user message in the target's chat template (plain text without one)."""
+    if tok.meta.get("chat_template"):
+        return tok.encode(tok.apply_chat([{"role": "user", "content": text}]), add_bos=False)
+    return tok.encode(text)
+
+
+def ort_options(threads: int | None):
+    """Session options for the corpus's own ONNX Runtime sessions: `threads` intra-op threads
+    (None: ONNX Runtime's default, all cores)."""
+    import onnxruntime as ort
+
+    from arborspec.runtime.backends.onnxruntime import new_session_options
+
+    so = new_session_options(ort)
+    if threads:
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+    return so
+
+
+def log(msg: str) -> None:
+    """One progress line on stderr (with the time): what a background run's log file shows."""
+    print(time.strftime("%H:%M:%S ") + msg, file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------------ generation
@@ -153,11 +261,11 @@ class ResponseGenerator:
     `batch` sequences, each row over its own length), vanilla decoding. About 15x the tokens/s of
     a padded torch loop on 2 cores (SmolLM2-135M: 280 tok/s at 32 rows)."""
 
-    def __init__(self, graph_path: Path, batch: int):
+    def __init__(self, graph_path: Path, batch: int, threads: int | None = None):
         from arborspec.runtime.backends.onnxruntime import OrtEngine
         from arborspec.runtime.batch_decode import BatchDecoder
 
-        self.engine = OrtEngine(graph_path)
+        self.engine = OrtEngine(graph_path, session_options=ort_options(threads) if threads else None)
         self.decoder = BatchDecoder(self.engine, None, mode="vanilla", max_batch=batch)
 
     def __call__(
@@ -177,72 +285,22 @@ class ResponseGenerator:
 
 
 def target_graph(module, cfg, window: int, aux_layers: list[int], path: Path) -> Path:
-    """The target's GQA graph with the `hidden_states` output (not shipped: it generates the
-    responses and computes the features, then is deleted)."""
+    """The target's GQA graph with the `hidden_states` output (generates the responses and
+    computes the features; written to a temp name and renamed, so a cached one is whole)."""
     from arborspec.export.gqa_graph import build_gqa_model, save_model
     from arborspec.export.onnx_export import _finalize, contract_metadata
     from arborspec.runtime.contract import META_RAGGED_ROWS
 
-    save_model(build_gqa_model(module.float(), window, feature_layers=aux_layers), path)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.onnx")  # onnx writes by path: renamed when whole
+    save_model(build_gqa_model(module.float(), window, feature_layers=aux_layers), tmp)
     meta = contract_metadata(cfg, "fp32", None, "target", "gqa", "bhsd")
     meta[META_RAGGED_ROWS] = "1"  # seqlens_k from the mask: batched rows each over their own length
-    _finalize(path, meta, False)
+    _finalize(tmp, meta, False)
+    os.replace(tmp, path)
     return path
 
 
-# ------------------------------------------------------------------------ corpus
-def corpus_key(target_id: str, settings: dict) -> str:
-    h = hashlib.sha256(json.dumps({"target": target_id, **settings}, sort_keys=True).encode())
-    return h.hexdigest()[:20]
-
-
-def build_token_stream(
-    generate, tok, *, generated_tokens: int, total_tokens: int, gen_len: int, batch: int, seed: int, progress: bool
-) -> tuple[list[int], dict]:
-    """Documents as one token stream (EOS between them): generated responses first (chat
-    template, half greedy, half sampled at T = 0.7), then machine text up to total_tokens."""
-    from tqdm import tqdm
-
-    eos_ids = list(tok.meta.get("eos_token_ids") or []) if tok is not None else []
-    sep = eos_ids[0] if eos_ids else 0
-    stream: list[int] = []
-    stats = {"generated_tokens": 0, "generated_responses": 0, "machine_tokens": 0, "machine_files": 0}
-    t0 = time.perf_counter()
-    prompts = prompt_mix(max(1, generated_tokens // max(gen_len // 2, 1) + 2 * batch), seed)
-    bar = tqdm(total=generated_tokens, desc="corpus: target responses", unit="tok", disable=None if progress else True)
-    i = 0
-    step = 2 * batch  # more prompts than rows: a finished row takes the next prompt at once
-    while stats["generated_tokens"] < generated_tokens and i < len(prompts):
-        chunk = prompts[i : i + step]
-        ids = [
-            tok.encode(tok.apply_chat([{"role": "user", "content": p}]), add_bos=False)
-            if tok.meta.get("chat_template")
-            else tok.encode(p)
-            for p in chunk
-        ]
-        temp = 0.0 if (i // step) % 2 == 0 else 0.7
-        outs = generate(ids, gen_len, set(eos_ids), temp, seed + i)
-        for p_ids, o in zip(ids, outs):
-            stream += p_ids + o + [sep]
-            stats["generated_tokens"] += len(o)
-            stats["generated_responses"] += 1
-            bar.update(len(o))
-        i += step
-    bar.close()
-    stats["generation_s"] = round(time.perf_counter() - t0, 1)
-    for f in machine_text_files():
-        if len(stream) >= total_tokens:
-            break
-        text = f.read_text(errors="replace")
-        ids = tok.encode(text)
-        take = ids[: total_tokens - len(stream)]
-        stream += take + [sep]
-        stats["machine_tokens"] += len(take)
-        stats["machine_files"] += 1
-    stats["total_tokens"] = len(stream)
-    return stream, stats
-
-
+# ------------------------------------------------------------------------ features
 def draft_vocabulary(stream: np.ndarray, vocab_size: int, draft_vocab: int, always: list[int]) -> np.ndarray:
     """FR-Spec: the draft predicts over the `draft_vocab` most frequent tokens of the corpus
     (ties by id), plus `always` (EOS); returns target ids sorted by frequency."""
@@ -254,30 +312,26 @@ def draft_vocabulary(stream: np.ndarray, vocab_size: int, draft_vocab: int, alwa
 
 
 def build_features(
-    graph_path: Path, windows: np.ndarray, vocab: np.ndarray, out: Path, topk: int, progress: bool
+    graph_path: Path, windows: np.ndarray, vocab: np.ndarray, out: Path, topk: int, threads: int | None = None
 ) -> dict:
     """Run every window through the target's ONNX Runtime graph (with the `hidden_states`
     output); write features, the target's top-K over the draft vocabulary and its greedy token."""
-    from tqdm import tqdm
-
     from arborspec.runtime.backends.onnxruntime import OrtEngine
     from arborspec.runtime.kvcache import KVCache
 
-    eng = OrtEngine(graph_path)
+    eng = OrtEngine(graph_path, session_options=ort_options(threads) if threads else None)
     n, w = windows.shape
     f = eng.info.n_features
     feats = np.lib.format.open_memmap(out / "features.npy", "w+", np.float16, (n, w, f))
     top_ids = np.lib.format.open_memmap(out / "top_ids.npy", "w+", np.int32, (n, w, topk))
     top_lp = np.lib.format.open_memmap(out / "top_lp.npy", "w+", np.float16, (n, w, topk))
     top1 = np.lib.format.open_memmap(out / "top1.npy", "w+", np.int32, (n, w))
-    to_draft = torch.full((eng.info.vocab_size,), -1, dtype=torch.long)
-    to_draft[torch.from_numpy(vocab)] = torch.arange(len(vocab))
     vocab_t = torch.from_numpy(vocab)
     cache = KVCache(eng.info.cache, w, 1)
     mask = torch.ones(w, w, dtype=torch.bool).tril()[None]
     pos = torch.arange(w)[None]
     t0 = time.perf_counter()
-    for i in tqdm(range(n), desc="corpus: target features", unit="window", disable=None if progress else True):
+    for i in range(n):
         cache.reset()
         logits, fe = eng.forward_features(torch.from_numpy(windows[i : i + 1].astype(np.int64)), pos, mask, cache)
         lp = torch.log_softmax(logits[0], -1)
@@ -288,93 +342,213 @@ def build_features(
         feats[i] = fe[0].half().numpy()
     for a in (feats, top_ids, top_lp, top1):
         a.flush()
+    del feats, top_ids, top_lp, top1
     eng.close()
     return {"features_s": round(time.perf_counter() - t0, 1), "feature_size": f}
 
 
-def build_corpus(
+# ------------------------------------------------------------------------ corpus
+def corpus_key(target_id: str, settings: dict) -> str:
+    h = hashlib.sha256(json.dumps({"target": target_id, **settings}, sort_keys=True).encode())
+    return h.hexdigest()[:20]
+
+
+def target_id_of(loaded) -> str:
+    src = getattr(loaded, "source", {}) or {}
+    return str(src.get("sha256") or (src.get("checksums") or {}) or loaded.config.to_json())
+
+
+def read_progress(folder: Path) -> dict:
+    """corpus.json of a corpus folder ({} before its first shard)."""
+    try:
+        return json.loads((folder / "corpus.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def shard_dirs(folder: Path) -> list[Path]:
+    """The finished shards, in order (temp folders of a killed build are not among them)."""
+    d = folder / "shards"
+    return sorted(p for p in d.iterdir() if p.is_dir() and p.name.isdigit()) if d.is_dir() else []
+
+
+def corpus_graph(loaded, folder: Path) -> Path:
+    """The target's features graph of a corpus folder (built on first use, then kept): context
+    for a window or a chat prompt plus a response, whichever is longer."""
+    path = folder / "target_features.onnx"
+    if not path.is_file():
+        s = json.loads((folder / "settings.json").read_text())
+        loaded.module.eval()
+        target_graph(loaded.module, loaded.config, graph_context(loaded.config, s), s["aux"], path)
+    return path
+
+
+def graph_context(cfg, settings: dict) -> int:
+    """Positions the features graph holds: a window, or a chat prompt (up to 384 tokens; longer
+    prompts are skipped) plus a response, whichever is longer."""
+    return min(cfg.max_position, max(settings["window"], settings["gen_len"] + 384))
+
+
+class Corpus:
+    """A corpus folder being grown: `add_shard` generates the next `shard_prompts` responses,
+    computes their features and appends them as one shard (atomically), then records the
+    progress. Everything a later run needs to continue is on disk after each shard."""
+
+    def __init__(self, loaded, aux_layers, root: Path, settings: dict, vocab, threads, batch, shard_prompts):
+        self.loaded, self.aux, self.settings, self.threads, self.batch = loaded, aux_layers, settings, threads, batch
+        self.shard_prompts = shard_prompts  # not a setting: runs may differ
+        self.folder = root / corpus_key(target_id_of(loaded), settings)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self.folder / "settings.json", settings)
+        for stale in self.folder.glob(f"shards/.*{PARTIAL_TAG}*"):  # a killed run's unfinished shard
+            shutil.rmtree(stale, ignore_errors=True)
+        self.fixed_vocab = vocab
+        self.generator = None
+
+    def progress(self) -> dict:
+        p = read_progress(self.folder)
+        return p or {
+            "shards": 0,
+            "windows": 0,
+            "tokens": 0,
+            "generated_tokens": 0,
+            "generated_responses": 0,
+            "next_prompt": 0,
+            "generation_s": 0.0,
+            "features_s": 0.0,
+            "settings": self.settings,
+        }
+
+    def _graph(self) -> Path:
+        return corpus_graph(self.loaded, self.folder)
+
+    def vocab(self, stream: np.ndarray | None = None) -> np.ndarray:
+        """The draft vocabulary: fixed at the corpus's first shard (given, or FR-Spec over it)."""
+        path = self.folder / "vocab.npy"
+        if path.is_file():
+            return np.load(path)
+        cfg, tok = self.loaded.config, self.loaded.tokenizer
+        eos = list(tok.meta.get("eos_token_ids") or [])
+        if self.fixed_vocab is not None:
+            v = np.asarray(self.fixed_vocab, dtype=np.int64)
+        else:
+            v = draft_vocabulary(stream, cfg.vocab_size, self.settings["draft_vocab"], eos)
+        atomic_write(path, lambda f: np.save(f, v))
+        return v
+
+    def add_shard(self) -> dict:
+        s, tok = self.settings, self.loaded.tokenizer
+        prog = self.progress()
+        first, n_prompts = prog["next_prompt"], self.shard_prompts
+        if self.generator is None:
+            self.generator = ResponseGenerator(self._graph(), self.batch, self.threads)
+        eos = list(tok.meta.get("eos_token_ids") or [])
+        sep = eos[0] if eos else 0
+        limit = graph_context(self.loaded.config, s)
+        t0 = time.perf_counter()
+        stream, gen_tokens, responses = [], 0, 0
+        half = n_prompts // 2
+        for a, b, temp in ((first, first + half, 0.0), (first + half, first + n_prompts, 0.7)):
+            ids = [chat_ids(tok, prompt_at(i, s["seed"])) for i in range(a, b)]
+            ids = [p for p in ids if len(p) + s["gen_len"] <= limit]  # what the graph holds
+            for p_ids, o in zip(ids, self.generator(ids, s["gen_len"], set(eos), temp, s["seed"] + a)):
+                stream += p_ids + o + [sep]
+                gen_tokens += len(o)
+                responses += 1
+        gen_s = time.perf_counter() - t0
+        arr = np.asarray(stream, dtype=np.int64)
+        vocab = self.vocab(arr)
+        w = s["window"]
+        n = len(arr) // w
+        windows = arr[: n * w].reshape(n, w).astype(np.int32)
+        index = prog["shards"]
+        with PartialFolder(self.folder / "shards" / f"{index:05d}") as tmp:
+            np.save(tmp / "tokens.npy", windows)
+            feat = build_features(self._graph(), windows, vocab, tmp, s["topk"], self.threads)
+            info = {
+                "prompts": [first, first + n_prompts],
+                "windows": int(n),
+                "tokens": int(n * w),
+                "generated_tokens": gen_tokens,
+                "generation_s": round(gen_s, 1),
+                **feat,
+            }
+            atomic_write_json(tmp / "shard.json", info)
+        prog.update(
+            shards=index + 1,
+            windows=prog["windows"] + int(n),
+            tokens=prog["tokens"] + int(n * w),
+            generated_tokens=prog["generated_tokens"] + gen_tokens,
+            generated_responses=prog["generated_responses"] + responses,
+            next_prompt=first + n_prompts,
+            generation_s=round(prog["generation_s"] + gen_s, 1),
+            features_s=round(prog["features_s"] + feat["features_s"], 1),
+            feature_size=feat["feature_size"],
+            window=w,
+            draft_vocab=int(len(vocab)),
+        )
+        atomic_write_json(self.folder / "corpus.json", prog)
+        return prog
+
+    def close(self) -> None:
+        if self.generator is not None:
+            self.generator.close()
+            self.generator = None
+
+
+def grow_corpus(
     loaded,
     aux_layers: list[int],
     *,
     root: Path,
     total_tokens: int,
-    generated_tokens: int,
-    gen_len: int,
-    batch: int,
-    window: int,
-    draft_vocab: int,
-    topk: int,
-    seed: int,
+    minutes: float,
+    shard_prompts: int = 64,
+    gen_len: int = 192,
+    batch: int = 32,
+    window: int = 512,
+    draft_vocab: int = 8192,
+    topk: int = 8,
+    seed: int = 0,
     vocab: np.ndarray | None = None,
-    progress: bool = True,
+    threads: int | None = None,
+    verbose: bool = True,
 ) -> Path:
-    """Build (or find in the cache) the corpus folder for this target and these settings.
-    vocab: a fixed draft vocabulary (target ids; a head being fine-tuned keeps its own), else
-    FR-Spec over the corpus."""
-    module, tok, cfg = loaded.module, loaded.tokenizer, loaded.config
+    """Append shards to the corpus for this target and these settings until it holds
+    `total_tokens` or `minutes` are up (a shard started is finished; 0: add none), and return
+    its folder. vocab: a fixed draft vocabulary (target ids; a head being fine-tuned keeps its
+    own), else FR-Spec over the first shard."""
+    tok, cfg = loaded.tokenizer, loaded.config
     if tok is None:
-        raise InputError("train-draft needs the target's tokenizer (to build the prompt mix and read text)")
+        raise InputError("train-draft needs the target's tokenizer (to build the prompt mix)")
     if draft_vocab > cfg.vocab_size:
         raise InputError(f"--draft-vocab {draft_vocab} exceeds the target's vocabulary ({cfg.vocab_size})")
     settings = {
-        "total": total_tokens,
-        "generated": generated_tokens,
         "gen_len": gen_len,
         "window": window,
         "draft_vocab": draft_vocab,
         "topk": topk,
         "seed": seed,
-        "aux": aux_layers,
-        "v": 2,  # v2: responses generated through ONNX Runtime, batched
+        "aux": list(aux_layers),
+        "v": 3,
     }
     if vocab is not None:
         if len(vocab) != draft_vocab:
             raise InputError(f"the fixed draft vocabulary has {len(vocab)} ids, expected {draft_vocab}")
         settings["vocab_sha256"] = hashlib.sha256(np.asarray(vocab, dtype=np.int64).tobytes()).hexdigest()[:16]
-    src = getattr(loaded, "source", {}) or {}
-    target_id = str(src.get("sha256") or (src.get("checksums") or {}) or cfg.to_json())
-    key = corpus_key(target_id, settings)
-    out = root / key
-    if (out / "corpus.json").is_file():
-        return out
-    root.mkdir(parents=True, exist_ok=True)
-    with PartialFolder(out) as tmp:
-        module.eval()
-        ctx = min(cfg.max_position, max(window, gen_len + 256))  # chat prompts are < 256 tokens
-        g = target_graph(module, cfg, ctx, aux_layers, tmp / "target_features.onnx")
-        generate = ResponseGenerator(g, batch)
-        try:
-            stream, stats = build_token_stream(
-                generate,
-                tok,
-                generated_tokens=generated_tokens,
-                total_tokens=total_tokens,
-                gen_len=gen_len,
-                batch=batch,
-                seed=seed,
-                progress=progress,
-            )
-        finally:
-            generate.close()
-        arr = np.asarray(stream, dtype=np.int64)
-        eos = list(tok.meta.get("eos_token_ids") or [])
-        if vocab is None:
-            vocab = draft_vocabulary(arr, cfg.vocab_size, draft_vocab, eos)
-        n = len(arr) // window
-        windows = arr[: n * window].reshape(n, window).astype(np.int32)
-        np.save(tmp / "tokens.npy", windows)
-        np.save(tmp / "vocab.npy", np.asarray(vocab, dtype=np.int64))
-        stats.update(build_features(g, windows, vocab, tmp, topk, progress))
-        g.unlink()
-        covered = np.isin(arr, vocab).mean()
-        stats.update(
-            {
-                "windows": int(n),
-                "window": window,
-                "draft_vocab": draft_vocab,
-                "corpus_coverage_of_draft_vocab": round(float(covered), 4),
-                "settings": settings,
-            }
-        )
-        (tmp / "corpus.json").write_text(json.dumps(stats, indent=1))
-    return out
+    corpus = Corpus(loaded, aux_layers, root, settings, vocab, threads, batch, shard_prompts)
+    t0 = time.perf_counter()
+    try:
+        prog = corpus.progress()
+        while prog["tokens"] < total_tokens and (time.perf_counter() - t0) / 60 < minutes:
+            prog = corpus.add_shard()
+            if verbose:
+                log(
+                    f"corpus: shard {prog['shards']} done, {prog['tokens']} tokens in {prog['windows']} windows "
+                    f"({prog['generated_responses']} responses; {corpus.folder})"
+                )
+    finally:
+        corpus.close()
+    if not shard_dirs(corpus.folder):
+        raise InputError(f"the corpus {corpus.folder} has no shard yet: give --corpus-minutes > 0")
+    return corpus.folder

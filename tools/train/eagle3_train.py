@@ -43,8 +43,8 @@ def init_head(cfg_t, target_module, aux_layers: list[int], vocab: np.ndarray, se
         aux_layers=list(aux_layers),
         rms_eps=float(cfg_t.norm_eps),
         rope_theta=float(cfg_t.rope_theta),
-        max_position=int(cfg_t.max_position),
         rope_scaling=cfg_t.rope_scaling,
+        max_position=int(cfg_t.max_position),
     )
     head = Eagle3Head(c)
     for name, p in head.named_parameters():
@@ -114,41 +114,81 @@ def step_losses(outs, top_ids, top_lp, top1, vocab_t, steps: int):
     return losses, accs
 
 
-def corpus_batches(corpus: Path, holdout: float = 0.02):
-    """A built corpus (memory-mapped) -> (batch_at(window indices) -> (tokens, features,
-    top_ids, top_lp, top1) tensors, draft->target ids, train window indices, held-out window
-    indices: the last `holdout` fraction)."""
-    tokens = np.load(corpus / "tokens.npy", mmap_mode="r")
-    feats = np.load(corpus / "features.npy", mmap_mode="r")
-    top_ids = np.load(corpus / "top_ids.npy", mmap_mode="r")
-    top_lp = np.load(corpus / "top_lp.npy", mmap_mode="r")
-    top1 = np.load(corpus / "top1.npy", mmap_mode="r")
-    vocab_t = torch.from_numpy(np.load(corpus / "vocab.npy"))
-    n_win = tokens.shape[0]
-    n_hold = max(1, int(round(n_win * holdout)))
+class ShardData:
+    """The windows of every finished shard of a corpus (tools/train/eagle3_corpus.py), memory-
+    mapped, under one global index in shard order: a corpus that grew between two runs keeps the
+    indices it had and adds new ones at the end."""
 
-    def batch_at(idx):
-        idx = np.sort(idx)
+    NAMES = ("tokens", "features", "top_ids", "top_lp", "top1")
+
+    def __init__(self, corpus: Path):
+        from arborspec.tools.train.eagle3_corpus import shard_dirs
+
+        self.shards = [{n: np.load(d / f"{n}.npy", mmap_mode="r") for n in self.NAMES} for d in shard_dirs(corpus)]
+        sizes = [s["tokens"].shape[0] for s in self.shards]
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.vocab_t = torch.from_numpy(np.load(corpus / "vocab.npy"))
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def batch_at(self, idx):
+        """Global window indices -> (tokens, features, top_ids, top_lp, top1) tensors."""
+        idx = np.sort(np.asarray(idx))
+        sh = np.searchsorted(self.offsets, idx, side="right") - 1
+        parts = {n: [] for n in self.NAMES}
+        for s in np.unique(sh):
+            rows = idx[sh == s] - self.offsets[s]
+            for n in self.NAMES:
+                parts[n].append(self.shards[s][n][rows])
+        tk, fe, ti, tl, t1 = (np.concatenate(parts[n]) for n in self.NAMES)
         return (
-            torch.from_numpy(tokens[idx].astype(np.int64)),
-            torch.from_numpy(feats[idx].astype(np.float32)),
-            torch.from_numpy(top_ids[idx]),
-            torch.from_numpy(top_lp[idx].astype(np.float32)),
-            torch.from_numpy(top1[idx]),
+            torch.from_numpy(tk.astype(np.int64)),
+            torch.from_numpy(fe.astype(np.float32)),
+            torch.from_numpy(ti),
+            torch.from_numpy(tl.astype(np.float32)),
+            torch.from_numpy(t1),
         )
 
-    return batch_at, vocab_t, np.arange(n_win - n_hold), np.arange(n_win - n_hold, n_win)
+
+def lr_at(i: int, peak: float, total: int, warm: int) -> float:
+    """Linear warm-up over `warm` batches, then cosine from `peak` down to peak/10 at `total`
+    (held there after)."""
+    return peak * min(1.0, (i + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i, total) / total)))
 
 
-def heldout_agreement(head: Eagle3Head, embed, corpus: Path, steps: int = 4, batch: int = 4, holdout: float = 0.02):
-    """The held-out report `train` ends with, for any head over this corpus's vocabulary (a head
-    before fine-tuning: the starting point of `train-draft --init`)."""
-    batch_at, vocab_t, _, hold_idx = corpus_batches(corpus, holdout)
-    was = head.training
-    head.eval()
-    out = evaluate(head, embed, batch_at, hold_idx, vocab_t, steps, batch)
-    head.train(was)
-    return out
+class StopFlag:
+    """SIGTERM / SIGINT ask the loop to stop after the batch in flight (it then checkpoints,
+    evaluates and writes the head): `kill PID` ends a background run cleanly."""
+
+    def __init__(self):
+        self.set = False
+        self.old = {}
+
+    def __enter__(self):
+        import signal
+
+        for s in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self.old[s] = signal.signal(s, self._on)
+            except ValueError:  # not the main thread: no handler, the budget still stops it
+                pass
+        return self
+
+    def _on(self, *_):
+        self.set = True
+
+    def __exit__(self, *exc):
+        import signal
+
+        for s, h in self.old.items():
+            signal.signal(s, h)
+        return False
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    """torch.save to a temp name, then rename: a killed save leaves the last checkpoint whole."""
+    atomic_write(path, lambda f: torch.save(state, f))
 
 
 def train(
@@ -161,124 +201,167 @@ def train(
     batch: int = 4,
     lr: float = 5e-4,
     minutes: float = 60.0,
-    epochs: float = 2.0,
+    batches: int | None = None,
+    schedule_batches: int | None = None,
     seed: int = 0,
-    holdout: float = 0.02,
     resume: bool = True,
+    evaluate=None,
+    eval_every_s: float = 600.0,
     progress: bool = True,
     log_every: int = 20,
-    save_every_s: float = 120.0,
+    save_every_s: float = 180.0,
 ) -> dict:
-    """Train in place; checkpoints `out/train_state.pt` (resumable); returns the report."""
+    """Train in place for `minutes` of this run; checkpoints `out/train_state.pt` (head,
+    optimiser, step, epoch, the epoch's window order and the position in it, schedule, curve,
+    time spent) every `save_every_s` and at the end; a later run resumes from it with the same
+    state. The learning rate follows `lr_at` over `schedule_batches` (default: 2 passes over the
+    corpus as the first run finds it; kept from the checkpoint on resume unless given). Each
+    epoch draws a new order over all windows the corpus then has. `batches`: at most this many
+    in this run. `evaluate(head) -> dict` (the
+    held-out measure) runs every `eval_every_s` and at the end; its results go into the curve."""
     from tqdm import tqdm
 
     from arborspec.runtime.fileio import atomic_write_json
+    from arborspec.tools.train.eagle3_corpus import log
 
-    batch_at, vocab_t, train_idx, hold_idx = corpus_batches(corpus, holdout)
-    per_epoch = max(1, len(train_idx) // batch)
-    total = max(1, int(per_epoch * epochs))
+    data = ShardData(corpus)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    warm = min(50, total // 10 + 1)
-
-    def lr_at(i):
-        return lr * min(1.0, (i + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i, total) / total)))
-
     state_file = out / "train_state.pt"
-    start, curve, spent = 0, [], 0.0
+    st = None
     if resume and state_file.is_file():
         st = torch.load(state_file, map_location="cpu", weights_only=False)
         head.load_state_dict(st["head"])
         opt.load_state_dict(st["opt"])
-        start, curve, spent = st["step"], st["curve"], st["spent_s"]
-    rng = np.random.default_rng(seed)
-    order = np.concatenate([rng.permutation(train_idx) for _ in range(int(math.ceil(epochs)) + 1)])
+    total = int(schedule_batches or (st["schedule"]["total"] if st else 2 * max(1, len(data) // batch)))
+    sched = {"total": total, "warm": min(50, total // 10 + 1), "peak": lr}
+    if st is None:
+        st = {"step": 0, "epoch": 0, "order": None, "pos": 0, "curve": [], "evals": [], "spent_s": 0.0, "cpu_s": 0.0}
+    step, epoch, order, pos = st["step"], st["epoch"], st["order"], st["pos"]
+    first = step
+    curve, evals = st["curve"], st["evals"]
     weights = [0.8**k for k in range(steps)]
 
-    def save_state(i):
-        state = {"head": head.state_dict(), "opt": opt.state_dict(), "step": i, "curve": curve, "spent_s": spent}
-        atomic_write(state_file, lambda f: torch.save(state, f))
+    def next_batch():
+        nonlocal epoch, order, pos
+        if order is None or pos + batch > len(order):
+            if order is not None:
+                epoch += 1
+            order = np.random.default_rng([seed, epoch]).permutation(len(data))
+            pos = 0
+        idx = order[pos : pos + batch]
+        pos += batch
+        return idx
+
+    t0, c0 = time.perf_counter() - st["spent_s"], time.process_time() - st["cpu_s"]
+    run_start = time.perf_counter()
+
+    def snapshot():
+        return {
+            "head": head.state_dict(),
+            "opt": opt.state_dict(),
+            "step": step,
+            "epoch": epoch,
+            "order": order,
+            "pos": pos,
+            "schedule": sched,
+            "curve": curve,
+            "evals": evals,
+            "spent_s": time.perf_counter() - t0,
+            "cpu_s": time.process_time() - c0,
+        }
+
+    def run_eval():
+        if evaluate is None:
+            return
+        res = evaluate(head)
+        head.train()
+        evals.append(
+            {
+                "batch": step,
+                "minutes": round((time.perf_counter() - t0) / 60, 2),
+                "cpu_minutes": round((time.process_time() - c0) / 60, 2),
+                **res,
+            }
+        )
+        log(f"train-draft: held-out at batch {step}: {res['top1_agreement_per_depth']}")
 
     head.train()
-    t_start = time.perf_counter() - spent
-    last_save = time.perf_counter()
-    bar = tqdm(total=total, initial=start, desc="train-draft", unit="batch", disable=None if progress else True)
-    i = start
+    last_save = last_eval = time.perf_counter()
+    bar = tqdm(total=total, initial=step, desc="train-draft", unit="batch", disable=None if progress else True)
     run_loss, run_acc = [], []
-    stop_reason = "done"
-    while i < total:
-        if (time.perf_counter() - t_start) / 60 >= minutes:
-            stop_reason = f"time budget ({minutes:g} min)"
-            break
-        tk, fe, ti, tl, t1 = batch_at(order[i * batch : (i + 1) * batch])
-        for g in opt.param_groups:
-            g["lr"] = lr_at(i)
-        outs = ttt_forward(head, embed, tk, fe, steps)
-        losses, accs = step_losses(outs, ti, tl, t1, vocab_t, steps)
-        loss = sum(w * lo for w, lo in zip(weights, losses)) / sum(weights)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        opt.step()
-        i += 1
-        run_loss.append(float(loss.detach()))
-        run_acc.append([float(a.detach()) for a in accs])
-        if i % log_every == 0 or i == total:
-            spent = time.perf_counter() - t_start
-            curve.append(
-                {
-                    "batch": i,
-                    "minutes": round(spent / 60, 2),
-                    "loss": round(float(np.mean(run_loss)), 4),
-                    "acc_per_step": [round(float(x), 4) for x in np.mean(run_acc, 0)],
-                }
-            )
-            bar.set_postfix(loss=curve[-1]["loss"], acc0=curve[-1]["acc_per_step"][0])
-            run_loss, run_acc = [], []
-        bar.update(1)
-        if time.perf_counter() - last_save > save_every_s:
-            spent = time.perf_counter() - t_start
-            save_state(i)
-            last_save = time.perf_counter()
+    stop_reason = "schedule done"
+    with StopFlag() as stop:
+        while step < total:
+            if stop.set:
+                stop_reason = "stopped by a signal"
+                break
+            if (time.perf_counter() - run_start) / 60 >= minutes or (batches is not None and step - first >= batches):
+                stop_reason = f"this run's budget ({minutes:g} min)" if batches is None else f"{batches} batches"
+                break
+            tk, fe, ti, tl, t1 = data.batch_at(next_batch())
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, sched["peak"], sched["total"], sched["warm"])
+            outs = ttt_forward(head, embed, tk, fe, steps)
+            losses, accs = step_losses(outs, ti, tl, t1, data.vocab_t, steps)
+            loss = sum(w * lo for w, lo in zip(weights, losses)) / sum(weights)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 0.5)
+            opt.step()
+            step += 1
+            run_loss.append(float(loss.detach()))
+            run_acc.append([float(a.detach()) for a in accs])
+            if step % log_every == 0 or step == total:
+                curve.append(
+                    {
+                        "batch": step,
+                        "minutes": round((time.perf_counter() - t0) / 60, 2),
+                        "cpu_minutes": round((time.process_time() - c0) / 60, 2),
+                        "loss": round(float(np.mean(run_loss)), 4),
+                        "acc_per_step": [round(float(x), 4) for x in np.mean(run_acc, 0)],
+                    }
+                )
+                if not progress:
+                    c = curve[-1]
+                    log(
+                        f"train-draft: batch {step}/{total} epoch {epoch} loss {c['loss']} "
+                        f"train top-1 {c['acc_per_step']} lr {opt.param_groups[0]['lr']:.2e}"
+                    )
+                bar.set_postfix(loss=curve[-1]["loss"], acc0=curve[-1]["acc_per_step"][0])
+                run_loss, run_acc = [], []
+            bar.update(1)
+            if time.perf_counter() - last_eval > eval_every_s:
+                run_eval()
+                last_eval = time.perf_counter()
+            if time.perf_counter() - last_save > save_every_s:
+                save_checkpoint(state_file, snapshot())
+                last_save = time.perf_counter()
     bar.close()
-    spent = time.perf_counter() - t_start
-    save_state(i)
     head.eval()
-    hold = evaluate(head, embed, batch_at, hold_idx, vocab_t, steps, batch)
+    if evaluate is not None and (not evals or evals[-1]["batch"] != step):
+        run_eval()
+    head.eval()
+    save_checkpoint(state_file, snapshot())
     report = {
-        "batches": i,
-        "batches_planned": total,
+        "batches": step,
+        "schedule": sched,
+        "epoch": epoch,
         "stopped": stop_reason,
-        "minutes": round(spent / 60, 2),
-        "train_windows": int(len(train_idx)),
-        "heldout_windows": int(len(hold_idx)),
+        "minutes": round((time.perf_counter() - t0) / 60, 2),
+        "cpu_minutes": round((time.process_time() - c0) / 60, 2),
+        "train_windows": len(data),
         "ttt_steps": steps,
         "batch_windows": batch,
-        "lr": lr,
         "seed": seed,
         "curve": curve,
-        "heldout": hold,
+        "heldout_curve": evals,
+        "heldout": {k: v for k, v in evals[-1].items() if k not in ("batch", "minutes", "cpu_minutes")}
+        if evals
+        else None,
     }
     atomic_write_json(out / "training.json", report)
     return report
-
-
-@torch.no_grad()
-def evaluate(head, embed, batch_at, idx, vocab_t, steps: int, batch: int) -> dict:
-    """Held-out top-1 agreement per depth (teacher-forced tokens, the draft's own hidden states),
-    and the chain acceptance it implies: sum over depths of the product of the agreements."""
-    accs = []
-    for s in range(0, len(idx), batch):
-        tk, fe, ti, tl, t1 = batch_at(idx[s : s + batch])
-        outs = ttt_forward(head, embed, tk, fe, steps)
-        _, a = step_losses(outs, ti, tl, t1, vocab_t, steps)
-        accs.append([float(x) for x in a])
-    acc = np.mean(accs, 0) if accs else np.zeros(steps)
-    expected = float(np.sum(np.cumprod(acc)))
-    return {
-        "top1_agreement_per_depth": [round(float(x), 4) for x in acc],
-        "expected_accepted_chain": round(1.0 + expected, 3),
-    }
 
 
 def save_public(head: Eagle3Head, folder: Path, extra: dict | None = None) -> list[str]:
@@ -308,8 +391,8 @@ def head_bytes(head: Eagle3Head) -> int:
 
 
 def describe(report: dict) -> str:
-    h = report["heldout"]
+    h = report["heldout"] or {}
     return (
-        f"{report['batches']} batches in {report['minutes']} min ({report['stopped']}); held-out top-1 per depth "
-        f"{h['top1_agreement_per_depth']}, expected chain acceptance {h['expected_accepted_chain']}"
+        f"{report['batches']} batches, {report['minutes']} min in all ({report['stopped']}); held-out top-1 per depth "
+        f"{h.get('top1_agreement_per_depth')}, tokens per step {h.get('tokens_per_step')}"
     )

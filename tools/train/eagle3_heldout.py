@@ -1,0 +1,198 @@
+"""The held-out set an EAGLE-3 head is judged on, and the rule that replaces the shipped head.
+
+Role in one decode step: none; it measures how often step 1's draft (the head) agrees with what
+step 3's verify (the target) accepts, on prompts no training run sees.
+
+The set: the chat-template prompts of tools/data/heldout_prompts.json (instructions, code,
+summaries, extraction; written for this project, disjoint from the training prompt mix and from
+prompts.json), the target's greedy responses to them, and the target's features and greedy
+next tokens over prompt + response (built once per target, cached in the user cache).
+
+The measure, teacher-forced (the true tokens along each chain, the head's own hidden states
+below depth 1, the same unrolled forward that trains it): over every chain rooted at the last
+prompt token or later, the top-1 agreement per depth, and the tokens per verify step that greedy
+decoding with a static tree would reach (acceptance_sim's exact replay of the loop over the
+head's per-depth ranks), for the tuned tree of the fp32 export and a chain of 4.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from arborspec.runtime.fileio import PartialFolder, atomic_write_bytes, atomic_write_json
+
+PROMPTS_PATH = Path(__file__).parent.parent / "data" / "heldout_prompts.json"
+TREES = {"tuned [[0],[1],[0,0]]": [[0], [1], [0, 0]], "chain:4": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]}
+TUNED = "tuned [[0],[1],[0,0]]"
+
+
+def heldout_prompts(path: Path = PROMPTS_PATH) -> list[dict]:
+    return json.loads(Path(path).read_text())["prompts"]
+
+
+def build_heldout(loaded, aux_layers, graph: Path, root: Path, *, gen_len=160, steps=4, threads=None, prompts=None):
+    """The held-out folder for this target (cached: built once, atomically): tokens [N, W]
+    (prompt + greedy response, padded with EOS), spans [N, 2] (first response token, end),
+    features [N, W, F], top1 [N, W]. `graph`: the target's features graph (eagle3_corpus)."""
+    from arborspec.tools.train.eagle3_corpus import (
+        ResponseGenerator,
+        build_features,
+        chat_ids,
+        graph_context,
+        target_id_of,
+    )
+
+    tok, cfg = loaded.tokenizer, loaded.config
+    prompts = heldout_prompts() if prompts is None else prompts
+    texts = [p["text"] for p in prompts]
+    key = hashlib.sha256(
+        json.dumps({"t": target_id_of(loaded), "p": texts, "g": gen_len, "a": list(aux_layers)}).encode()
+    ).hexdigest()[:20]
+    out = root / key
+    if (out / "heldout.json").is_file():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    with PartialFolder(out) as tmp:
+        eos = list(tok.meta.get("eos_token_ids") or [])
+        # prompts the graph cannot hold with a response are left out (none for SmolLM2)
+        limit = graph_context(cfg, {"window": 0, "gen_len": gen_len}) - gen_len - steps - 2
+        ids = [p for p in (chat_ids(tok, t) for t in texts) if len(p) <= limit]
+        t0 = time.perf_counter()
+        gen = ResponseGenerator(graph, min(16, len(ids)), threads)
+        try:
+            resp = gen(ids, gen_len, set(eos), 0.0, 0)
+        finally:
+            gen.close()
+        seqs = [p + r for p, r in zip(ids, resp)]
+        w = max(len(s) for s in seqs) + steps + 2
+        pad = eos[0] if eos else 0
+        tokens = np.full((len(seqs), w), pad, dtype=np.int32)
+        for i, s in enumerate(seqs):
+            tokens[i, : len(s)] = s
+        spans = np.array([[len(p), len(p) + len(r)] for p, r in zip(ids, resp)], dtype=np.int64)
+        np.save(tmp / "tokens.npy", tokens)
+        np.save(tmp / "spans.npy", spans)
+        feat = build_features(graph, tokens, np.arange(cfg.vocab_size), tmp, 1, threads)
+        for f in ("top_ids.npy", "top_lp.npy"):  # top1 is what the measure needs
+            (tmp / f).unlink()
+        info = {
+            "prompts": len(ids),
+            "prompts_too_long": len(texts) - len(ids),
+            "kinds": sorted({p.get("kind", "") for p in prompts}),
+            "response_tokens": int((spans[:, 1] - spans[:, 0]).sum()),
+            "gen_len": gen_len,
+            "generation_s": round(time.perf_counter() - t0 - feat["features_s"], 1),
+            **feat,
+        }
+        atomic_write_json(tmp / "heldout.json", info)
+    return out
+
+
+@torch.no_grad()
+def depth_ranks(head, embed, folder: Path, steps: int = 4, k: int = 8, batch: int = 2):
+    """Per held-out row: [steps, W] ranks of the target's greedy token among the head's top-k
+    target ids at each depth (k: a miss or no chain), and the row's (start, end)."""
+    from arborspec.tools.train.eagle3_train import ttt_forward
+
+    tokens = np.load(folder / "tokens.npy")
+    feats = np.load(folder / "features.npy", mmap_mode="r")
+    top1 = torch.from_numpy(np.load(folder / "top1.npy")).long()
+    spans = np.load(folder / "spans.npy")
+    tmap = head.token_map().cpu().long()
+    was = head.training
+    head.eval()
+    rows = []
+    n_rows, w = tokens.shape
+    n = w - steps - 1
+    for a in range(0, n_rows, batch):
+        tk = torch.from_numpy(tokens[a : a + batch].astype(np.int64))
+        fe = torch.from_numpy(feats[a : a + batch].astype(np.float32))
+        outs = ttt_forward(head, embed, tk, fe, steps)
+        ranks = torch.full((len(tk), steps, w), k, dtype=torch.long)
+        for d, logits in enumerate(outs):
+            top = tmap[torch.topk(logits, k, -1).indices]  # [b, n, k] target ids
+            want = top1[a : a + batch, 1 + d : 1 + d + n]  # entry j's label: the greedy token at j + 2 + d
+            hit = top == want[..., None]
+            r = torch.where(hit.any(-1), hit.float().argmax(-1).long(), torch.full_like(want, k))
+            ranks[:, d, 2 + d : 2 + d + n] = r
+        rows += [(ranks[i].tolist(), int(spans[a + i, 0]), int(spans[a + i, 1])) for i in range(len(tk))]
+    head.train(was)
+    return rows
+
+
+def evaluate_heldout(head, embed, folder: Path, steps: int = 4, k: int = 8) -> dict:
+    """Top-1 agreement per depth over chains rooted in the responses, the chain acceptance it
+    implies (1 + sum of cumulative products), and the tokens per verify step of `TREES`."""
+    from arborspec.tools.tune.acceptance_sim import simulated_tokens_per_step
+
+    rows = depth_ranks(head, embed, folder, steps, k)
+    hits, counts = np.zeros(steps), np.zeros(steps)
+    for ranks, start, end in rows:
+        for d in range(1, steps + 1):
+            # token p drafted at depth d: its chain's root p - d is the last prompt token or later
+            lo = max(start, start - 1 + d)
+            r = np.asarray(ranks[d - 1][lo:end])
+            hits[d - 1] += (r == 0).sum()
+            counts[d - 1] += len(r)
+    acc = hits / np.maximum(counts, 1)
+    runs = [{"by_depth": r, "start": s, "end": e} for r, s, e in rows]
+    return {
+        "top1_agreement_per_depth": [round(float(x), 4) for x in acc],
+        "expected_accepted_chain": round(1.0 + float(np.sum(np.cumprod(acc))), 3),
+        "tokens_per_step": {name: round(simulated_tokens_per_step(runs, p), 3) for name, p in TREES.items()},
+        "positions": int(counts[0]),
+    }
+
+
+def beats(new: dict, old: dict) -> bool:
+    """The install rule: a head replaces the shipped one only if, on the same held-out set, its
+    mean top-1 agreement over the depths is higher AND the tuned tree's tokens per step is not
+    lower (a head that agrees more at depth 1 but collapses deeper does not pass)."""
+    a_new, a_old = np.mean(new["top1_agreement_per_depth"]), np.mean(old["top1_agreement_per_depth"])
+    return bool(a_new > a_old and new["tokens_per_step"][TUNED] >= old["tokens_per_step"][TUNED])
+
+
+def install_if_better(candidate: Path, shipped: Path, new: dict, old: dict) -> bool:
+    """Copy the candidate head's files over the shipped head's (each file atomically) when
+    `beats(new, old)`; returns whether it did. Nothing is touched otherwise. The installed
+    training.json keeps the replaced head's under `replaced` (the history of every run)."""
+    if not beats(new, old):
+        return False
+    try:
+        history = json.loads((shipped / "training.json").read_text())
+    except (OSError, ValueError):
+        history = None
+    for name in ("model.safetensors", "config.json"):
+        atomic_write_bytes(shipped / name, (candidate / name).read_bytes())
+    if (candidate / "training.json").is_file():
+        report = json.loads((candidate / "training.json").read_text())
+        report.update({"replaced_measured_now": old, "replaced": history})
+        atomic_write_json(shipped / "training.json", report, indent=1)
+    return True
+
+
+def vocab_coverage(corpus: Path, folder: Path, sizes=(8192, 16384, 32768), vocab=None) -> dict:
+    """The ceiling the draft vocabulary puts on agreement: the fraction of the held-out responses'
+    tokens inside the `sizes` most frequent tokens of the corpus (FR-Spec's choice at that size),
+    and inside `vocab` (a head's own draft vocabulary, target ids)."""
+    from arborspec.tools.train.eagle3_corpus import shard_dirs
+
+    counts = np.zeros(0, dtype=np.int64)
+    for d in shard_dirs(corpus):
+        c = np.bincount(np.load(d / "tokens.npy").ravel())
+        counts = np.pad(counts, (0, max(0, len(c) - len(counts))))
+        counts[: len(c)] += c
+    tokens, spans = np.load(folder / "tokens.npy"), np.load(folder / "spans.npy")
+    held = np.concatenate([row[s:e] for row, (s, e) in zip(tokens, spans)])
+    order = np.lexsort((np.arange(len(counts)), -counts))
+    out = {f"top_{v}": round(float(np.isin(held, order[:v]).mean()), 4) for v in sizes}
+    out["corpus_distinct_tokens"] = int((counts > 0).sum())
+    if vocab is not None:
+        out["head_vocab"] = round(float(np.isin(held, np.asarray(vocab)).mean()), 4)
+    return out
