@@ -6,11 +6,12 @@ import numpy as np
 import torch
 from scipy import stats
 
+from arborspec.runtime import accept as accept_mod
 from arborspec.runtime import decode as decode_mod
 from arborspec.runtime.accept import Acceptance
 from arborspec.runtime.backends.torch_backend import TorchEngine
 from arborspec.runtime.kvcache import KVCache
-from arborspec.runtime.sampling import SamplingParams, probs, sample
+from arborspec.runtime.sampling import SamplingParams, probs
 
 PROMPT = [1, 3, 2]
 
@@ -72,17 +73,17 @@ def seed_rule_accept(logits, tree, sp, rng):
         p = p_rows[par + 1]
         q = tree.q[tree.qrow[i]]
         x = int(tree.tokens[i])
-        ok = float(torch.rand((), generator=rng)) < min(1.0, float(p[x] / q[x])) if q[x] > 0 else False
+        ok = accept_mod.coin(min(1.0, float(p[x] / q[x])), rng) if q[x] > 0 else False
         parent_ok = par < 0 or bool(accepted[par])
         accepted[i] = ok and parent_ok
         if not ok:
             res = torch.clamp(p - q, min=0)
             res = res / res.sum() if res.sum() > 0 else p
-            resampled[i] = sample(res, rng)
+            resampled[i] = accept_mod.sample(res, rng)
     if bool(accepted.any()):
         deepest = int(torch.argmax(torch.where(accepted, tree.depth, -1)))
         path = tree.anc[deepest].nonzero().flatten()
-        bonus = sample(p_rows[deepest + 1], rng)
+        bonus = accept_mod.sample(p_rows[deepest + 1], rng)
         return Acceptance(path, tree.tokens[path].tolist() + [bonus])
     first = [i for i in range(n) if int(tree.parents[i]) < 0]
     return Acceptance(torch.zeros(0, dtype=torch.long), [resampled[first[-1]]])
@@ -115,7 +116,6 @@ class use_seed_rule:
 from collections import defaultdict  # noqa: E402
 from itertools import permutations, product  # noqa: E402
 
-from arborspec.runtime import accept as accept_mod  # noqa: E402
 from arborspec.runtime import drafting as drafting_mod  # noqa: E402
 
 # (module, attribute) of every call site of a random primitive, and of the accept walk
@@ -386,8 +386,9 @@ def draft_modules(draft) -> list:
     for src in (draft, getattr(draft, "base", None)):
         eng = getattr(src, "engine", None)
         for name in ("module", "head"):
-            if eng is not None and isinstance(getattr(eng, name, None), torch.nn.Module):
-                out.append(getattr(eng, name))
+            mod = getattr(eng, name, None)
+            if isinstance(mod, torch.nn.Module) and all(mod is not o for o in out):
+                out.append(mod)
     return out
 
 
