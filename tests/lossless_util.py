@@ -251,15 +251,21 @@ class Enumeration:
         cur, self._cur = self._cur, None
         return out, cur
 
-    def distribution(self, run) -> dict:
+    def distribution(self, run, stop=None) -> dict:
+        """stop: called with the partial distribution every 20 outcomes; True ends the
+        enumeration early (the partial distribution is returned: a lower bound per output)."""
         dist: dict = defaultdict(float)
         stack = [({}, 1.0, None)]
+        leaves = 0
         while stack:
+            if stop is not None and leaves % 20 == 19 and stop(dist):
+                break
             assign, weight, done = stack.pop()
             out, cur = done if done is not None else self._execute(run, assign)
             key = next((k for k in cur.order if k in cur.relevant and k not in assign), None)
             if key is None:
                 dist[out] += weight
+                leaves += 1
                 continue
             for j, pr in enumerate(cur.probs[key]):
                 stack.append(({**assign, key: j}, weight * pr, (out, cur) if j == 0 else None))
@@ -314,6 +320,12 @@ def complete_with_target(step: dict, target_joint: dict, m: int) -> dict:
             if x[: len(y)] == y:
                 out[x] += pr * px / base
     return dict(out)
+
+
+def excess(partial: dict, want: dict) -> float:
+    """sum of max(0, partial - want): a lower bound of TV(full, want) for any partial
+    distribution (probabilities still to come only add to it)."""
+    return sum(max(0.0, pr - want.get(k, 0.0)) for k, pr in partial.items())
 
 
 def total_variation(a: dict, b: dict) -> float:

@@ -35,6 +35,7 @@ from lossless_util import (
     complete_with_target,
     draft_modules,
     exact_target_joint,
+    excess,
     first_step,
     make_draft,
     memoized_forward,
@@ -71,9 +72,9 @@ def tree_of(spec):
     return StaticTree(spec) if isinstance(spec, list) else spec
 
 
-def decoder_distribution(target_module, draft, run, focus=None):
+def decoder_distribution(target_module, draft, run, focus=None, stop=None):
     with Enumeration(focus) as e, memoized_forward(target_module, *draft_modules(draft)):
-        dist = e.distribution(run)
+        dist = e.distribution(run, stop)
     print(f"{e.runs} runs")
     return dist, e.runs
 
@@ -88,16 +89,25 @@ MULTI = [
 ]
 
 
-def generation_tv(target_module, folder, kind, tree, sp, keep_q=False) -> float:
-    """TV between the decoder's M-token generations (top-k candidates) and the target's."""
+def stopper(want, stop_above, complete=None):
+    """For the negative controls: end the enumeration once TV is surely above `stop_above`."""
+    if stop_above is None:
+        return None
+    return lambda d: excess(complete(d) if complete else d, want) > stop_above
+
+
+def generation_tv(target_module, folder, kind, tree, sp, keep_q=False, stop_above=None) -> float:
+    """TV between the decoder's M-token generations (top-k candidates) and the target's (with
+    stop_above: a lower bound, once it is above)."""
     eng = TorchEngine(target_module)
     draft = make_draft(kind, target_module, folder, V)
     want = exact_target_joint(eng, PROMPT, sp, M)
     assert max(len(k) for k in want) == M and len(want) >= 8  # a spread distribution
     dec = SpeculativeDecoder(eng, draft, tree=tree, candidates="topk", sampling=sp)
     dec.keep_draft_probs = keep_q  # the seed rule reads q for top-k candidates too
-    got, runs = decoder_distribution(target_module, draft, lambda: tuple(dec.generate(PROMPT, M).tokens))
-    return total_variation(got, want)
+    run = lambda: tuple(dec.generate(PROMPT, M).tokens)  # noqa: E731
+    got, runs = decoder_distribution(target_module, draft, run, stop=stopper(want, stop_above))
+    return max(total_variation(got, want), excess(got, want))
 
 
 @pytest.mark.parametrize("kind,tree,sp", MULTI, ids=[f"{k}-{t}" for k, t, _ in MULTI])
@@ -127,17 +137,19 @@ def test_one_step_is_exactly_lossless(target_module, tmp_path, kind, cand, tree,
     assert tv < TOL, f"{kind} {cand}: TV {tv:.2e}"
 
 
-def step_tv(target_module, folder, kind, cand, tree, sp) -> float:
+def step_tv(target_module, folder, kind, cand, tree, sp, stop_above=None) -> float:
     """TV between one step completed with the target and the target, over depth + 1 tokens."""
     eng = TorchEngine(target_module)
     draft = make_draft(kind, target_module, folder, V)
     dec = SpeculativeDecoder(eng, draft, tree=tree_of(tree), candidates=cand, sampling=sp)
     m = dec.policy.depth + 1
     want = exact_target_joint(eng, PROMPT, sp, m)
-    got, runs = decoder_distribution(target_module, draft, lambda: first_step(dec, PROMPT, m))
-    # some steps accept past depth 1 (the model draft: a whole depth-3 path)
-    assert max(len(k) for k in got) >= (m if kind == "model" else 3)
-    return total_variation(complete_with_target(got, want, m), want)
+    complete = lambda d: complete_with_target(d, want, m)  # noqa: E731
+    stop = stopper(want, stop_above, complete)
+    got, runs = decoder_distribution(target_module, draft, lambda: first_step(dec, PROMPT, m), stop=stop)
+    if stop is None:  # some steps accept past depth 1 (the model draft: a whole depth-3 path)
+        assert max(len(k) for k in got) >= (m if kind == "model" else 3)
+    return max(total_variation(complete(got), want), excess(complete(got), want))
 
 
 @pytest.mark.parametrize("cand", ["topk", "sample"])
@@ -148,7 +160,7 @@ def test_batched_rows_are_exactly_the_target_distribution(target_module, tmp_pat
     assert tv < TOL, f"TV {tv:.2e}"
 
 
-def batch_tv(target_module, folder, cand) -> float:
+def batch_tv(target_module, folder, cand, stop_above=None) -> float:
     """The larger TV of the two rows of a batch against their targets: M tokens of whole
     generations with top-k candidates, the first step completed with the target with sampled
     ones (as for one sequence)."""
@@ -177,9 +189,12 @@ def batch_tv(target_module, folder, cand) -> float:
                 draft,
                 lambda r=row: tuple(bd.generate_many(prompts, m, sampling=sp, seeds=[0, 1])[r].tokens),
                 focus=row,
+                stop=stopper(want, stop_above),
             )
         else:
-            got, _ = decoder_distribution(target_module, draft, lambda r=row: first_steps()[r], focus=row)
-            got = complete_with_target(got, want, m)
-        worst = max(worst, total_variation(got, want))
+            complete = lambda d: complete_with_target(d, want, m)  # noqa: E731
+            stop = stopper(want, stop_above, complete)
+            got, _ = decoder_distribution(target_module, draft, lambda r=row: first_steps()[r], focus=row, stop=stop)
+            got = complete(got)
+        worst = max(worst, total_variation(got, want), excess(got, want))
     return worst

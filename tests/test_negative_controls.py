@@ -66,7 +66,7 @@ def test_topk_rule_bugs_are_seen(target_module, tmp_path, kind, tree, bug):  # n
     if kind != "model" and "depth" in bug:
         pytest.skip("depth-3 acceptances are rare with this draft: the model draft carries this control")
     with mutated(accept_mod, bug):
-        assert generation_tv(target_module, tmp_path, kind, tree, SP) > 10 * TOL
+        assert generation_tv(target_module, tmp_path, kind, tree, SP, stop_above=10 * TOL) > 10 * TOL
 
 
 @pytest.mark.parametrize(
@@ -84,12 +84,14 @@ def test_topk_rule_bugs_are_seen(target_module, tmp_path, kind, tree, bug):  # n
 def test_sampled_rule_bugs_are_seen(target_module, tmp_path, bug, kind, cand):  # noqa: F811
     sp = SamplingParams(1.0, 2 if cand == "sample" and kind == "model" else 3)
     with mutated(accept_mod, bug):
-        assert step_tv(target_module, tmp_path, kind, cand, FORK_TREE, sp) > 10 * TOL
+        assert step_tv(target_module, tmp_path, kind, cand, FORK_TREE, sp, stop_above=10 * TOL) > 10 * TOL
 
 
 def test_the_seed_rule_is_seen(target_module, tmp_path):  # noqa: F811
     with seed_rule():
-        assert generation_tv(target_module, tmp_path, "model", "full:3,2", SP, keep_q=True) > 10 * TOL
+        assert (
+            generation_tv(target_module, tmp_path, "model", "full:3,2", SP, keep_q=True, stop_above=10 * TOL) > 10 * TOL
+        )
 
 
 @pytest.mark.parametrize(
@@ -97,4 +99,4 @@ def test_the_seed_rule_is_seen(target_module, tmp_path):  # noqa: F811
 )
 def test_batched_rule_bugs_are_seen(target_module, tmp_path, cand, bug):  # noqa: F811
     with mutated(accept_mod, bug):
-        assert batch_tv(target_module, tmp_path, cand) > 10 * TOL
+        assert batch_tv(target_module, tmp_path, cand, stop_above=10 * TOL) > 10 * TOL
