@@ -197,4 +197,6 @@ def batch_tv(target_module, folder, cand, stop_above=None) -> float:
             got, _ = decoder_distribution(target_module, draft, lambda r=row: first_steps()[r], focus=row, stop=stop)
             got = complete(got)
         worst = max(worst, total_variation(got, want), excess(got, want))
+        if stop_above is not None and worst > stop_above:
+            break
     return worst

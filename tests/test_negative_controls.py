@@ -90,7 +90,7 @@ def test_sampled_rule_bugs_are_seen(target_module, tmp_path, bug, kind, cand):  
 def test_the_seed_rule_is_seen(target_module, tmp_path):  # noqa: F811
     with seed_rule():
         assert (
-            generation_tv(target_module, tmp_path, "model", "full:3,2", SP, keep_q=True, stop_above=10 * TOL) > 10 * TOL
+            generation_tv(target_module, tmp_path, "model", "full:2,2", SP, keep_q=True, stop_above=10 * TOL) > 10 * TOL
         )
 
 
