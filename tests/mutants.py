@@ -107,11 +107,13 @@ MUTANTS = [
         (WARP,),
     ),
     # ---- sampled candidates
+    # (drawing with replacement under the sample-unique rule is an equivalent mutant: a repeated
+    # candidate has q = 0 after the first and is skipped; the output stays exact)
     Mutant(
-        "sample-unique draws with replacement",
-        DRAFTING,
-        'unique=mode == "sample-unique"',
-        "unique=False",
+        "sample-unique draws from q squared",
+        SAMPLING,
+        "torch.log(q) - torch.log(-torch.log(u))",
+        "2 * torch.log(q) - torch.log(-torch.log(u))",
         (EXACT, "-k", "one_step and model-sample-unique-fork"),
     ),
     Mutant(
@@ -119,7 +121,7 @@ MUTANTS = [
         DRAFTING,
         "qrow[n : n + m] = n_q + fi",
         "qrow[n : n + m] = n_q",
-        (EXACT, "-k", "one_step and model-sample-fork"),
+        (EXACT, "-k", "one_step and model-sample-unique-full"),  # levels with several rows
     ),
     # ---- tree masks and positions
     Mutant(
@@ -134,7 +136,7 @@ MUTANTS = [
         TREE_PLAN,
         "torch.add(offsets.to(self.device), past, out=pos)",
         "torch.add(offsets.to(self.device), past + 1, out=pos)",
-        (GREEDY, "-k", "every_policy"),
+        (KV, "-k", "llama-model"),  # vanilla shares the buffers: greedy equality cannot see it
     ),
     Mutant(
         "verify mask: nodes do not see their ancestors",
