@@ -22,6 +22,7 @@ NEG = "tests/test_negative_controls.py"
 WARP = "tests/test_warping.py"
 GREEDY = "tests/test_decode_greedy.py"
 KV = "tests/test_kv_exact.py"
+PRIMS = "tests/test_random_primitives.py"  # the exact tests enumerate the primitives: checked here
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ MUTANTS = [
         SAMPLING,
         "torch.log(q) - torch.log(-torch.log(u))",
         "2 * torch.log(q) - torch.log(-torch.log(u))",
-        (EXACT, "-k", "one_step and model-sample-unique-fork"),
+        (PRIMS,),
     ),
     Mutant(
         "sampled candidates point at the wrong q row",
