@@ -20,7 +20,7 @@ DEMO_TREE ?= auto
 DEMO_EXPORT := $(CACHE)/exports/smollm2-135m-$(subst :,,$(EXPORT_DRAFT))-int8-v3
 DEMO_PROMPT ?= Sort this shopping list alphabetically, one item per line, and keep each quantity: 2 pears, 6 eggs, 1 loaf of bread, 3 lemons, 500 g of flour, 1 bag of rice, 4 apples, 2 onions, 1 jar of honey, 3 carrots.
 
-.PHONY: demo test lint install clean bench
+.PHONY: demo test lint install clean bench mutants
 
 install: $(STAMP)
 
@@ -51,6 +51,13 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -q -ra --durations=15
+	# the GPU tests' logic on the CPU (tests/test_gpu.py dry mode; on a GPU they ran above)
+	ARBORSPEC_GPU_DRY=1 $(PY) -m pytest -q -ra tests/test_gpu.py
+
+# every named mutant of the exactness-carrying code (tests/mutants.py) must be killed by its
+# tests, each run in a temporary copy of the tree (docs/testing.md: about 15 min on 2 cores)
+mutants: $(STAMP)
+	$(PY) tests/mutation.py
 
 bench: $(STAMP)
 	$(ARBOR) bench --export-dir "$(DEMO_EXPORT)" --backend onnxruntime --draft $(DEMO_DRAFT) --limit-prompts 8 \

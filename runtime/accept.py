@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams, probs, sample
+from .sampling import SamplingParams, coin, probs, sample
 from .trees import Tree
 
 
@@ -88,16 +88,15 @@ def accept_sampling(logits: torch.Tensor, tree: Tree, sp: SamplingParams, rng: t
         chosen = -1
         for c in children:
             x = int(tree.tokens[c])
-            u = float(torch.rand((), generator=rng))
             if mode == "topk":
-                if u < float(p[x]):
+                if coin(float(p[x]), rng):
                     chosen = c
                     break
                 p[x] = 0.0
                 p = _renorm(p)
             else:
                 qx = float(q[x])
-                if qx > 0 and u < min(1.0, float(p[x]) / qx):
+                if qx > 0 and coin(min(1.0, float(p[x]) / qx), rng):
                     chosen = c
                     break
                 if qx > 0:

@@ -73,6 +73,23 @@ def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     return torch.softmax(warp_logits(logits, sp), dim=-1)
 
 
+# The decoder's random draws, all of them: the accept rule's coins and samples and the sampled
+# candidates. Named once here so that a test can replace them with an enumeration of their
+# outcomes and compute the decoder's output distribution exactly (tests/lossless_util.py).
 def sample(p: torch.Tensor, rng: torch.Generator) -> int:
     """One token from a probability vector [V]."""
     return int(torch.multinomial(p, 1, generator=rng).item())
+
+
+def coin(prob: float, rng: torch.Generator) -> bool:
+    """True with probability `prob` (one uniform draw)."""
+    return float(torch.rand((), generator=rng)) < prob
+
+
+def draw_candidates(q: torch.Tensor, k: int, rng: torch.Generator, unique: bool) -> torch.Tensor:
+    """k candidates per row of q [F, V] -> [F, k]: i.i.d. (with replacement), or `unique`:
+    sequential draws without replacement, by the Gumbel-top-k trick (q = 0 entries come last)."""
+    if not unique:
+        return torch.multinomial(q, k, replacement=True, generator=rng)
+    u = torch.rand(q.shape, generator=rng).clamp_(1e-20, 1.0)
+    return torch.topk(torch.log(q) - torch.log(-torch.log(u)), k, dim=-1).indices

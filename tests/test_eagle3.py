@@ -182,7 +182,7 @@ def test_draft_cache_equals_a_fresh_prefill(target, tmp_path, chunk):
 SAMPLING_CASES = [
     ("topk", SamplingParams(1.0), "full:2,3"),
     ("sample", SamplingParams(0.8, 0, 0.9), "full:2,3"),
-    ("sample-unique", SamplingParams(1.0), "chain:2"),
+    ("sample-unique", SamplingParams(1.0), "full:2,3"),  # siblings: where sample-unique differs
 ]
 
 

@@ -349,7 +349,7 @@ def test_heldout_ranks_equal_the_tune_ranks_of_decoding(tmp_path):
     equal `tune`'s ranks (head calls per depth, as decoding makes them) over the responses, and
     the set is built once (cached)."""
     from arborspec.runtime.backends.torch_backend import TorchEngine
-    from arborspec.runtime.drafts_eagle3 import Eagle3Draft
+    from arborspec.runtime.drafts.eagle3 import Eagle3Draft
     from arborspec.tools.train.eagle3_heldout import depth_ranks, evaluate_heldout
     from arborspec.tools.tune.acceptance_sim import eagle3_depth_ranks
 

@@ -488,7 +488,7 @@ def public_eagle3_head(folder, target_cfg, layout: str, draft_vocab: int = 40, s
 @pytest.mark.parametrize("layout,kind", [("llama3.1", "llama3"), ("qwen3", "qwen3")])
 def test_public_eagle3_layouts_load_and_decode_like_vanilla(layout, kind, tmp_path):
     from arborspec.models.eagle3 import load_eagle3
-    from arborspec.runtime.drafts_eagle3 import Eagle3Draft
+    from arborspec.runtime.drafts.eagle3 import Eagle3Draft
 
     _, target, cfg = make_family(kind, tmp_path)
     public_eagle3_head(tmp_path / "head", cfg, layout)
@@ -512,7 +512,7 @@ def test_public_eagle3_layouts_load_and_decode_like_vanilla(layout, kind, tmp_pa
     from arborspec.export.eagle3_graph import export_eagle3_head
     from arborspec.export.onnx_export import export_gqa_onnx
     from arborspec.runtime.backends.onnxruntime import OrtEngine
-    from arborspec.runtime.drafts_eagle3 import OrtEagle3Head
+    from arborspec.runtime.drafts.eagle3 import OrtEagle3Head
 
     export_gqa_onnx(target, tmp_path / "target.onnx", max_context=128, feature_layers=head.config.aux_layers)
     entry = export_eagle3_head(head, target.model.embed_tokens.weight.detach(), tmp_path, 128 + 32)

@@ -56,7 +56,7 @@ def test_lossless(pair, mode, tree, cand, sp):
     p = chi_square_pvalue(counts, exact)
     assert p > PASS_P, f"{tree} {cand}: chi-square p = {p:.2e}"
     # the drafts were actually used: more than one token per verify call on average
-    assert dec.last_stats.steps >= 1
+    assert sum(dec.generate(PROMPT, 8, seed=s).stats.steps for s in range(20)) < 20 * 8
 
 
 @pytest.mark.parametrize("cand", ["topk", "sample"])

@@ -306,7 +306,7 @@ def test_host_work_runs_on_one_torch_thread_while_onnxruntime_decodes(tmp_path, 
     overrides (0: torch untouched); a bad value is one line."""
     from conftest import tiny_text_export
 
-    import arborspec.runtime.decode as decode_mod
+    import arborspec.runtime.accept as accept_mod
     from arborspec.runtime.batch_decode import BatchDecoder
     from arborspec.runtime.errors import InputError
     from arborspec.runtime.export_dir import open_export
@@ -314,13 +314,13 @@ def test_host_work_runs_on_one_torch_thread_while_onnxruntime_decodes(tmp_path, 
 
     folder = tiny_text_export(tmp_path / "e")
     seen = []
-    real = decode_mod.accept
+    real = accept_mod.accept_sampling  # what both decoders' accept calls when sampling
 
     def spy(*a, **k):
         seen.append(torch.get_num_threads())
         return real(*a, **k)
 
-    monkeypatch.setattr(decode_mod, "accept", spy)
+    monkeypatch.setattr(accept_mod, "accept_sampling", spy)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -335,6 +335,7 @@ def test_host_work_runs_on_one_torch_thread_while_onnxruntime_decodes(tmp_path, 
                 seen.clear()
                 b = BatchDecoder(ex.target, None, mode="vanilla", max_batch=2)
                 b.generate_many([[5, 9, 2], [7, 1]], 4, (), SamplingParams(0.8))
+                assert seen and set(seen) == {want}, ("batch", env, seen)
                 assert torch.get_num_threads() == 2
         monkeypatch.setenv("ARBORSPEC_HOST_THREADS", "many")
         with pytest.raises(InputError, match="ARBORSPEC_HOST_THREADS"):

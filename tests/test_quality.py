@@ -89,7 +89,18 @@ def test_identical_exports_agree_and_quantised_differs_within_a_loose_bound(expo
     q = quality.run_quality(exports / "int4", exports / "fp32", prompts, max_new_tokens=12)[1]
     assert q["weights"] == "int4 qdq (rtn-symmetric)"
     assert q["perplexity"] != rows[0]["perplexity"] and abs(q["delta_pct"]) < 25.0
-    assert 0.0 <= q["agreement"]["rate"] <= 1.0
+    # the agreement, counted here independently: greedy tokens equal before the first divergence
+    from arborspec.runtime.decode import SpeculativeDecoder
+
+    agreed = total = same = 0
+    with open_export(exports / "int4", draft="none") as a, open_export(exports / "fp32", draft="none") as b:
+        for p in prompts:
+            x = SpeculativeDecoder(a.target, mode="vanilla").generate(p, 12).tokens
+            y = SpeculativeDecoder(b.target, mode="vanilla").generate(p, 12).tokens
+            k = next((i for i, (u, w) in enumerate(zip(x, y)) if u != w), min(len(x), len(y)))
+            agreed, total, same = agreed + k, total + len(y), same + (x == y)
+    assert q["agreement"]["identical"] == same
+    assert q["agreement"]["rate"] == pytest.approx(agreed / total)
 
 
 def test_bench_quality_cli(exports, tmp_path, capsys):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from arborspec.runtime.drafts.base import DraftSource
 from arborspec.runtime.drafts.tree_builder import draft_tree
 from arborspec.runtime.sampling import SamplingParams
-from arborspec.runtime.tree_plan import verify_inputs
+from arborspec.runtime.tree_plan import VerifyBuffers, verify_inputs
 from arborspec.runtime.trees import TreeSpecError, parse_tree_spec
 
 
@@ -57,11 +57,20 @@ def ancestors_by_walk(parents, i):
     seed=st.integers(0, 10**6),
     past=st.integers(0, 50),
     temp=st.sampled_from([0.0, 1.0]),
+    cand=st.sampled_from(["topk", "sample", "sample-unique"]),
 )
-def test_tree_invariants(spec, vocab, seed, past, temp):
+def test_tree_invariants(spec, vocab, seed, past, temp, cand):
     policy = parse_tree_spec(spec)
+    sampled = cand != "topk" and temp > 0
+    if sampled and policy.data_dependent:
+        cand, sampled = "topk", False  # beam / dynamic rank by score: top-k only
     tree = draft_tree(
-        RandomDraft(vocab, seed), policy, root=1, sp=SamplingParams(temp), rng=torch.Generator().manual_seed(seed)
+        RandomDraft(vocab, seed),
+        policy,
+        root=1,
+        sp=SamplingParams(temp),
+        candidates=cand,
+        rng=torch.Generator().manual_seed(seed),
     )
     n = tree.n
     assert n <= policy.max_nodes
@@ -78,11 +87,24 @@ def test_tree_invariants(spec, vocab, seed, past, temp):
     if policy.kind == "beam":
         for level, width in enumerate(policy.widths, 1):
             assert int((tree.depth == level).sum()) <= width
-    # siblings never repeat a token under top-k candidates
+    # siblings never repeat a token under top-k and sample-unique candidates
     for p in set(parents):
         toks = tree.tokens[tree.parents == p].tolist()
-        assert len(toks) == len(set(toks))
+        if cand != "sample" or not sampled:
+            assert len(toks) == len(set(toks))
+    if sampled:  # every candidate was drawn from a distribution that can give it, kept per node
+        assert tree.candidates == cand and tree.q is not None
+        assert torch.allclose(tree.q.sum(-1), torch.ones(tree.q.shape[0]), atol=1e-5)
+        assert bool((tree.q[tree.qrow, tree.tokens] > 0).all())
+        for i in range(n):  # siblings share their parent's row
+            assert int(tree.qrow[i]) == int(tree.qrow[parents.index(parents[i])])
     ids, pos, mask = verify_inputs(1, tree, past)
+    # the decode loop's preallocated buffers (reused across steps) give the same verify inputs
+    vb = VerifyBuffers("cpu")
+    vb.fill(1, tree, past + 3)  # a larger call first: the buffers must not keep its rows
+    ids2, pos2, mask2 = vb.fill(1, tree, past)
+    assert torch.equal(ids2, ids) and torch.equal(pos2, pos) and torch.equal(mask2, mask)
+    vb.release()
     assert ids.shape == (1, n + 1) and mask.shape == (1, n + 1, past + n + 1)
     assert pos[0, 0] == past and torch.equal(pos[0, 1:], tree.depth + past)
     m = mask[0]

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError
-from ..sampling import SamplingParams, warp_logits
+from ..sampling import SamplingParams, draw_candidates, warp_logits
 from ..tree_plan import PLANNED_KINDS, plan_for
 from ..trees import Tree, TreePolicy
 from .base import DraftSource, NodeView, full_vocab, to_target, topk_of, tree_capacity
@@ -75,11 +75,6 @@ class TreeWorkspace:
     @staticmethod
     def get(ws: "TreeWorkspace | None", cap: int) -> "TreeWorkspace":
         return ws if ws is not None and ws.cap >= cap else TreeWorkspace(cap)
-
-
-def _gumbel(shape, rng) -> torch.Tensor:
-    u = torch.rand(shape, generator=rng).clamp_(1e-20, 1.0)
-    return -torch.log(-torch.log(u))
 
 
 @torch.inference_mode()
@@ -251,10 +246,7 @@ def _candidates(out, k: int, mode: str, topk_only: bool, sp, rng, tmap, out_voca
     empty = ~torch.isfinite(warped).any(-1, keepdim=True)
     q = torch.softmax(warped.masked_fill(empty, 0.0), -1)
     logq = torch.log(q)
-    if mode == "sample":
-        toks = torch.multinomial(q, k, replacement=True, generator=rng)
-    else:  # without replacement: Gumbel-top-k == sequential draws without replacement
-        toks = torch.topk(logq + _gumbel(logq.shape, rng), k, dim=-1).indices
+    toks = draw_candidates(q, k, rng, unique=mode == "sample-unique")
     vals = logq.gather(1, toks).masked_fill(empty, float("-inf"))
     return vals, toks, full_vocab(q.masked_fill(empty, 0.0), tmap, out_vocab).cpu()
 

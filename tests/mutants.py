@@ -1,0 +1,194 @@
+"""Named mutants of the code that carries the exactness promise: accept rules, warping, tree
+masks and positions, KV commit, batched rows. Each is (name, file, exact source snippet,
+replacement, the fast tests that must kill it). `tests/mutation.py` applies them one at a time
+in a temporary copy of the tree; tests/test_negative_controls.py applies the accept-rule ones
+in process. File paths are relative to the repository root: where a module moves, change its
+path here (and only here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ACCEPT = "runtime/accept.py"
+SAMPLING = "runtime/sampling.py"
+DRAFTING = "runtime/drafts/tree_builder.py"
+TREE_PLAN = "runtime/tree_plan.py"
+KVCACHE = "runtime/kvcache.py"
+BATCH = "runtime/batch_decode.py"
+DRAFTS = "runtime/drafts/model.py"
+
+EXACT = "tests/test_exact_lossless.py"
+NEG = "tests/test_negative_controls.py"
+WARP = "tests/test_warping.py"
+GREEDY = "tests/test_decode_greedy.py"
+KV = "tests/test_kv_exact.py"
+PRIMS = "tests/test_random_primitives.py"  # the exact tests enumerate the primitives: checked here
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str
+    snippet: str
+    replacement: str
+    tests: tuple  # pytest arguments: files / node ids, and -k expressions
+
+
+MUTANTS = [
+    # ---- accept rules (the issue's planted bugs first)
+    Mutant(
+        "sampled accepted when p/q >= 0.5, no draw",
+        ACCEPT,
+        "qx > 0 and coin(min(1.0, float(p[x]) / qx), rng)",
+        "qx > 0 and float(p[x]) / qx >= 0.5",
+        (EXACT, "-k", "one_step and model-sample-fork"),
+    ),
+    Mutant(
+        "residual not updated after a rejection",
+        ACCEPT,
+        "p = _renorm(torch.clamp(p - q, min=0.0), fallback=p)",
+        "pass",
+        (EXACT, "-k", "one_step and model-sample-fork"),
+    ),
+    Mutant(
+        "topk keeps the rejected token",
+        ACCEPT,
+        "                p[x] = 0.0\n                p = _renorm(p)",
+        "                pass",
+        (EXACT, "-k", "generations and model-full"),
+    ),
+    Mutant(
+        "sample-unique keeps the rejected token in q",
+        ACCEPT,
+        "                    q[x] = 0.0\n                    q = _renorm(q)",
+        "                    pass",
+        (EXACT, "-k", "one_step and model-sample-unique-fork"),
+    ),
+    Mutant(
+        "topk: depth >= 3 accepted unconditionally",
+        ACCEPT,
+        "if coin(float(p[x]), rng):",
+        "if coin(float(p[x]), rng) or int(tree.depth[c]) >= 3:",
+        (EXACT, "-k", "generations and model-full"),
+    ),
+    Mutant(
+        "sampled: depth >= 3 accepted unconditionally",
+        ACCEPT,
+        "if qx > 0 and coin(",
+        "if int(tree.depth[c]) >= 3 or qx > 0 and coin(",
+        (EXACT, "-k", "one_step and model-sample-fork"),
+    ),
+    Mutant(
+        "greedy: first child accepted when its parent is",
+        ACCEPT,
+        "if toks[c] == a), None)",
+        "if toks[c] == a or c == kids[node + 1][-1]), None)",
+        (GREEDY, "-k", "every_policy"),
+    ),
+    # ---- warping
+    Mutant(
+        "top-p drops the token that crosses the threshold",
+        SAMPLING,
+        "drop_sorted = (torch.cumsum(p, dim=-1) - p) >= sp.top_p",
+        "drop_sorted = torch.cumsum(p, dim=-1) > sp.top_p",
+        (WARP,),
+    ),
+    Mutant(
+        "top-k keeps k - 1",
+        SAMPLING,
+        'x = x.masked_fill(x < kth, float("-inf"))',
+        'x = x.masked_fill(x <= kth, float("-inf"))',
+        (WARP,),
+    ),
+    Mutant(
+        "temperature ignored",
+        SAMPLING,
+        "/ max(sp.temperature, 1e-30)",
+        "/ 1.0",
+        (WARP,),
+    ),
+    # ---- sampled candidates
+    # (drawing with replacement under the sample-unique rule is an equivalent mutant: a repeated
+    # candidate has q = 0 after the first and is skipped; the output stays exact)
+    Mutant(
+        "sample-unique draws from q squared",
+        SAMPLING,
+        "torch.log(q) - torch.log(-torch.log(u))",
+        "2 * torch.log(q) - torch.log(-torch.log(u))",
+        (PRIMS,),
+    ),
+    Mutant(
+        "sampled candidates point at the wrong q row",
+        DRAFTING,
+        "ws.qrow[n - m : n] = n_q + fi",
+        "ws.qrow[n - m : n] = n_q",
+        (EXACT, "-k", "one_step and model-sample-unique-full"),  # levels with several rows
+    ),
+    # ---- tree masks and positions
+    Mutant(
+        "siblings see each other (tree mask)",
+        DRAFTING,
+        "anc[new, new] = True",
+        "anc[new, new] = True\n        anc[new[:, None], new[None, :]] = True",
+        (EXACT, "-k", "generations and model-dynamic"),
+    ),
+    Mutant(
+        "verify positions off by one",
+        TREE_PLAN,
+        "torch.add(offsets, past, out=pos[:n])",
+        "torch.add(offsets, past + 1, out=pos[:n])",
+        (KV, "-k", "llama-model"),  # vanilla shares the buffers: greedy equality cannot see it
+    ),
+    Mutant(
+        "verify mask: nodes do not see their ancestors",
+        TREE_PLAN,
+        "block[1:, 1:].copy_(tree.anc)",
+        "block[1:, 1:].copy_(torch.eye(tree.n, dtype=torch.bool))",
+        (GREEDY, "-k", "every_policy"),
+    ),
+    # ---- KV commit
+    Mutant(
+        "KV commit skips the gather",
+        KVCACHE,
+        "        self._seq(self.k, p, p + n).copy_(self.k.index_select(d, idx))\n"
+        "        self._seq(self.v, p, p + n).copy_(self.v.index_select(d, idx))\n",
+        "",
+        (KV,),
+    ),
+    Mutant(
+        "KV commit gathers keys only",
+        KVCACHE,
+        "        self._seq(self.v, p, p + n).copy_(self.v.index_select(d, idx))\n",
+        "",
+        (KV,),
+    ),
+    Mutant(
+        "draft commit keeps the chain only",
+        DRAFTS,
+        "src = list(range(self._chain)) + (slots[ran] + self._chain).tolist()",
+        "src = list(range(self._chain))",
+        (KV,),
+    ),
+    # ---- batched rows
+    Mutant(
+        "batch: every row accepts with row 0's logits",
+        BATCH,
+        "settle(logits[b], tree, s.sampling,",
+        "settle(logits[0], tree, s.sampling,",
+        (EXACT, "-k", "batched and topk"),
+    ),
+    Mutant(
+        "batch: a shorter row attends the gap",
+        BATCH,
+        "mask[b, :, : s.length] = True",
+        "mask[b, :, :p] = True",
+        (EXACT, "-k", "batched and topk"),
+    ),
+    Mutant(
+        "batch: row commit skips the gather",
+        KVCACHE,
+        "                r.narrow(sd, dst0, n).copy_(r.index_select(sd, idx))  # read before write",
+        "                pass",
+        (EXACT, "-k", "batched and topk"),
+    ),
+]

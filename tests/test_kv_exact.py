@@ -1,0 +1,91 @@
+"""After accepted trees, the caches hold exactly the committed tokens' K/V: the target's cache
+(and a model draft's) equals a fresh prefill of the committed tokens, read directly, for every
+draft kind (model, lookup, EAGLE-3, mixed), for llama and gpt2, and for both graph kinds of an
+ONNX export (the GQA graph, kv layout bhsd; the portable graph, sbhd). The models' greedy output
+is varied (asserted), so a wrong cache row also changes tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import truncated, varied_model
+from lossless_util import make_draft
+
+from arborspec.models.eagle3 import default_aux_layers
+from arborspec.runtime.backends.torch_backend import TorchEngine
+from arborspec.runtime.decode import SpeculativeDecoder
+from arborspec.runtime.kvcache import KVCache
+
+PROMPT = [1, 5, 7, 9, 3, 11, 1, 5, 7]
+N = 40
+
+
+def fresh_prefill(engine, seq) -> KVCache:
+    n = len(seq)
+    c = KVCache(engine.info.cache, n, 1)
+    engine.forward(torch.tensor([seq]), torch.arange(n)[None], torch.ones(n, n, dtype=torch.bool).tril()[None], c)
+    c.commit(None, n)
+    return c
+
+
+def assert_cache_is_prefill(engine, cache: KVCache, seq, what: str):
+    assert cache.length == len(seq), what
+    fresh = fresh_prefill(engine, seq)
+    for i in range(engine.info.cache.n_layers):
+        for name, a, b in zip("kv", cache.past(i), fresh.past(i)):
+            err = float((a - b).abs().max())
+            assert err < 1e-4, f"{what}: layer {i} {name} differs from a fresh prefill by {err:.2e}"
+
+
+def decode_and_check(target, draft, module, tree="full:3,2"):
+    ref = SpeculativeDecoder(target, mode="vanilla").generate(PROMPT, N).tokens
+    assert len(set(ref)) >= 10, "the model's greedy output is too repetitive to test the cache"
+    dec = SpeculativeDecoder(target, draft, tree=tree)
+    r = dec.generate(PROMPT, N)
+    assert r.tokens == ref
+    moved = sum(n for k, n in r.stats.accepted_hist.items() if k > 1)
+    assert moved >= 1, "no accepted tree: the commit path was not exercised"
+    seq = PROMPT + r.tokens[:-1]  # the last token (the next root) is not in the cache yet
+    assert_cache_is_prefill(target, dec._cache, seq, "target cache")
+    eng = getattr(dec.draft, "engine", None)
+    if isinstance(eng, TorchEngine) and eng.module is not module:  # a model draft: its cache too
+        m = dec.draft.cache.length
+        assert m >= len(seq) - 1  # at most the last accepted leaf is pending
+        assert_cache_is_prefill(eng, dec.draft.cache, seq[:m], "draft cache")
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def target_module(request):
+    m = varied_model(request.param)
+    if request.param == "llama":
+        m.feature_layers = default_aux_layers(m.config.n_layers)
+    return m
+
+
+@pytest.mark.parametrize("kind", ["model", "lookup", "eagle3", "mixed"])
+def test_torch_caches_equal_a_fresh_prefill(target_module, tmp_path, kind):
+    if kind in ("eagle3", "mixed") and target_module.config.family != "llama":
+        pytest.skip("EAGLE-3 heads are for llama-family targets")
+    draft = make_draft(kind, target_module, tmp_path, target_module.config.vocab_size)
+    decode_and_check(TorchEngine(target_module), draft, target_module)
+
+
+def test_dynamic_trees_commit_exactly(target_module):
+    decode_and_check(
+        TorchEngine(target_module), TorchEngine(truncated(target_module, 1)), target_module, "dynamic:3,3,8"
+    )
+
+
+@pytest.mark.parametrize("graph", ["gqa", "portable"])
+def test_onnx_caches_equal_a_fresh_prefill(tmp_path_factory, graph):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from arborspec.export.onnx_export import export_contract_onnx, export_gqa_onnx
+    from arborspec.runtime.backends.onnxruntime import OrtEngine
+
+    m = varied_model("llama", layers=2)
+    d = tmp_path_factory.mktemp("kv-onnx")
+    (export_gqa_onnx if graph == "gqa" else export_contract_onnx)(m, d / "t.onnx", max_context=512, verify=False)
+    eng = OrtEngine(d / "t.onnx")
+    assert eng.info.cache.layout == ("bhsd" if graph == "gqa" else "sbhd")
+    decode_and_check(eng, TorchEngine(truncated(m, 1)), m)
