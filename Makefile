@@ -9,15 +9,16 @@ PIP := $(VENV)/bin/pip
 ARBOR := $(VENV)/bin/arborspec
 STAMP := $(VENV)/.installed
 CACHE ?= $(if $(ARBORSPEC_CACHE),$(ARBORSPEC_CACHE),$(HOME)/.cache/arborspec)
-# the demo decodes with the fastest configuration measured here whose output is exact (docs/drafts-and-trees.md
-# "Measured: EAGLE-3, lookup and the mixed draft"): the fp32 GroupQueryAttention export (the model's full 8192
-# context) with the shipped EAGLE-3 head (int8) mixed with prompt lookup, on the tree `tune`
-# chose for it on this machine (tuned once, about a minute, kept in the export folder)
+# the demo decodes with the fastest configuration measured here whose output is exact (docs/int4.md,
+# benchmarks/RESULTS.md 2026-11-25): the int4 export (the GGUF's own 4-bit blocks, int8 activations,
+# made exact under speculation by the engine's row layout) with prompt lookup, on the tree `tune`
+# chose for it on this machine (tuned once, about a minute, kept in the export folder); the
+# shipped EAGLE-3 head (int8) is exported too, for `--draft export+lookup`
 EXPORT_DRAFT ?= eagle3
-EXPORT_FLAGS ?= --draft-quantize int8
-DEMO_DRAFT ?= export+lookup
+EXPORT_FLAGS ?= --quantize int4 --draft-quantize int8
+DEMO_DRAFT ?= lookup
 DEMO_TREE ?= auto
-DEMO_EXPORT := $(CACHE)/exports/smollm2-135m-$(subst :,,$(EXPORT_DRAFT))-int8-v3
+DEMO_EXPORT := $(CACHE)/exports/smollm2-135m-int4-$(subst :,,$(EXPORT_DRAFT))-int8-v4
 DEMO_PROMPT ?= Sort this shopping list alphabetically, one item per line, and keep each quantity: 2 pears, 6 eggs, 1 loaf of bread, 3 lemons, 500 g of flour, 1 bag of rice, 4 apples, 2 onions, 1 jar of honey, 3 carrots.
 
 .PHONY: demo test lint install clean bench mutants
