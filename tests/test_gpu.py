@@ -161,17 +161,17 @@ def test_torch_cuda_decoder_keeps_everything_on_the_gpu(cuda_models):
     m, d = cuda_models["llama"]
     target, draft = TorchEngine(m, device=DEV), TorchEngine(d, device=DEV)
     seen = []
-    real = TorchEngine.forward_features
+    real = TorchEngine.check_inputs  # every forward entry point validates here (EngineBase)
 
     def spy(self, input_ids, position_ids, mask, cache):
         seen.append(all(t.device.type == DEV for t in (input_ids, position_ids, mask, cache.k, cache.v)))
         return real(self, input_ids, position_ids, mask, cache)
 
-    TorchEngine.forward_features = spy
+    TorchEngine.check_inputs = spy
     try:
         SpeculativeDecoder(target, draft, mode="tree", tree="full:3,2").generate(PROMPT, 16)
     finally:
-        TorchEngine.forward_features = real
+        TorchEngine.check_inputs = real
     assert seen and all(seen)
 
 
