@@ -293,20 +293,13 @@ def test_gemma3_gguf_matches_transformers(tmp_path):
     w.add_final_logit_softcapping(30.0)
     w.add_sliding_window(8)
     w.add_vocab_size(hc.vocab_size)
-    names = {
-        "input_layernorm": "attn_norm",
+    from test_loaders import GGUF_LAYER_NAMES
+
+    names = {  # Gemma 3's norms around both sublayers (llama.cpp's gemma3 tensor names)
+        **GGUF_LAYER_NAMES,
         "post_attention_layernorm": "post_attention_norm",
         "pre_feedforward_layernorm": "ffn_norm",
         "post_feedforward_layernorm": "post_ffw_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "self_attn.q_norm": "attn_q_norm",
-        "self_attn.k_norm": "attn_k_norm",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
     }
     for k, v in hf.state_dict().items():
         a = v.detach().float().numpy().copy() + (1.0 if k.endswith("norm.weight") else 0.0)

@@ -33,6 +33,22 @@ def contract_call(module, cfg, ids):
         return module(ids, torch.arange(t).expand(b, t), mask, *empty)[0]
 
 
+# a Hugging Face layer's tensor names -> llama.cpp's (its converter's tensor map, Llama layout)
+GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
 def write_tiny_gguf(
     hf_model, path, tied: bool, tokenizer: dict | None = None, arch: str = "llama", extra=None, qtype=None
 ):
@@ -73,19 +89,7 @@ def write_tiny_gguf(
         "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight",
     }
-    layer = {
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "self_attn.q_norm": "attn_q_norm",
-        "self_attn.k_norm": "attn_k_norm",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
+    layer = GGUF_LAYER_NAMES
     for k, v in hf_model.state_dict().items():
         a = v.detach().float().numpy().copy()
         if k == "lm_head.weight" and tied:
