@@ -432,3 +432,57 @@ def test_a_greedy_mismatch_is_a_warning_only_where_it_should_not_happen():
     inexact = mismatch_message(ours, "p", 5, exact=False)
     assert inexact.startswith("note: ") and "int8 activations" in inexact
     assert "transformers" in mismatch_message(BenchConfig("hf-greedy", "hf", "vanilla"), "p", 5, exact=False)
+
+
+def test_llama_cpp_samples_at_the_temperature_with_its_seed(tmp_path, monkeypatch, capsys):
+    """At --temperature T llama.cpp samples (plain temperature, the bench's seed): the same seed
+    gives the same tokens, other seeds other tokens; GenAI (greedy only) is skipped in one line."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install 'arborspec[peers]')")
+    from arborspec.tools.bench.peers import LlamaCppRunner
+
+    gguf_path = _tiny_gguf(tmp_path / "tiny.gguf")
+    prompt = [5, 9, 17, 33, 65]
+    r = LlamaCppRunner(gguf_path, 1, 128, lookup=False, temperature=1.5)
+    runs = {seed: r.run("llama-cpp", prompt, 16, [], 1.5, seed)["tokens"] for seed in (0, 1, 2, 3)}
+    assert r.run("llama-cpp", prompt, 16, [], 1.5, 2)["tokens"] == runs[2]
+    assert len({tuple(t) for t in runs.values()}) > 1
+    greedy = r.run("llama-cpp", prompt, 16, [], 0.0, 0)["tokens"]
+    assert any(t != greedy for t in runs.values())
+    assert "temp 1.5" in r.describe("llama-cpp")["sampling"]
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(PROMPTS))
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "t08.json"
+    assert _peer_bench(gguf_path, prompts, out, "ort-genai,llama-cpp", ["--temperature", "0.8"]) == 0
+    err = capsys.readouterr().err
+    assert "ort-genai skipped: ONNX Runtime GenAI runs greedy only" in err and "Traceback" not in err
+    res = json.loads(out.read_text())
+    assert [c["name"] for c in res["configs"]] == ["vanilla", "llama-cpp"]
+    assert all(p["runs"]["llama-cpp"]["new_tokens"] >= 1 for p in res["per_prompt"])
+
+
+def test_quality_llama_cpp_on_the_same_gguf(tmp_path, capsys):
+    """`bench --quality --baselines llama-cpp`: llama.cpp's perplexity of the same token ids over the
+    same windows, and its greedy agreement; on an F32 GGUF it equals our fp32 export's."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install 'arborspec[peers]')")
+    pytest.importorskip("onnxscript")
+    gguf_path = _tiny_gguf(tmp_path / "tiny.gguf")
+    exp = tmp_path / "fp32"
+    assert main(["export", "--model", str(gguf_path), "--out", str(exp), "--quiet"]) == 0
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(PROMPTS))
+    out = tmp_path / "q.json"
+    argv = ["bench", "--quality", "--export-dir", str(exp), "--reference-export-dir", str(exp)]
+    argv += ["--baselines", "llama-cpp", "--prompts", str(prompts), "--max-new-tokens", "10"]
+    argv += ["--quality-window", "96", "--no-progress", "--json-out", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "vs llama.cpp on tiny.gguf:" in text
+    rows = json.loads(out.read_text())["quality"]
+    assert [r["export"].startswith("llama.cpp") for r in rows] == [False, False, True]
+    ours, lc = rows[1], rows[2]
+    assert lc["tokens"] == ours["tokens"] and lc["windows"] == ours["windows"] > 1
+    # an F32 GGUF: the same weights, so the same perplexity up to float rounding (a row off by
+    # one, or the wrong window, would be far off: the random model is near-uniform otherwise)
+    assert lc["perplexity"] == pytest.approx(ours["perplexity"], rel=2e-3)
+    assert lc["agreement"]["rate"] == 1.0 and lc["agreement"]["prompts"] == len(PROMPTS["prompts"])

@@ -151,7 +151,25 @@ def test_bench_quality_cli(exports, tmp_path, capsys):
             ["--quality", "--export-dir", str(exports / "int4"), "--quality-text", str(tmp_path / "no.txt")],
             "held-out text not found",
         ),
+        (
+            ["--quality", "--export-dir", str(exports / "int4"), "--baselines", "llama-cpp"],
+            "--baselines llama-cpp",  # a random model has no GGUF source to run llama.cpp on
+        ),
+        (
+            ["--quality", "--export-dir", str(exports / "int4"), "--baselines", "ort-genai"],
+            "--quality takes --baselines llama-cpp only",
+        ),
     ]:
         assert main(["bench", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and msg in err[0], err
+
+
+def test_agreement_counts_the_prefix_before_the_first_divergence():
+    a = quality.agreement([[1, 2, 3], [4, 5], [7, 8]], [[1, 2, 9], [4, 5], [6, 8]])
+    assert (a.agreed, a.total, a.identical, a.prompts) == (4, 7, 1, 3)
+    assert a.per_prompt == [pytest.approx(2 / 3), 1.0, 0.0] and a.rate == pytest.approx(4 / 7)
+    b = quality.agreement([[1, 2, 3]], [[1, 2]])  # a shorter output agrees up to its end only
+    assert (b.agreed, b.identical) == (2, 0)
+    with pytest.raises(Exception, match="one output per reference prompt"):
+        quality.agreement([[1]], [])

@@ -15,7 +15,9 @@ Role in one decode step: none; these are what a CPU user would run instead of ar
   K = --hf-lookup-tokens, at most 16).
 - llama-cpp / llama-cpp-lookup: llama-cpp-python on the source GGUF (no conversion), greedy
   (temp 0), n_threads = the cores this process may use; -lookup adds its prompt-lookup draft
-  `LlamaPromptLookupDecoding(max_ngram_size=2, num_pred_tokens=K)`.
+  `LlamaPromptLookupDecoding(max_ngram_size=2, num_pred_tokens=K)`. At --temperature T > 0
+  llama.cpp samples at T with no top-k / top-p / min-p cut (plain temperature, as ours), its
+  seed set to --seed; GenAI runs greedy only and is skipped there.
 
 Fairness: the prompt token ids are ours, fed as ids (no text, no chat template in the peer).
 Generation stops where ours stops: the same eos ids (GenAI: the model config's eos list is
@@ -23,7 +25,7 @@ replaced by ours; llama.cpp: its stop is ignored and we stop on our eos ids), mi
 When there are no eos ids (a tokenizer-less model) ours generates exactly N tokens, so GenAI
 gets min_length = max_length (which masks its eos token: where that token would have been the
 argmax, the tokens disagree, and the agreement count shows it). Peers run greedy only
-(temperature 0). Timing: prefill = until the first new token is out (model call on the prompt
+(temperature 0) except llama.cpp (above). Timing: prefill = until the first new token is out (model call on the prompt
 + its token), decode = the rest, tokens/s = (new tokens - 1) / decode time, as for hf-*.
 Target calls: GenAI's own counters (speculative verify/re-anchor passes + plain steps) for the
 n-gram mode, one per token otherwise; llama.cpp: calls to `Llama.eval` (one per verify).
@@ -338,11 +340,21 @@ class GenAIRunner:
 class LlamaCppRunner:
     """llama-cpp-python on the source GGUF: greedy, optionally with its prompt-lookup draft."""
 
-    def __init__(self, gguf_path: Path, threads: int, n_ctx: int, lookup: bool, lookup_tokens: int = 10):
+    def __init__(
+        self,
+        gguf_path: Path,
+        threads: int,
+        n_ctx: int,
+        lookup: bool,
+        lookup_tokens: int = 10,
+        temperature: float = 0.0,
+        logits_all: bool = False,
+    ):
         llama_cpp = _import("llama_cpp", LLAMA_PKG)
         self.lookup = lookup
+        self.temperature = temperature
         self.lookup_tokens = lookup_tokens
-        kw = {}
+        kw = {"logits_all": True} if logits_all else {}  # logits_all: scores for every position (perplexity)
         if lookup:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
@@ -377,12 +389,19 @@ class LlamaCppRunner:
 
         self.llm.eval = counted_eval
 
+    def close(self) -> None:
+        close = getattr(self.llm, "close", None)
+        if close is not None:
+            close()
+
     def describe(self, name: str) -> dict:
         d = {
             "gguf": str(self.gguf_path),
             "n_threads": self.threads,
             "n_ctx": self.n_ctx,
-            "sampling": "temp 0 (greedy), repeat_penalty 1",
+            "sampling": "temp 0 (greedy), repeat_penalty 1"
+            if not self.temperature
+            else f"temp {self.temperature:g} (top_k 0, top_p 1, min_p 0: plain temperature), repeat_penalty 1",
         }
         if self.lookup:
             d["draft"] = {"LlamaPromptLookupDecoding": {"max_ngram_size": 2, "num_pred_tokens": self.lookup_tokens}}
@@ -396,8 +415,13 @@ class LlamaCppRunner:
         t0 = time.perf_counter()
         t1 = None
         calls_at_first = 0
+        if temperature > 0:  # plain temperature sampling, as ours: no top-k / top-p / min-p cut
+            llm.set_seed(int(seed))
+            sampling = {"top_k": 0, "temp": float(temperature)}
+        else:
+            sampling = {"top_k": 1, "temp": 0.0}
         gen = llm.generate(
-            list(prompt), top_k=1, top_p=1.0, min_p=0.0, typical_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True
+            list(prompt), top_p=1.0, min_p=0.0, typical_p=1.0, repeat_penalty=1.0, reset=True, **sampling
         )
         for t in gen:
             toks.append(int(t))
@@ -427,10 +451,10 @@ def open_peers(
     info: dict = {}
     skipped: dict[str, str] = {}
     threads = peer_threads()
-    if temperature > 0:
-        return {}, {}, {n: "peers run greedy only in bench (use --temperature 0)" for n in names}
     genai = [n for n in names if n.startswith("ort-genai")]
-    if genai:
+    if genai and temperature > 0:
+        skipped.update({n: "ONNX Runtime GenAI runs greedy only in bench (use --temperature 0)" for n in genai})
+    elif genai:
         try:
             _import("onnxruntime_genai", GENAI_PKG)
             precs = sorted({genai_precision(n) for n in genai})
@@ -464,7 +488,7 @@ def open_peers(
                 )
             for n in lcpp:
                 try:
-                    r = LlamaCppRunner(mdir / gguf, threads, n_ctx, n.endswith("-lookup"), lookup_tokens)
+                    r = LlamaCppRunner(mdir / gguf, threads, n_ctx, n.endswith("-lookup"), lookup_tokens, temperature)
                     runners[n] = r
                     info[n] = {"package": LLAMA_PKG, "version": pkg_version(LLAMA_PKG), **r.describe(n)}
                 except PeerUnavailable as e:

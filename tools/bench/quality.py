@@ -8,8 +8,11 @@ so it measures exactly what decoding computes with:
   before it, over consecutive windows of `window` tokens (each window starts from an empty
   cache; its first token is context only), each window fed in calls of `chunk` tokens that
   extend the KV cache (a causal chunked prefill, as decoding prefills prompts);
-* `greedy_agreement(ref_engine, engine, prompts)`: vanilla greedy decoding on both engines;
-  per prompt, the tokens that agree before the first divergence, over all generated tokens;
+* `greedy_tokens(engine, prompts)` + `agreement(reference, tokens)`: vanilla greedy decoding;
+  per prompt, the tokens that agree with the reference's before the first divergence, over all
+  the reference's tokens;
+* `llama_cpp_quality(gguf, ...)`: the same two numbers for llama.cpp on the GGUF the export
+  came from (`bench --quality --baselines llama-cpp`), on the same token ids and windows;
 * `heldout_text()`: the packaged held-out text (tools/data/heldout.txt: original prose written
   for this purpose, not taken from the benchmark prompts or any corpus).
 """
@@ -75,10 +78,8 @@ def perplexity(engine, ids: list[int], window: int = DEFAULT_WINDOW, chunk: int 
             dev = cache.device
             logits = engine.forward(part.to(dev), pos.to(dev), mask.to(dev), cache)[0].float().cpu()
             cache.commit(None, t)
-            logp = torch.log_softmax(logits, -1)
-            nxt = torch.tensor(w[c0 + 1 : c0 + t + 1], dtype=torch.long)  # the next token of each row
-            rows = logp[: len(nxt)]
-            total -= float(rows.gather(1, nxt[:, None]).sum())
+            nxt = w[c0 + 1 : c0 + t + 1]  # the next token of each row
+            total += _nll_sum(logits, nxt)
             n += len(nxt)
     if n == 0:
         raise InputError("perplexity: no token to score")
@@ -99,28 +100,60 @@ class Agreement:
         return self.agreed / max(self.total, 1)
 
 
-def greedy_agreement(
-    ref_engine, engine, prompts: list[list[int]], max_new_tokens: int = 32, eos_token_ids=()
-) -> Agreement:
-    """Vanilla greedy decoding on both engines over the same prompts (token ids)."""
+def greedy_tokens(engine, prompts: list[list[int]], max_new_tokens: int = 32, eos_token_ids=()) -> list[list[int]]:
+    """Vanilla greedy decoding of each prompt (token ids) on an engine."""
     from arborspec.runtime.decode import SpeculativeDecoder
 
-    if not prompts:
-        raise InputError("greedy agreement needs at least one prompt")
-    ref_dec = SpeculativeDecoder(ref_engine, mode="vanilla")
     dec = SpeculativeDecoder(engine, mode="vanilla")
+    return [dec.generate(ids, max_new_tokens, eos_token_ids).tokens for ids in prompts]
+
+
+def agreement(reference: list[list[int]], tokens: list[list[int]]) -> Agreement:
+    """Per prompt, the tokens equal to the reference's before the first divergence."""
+    if not reference or len(reference) != len(tokens):
+        raise InputError("greedy agreement needs one output per reference prompt (and at least one prompt)")
     agreed = total = identical = 0
     per = []
-    for ids in prompts:
-        a = ref_dec.generate(ids, max_new_tokens, eos_token_ids).tokens
-        b = dec.generate(ids, max_new_tokens, eos_token_ids).tokens
-        k = 0
-        while k < min(len(a), len(b)) and a[k] == b[k]:
-            k += 1
+    for a, b in zip(reference, tokens):
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         agreed, total = agreed + k, total + len(a)
         identical += int(a == b)
         per.append(k / max(len(a), 1))
-    return Agreement(agreed, total, identical, len(prompts), per)
+    return Agreement(agreed, total, identical, len(reference), per)
+
+
+def llama_cpp_quality(gguf_path, ids, window, prompts, max_new_tokens, eos) -> tuple[Perplexity, list[list[int]]]:
+    """llama.cpp (llama-cpp-python) on the GGUF: perplexity of the same token ids over the same
+    windows (each from an empty cache, one eval per window, logits for every position), and its
+    greedy tokens for `prompts` (the bench runner). Raises PeerUnavailable if it cannot run."""
+    from arborspec.tools.bench.peers import LlamaCppRunner, peer_threads
+
+    longest = max((len(q) for q in prompts or []), default=0) + max_new_tokens + 16
+    r = LlamaCppRunner(Path(gguf_path), peer_threads(), max(window, longest), lookup=False, logits_all=True)
+    try:
+        total, n, windows = 0.0, 0, 0
+        for start in range(0, len(ids) - 1, window):
+            w = ids[start : start + window]
+            if len(w) < 2:
+                break
+            windows += 1
+            r.llm.reset()
+            r.llm.eval(w)
+            logits = torch.from_numpy(r.llm.scores[: len(w) - 1].copy())
+            total += _nll_sum(logits, w[1:])
+            n += len(w) - 1
+        nll = total / max(n, 1)
+        ppl = Perplexity(math.exp(nll) if nll < 700 else float("inf"), nll, n, windows)
+        toks = [r.run("llama-cpp", q, max_new_tokens, list(eos), 0.0, 0)["tokens"] for q in prompts or []]
+        return ppl, toks
+    finally:
+        r.close()
+
+
+def _nll_sum(logits: torch.Tensor, nxt: list[int]) -> float:
+    """Sum of -log p(next token) over rows: logits [T, V] (T >= len(nxt)), the next token of each row."""
+    logp = torch.log_softmax(logits.float(), -1)[: len(nxt)]
+    return -float(logp.gather(1, torch.tensor(nxt, dtype=torch.long)[:, None]).sum())
 
 
 def weights_label(manifest) -> str:
@@ -163,9 +196,11 @@ def run_quality(
     chunk: int = DEFAULT_CHUNK,
     max_new_tokens: int = 32,
     backend: str = "onnxruntime",
+    llama_cpp_gguf=None,
 ) -> list[dict]:
     """Perplexity of the held-out text for the export (and the reference export, same tokenizer),
-    and the export's greedy agreement with the reference over `prompts`. -> table rows."""
+    and the export's greedy agreement with the reference over `prompts`. -> table rows.
+    `llama_cpp_gguf`: also a row for llama.cpp on that GGUF (the same token ids)."""
     from arborspec.runtime.export_dir import open_export
 
     text = heldout_text() if text is None else text
@@ -186,7 +221,8 @@ def run_quality(
                 )
             if opened[0][0].target.info.vocab_size != opened[1][0].target.info.vocab_size:
                 raise InputError("the reference export has another vocabulary size")
-        rows, ref_ppl = [], None
+        rows, ref_ppl, ref_tokens = [], None, None
+        eos = tuple(getattr(toks[-1], "eos_token_ids", ()) or ())
         for ex, d, is_ref in opened:
             ppl = perplexity(ex.target, ids, window, chunk)
             row = {
@@ -202,20 +238,46 @@ def run_quality(
             }
             if is_ref:
                 ref_ppl = ppl.perplexity
+                ref_tokens = greedy_tokens(ex.target, prompts, max_new_tokens, eos) if prompts else None
             elif ref_ppl is not None:
-                row["delta_pct"] = 100.0 * (ppl.perplexity - ref_ppl) / ref_ppl
-                if prompts:
-                    eos = tuple(getattr(toks[-1], "eos_token_ids", ()) or ())
-                    a = greedy_agreement(opened[0][0].target, ex.target, prompts, max_new_tokens, eos)
-                    row["agreement"] = {
-                        "rate": a.rate,
-                        "agreed": a.agreed,
-                        "total": a.total,
-                        "identical": a.identical,
-                        "prompts": a.prompts,
-                    }
+                _compare(
+                    row,
+                    ref_ppl,
+                    ref_tokens,
+                    greedy_tokens(ex.target, prompts, max_new_tokens, eos) if prompts else None,
+                )
+            rows.append(row)
+        if llama_cpp_gguf is not None:
+            ppl, ltoks = llama_cpp_quality(llama_cpp_gguf, ids, window, prompts, max_new_tokens, eos)
+            row = {
+                "export": f"llama.cpp {Path(llama_cpp_gguf).name}",
+                "weights": "GGUF (llama.cpp's own kernels)",
+                "perplexity": ppl.perplexity,
+                "nll": ppl.nll,
+                "tokens": ppl.tokens,
+                "windows": ppl.windows,
+                "reference": False,
+                "delta_pct": None,
+                "agreement": None,
+            }
+            if ref_ppl is not None:
+                _compare(row, ref_ppl, ref_tokens, ltoks if prompts else None)
             rows.append(row)
         return rows
     finally:
         for ex, _, _ in opened:
             ex.close()
+
+
+def _compare(row: dict, ref_ppl: float, ref_tokens, tokens) -> None:
+    """Fill a row's perplexity delta and greedy agreement against the reference."""
+    row["delta_pct"] = 100.0 * (row["perplexity"] - ref_ppl) / ref_ppl
+    if ref_tokens is not None and tokens is not None:
+        a = agreement(ref_tokens, tokens)
+        row["agreement"] = {
+            "rate": a.rate,
+            "agreed": a.agreed,
+            "total": a.total,
+            "identical": a.identical,
+            "prompts": a.prompts,
+        }

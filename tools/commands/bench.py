@@ -27,14 +27,17 @@ EXAMPLE = """examples:
       --json-out benchmarks/smollm2_cpu_torch.json --plot benchmarks/smollm2_cpu_torch.png
   arborspec bench --export-dir ~/.cache/arborspec/exports/smollm2 --backend onnxruntime \\
       --tree full:3,2 --tree dynamic:4,4,16 --limit-prompts 4
-  arborspec bench --quality --export-dir out/int4 --reference-export-dir out/fp32 --limit-prompts 8
+  arborspec bench --quality --export-dir out/int4 --reference-export-dir out/fp32 --limit-prompts 8 \
+      --baselines llama-cpp
   arborspec bench --export-dir ~/.cache/arborspec/exports/smollm2 --backend onnxruntime --modes vanilla \\
       --baselines ort-genai,ort-genai-int4,llama-cpp,llama-cpp-lookup --limit-prompts 8 --max-new-tokens 64
 baselines: hf-greedy, hf-assisted, hf-lookup (transformers; pip install 'arborspec[bench]');
 ort-genai, ort-genai-int4 (ONNX Runtime GenAI, a model its builder makes from the export's source,
 cached in ~/.cache/arborspec/peers), ort-genai-ngram, ort-genai-int4-ngram (the same with GenAI's
 n-gram speculation), llama-cpp, llama-cpp-lookup (llama-cpp-python on the source GGUF, plain and
-with its prompt-lookup draft): pip install 'arborspec[peers]'. A baseline that is not installed
+with its prompt-lookup draft): pip install 'arborspec[peers]'. At --temperature T > 0 llama.cpp
+samples at T (no top-k/top-p/min-p); GenAI runs greedy only. With --quality, --baselines llama-cpp
+adds llama.cpp's perplexity and greedy agreement on the same GGUF and token ids. A baseline that is not installed
 or cannot run is skipped with one line saying why (and its reason in the JSON's meta.skipped).
 prompts file: {"prompts": [{"id", "category", "text" (+ "chat": true, "system") | "ids": [int]}]}
 (default: the packaged arborspec/tools/data/prompts.json; --limit-prompts N takes N prompts
@@ -117,7 +120,7 @@ def register(sub) -> None:
         action="store_true",
         help="measure output quality instead of speed: perplexity of held-out text through the "
         "export's ONNX Runtime engine, and greedy token agreement with --reference-export-dir "
-        "over the prompts (needs --export-dir)",
+        "over the prompts (needs --export-dir); --baselines llama-cpp adds llama.cpp on the source GGUF",
     )
     qa.add_argument(
         "--reference-export-dir",
@@ -385,6 +388,7 @@ def _run_quality(args) -> int:
 
     from arborspec.runtime.export_dir import load_tokenizer, read_manifest
     from arborspec.tools import prompts as prompt_sets
+    from arborspec.tools.bench import peers as bench_peers
     from arborspec.tools.bench import quality
 
     if args.export_dir is None:
@@ -413,15 +417,20 @@ def _run_quality(args) -> int:
             raise InputError(
                 f"no prompt fits the context limit of {limit} tokens with --max-new-tokens {args.max_new_tokens}"
             )
-    rows = quality.run_quality(
-        args.export_dir,
-        args.reference_export_dir,
-        prompts,
-        text=text,
-        window=args.quality_window,
-        chunk=args.quality_chunk,
-        max_new_tokens=args.max_new_tokens,
-    )
+    gguf = _quality_gguf(args)
+    try:
+        rows = quality.run_quality(
+            args.export_dir,
+            args.reference_export_dir,
+            prompts,
+            text=text,
+            window=args.quality_window,
+            chunk=args.quality_chunk,
+            max_new_tokens=args.max_new_tokens,
+            llama_cpp_gguf=gguf,
+        )
+    except bench_peers.PeerUnavailable as e:
+        raise InputError(f"--quality --baselines llama-cpp: {e}") from None
     out = sys.stderr if args.json else sys.stdout
     print(quality.quality_table(rows), file=out)
     n = rows[-1]["tokens"]
@@ -436,5 +445,34 @@ def _run_quality(args) -> int:
         ),
         file=out,
     )
+    if gguf is not None:
+        ours = next(r for r in rows if not r["reference"] and not r["export"].startswith("llama.cpp"))
+        lc = rows[-1]
+        print(
+            f"perplexity of {ours['export']} vs llama.cpp on {gguf.name}: "
+            f"{100.0 * (ours['perplexity'] - lc['perplexity']) / lc['perplexity']:+.2f} %",
+            file=out,
+        )
     _write_json(args, {"quality": rows, "command": _command_line(args)})
     return 0
+
+
+def _quality_gguf(args):
+    """`bench --quality --baselines llama-cpp`: the GGUF the export was made from (else None)."""
+    from arborspec.runtime.export_dir import read_manifest
+    from arborspec.tools.bench import baselines as bench_baselines
+
+    wanted = [b.strip() for b in (args.baselines or "").split(",") if b.strip()]
+    if not wanted:
+        return None
+    if wanted != ["llama-cpp"]:
+        raise InputError(
+            "--quality takes --baselines llama-cpp only (perplexity and agreement of llama.cpp on the GGUF)"
+        )
+    source = dict(read_manifest(args.export_dir).data.get("source") or {})
+    mdir, gguf, why = bench_baselines.hf_source_path(source)
+    if mdir is None:
+        raise InputError(f"--baselines llama-cpp: {why}")
+    if not gguf:
+        raise InputError(f"--baselines llama-cpp needs a GGUF source; this export came from {mdir}")
+    return mdir / gguf
