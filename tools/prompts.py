@@ -24,7 +24,9 @@ def default_prompts_path() -> Path:
 
 def read_prompts_file(path: str | os.PathLike | None) -> tuple[list[dict], str]:
     """-> raw prompt entries and the path read. The file is {"prompts": [...]} or a list; each
-    entry has "id", "category" and either "text" (+ optional "chat": true, "system") or "ids"."""
+    entry has "id", "category" (or "kind") and either "text" (+ optional "chat": true, "system")
+    or "ids". A file-level "chat": true sends every text prompt through the chat template
+    (tools/data/heldout_prompts.json, the held-out set no tuning or training reads)."""
     p = Path(path) if path else default_prompts_path()
     text = read_text_file(p, "prompts file")
     try:
@@ -37,6 +39,12 @@ def read_prompts_file(path: str | os.PathLike | None) -> tuple[list[dict], str]:
     for i, e in enumerate(entries):
         if not isinstance(e, dict) or ("text" not in e and "ids" not in e):
             raise InputError(f'{p}: prompt #{i} needs a "text" or an "ids" entry')
+    chat = isinstance(data, dict) and data.get("chat") is True
+    entries = [
+        {**e, **({"category": e["kind"]} if "category" not in e and "kind" in e else {})}
+        | ({"chat": True} if chat and "chat" not in e and "text" in e else {})
+        for e in entries
+    ]
     return entries, str(p)
 
 
