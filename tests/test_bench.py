@@ -231,6 +231,32 @@ def test_packaged_prompts():
     assert sum(1 for e in entries if e["category"] == "summarisation" and len(e["text"]) > 4000) >= 3
 
 
+def test_heldout_prompts_bench_as_chat_prompts(tmp_path):
+    """tools/data/heldout_prompts.json (the set no tuning or training reads) runs in bench: its
+    "kind" is the category and its file-level "chat": true applies the chat template."""
+    from arborspec.tools.train.eagle3_heldout import PROMPTS_PATH
+
+    entries, _ = prompt_sets.read_prompts_file(PROMPTS_PATH)
+    assert {e["category"] for e in entries} == {"instruction", "code", "summary", "extraction"}
+    assert all(e["chat"] is True for e in entries)
+
+    class Tok:  # records what reaches the tokenizer
+        def apply_chat(self, msgs):
+            return "<chat>" + msgs[-1]["content"]
+
+        def encode(self, text, add_bos=True):
+            return [len(text), 1 if text.startswith("<chat>") else 0]
+
+    enc = prompt_sets.encode_prompts(entries[:2], Tok())
+    assert [e["ids"][1] for e in enc] == [1, 1]
+    f = tmp_path / "p.json"  # without the file-level flag: plain text, and an explicit "chat" wins
+    f.write_text(
+        json.dumps({"prompts": [{"id": "a", "kind": "k", "text": "x"}, {"id": "b", "text": "y", "chat": True}]})
+    )
+    plain, _ = prompt_sets.read_prompts_file(f)
+    assert plain[0]["category"] == "k" and "chat" not in plain[0] and plain[1]["chat"] is True
+
+
 # ---------------------------------------------------------------------------------- peers
 def _tiny_word_tokenizer(folder, vocab: int):
     """A word-level tokenizer (w0 .. w{vocab-1}) saved with transformers: what the GenAI model

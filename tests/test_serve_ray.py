@@ -45,7 +45,16 @@ def ray_server(export_dir, tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = tmp_path_factory.mktemp("serve_ray_log") / "serve.log"
-    cmd = [sys.executable, "-m", "arborspec.tools.commands.cli", "serve", "--export-dir", str(export_dir), "--tree", TREE]
+    cmd = [
+        sys.executable,
+        "-m",
+        "arborspec.tools.commands.cli",
+        "serve",
+        "--export-dir",
+        str(export_dir),
+        "--tree",
+        TREE,
+    ]
     cmd += ["--ray", "--replicas", "2", "--port", str(port)]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -55,7 +64,9 @@ def ray_server(export_dir, tmp_path_factory):
         # (tools/serve/ray_serve.py waits up to 300 s for the proxy and then says why, in the log)
         deadline = time.monotonic() + START_WAIT_S
         while "replica(s) on Ray Serve" not in log.read_text():
-            assert proc.poll() is None, f"arborspec serve --ray exited {proc.returncode} before serving:\n{log.read_text()}"
+            assert proc.poll() is None, (
+                f"arborspec serve --ray exited {proc.returncode} before serving:\n{log.read_text()}"
+            )
             assert time.monotonic() < deadline, (
                 f"arborspec serve --ray did not serve within {START_WAIT_S} s "
                 f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores):\n{log.read_text()}"
