@@ -419,8 +419,11 @@ def build_gqa_model(
             epsilon=eps,
         )
         normed2, residual = post[0], post[3]
-        gate = matmul(normed2, [p + "mlp.gate_proj.weight"], f"l{i}.gate")
-        up = matmul(normed2, [p + "mlp.up_proj.weight"], f"l{i}.up")
+        # gate and up in one product, as q/k/v: one MatMulNBits and, for Q4_1 blocks, one offset
+        # correction instead of two (measured on SmolLM2 int4: -9 to -14 % per verify call)
+        gate_up = matmul(normed2, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], f"l{i}.gate_up")
+        split = init(f"l{i}.gate_up_split", np.array([cfg.intermediate_size] * 2, np.int64))
+        gate, up = node("Split", [gate_up, split], [f"l{i}.gate", f"l{i}.up"], axis=-1)
         if cfg.mlp_bias:
             gate = node("Add", [gate, init(f"l{i}.gate_b", _np(sd[p + "mlp.gate_proj.bias"]))], [f"l{i}.gate_b_out"])
             up = node("Add", [up, init(f"l{i}.up_b", _np(sd[p + "mlp.up_proj.bias"]))], [f"l{i}.up_b_out"])
