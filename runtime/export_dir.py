@@ -252,9 +252,7 @@ def open_export(
                 )
             opened.draft = LookupMixDraft(opened.draft, LookupDraft(target.info.vocab_size, max_ngram=ds.mix))
         opened.tokenizer = load_tokenizer(man) if load_tok else None
-        reason = (
-            inexact_speculation_reason(man, target.caps.row_invariant) if opened.draft is not None else None
-        )
+        reason = inexact_speculation_reason(man, target.caps.row_invariant) if opened.draft is not None else None
         if reason:
             warnings.warn(reason, InexactSpeculationWarning, stacklevel=2)
     except BaseException:

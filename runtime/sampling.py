@@ -77,8 +77,17 @@ def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
 # candidates. Named once here so that a test can replace them with an enumeration of their
 # outcomes and compute the decoder's output distribution exactly (tests/lossless_util.py).
 def sample(p: torch.Tensor, rng: torch.Generator) -> int:
-    """One token from a probability vector [V]."""
-    return int(torch.multinomial(p, 1, generator=rng).item())
+    """One token from a probability vector [V] (not necessarily normalised), by inverting its
+    cumulative sum (float64) at one uniform draw: zero-probability tokens are never drawn.
+    (torch.multinomial draws an exponential per entry: 1.09 ms on 49k entries against 0.05 ms
+    here, measured on 2 Xeon cores; it was 1.4 ms of every sampled token.)"""
+    c = torch.cumsum(p.reshape(-1), 0, dtype=torch.float64)
+    total = float(c[-1])
+    if not total > 0.0 or total == float("inf"):
+        raise ValueError(f"sample: the probabilities must have a positive finite sum (got {total})")
+    u = float(torch.rand((), generator=rng, dtype=torch.float64)) * total
+    i = int(torch.searchsorted(c, torch.tensor([u], dtype=torch.float64), right=True))
+    return min(i, c.numel() - 1)
 
 
 def coin(prob: float, rng: torch.Generator) -> bool:

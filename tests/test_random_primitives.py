@@ -1,7 +1,8 @@
 """The decoder's random primitives (runtime/sampling.py), which the exact tests enumerate and so
 take on trust, checked here against their definitions by a chi-square test on 40,000 draws made
 in one vectorised call: `draw_candidates` with replacement (i.i.d. from q) and without
-(sequential draws without replacement, as the sample-unique rule assumes), `coin` and `sample`."""
+(sequential draws without replacement, as the sample-unique rule assumes), `coin` and `sample`
+(also on an unnormalised vector, as the accept rule's residual is)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,10 @@ def test_coin_and_sample_follow_their_definition():
     draws = [sample(Q, g) for _ in range(4000)]
     seen = {(x,): draws.count(x) for x in set(draws)}
     assert pvalue(seen, {(i,): float(Q[i]) for i in range(4)}) > 1e-3
+    # an unnormalised vector (the residual max(0, p - q) of the accept rule) draws p / sum(p)
+    r = torch.tensor([0.0, 0.05, 0.0, 0.15, 0.0])
+    draws = [sample(r, g) for _ in range(4000)]
+    seen = {(x,): draws.count(x) for x in set(draws)}
+    assert pvalue(seen, {(1,): 0.25, (3,): 0.75}) > 1e-3
+    with pytest.raises(ValueError, match="positive finite sum"):
+        sample(torch.zeros(5), g)
