@@ -512,3 +512,22 @@ def test_quality_llama_cpp_on_the_same_gguf(tmp_path, capsys):
     # one, or the wrong window, would be far off: the random model is near-uniform otherwise)
     assert lc["perplexity"] == pytest.approx(ours["perplexity"], rel=2e-3)
     assert lc["agreement"]["rate"] == 1.0 and lc["agreement"]["prompts"] == len(PROMPTS["prompts"])
+
+
+def test_nbits_kernels_tool_runs_every_kind(capsys):
+    """tools/bench/nbits_kernels.py (docs/int4.md's kernel costs): a MatMulNBits session per
+    zero-point kind and accuracy level; bad sizes are one error line."""
+    pytest.importorskip("onnxruntime")
+    from arborspec.tools.bench import nbits_kernels
+
+    rows = nbits_kernels.measure(64, 48, reps=2, threads=1, rows=(1, 2))
+    assert {(r["accuracy_level"], r["zero_points"], r["rows"]) for r in rows} == {
+        (a, z, t) for a in (0, 4) for z in ("none", "uint8", "float") for t in (1, 2)
+    }
+    assert all(r["us"] > 0 for r in rows)
+    s = nbits_kernels.session(64, 48, "float", 4, 1)  # the float-zero-point graph computes
+    import numpy as np
+
+    assert s.run(None, {"x": np.ones((1, 3, 64), np.float32)})[0].shape == (1, 3, 48)
+    assert nbits_kernels.main(["--k", "40"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
