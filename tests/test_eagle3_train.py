@@ -171,6 +171,42 @@ def test_training_resumes_from_its_checkpoint_with_identical_state(tmp_path):
     assert eagle3_train.lr_at(19, 1.0, 20, 3) < 0.2 < eagle3_train.lr_at(5, 1.0, 20, 3)  # cosine to a tenth
 
 
+def test_training_keeps_the_head_that_measured_best_across_runs(tmp_path):
+    """The held-out measure runs after every batch here (scripted: it peaks at batch 2); the head of
+    that batch is kept in best_head.pt, named in the report, survives a resumed run that does not
+    beat it, and is replaced by one that does (the install rule, eagle3_heldout.beats)."""
+    from arborspec.tools.train.eagle3_heldout import TUNED
+
+    cfg, target, head = _head(draft_vocab=48)
+    embed = target.model.embed_tokens.weight.detach()
+    _synthetic_corpus(tmp_path, cfg, target, head)
+    work = tmp_path / "work"
+    work.mkdir()
+    scores = iter([0.30, 0.50, 0.40, 0.35, 0.45, 0.60])
+    seen = []
+
+    def evaluate(h):
+        seen.append({k: v.clone() for k, v in h.state_dict().items()})
+        a = next(scores)
+        return {"top1_agreement_per_depth": [a, a - 0.1], "tokens_per_step": {TUNED: 1.0 + a}}
+
+    kw = dict(steps=2, batch=2, lr=3e-3, schedule_batches=20, minutes=5, progress=False, evaluate=evaluate)
+    rep = eagle3_train.train(head, embed, tmp_path, work, batches=4, eval_every_s=0.0, **kw)
+    assert [e["batch"] for e in rep["heldout_curve"]] == [1, 2, 3, 4]
+    assert rep["best"]["batch"] == 2 and rep["best"]["top1_agreement_per_depth"] == [0.5, 0.4]
+    best = torch.load(work / "best_head.pt")
+    for k, v in seen[1].items():
+        assert torch.equal(best[k], v), k
+    rep = eagle3_train.train(head, embed, tmp_path, work, batches=1, eval_every_s=0.0, **kw)  # 0.45: kept
+    assert rep["best"]["batch"] == 2 and torch.equal(
+        torch.load(work / "best_head.pt")["fc.weight"], seen[1]["fc.weight"]
+    )
+    rep = eagle3_train.train(head, embed, tmp_path, work, batches=1, eval_every_s=0.0, **kw)  # 0.60: replaces
+    assert rep["best"]["batch"] == 6 and torch.equal(
+        torch.load(work / "best_head.pt")["fc.weight"], seen[5]["fc.weight"]
+    )
+
+
 def test_fr_spec_vocabulary_is_the_most_frequent_tokens_plus_eos():
     stream = np.array([5, 5, 5, 7, 7, 9, 1, 5, 7, 3])
     v = draft_vocabulary(stream, 12, 3, always=[11])

@@ -222,6 +222,12 @@ def run(args) -> int:
                 "total_minutes_this_run": round((time.perf_counter() - t0) / 60, 1),
             }
         )
+        best = report.get("best")
+        if best is not None and best["batch"] != report["batches"]:  # publish the best head, not the last
+            head.load_state_dict(torch.load(work / "best_head.pt", map_location="cpu"))
+            report["heldout_last"] = report["heldout"]
+            report["heldout"] = {k: v for k, v in best.items() if k not in ("batch", "minutes", "cpu_minutes")}
+            log(f"train-draft: the head of batch {best['batch']} measured best on the held-out set: publishing it")
         meta = {"heldout": report["heldout"], "corpus_tokens": info["tokens"], "minutes": report["minutes"]}
         eagle3_train.save_public(head, args.out, {"arborspec_training": meta})
         (args.out / "training.json").write_text(json.dumps(report, indent=1))

@@ -218,10 +218,13 @@ def train(
     corpus as the first run finds it; kept from the checkpoint on resume unless given). Each
     epoch draws a new order over all windows the corpus then has. `batches`: at most this many
     in this run. `evaluate(head) -> dict` (the
-    held-out measure) runs every `eval_every_s` and at the end; its results go into the curve."""
+    held-out measure) runs every `eval_every_s` and at the end; its results go into the curve, and
+    the head of the best measure so far (`eagle3_heldout.beats`, the install rule) is kept in
+    `out/best_head.pt`: the report's "best" names its batch (the caller publishes that head)."""
     from tqdm import tqdm
 
     from arborspec.runtime.fileio import atomic_write_json
+    from arborspec.tools.train import eagle3_heldout
     from arborspec.tools.train.eagle3_corpus import log
 
     data = ShardData(corpus)
@@ -238,6 +241,8 @@ def train(
     if st is None:
         st = {"step": 0, "epoch": 0, "order": None, "pos": 0, "curve": [], "evals": [], "spent_s": 0.0, "cpu_s": 0.0}
     step, epoch, order, pos = st["step"], st["epoch"], st["order"], st["pos"]
+    best_file = out / "best_head.pt"
+    best = st.get("best") if best_file.is_file() else None  # an older checkpoint kept no best head
     first = step
     curve, evals = st["curve"], st["evals"]
     weights = [0.8**k for k in range(steps)]
@@ -267,15 +272,20 @@ def train(
             "schedule": sched,
             "curve": curve,
             "evals": evals,
+            "best": best,
             "spent_s": time.perf_counter() - t0,
             "cpu_s": time.process_time() - c0,
         }
 
     def run_eval():
+        nonlocal best
         if evaluate is None:
             return
         res = evaluate(head)
         head.train()
+        if best is None or eagle3_heldout.beats(res, best):
+            save_checkpoint(best_file, head.state_dict())
+            best = {"batch": step, **res}
         evals.append(
             {
                 "batch": step,
@@ -359,6 +369,7 @@ def train(
         "heldout": {k: v for k, v in evals[-1].items() if k not in ("batch", "minutes", "cpu_minutes")}
         if evals
         else None,
+        "best": best,
     }
     atomic_write_json(out / "training.json", report)
     return report
