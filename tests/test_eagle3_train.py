@@ -175,7 +175,7 @@ def test_training_keeps_the_head_that_measured_best_across_runs(tmp_path):
     """The held-out measure runs after every batch here (scripted: it peaks at batch 2); the head of
     that batch is kept in best_head.pt, named in the report, survives a resumed run that does not
     beat it, and is replaced by one that does (the install rule, eagle3_heldout.beats)."""
-    from arborspec.tools.train.eagle3_heldout import TUNED
+    from arborspec.tools.train.eagle3_heldout import TUNED, beats
 
     cfg, target, head = _head(draft_vocab=48)
     embed = target.model.embed_tokens.weight.detach()
@@ -190,7 +190,9 @@ def test_training_keeps_the_head_that_measured_best_across_runs(tmp_path):
         a = next(scores)
         return {"top1_agreement_per_depth": [a, a - 0.1], "tokens_per_step": {TUNED: 1.0 + a}}
 
-    kw = dict(steps=2, batch=2, lr=3e-3, schedule_batches=20, minutes=5, progress=False, evaluate=evaluate)
+    kw = dict(
+        steps=2, batch=2, lr=3e-3, schedule_batches=20, minutes=5, progress=False, evaluate=evaluate, better=beats
+    )
     rep = eagle3_train.train(head, embed, tmp_path, work, batches=4, eval_every_s=0.0, **kw)
     assert [e["batch"] for e in rep["heldout_curve"]] == [1, 2, 3, 4]
     assert rep["best"]["batch"] == 2 and rep["best"]["top1_agreement_per_depth"] == [0.5, 0.4]

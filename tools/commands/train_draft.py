@@ -206,6 +206,7 @@ def run(args) -> int:
             seed=args.seed,
             resume=not args.no_resume,
             evaluate=measure,
+            better=eagle3_heldout.beats,
             eval_every_s=args.eval_minutes * 60,
             progress=progress,
         )

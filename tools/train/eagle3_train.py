@@ -206,6 +206,7 @@ def train(
     seed: int = 0,
     resume: bool = True,
     evaluate=None,
+    better=None,
     eval_every_s: float = 600.0,
     progress: bool = True,
     log_every: int = 20,
@@ -219,12 +220,12 @@ def train(
     epoch draws a new order over all windows the corpus then has. `batches`: at most this many
     in this run. `evaluate(head) -> dict` (the
     held-out measure) runs every `eval_every_s` and at the end; its results go into the curve, and
-    the head of the best measure so far (`eagle3_heldout.beats`, the install rule) is kept in
-    `out/best_head.pt`: the report's "best" names its batch (the caller publishes that head)."""
+    with `better(new, old) -> bool` (train-draft passes the install rule, `eagle3_heldout.beats`)
+    the head of the best measure so far is kept in `out/best_head.pt`: the report's "best" names
+    its batch (the caller publishes that head)."""
     from tqdm import tqdm
 
     from arborspec.runtime.fileio import atomic_write_json
-    from arborspec.tools.train import eagle3_heldout
     from arborspec.tools.train.eagle3_corpus import log
 
     data = ShardData(corpus)
@@ -283,7 +284,7 @@ def train(
             return
         res = evaluate(head)
         head.train()
-        if best is None or eagle3_heldout.beats(res, best):
+        if better is not None and (best is None or better(res, best)):
             save_checkpoint(best_file, head.state_dict())
             best = {"batch": step, **res}
         evals.append(
