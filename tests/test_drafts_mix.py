@@ -204,6 +204,18 @@ def test_tune_and_tree_auto_per_draft_on_an_export(tmp_path, capsys):
     assert "tree_auto.export_lookup.json" in json.dumps(out)
     with Generator.from_export(e, draft="export+lookup", tree="auto") as g:
         assert "tree_auto.export_lookup.json" in str(g.tree)
+    # bench: --lookup-tree auto takes the tree tuned for lookup, --mix-tree auto the mixed one's
+    pf = tmp_path / "p.json"
+    pf.write_text(json.dumps({"prompts": [{"id": "a", "category": "c", "ids": [3, 4, 5, 3, 4, 5, 3, 4]}]}))
+    bench = ["bench", "--export-dir", str(e), "--prompts", str(pf), "--max-new-tokens", "6", "--modes", "vanilla"]
+    bench += ["--warmup", "0", "--no-progress", "--lookup-tree", "auto", "--mix-tree", "auto"]
+    assert main(bench) == 2  # lookup not tuned yet: one line naming the command that tunes it
+    assert "--draft lookup" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert main(["tune", "--export-dir", str(e), "--draft", "lookup"] + small) == 0
+    assert main(bench + ["--json-out", str(tmp_path / "b.json")]) == 0
+    names = [c["name"] for c in json.loads((tmp_path / "b.json").read_text())["configs"]]
+    assert any("tree_auto.lookup.json" in n and n.startswith("lookup+") for n in names), names
+    assert any("tree_auto.export_lookup.json" in n and n.startswith("mix+") for n in names), names
 
 
 def test_batched_decoding_with_a_mixed_draft_equals_decoding_alone(target, tmp_path):

@@ -73,7 +73,7 @@ def register(sub) -> None:
         default=None,
         metavar="SPEC",
         help="also run the n-gram lookup draft with this tree, in the same run (repeatable; e.g. to "
-        "put an EAGLE-3 or model draft next to lookup)",
+        "put an EAGLE-3 or model draft next to lookup; auto: the tree `tune --draft lookup` chose)",
     )
     g.add_argument(
         "--mix-tree",
@@ -210,7 +210,7 @@ def run(args) -> int:
         [("full:3,2" if t.lower() == "auto" else t) for t in trees] or ["full:3,2"],
         args.chain,
         baselines,
-        lookup_trees,
+        [("full:3,2" if t.lower() == "auto" else t) for t in lookup_trees],
         [("full:3,2" if t.lower() == "auto" else t) for t in mix_trees],
     )
     torch.set_num_threads(args.threads)
@@ -230,6 +230,7 @@ def run(args) -> int:
         # `auto` for the mixed draft: the tree tuned for it (tune --draft BASE+lookup)
         mix_key = dataclasses.replace(models_key(args), draft=f"{args.draft or 'export'}+lookup")
         mix_trees = [resolve_tree(t, mix_key) for t in mix_trees]
+        lookup_trees = [resolve_tree(t, dataclasses.replace(models_key(args), draft="lookup")) for t in lookup_trees]
         configs = bench.build_configs(modes, trees, args.chain, baselines, lookup_trees, mix_trees)
         prompts = prompt_sets.encode_prompts(prompt_sets.select_prompts(entries, args.limit_prompts), models.tokenizer)
         notes: list[str] = []
