@@ -105,7 +105,7 @@ class BatchDecoder:
         )
         self.target, self.draft, self.policy = target, draft, self._solo.policy
         self.mode, self.candidates, self.max_batch = mode, candidates, max_batch
-        if self.policy is not None and not hasattr(draft, "fork"):
+        if self.policy is not None and not getattr(draft, "batchable", False):
             raise InputError(f"draft {getattr(draft, 'kind', type(draft).__name__)} cannot be batched (no fork())")
         self.needs_features = self._solo.needs_features
         self._row_views = target.caps.row_views

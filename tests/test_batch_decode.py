@@ -194,7 +194,7 @@ def test_batched_sampling_is_lossless():
 
 
 def test_batch_rejects_bad_input(llama_pair):
-    target, _ = llama_pair
+    target, draft_engine = llama_pair
     with pytest.raises(InputError, match="max-batch"):
         BatchDecoder(target, None, mode="vanilla", max_batch=0)
     bd = BatchDecoder(target, None, mode="vanilla", max_batch=1)
@@ -203,6 +203,20 @@ def test_batch_rejects_bad_input(llama_pair):
     bd.add([1, 2], 4)
     with pytest.raises(InputError, match="batch full"):
         bd.add([1, 2], 4)
+    # a draft declares whether it batches by overriding fork(): one without it is refused up front
+    from arborspec.runtime.drafts.base import DraftSource
+    from arborspec.runtime.drafts.model import as_draft_source
+
+    class Unforkable(DraftSource):
+        kind = "unforkable"
+        vocab_size = target.info.vocab_size
+
+        def start(self, root):
+            return torch.zeros(self.vocab_size)
+
+    assert not Unforkable().batchable and as_draft_source(draft_engine).batchable
+    with pytest.raises(InputError, match="draft unforkable cannot be batched"):
+        BatchDecoder(target, Unforkable(), mode="tree", tree="chain:2", max_batch=2)
 
 
 def test_generator_max_batch_threads(llama_pair):

@@ -115,6 +115,11 @@ class DraftSource:
         and tables, its own per-sequence state. Closing a fork never closes shared engines."""
         raise NotImplementedError(f"draft {self.kind} cannot be batched")
 
+    @property
+    def batchable(self) -> bool:
+        """Declared by overriding `fork`: whether this source can draft for a batch."""
+        return type(self).fork is not DraftSource.fork
+
     def close(self) -> None:
         """Release engines and buffers."""
 
