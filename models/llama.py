@@ -35,8 +35,10 @@ def additive_mask(mask: torch.Tensor) -> torch.Tensor:
     finfo.min rather than -inf: a fully masked row then gives a uniform (finite) attention
     instead of NaN that would spread to other rows through the next layer.
     """
-    zero = torch.zeros((), dtype=torch.float32)
-    neg = torch.full((), torch.finfo(torch.float32).min, dtype=torch.float32)
+    # on the mask's device: a host constant would be a copy to the GPU in every forward (which
+    # a CUDA graph cannot capture: measured on an H200)
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+    neg = torch.full((), torch.finfo(torch.float32).min, dtype=torch.float32, device=mask.device)
     return torch.where(mask, zero, neg).unsqueeze(1)
 
 

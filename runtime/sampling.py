@@ -97,8 +97,11 @@ def coin(prob: float, rng: torch.Generator) -> bool:
 
 def draw_candidates(q: torch.Tensor, k: int, rng: torch.Generator, unique: bool) -> torch.Tensor:
     """k candidates per row of q [F, V] -> [F, k]: i.i.d. (with replacement), or `unique`:
-    sequential draws without replacement, by the Gumbel-top-k trick (q = 0 entries come last)."""
+    sequential draws without replacement, by the Gumbel-top-k trick (q = 0 entries come last).
+    The draws run on the host with the decoder's (CPU) generator wherever q lives, so that one
+    seed gives the same candidates on every device; the ids come back on q's device."""
+    qc = q.detach().to("cpu", torch.float32)
     if not unique:
-        return torch.multinomial(q, k, replacement=True, generator=rng)
-    u = torch.rand(q.shape, generator=rng).clamp_(1e-20, 1.0)
-    return torch.topk(torch.log(q) - torch.log(-torch.log(u)), k, dim=-1).indices
+        return torch.multinomial(qc, k, replacement=True, generator=rng).to(q.device)
+    u = torch.rand(qc.shape, generator=rng).clamp_(1e-20, 1.0)
+    return torch.topk(torch.log(qc) - torch.log(-torch.log(u)), k, dim=-1).indices.to(q.device)

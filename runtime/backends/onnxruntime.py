@@ -267,6 +267,15 @@ class OrtEngine(EngineBase):
         if logits_type != "tensor(float)":
             raise ExportDirError(f"{path}: logits are {logits_type}, the contract wants float32")
         self.kv_layout = C.kv_layout(meta, path)
+        if want_cuda and self.kv_layout == "bhsd" and self.kv_dtype == torch.float32:
+            # measured on an H200 (ONNX Runtime 1.31.1): the CUDA EP has no fp32 GroupQueryAttention,
+            # the node falls back to the CPU, and the in-place cache it shares with its output
+            # breaks there: wrong tokens, no error. Refuse rather than answer wrongly.
+            raise ExportDirError(
+                f"{path}: this GroupQueryAttention export keeps an fp32 KV cache, which ONNX Runtime's CUDA "
+                "provider cannot run on the GPU (its kernel is fp16/bf16 only); re-export for CUDA with "
+                "`arborspec export --attention onnx` (or `--kv-dtype fp16`)"
+            )
         # row_invariant: lay every call out so that a row's logits and K/V do not depend on the
         # call that carries it (row_layout.py; in-place graphs only); None: ARBORSPEC_ORT_ROW_LAYOUT=1
         self.row_invariant = (
