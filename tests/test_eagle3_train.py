@@ -255,6 +255,50 @@ def test_batched_response_generator_equals_one_prompt_at_a_time(tmp_path):
     eng.close()
 
 
+def test_the_torch_target_gives_the_corpus_what_the_onnx_graph_gives(tmp_path):
+    """`train-draft --device cuda` runs the target in PyTorch (feature_engine), where the ONNX
+    Runtime features graph cannot run (no fp32 GroupQueryAttention on CUDA). Here on the CPU: its
+    batched greedy responses, features, top-K and greedy tokens equal the graph's, and its users
+    leave the engine open (the corpus reuses one engine for every shard)."""
+    from arborspec.tools.train.eagle3_corpus import ResponseGenerator, build_features, feature_engine, target_graph
+
+    lm = _tiny_loaded(2)
+    cfg = lm.config
+    aux = default_aux_layers(cfg.n_layers)
+    graph = target_graph(lm.module, cfg, 128, aux, tmp_path / "t.onnx")
+    eng = feature_engine(lm, aux, "cpu")
+    assert eng.info.n_features == len(aux) * cfg.hidden_size
+    assert lm.module.feature_layers is None or lm.module.feature_layers != aux  # a copy was given the layers
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, cfg.vocab_size, size=int(n)).tolist() for n in (6, 11, 4)]
+    answers = []
+    for src in (graph, eng):
+        gen = ResponseGenerator(src, batch=2)
+        answers.append(gen(prompts, 16, {2}, 0.0, 0))
+        gen.close()
+    assert answers[0] == answers[1] and any(answers[0])
+    windows = rng.integers(3, cfg.vocab_size, size=(3, 48)).astype(np.int32)
+    vocab = rng.permutation(cfg.vocab_size)[:40].astype(np.int64)
+    got = []
+    for src, name in ((graph, "ort"), (eng, "torch")):
+        d = tmp_path / name
+        d.mkdir()
+        info = build_features(src, windows, vocab, d, 4)
+        assert info["feature_size"] == len(aux) * cfg.hidden_size
+        got.append({f: np.load(d / f"{f}.npy") for f in ("features", "top_ids", "top_lp", "top1")})
+    ort_, torch_ = got
+    np.testing.assert_array_equal(ort_["top1"], torch_["top1"])
+    np.testing.assert_array_equal(ort_["top_ids"], torch_["top_ids"])
+    np.testing.assert_allclose(ort_["top_lp"].astype(np.float32), torch_["top_lp"].astype(np.float32), rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(ort_["features"].astype(np.float32), torch_["features"].astype(np.float32), atol=2e-2)
+    assert np.abs(torch_["features"]).max() > 0.1  # real activations, not zeros
+    # the engine is still open after both users
+    from arborspec.runtime.kvcache import KVCache
+
+    cache = KVCache(eng.info.cache, 8, 1)
+    assert eng.forward(torch.tensor([[5, 6]]), torch.arange(2)[None], torch.ones(1, 2, 2, dtype=torch.bool).tril(), cache).shape[-1] == cfg.vocab_size
+
+
 def test_corpus_grows_by_appending_shards_and_a_saved_head_fine_tunes_on_it(tmp_path):
     """grow_corpus end to end on a tiny target (the target's responses, features from ONNX
     Runtime) with the draft vocabulary of an existing head (what `train-draft --init` does): a
@@ -483,3 +527,48 @@ def test_train_draft_mistakes_are_one_error_line(tmp_path, capsys, extra, messag
     err = capsys.readouterr().err.strip().splitlines()
     assert rc != 0 and len(err) == 1 and err[0].startswith("arborspec: error:") and message in err[0], err
     assert not (tmp_path / "o").exists()
+
+
+def test_install_head_measures_both_heads_here_and_installs_only_a_better_one(tmp_path, monkeypatch, capsys):
+    """`train-draft --install-head DIR` (a head trained elsewhere, e.g. on a GPU): no corpus, no
+    training; both heads measured on this machine's held-out set; a copy of the shipped head
+    does not beat it (nothing is touched); a head that measures better replaces it."""
+    import arborspec.models.eagle3 as e3
+    import arborspec.models.registry as reg
+    from arborspec.tools.commands.cli import main
+    from arborspec.tools.train import eagle3_heldout
+
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
+    lm = _tiny_loaded(5)
+    cfg = lm.config
+    aux = default_aux_layers(cfg.n_layers)
+    vocab = np.arange(48, dtype=np.int64)
+    shipped, cand = tmp_path / "shipped", tmp_path / "cand"
+    eagle3_train.save_public(eagle3_train.init_head(cfg, lm.module, aux, vocab, 0), shipped)
+    eagle3_train.save_public(eagle3_train.init_head(cfg, lm.module, aux, vocab, 0), cand)
+    monkeypatch.setattr(reg, "load_model", lambda *a, **k: lm)
+    monkeypatch.setattr(e3, "eagle3_folder", lambda *a, **k: shipped)
+    monkeypatch.setattr(eagle3_heldout, "heldout_prompts", lambda *a, **k: [{"text": "Name three colours.", "kind": "t"}])
+    before = (shipped / "model.safetensors").read_bytes()
+    args = ["train-draft", "--model", "tiny", "--out", str(tmp_path / "o"), "--install-head", str(cand)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "NOT installed" in out and (shipped / "model.safetensors").read_bytes() == before
+    assert list((tmp_path / "cache" / "eagle3-heldout").glob("*/heldout.json"))  # measured on a real held-out set
+    # a candidate that measures better is installed (the measure stubbed: its arithmetic is tested above)
+    real = eagle3_heldout.evaluate_heldout
+    better = {"top1_agreement_per_depth": [0.9, 0.8], "tokens_per_step": {eagle3_heldout.TUNED: 9.0}}
+
+    def measure(head, *a, **k):
+        return better if head.fc.weight.abs().sum() > 1e6 else real(head, *a, **k)
+
+    monkeypatch.setattr(eagle3_heldout, "evaluate_heldout", measure)
+    h = e3.load_eagle3(cand, cfg)
+    with torch.no_grad():
+        h.fc.weight.fill_(1e3)  # a marker the stub recognises
+    eagle3_train.save_public(h, cand)
+    assert main(args) == 0
+    assert capsys.readouterr().out.startswith("installed")
+    assert (shipped / "model.safetensors").read_bytes() == (cand / "model.safetensors").read_bytes() != before
+    assert main(["train-draft", "--model", "tiny", "--out", str(tmp_path / "o"), "--install-head", str(tmp_path)]) == 2
+    assert "no model.safetensors" in capsys.readouterr().err

@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from conftest import random_model, tiny_config, truncated  # noqa: E402
@@ -581,3 +582,38 @@ def test_tensorrt_compare_cli(trt_answer, dtype, capsys):
     out = capsys.readouterr()
     record(f"tensorrt_compare[{dtype}]", {"rc": rc, "stdout_tail": out.out[-3000:], "stderr_tail": out.err[-2000:]})
     assert rc == 0
+
+
+# ----------------------------------------------------------------------------- training on the GPU
+def test_train_draft_corpus_and_training_on_the_device_resume_on_the_cpu(tmp_path):
+    """`train-draft --device cuda`: the corpus is generated and featurised by the PyTorch target
+    on the GPU, the head trains there; the checkpoint holds CPU tensors, so the run resumes on
+    the CPU (and on another machine); the head comes back on the CPU."""
+    from test_eagle3_train import _tiny_loaded
+
+    from arborspec.models.eagle3 import default_aux_layers
+    from arborspec.tools.train import eagle3_train
+    from arborspec.tools.train.eagle3_corpus import grow_corpus, read_progress
+
+    lm = _tiny_loaded(4)
+    cfg = lm.config
+    aux = default_aux_layers(cfg.n_layers)
+    kw = dict(shard_prompts=4, gen_len=12, batch=2, window=48, draft_vocab=64, topk=4, seed=0)
+    corpus = grow_corpus(lm, aux, root=tmp_path / "c", total_tokens=150, minutes=5, verbose=False, device=DEV, **kw)
+    prog = read_progress(corpus)
+    assert prog["tokens"] >= 150 and prog["generated_tokens"] > 0
+    vocab = np.load(corpus / "vocab.npy")
+    head = eagle3_train.init_head(cfg, lm.module, aux, vocab, 0)
+    embed = lm.module.model.embed_tokens.weight.detach().float()
+    work = tmp_path / "w"
+    work.mkdir()
+    start = {k: v.clone() for k, v in head.state_dict().items()}
+    rep = eagle3_train.train(head, embed, corpus, work, steps=2, batch=2, batches=2, progress=False, device=DEV)
+    assert rep["batches"] == 2
+    assert all(v.device.type == "cpu" for v in head.state_dict().values())
+    assert not torch.equal(head.fc.weight, start["fc.weight"])
+    saved = torch.load(work / "train_state.pt", weights_only=False)
+    assert saved["step"] == 2 and all(v.device.type == "cpu" for v in saved["head"].values())
+    rep2 = eagle3_train.train(head, embed, corpus, work, steps=2, batch=2, batches=1, progress=False, device="cpu")
+    assert rep2["batches"] == 3
+    record("train_draft_on_device", {"device": DEV, "corpus_tokens": prog["tokens"], "batches": rep2["batches"]})

@@ -13,6 +13,7 @@ then replaces the shipped head only if this one measures better on the held-out 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
 import sys
@@ -26,6 +27,8 @@ EXAMPLE = """examples:
   arborspec train-draft --model smollm2-135m --out heads/smollm2-eagle3
   arborspec train-draft --model smollm2-135m --out /tmp/h --corpus-tokens 20000 --minutes 2   # a quick try
   arborspec train-draft --model smollm2-135m --init eagle3 --out heads/tuned --minutes 40      # fine-tune the shipped head
+  arborspec train-draft --model smollm2-135m --init eagle3 --out heads/gpu --device cuda --gen-batch 128 \
+      --corpus-tokens 20000000 --corpus-minutes 4 --minutes 4 --batch 32   # on a GPU (tools/train/gpu_train.sh)
   nohup nice -n 19 arborspec train-draft --model smollm2-135m --init eagle3 --out ~/.cache/arborspec/train/h \\
       --threads 1 --corpus-tokens 2000000 --corpus-minutes 30 --minutes 30 > train.log 2>&1 &  # rerun: it resumes
   arborspec train-draft --model smollm2-135m --init eagle3 --out ~/.cache/arborspec/train/h --corpus-minutes 0 \\
@@ -83,12 +86,27 @@ def register(sub) -> None:
         action="store_true",
         help="afterwards, replace the head shipped for --model with OUT's only if it beats it on the held-out set",
     )
+    p.add_argument(
+        "--install-head",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="no corpus, no training: measure the head in DIR (public layout, e.g. one trained on a GPU) and the "
+        "shipped one on the held-out set here, and install DIR's only if it beats it",
+    )
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch and ONNX Runtime; default: all)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (the corpus through ONNX Runtime) or cuda[:N] (the corpus and the training in PyTorch on the GPU)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars (also off when stderr is not a terminal)")
     p.set_defaults(run=run)
 
 
 def check_args(args) -> None:
+    if args.install_head is not None and not (args.install_head / "model.safetensors").is_file():
+        raise InputError(f"--install-head {args.install_head}: no model.safetensors there (a public-layout EAGLE-3 head)")
     for name in ("corpus_tokens", "shard_prompts", "gen_len", "gen_batch", "window", "draft_vocab", "topk"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1")
@@ -107,6 +125,14 @@ def check_args(args) -> None:
         raise InputError(f"--out {args.out} exists and is not a folder")
     if args.install and args.init is not None and str(args.init) != "eagle3":
         raise InputError("--install replaces the shipped head: use it with --init eagle3 or without --init")
+    dev = str(args.device)
+    if dev != "cpu" and not (dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
+        raise InputError(f"--device must be cpu, cuda or cuda:N, not {dev!r}")
+    if dev != "cpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InputError(f"--device {dev}: this torch has no CUDA GPU (torch {torch.__version__})")
 
 
 def commands_of(where: Path) -> list[str]:
@@ -135,7 +161,11 @@ def run(args) -> int:
     cfg = loaded.config
     if cfg.family != "llama":
         raise InputError(f"train-draft trains EAGLE-3 heads for Llama-family targets, not {cfg.family}")
-    shipped = eagle3_folder("eagle3", args.model) if args.install or str(args.init) == "eagle3" else None
+    shipped = (
+        eagle3_folder("eagle3", args.model) if args.install or args.install_head or str(args.init) == "eagle3" else None
+    )
+    if args.install_head is not None:
+        return install_head(args, loaded, shipped)
     aux, init, fixed_vocab, draft_vocab = default_aux_layers(cfg.n_layers), None, None, args.draft_vocab
     if args.init is not None:
         folder = shipped if str(args.init) == "eagle3" else args.init
@@ -158,15 +188,19 @@ def run(args) -> int:
         seed=args.seed,
         vocab=fixed_vocab,
         threads=args.threads,
+        device=args.device,
     )
     info = eagle3_corpus.read_progress(corpus)
     log(
         f"corpus: {info['tokens']} tokens in {info['windows']} windows, {info['shards']} shards "
         f"({info['generated_responses']} responses by the target); {corpus}"
     )
-    heldout = eagle3_heldout.build_heldout(
-        loaded, aux, eagle3_corpus.corpus_graph(loaded, corpus), cache_dir() / "eagle3-heldout", threads=args.threads
-    )
+    def target_source():  # what runs the target for the held-out set, built only if it is not cached
+        if args.device == "cpu":
+            return eagle3_corpus.corpus_graph(loaded, corpus)
+        return eagle3_corpus.feature_engine(loaded, aux, args.device)
+
+    heldout = eagle3_heldout.build_heldout(loaded, aux, target_source, cache_dir() / "eagle3-heldout", threads=args.threads)
     embed = loaded.module.model.embed_tokens.weight.detach().float()
 
     def measure(h):
@@ -209,6 +243,7 @@ def run(args) -> int:
             better=eagle3_heldout.beats,
             eval_every_s=args.eval_minutes * 60,
             progress=progress,
+            device=args.device,
         )
         cmd = "arborspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         history = [] if args.no_resume else commands_of(args.out)
@@ -242,6 +277,51 @@ def run(args) -> int:
     return 0
 
 
+def say_verdict(done: bool, new: dict, old: dict, shipped: Path) -> None:
+    from arborspec.tools.train.eagle3_heldout import TUNED
+
+    verdict = "installed" if done else "NOT installed (it does not beat the shipped head)"
+    print(
+        f"{verdict}: held-out top-1 per depth {new['top1_agreement_per_depth']} vs shipped "
+        f"{old['top1_agreement_per_depth']}; tokens per step of the tuned tree "
+        f"{new['tokens_per_step'][TUNED]} vs {old['tokens_per_step'][TUNED]} ({shipped})"
+    )
+
+
+def install_head(args, loaded, shipped: Path) -> int:
+    """--install-head DIR: both heads measured on this machine's held-out set (built once, on the
+    CPU), DIR's installed only if it beats the shipped one (the same rule as --install)."""
+    from arborspec.models.eagle3 import load_eagle3
+    from arborspec.models.registry import cache_dir
+    from arborspec.tools.train import eagle3_corpus, eagle3_heldout
+
+    cfg = loaded.config
+    embed = loaded.module.model.embed_tokens.weight.detach().float()
+
+    def measure(head):  # on the held-out set with this head's feature layers (built once per layer set)
+        aux = list(head.config.aux_layers)
+        tid = hashlib.sha256(eagle3_corpus.target_id_of(loaded).encode()).hexdigest()[:16]
+        name = f"target-features-{tid}-{'-'.join(map(str, aux))}.onnx"
+        graph = cache_dir() / "eagle3-heldout" / name
+
+        def target_source():
+            if not graph.is_file():
+                graph.parent.mkdir(parents=True, exist_ok=True)
+                ctx = eagle3_corpus.graph_context(cfg, {"window": 0, "gen_len": 160})
+                eagle3_corpus.target_graph(loaded.module.eval(), cfg, ctx, aux, graph)
+            return graph
+
+        root = cache_dir() / "eagle3-heldout"
+        heldout = eagle3_heldout.build_heldout(loaded, aux, target_source, root, threads=args.threads)
+        return eagle3_heldout.evaluate_heldout(head, embed, heldout, args.ttt_steps)
+
+    new = measure(load_eagle3(args.install_head, cfg).float())
+    old = measure(load_eagle3(shipped, cfg).float())
+    done = eagle3_heldout.install_if_better(args.install_head, shipped, new, old)
+    say_verdict(done, new, old, shipped)
+    return 0
+
+
 def install(args, shipped: Path, report: dict, measure, cfg) -> None:
     """The compare-and-install step: the shipped head measured on the same held-out set now."""
     from arborspec.models.eagle3 import load_eagle3
@@ -250,9 +330,4 @@ def install(args, shipped: Path, report: dict, measure, cfg) -> None:
     old = measure(load_eagle3(shipped, cfg).float())
     new = report["heldout"]
     done = eagle3_heldout.install_if_better(args.out, shipped, new, old)
-    verdict = "installed" if done else "NOT installed (it does not beat the shipped head)"
-    print(
-        f"{verdict}: held-out top-1 per depth {new['top1_agreement_per_depth']} vs shipped "
-        f"{old['top1_agreement_per_depth']}; tokens per step of the tuned tree "
-        f"{new['tokens_per_step'][eagle3_heldout.TUNED]} vs {old['tokens_per_step'][eagle3_heldout.TUNED]} ({shipped})"
-    )
+    say_verdict(done, new, old, shipped)

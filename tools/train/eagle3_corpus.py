@@ -255,17 +255,41 @@ def log(msg: str) -> None:
 
 
 # ------------------------------------------------------------------------ generation
-class ResponseGenerator:
-    """The target's continuations of many prompts, batched: the runtime's `BatchDecoder` over an
-    ONNX Runtime graph of the target (continuous batching, one verify call per step for up to
-    `batch` sequences, each row over its own length), vanilla decoding. About 15x the tokens/s of
-    a padded torch loop on 2 cores (SmolLM2-135M: 280 tok/s at 32 rows)."""
+def feature_engine(loaded, aux_layers: list[int], device: str):
+    """The target in PyTorch on `device` (a GPU: `train-draft --device cuda`), returning the hidden
+    states entering `aux_layers` as its features: the same numbers as the ONNX Runtime features
+    graph (tested), for machines where that graph does not run (its fp32 GroupQueryAttention has
+    no CUDA kernel)."""
+    import copy
 
-    def __init__(self, graph_path: Path, batch: int, threads: int | None = None):
+    from arborspec.runtime.backends.torch_backend import TorchEngine
+
+    m = copy.deepcopy(loaded.module).float().eval()
+    m.feature_layers = list(aux_layers)
+    return TorchEngine(m, device=device)
+
+
+def open_engine(source, threads: int | None):
+    """-> (engine, owned): a features graph's path opens an ONNX Runtime engine on the CPU (closed
+    by the caller of this function); an engine (feature_engine) is used as it is."""
+    if isinstance(source, (str, Path)):
         from arborspec.runtime.backends.onnxruntime import OrtEngine
+
+        return OrtEngine(Path(source), session_options=ort_options(threads) if threads else None), True
+    return source, False
+
+
+class ResponseGenerator:
+    """The target's continuations of many prompts, batched: the runtime's `BatchDecoder` over the
+    target (continuous batching, one verify call per step for up to `batch` sequences), vanilla
+    decoding. `source`: the ONNX Runtime features graph (each row over its own length; about 15x
+    the tokens/s of a padded torch loop on 2 cores, SmolLM2-135M: 280 tok/s at 32 rows) or an
+    engine (feature_engine on a GPU)."""
+
+    def __init__(self, source, batch: int, threads: int | None = None):
         from arborspec.runtime.batch_decode import BatchDecoder
 
-        self.engine = OrtEngine(graph_path, session_options=ort_options(threads) if threads else None)
+        self.engine, self._owned = open_engine(source, threads)
         self.decoder = BatchDecoder(self.engine, None, mode="vanilla", max_batch=batch)
 
     def __call__(
@@ -281,7 +305,8 @@ class ResponseGenerator:
 
     def close(self) -> None:
         self.decoder.close()
-        self.engine.close()
+        if self._owned:
+            self.engine.close()
 
 
 def target_graph(module, cfg, window: int, aux_layers: list[int], path: Path) -> Path:
@@ -311,39 +336,40 @@ def draft_vocabulary(stream: np.ndarray, vocab_size: int, draft_vocab: int, alwa
     return order[:draft_vocab].astype(np.int64)
 
 
-def build_features(
-    graph_path: Path, windows: np.ndarray, vocab: np.ndarray, out: Path, topk: int, threads: int | None = None
-) -> dict:
-    """Run every window through the target's ONNX Runtime graph (with the `hidden_states`
-    output); write features, the target's top-K over the draft vocabulary and its greedy token."""
-    from arborspec.runtime.backends.onnxruntime import OrtEngine
+def build_features(source, windows: np.ndarray, vocab: np.ndarray, out: Path, topk: int, threads: int | None = None) -> dict:
+    """Run every window through the target (`source`: its ONNX Runtime graph with the
+    `hidden_states` output, or a feature_engine); write features, the target's top-K over the
+    draft vocabulary and its greedy token."""
     from arborspec.runtime.kvcache import KVCache
 
-    eng = OrtEngine(graph_path, session_options=ort_options(threads) if threads else None)
+    eng, owned = open_engine(source, threads)
+    dev = eng.device
     n, w = windows.shape
     f = eng.info.n_features
     feats = np.lib.format.open_memmap(out / "features.npy", "w+", np.float16, (n, w, f))
     top_ids = np.lib.format.open_memmap(out / "top_ids.npy", "w+", np.int32, (n, w, topk))
     top_lp = np.lib.format.open_memmap(out / "top_lp.npy", "w+", np.float16, (n, w, topk))
     top1 = np.lib.format.open_memmap(out / "top1.npy", "w+", np.int32, (n, w))
-    vocab_t = torch.from_numpy(vocab)
-    cache = KVCache(eng.info.cache, w, 1)
-    mask = torch.ones(w, w, dtype=torch.bool).tril()[None]
-    pos = torch.arange(w)[None]
+    vocab_t = torch.from_numpy(vocab).to(dev)
+    cache = KVCache(eng.info.cache, w, 1, dev)
+    mask = torch.ones(w, w, dtype=torch.bool, device=dev).tril()[None]
+    pos = torch.arange(w, device=dev)[None]
     t0 = time.perf_counter()
     for i in range(n):
         cache.reset()
-        logits, fe = eng.forward_features(torch.from_numpy(windows[i : i + 1].astype(np.int64)), pos, mask, cache)
-        lp = torch.log_softmax(logits[0], -1)
-        top1[i] = lp.argmax(-1).numpy()
+        ids = torch.from_numpy(windows[i : i + 1].astype(np.int64)).to(dev)
+        logits, fe = eng.forward_features(ids, pos, mask, cache)
+        lp = torch.log_softmax(logits[0].float(), -1)
+        top1[i] = lp.argmax(-1).cpu().numpy()
         v, ix = torch.topk(lp[:, vocab_t], topk, dim=-1)
-        top_ids[i] = ix.int().numpy()
-        top_lp[i] = v.half().numpy()
-        feats[i] = fe[0].half().numpy()
+        top_ids[i] = ix.int().cpu().numpy()
+        top_lp[i] = v.half().cpu().numpy()
+        feats[i] = fe[0].half().cpu().numpy()
     for a in (feats, top_ids, top_lp, top1):
         a.flush()
     del feats, top_ids, top_lp, top1
-    eng.close()
+    if owned:
+        eng.close()
     return {"features_s": round(time.perf_counter() - t0, 1), "feature_size": f}
 
 
@@ -394,8 +420,10 @@ class Corpus:
     computes their features and appends them as one shard (atomically), then records the
     progress. Everything a later run needs to continue is on disk after each shard."""
 
-    def __init__(self, loaded, aux_layers, root: Path, settings: dict, vocab, threads, batch, shard_prompts):
+    def __init__(self, loaded, aux_layers, root: Path, settings: dict, vocab, threads, batch, shard_prompts, device="cpu"):
         self.loaded, self.aux, self.settings, self.threads, self.batch = loaded, aux_layers, settings, threads, batch
+        self.device = device  # cpu: the ONNX Runtime features graph; else PyTorch on that device
+        self._engine = None
         self.shard_prompts = shard_prompts  # not a setting: runs may differ
         self.folder = root / corpus_key(target_id_of(loaded), settings)
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -419,8 +447,13 @@ class Corpus:
             "settings": self.settings,
         }
 
-    def _graph(self) -> Path:
-        return corpus_graph(self.loaded, self.folder)
+    def _source(self):
+        """What runs the target: the corpus's features graph (CPU) or one feature_engine (GPU)."""
+        if self.device == "cpu":
+            return corpus_graph(self.loaded, self.folder)
+        if self._engine is None:
+            self._engine = feature_engine(self.loaded, self.aux, self.device)
+        return self._engine
 
     def vocab(self, stream: np.ndarray | None = None) -> np.ndarray:
         """The draft vocabulary: fixed at the corpus's first shard (given, or FR-Spec over it)."""
@@ -441,7 +474,7 @@ class Corpus:
         prog = self.progress()
         first, n_prompts = prog["next_prompt"], self.shard_prompts
         if self.generator is None:
-            self.generator = ResponseGenerator(self._graph(), self.batch, self.threads)
+            self.generator = ResponseGenerator(self._source(), self.batch, self.threads)
         eos = list(tok.meta.get("eos_token_ids") or [])
         sep = eos[0] if eos else 0
         limit = graph_context(self.loaded.config, s)
@@ -464,7 +497,7 @@ class Corpus:
         index = prog["shards"]
         with PartialFolder(self.folder / "shards" / f"{index:05d}") as tmp:
             np.save(tmp / "tokens.npy", windows)
-            feat = build_features(self._graph(), windows, vocab, tmp, s["topk"], self.threads)
+            feat = build_features(self._source(), windows, vocab, tmp, s["topk"], self.threads)
             info = {
                 "prompts": [first, first + n_prompts],
                 "windows": int(n),
@@ -494,6 +527,7 @@ class Corpus:
         if self.generator is not None:
             self.generator.close()
             self.generator = None
+        self._engine = None
 
 
 def grow_corpus(
@@ -512,12 +546,14 @@ def grow_corpus(
     seed: int = 0,
     vocab: np.ndarray | None = None,
     threads: int | None = None,
+    device: str = "cpu",
     verbose: bool = True,
 ) -> Path:
     """Append shards to the corpus for this target and these settings until it holds
     `total_tokens` or `minutes` are up (a shard started is finished; 0: add none), and return
     its folder. vocab: a fixed draft vocabulary (target ids; a head being fine-tuned keeps its
-    own), else FR-Spec over the first shard."""
+    own), else FR-Spec over the first shard. device: "cpu" runs the target in ONNX Runtime, "cuda"
+    in PyTorch on the GPU (the corpus is the same either way: its key does not name the device)."""
     tok, cfg = loaded.tokenizer, loaded.config
     if tok is None:
         raise InputError("train-draft needs the target's tokenizer (to build the prompt mix)")
@@ -536,7 +572,7 @@ def grow_corpus(
         if len(vocab) != draft_vocab:
             raise InputError(f"the fixed draft vocabulary has {len(vocab)} ids, expected {draft_vocab}")
         settings["vocab_sha256"] = hashlib.sha256(np.asarray(vocab, dtype=np.int64).tobytes()).hexdigest()[:16]
-    corpus = Corpus(loaded, aux_layers, root, settings, vocab, threads, batch, shard_prompts)
+    corpus = Corpus(loaded, aux_layers, root, settings, vocab, threads, batch, shard_prompts, device)
     t0 = time.perf_counter()
     try:
         prog = corpus.progress()

@@ -36,10 +36,11 @@ def heldout_prompts(path: Path = PROMPTS_PATH) -> list[dict]:
     return json.loads(Path(path).read_text())["prompts"]
 
 
-def build_heldout(loaded, aux_layers, graph: Path, root: Path, *, gen_len=160, steps=4, threads=None, prompts=None):
+def build_heldout(loaded, aux_layers, source, root: Path, *, gen_len=160, steps=4, threads=None, prompts=None):
     """The held-out folder for this target (cached: built once, atomically): tokens [N, W]
     (prompt + greedy response, padded with EOS), spans [N, 2] (first response token, end),
-    features [N, W, F], top1 [N, W]. `graph`: the target's features graph (eagle3_corpus)."""
+    features [N, W, F], top1 [N, W]. `source`: the target's features graph or a feature_engine
+    (eagle3_corpus); a callable returning one is called only when the folder must be built."""
     from arborspec.tools.train.eagle3_corpus import (
         ResponseGenerator,
         build_features,
@@ -64,7 +65,8 @@ def build_heldout(loaded, aux_layers, graph: Path, root: Path, *, gen_len=160, s
         limit = graph_context(cfg, {"window": 0, "gen_len": gen_len}) - gen_len - steps - 2
         ids = [p for p in (chat_ids(tok, t) for t in texts) if len(p) <= limit]
         t0 = time.perf_counter()
-        gen = ResponseGenerator(graph, min(16, len(ids)), threads)
+        source = source() if callable(source) else source
+        gen = ResponseGenerator(source, min(16, len(ids)), threads)
         try:
             resp = gen(ids, gen_len, set(eos), 0.0, 0)
         finally:
@@ -78,7 +80,7 @@ def build_heldout(loaded, aux_layers, graph: Path, root: Path, *, gen_len=160, s
         spans = np.array([[len(p), len(p) + len(r)] for p, r in zip(ids, resp)], dtype=np.int64)
         np.save(tmp / "tokens.npy", tokens)
         np.save(tmp / "spans.npy", spans)
-        feat = build_features(graph, tokens, np.arange(cfg.vocab_size), tmp, 1, threads)
+        feat = build_features(source, tokens, np.arange(cfg.vocab_size), tmp, 1, threads)
         for f in ("top_ids.npy", "top_lp.npy"):  # top1 is what the measure needs
             (tmp / f).unlink()
         info = {

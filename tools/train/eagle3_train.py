@@ -211,6 +211,7 @@ def train(
     progress: bool = True,
     log_every: int = 20,
     save_every_s: float = 180.0,
+    device: str = "cpu",
 ) -> dict:
     """Train in place for `minutes` of this run; checkpoints `out/train_state.pt` (head,
     optimiser, step, epoch, the epoch's window order and the position in it, schedule, curve,
@@ -222,13 +223,18 @@ def train(
     held-out measure) runs every `eval_every_s` and at the end; its results go into the curve, and
     with `better(new, old) -> bool` (train-draft passes the install rule, `eagle3_heldout.beats`)
     the head of the best measure so far is kept in `out/best_head.pt`: the report's "best" names
-    its batch (the caller publishes that head)."""
+    its batch (the caller publishes that head). `device`: where the head trains ("cuda" on a
+    GPU); the held-out measure and the checkpoints see a CPU copy, so a run resumes anywhere."""
     from tqdm import tqdm
 
     from arborspec.runtime.fileio import atomic_write_json
     from arborspec.tools.train.eagle3_corpus import log
 
     data = ShardData(corpus)
+    dev = torch.device(device)
+    head.to(dev)
+    embed = embed.to(dev)
+    vocab_t = data.vocab_t.to(dev)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     state_file = out / "train_state.pt"
@@ -262,9 +268,12 @@ def train(
     t0, c0 = time.perf_counter() - st["spent_s"], time.process_time() - st["cpu_s"]
     run_start = time.perf_counter()
 
+    def cpu_state(sd):
+        return {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in sd.items()}
+
     def snapshot():
         return {
-            "head": head.state_dict(),
+            "head": cpu_state(head.state_dict()),
             "opt": opt.state_dict(),
             "step": step,
             "epoch": epoch,
@@ -282,10 +291,12 @@ def train(
         nonlocal best
         if evaluate is None:
             return
-        res = evaluate(head)
+        import copy
+
+        res = evaluate(head if dev.type == "cpu" else copy.deepcopy(head).cpu())
         head.train()
         if better is not None and (best is None or better(res, best)):
-            save_checkpoint(best_file, head.state_dict())
+            save_checkpoint(best_file, cpu_state(head.state_dict()))
             best = {"batch": step, **res}
         evals.append(
             {
@@ -310,11 +321,11 @@ def train(
             if (time.perf_counter() - run_start) / 60 >= minutes or (batches is not None and step - first >= batches):
                 stop_reason = f"this run's budget ({minutes:g} min)" if batches is None else f"{batches} batches"
                 break
-            tk, fe, ti, tl, t1 = data.batch_at(next_batch())
+            tk, fe, ti, tl, t1 = (x.to(dev, non_blocking=True) for x in data.batch_at(next_batch()))
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, sched["peak"], sched["total"], sched["warm"])
             outs = ttt_forward(head, embed, tk, fe, steps)
-            losses, accs = step_losses(outs, ti, tl, t1, data.vocab_t, steps)
+            losses, accs = step_losses(outs, ti, tl, t1, vocab_t, steps)
             loss = sum(w * lo for w, lo in zip(weights, losses)) / sum(weights)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -373,6 +384,7 @@ def train(
         "best": best,
     }
     atomic_write_json(out / "training.json", report)
+    head.cpu()  # the caller saves and measures it on the CPU
     return report
 
 
