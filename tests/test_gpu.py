@@ -617,3 +617,34 @@ def test_train_draft_corpus_and_training_on_the_device_resume_on_the_cpu(tmp_pat
     rep2 = eagle3_train.train(head, embed, corpus, work, steps=2, batch=2, batches=1, progress=False, device="cpu")
     assert rep2["batches"] == 3
     record("train_draft_on_device", {"device": DEV, "corpus_tokens": prog["tokens"], "batches": rep2["batches"]})
+
+
+# ----------------------------------------------------------------------------- CUDA graphs
+def test_cuda_graphs_replay_the_eager_calls_and_decode_the_same_tokens():
+    """TorchEngine(cuda_graphs=True): calls of up to 128 tokens captured once per T bucket and
+    replayed (runtime/backends/cuda_graphs.py); logits equal the eager call's, greedy tree ==
+    vanilla == eager vanilla for a model draft and lookup, graphs captured and replayed.
+    (Dry mode on the CPU: the same static calls, eager.)"""
+    from arborspec.export.export_folder import truncated_draft
+    from arborspec.runtime.backends.torch_backend import TorchEngine
+    from arborspec.runtime.decode import SpeculativeDecoder
+    from arborspec.runtime.drafts.lookup import LookupDraft
+
+    graphs = True if HAS_CUDA else "static"
+    m = random_model(tiny_config("llama", max_position=256), seed=6)
+    prompt = PROMPT * 3
+    ref = SpeculativeDecoder(TorchEngine(copy.deepcopy(m), device=DEV), mode="vanilla").generate(prompt, N_NEW).tokens
+    target = TorchEngine(copy.deepcopy(m), device=DEV, cuda_graphs=graphs)
+    draft = TorchEngine(truncated_draft(copy.deepcopy(m), 1), device=DEV, cuda_graphs=graphs)
+    seen = {"vanilla": SpeculativeDecoder(target, mode="vanilla").generate(prompt, N_NEW).tokens == ref}
+    for spec in ("chain:4", "full:3,2", "dynamic:3,4,10"):
+        for name, d in (("layers:1", draft), ("lookup", LookupDraft(m.config.vocab_size))):
+            got = SpeculativeDecoder(target, d, mode=_mode(spec), tree=spec).generate(prompt, N_NEW).tokens
+            seen[f"{spec} {name}"] = got == ref
+    record(
+        "cuda_graphs_decode",
+        {**seen, "captured": target.static.captured, "replays": target.static.replays, "graphs": graphs is True},
+    )
+    assert all(seen.values()), seen
+    if HAS_CUDA:
+        assert target.static.captured >= 2 and target.static.replays > target.static.captured

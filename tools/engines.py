@@ -58,6 +58,12 @@ def add_model_args(p, draft_default: str | None = None) -> None:
     )
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     g.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="torch backend on a CUDA device: replay calls of up to 128 tokens as CUDA graphs "
+        "(one capture per T bucket; 3-5x faster calls measured on an H200)",
+    )
+    g.add_argument(
         "--verify",
         action="store_true",
         help="check the sha256 of every file of the export folder against its manifest before "
@@ -105,6 +111,7 @@ def open_models(args, need_draft: bool = True) -> OpenModels:
         engine_dir=getattr(args, "engine_dir", None),
         verify=bool(getattr(args, "verify", False)),
         need_draft=need_draft,
+        cuda_graphs=bool(getattr(args, "cuda_graphs", False)),
     )
 
 
@@ -117,6 +124,7 @@ def open_engines(
     engine_dir=None,
     verify: bool = False,
     need_draft: bool = True,
+    cuda_graphs: bool = False,
 ) -> OpenModels:
     """Target and draft for a backend: `model` (torch backend: registry name or path) or
     `export_dir` (onnxruntime, tensorrt). `draft lookup[:N]` (a runtime-only n-gram draft)
@@ -124,9 +132,12 @@ def open_engines(
     backend = backend or ("torch" if model else "onnxruntime")
     from arborspec.runtime.drafts.spec import parse_draft_spec
 
+    if cuda_graphs and (backend != "torch" or not str(device).startswith("cuda")):
+        raise UserError(f"--cuda-graphs needs --backend torch on a CUDA --device (got {backend} on {device})")
+
     ds = parse_draft_spec(draft) if need_draft else None
     if backend == "torch" and ds is not None and ds.mix:  # BASE+lookup[:N]: the model draft mixed with lookup
-        models = open_engines(model, ds.text, export_dir, backend, device, engine_dir, verify, need_draft)
+        models = open_engines(model, ds.text, export_dir, backend, device, engine_dir, verify, need_draft, cuda_graphs)
         models.draft = mixed_with_lookup(models.draft, models.target.info.vocab_size, ds.mix, f"--draft {draft}")
         return models
     if backend == "torch":
@@ -135,10 +146,10 @@ def open_engines(
         if ds is not None and ds.kind == "lookup":
             from arborspec.runtime.drafts.lookup import LookupDraft
 
-            models = _open_torch(model, None, device, need_draft=False)
+            models = _open_torch(model, None, device, need_draft=False, cuda_graphs=cuda_graphs)
             models.draft = LookupDraft(models.target.info.vocab_size, max_ngram=ds.arg)
             return models
-        return _open_torch(model, ds, device, need_draft)
+        return _open_torch(model, ds, device, need_draft, cuda_graphs=cuda_graphs)
     if export_dir is None:
         raise UserError(f"--backend {backend} needs --export-dir DIR (make one with `arborspec export`)")
     if model:
@@ -179,8 +190,9 @@ def mixed_with_lookup(draft, vocab_size: int, max_ngram: int = 3, what: str = "-
     return LookupMixDraft(base, LookupDraft(vocab_size, max_ngram=max_ngram))
 
 
-def _open_torch(model, ds, device: str, need_draft: bool) -> OpenModels:
-    """ds: a parsed draft spec (runtime/drafts/spec.py) or None."""
+def _open_torch(model, ds, device: str, need_draft: bool, cuda_graphs: bool = False) -> OpenModels:
+    """ds: a parsed draft spec (runtime/drafts/spec.py) or None. cuda_graphs: the target and a
+    model draft replay their calls as CUDA graphs (runtime/backends/cuda_graphs.py)."""
     from arborspec.models.registry import load_model
     from arborspec.runtime.backends.torch_backend import TorchEngine
 
@@ -193,19 +205,19 @@ def _open_torch(model, ds, device: str, need_draft: bool) -> OpenModels:
 
         head = load_eagle3(eagle3_folder(ds.arg, str(model)), loaded.config)
         loaded.module.feature_layers = list(head.config.aux_layers)
-        target = TorchEngine(loaded.module, device=device)
+        target = TorchEngine(loaded.module, device=device, cuda_graphs=cuda_graphs)
         draft = Eagle3Draft(head, loaded.module.model.embed_tokens.weight.detach(), device=device)
         return OpenModels(
             target, draft, loaded.tokenizer, describe=f"{model} + eagle3 (torch, {device})", source=loaded.source
         )
-    target = TorchEngine(loaded.module, device=device)
+    target = TorchEngine(loaded.module, device=device, cuda_graphs=cuda_graphs)
     draft = None
     if need_draft and kind != "none":
         from arborspec.export.export_folder import truncated_draft
 
         val = ds.arg
         if kind == "layers":
-            draft = TorchEngine(truncated_draft(loaded.module, val), device=device)
+            draft = TorchEngine(truncated_draft(loaded.module, val), device=device, cuda_graphs=cuda_graphs)
         elif kind == "bigram":
             draft = _bigram_from_target(target, loaded.source)
         elif kind == "model":
@@ -214,7 +226,7 @@ def _open_torch(model, ds, device: str, need_draft: bool) -> OpenModels:
                 raise UserError(
                     f"draft vocabulary ({d.config.vocab_size}) differs from the target's ({loaded.config.vocab_size})"
                 )
-            draft = TorchEngine(d.module, device=device)
+            draft = TorchEngine(d.module, device=device, cuda_graphs=cuda_graphs)
         else:  # "export": an export folder's own draft
             raise UserError(f"--draft {ds.text}: the torch backend has no export folder; use --export-dir with it")
     return OpenModels(target, draft, loaded.tokenizer, describe=f"{model} (torch, {device})", source=loaded.source)

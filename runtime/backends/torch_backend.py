@@ -14,7 +14,16 @@ from .base import EngineBase, EngineCapabilities, EngineInfo
 
 
 class TorchEngine(EngineBase):
-    def __init__(self, module: torch.nn.Module, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """`cuda_graphs`: run calls of up to 128 tokens as static-shape CUDA graphs (cuda_graphs.py;
+    a CUDA device only); "static": the same static calls eagerly (any device: what tests check)."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        cuda_graphs: bool | str = False,
+    ):
         cfg = module.config
         self.module = module.to(device=device, dtype=dtype).eval()
         self.device = torch.device(device)
@@ -27,6 +36,14 @@ class TorchEngine(EngineBase):
         )
         # forward_topk: any k, on the module's device; runs n rows of a larger batch cache
         self.caps = EngineCapabilities(row_views=True, max_topk=cfg.vocab_size)
+        self.static = None
+        if cuda_graphs:
+            from ..errors import DeviceError
+            from .cuda_graphs import StaticCalls
+
+            if cuda_graphs is True and self.device.type != "cuda":
+                raise DeviceError(f"CUDA graphs need a CUDA device, not {self.device}")
+            self.static = StaticCalls(self.module, cfg.n_layers, capture=cuda_graphs is True)
 
     @torch.inference_mode()
     def forward_impl(self, input_ids, position_ids, mask, cache: KVCache) -> torch.Tensor:
@@ -37,6 +54,12 @@ class TorchEngine(EngineBase):
         """-> (logits [B, T, V], target features [B, T, F] or None): the features are the
         hidden states entering the module's `feature_layers` (an EAGLE-3 draft reads them)."""
         n = self.info.cache.n_layers
+        if self.static is not None:
+            got = self.static.run(input_ids, position_ids, mask, cache)
+            if got is not None:
+                logits, new_k, new_v, feats = got
+                cache.write_tail(new_k, new_v)
+                return logits, feats
         past = []
         for i in range(n):
             past += list(cache.past(i))

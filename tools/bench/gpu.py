@@ -232,18 +232,21 @@ def part_decode(a, res: dict) -> None:
     draft_module = truncated_draft(module, k)
     prompts = prompts_for(tok, module.config.vocab_size, a.prompts, a.dry_run)
     new = 8 if a.dry_run else a.max_new_tokens
-    dtypes = [torch.float32] if a.dry_run else [torch.float32, torch.float16]
+    # (dtype, CUDA graphs): eager fp32 is the baseline; graphs replay each call (in the dry run on
+    # the CPU: the same static calls, eagerly)
+    g = "static" if a.dry_run else True
+    variants = [(torch.float32, False), (torch.float32, g)] + ([] if a.dry_run else [(torch.float16, g)])
     trees = a.trees.split(";")
     rows = []
     # filled in as rows are measured, so that an interrupted run still reports them
     res["decode"] = {**desc, "prompts": len(prompts), "max_new_tokens": new, "draft_layers": k, "rows": rows}
-    for dtype in dtypes:
+    for dtype, graphs in variants:
         import copy
 
-        target = TorchEngine(copy.deepcopy(module), device=a.device, dtype=dtype)
+        target = TorchEngine(copy.deepcopy(module), device=a.device, dtype=dtype, cuda_graphs=graphs)
         drafts = {
             "lookup": LookupDraft(target.info.vocab_size),
-            f"layers:{k}": TorchEngine(copy.deepcopy(draft_module), device=a.device, dtype=dtype),
+            f"layers:{k}": TorchEngine(copy.deepcopy(draft_module), device=a.device, dtype=dtype, cuda_graphs=graphs),
         }
         configs = [("vanilla", None, "vanilla", None)]
         for name, dr in drafts.items():
@@ -254,6 +257,8 @@ def part_decode(a, res: dict) -> None:
         for label, dr, mode, spec in configs:
             kw = {} if mode == "vanilla" else {"tree": spec, "max_tree_nodes": 128}
             dec = SpeculativeDecoder(target, dr, mode=mode, **kw)
+            if graphs:  # capture this configuration's T buckets before timing it
+                dec.generate(prompts[0], min(new, 16))
             tot_new = tot_dec = tot_steps = tot_own = 0.0
             equal = True
             for i, ids in enumerate(prompts):
@@ -272,6 +277,7 @@ def part_decode(a, res: dict) -> None:
             rows.append(
                 {
                     "dtype": str(dtype).split(".")[-1],
+                    "cuda_graphs": bool(graphs),
                     "config": label,
                     "tokens_per_s": tot_new / tot_dec if tot_dec else 0.0,
                     "mean_accepted": tot_new / tot_steps if tot_steps else 0.0,
@@ -283,9 +289,15 @@ def part_decode(a, res: dict) -> None:
             )
             print(f"bench_gpu: decode {rows[-1]}", file=sys.stderr)
         del target, drafts
+    base = next(x for x in rows if x["dtype"] == "float32" and not x["cuda_graphs"] and x["config"] == "vanilla")
     for r in rows:
-        v = next(x for x in rows if x["dtype"] == r["dtype"] and x["config"] == "vanilla")
+        v = next(
+            x
+            for x in rows
+            if x["dtype"] == r["dtype"] and x["cuda_graphs"] == r["cuda_graphs"] and x["config"] == "vanilla"
+        )
         r["speedup_vs_vanilla"] = r["tokens_per_s"] / v["tokens_per_s"] if v["tokens_per_s"] else 0.0
+        r["speedup_vs_eager_fp32_vanilla"] = r["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else 0.0
     res["decode"] = {
         **desc,
         "prompts": len(prompts),

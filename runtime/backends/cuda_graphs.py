@@ -1,0 +1,129 @@
+"""Static-shape calls of the PyTorch backend, replayed as CUDA graphs on a GPU.
+
+Role in one decode step: the torch backend's verify call (and each call of a torch draft) on a
+GPU. Eager PyTorch spends its time launching kernels there: on an H200 a call of a 1B Llama
+took ~15 ms at every T from 1 to 128, and the same call captured once and replayed 3.2-4.6 ms
+(benchmarks/RESULTS.md, "GPU"). A graph replays fixed shapes and addresses, so each call is made
+static before it runs:
+
+* the past is the cache's whole slab [0, S) (S = the cache's capacity, its addresses fixed), and
+  the mask hides [P, S): a hidden key gets exp(finfo.min - max) = 0 weight, so the probabilities
+  are those of attending over [0, P). The slab past P is zeroed once per cache, so the hidden
+  keys are finite (torch.empty may hold NaN patterns, and 0 * NaN is NaN);
+* T is padded up to a bucket (1, 2, 4, ..., 128); a padded row reads position P and sees only
+  itself; its logits and K/V are dropped;
+* the call's ids, positions and mask are copied into the entry's buffers, the graph replays, and
+  the T real rows of its outputs are read back; the new K/V go to [P, P+T) as on the eager path.
+
+One entry per (cache slab, batch rows, T bucket), captured at its first use (a few eager
+warm-up calls, then the capture). Calls the buckets do not cover (long prefills) run eagerly.
+`capture=False` runs the same static calls eagerly: that is what the CPU tests check, the graph
+only replays it. Exactness is the eager path's: in fp32 a row's logits can differ in the last
+bits between T buckets (other matrix kernels), as they can between eager calls of other T.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kvcache import KVCache
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+MAX_SLABS = 4  # caches whose entries are kept (a decoder reuses its cache; a server has a few)
+
+
+class _Entry:
+    """The buffers (and the graph) of one static call shape."""
+
+    def __init__(self, cache: KVCache, tb: int, n_layers: int):
+        b, s = cache.k.shape[2], cache.k.shape[1]
+        dev = cache.k.device
+        self.tb, self.s = tb, s
+        self.ids = torch.zeros(b, tb, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(b, tb, dtype=torch.long, device=dev)
+        self.mask = torch.zeros(b, tb, s + tb, dtype=torch.bool, device=dev)
+        self.diag = torch.arange(tb, device=dev)
+        self.past = []
+        for i in range(n_layers):
+            self.past += [cache.k[i], cache.v[i]]  # the whole slab [S, B, Hkv, D]: fixed addresses
+        self.graph = None
+        self.out = None
+
+    def fill(self, ids, pos, mask, p: int) -> None:
+        t, s = ids.shape[1], self.s
+        self.ids.zero_()
+        self.ids[:, :t] = ids
+        self.pos.fill_(p)
+        self.pos[:, :t] = pos
+        m = self.mask
+        m.zero_()
+        m[:, self.diag, s + self.diag] = True  # every row sees itself (padded rows only that)
+        m[:, :t, :p] = mask[:, :, :p]
+        m[:, :t, s : s + t] = mask[:, :, p:]
+
+
+class StaticCalls:
+    """The static calls of one module (see the module docstring). `run` -> (logits, new K/V
+    [L, T, B, H, D] x 2, features or None) for the T real rows, or None when no bucket holds T."""
+
+    def __init__(self, module: torch.nn.Module, n_layers: int, capture: bool = True, buckets=BUCKETS):
+        self.module, self.n_layers, self.capture, self.buckets = module, n_layers, capture, tuple(buckets)
+        self.entries: dict = {}
+        self.captured = 0  # graphs captured so far (the GPU test reads it)
+        self.replays = 0
+
+    def bucket(self, t: int) -> int | None:
+        return next((b for b in self.buckets if b >= t), None)
+
+    def _entry(self, cache: KVCache, tb: int) -> _Entry:
+        key = (cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape), tuple(cache.k.stride()), tb)
+        e = self.entries.get(key)
+        if e is None:
+            slabs = list(dict.fromkeys(k[:4] for k in self.entries))
+            if key[:4] not in slabs:  # a slab seen for the first time
+                if len(slabs) >= MAX_SLABS:  # entries hold their slab alive: forget the oldest
+                    self.entries = {k: v for k, v in self.entries.items() if k[:4] != slabs[0]}
+                cache.k[:, cache.length :].zero_()  # hidden keys must be finite (module docstring)
+                cache.v[:, cache.length :].zero_()
+            e = self.entries[key] = _Entry(cache, tb, self.n_layers)
+        return e
+
+    def _call(self, e: _Entry):
+        return self.module(e.ids, e.pos, e.mask, *e.past)
+
+    def _capture(self, e: _Entry) -> None:
+        side = torch.cuda.Stream(e.ids.device)
+        side.wait_stream(torch.cuda.current_stream(e.ids.device))
+        with torch.cuda.stream(side):
+            for _ in range(3):  # warm-up: lazy initialisation and allocator state before the capture
+                self._call(e)
+        torch.cuda.current_stream(e.ids.device).wait_stream(side)
+        e.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(e.graph):
+            e.out = self._call(e)
+        self.captured += 1
+
+    def run(self, ids, pos, mask, cache: KVCache):
+        if cache.spec.layout != "sbhd":
+            return None
+        t = ids.shape[1]
+        tb = self.bucket(t)
+        if tb is None or cache.length + tb > cache.max_len:
+            return None
+        e = self._entry(cache, tb)
+        e.fill(ids, pos, mask, cache.length)
+        if not self.capture:
+            out = self._call(e)
+        else:
+            if e.graph is None:
+                self._capture(e)
+            e.graph.replay()
+            self.replays += 1
+            out = e.out
+        n = self.n_layers
+        kv = out[1 : 1 + 2 * n]
+        feats = out[1 + 2 * n][:, :t] if len(out) > 1 + 2 * n else None
+        # copies: a graph's outputs are overwritten by its next replay, the caller may keep them
+        logits = out[0][:, :t].clone()
+        feats = feats.clone() if feats is not None else None
+        return logits, torch.stack([k[:t] for k in kv[0::2]]), torch.stack([v[:t] for v in kv[1::2]]), feats

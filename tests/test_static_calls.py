@@ -1,0 +1,107 @@
+"""The torch backend's static-shape calls (runtime/backends/cuda_graphs.py), run eagerly on the CPU
+(`cuda_graphs="static"`): the computation a CUDA graph captures and replays on a GPU
+(tests/test_gpu.py replays it there). Each call pads T to a bucket and attends over the cache's
+whole slab with the unused part hidden; these tests pin that this changes nothing a decoder sees."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import random_model, tiny_config
+
+from arborspec.runtime.backends.torch_backend import TorchEngine
+from arborspec.runtime.decode import SpeculativeDecoder
+from arborspec.runtime.drafts.lookup import LookupDraft
+from arborspec.runtime.errors import DeviceError
+from arborspec.runtime.kvcache import KVCache
+
+PROMPT = [1, 5, 7, 9, 3, 11, 5, 7, 9, 3]
+
+
+def _tree_mask(t: int, p: int, parents: list[int]) -> torch.Tensor:
+    m = torch.zeros(1, t, p + t, dtype=torch.bool)
+    m[0, :, :p] = True
+    for i in range(t):
+        j = i
+        while j >= 0:
+            m[0, i, p + j] = True
+            j = parents[j]
+    return m
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_static_call_equals_the_eager_call_and_writes_the_same_cache(family):
+    m = random_model(tiny_config(family), seed=1)
+    eager, static = TorchEngine(copy.deepcopy(m)), TorchEngine(copy.deepcopy(m), cuda_graphs="static")
+    ca, cb = (KVCache(e.info.cache, 64, 1) for e in (eager, static))
+    cb.k.fill_(float("nan"))  # what torch.empty may hold: hidden keys must not leak NaN
+    cb.v.fill_(float("nan"))
+    g = torch.Generator().manual_seed(0)
+    for t, parents in ((7, list(range(-1, 6))), (1, [-1]), (5, [-1, 0, 0, 1, 2]), (3, [-1, -1, -1])):
+        p = ca.length
+        ids = torch.randint(0, m.config.vocab_size, (1, t), generator=g)
+        depth = [0] * t
+        for i, q in enumerate(parents):
+            depth[i] = depth[q] + 1 if q >= 0 else 0
+        pos = torch.tensor([depth]) + p
+        mask = _tree_mask(t, p, parents)
+        la, lb = eager.forward(ids, pos, mask, ca), static.forward(ids, pos, mask, cb)
+        assert lb.shape == la.shape and torch.isfinite(lb).all()
+        # equal up to float32 reassociation (other matrix shapes), relative to the logits' scale
+        tol = 1e-5 * float(la.abs().max())
+        torch.testing.assert_close(lb, la, rtol=0, atol=tol)
+        assert int((lb.argmax(-1) != la.argmax(-1)).sum()) == 0
+        torch.testing.assert_close(cb.k[:, p : p + t], ca.k[:, p : p + t], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cb.v[:, p : p + t], ca.v[:, p : p + t], rtol=1e-5, atol=1e-5)
+        ca.length = cb.length = p + t  # commit all of them
+    # one entry per bucket used (7 -> 8, 1, 5 -> 8, 3 -> 4), on one slab
+    assert sorted(k[-1] for k in static.static.entries) == [1, 4, 8]
+    assert static.static.captured == 0  # eager static calls on the CPU: nothing captured
+
+
+@pytest.mark.parametrize("spec", ["chain:4", "full:3,2", "dynamic:3,4,10"])
+def test_static_calls_decode_the_same_tokens(spec):
+    """Greedy decoding through static calls, target and draft: tree == its vanilla == the eager
+    vanilla, token for token, with a layers:1 draft and with lookup."""
+    from arborspec.export.export_folder import truncated_draft
+
+    m = random_model(tiny_config("llama", max_position=256), seed=2)
+    ref = SpeculativeDecoder(TorchEngine(copy.deepcopy(m)), mode="vanilla").generate(PROMPT, 32).tokens
+    target = TorchEngine(copy.deepcopy(m), cuda_graphs="static")
+    assert SpeculativeDecoder(target, mode="vanilla").generate(PROMPT, 32).tokens == ref
+    mode = "chain" if spec.startswith("chain") else "tree"
+    for draft in (
+        TorchEngine(truncated_draft(copy.deepcopy(m), 1), cuda_graphs="static"),
+        LookupDraft(m.config.vocab_size),
+    ):
+        r = SpeculativeDecoder(target, draft, mode=mode, tree=spec).generate(PROMPT, 32)
+        assert r.tokens == ref, (spec, type(draft).__name__)
+    assert len({k[-1] for k in target.static.entries}) > 1  # several T buckets were used
+
+
+def test_long_calls_fall_back_to_the_eager_path_and_graphs_need_cuda():
+    m = random_model(tiny_config("llama"), seed=3)
+    eng = TorchEngine(m, cuda_graphs="static")
+    cache = KVCache(eng.info.cache, 300, 1)
+    t = 200  # no bucket holds it (a long prefill)
+    ids = torch.randint(0, m.config.vocab_size, (1, t))
+    out = eng.forward(ids, torch.arange(t)[None], torch.ones(1, t, t, dtype=torch.bool).tril(), cache)
+    assert out.shape == (1, t, m.config.vocab_size) and not eng.static.entries
+    ref = TorchEngine(copy.deepcopy(m)).forward(
+        ids, torch.arange(t)[None], torch.ones(1, t, t, dtype=torch.bool).tril(), KVCache(eng.info.cache, 300, 1)
+    )
+    torch.testing.assert_close(out, ref)
+    if not torch.cuda.is_available():
+        with pytest.raises(DeviceError, match="CUDA device"):
+            TorchEngine(copy.deepcopy(m), cuda_graphs=True)
+
+
+def test_cuda_graphs_flag_off_the_torch_cuda_path_is_one_error_line(capsys):
+    from arborspec.tools.commands.cli import main
+
+    for extra in (["--model", "smollm2-135m"], ["--export-dir", "nowhere", "--device", "cuda"]):
+        rc = main(["generate", *extra, "--prompt", "hi", "--cuda-graphs", "--max-new-tokens", "2"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and "--cuda-graphs needs --backend torch on a CUDA --device" in err[0], err
