@@ -289,14 +289,21 @@ def test_the_torch_target_gives_the_corpus_what_the_onnx_graph_gives(tmp_path):
     ort_, torch_ = got
     np.testing.assert_array_equal(ort_["top1"], torch_["top1"])
     np.testing.assert_array_equal(ort_["top_ids"], torch_["top_ids"])
-    np.testing.assert_allclose(ort_["top_lp"].astype(np.float32), torch_["top_lp"].astype(np.float32), rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(
+        ort_["top_lp"].astype(np.float32), torch_["top_lp"].astype(np.float32), rtol=2e-3, atol=2e-3
+    )
     np.testing.assert_allclose(ort_["features"].astype(np.float32), torch_["features"].astype(np.float32), atol=2e-2)
     assert np.abs(torch_["features"]).max() > 0.1  # real activations, not zeros
     # the engine is still open after both users
     from arborspec.runtime.kvcache import KVCache
 
     cache = KVCache(eng.info.cache, 8, 1)
-    assert eng.forward(torch.tensor([[5, 6]]), torch.arange(2)[None], torch.ones(1, 2, 2, dtype=torch.bool).tril(), cache).shape[-1] == cfg.vocab_size
+    assert (
+        eng.forward(
+            torch.tensor([[5, 6]]), torch.arange(2)[None], torch.ones(1, 2, 2, dtype=torch.bool).tril(), cache
+        ).shape[-1]
+        == cfg.vocab_size
+    )
 
 
 def test_corpus_grows_by_appending_shards_and_a_saved_head_fine_tunes_on_it(tmp_path):
@@ -548,7 +555,9 @@ def test_install_head_measures_both_heads_here_and_installs_only_a_better_one(tm
     eagle3_train.save_public(eagle3_train.init_head(cfg, lm.module, aux, vocab, 0), cand)
     monkeypatch.setattr(reg, "load_model", lambda *a, **k: lm)
     monkeypatch.setattr(e3, "eagle3_folder", lambda *a, **k: shipped)
-    monkeypatch.setattr(eagle3_heldout, "heldout_prompts", lambda *a, **k: [{"text": "Name three colours.", "kind": "t"}])
+    monkeypatch.setattr(
+        eagle3_heldout, "heldout_prompts", lambda *a, **k: [{"text": "Name three colours.", "kind": "t"}]
+    )
     before = (shipped / "model.safetensors").read_bytes()
     args = ["train-draft", "--model", "tiny", "--out", str(tmp_path / "o"), "--install-head", str(cand)]
     assert main(args) == 0

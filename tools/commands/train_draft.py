@@ -106,7 +106,9 @@ def register(sub) -> None:
 
 def check_args(args) -> None:
     if args.install_head is not None and not (args.install_head / "model.safetensors").is_file():
-        raise InputError(f"--install-head {args.install_head}: no model.safetensors there (a public-layout EAGLE-3 head)")
+        raise InputError(
+            f"--install-head {args.install_head}: no model.safetensors there (a public-layout EAGLE-3 head)"
+        )
     for name in ("corpus_tokens", "shard_prompts", "gen_len", "gen_batch", "window", "draft_vocab", "topk"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1")
@@ -195,12 +197,15 @@ def run(args) -> int:
         f"corpus: {info['tokens']} tokens in {info['windows']} windows, {info['shards']} shards "
         f"({info['generated_responses']} responses by the target); {corpus}"
     )
+
     def target_source():  # what runs the target for the held-out set, built only if it is not cached
         if args.device == "cpu":
             return eagle3_corpus.corpus_graph(loaded, corpus)
         return eagle3_corpus.feature_engine(loaded, aux, args.device)
 
-    heldout = eagle3_heldout.build_heldout(loaded, aux, target_source, cache_dir() / "eagle3-heldout", threads=args.threads)
+    heldout = eagle3_heldout.build_heldout(
+        loaded, aux, target_source, cache_dir() / "eagle3-heldout", threads=args.threads
+    )
     embed = loaded.module.model.embed_tokens.weight.detach().float()
 
     def measure(h):

@@ -336,7 +336,9 @@ def draft_vocabulary(stream: np.ndarray, vocab_size: int, draft_vocab: int, alwa
     return order[:draft_vocab].astype(np.int64)
 
 
-def build_features(source, windows: np.ndarray, vocab: np.ndarray, out: Path, topk: int, threads: int | None = None) -> dict:
+def build_features(
+    source, windows: np.ndarray, vocab: np.ndarray, out: Path, topk: int, threads: int | None = None
+) -> dict:
     """Run every window through the target (`source`: its ONNX Runtime graph with the
     `hidden_states` output, or a feature_engine); write features, the target's top-K over the
     draft vocabulary and its greedy token."""
@@ -420,7 +422,9 @@ class Corpus:
     computes their features and appends them as one shard (atomically), then records the
     progress. Everything a later run needs to continue is on disk after each shard."""
 
-    def __init__(self, loaded, aux_layers, root: Path, settings: dict, vocab, threads, batch, shard_prompts, device="cpu"):
+    def __init__(
+        self, loaded, aux_layers, root: Path, settings: dict, vocab, threads, batch, shard_prompts, device="cpu"
+    ):
         self.loaded, self.aux, self.settings, self.threads, self.batch = loaded, aux_layers, settings, threads, batch
         self.device = device  # cpu: the ONNX Runtime features graph; else PyTorch on that device
         self._engine = None
