@@ -17,17 +17,14 @@ Parts (--parts, default all):
           SmolLM2's shape (weights scaled so that drafts get accepted: the JSON says
           "weights": "random", and its speed-ups say nothing about a trained model's).
   graphs  CUDA graphs: the verify call (the module's forward) captured once per T bucket at a fixed
-          P and replayed, against the same call eager. This measures the launch overhead a
-          captured step removes; it is not yet wired into the decode loop (TODO below).
+          P and replayed, against the same call eager: the launch overhead a captured step removes.
   ort     (only with onnxruntime-gpu) c(T) of ONNX Runtime CUDA with IOBinding against torch CUDA on
           the decode model's portable export (fp32), P = 512.
 
-TODO(issue 11, CUDA graphs in decoding): a decode-loop integration needs shapes that do not move
-with P: bind the whole cache slab [0, S_max) as the past with the mask hiding [P, S_max), one graph
-per T bucket (T padded up to the bucket with masked rows), static input buffers that the runtime
-fills in place, and the new K/V written by index instead of returned. ONNX Runtime's side is its
-CUDA-graph mode (`enable_cuda_graph` provider option) with the same fixed-shape IOBinding buffers.
-Neither exists yet; this script measures the upper bound (eager vs replay at equal shapes).
+CUDA graphs in decoding: `decode` runs every configuration eager (fp32) and with
+TorchEngine(cuda_graphs=True) (fp32, fp16): runtime/backends/cuda_graphs.py makes each call of up
+to 128 tokens static (whole cache slab, T bucket) and replays it. ONNX Runtime's side (its
+`enable_cuda_graph` provider option with fixed-shape IOBinding buffers) does not exist yet.
 """
 
 from __future__ import annotations
@@ -365,7 +362,7 @@ def part_graphs(a, res: dict) -> None:
     res["graphs"] = {
         **out,
         "note": "the module's forward captured per T at fixed P vs eager (launch overhead removed); "
-        "not yet used by the decode loop (TODO in tools/bench/gpu.py)",
+        "the decode part measures the decoder with TorchEngine(cuda_graphs=True)",
     }
 
 
