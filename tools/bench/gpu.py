@@ -218,6 +218,28 @@ def prompts_for(tok, vocab: int, n: int, dry: bool) -> list[list[int]]:
     return out
 
 
+def eagle3_head(module, desc: dict, dry: bool):
+    """The EAGLE-3 head for the decode benchmark: the one shipped for SmolLM2 with its trained
+    weights; a random head of the model's shape in the dry run (checks the code path); else None."""
+    try:
+        if desc.get("weights") == "trained":
+            from arborspec.models.eagle3 import eagle3_folder, load_eagle3
+
+            return load_eagle3(eagle3_folder("eagle3", "smollm2-135m"), module.config).float().eval()
+        if dry:
+            import numpy as np
+
+            from arborspec.models.eagle3 import default_aux_layers
+            from arborspec.tools.train.eagle3_train import init_head
+
+            cfg = module.config
+            vocab = np.arange(min(64, cfg.vocab_size), dtype=np.int64)
+            return init_head(cfg, module, default_aux_layers(cfg.n_layers), vocab, 0).eval()
+    except Exception as e:  # noqa: BLE001 - the other drafts still run
+        print(f"bench_gpu: no EAGLE-3 head ({type(e).__name__}: {e})", file=sys.stderr)
+    return None
+
+
 def part_decode(a, res: dict) -> None:
     from arborspec.export.export_folder import truncated_draft
     from arborspec.runtime.backends.torch_backend import TorchEngine
@@ -227,6 +249,9 @@ def part_decode(a, res: dict) -> None:
     module, tok, desc = decode_model(a)
     k = 1 if a.dry_run else 4
     draft_module = truncated_draft(module, k)
+    head = eagle3_head(module, desc, a.dry_run)
+    if head is not None:  # the target outputs the features the head reads (all configurations alike)
+        module.feature_layers = list(head.config.aux_layers)
     prompts = prompts_for(tok, module.config.vocab_size, a.prompts, a.dry_run)
     new = 8 if a.dry_run else a.max_new_tokens
     # (dtype, CUDA graphs): eager fp32 is the baseline; graphs replay each call (in the dry run on
@@ -245,6 +270,15 @@ def part_decode(a, res: dict) -> None:
             "lookup": LookupDraft(target.info.vocab_size),
             f"layers:{k}": TorchEngine(copy.deepcopy(draft_module), device=a.device, dtype=dtype, cuda_graphs=graphs),
         }
+        if head is not None and dtype == torch.float32:  # the head runs in fp32 on fp32 features
+            from arborspec.runtime.drafts.eagle3 import Eagle3Draft
+            from arborspec.runtime.drafts.mixed import LookupMixDraft
+
+            embed = target.module.model.embed_tokens.weight.detach()
+            drafts["eagle3"] = Eagle3Draft(copy.deepcopy(head), embed, device=a.device)
+            drafts["eagle3+lookup"] = LookupMixDraft(
+                Eagle3Draft(copy.deepcopy(head), embed, device=a.device), LookupDraft(target.info.vocab_size)
+            )
         configs = [("vanilla", None, "vanilla", None)]
         for name, dr in drafts.items():
             configs.append((f"chain {name}", dr, "chain", a.chain))
