@@ -581,3 +581,23 @@ def test_install_head_measures_both_heads_here_and_installs_only_a_better_one(tm
     assert (shipped / "model.safetensors").read_bytes() == (cand / "model.safetensors").read_bytes() != before
     assert main(["train-draft", "--model", "tiny", "--out", str(tmp_path / "o"), "--install-head", str(tmp_path)]) == 2
     assert "no model.safetensors" in capsys.readouterr().err
+
+
+def test_training_on_a_corpus_without_a_window_is_a_clear_error(tmp_path):
+    """Responses shorter than one window give a corpus with no training window: one clear
+    error (it was a traceback from numpy, found by a dry run of tools/train/gpu_train.sh)."""
+    import pytest
+
+    from arborspec.runtime.errors import InputError
+    from arborspec.tools.train.eagle3_corpus import grow_corpus, read_progress
+
+    lm = _tiny_loaded(6)
+    aux = default_aux_layers(lm.config.n_layers)
+    kw = dict(shard_prompts=1, gen_len=4, batch=2, window=512, draft_vocab=32, topk=4, seed=0)
+    corpus = grow_corpus(lm, aux, root=tmp_path / "c", total_tokens=100, minutes=0.01, verbose=False, **kw)
+    assert read_progress(corpus)["windows"] == 0
+    head = eagle3_train.init_head(lm.config, lm.module, aux, np.load(corpus / "vocab.npy"), 0)
+    embed = lm.module.model.embed_tokens.weight.detach().float()
+    (tmp_path / "w").mkdir()
+    with pytest.raises(InputError, match="no training window"):
+        eagle3_train.train(head, embed, corpus, tmp_path / "w", steps=2, batch=2, batches=1, progress=False)

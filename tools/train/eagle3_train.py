@@ -231,6 +231,13 @@ def train(
     from arborspec.tools.train.eagle3_corpus import log
 
     data = ShardData(corpus)
+    if len(data) == 0:
+        from arborspec.runtime.errors import InputError
+
+        raise InputError(
+            f"the corpus {corpus} has no training window yet (its responses are shorter than one window): "
+            "grow it (--corpus-minutes, --corpus-tokens) or give a smaller --window"
+        )
     dev = torch.device(device)
     head.to(dev)
     embed = embed.to(dev)

@@ -13,7 +13,10 @@
 #         timeout_s=600)
 # Knobs (environment): CORPUS_MIN (default 3.5), TRAIN_MIN (default 3.5), CORPUS_TOKENS (default
 # 20000000: the time is the limit), GEN_BATCH (128), BATCH (32 windows), LR (3e-4), INIT (eagle3:
-# fine-tune the shipped head; "none": a fresh head), EXTRA (more train-draft arguments).
+# fine-tune the shipped head; "none": a fresh head), EXTRA (more train-draft arguments, later ones win).
+# A dry run of the recipe on the CPU (small sizes, minutes):
+#     DEVICE=cpu PYTHON=.venv/bin/python CORPUS_MIN=0.1 TRAIN_MIN=0.2 OUT=/tmp/gt \
+#       EXTRA="--shard-prompts 4 --gen-len 16 --corpus-tokens 1000 --batch 2" bash tools/train/gpu_train.sh
 # Back here, from the returned files (the tool's files_at folder):
 #     bash tools/train/gpu_train.sh --reassemble FILES_AT heads/gpu   # joins the pieces, checks sha256
 #     arborspec train-draft --model smollm2-135m --out heads/gpu --install-head heads/gpu
@@ -40,11 +43,11 @@ rm -rf "$LAYOUT"; mkdir -p "$LAYOUT/arborspec"
 for d in runtime models export tools; do ln -s "$ROOT/$d" "$LAYOUT/arborspec/$d"; done
 ln -s "$ROOT/arborspec/__init__.py" "$LAYOUT/arborspec/__init__.py"
 export PYTHONPATH="/tmp/site:$LAYOUT${PYTHONPATH:+:$PYTHONPATH}"
-HEAD=/tmp/arborspec-gpu-head
+HEAD=${HEAD:-/tmp/arborspec-gpu-head}
 init=()
 [ "${INIT:-eagle3}" != none ] && init=(--init "${INIT:-eagle3}")
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-python3 -P -m arborspec.tools.commands.cli train-draft --model smollm2-135m --out "$HEAD" --device cuda \
+"${PYTHON:-python3}" -P -m arborspec.tools.commands.cli train-draft --model smollm2-135m --out "$HEAD" --device "${DEVICE:-cuda}" \
   "${init[@]}" --lr "${LR:-3e-4}" --gen-batch "${GEN_BATCH:-128}" --batch "${BATCH:-32}" \
   --corpus-tokens "${CORPUS_TOKENS:-20000000}" --corpus-minutes "${CORPUS_MIN:-3.5}" \
   --minutes "${TRAIN_MIN:-3.5}" --shard-prompts 256 --eval-minutes 2 --quiet ${EXTRA:-}
