@@ -28,7 +28,10 @@ if [ "${1:-}" = "--reassemble" ]; then
   mkdir -p "$dst"
   cat "$src"/model.safetensors.part* > "$dst/model.safetensors"
   cp "$src/config.json" "$src/training.json" "$dst/"
-  (cd "$dst" && sha256sum -c "$src/model.safetensors.sha256") || { echo "gpu_train: checksum mismatch" >&2; exit 1; }
+  if ! (cd "$dst" && sha256sum --quiet -c "$(cd "$src" && pwd)/model.safetensors.sha256"); then
+    rm -f "$dst/model.safetensors"  # never leave a corrupt head behind
+    echo "gpu_train: checksum mismatch: a piece is damaged or missing; nothing reassembled" >&2; exit 1
+  fi
   echo "gpu_train: head reassembled in $dst"
   exit 0
 fi
