@@ -27,11 +27,11 @@ if [ "${1:-}" = "--reassemble" ]; then
   src=$2 dst=$3
   mkdir -p "$dst"
   cat "$src"/model.safetensors.part* > "$dst/model.safetensors"
-  cp "$src/config.json" "$src/training.json" "$dst/"
   if ! (cd "$dst" && sha256sum --quiet -c "$(cd "$src" && pwd)/model.safetensors.sha256"); then
     rm -f "$dst/model.safetensors"  # never leave a corrupt head behind
     echo "gpu_train: checksum mismatch: a piece is damaged or missing; nothing reassembled" >&2; exit 1
   fi
+  cp "$src/config.json" "$src/training.json" "$dst/"
   echo "gpu_train: head reassembled in $dst"
   exit 0
 fi
