@@ -105,3 +105,24 @@ def test_cuda_graphs_flag_off_the_torch_cuda_path_is_one_error_line(capsys):
         rc = main(["generate", *extra, "--prompt", "hi", "--cuda-graphs", "--max-new-tokens", "2"])
         err = capsys.readouterr().err.strip().splitlines()
         assert rc == 2 and len(err) == 1 and "--cuda-graphs needs --backend torch on a CUDA --device" in err[0], err
+
+
+def test_batched_decoding_through_static_calls_equals_each_prompt_alone():
+    """BatchDecoder over static-call engines (batch rows: one entry per row count, on the
+    batch cache's slab): every sequence equals its own eager vanilla decode."""
+    from arborspec.export.export_folder import truncated_draft
+    from arborspec.runtime.batch_decode import BatchDecoder
+
+    m = random_model(tiny_config("llama", max_position=256), seed=2)
+    prompts = [[1, 5, 7, 9, 3, 11] * 2, [4, 4, 8, 1], [9, 8, 7, 6, 5, 4, 3, 2, 1], [2, 3]]
+    ref = [SpeculativeDecoder(TorchEngine(copy.deepcopy(m)), mode="vanilla").generate(p, 24).tokens for p in prompts]
+    for kind in ("layers:1", "lookup"):
+        target = TorchEngine(copy.deepcopy(m), cuda_graphs="static")
+        if kind == "lookup":
+            draft = LookupDraft(m.config.vocab_size)
+        else:
+            draft = TorchEngine(truncated_draft(copy.deepcopy(m), 1), cuda_graphs="static")
+        dec = BatchDecoder(target, draft, mode="tree", tree="full:2,2", max_batch=3)
+        got = [list(s.tokens) for s in dec.generate_many(prompts, 24, [], None, [0] * len(prompts))]
+        assert got == ref, kind
+        assert len({k[2][2] for k in target.static.entries}) > 1  # entries for several row counts
