@@ -601,3 +601,24 @@ def test_training_on_a_corpus_without_a_window_is_a_clear_error(tmp_path):
     (tmp_path / "w").mkdir()
     with pytest.raises(InputError, match="no training window"):
         eagle3_train.train(head, embed, corpus, tmp_path / "w", steps=2, batch=2, batches=1, progress=False)
+
+
+def test_a_new_corpus_can_start_past_the_prompts_an_earlier_one_used(tmp_path):
+    """--first-prompt: a fresh corpus starts at that prompt index (the shipped head's corpus
+    ended at its next_prompt; fine-tuning it again should see new text); an existing corpus
+    goes on from its own next prompt whatever is asked."""
+    import json
+
+    from arborspec.tools.train.eagle3_corpus import grow_corpus, prompt_at, read_progress, shard_dirs
+
+    lm = _tiny_loaded(7)
+    aux = default_aux_layers(lm.config.n_layers)
+    kw = dict(shard_prompts=2, gen_len=4, batch=2, window=32, draft_vocab=32, topk=4, seed=0)
+    c = grow_corpus(lm, aux, root=tmp_path / "c", total_tokens=1, minutes=5, verbose=False, first_prompt=40, **kw)
+    shard = json.loads((shard_dirs(c)[0] / "shard.json").read_text())
+    assert shard["prompts"] == [40, 42] and read_progress(c)["next_prompt"] == 42
+    tokens = np.load(shard_dirs(c)[0] / "tokens.npy").reshape(-1).tolist()
+    first = lm.tokenizer.encode(prompt_at(40, 0))[:8]
+    assert any(tokens[i : i + len(first)] == first for i in range(len(tokens)))  # prompt 40's text is in it
+    grow_corpus(lm, aux, root=tmp_path / "c", total_tokens=10**6, minutes=0.001, verbose=False, first_prompt=0, **kw)
+    assert json.loads((shard_dirs(c)[1] / "shard.json").read_text())["prompts"][0] == 42

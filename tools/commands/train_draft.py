@@ -53,6 +53,13 @@ def register(sub) -> None:
     c.add_argument("--corpus-tokens", type=int, default=500_000, help="grow the corpus to this many tokens (500000)")
     c.add_argument("--corpus-minutes", type=float, default=60.0, help="time this run may add shards (60; 0: none)")
     c.add_argument("--shard-prompts", type=int, default=64, help="responses generated per shard (default 64)")
+    c.add_argument(
+        "--first-prompt",
+        type=int,
+        default=0,
+        help="where a new corpus starts in the prompt stream (default 0; e.g. the next_prompt of the corpus the "
+        "shipped head saw, in its training.json, to fine-tune it on new text)",
+    )
     c.add_argument("--gen-len", type=int, default=192, help="max tokens per generated response (default 192)")
     c.add_argument("--gen-batch", type=int, default=32, help="responses generated at once (default 32)")
     c.add_argument("--window", type=int, default=512, help="training window in tokens (default 512)")
@@ -112,6 +119,8 @@ def check_args(args) -> None:
     for name in ("corpus_tokens", "shard_prompts", "gen_len", "gen_batch", "window", "draft_vocab", "topk"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.first_prompt < 0:
+        raise InputError("--first-prompt must be >= 0")
     for name in ("ttt_steps", "batch"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1")
@@ -191,6 +200,7 @@ def run(args) -> int:
         vocab=fixed_vocab,
         threads=args.threads,
         device=args.device,
+        first_prompt=args.first_prompt,
     )
     info = eagle3_corpus.read_progress(corpus)
     log(

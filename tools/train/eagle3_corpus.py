@@ -423,10 +423,21 @@ class Corpus:
     progress. Everything a later run needs to continue is on disk after each shard."""
 
     def __init__(
-        self, loaded, aux_layers, root: Path, settings: dict, vocab, threads, batch, shard_prompts, device="cpu"
+        self,
+        loaded,
+        aux_layers,
+        root: Path,
+        settings: dict,
+        vocab,
+        threads,
+        batch,
+        shard_prompts,
+        device="cpu",
+        first=0,
     ):
         self.loaded, self.aux, self.settings, self.threads, self.batch = loaded, aux_layers, settings, threads, batch
         self.device = device  # cpu: the ONNX Runtime features graph; else PyTorch on that device
+        self.first = first  # the prompt index a new corpus starts at
         self._engine = None
         self.shard_prompts = shard_prompts  # not a setting: runs may differ
         self.folder = root / corpus_key(target_id_of(loaded), settings)
@@ -445,7 +456,7 @@ class Corpus:
             "tokens": 0,
             "generated_tokens": 0,
             "generated_responses": 0,
-            "next_prompt": 0,
+            "next_prompt": self.first,
             "generation_s": 0.0,
             "features_s": 0.0,
             "settings": self.settings,
@@ -551,13 +562,17 @@ def grow_corpus(
     vocab: np.ndarray | None = None,
     threads: int | None = None,
     device: str = "cpu",
+    first_prompt: int = 0,
     verbose: bool = True,
 ) -> Path:
     """Append shards to the corpus for this target and these settings until it holds
     `total_tokens` or `minutes` are up (a shard started is finished; 0: add none), and return
     its folder. vocab: a fixed draft vocabulary (target ids; a head being fine-tuned keeps its
     own), else FR-Spec over the first shard. device: "cpu" runs the target in ONNX Runtime, "cuda"
-    in PyTorch on the GPU (the corpus is the same either way: its key does not name the device)."""
+    in PyTorch on the GPU (the corpus is the same either way: its key does not name the device).
+    first_prompt: where a NEW corpus starts in the prompt stream (prompt_at): past the prompts an
+    earlier corpus used, so a head fine-tuned on it sees new text (a corpus that exists goes on
+    from its own next prompt)."""
     tok, cfg = loaded.tokenizer, loaded.config
     if tok is None:
         raise InputError("train-draft needs the target's tokenizer (to build the prompt mix)")
@@ -576,7 +591,7 @@ def grow_corpus(
         if len(vocab) != draft_vocab:
             raise InputError(f"the fixed draft vocabulary has {len(vocab)} ids, expected {draft_vocab}")
         settings["vocab_sha256"] = hashlib.sha256(np.asarray(vocab, dtype=np.int64).tobytes()).hexdigest()[:16]
-    corpus = Corpus(loaded, aux_layers, root, settings, vocab, threads, batch, shard_prompts, device)
+    corpus = Corpus(loaded, aux_layers, root, settings, vocab, threads, batch, shard_prompts, device, first_prompt)
     t0 = time.perf_counter()
     try:
         prog = corpus.progress()
