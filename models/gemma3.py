@@ -135,9 +135,9 @@ class Gemma3Decoder(nn.Module):
     def forward(self, input_ids, position_ids, attention_mask, *past):
         cfg = self.config
         x = self.model.embed_tokens(input_ids)
-        x = x * torch.tensor(
-            cfg.hidden_size**0.5, dtype=x.dtype, device=x.device
-        )  # rounded to the weights' dtype, as HF does
+        # sqrt(hidden) rounded to the weights' dtype, as HF does; a Python number, so that no
+        # host-to-device copy sits in the forward (a CUDA graph cannot capture one)
+        x = x * float(torch.tensor(cfg.hidden_size**0.5, dtype=x.dtype))
         full = (*self.rotary(position_ids), additive_mask(attention_mask))
         local = full
         if cfg.sliding_window > 0:
