@@ -38,7 +38,7 @@ class _Entry:
     def __init__(self, cache: KVCache, tb: int, n_layers: int):
         b, s = cache.k.shape[2], cache.k.shape[1]
         dev = cache.k.device
-        self.tb, self.s = tb, s
+        self.s = s
         self.ids = torch.zeros(b, tb, dtype=torch.long, device=dev)
         self.pos = torch.zeros(b, tb, dtype=torch.long, device=dev)
         self.mask = torch.zeros(b, tb, s + tb, dtype=torch.bool, device=dev)
@@ -122,8 +122,7 @@ class StaticCalls:
             out = e.out
         n = self.n_layers
         kv = out[1 : 1 + 2 * n]
-        feats = out[1 + 2 * n][:, :t] if len(out) > 1 + 2 * n else None
         # copies: a graph's outputs are overwritten by its next replay, the caller may keep them
         logits = out[0][:, :t].clone()
-        feats = feats.clone() if feats is not None else None
+        feats = out[1 + 2 * n][:, :t].clone() if len(out) > 1 + 2 * n else None
         return logits, torch.stack([k[:t] for k in kv[0::2]]), torch.stack([v[:t] for v in kv[1::2]]), feats

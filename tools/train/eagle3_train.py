@@ -224,7 +224,8 @@ def train(
     with `better(new, old) -> bool` (train-draft passes the install rule, `eagle3_heldout.beats`)
     the head of the best measure so far is kept in `out/best_head.pt`: the report's "best" names
     its batch (the caller publishes that head). `device`: where the head trains ("cuda" on a
-    GPU); the held-out measure and the checkpoints see a CPU copy, so a run resumes anywhere."""
+    GPU); the held-out measure and the checkpoints' heads are CPU copies, and checkpoints load with
+    map_location="cpu", so a run resumes anywhere."""
     from tqdm import tqdm
 
     from arborspec.runtime.fileio import atomic_write_json
