@@ -100,6 +100,12 @@ def qdq_from_nbits(nb: NBits, bits: int, dtype=np.float32) -> QDQ:
             q, offsets = q - 8, shifted.astype(dtype)
         else:
             bits, lo, hi = 8, -128, 127
+    if offsets is not None and not _exact_in(offsets.astype(np.float64), dtype):
+        # Q4_1 carried with zero point 8 (offset m + 8d, exact in float32): back to w = d q + m
+        unshifted = offsets.astype(np.float64) - 8.0 * scales.astype(np.float64)
+        if not (bits == 4 and q.min() >= -8 and _exact_in(unshifted, dtype)):
+            raise InputError(f"{nb.source}: the block offsets do not fit {np.dtype(dtype).name} exactly")
+        q, offsets, bits, lo, hi = q + 8, unshifted, 8, -128, 127
     if q.min() < lo or q.max() > hi:
         raise InputError(f"{nb.source}: block values {q.min()}..{q.max()} do not fit int{bits}")
     return QDQ(
