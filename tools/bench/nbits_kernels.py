@@ -17,25 +17,22 @@ import sys
 import time
 
 
-def session(k: int, n: int, zero_points: str, accuracy_level: int, threads: int):
+def matmul_nbits_session(
+    blob, scales, zero_points, k: int, n: int, accuracy_level: int, threads: int = 1, bits: int = 4
+):
+    """An ONNX Runtime session of one MatMulNBits node (x [..., K] -> y [..., N]) over the given
+    blocks: blob [N, K/32, 32*bits/8] uint8, scales [N*K/32] float32, zero points (None, packed
+    uint8, or float32)."""
     import numpy as np
     import onnxruntime as ort
     from onnx import TensorProto as TP
     from onnx import helper as h
     from onnx import numpy_helper as nh
 
-    rng = np.random.default_rng(0)
-    nb = k // 32
-    inits = [
-        nh.from_array(rng.integers(0, 255, (n, nb, 16), dtype=np.uint8), "blob"),
-        nh.from_array(rng.random(n * nb).astype(np.float32) * 0.01, "scales"),
-    ]
+    inits = [nh.from_array(np.asarray(blob, np.uint8), "blob"), nh.from_array(np.asarray(scales, np.float32), "scales")]
     ins = ["x", "blob", "scales"]
-    if zero_points == "uint8":
-        inits.append(nh.from_array(np.full(n * ((nb + 1) // 2), 0x88, np.uint8), "zp"))
-        ins.append("zp")
-    elif zero_points == "float":
-        inits.append(nh.from_array(rng.random(n * nb).astype(np.float32) * 15, "zp"))
+    if zero_points is not None:
+        inits.append(nh.from_array(zero_points, "zp"))
         ins.append("zp")
     node = h.make_node(
         "MatMulNBits",
@@ -44,15 +41,15 @@ def session(k: int, n: int, zero_points: str, accuracy_level: int, threads: int)
         domain="com.microsoft",
         K=k,
         N=n,
-        bits=4,
+        bits=bits,
         block_size=32,
         accuracy_level=accuracy_level,
     )
     graph = h.make_graph(
         [node],
         "nbits",
-        [h.make_tensor_value_info("x", TP.FLOAT, [1, "T", k])],
-        [h.make_tensor_value_info("y", TP.FLOAT, [1, "T", n])],
+        [h.make_tensor_value_info("x", TP.FLOAT, None)],
+        [h.make_tensor_value_info("y", TP.FLOAT, None)],
         inits,
     )
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid("com.microsoft", 1)])
@@ -60,6 +57,22 @@ def session(k: int, n: int, zero_points: str, accuracy_level: int, threads: int)
     so.intra_op_num_threads = threads
     so.log_severity_level = 3
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def session(k: int, n: int, zero_points: str, accuracy_level: int, threads: int):
+    """Random blocks of a K x N layer with `zero_points` none | uint8 | float."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    nb = k // 32
+    blob = rng.integers(0, 255, (n, nb, 16), dtype=np.uint8)
+    scales = rng.random(n * nb).astype(np.float32) * 0.01
+    zp = None
+    if zero_points == "uint8":
+        zp = np.full(n * ((nb + 1) // 2), 0x88, np.uint8)
+    elif zero_points == "float":
+        zp = rng.random(n * nb).astype(np.float32) * 15
+    return matmul_nbits_session(blob, scales, zp, k, n, accuracy_level, threads)
 
 
 def measure(k: int, n: int, reps: int, threads: int, rows=(1, 2)) -> list[dict]:
