@@ -283,7 +283,7 @@ def build_gqa_model(
             return None
         from .quantize import NBits
 
-        zps = [q.zero_points for q in parts]
+        zps = [q.zero_points for q in parts]  # None: the default (8, or 128 for 8 bits)
         offs = [q.offsets for q in parts]
         if any(o is not None for o in offs):
             offs = [o if o is not None else np.zeros((q.n, q.k // 32), np.float32) for o, q in zip(offs, parts)]
@@ -293,7 +293,7 @@ def build_gqa_model(
         return NBits(
             np.concatenate([q.blob for q in parts]),
             np.concatenate([q.scales for q in parts]),
-            None if any(z is None for z in zps) else np.concatenate(zps),
+            None if all(z is None for z in zps) else np.concatenate([q.packed_zero_points() for q in parts]),
             parts[0].bits,
             sum(q.n for q in parts),
             parts[0].k,

@@ -58,6 +58,16 @@ class NBits:
     source: str
     offsets: np.ndarray | None = None  # [N, K/block] float32 added per block (Q4_1's m), or None
 
+    def packed_zero_points(self) -> np.ndarray:
+        """The zero points as MatMulNBits stores them, the default (2^(bits-1)) written out where
+        the layer has none."""
+        nb = self.k // BLOCK
+        if self.zero_points is not None:
+            return self.zero_points
+        if self.bits == 8:
+            return np.full(self.n * nb, 128, np.uint8)
+        return np.full(self.n * ((nb + 1) // 2), 0x88, np.uint8)
+
     def zero_point_values(self) -> np.ndarray:
         """Zero points [N, K/block] as numbers."""
         nb = self.k // BLOCK
@@ -117,17 +127,18 @@ def nbits_from_gguf(raw: np.ndarray, qtype: str, n: int, k: int) -> NBits:
         d = _f16(blocks, 0)
         qs = blocks[..., bsz - 16 :]
         q = np.concatenate([qs & 0x0F, qs >> 4], -1)  # GGUF: low nibbles are 0..15, high 16..31
-        zp_nibble, offsets = 8, None
+        zp, offsets = None, None  # no zero points: MatMulNBits' default 8 (2.5 MB less to read per token)
         if qtype == "Q4_1":
             offsets, zp_nibble = q4_1_offsets(d, _f16(blocks, 2))
-        zp = np.full(n * ((nb + 1) // 2), zp_nibble | (zp_nibble << 4), np.uint8)
+            if zp_nibble != 8:
+                zp = np.full(n * ((nb + 1) // 2), zp_nibble | (zp_nibble << 4), np.uint8)
         return NBits(_pack4(q), d.reshape(-1), zp, 4, n, k, f"gguf-{qtype.lower()}", offsets)
     if qtype == "Q8_0":
         blocks = raw.reshape(n, nb, 34)
         d = _f16(blocks, 0)
         q = blocks[..., 2:].copy().view(np.int8).astype(np.int16) + 128
-        # 8-bit MatMulNBits on the CPU takes uint8 zero points (one per block)
-        return NBits(q.astype(np.uint8), d.reshape(-1), np.full(n * nb, 128, np.uint8), 8, n, k, "gguf-q8_0")
+        # 8-bit MatMulNBits: q + 128 as uint8 with its default zero point 128 (none stored)
+        return NBits(q.astype(np.uint8), d.reshape(-1), None, 8, n, k, "gguf-q8_0")
     raise InputError(f"GGUF tensor type {qtype} cannot be carried over as blocks (Q4_0, Q4_1, Q8_0 can)")
 
 

@@ -203,7 +203,7 @@ def test_q4_1_blocks_are_centred_so_int8_activations_round_less():
     w = (rng.standard_normal((96, 512)) * 0.05).astype(np.float32)
     raw = quantize(w, Q.Q4_1)
     nb = nbits_from_gguf(raw, "Q4_1", 96, 512)
-    assert (nb.zero_point_values() == 8).all()
+    assert nb.zero_points is None and (nb.zero_point_values() == 8).all()  # the default: nothing stored or read
     assert np.array_equal(nb.dequantize(), dequantize(raw, Q.Q4_1).reshape(96, 512))
     zp0 = zero_point_0(nb)
     assert (zp0.zero_point_values() == 0).all()

@@ -38,7 +38,7 @@ def zero_point_0(nb):
     """The same Q4_1 weights carried as zero point 0 and offset m (the form before 2026-11-26)."""
     d = nb.scales.reshape(nb.n, -1)
     zp = nb.zero_point_values()
-    return dataclasses.replace(nb, zero_points=np.zeros_like(nb.zero_points), offsets=nb.offsets - zp * d)
+    return dataclasses.replace(nb, zero_points=np.zeros_like(nb.packed_zero_points()), offsets=nb.offsets - zp * d)
 
 
 def relative_error(y: np.ndarray, exact: np.ndarray) -> float:
