@@ -87,9 +87,15 @@ def qdq_from_nbits(nb: NBits, bits: int, dtype=np.float32) -> QDQ:
         q = np.stack([nb.blob & 0x0F, nb.blob >> 4], -1).reshape(nb.n, nblk, BLOCK).astype(np.int16)
     else:
         q = nb.blob.reshape(nb.n, nblk, BLOCK).astype(np.int16)
-    q = q - nb.zero_point_values().astype(np.int16)[..., None]  # w = scale * q (+ offset)
+    zp = nb.zero_point_values().astype(np.int16)
     scales = nb.scales.reshape(nb.n, nblk)
     offsets = nb.offsets
+    if offsets is not None and nb.bits == 4:
+        # Q4_1 (quantize.q4_1_offsets folds a zero point into the offset): q stays 0..15 with the
+        # offset m (exact in float64); below it is centred again where `dtype` holds m + 8d
+        offsets = offsets.astype(np.float64) - zp * scales.astype(np.float64)
+    else:
+        q = q - zp[..., None]  # w = scale * q (+ offset)
     if not _exact_in(scales.astype(np.float64), dtype):
         raise InputError(f"{nb.source}: the block scales do not fit {np.dtype(dtype).name} exactly")
     lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
@@ -101,11 +107,7 @@ def qdq_from_nbits(nb: NBits, bits: int, dtype=np.float32) -> QDQ:
         else:
             bits, lo, hi = 8, -128, 127
     if offsets is not None and not _exact_in(offsets.astype(np.float64), dtype):
-        # Q4_1 carried with zero point 8 (offset m + 8d, exact in float32): back to w = d q + m
-        unshifted = offsets.astype(np.float64) - 8.0 * scales.astype(np.float64)
-        if not (bits == 4 and q.min() >= -8 and _exact_in(unshifted, dtype)):
-            raise InputError(f"{nb.source}: the block offsets do not fit {np.dtype(dtype).name} exactly")
-        q, offsets, bits, lo, hi = q + 8, unshifted, 8, -128, 127
+        raise InputError(f"{nb.source}: the block offsets do not fit {np.dtype(dtype).name} exactly")
     if q.min() < lo or q.max() > hi:
         raise InputError(f"{nb.source}: block values {q.min()}..{q.max()} do not fit int{bits}")
     return QDQ(

@@ -55,6 +55,23 @@ def test_gguf_blocks_as_qdq_are_the_gguf_weights_exactly(qtype, bits):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
+def test_q4_1_blocks_as_float16_qdq_keep_the_gguf_d_and_m(bits):
+    """An fp16 graph: the scales and offsets are the GGUF's own fp16 d and m (the MatMulNBits form
+    carries m + 8d, which fp16 may not hold: then the blocks become int8 with q in 0..15)."""
+    w = (np.random.default_rng(3).standard_normal((48, 96)) * 3.0).astype(np.float32)
+    raw = quantize(w, Q.Q4_1)
+    blocks = raw.reshape(48, 3, 20)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+    q = qdq_from_nbits(nbits_from_gguf(raw, "Q4_1", 48, 96), bits, np.float16)
+    assert np.array_equal(q.scales, d)
+    centred = q.bits == 4
+    assert np.array_equal(q.offsets.astype(np.float64), m.astype(np.float64) + 8.0 * d * centred)
+    assert q.q.min() >= -8 * centred and q.q.max() <= 15 - 8 * centred
+    assert bits == 4 or q.bits == 8
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 def test_round_to_nearest_matches_onnxruntime_symmetric(bits):
     """Our blockwise RTN is ONNX Runtime's symmetric MLAS rule (scale = signed absmax / -2^(b-1))."""
     qz = pytest.importorskip("onnxruntime.quantization.matmul_nbits_quantizer")
