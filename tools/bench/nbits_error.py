@@ -45,15 +45,13 @@ def relative_error(y: np.ndarray, exact: np.ndarray) -> float:
     return float(np.sqrt(((y - exact) ** 2).mean() / (exact**2).mean()))
 
 
-def activations(layer: int, tokens: int) -> dict:
-    """The inputs of `layer`'s q, o, gate and down projections over the held-out text (fp32)."""
+def activations(lm, layer: int, tokens: int) -> dict:
+    """The inputs of `layer`'s q, o, gate and down projections over the held-out text (fp32);
+    `lm`: the loaded model (models.registry.load_model)."""
     from pathlib import Path
 
     import torch
 
-    from arborspec.models.registry import load_model
-
-    lm = load_model("smollm2-135m")
     m, cfg = lm.module.eval(), lm.config
     text = (Path(__file__).parent.parent / "data" / "heldout.txt").read_text()
     ids = torch.tensor([lm.tokenizer.encode(text)[:tokens]])
@@ -80,9 +78,10 @@ def measure(layer: int, tokens: int) -> list[dict]:
     from arborspec.export.quantize import GGUFBlocks
     from arborspec.models.registry import load_model, smollm2_path
 
-    cfg = load_model("smollm2-135m").config
+    lm = load_model("smollm2-135m")
+    cfg = lm.config
     blocks = GGUFBlocks(smollm2_path(), cfg.n_heads, cfg.n_kv_heads)
-    acts = activations(layer, tokens)
+    acts = activations(lm, layer, tokens)
     rows = []
     for name, hf in LINEARS.items():
         nb = blocks.linear(f"model.layers.{layer}.{hf}.weight")
