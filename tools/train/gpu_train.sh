@@ -41,7 +41,7 @@ OUT=${OUT:-/tmp/arborspec-gpu-train-out}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/train.log") 2>&1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-LAYOUT=/tmp/arborspec-layout
+LAYOUT=/tmp/arborspec-layout-$$  # one per process: two scripts may run side by side
 rm -rf "$LAYOUT"; mkdir -p "$LAYOUT/arborspec"
 for d in runtime models export tools; do ln -s "$ROOT/$d" "$LAYOUT/arborspec/$d"; done
 ln -s "$ROOT/arborspec/__init__.py" "$LAYOUT/arborspec/__init__.py"
@@ -55,7 +55,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
   --corpus-tokens "${CORPUS_TOKENS:-20000000}" --corpus-minutes "${CORPUS_MIN:-3.5}" \
   --minutes "${TRAIN_MIN:-3.5}" --shard-prompts 256 --eval-minutes 2 --quiet ${EXTRA:-}
 rc=$?
-if [ -f "$HEAD/model.safetensors" ]; then
+if [ $rc -eq 0 ] && [ -f "$HEAD/model.safetensors" ]; then  # never a stale head from an earlier run
   split -b 15M -d -a 2 "$HEAD/model.safetensors" "$OUT/model.safetensors.part"
   (cd "$HEAD" && sha256sum model.safetensors) > "$OUT/model.safetensors.sha256"
   cp "$HEAD/config.json" "$HEAD/training.json" "$OUT/"
