@@ -18,6 +18,7 @@ Parts (--parts, default all):
           "weights": "random", and its speed-ups say nothing about a trained model's).
   graphs  CUDA graphs: the verify call (the module's forward) captured once per T bucket at a fixed
           P and replayed, against the same call eager: the launch overhead a captured step removes.
+  profile the static (graph-captured) verify call per T under torch.profiler: its top kernels.
   ort     (only with onnxruntime-gpu) c(T) of ONNX Runtime CUDA with IOBinding against torch CUDA on
           the decode model's portable export (fp32), P = 512.
 
@@ -296,8 +297,9 @@ def part_decode(a, res: dict) -> None:
         for label, dr, mode, spec in configs:
             kw = {} if mode == "vanilla" else {"tree": spec, "max_tree_nodes": 128}
             dec = SpeculativeDecoder(target, dr, mode=mode, **kw)
-            if graphs:  # capture this configuration's T buckets before timing it
-                dec.generate(prompts[0], min(new, 16))
+            if graphs:  # capture this configuration's T buckets before timing it, on the longest prompt:
+                # its cache slab holds every prompt, so no slab (and no capture) is new while timed
+                dec.generate(max(prompts, key=len), new)
             tot_new = tot_dec = tot_steps = tot_own = 0.0
             equal = True
             for i, ids in enumerate(prompts):
@@ -408,6 +410,60 @@ def part_graphs(a, res: dict) -> None:
     }
 
 
+def part_profile(a, res: dict) -> None:
+    """Where a static verify call's time goes, per T: torch.profiler over replays of the captured
+    call (SmolLM2's shape, fp32 and fp16, P = 512), the top kernels by device time. On the H100
+    a T = 8 call of SmolLM2 in fp32 cost 2x a T = 1 call, which flattened the speed-up of every
+    draft under CUDA graphs (benchmarks/RESULTS.md, "GPU ... H100"): this names the kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from arborspec.runtime.backends.cuda_graphs import StaticCalls
+    from arborspec.runtime.backends.torch_backend import TorchEngine
+    from arborspec.runtime.kvcache import KVCache
+
+    cuda = a.device.startswith("cuda")
+    act = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    key = "device_time_total" if cuda else "cpu_time_total"
+    out = {}
+    for dtype in (torch.float32, torch.float16) if cuda else (torch.float32,):
+        d = TINY if a.dry_run else SMOL
+        cfg = llama_config(d, "smollm2-shape")
+        m = random_module(cfg, a.device, dtype)
+        eng = TorchEngine(m, device=a.device, dtype=dtype)
+        p = 16 if a.dry_run else 512
+        cache = KVCache(eng.info.cache, p + 129, 1, a.device)
+        cache.k.zero_()
+        cache.v.zero_()
+        cache.length = p
+        static = StaticCalls(m, cfg.n_layers, capture=cuda)
+        rows = {}
+        for t in (1, 2, 8, 32):
+            ids, pos, mask = verify_inputs(eng, t, p, a.device, cache)
+            with torch.inference_mode():
+                static.run(ids, pos, mask, cache)  # captured here (a replay from then on)
+                ms = Clock(a.device).time(lambda: static.run(ids, pos, mask, cache), a.reps)["median_ms"]
+                with profile(activities=act) as prof:
+                    for _ in range(5):
+                        static.run(ids, pos, mask, cache)
+                    if cuda:
+                        torch.cuda.synchronize()
+            ev = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)
+            total = sum(getattr(e, key, 0) for e in ev) or 1
+            rows[t] = {
+                "call_ms": ms,
+                "top": [
+                    {"name": e.key[:90], "us_per_call": getattr(e, key, 0) / 5, "calls": e.count // 5,
+                     "share": getattr(e, key, 0) / total}
+                    for e in ev[:10]
+                ],
+            }
+        out[str(dtype).split(".")[-1]] = rows
+        eng = m = cache = static = None
+        if cuda:
+            torch.cuda.empty_cache()
+    res["profile"] = {**out, "note": "static calls (runtime/backends/cuda_graphs.py) replayed; kernels by device time"}
+
+
 def part_ort(a, res: dict) -> None:
     try:
         import onnxruntime as ort
@@ -459,7 +515,7 @@ def part_ort(a, res: dict) -> None:
     res["ort"] = out
 
 
-PARTS = {"cost": part_cost, "decode": part_decode, "graphs": part_graphs, "ort": part_ort}
+PARTS = {"cost": part_cost, "decode": part_decode, "graphs": part_graphs, "profile": part_profile, "ort": part_ort}
 
 
 def main(argv=None) -> int:

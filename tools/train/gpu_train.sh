@@ -13,7 +13,8 @@
 #         timeout_s=600)
 # Knobs (environment): CORPUS_MIN (default 3.5), TRAIN_MIN (default 3.5), CORPUS_TOKENS (default
 # 20000000: the time is the limit), GEN_BATCH (128), BATCH (32 windows), LR (3e-4), INIT (eagle3:
-# fine-tune the shipped head; "none": a fresh head), EXTRA (more train-draft arguments, later ones win).
+# fine-tune the shipped head; "none": a fresh head), SCHEDULE (4000 batches: the learning-rate schedule;
+# the time is the limit, ~230 batches a minute on an H100), EXTRA (more train-draft arguments, later ones win).
 # A dry run of the recipe on the CPU (small sizes, minutes):
 #     DEVICE=cpu PYTHON=.venv/bin/python CORPUS_MIN=0.1 TRAIN_MIN=0.2 OUT=/tmp/gt \
 #       EXTRA="--shard-prompts 4 --gen-len 16 --corpus-tokens 1000 --batch 2" bash tools/train/gpu_train.sh
@@ -53,7 +54,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 "${PYTHON:-python3}" -P -m arborspec.tools.commands.cli train-draft --model smollm2-135m --out "$HEAD" --device "${DEVICE:-cuda}" \
   "${init[@]}" --lr "${LR:-3e-4}" --gen-batch "${GEN_BATCH:-128}" --batch "${BATCH:-32}" \
   --corpus-tokens "${CORPUS_TOKENS:-20000000}" --corpus-minutes "${CORPUS_MIN:-3.5}" \
-  --minutes "${TRAIN_MIN:-3.5}" --shard-prompts 256 --eval-minutes 2 --quiet ${EXTRA:-}
+  --minutes "${TRAIN_MIN:-3.5}" --shard-prompts 256 --eval-minutes 2 --schedule-batches "${SCHEDULE:-4000}" \
+  --quiet ${EXTRA:-}
 rc=$?
 if [ $rc -eq 0 ] && [ -f "$HEAD/model.safetensors" ]; then  # never a stale head from an earlier run
   split -b 15M -d -a 2 "$HEAD/model.safetensors" "$OUT/model.safetensors.part"
