@@ -39,6 +39,19 @@ from .stats import GenerationStats
 from .tree_plan import padded_call, write_tree
 from .trees import Tree
 
+HOST_LOGITS_BYTES = 64 << 20  # 128 rows x 49k fp32 logits are 25 MB: one copy, ~2 ms
+
+
+def host_logits(logits: torch.Tensor, limit: int = HOST_LOGITS_BYTES) -> torch.Tensor:
+    """The verify call's logits on the host when they live on a GPU and are at most `limit` bytes:
+    one copy for the batch, after which every row's accept and finiteness check runs on the
+    host (numpy), instead of a few small device kernels and a synchronisation per row (on an H100
+    a 128-row greedy corpus run made ~1,030 tokens/s, ~124 ms a step against ~28 ms for one eager
+    call). Larger calls stay on the device."""
+    if logits.device.type == "cpu" or logits.numel() * logits.element_size() > limit:
+        return logits
+    return logits.cpu()
+
 
 @dataclass(eq=False)
 class BatchSequence:
@@ -224,6 +237,7 @@ class BatchDecoder:
         t1 = time.perf_counter()
         dev = tgt.device
         logits, feats = verify(tgt, ids.to(dev), pos.to(dev), mask.to(dev), view, self.needs_features)
+        logits = host_logits(logits)
         share = (t_draft / len(seqs), (time.perf_counter() - t1) / len(seqs))
         moves = []  # (row, dst0, src positions): one gather for all rows after the loop
         p = self._cache.length

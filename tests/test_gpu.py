@@ -584,6 +584,45 @@ def test_tensorrt_compare_cli(trt_answer, dtype, capsys):
     assert rc == 0
 
 
+# ----------------------------------------------------------------------------- batched decoding
+@pytest.mark.parametrize("kind", ["vanilla", "lookup", "layers:1"])
+def test_torch_cuda_batched_equals_alone_and_accepts_on_the_host(cuda_models, kind, monkeypatch):
+    """BatchDecoder on CUDA (the server's continuous batching, the GPU corpus of train-draft):
+    every sequence equals decoding it alone, 2 rows for 3 prompts (joins and leaves), and the
+    rows' accept reads host logits (batch_decode.host_logits: one copy per step, not a device
+    sync per row). Sampled rows run too (their generators are host generators)."""
+    from arborspec.runtime import batch_decode
+    from arborspec.runtime.backends.torch_backend import TorchEngine
+    from arborspec.runtime.batch_decode import BatchDecoder
+    from arborspec.runtime.decode import SpeculativeDecoder
+    from arborspec.runtime.sampling import SamplingParams
+
+    m, dm = cuda_models["llama"]
+    target = TorchEngine(copy.deepcopy(m), device=DEV)
+    draft_module = copy.deepcopy(dm)
+    mode, tree = ("vanilla", None) if kind == "vanilla" else ("tree", "full:3,2")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, target.info.vocab_size, (n,), generator=g).tolist() for n in (5, 1, 17)]
+    dr = None if kind == "vanilla" else kind
+    solo = SpeculativeDecoder(target, _draft_of(dr, target, draft_module) if dr else None, mode=mode, tree=tree)
+    ref = [solo.generate(p, 16).tokens for p in prompts]
+    seen = []
+    settle = batch_decode.settle
+
+    def spy(logits, *a, **k):
+        seen.append(logits.device.type)
+        return settle(logits, *a, **k)
+
+    monkeypatch.setattr(batch_decode, "settle", spy)
+    bd = BatchDecoder(target, _draft_of(dr, target, draft_module) if dr else None, mode=mode, tree=tree, max_batch=2)
+    got = [s.tokens for s in bd.generate_many(prompts, 16)]
+    assert got == ref
+    assert seen and set(seen) == {"cpu"}
+    sampled = bd.generate_many(prompts, 4, sampling=SamplingParams(0.8, 0, 0.9), seeds=range(3))
+    assert all(len(s.tokens) == 4 for s in sampled)
+    record(f"batched_equals_alone[{kind}]", {"equal": got == ref, "accept_on": sorted(set(seen))})
+
+
 # ----------------------------------------------------------------------------- training on the GPU
 def test_train_draft_corpus_and_training_on_the_device_resume_on_the_cpu(tmp_path):
     """`train-draft --device cuda`: the corpus is generated and featurised by the PyTorch target

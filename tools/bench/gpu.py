@@ -18,6 +18,7 @@ Parts (--parts, default all):
           "weights": "random", and its speed-ups say nothing about a trained model's).
   graphs  CUDA graphs: the verify call (the module's forward) captured once per T bucket at a fixed
           P and replayed, against the same call eager: the launch overhead a captured step removes.
+  batch   batched vanilla decoding (BatchDecoder: serving, the GPU corpus) at 1, 32, 128 rows.
   profile the static (graph-captured) verify call per T under torch.profiler: its top kernels.
   ort     (only with onnxruntime-gpu) c(T) of ONNX Runtime CUDA with IOBinding against torch CUDA on
           the decode model's portable export (fp32), P = 512.
@@ -410,6 +411,37 @@ def part_graphs(a, res: dict) -> None:
     }
 
 
+def part_batch(a, res: dict) -> None:
+    """Batched vanilla decoding (runtime/batch_decode.py: the server's continuous batching and the
+    corpus generator of `train-draft --device cuda`): tokens/s at 1, 32 and 128 rows, fp32 eager,
+    the packaged prompts repeated to twice the rows, --max-new-tokens each. On the H100 the corpus
+    run made ~1,030 tokens/s at 128 rows before the accept moved to the host (host_logits)."""
+    from arborspec.runtime.backends.torch_backend import TorchEngine
+    from arborspec.runtime.batch_decode import BatchDecoder
+
+    module, tok, desc = decode_model(a)
+    base = prompts_for(tok, module.config.vocab_size, a.prompts, a.dry_run)
+    new = 8 if a.dry_run else a.max_new_tokens
+    target = TorchEngine(module, device=a.device)
+    rows = []
+    res["batch"] = {**desc, "max_new_tokens": new, "rows": rows}
+    for b in (1, 4) if a.dry_run else (1, 32, 128):
+        prompts = [base[i % len(base)] for i in range(2 * b)]
+        bd = BatchDecoder(target, None, mode="vanilla", max_batch=b)
+        bd.generate_many(prompts[:b], 4)  # warm-up: the cache at its size, kernels loaded
+        if a.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        seqs = bd.generate_many(prompts, new)
+        if a.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        n = sum(len(s.tokens) for s in seqs)
+        rows.append({"rows": b, "sequences": len(prompts), "tokens": n, "seconds": dt, "tokens_per_s": n / dt})
+        print(f"bench_gpu: batch {rows[-1]}", file=sys.stderr)
+        bd.close()
+
+
 def part_profile(a, res: dict) -> None:
     """Where a static verify call's time goes, per T: torch.profiler over replays of the captured
     call (SmolLM2's shape, fp32 and fp16, P = 512), the top kernels by device time. On the H100
@@ -452,8 +484,12 @@ def part_profile(a, res: dict) -> None:
             rows[t] = {
                 "call_ms": ms,
                 "top": [
-                    {"name": e.key[:90], "us_per_call": getattr(e, key, 0) / 5, "calls": e.count // 5,
-                     "share": getattr(e, key, 0) / total}
+                    {
+                        "name": e.key[:90],
+                        "us_per_call": getattr(e, key, 0) / 5,
+                        "calls": e.count // 5,
+                        "share": getattr(e, key, 0) / total,
+                    }
                     for e in ev[:10]
                 ],
             }
@@ -515,7 +551,14 @@ def part_ort(a, res: dict) -> None:
     res["ort"] = out
 
 
-PARTS = {"cost": part_cost, "decode": part_decode, "graphs": part_graphs, "profile": part_profile, "ort": part_ort}
+PARTS = {
+    "cost": part_cost,
+    "decode": part_decode,
+    "graphs": part_graphs,
+    "batch": part_batch,
+    "profile": part_profile,
+    "ort": part_ort,
+}
 
 
 def main(argv=None) -> int:
