@@ -525,6 +525,7 @@ def test_install_only_a_head_that_beats_the_shipped_one(tmp_path):
         (["--corpus-minutes", "-1"], "--corpus-minutes must be >= 0"),
         (["--schedule-batches", "0"], "--schedule-batches must be >= 1"),
         (["--threads", "0"], "--threads must be >= 1"),
+        (["--cuda-graphs"], "--cuda-graphs needs --device cuda"),
     ],
 )
 def test_train_draft_mistakes_are_one_error_line(tmp_path, capsys, extra, message):

@@ -585,12 +585,15 @@ def test_tensorrt_compare_cli(trt_answer, dtype, capsys):
 
 
 # ----------------------------------------------------------------------------- batched decoding
-@pytest.mark.parametrize("kind", ["vanilla", "lookup", "layers:1"])
-def test_torch_cuda_batched_equals_alone_and_accepts_on_the_host(cuda_models, kind, monkeypatch):
+@pytest.mark.parametrize(
+    "kind,graphs", [("vanilla", False), ("lookup", False), ("layers:1", False), ("vanilla", True), ("lookup", True)]
+)
+def test_torch_cuda_batched_equals_alone_and_accepts_on_the_host(cuda_models, kind, graphs, monkeypatch):
     """BatchDecoder on CUDA (the server's continuous batching, the GPU corpus of train-draft):
     every sequence equals decoding it alone, 2 rows for 3 prompts (joins and leaves), and the
     rows' accept reads host logits (batch_decode.host_logits: one copy per step, not a device
-    sync per row). Sampled rows run too (their generators are host generators)."""
+    sync per row). Sampled rows run too (their generators are host generators). With CUDA graphs
+    (TorchEngine(cuda_graphs=True); "static" in the dry run) the batched calls are replayed."""
     from arborspec.runtime import batch_decode
     from arborspec.runtime.backends.torch_backend import TorchEngine
     from arborspec.runtime.batch_decode import BatchDecoder
@@ -599,6 +602,9 @@ def test_torch_cuda_batched_equals_alone_and_accepts_on_the_host(cuda_models, ki
 
     m, dm = cuda_models["llama"]
     target = TorchEngine(copy.deepcopy(m), device=DEV)
+    batched_target = TorchEngine(
+        copy.deepcopy(m), device=DEV, cuda_graphs=(True if HAS_CUDA else "static") if graphs else False
+    )
     draft_module = copy.deepcopy(dm)
     mode, tree = ("vanilla", None) if kind == "vanilla" else ("tree", "full:3,2")
     g = torch.Generator().manual_seed(1)
@@ -614,17 +620,26 @@ def test_torch_cuda_batched_equals_alone_and_accepts_on_the_host(cuda_models, ki
         return settle(logits, *a, **k)
 
     monkeypatch.setattr(batch_decode, "settle", spy)
-    bd = BatchDecoder(target, _draft_of(dr, target, draft_module) if dr else None, mode=mode, tree=tree, max_batch=2)
+    bd = BatchDecoder(
+        batched_target, _draft_of(dr, target, draft_module) if dr else None, mode=mode, tree=tree, max_batch=2
+    )
     got = [s.tokens for s in bd.generate_many(prompts, 16)]
     assert got == ref
     assert seen and set(seen) == {"cpu"}
     sampled = bd.generate_many(prompts, 4, sampling=SamplingParams(0.8, 0, 0.9), seeds=range(3))
     assert all(len(s.tokens) == 4 for s in sampled)
-    record(f"batched_equals_alone[{kind}]", {"equal": got == ref, "accept_on": sorted(set(seen))})
+    static = getattr(batched_target, "static", None)
+    if graphs and HAS_CUDA:
+        assert static is not None and static.captured > 0 and static.replays > 0
+    record(
+        f"batched_equals_alone[{kind}{'-graphs' if graphs else ''}]",
+        {"equal": got == ref, "accept_on": sorted(set(seen)), "captured": getattr(static, "captured", None)},
+    )
 
 
 # ----------------------------------------------------------------------------- training on the GPU
-def test_train_draft_corpus_and_training_on_the_device_resume_on_the_cpu(tmp_path):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_train_draft_corpus_and_training_on_the_device_resume_on_the_cpu(tmp_path, graphs):
     """`train-draft --device cuda`: the corpus is generated and featurised by the PyTorch target
     on the GPU, the head trains there; the checkpoint holds CPU tensors, so the run resumes on
     the CPU (and on another machine); the head comes back on the CPU."""
@@ -638,7 +653,10 @@ def test_train_draft_corpus_and_training_on_the_device_resume_on_the_cpu(tmp_pat
     cfg = lm.config
     aux = default_aux_layers(cfg.n_layers)
     kw = dict(shard_prompts=4, gen_len=12, batch=2, window=48, draft_vocab=64, topk=4, seed=0)
-    corpus = grow_corpus(lm, aux, root=tmp_path / "c", total_tokens=150, minutes=5, verbose=False, device=DEV, **kw)
+    g = (True if HAS_CUDA else "static") if graphs else False  # train-draft --cuda-graphs
+    corpus = grow_corpus(
+        lm, aux, root=tmp_path / "c", total_tokens=150, minutes=5, verbose=False, device=DEV, cuda_graphs=g, **kw
+    )
     prog = read_progress(corpus)
     assert prog["tokens"] >= 150 and prog["generated_tokens"] > 0
     vocab = np.load(corpus / "vocab.npy")
@@ -655,7 +673,10 @@ def test_train_draft_corpus_and_training_on_the_device_resume_on_the_cpu(tmp_pat
     assert saved["step"] == 2 and all(v.device.type == "cpu" for v in saved["head"].values())
     rep2 = eagle3_train.train(head, embed, corpus, work, steps=2, batch=2, batches=1, progress=False, device="cpu")
     assert rep2["batches"] == 3
-    record("train_draft_on_device", {"device": DEV, "corpus_tokens": prog["tokens"], "batches": rep2["batches"]})
+    record(
+        f"train_draft_on_device[{'graphs' if graphs else 'eager'}]",
+        {"device": DEV, "corpus_tokens": prog["tokens"], "batches": rep2["batches"]},
+    )
 
 
 # ----------------------------------------------------------------------------- CUDA graphs

@@ -413,7 +413,8 @@ def part_graphs(a, res: dict) -> None:
 
 def part_batch(a, res: dict) -> None:
     """Batched vanilla decoding (runtime/batch_decode.py: the server's continuous batching and the
-    corpus generator of `train-draft --device cuda`): tokens/s at 1, 32 and 128 rows, fp32 eager,
+    corpus generator of `train-draft --device cuda`): tokens/s at 1, 32 and 128 rows, fp32, eager
+    and with CUDA graphs (each batched call replayed; train-draft's generator is eager so far),
     the packaged prompts repeated to twice the rows, --max-new-tokens each. On the H100 the corpus
     run made ~1,030 tokens/s at 128 rows before the accept moved to the host (host_logits)."""
     from arborspec.runtime.backends.torch_backend import TorchEngine
@@ -422,10 +423,15 @@ def part_batch(a, res: dict) -> None:
     module, tok, desc = decode_model(a)
     base = prompts_for(tok, module.config.vocab_size, a.prompts, a.dry_run)
     new = 8 if a.dry_run else a.max_new_tokens
-    target = TorchEngine(module, device=a.device)
     rows = []
     res["batch"] = {**desc, "max_new_tokens": new, "rows": rows}
-    for b in (1, 4) if a.dry_run else (1, 32, 128):
+    graphs = "static" if a.dry_run else True
+    for b, g in (
+        [(1, False), (4, False), (4, graphs)]
+        if a.dry_run
+        else [(1, False), (32, False), (128, False), (32, graphs), (128, graphs)]
+    ):
+        target = TorchEngine(module, device=a.device, cuda_graphs=g)
         prompts = [base[i % len(base)] for i in range(2 * b)]
         bd = BatchDecoder(target, None, mode="vanilla", max_batch=b)
         bd.generate_many(prompts[:b], 4)  # warm-up: the cache at its size, kernels loaded
@@ -437,7 +443,16 @@ def part_batch(a, res: dict) -> None:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         n = sum(len(s.tokens) for s in seqs)
-        rows.append({"rows": b, "sequences": len(prompts), "tokens": n, "seconds": dt, "tokens_per_s": n / dt})
+        rows.append(
+            {
+                "rows": b,
+                "cuda_graphs": bool(g),
+                "sequences": len(prompts),
+                "tokens": n,
+                "seconds": dt,
+                "tokens_per_s": n / dt,
+            }
+        )
         print(f"bench_gpu: batch {rows[-1]}", file=sys.stderr)
         bd.close()
 

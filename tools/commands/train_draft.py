@@ -107,6 +107,12 @@ def register(sub) -> None:
         default="cpu",
         help="cpu (the corpus through ONNX Runtime) or cuda[:N] (the corpus and the training in PyTorch on the GPU)",
     )
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="with --device cuda: the corpus generator's batched calls replayed as CUDA graphs (eager calls are "
+        "launch-bound there: 5.4x on one-sequence decoding measured on an H100)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars (also off when stderr is not a terminal)")
     p.set_defaults(run=run)
 
@@ -139,6 +145,8 @@ def check_args(args) -> None:
     dev = str(args.device)
     if dev != "cpu" and not (dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
         raise InputError(f"--device must be cpu, cuda or cuda:N, not {dev!r}")
+    if args.cuda_graphs and dev == "cpu":
+        raise InputError("--cuda-graphs needs --device cuda (CUDA graphs replay GPU calls)")
     if dev != "cpu":
         import torch
 
@@ -201,6 +209,7 @@ def run(args) -> int:
         threads=args.threads,
         device=args.device,
         first_prompt=args.first_prompt,
+        cuda_graphs=args.cuda_graphs,
     )
     info = eagle3_corpus.read_progress(corpus)
     log(

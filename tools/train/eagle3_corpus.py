@@ -255,18 +255,19 @@ def log(msg: str) -> None:
 
 
 # ------------------------------------------------------------------------ generation
-def feature_engine(loaded, aux_layers: list[int], device: str):
+def feature_engine(loaded, aux_layers: list[int], device: str, cuda_graphs: bool = False):
     """The target in PyTorch on `device` (a GPU: `train-draft --device cuda`), returning the hidden
     states entering `aux_layers` as its features: the same numbers as the ONNX Runtime features
     graph (tested), for machines where that graph does not run (its fp32 GroupQueryAttention has
-    no CUDA kernel)."""
+    no CUDA kernel). cuda_graphs: calls of up to 128 tokens (the generator's batched steps)
+    replayed as CUDA graphs; the 512-token feature windows run eagerly."""
     import copy
 
     from arborspec.runtime.backends.torch_backend import TorchEngine
 
     m = copy.deepcopy(loaded.module).float().eval()
     m.feature_layers = list(aux_layers)
-    return TorchEngine(m, device=device)
+    return TorchEngine(m, device=device, cuda_graphs=cuda_graphs)
 
 
 def open_engine(source, threads: int | None):
@@ -434,9 +435,11 @@ class Corpus:
         shard_prompts,
         device="cpu",
         first=0,
+        cuda_graphs=False,
     ):
         self.loaded, self.aux, self.settings, self.threads, self.batch = loaded, aux_layers, settings, threads, batch
         self.device = device  # cpu: the ONNX Runtime features graph; else PyTorch on that device
+        self.cuda_graphs = cuda_graphs  # that PyTorch target's calls replayed as CUDA graphs
         self.first = first  # the prompt index a new corpus starts at
         self._engine = None
         self.shard_prompts = shard_prompts  # not a setting: runs may differ
@@ -467,7 +470,7 @@ class Corpus:
         if self.device == "cpu":
             return corpus_graph(self.loaded, self.folder)
         if self._engine is None:
-            self._engine = feature_engine(self.loaded, self.aux, self.device)
+            self._engine = feature_engine(self.loaded, self.aux, self.device, self.cuda_graphs)
         return self._engine
 
     def vocab(self, stream: np.ndarray | None = None) -> np.ndarray:
@@ -564,6 +567,7 @@ def grow_corpus(
     device: str = "cpu",
     first_prompt: int = 0,
     verbose: bool = True,
+    cuda_graphs: bool = False,
 ) -> Path:
     """Append shards to the corpus for this target and these settings until it holds
     `total_tokens` or `minutes` are up (a shard started is finished; 0: add none), and return
@@ -572,7 +576,7 @@ def grow_corpus(
     in PyTorch on the GPU (the corpus is the same either way: its key does not name the device).
     first_prompt: where a NEW corpus starts in the prompt stream (prompt_at): past the prompts an
     earlier corpus used, so a head fine-tuned on it sees new text (a corpus that exists goes on
-    from its own next prompt)."""
+    from its own next prompt). cuda_graphs: on a GPU, the generator's calls replayed as graphs."""
     tok, cfg = loaded.tokenizer, loaded.config
     if tok is None:
         raise InputError("train-draft needs the target's tokenizer (to build the prompt mix)")
@@ -591,7 +595,9 @@ def grow_corpus(
         if len(vocab) != draft_vocab:
             raise InputError(f"the fixed draft vocabulary has {len(vocab)} ids, expected {draft_vocab}")
         settings["vocab_sha256"] = hashlib.sha256(np.asarray(vocab, dtype=np.int64).tobytes()).hexdigest()[:16]
-    corpus = Corpus(loaded, aux_layers, root, settings, vocab, threads, batch, shard_prompts, device, first_prompt)
+    corpus = Corpus(
+        loaded, aux_layers, root, settings, vocab, threads, batch, shard_prompts, device, first_prompt, cuda_graphs
+    )
     t0 = time.perf_counter()
     try:
         prog = corpus.progress()
