@@ -26,7 +26,7 @@ echo "gpu_session: training exit $trc: $(tail -1 "$work/train/train.log")"
 [ $trc -eq 0 ] || rm -rf "$HEAD"  # the benchmark then runs the shipped head (its JSON says which)
 mv "$work"/train/model.safetensors.part* "$work"/train/model.safetensors.sha256 "$OUT"/ 2>/dev/null  # back even if the call is cut
 OUT=$work/bench RUN_PARTS=bench BENCH_TIMEOUT=${BENCH_TIMEOUT:-200} \
-  BENCH_ARGS="--parts decode --drafts lookup,eagle3,eagle3+lookup --no-fp16 --eagle3-head $HEAD \
+  BENCH_ARGS="--parts decode --drafts lookup,eagle3,eagle3+lookup --eagle3-head $HEAD \
   --trees full:3,2;dynamic:8,6,64 ${BENCH_ARGS:-}" bash tools/bench/gpu_run.sh >/dev/null 2>&1
 grep "bench_gpu: decode {" "$work/bench/bench_gpu.log" | sed 's/bench_gpu: decode //' | cut -c1-220
 tar czf "$OUT/results.tgz" -C "$work" .
