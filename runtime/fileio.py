@@ -134,9 +134,15 @@ def partial_dir(out: str | os.PathLike) -> Path:
     import uuid
 
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}{PARTIAL_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as e:  # an unwritable or impossible place: one line, before any work
+        file = next((a for a in out.parents if a.exists() and not a.is_dir()), None)
+        raise OutputError(
+            f"cannot write {out}: {file} is a file, not a folder" if file else describe_os_error(e, out)
+        ) from e
     return tmp
 
 

@@ -1,7 +1,7 @@
 """What a new user meets first (issue 27), as the user meets it: the `arborspec` command run as a
 subprocess (exit status, the one `arborspec: error:` line, no traceback) on tiny random exports.
 Fast help without torch, one vocabulary across commands, tune on an export's layers:K draft, a
-prompt file that is not UTF-8, an export without a draft, a closed pipe, Ctrl-C, the server's
+prompt file that is not UTF-8, an output folder that cannot be made, a refused file, an export without a draft, a closed pipe, Ctrl-C, the server's
 start-up / request / stop lines and its port check, loadtest's short-answer warning, and an
 instruct model's empty answer."""
 
@@ -169,6 +169,33 @@ def test_ctrl_c_in_generate_claims_no_cleanup(exports, capsys, monkeypatch):
     monkeypatch.setattr(generate, "open_models", interrupted)
     assert main(["generate", "--export-dir", str(exports[0]), "--prompt", "hi"]) == 130
     assert capsys.readouterr().err == "arborspec: interrupted\n"
+
+
+def test_output_where_no_folder_can_be_made_is_one_line(tmp_path, capsys):
+    """`export --out` under a regular file (or /proc, or a read-only place): one line naming the
+    path before any model is loaded, exit 2, nothing left behind."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert main(["export", "--model", "smollm2-135m", "--out", str(blocker / "sub")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"arborspec: error: cannot write {blocker / 'sub'}: {blocker} is a file, not a folder"], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_an_os_error_is_one_line_naming_the_file(exports, capsys, monkeypatch):
+    """Whatever command meets a file the system refuses (permissions, a vanished disk) says so in
+    one line with the file's name, exit 2; ARBORSPEC_DEBUG=1 shows the traceback instead."""
+    from arborspec.tools.commands import generate
+
+    def refused(*a, **k):
+        raise PermissionError(13, "Permission denied", "/models/x.onnx")
+
+    monkeypatch.setattr(generate, "open_models", refused)
+    assert main(["generate", "--export-dir", str(exports[0]), "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err == "arborspec: error: /models/x.onnx: Permission denied\n"
+    monkeypatch.setenv("ARBORSPEC_DEBUG", "1")
+    with pytest.raises(PermissionError):
+        main(["generate", "--export-dir", str(exports[0]), "--prompt", "hi"])
 
 
 def test_tensorrt_without_a_gpu_says_so_first(exports):

@@ -162,6 +162,12 @@ def main(argv: list[str] | None = None, shared_pool: bool = False) -> int:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         sys.stderr.write(f"arborspec: error: {msg}\n")
         return 2
+    except OSError as e:  # the system refused a file the command needed: one line, not a traceback
+        if debug:
+            raise
+        where = f"{e.filename}: " if e.filename else ""
+        sys.stderr.write(f"arborspec: error: {where}{e.strerror or type(e).__name__}{_cleanup_note(args)}\n")
+        return 2
     finally:
         warnings.showwarning = old_show
         for sig, handler in old.items():
