@@ -198,6 +198,16 @@ def test_an_os_error_is_one_line_naming_the_file(exports, capsys, monkeypatch):
         main(["generate", "--export-dir", str(exports[0]), "--prompt", "hi"])
 
 
+def test_cuda_on_a_cpu_onnxruntime_is_one_line_before_loading(exports):
+    """`--device cuda` with the CPU build of onnxruntime: one line before the model loads (not
+    ONNX Runtime's own warning about a missing plugin first)."""
+    ort = pytest.importorskip("onnxruntime")
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime has a CUDA provider")
+    r = arborspec("generate", "--export-dir", exports[0], "--prompt", "hi", "--device", "cuda")
+    one_error_line(r, "CUDA was requested but this onnxruntime")
+
+
 def test_tensorrt_without_a_gpu_says_so_first(exports):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():

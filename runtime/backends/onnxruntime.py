@@ -178,6 +178,12 @@ class OrtEngine(EngineBase):
         if env and not env.isdigit():
             raise InputError(f"ARBORSPEC_HOST_THREADS must be a whole number (0: leave torch alone), got {env!r}")
         host_threads = None if want_cuda else (int(env) if env else 1)
+        if want_cuda and providers is None and "CUDAExecutionProvider" not in ort.get_available_providers():
+            # said before loading (the CPU build would also print its own warning first)
+            raise DeviceError(
+                f"CUDA was requested but this onnxruntime {ort.__version__} has no CUDA provider "
+                f"({ort.get_available_providers()}): install onnxruntime-gpu with matching CUDA/cuDNN libraries"
+            )
         if providers is None:
             if want_cuda:
                 providers = [("CUDAExecutionProvider", {"device_id": self.device.index or 0}), "CPUExecutionProvider"]
