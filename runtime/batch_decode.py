@@ -265,16 +265,18 @@ class BatchDecoder:
         # sees [0, len_b] and is written at len_b (no gap attended, nothing to move after)
         ragged = t == 1 and self._ragged
         self.ragged_steps += ragged
-        for s, tree in zip(seqs, trees):
-            b, n = s.row, tree.n + 1
-            if ragged:
-                ids[b, 0], pos[b, 0] = s.root, s.length
-                mask[b, 0, p] = False
-                mask[b, 0, : s.length + 1] = True
-                continue
-            write_tree(ids[b], pos[b], mask[b, :n, p : p + n], s.root, tree, s.length)
-            pos[b, n:] = s.length
-            mask[b, :, : s.length] = True
+        if t == 1:  # roots only (every vanilla step): every row at once
+            r, root, length = torch.tensor([(s.row, s.root, s.length) for s in seqs], dtype=torch.long).unbind(1)
+            ids[r, 0], pos[r, 0] = root, length
+            cols = torch.arange(p + 1)
+            # row b sees [0, len_b) and itself: at column P, or (ragged) at its own length
+            mask[r, 0] = cols <= length[:, None] if ragged else (cols < length[:, None]) | (cols == p)
+        else:
+            for s, tree in zip(seqs, trees):
+                b, n = s.row, tree.n + 1
+                write_tree(ids[b], pos[b], mask[b, :n, p : p + n], s.root, tree, s.length)
+                pos[b, n:] = s.length
+                mask[b, :, : s.length] = True
         view = cache.rows(n_rows) if n_rows != cache.batch else cache
         return ids, pos, mask, view, ragged
 
