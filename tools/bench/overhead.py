@@ -9,6 +9,10 @@ the runtime's overhead.
 
     python -m arborspec.tools.bench.overhead --trees chain:4 full:3,2 beam:4,8,8 dynamic:8,6,64 \
         --steps 200 [--vocab 49152] [--threads 1] [--temperature 0.8] [--host-topk] [--json OUT]
+    python -m arborspec.tools.bench.overhead --batch 8 32 128 --threads 1   # BatchDecoder, vanilla
+
+--batch N...: the batched decoder's host time per step (flatten, accept, commit) for N rows of
+vanilla decoding (a server above its speculation limit, the GPU corpus generator).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import argparse
 import json
 import platform
 import sys
+import time
 
 import torch
 
@@ -110,6 +115,38 @@ def measure(
     }
 
 
+def measure_batch(rows: int, new: int = 48, vocab: int = 49152) -> dict:
+    """BatchDecoder over the null engine: `rows` sequences of ragged lengths, vanilla, `new`
+    tokens each; the host time per step is the step's time minus the engine's."""
+    from arborspec.runtime.batch_decode import BatchDecoder
+
+    target, spent = NullEngine(vocab=vocab), [0.0]
+
+    class Timed:  # the engine's own time, left out of the runtime's
+        info, device, caps = target.info, target.device, target.caps
+
+        def forward(self, *a):
+            t = time.perf_counter()
+            out = target.forward(*a)
+            spent[0] += time.perf_counter() - t
+            return out
+
+    bd = BatchDecoder(Timed(), None, mode="vanilla", max_batch=rows)
+    for i in range(rows):
+        bd.add(list(range(16 + i % 7)), new)
+    spent[0], steps, t0 = 0.0, 0, time.perf_counter()
+    while any(not s.done for s in bd.seqs):
+        bd.step()
+        steps += 1
+    host = time.perf_counter() - t0 - spent[0]
+    return {
+        "rows": rows,
+        "steps": steps,
+        "host_ms_per_step": 1e3 * host / steps,
+        "host_us_per_row": 1e6 * host / steps / rows,
+    }
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n")[0],
@@ -137,10 +174,20 @@ def main(argv=None) -> int:
         help="the draft engine returns full logits rows and the runtime takes their top-k on the "
         "host (default: the draft engine returns its top-k, as a fused graph or a GPU does)",
     )
+    p.add_argument("--batch", type=int, nargs="+", default=None, metavar="N", help="BatchDecoder rows (see above)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.batch:
+        rows = [measure_batch(n, vocab=a.vocab) for n in a.batch]
+        print(f"{'rows':>5s} {'steps':>6s} {'host ms/step':>12s} {'us/row':>7s}")
+        for r in rows:
+            print(f"{r['rows']:5d} {r['steps']:6d} {r['host_ms_per_step']:12.2f} {r['host_us_per_row']:7.1f}")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "batch": rows}, f, indent=1)
+        return 0
     sp = SamplingParams(a.temperature)
     rows = [measure(t, a.steps, sp, vocab=a.vocab, host_topk=a.host_topk) for t in a.trees]
     print(
