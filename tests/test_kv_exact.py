@@ -89,3 +89,29 @@ def test_onnx_caches_equal_a_fresh_prefill(tmp_path_factory, graph):
     eng = OrtEngine(d / "t.onnx")
     assert eng.info.cache.layout == ("bhsd" if graph == "gqa" else "sbhd")
     decode_and_check(eng, TorchEngine(truncated(m, 1)), m)
+
+
+@pytest.mark.parametrize("layout", ["sbhd", "bhsd"])
+def test_commit_rows_moves_each_row_like_a_row_by_row_copy(layout):
+    """KVCache.commit_rows (batched decoding's commit, one gather and one scatter for all rows)
+    against copying each row's entries one by one: rows with paths of different lengths, a row
+    already in place, an empty move, sources that overlap their destinations."""
+    from arborspec.runtime.kvcache import CacheSpec
+
+    spec = CacheSpec(3, 2, 4, torch.float32, layout=layout)
+    c = KVCache(spec, 12, 4)
+    g = torch.Generator().manual_seed(0)
+    c.k.copy_(torch.randn(c.k.shape, generator=g))
+    c.v.copy_(torch.randn(c.v.shape, generator=g))
+    moves = [(0, 3, [5, 7, 8]), (1, 4, [4, 5]), (2, 2, []), (3, 6, [6, 9, 10, 11])]
+    before = c.k.clone()
+    want_k, want_v = c.k.clone(), c.v.clone()
+    for row, dst0, src in moves:
+        for x in (want_k, want_v):
+            r = x[:, :, row] if layout == "sbhd" else x[:, row, :, :]
+            seq = 1 if layout == "sbhd" else 2
+            vals = r.index_select(seq, torch.tensor(src, dtype=torch.long)).clone()
+            r.narrow(seq, dst0, len(src)).copy_(vals)
+    c.commit_rows(moves)
+    assert torch.equal(c.k, want_k) and torch.equal(c.v, want_v)
+    assert not torch.equal(want_k, before)  # the moves changed the cache
