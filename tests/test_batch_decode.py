@@ -272,6 +272,35 @@ def test_cache_grows_between_joins(llama_pair):
     assert a.tokens == ref_long and b.tokens == ref_short
 
 
+@pytest.mark.parametrize("kind", [None, "model"], ids=["vanilla", "model-draft"])
+def test_batch_caches_read_only_zeroed_or_written_columns(llama_pair, monkeypatch, kind):
+    """Batch caches are zeroed lazily (KVCache.ensure_finite, through sized_cache before every
+    call and join): with every new slab full of NaN, batched decoding (target and batched model
+    draft, joins, a growth past the first allocation, rows leaving) still equals decoding alone,
+    so no call reads a column that was neither zeroed nor written."""
+    import arborspec.runtime.kvcache as kv
+
+    target, draft_engine = llama_pair
+    v = target.info.vocab_size
+    prompts = _prompts(v, (5, 260, 1, 17, 9), seed=4)
+    mode, tree = ("vanilla", None) if kind is None else ("tree", "full:3,2")
+    solo = SpeculativeDecoder(target, _draft(kind, draft_engine, v), mode=mode, tree=tree)
+    ref = [solo.generate(p, 20).tokens for p in prompts]
+    init = kv.KVCache.__init__
+
+    def nan_filled(self, *a, **k):
+        init(self, *a, **k)
+        self.k.fill_(float("nan"))
+        self.v.fill_(float("nan"))
+
+    monkeypatch.setattr(kv.KVCache, "__init__", nan_filled)
+    bd = BatchDecoder(target, _draft(kind, draft_engine, v), mode=mode, tree=tree, max_batch=3)
+    got = bd.generate_many(prompts, 20)
+    assert [s.error for s in got] == [None] * len(prompts)
+    assert [s.tokens for s in got] == ref
+    assert bd._cache.finite < bd._cache.max_len  # zeroed as used, not whole
+
+
 def test_nan_in_one_row_fails_only_that_sequence(llama_pair):
     """A row whose logits go NaN ends its own sequence with a NumericalError; the sequences
     sharing its verify calls finish with their exact outputs."""
