@@ -98,8 +98,8 @@ class BatchDecoder:
         """speculate_max_batch: verify trees only while at most this many sequences are active;
         above it only the roots are verified (vanilla, T = 1) and each draft makes just its root
         call (a chain:1, never verified) to stay in step: drafting whole trees there halved the
-        throughput of an EAGLE-3 draft at 8 rows (67.0 vs 151.4 tok/s without a draft). Default: no limit where the target batches trees
-        (`engine.caps.batched_trees`), else 1 (ONNX Runtime's GroupQueryAttention CPU kernel rejects
+        throughput of an EAGLE-3 draft at 8 rows (67.0 vs 151.4 tok/s without a draft). Default:
+        no limit where the target batches trees (`engine.caps.batched_trees`), else 1 (ONNX Runtime's GroupQueryAttention CPU kernel rejects
         B > 1 with T > 1 after a prefix: "batch_size must be 1 when sequence_length > 1 and past
         context is given")."""
         if not isinstance(max_batch, int) or max_batch < 1:
