@@ -43,12 +43,13 @@ HOST_LOGITS_BYTES = 64 << 20  # 128 rows x 49k fp32 logits are 25 MB: one copy, 
 
 
 def host_logits(logits: torch.Tensor, limit: int = HOST_LOGITS_BYTES) -> torch.Tensor:
-    """The verify call's logits on the host when they live on a GPU and are at most `limit` bytes:
-    one copy for the batch, after which every row's accept and finiteness check runs on the
-    host (numpy), instead of a few small device kernels and a synchronisation per row (on an H100
-    a 128-row greedy corpus run made ~1,030 tokens/s, ~124 ms a step against ~28 ms for one eager
-    call). Larger calls stay on the device."""
-    if logits.device.type == "cpu" or logits.numel() * logits.element_size() > limit:
+    """A roots-only call's logits [B, 1, V] on the host when they live on a GPU and are at most
+    `limit` bytes: one copy for the batch, after which every row's accept and finiteness check
+    runs on the host (numpy), instead of a few small device kernels and a synchronisation per
+    row (on an H100 a 128-row greedy corpus run made ~1,030 tokens/s, ~124 ms a step against
+    ~28 ms for one eager call). Tree calls (T > 1: a few rows, each reduced on the device and
+    read back as T ids) and larger calls stay on the device."""
+    if logits.device.type == "cpu" or logits.shape[1] > 1 or logits.numel() * logits.element_size() > limit:
         return logits
     return logits.cpu()
 
