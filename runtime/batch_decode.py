@@ -37,7 +37,7 @@ from .kvcache import KVCache, release_row, sized_cache
 from .sampling import SamplingParams
 from .stats import GenerationStats
 from .tree_plan import padded_call, write_tree
-from .trees import Tree, parse_tree_spec
+from .trees import Tree
 
 HOST_LOGITS_BYTES = 64 << 20  # 128 rows x 49k fp32 logits are 25 MB: one copy, ~2 ms
 
@@ -97,9 +97,10 @@ class BatchDecoder:
         speculate_max_batch: int | None = None,
     ):
         """speculate_max_batch: verify trees only while at most this many sequences are active;
-        above it only the roots are verified (vanilla, T = 1) and each draft makes just its root
-        call (a chain:1, never verified) to stay in step: drafting whole trees there halved the
-        throughput of an EAGLE-3 draft at 8 rows (67.0 vs 151.4 tok/s without a draft). Default:
+        above it only the roots are verified (vanilla, T = 1) and the drafts make no call: each
+        queues the committed root (DraftSource.defer) and runs its queue at its next start.
+        Drafting whole trees there halved the throughput of an EAGLE-3 draft at 8 rows (67.0 vs
+        151.4 tok/s without a draft). Default:
         no limit where the target batches trees (`engine.caps.batched_trees`), else 1 (ONNX Runtime's GroupQueryAttention CPU kernel rejects
         B > 1 with T > 1 after a prefix: "batch_size must be 1 when sequence_length > 1 and past
         context is given")."""
@@ -142,8 +143,6 @@ class BatchDecoder:
         self._cache: KVCache | None = None
         self._scratch: KVCache | None = None  # one-row cache for a joining sequence's prefill
         self._extra = (self.policy.max_nodes if self.policy else 0) + 2
-        # above speculate_max_batch: the draft's root call alone, its answer never verified
-        self._in_step = parse_tree_spec("chain:1") if self.policy is not None else None
 
     # ------------------------------------------------------------------ joining / leaving
     # every method that touches the cache runs in inference mode (a cache made in one must
@@ -232,10 +231,9 @@ class BatchDecoder:
         tgt, policy = self.target, self.policy
         t0 = time.perf_counter()
         speculated = [policy is not None and s.length + policy.depth < tgt.info.max_position for s in seqs]
-        roots_only = len(seqs) > self.speculate_max_batch  # drafts only stay in step (see __init__)
-        drafted = self._draft_trees(seqs, speculated, self._in_step if roots_only else self.policy)
+        roots_only = len(seqs) > self.speculate_max_batch  # no drafting: drafts defer (see __init__)
+        trees = drafted = [Tree.empty()] * len(seqs) if roots_only else self._draft_trees(seqs, speculated)
         t_draft = time.perf_counter() - t0
-        trees = [Tree.empty()] * len(seqs) if roots_only else drafted
         ids, pos, mask, view, ragged = self._flatten(seqs, trees)
         t1 = time.perf_counter()
         dev = tgt.device
@@ -248,7 +246,7 @@ class BatchDecoder:
         for s, tree, drafted_tree, spec in zip(seqs, trees, drafted, speculated):
             # where this step's rows were written: at P, or at the row's own length (ragged)
             base = s.length if ragged else p
-            out.append((s, self._settle(s, logits, feats, tree, drafted_tree, spec, base, moves, share)))
+            out.append((s, self._settle(s, logits, feats, tree, drafted_tree, spec, roots_only, base, moves, share)))
         self._cache.commit_rows(moves)
         self._cache.length = max(s.length for s in self.seqs)
         return out
@@ -283,7 +281,9 @@ class BatchDecoder:
         view = cache.rows(n_rows) if n_rows != cache.batch else cache
         return ids, pos, mask, view, ragged
 
-    def _settle(self, s: BatchSequence, logits, feats, tree, drafted_tree, spec: bool, base: int, moves, share):
+    def _settle(
+        self, s: BatchSequence, logits, feats, tree, drafted_tree, spec: bool, deferred: bool, base: int, moves, share
+    ):
         """Steps 4-5 for one sequence (its row of the verify call, written at `base`): accept,
         queue its cache gather in `moves`, tell its draft, record its stats. -> its new tokens
         ([] with `error` set when its logits were not finite: the rest of the batch goes on)."""
@@ -296,7 +296,9 @@ class BatchDecoder:
             return []
         keep = [0] + [i + 1 for i in path.tolist()]
         moves.append((b, s.length, [base + j for j in keep]))
-        if spec:  # the draft keeps its accepted path (none when only the root was verified)
+        if spec and deferred:  # no tree was drafted: the draft queues the root for its next start
+            s.draft.defer(s.root, feats[b, :1] if feats is not None else None)
+        elif spec:  # the draft keeps its accepted path
             s.draft.commit(drafted_tree, path, feats[b, : tree.n + 1] if feats is not None else None)
         s.length += len(keep)
         s.produced += len(new)
@@ -311,7 +313,7 @@ class BatchDecoder:
             s.done, s.stop_reason = True, "context"
         return new
 
-    def _draft_trees(self, seqs: list[BatchSequence], speculated: list[bool], policy) -> list[Tree]:
+    def _draft_trees(self, seqs: list[BatchSequence], speculated: list[bool]) -> list[Tree]:
         """Every sequence's tree, its level loop driven in lockstep with the others': per level
         one DraftCall from each sequence still drafting, answered together (one engine call with
         a batched model draft, else by each sequence's own source)."""
@@ -320,8 +322,9 @@ class BatchDecoder:
         v = self.target.info.vocab_size
         for i, (s, spec) in enumerate(zip(seqs, speculated)):
             if spec:
-                cands = self.candidates if policy is self.policy else "topk"  # an in-step call draws nothing
-                builders[i] = tree_builder(s.draft, policy, s.root, s.sampling, cands, s.rng, False, s.ws, v)
+                builders[i] = tree_builder(
+                    s.draft, self.policy, s.root, s.sampling, self.candidates, s.rng, False, s.ws, v
+                )
                 calls[i] = None
         while calls:
             live = list(calls)

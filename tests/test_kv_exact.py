@@ -115,3 +115,33 @@ def test_commit_rows_moves_each_row_like_a_row_by_row_copy(layout):
     c.commit_rows(moves)
     assert torch.equal(c.k, want_k) and torch.equal(c.v, want_v)
     assert not torch.equal(want_k, before)  # the moves changed the cache
+
+
+@pytest.mark.parametrize("kind", ["model", "lookup", "eagle3", "mixed"])
+def test_a_deferred_root_leaves_the_draft_as_a_root_call_would(tmp_path, kind):
+    """DraftSource.defer (a batch step verified without a tree: no draft call) leaves a draft
+    where its root call and an empty commit leave it: after two deferred roots, the next start's
+    logits equal those of a twin that made both calls (the queue runs as one chain)."""
+    from arborspec.runtime.trees import Tree, parse_tree_spec
+
+    m = varied_model("llama")
+    m.feature_layers = default_aux_layers(m.config.n_layers)
+    target = TorchEngine(m)
+    v = m.config.vocab_size
+    a = make_draft(kind, m, tmp_path, v)
+    b = a.fork()
+    g = torch.Generator().manual_seed(3)
+    feats = torch.randn(len(PROMPT) + 2, target.info.n_features, generator=g)
+    policy = parse_tree_spec("full:3,2")
+    roots = [4, 9, 2]
+    for d in (a, b):
+        d.prepare(policy, 64)
+        d.reset(PROMPT, feats[: len(PROMPT)])
+    empty = torch.zeros(0, dtype=torch.long)
+    for i, r in enumerate(roots[:2]):
+        f = feats[len(PROMPT) + i][None]
+        a.start(r)
+        a.commit(Tree.empty(), empty, f)
+        b.defer(r, f)
+    got, want = b.start(roots[2]), a.start(roots[2])
+    assert torch.allclose(got, want, atol=1e-5), float((got - want).abs().max())

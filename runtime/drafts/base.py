@@ -99,6 +99,15 @@ class DraftSource:
         """Keep the accepted path (node indices, root excluded); `features` are the verify
         call's target features over [root, nodes...] when `needs_target_features`."""
 
+    def defer(self, root: int, features: torch.Tensor | None = None) -> None:
+        """`root` was committed in a step verified without a tree (a batch above its speculation
+        limit, runtime/batch_decode.py): stay in step for the next `start`. `features`: the
+        target's features of the root row [1, F] when `needs_target_features`. By default the
+        root call and an empty commit; sources that queue tokens for their next call override it
+        with no call at all (the queue runs as one chain at the next start)."""
+        self.start(root)
+        self.commit(Tree.empty(), torch.zeros(0, dtype=torch.long), features)
+
     def batch_driver(self, max_batch: int):
         """A driver that drafts a whole batch with ONE draft call per tree level
         (runtime/drafts/batched.py: `answer(pairs)`, `handle()` per sequence), or None: each

@@ -74,6 +74,9 @@ class RowDraft(DraftSource):
     def commit(self, tree: Tree, path: torch.Tensor, features=None) -> None:
         self.batch.commit(self, tree, path)
 
+    def defer(self, root: int, features=None) -> None:
+        self.pending.append(int(root))  # run in this row's chain at the next start call
+
 
 class BatchedModelDraft:
     """A contract draft engine shared by up to `max_batch` sequences, one cache row each."""

@@ -173,6 +173,14 @@ class Eagle3Draft(DraftSource):
         c.length = p + f
         return logits
 
+    def defer(self, root: int, features: torch.Tensor | None = None) -> None:
+        """Queue the root (paired with the feature before it) for the next start; the root's own
+        feature becomes the last one."""
+        f = features.float().cpu()[0] if features is not None else torch.zeros(self.feature_size)
+        self._tokens.append(int(root))
+        self._feats = torch.cat([self._feats, self._last[None]]) if self._feats is not None else self._last[None]
+        self._last = f
+
     def commit(self, tree: Tree, path: torch.Tensor, features: torch.Tensor | None = None) -> None:
         """Keep the chain; queue the accepted nodes with the verify call's target features
         (rows: 0 = the root, i + 1 = node i)."""

@@ -116,6 +116,9 @@ class LookupDraft(DraftSource):
     def expand_topk(self, nodes: NodeView, frontier: torch.Tensor, k: int, logprobs: bool = False) -> TopK:
         return self._topk(self._tails(nodes, frontier), k, logprobs)
 
+    def defer(self, root: int, features=None) -> None:
+        self._append(int(root))
+
     def commit(self, tree, path: torch.Tensor, features=None) -> None:
         for t in [self._root[-1]] + (tree.tokens[path].tolist() if path.numel() else []):
             self._append(int(t))

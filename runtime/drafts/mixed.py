@@ -68,6 +68,10 @@ class LookupMixDraft(DraftSource):
         self.base.commit(tree, path, features)
         self.lookup.commit(tree, path)
 
+    def defer(self, root: int, features: torch.Tensor | None = None) -> None:
+        self.base.defer(root, features)
+        self.lookup.defer(root)
+
     def close(self) -> None:
         self.base.close()
 

@@ -143,6 +143,9 @@ class ModelDraft(DraftSource):
             return super().expand_topk(nodes, frontier, k, logprobs)
         return self._expand(nodes, frontier, k, logprobs)
 
+    def defer(self, root: int, features=None) -> None:
+        self.pending.append(int(root))  # run with the next start's chain
+
     def commit(self, tree: Tree, path: torch.Tensor, features=None) -> None:
         """Keep the chain and the accepted path's scratch rows; drop the rest."""
         c = self.cache
