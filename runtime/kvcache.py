@@ -199,9 +199,7 @@ class KVCache:
         to there; ensure_finite zeroes the rest as it comes into use)."""
         new = KVCache(self.spec, max_len, self.batch, self.device)
         for old, fresh in ((self.k, new.k), (self.v, new.v)):
-            (fresh[:, : self.length] if self.seq_dim == 1 else fresh[:, :, :, : self.length]).copy_(
-                self._seq(old, 0, self.length)
-            )
+            new._seq(fresh, 0, self.length).copy_(self._seq(old, 0, self.length))
         new.length = new.finite = self.length
         return new
 

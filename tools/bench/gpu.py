@@ -122,8 +122,7 @@ def cost_curve(engine, device: str, sizes, past: int, reps: int) -> dict:
     from arborspec.runtime.kvcache import KVCache
 
     cache = KVCache(engine.info.cache, past + max(sizes) + 1, 1, device)
-    cache.k.zero_()
-    cache.v.zero_()
+    cache.zero_()
     clock = Clock(device)
     out = {}
     for t in sizes:
@@ -368,8 +367,7 @@ def part_graphs(a, res: dict) -> None:
         eng = TorchEngine(m, device=a.device, dtype=dtype)
         p = 512
         cache = KVCache(eng.info.cache, p + 129, 1, a.device)
-        cache.k.zero_()
-        cache.v.zero_()
+        cache.zero_()
         cache.length = p
         clock = Clock(a.device)
         rows = {}
@@ -479,8 +477,7 @@ def part_profile(a, res: dict) -> None:
         eng = TorchEngine(m, device=a.device, dtype=dtype)
         p = 16 if a.dry_run else 512
         cache = KVCache(eng.info.cache, p + 129, 1, a.device)
-        cache.k.zero_()
-        cache.v.zero_()
+        cache.zero_()
         cache.length = p
         static = StaticCalls(m, cfg.n_layers, capture=cuda)
         rows = {}
