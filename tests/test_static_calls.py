@@ -126,3 +126,34 @@ def test_batched_decoding_through_static_calls_equals_each_prompt_alone():
         got = [list(s.tokens) for s in dec.generate_many(prompts, 24, [], None, [0] * len(prompts))]
         assert got == ref, kind
         assert len({k[2][2] for k in target.static.entries}) > 1  # entries for several row counts
+
+
+def test_a_bucket_may_reach_past_the_slab_end():
+    """A call whose T fits the cache but whose padded bucket does not (a 65-row dynamic tree padded
+    to 128 near the end of a sequence) stays static: padded rows never reach the slab. It used to
+    fall back to the eager path (on the H100 the dynamic:8,6,64 tree then ran at eager speed under
+    CUDA graphs, benchmarks/RESULTS.md)."""
+    m = random_model(tiny_config("llama"), seed=4)
+    eager, static = TorchEngine(copy.deepcopy(m)), TorchEngine(copy.deepcopy(m), cuda_graphs="static")
+    ca, cb = (KVCache(e.info.cache, 20, 1) for e in (eager, static))
+    ids = torch.randint(0, m.config.vocab_size, (1, 14))
+    causal = torch.ones(1, 14, 14, dtype=torch.bool).tril()
+    for e, c in ((eager, ca), (static, cb)):
+        e.forward(ids, torch.arange(14)[None], causal, c)
+        c.length = 14
+    t, parents = 5, [-1, 0, 0, 1, 2]  # bucket 8: 14 + 8 > 20, 14 + 5 <= 20
+    pos = torch.tensor([[14, 15, 15, 16, 16]])
+    la = eager.forward(ids[:, :t], pos, _tree_mask(t, 14, parents), ca)
+    before = static.static.eager
+    lb = static.forward(ids[:, :t], pos, _tree_mask(t, 14, parents), cb)
+    assert static.static.eager == before and any(k[-1] == 8 for k in static.static.entries)
+    torch.testing.assert_close(lb, la, rtol=0, atol=1e-5 * float(la.abs().max()))
+    torch.testing.assert_close(cb.k[:, 14:19], ca.k[:, 14:19], rtol=1e-5, atol=1e-5)
+    # a dynamic tree through to the end of its sequence: every call static, tokens == vanilla
+    m2 = random_model(tiny_config("llama", max_position=256), seed=2)
+    ref = SpeculativeDecoder(TorchEngine(copy.deepcopy(m2)), mode="vanilla").generate(PROMPT, 32).tokens
+    target = TorchEngine(copy.deepcopy(m2), cuda_graphs="static")
+    r = SpeculativeDecoder(target, LookupDraft(m2.config.vocab_size), mode="tree", tree="dynamic:3,4,16").generate(
+        PROMPT, 32
+    )
+    assert r.tokens == ref and target.static.eager == 0

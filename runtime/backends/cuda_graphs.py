@@ -11,7 +11,8 @@ static before it runs:
   are those of attending over [0, P). The slab past P is zeroed once per cache, so the hidden
   keys are finite (torch.empty may hold NaN patterns, and 0 * NaN is NaN);
 * T is padded up to a bucket (1, 2, 4, ..., 128); a padded row reads position P and sees only
-  itself; its logits and K/V are dropped;
+  itself; its logits and K/V are dropped (they never reach the slab, so a bucket may reach past
+  the slab's end: only the T real rows need room there);
 * the call's ids, positions and mask are copied into the entry's buffers, the graph replays, and
   the T real rows of its outputs are read back; the new K/V go to [P, P+T) as on the eager path.
 
@@ -71,6 +72,7 @@ class StaticCalls:
         self.entries: dict = {}
         self.captured = 0  # graphs captured so far (the GPU test reads it)
         self.replays = 0
+        self.eager = 0  # calls no bucket held, run on the eager path (bench_gpu reports them)
 
     def bucket(self, t: int) -> int | None:
         return next((b for b in self.buckets if b >= t), None)
@@ -104,11 +106,10 @@ class StaticCalls:
         self.captured += 1
 
     def run(self, ids, pos, mask, cache: KVCache):
-        if cache.spec.layout != "sbhd":
-            return None
         t = ids.shape[1]
         tb = self.bucket(t)
-        if tb is None or cache.length + tb > cache.max_len:
+        if cache.spec.layout != "sbhd" or tb is None or cache.length + t > cache.max_len:
+            self.eager += 1
             return None
         e = self._entry(cache, tb)
         e.fill(ids, pos, mask, cache.length)
