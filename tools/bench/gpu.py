@@ -300,6 +300,8 @@ def part_decode(a, res: dict) -> None:
             if graphs:  # capture this configuration's T buckets before timing it, on the longest prompt:
                 # its cache slab holds every prompt, so no slab (and no capture) is new while timed
                 dec.generate(max(prompts, key=len), new)
+            st = target.static  # graph captures and eager fallbacks while timed: both should be 0
+            cap0, eag0 = (st.captured, st.eager) if st is not None else (0, 0)
             tot_new = tot_dec = tot_steps = tot_own = 0.0
             equal = True
             for i, ids in enumerate(prompts):
@@ -326,6 +328,8 @@ def part_decode(a, res: dict) -> None:
                     "overhead_per_step_ms": own_ms,
                     "overhead_share": own_ms / step_ms if step_ms else 0.0,
                     "greedy_equals_vanilla": equal,
+                    "captures_while_timed": st.captured - cap0 if st is not None else 0,
+                    "eager_calls_while_timed": st.eager - eag0 if st is not None else 0,
                 }
             )
             print(f"bench_gpu: decode {rows[-1]}", file=sys.stderr)
@@ -459,7 +463,8 @@ def part_profile(a, res: dict) -> None:
     """Where a static verify call's time goes, per T: torch.profiler over replays of the captured
     call (SmolLM2's shape, fp32 and fp16, P = 512), the top kernels by device time. On the H100
     a T = 8 call of SmolLM2 in fp32 cost 2x a T = 1 call, which flattened the speed-up of every
-    draft under CUDA graphs (benchmarks/RESULTS.md, "GPU ... H100"): this names the kernels."""
+    draft under CUDA graphs (benchmarks/RESULTS.md, "GPU ... H100"): this names the kernels (the
+    third H100 session: cuBLAS's fp32 kernel for 8 rows, 52 us a call; T = 32 cost less than 8)."""
     from torch.profiler import ProfilerActivity, profile
 
     from arborspec.runtime.backends.cuda_graphs import StaticCalls
@@ -481,7 +486,7 @@ def part_profile(a, res: dict) -> None:
         cache.length = p
         static = StaticCalls(m, cfg.n_layers, capture=cuda)
         rows = {}
-        for t in (1, 2, 8, 32):
+        for t in (1, 2, 8, 16, 32, 64, 128):
             ids, pos, mask = verify_inputs(eng, t, p, a.device, cache)
             with torch.inference_mode():
                 static.run(ids, pos, mask, cache)  # captured here (a replay from then on)
