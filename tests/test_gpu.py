@@ -710,8 +710,16 @@ def test_cuda_graphs_replay_the_eager_calls_and_decode_the_same_tokens():
             seen[f"{spec} {name}"] = got == ref
     record(
         "cuda_graphs_decode",
-        {**seen, "captured": target.static.captured, "replays": target.static.replays, "graphs": graphs is True},
+        {
+            **seen,
+            "captured": target.static.captured,
+            "replays": target.static.replays,
+            "routed": target.static.routed,
+            "replay_ms": sorted({k[1]: round(v, 3) for k, v in target.static.ms.items()}.items()),
+            "graphs": graphs is True,
+        },
     )
     assert all(seen.values()), seen
     if HAS_CUDA:
         assert target.static.captured >= 2 and target.static.replays > target.static.captured
+        assert len(target.static.ms) == target.static.captured and all(v > 0 for v in target.static.ms.values())

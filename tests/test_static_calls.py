@@ -157,3 +157,26 @@ def test_a_bucket_may_reach_past_the_slab_end():
         PROMPT, 32
     )
     assert r.tokens == ref and target.static.eager == 0
+
+
+def test_a_call_goes_to_the_cheapest_measured_bucket_that_holds_it():
+    """Replays are timed at capture (a GPU); a call then takes the cheapest captured bucket that
+    holds it (fp32 on the H100: 32 rows cost less than 8). Costs injected here (the CPU captures
+    nothing): a 3-token call with bucket 8 measured cheaper than 4 runs padded to 8, and its
+    logits and K/V equal the eager call's; without measurements it takes the smallest bucket."""
+    from arborspec.runtime.backends.cuda_graphs import StaticCalls
+
+    m = random_model(tiny_config("llama"), seed=5)
+    eager, static = TorchEngine(copy.deepcopy(m)), TorchEngine(copy.deepcopy(m), cuda_graphs="static")
+    ca, cb = (KVCache(e.info.cache, 64, 1) for e in (eager, static))
+    ids = torch.randint(0, m.config.vocab_size, (1, 3))
+    pos, mask = torch.tensor([[0, 1, 1]]), _tree_mask(3, 0, [-1, 0, 0])
+    slab = StaticCalls._slab(cb)
+    lb = static.forward(ids, pos, mask, cb)
+    assert static.static.routed == 0 and [k[-1] for k in static.static.entries] == [4]
+    static.static.ms.update({(slab, 4): 2.0, (slab, 8): 1.0, (slab, 16): 1.5})
+    lb = static.forward(ids, pos, mask, cb)
+    la = eager.forward(ids, pos, mask, ca)
+    assert static.static.routed == 1 and sorted(k[-1] for k in static.static.entries) == [4, 8]
+    torch.testing.assert_close(lb, la, rtol=0, atol=1e-5 * float(la.abs().max()))
+    torch.testing.assert_close(cb.k[:, :3], ca.k[:, :3], rtol=1e-5, atol=1e-5)

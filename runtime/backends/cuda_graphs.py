@@ -17,7 +17,10 @@ static before it runs:
   the T real rows of its outputs are read back; the new K/V go to [P, P+T) as on the eager path.
 
 One entry per (cache slab, batch rows, T bucket), captured at its first use (a few eager
-warm-up calls, then the capture). Calls the buckets do not cover (long prefills) run eagerly.
+warm-up calls, then the capture) and its replay timed. Calls the buckets do not cover (long
+prefills) run eagerly. A call goes to the cheapest captured bucket that holds it, not always the
+smallest: cuBLAS's fp32 kernel for 8 rows made SmolLM2's replay cost 7.69 ms at T = 8 against
+5.54 ms at T = 32 on the H100 (benchmarks/RESULTS.md, "GPU: the third session").
 `capture=False` runs the same static calls eagerly: that is what the CPU tests check, the graph
 only replays it. Exactness is the eager path's: in fp32 a row's logits can differ in the last
 bits between T buckets (other matrix kernels), as they can between eager calls of other T.
@@ -72,19 +75,47 @@ class StaticCalls:
         self.entries: dict = {}
         self.captured = 0  # graphs captured so far (the GPU test reads it)
         self.replays = 0
+        self.ms: dict = {}  # (slab key, bucket) -> a replay's measured milliseconds
+        self.routed = 0  # calls replayed at a larger bucket than the smallest that holds them
         self.eager = 0  # calls no bucket held, run on the eager path (bench_gpu reports them)
 
     def bucket(self, t: int) -> int | None:
         return next((b for b in self.buckets if b >= t), None)
 
+    @staticmethod
+    def _slab(cache: KVCache) -> tuple:
+        return (cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape), tuple(cache.k.stride()))
+
+    def _route(self, slab: tuple, tb: int) -> int:
+        """tb, or a larger bucket captured on this slab whose replay measured cheaper."""
+        best, cost = tb, self.ms.get((slab, tb))
+        if cost is None:
+            return tb
+        for b in self.buckets:
+            c = self.ms.get((slab, b))
+            if b > tb and c is not None and c < cost:
+                best, cost = b, c
+        return best
+
+    def _time(self, e: _Entry, slab: tuple, tb: int) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e.graph.replay()
+        start.record()
+        for _ in range(3):
+            e.graph.replay()
+        end.record()
+        end.synchronize()
+        self.ms[(slab, tb)] = start.elapsed_time(end) / 3
+
     def _entry(self, cache: KVCache, tb: int) -> _Entry:
-        key = (cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape), tuple(cache.k.stride()), tb)
+        key = (*self._slab(cache), tb)
         e = self.entries.get(key)
         if e is None:
             slabs = list(dict.fromkeys(k[:4] for k in self.entries))
             if key[:4] not in slabs:  # a slab seen for the first time
                 if len(slabs) >= MAX_SLABS:  # entries hold their slab alive: forget the oldest
                     self.entries = {k: v for k, v in self.entries.items() if k[:4] != slabs[0]}
+                self.ms = {k: v for k, v in self.ms.items() if k[0] != slabs[0]}
                 cache.k[:, cache.length :].zero_()  # hidden keys must be finite (module docstring)
                 cache.v[:, cache.length :].zero_()
             e = self.entries[key] = _Entry(cache, tb, self.n_layers)
@@ -111,13 +142,17 @@ class StaticCalls:
         if cache.spec.layout != "sbhd" or tb is None or cache.length + t > cache.max_len:
             self.eager += 1
             return None
-        e = self._entry(cache, tb)
+        slab = self._slab(cache)
+        routed = self._route(slab, tb)
+        self.routed += routed != tb
+        e = self._entry(cache, routed)
         e.fill(ids, pos, mask, cache.length)
         if not self.capture:
             out = self._call(e)
         else:
             if e.graph is None:
                 self._capture(e)
+                self._time(e, slab, routed)
             e.graph.replay()
             self.replays += 1
             out = e.out

@@ -301,7 +301,7 @@ def part_decode(a, res: dict) -> None:
                 # its cache slab holds every prompt, so no slab (and no capture) is new while timed
                 dec.generate(max(prompts, key=len), new)
             st = target.static  # graph captures and eager fallbacks while timed: both should be 0
-            cap0, eag0 = (st.captured, st.eager) if st is not None else (0, 0)
+            cap0, eag0, rou0 = (st.captured, st.eager, st.routed) if st is not None else (0, 0, 0)
             tot_new = tot_dec = tot_steps = tot_own = 0.0
             equal = True
             for i, ids in enumerate(prompts):
@@ -330,6 +330,7 @@ def part_decode(a, res: dict) -> None:
                     "greedy_equals_vanilla": equal,
                     "captures_while_timed": st.captured - cap0 if st is not None else 0,
                     "eager_calls_while_timed": st.eager - eag0 if st is not None else 0,
+                    "routed_calls_while_timed": st.routed - rou0 if st is not None else 0,  # to a larger bucket
                 }
             )
             print(f"bench_gpu: decode {rows[-1]}", file=sys.stderr)
