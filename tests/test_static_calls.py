@@ -180,3 +180,13 @@ def test_a_call_goes_to_the_cheapest_measured_bucket_that_holds_it():
     assert static.static.routed == 1 and sorted(k[-1] for k in static.static.entries) == [4, 8]
     torch.testing.assert_close(lb, la, rtol=0, atol=1e-5 * float(la.abs().max()))
     torch.testing.assert_close(cb.k[:, :3], ca.k[:, :3], rtol=1e-5, atol=1e-5)
+    # the timings live as long as their slab's entries: a new slab keeps them, the oldest of
+    # MAX_SLABS + 1 slabs loses both
+    from arborspec.runtime.backends.cuda_graphs import MAX_SLABS
+
+    others = [KVCache(static.info.cache, 64 + i, 1) for i in range(1, MAX_SLABS + 1)]
+    static.forward(ids, pos, mask, others[0])
+    assert (slab, 8) in static.static.ms
+    for c in others[1:]:
+        static.forward(ids, pos, mask, c)
+    assert not any(k[0] == slab for k in static.static.ms) and not any(k[:4] == slab for k in static.static.entries)

@@ -115,7 +115,7 @@ class StaticCalls:
             if key[:4] not in slabs:  # a slab seen for the first time
                 if len(slabs) >= MAX_SLABS:  # entries hold their slab alive: forget the oldest
                     self.entries = {k: v for k, v in self.entries.items() if k[:4] != slabs[0]}
-                self.ms = {k: v for k, v in self.ms.items() if k[0] != slabs[0]}
+                    self.ms = {k: v for k, v in self.ms.items() if k[0] != slabs[0]}
                 cache.k[:, cache.length :].zero_()  # hidden keys must be finite (module docstring)
                 cache.v[:, cache.length :].zero_()
             e = self.entries[key] = _Entry(cache, tb, self.n_layers)
