@@ -306,7 +306,7 @@ def test_the_torch_target_gives_the_corpus_what_the_onnx_graph_gives(tmp_path):
     )
 
 
-def test_corpus_grows_by_appending_shards_and_a_saved_head_fine_tunes_on_it(tmp_path):
+def test_corpus_grows_by_appending_shards_and_a_saved_head_fine_tunes_on_it(tmp_path, capsys):
     """grow_corpus end to end on a tiny target (the target's responses, features from ONNX
     Runtime) with the draft vocabulary of an existing head (what `train-draft --init` does): a
     second run with a larger size appends shards and leaves the finished ones untouched, going on
@@ -333,8 +333,10 @@ def test_corpus_grows_by_appending_shards_and_a_saved_head_fine_tunes_on_it(tmp_
     assert p1["next_prompt"] == 6 * p1["shards"] and p1["generated_tokens"] > 0
     first = {f: (f.stat().st_mtime_ns, f.read_bytes()) for f in shard_dirs(corpus)[0].iterdir()}
     (corpus / "shards" / ".partial-00009-1").mkdir()  # what a killed run leaves
-    assert grow_corpus(lm, aux, root=tmp_path / "c", total_tokens=300, minutes=5, verbose=False, **kw) == corpus
-    assert read_progress(corpus) == p1  # nothing to add: nothing built
+    capsys.readouterr()
+    assert grow_corpus(lm, aux, root=tmp_path / "c", total_tokens=300, minutes=5, **kw) == corpus
+    assert read_progress(corpus) == p1  # nothing to add: nothing built, and the log says why
+    assert f"already {p1['tokens']} tokens >= --corpus-tokens 300: no shard added" in capsys.readouterr().err
     grow_corpus(lm, aux, root=tmp_path / "c", total_tokens=p1["tokens"] + 1, minutes=5, verbose=False, **kw)
     p2 = read_progress(corpus)
     assert p2["shards"] == p1["shards"] + 1 and p2["next_prompt"] == p1["next_prompt"] + 6

@@ -601,6 +601,11 @@ def grow_corpus(
     t0 = time.perf_counter()
     try:
         prog = corpus.progress()
+        if verbose and minutes > 0 and prog["tokens"] >= total_tokens:  # time given, nothing to add: say why
+            log(
+                f"corpus: already {prog['tokens']} tokens >= --corpus-tokens {total_tokens}: no shard added "
+                "(raise --corpus-tokens to grow it)"
+            )
         while prog["tokens"] < total_tokens and (time.perf_counter() - t0) / 60 < minutes:
             prog = corpus.add_shard()
             if verbose:
