@@ -52,6 +52,7 @@ class _Entry:
             self.past += [cache.k[i], cache.v[i]]  # the whole slab [S, B, Hkv, D]: fixed addresses
         self.graph = None
         self.out = None
+        self.ms: float | None = None  # a replay's measured milliseconds (captured entries)
 
     def fill(self, ids, pos, mask, p: int) -> None:
         t, s = ids.shape[1], self.s
@@ -75,7 +76,6 @@ class StaticCalls:
         self.entries: dict = {}
         self.captured = 0  # graphs captured so far (the GPU test reads it)
         self.replays = 0
-        self.ms: dict = {}  # (slab key, bucket) -> a replay's measured milliseconds
         self.routed = 0  # calls replayed at a larger bucket than the smallest that holds them
         self.eager = 0  # calls no bucket held, run on the eager path (bench_gpu reports them)
 
@@ -88,16 +88,13 @@ class StaticCalls:
 
     def _route(self, slab: tuple, tb: int) -> int:
         """tb, or a larger bucket captured on this slab whose replay measured cheaper."""
-        best, cost = tb, self.ms.get((slab, tb))
-        if cost is None:
+        timed = {b: e.ms for b in self.buckets if (e := self.entries.get((*slab, b))) and e.ms is not None}
+        if tb not in timed:
             return tb
-        for b in self.buckets:
-            c = self.ms.get((slab, b))
-            if b > tb and c is not None and c < cost:
-                best, cost = b, c
-        return best
+        return min((b for b in timed if b >= tb), key=lambda b: (timed[b], b))
 
-    def _time(self, e: _Entry, slab: tuple, tb: int) -> None:
+    @staticmethod
+    def _time(e: _Entry) -> None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e.graph.replay()
         start.record()
@@ -105,17 +102,16 @@ class StaticCalls:
             e.graph.replay()
         end.record()
         end.synchronize()
-        self.ms[(slab, tb)] = start.elapsed_time(end) / 3
+        e.ms = start.elapsed_time(end) / 3
 
-    def _entry(self, cache: KVCache, tb: int) -> _Entry:
-        key = (*self._slab(cache), tb)
+    def _entry(self, cache: KVCache, slab: tuple, tb: int) -> _Entry:
+        key = (*slab, tb)
         e = self.entries.get(key)
         if e is None:
             slabs = list(dict.fromkeys(k[:4] for k in self.entries))
             if key[:4] not in slabs:  # a slab seen for the first time
                 if len(slabs) >= MAX_SLABS:  # entries hold their slab alive: forget the oldest
                     self.entries = {k: v for k, v in self.entries.items() if k[:4] != slabs[0]}
-                    self.ms = {k: v for k, v in self.ms.items() if k[0] != slabs[0]}
                 cache.k[:, cache.length :].zero_()  # hidden keys must be finite (module docstring)
                 cache.v[:, cache.length :].zero_()
             e = self.entries[key] = _Entry(cache, tb, self.n_layers)
@@ -145,14 +141,14 @@ class StaticCalls:
         slab = self._slab(cache)
         routed = self._route(slab, tb)
         self.routed += routed != tb
-        e = self._entry(cache, routed)
+        e = self._entry(cache, slab, routed)
         e.fill(ids, pos, mask, cache.length)
         if not self.capture:
             out = self._call(e)
         else:
             if e.graph is None:
                 self._capture(e)
-                self._time(e, slab, routed)
+                self._time(e)
             e.graph.replay()
             self.replays += 1
             out = e.out
