@@ -625,3 +625,72 @@ def test_a_new_corpus_can_start_past_the_prompts_an_earlier_one_used(tmp_path):
     assert any(tokens[i : i + len(first)] == first for i in range(len(tokens)))  # prompt 40's text is in it
     grow_corpus(lm, aux, root=tmp_path / "c", total_tokens=10**6, minutes=0.001, verbose=False, first_prompt=0, **kw)
     assert json.loads((shard_dirs(c)[1] / "shard.json").read_text())["prompts"][0] == 42
+
+
+def test_only_one_run_adds_shards_and_a_shard_in_flight_is_left_alone(tmp_path, capsys):
+    """Two runs on one corpus (one growing it, one training on it, as docs/drafts-training.md
+    suggests): the second cannot take the corpus's grow lock, adds no shard and does not sweep the
+    first's unfinished shard folder (it did: the first then published a shard holding only its
+    shard.json, and training on the corpus failed). Once the lock is free, a run grows the corpus
+    and sweeps what a killed run left."""
+    from arborspec.tools.train.eagle3_corpus import grow_corpus, grow_lock, read_progress
+
+    lm = _tiny_loaded(8)
+    aux = default_aux_layers(lm.config.n_layers)
+    kw = dict(shard_prompts=2, gen_len=4, batch=2, window=32, draft_vocab=32, topk=4, seed=0)
+    c = grow_corpus(lm, aux, root=tmp_path / "c", total_tokens=1, minutes=5, verbose=False, **kw)
+    p1 = read_progress(c)
+    held, _ = grow_lock(c)  # the run in flight
+    assert held is not None
+    assert grow_lock(c) == (None, str(__import__("os").getpid()))  # a second taker learns who holds it
+    in_flight = c / "shards" / ".00001.partial-1-abc"
+    in_flight.mkdir()
+    (in_flight / "tokens.npy").write_bytes(b"being written")
+    capsys.readouterr()
+    grow_corpus(lm, aux, root=tmp_path / "c", total_tokens=10**6, minutes=5, **kw)
+    err = capsys.readouterr().err
+    assert "is adding shards to" in err and "this one adds none" in err
+    assert read_progress(c) == p1 and (in_flight / "tokens.npy").is_file()
+    held.close()
+    grow_corpus(lm, aux, root=tmp_path / "c", total_tokens=p1["tokens"] + 1, minutes=5, verbose=False, **kw)
+    assert read_progress(c)["shards"] == p1["shards"] + 1 and not in_flight.exists()
+
+
+def test_an_incomplete_shard_is_one_error_line_naming_it(tmp_path):
+    from arborspec.runtime.errors import InputError
+
+    cfg, target, head = _head()
+    _synthetic_corpus(tmp_path, cfg, target, head)
+    (tmp_path / "shards" / "00001" / "features.npy").unlink()
+    with pytest.raises(InputError, match=r"shards/00001 is incomplete \(no features.npy\): remove that folder"):
+        eagle3_train.ShardData(tmp_path)
+
+
+def test_bf16_training_follows_fp32_training(tmp_path):
+    """--precision bf16 (autocast: fp32 weights, optimiser and loss): the same batches give losses
+    within bf16's rounding of fp32's and the head moves the same way; `auto` picks bf16 only where
+    oneDNN has native bf16 kernels, and fp32 / bf16 are taken as given."""
+    cfg, target, head = _head(draft_vocab=48)
+    embed = target.model.embed_tokens.weight.detach()
+    _synthetic_corpus(tmp_path, cfg, target, head)
+    start = {k: v.clone() for k, v in head.state_dict().items()}
+    reps, heads = {}, {}
+    for prec in ("fp32", "bf16"):
+        head.load_state_dict(start)
+        work = tmp_path / prec
+        work.mkdir()
+        kw = dict(steps=2, batch=2, lr=3e-3, schedule_batches=10, minutes=5, progress=False, log_every=1)
+        reps[prec] = eagle3_train.train(head, embed, tmp_path, work, precision=prec, **kw)
+        heads[prec] = {k: v.clone() for k, v in head.state_dict().items()}
+    assert reps["bf16"]["precision"] == "bf16" and reps["fp32"]["precision"] == "fp32"
+    l32 = [c["loss"] for c in reps["fp32"]["curve"]]
+    l16 = [c["loss"] for c in reps["bf16"]["curve"]]
+    assert l16 != l32  # bf16 really ran (rounding shows in the losses)
+    np.testing.assert_allclose(l16, l32, rtol=0.08)  # 10 batches of a tiny, steep head: drifts <5%
+    w = "midlayer.self_attn.q_proj.weight"
+    d32, d16 = heads["fp32"][w] - start[w], heads["bf16"][w] - start[w]
+    assert torch.nn.functional.cosine_similarity(d32.flatten(), d16.flatten(), 0) > 0.95
+    assert eagle3_train.training_precision("fp32", "cpu") == "fp32"
+    assert eagle3_train.training_precision("bf16", "cpu") == "bf16"
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert eagle3_train.training_precision("auto", "cpu") == ("bf16" if native else "fp32")

@@ -395,6 +395,30 @@ def read_progress(folder: Path) -> dict:
         return {}
 
 
+def grow_lock(folder: Path):
+    """The right to add shards to a corpus: (open lock file, None) for the one run that holds it
+    (an exclusive flock on `grow.lock`, released when the file closes or the process dies), else
+    (None, pid of the holder). Two runs may share a corpus (one growing it, one training on its
+    finished shards), but only one adds shards and only that one sweeps unfinished shard folders:
+    a run that swept another's folder in flight published a shard with nothing but its
+    shard.json (measured 2026-11-26 with a corpus run and a training run side by side)."""
+    import fcntl
+
+    f = open(folder / "grow.lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        return None, holder
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f, None
+
+
 def shard_dirs(folder: Path) -> list[Path]:
     """The finished shards, in order (temp folders of a killed build are not among them)."""
     d = folder / "shards"
@@ -446,8 +470,6 @@ class Corpus:
         self.folder = root / corpus_key(target_id_of(loaded), settings)
         self.folder.mkdir(parents=True, exist_ok=True)
         atomic_write_json(self.folder / "settings.json", settings)
-        for stale in self.folder.glob("shards/.*partial-*"):  # a killed run's unfinished shard
-            shutil.rmtree(stale, ignore_errors=True)
         self.fixed_vocab = vocab
         self.generator = None
 
@@ -599,6 +621,7 @@ def grow_corpus(
         loaded, aux_layers, root, settings, vocab, threads, batch, shard_prompts, device, first_prompt, cuda_graphs
     )
     t0 = time.perf_counter()
+    lock = None
     try:
         prog = corpus.progress()
         if verbose and minutes > 0 and prog["tokens"] >= total_tokens:  # time given, nothing to add: say why
@@ -606,6 +629,15 @@ def grow_corpus(
                 f"corpus: already {prog['tokens']} tokens >= --corpus-tokens {total_tokens}: no shard added "
                 "(raise --corpus-tokens to grow it)"
             )
+        if minutes > 0 and prog["tokens"] < total_tokens:
+            lock, holder = grow_lock(corpus.folder)
+            if lock is None:
+                minutes = 0
+                if verbose:
+                    log(f"corpus: another run (pid {holder}) is adding shards to {corpus.folder}: this one adds none")
+            else:
+                for stale in corpus.folder.glob("shards/.*partial-*"):  # unfinished shards of killed runs
+                    shutil.rmtree(stale, ignore_errors=True)
         while prog["tokens"] < total_tokens and (time.perf_counter() - t0) / 60 < minutes:
             prog = corpus.add_shard()
             if verbose:
@@ -615,6 +647,8 @@ def grow_corpus(
                 )
     finally:
         corpus.close()
+        if lock is not None:
+            lock.close()  # releases the flock
     if not shard_dirs(corpus.folder):
         raise InputError(f"the corpus {corpus.folder} has no shard yet: give --corpus-minutes > 0")
     return corpus.folder

@@ -124,7 +124,17 @@ class ShardData:
     def __init__(self, corpus: Path):
         from arborspec.tools.train.eagle3_corpus import shard_dirs
 
-        self.shards = [{n: np.load(d / f"{n}.npy", mmap_mode="r") for n in self.NAMES} for d in shard_dirs(corpus)]
+        dirs = shard_dirs(corpus)
+        for d in dirs:
+            missing = [f"{n}.npy" for n in self.NAMES if not (d / f"{n}.npy").is_file()]
+            if missing:
+                from arborspec.runtime.errors import InputError
+
+                raise InputError(
+                    f"the corpus shard {d} is incomplete (no {', '.join(missing)}): remove that folder "
+                    "and train again (the corpus goes on without it)"
+                )
+        self.shards = [{n: np.load(d / f"{n}.npy", mmap_mode="r") for n in self.NAMES} for d in dirs]
         sizes = [s["tokens"].shape[0] for s in self.shards]
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.vocab_t = torch.from_numpy(np.load(corpus / "vocab.npy"))
@@ -149,6 +159,22 @@ class ShardData:
             torch.from_numpy(tl.astype(np.float32)),
             torch.from_numpy(t1),
         )
+
+
+def training_precision(choice: str, device: str) -> str:
+    """`auto` -> "bf16" where the device multiplies bfloat16 natively (a CUDA GPU with bf16, a CPU
+    with AVX512-BF16 or AMX: oneDNN's bf16 kernels), else "fp32"; "fp32"/"bf16" as given.
+    Measured on this project's 2-core AMD EPYC (AVX512-BF16), one thread, one batch of 4 x 512
+    tokens with 4 TTT steps: 7.6-8.9 s fp32, 3.5-4.6 s bf16, the same losses to 3-4 digits and
+    gradients with cosine similarity 1.000 (docs/drafts-training.md)."""
+    if choice != "auto":
+        return choice
+    if device.startswith("cuda"):
+        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+    try:
+        return "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
+    except (AttributeError, RuntimeError):
+        return "fp32"
 
 
 def lr_at(i: int, peak: float, total: int, warm: int) -> float:
@@ -212,6 +238,7 @@ def train(
     log_every: int = 20,
     save_every_s: float = 180.0,
     device: str = "cpu",
+    precision: str = "fp32",
 ) -> dict:
     """Train in place for `minutes` of this run; checkpoints `out/train_state.pt` (head,
     optimiser, step, epoch, the epoch's window order and the position in it, schedule, curve,
@@ -225,7 +252,9 @@ def train(
     the head of the best measure so far is kept in `out/best_head.pt`: the report's "best" names
     its batch (the caller publishes that head). `device`: where the head trains ("cuda" on a
     GPU); the held-out measure and the checkpoints' heads are CPU copies, and checkpoints load with
-    map_location="cpu", so a run resumes anywhere."""
+    map_location="cpu", so a run resumes anywhere. `precision`: "bf16" runs the forward and
+    backward matmuls under bfloat16 autocast (weights, optimiser state and the loss stay fp32;
+    `training_precision` picks it where the hardware has native bf16), "fp32" everything in fp32."""
     from tqdm import tqdm
 
     from arborspec.runtime.fileio import atomic_write_json
@@ -332,8 +361,9 @@ def train(
             tk, fe, ti, tl, t1 = (x.to(dev, non_blocking=True) for x in data.batch_at(next_batch()))
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, sched["peak"], sched["total"], sched["warm"])
-            outs = ttt_forward(head, embed, tk, fe, steps)
-            losses, accs = step_losses(outs, ti, tl, t1, vocab_t, steps)
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+                outs = ttt_forward(head, embed, tk, fe, steps)
+                losses, accs = step_losses(outs, ti, tl, t1, vocab_t, steps)
             loss = sum(w * lo for w, lo in zip(weights, losses)) / sum(weights)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -383,6 +413,7 @@ def train(
         "train_windows": len(data),
         "ttt_steps": steps,
         "batch_windows": batch,
+        "precision": precision,
         "seed": seed,
         "curve": curve,
         "heldout_curve": evals,
