@@ -694,3 +694,58 @@ def test_bf16_training_follows_fp32_training(tmp_path):
     assert eagle3_train.training_precision("bf16", "cpu") == "bf16"
     native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert eagle3_train.training_precision("auto", "cpu") == ("bf16" if native else "fp32")
+
+
+def test_self_written_prompts_keep_only_whole_new_requests_apart_from_the_heldout_set():
+    """self_prompts: the target samples a user's turn from its chat template's user prefix
+    (Magpie); kept are turns it ended (EOS), of 3 words or more, not repeats, and none sharing a
+    6-word run with the held-out or benchmark prompts (a leak into the held-out measure)."""
+    from arborspec.tools.train import eagle3_corpus as ec
+    from arborspec.tools.train.eagle3_heldout import heldout_prompts
+
+    tok = _tiny_loaded(0).tokenizer
+    prefix = ec.query_prefix(tok)
+    assert tok.decode(prefix).endswith("user\n") and "assistant" not in tok.decode(prefix)
+    leak = " ".join(heldout_prompts()[0]["text"].split()[:8])
+    texts = ["How do I fold a paper crane?", "Too short", "How do I fold a paper crane?", leak, "Tell me a joke"]
+    eos = 2
+    calls = []
+
+    def fake_generate(prompts, max_new, eos_set, temperature, seed, top_p=1.0):
+        calls.append((len(prompts), temperature, top_p, seed))
+        assert all(p == prefix for p in prompts) and eos in eos_set
+        outs = [tok.encode(t, add_bos=False) + [eos] for t in texts]
+        outs.append(tok.encode("a request cut off before its end", add_bos=False))  # no EOS
+        return outs + [[eos]] * (len(prompts) - len(outs))
+
+    kept = ec.self_prompts(fake_generate, tok, 4, seed=7)
+    assert kept == ["How do I fold a paper crane?", "Tell me a joke"]
+    assert calls == [(6, 1.0, 0.95, 7)]  # 1.5 x the requests asked for, sampled
+    assert ec.self_prompts(fake_generate, tok, 1, seed=7) == ["How do I fold a paper crane?"]
+
+
+def test_a_self_prompted_shard_falls_back_to_the_templates_when_the_target_writes_nothing(
+    tmp_path, capsys, monkeypatch
+):
+    """A tiny random target rarely ends a user turn: the shard uses the template stream, says so,
+    and records its source; a shard of self-written requests records them (shard.json)."""
+    import json
+
+    from arborspec.tools.train import eagle3_corpus as ec
+
+    lm = _tiny_loaded(9)
+    aux = default_aux_layers(lm.config.n_layers)
+    kw = dict(shard_prompts=2, gen_len=4, batch=2, window=32, draft_vocab=32, topk=4, seed=0)
+    c = ec.grow_corpus(lm, aux, root=tmp_path / "c", total_tokens=1, minutes=5, prompt_source="self", **kw)
+    shard = json.loads((ec.shard_dirs(c)[0] / "shard.json").read_text())
+    assert shard["prompt_source"] == "templates" and "prompt_texts" not in shard
+    assert "the target wrote no usable request" in capsys.readouterr().err
+    monkeypatch.setattr(ec, "self_prompts", lambda gen, tok, n, seed: ["Name a colour.", "Count to three."][:n])
+    ec.grow_corpus(lm, aux, root=tmp_path / "c", total_tokens=10**6, minutes=0.001, prompt_source="self", **kw)
+    shard = json.loads((ec.shard_dirs(c)[1] / "shard.json").read_text())
+    assert shard["prompt_source"] == "self" and shard["prompt_texts"] == ["Name a colour.", "Count to three."]
+    tokens = np.load(ec.shard_dirs(c)[1] / "tokens.npy").reshape(-1).tolist()
+    first = lm.tokenizer.encode("Name a colour.", add_bos=False)
+    assert any(tokens[i : i + len(first)] == first for i in range(len(tokens)))
+    with pytest.raises(Exception, match="prompt source must be one of"):
+        ec.grow_corpus(lm, aux, root=tmp_path / "c", total_tokens=1, minutes=0, prompt_source="web", **kw)

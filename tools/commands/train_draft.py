@@ -60,6 +60,14 @@ def register(sub) -> None:
         help="where a new corpus starts in the prompt stream (default 0; e.g. the next_prompt of the corpus the "
         "shipped head saw, in its training.json, to fine-tune it on new text)",
     )
+    c.add_argument(
+        "--prompt-source",
+        choices=("self", "templates"),
+        default="self",
+        help="prompts of the shards this run adds: self (default: requests the target writes itself from its chat "
+        "template's user turn, new in every shard) or templates (the built-in template stream, which repeats itself: "
+        "2,643 distinct prompts in its first 7,232)",
+    )
     c.add_argument("--gen-len", type=int, default=192, help="max tokens per generated response (default 192)")
     c.add_argument("--gen-batch", type=int, default=32, help="responses generated at once (default 32)")
     c.add_argument("--window", type=int, default=512, help="training window in tokens (default 512)")
@@ -217,6 +225,7 @@ def run(args) -> int:
         device=args.device,
         first_prompt=args.first_prompt,
         cuda_graphs=args.cuda_graphs,
+        prompt_source=args.prompt_source,
     )
     info = eagle3_corpus.read_progress(corpus)
     log(

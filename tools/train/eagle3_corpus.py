@@ -19,7 +19,8 @@ shape its rows; the corpus size is not in the key: a later run with more tokens 
                                        the token is outside the draft vocabulary)
       top_lp.npy     float16 [N, W, K] their log-probs (normalised over the full vocabulary)
       top1.npy       int32 [N, W]      the target's greedy next token (target ids)
-      shard.json     prompts [first, end), tokens, timings
+      shard.json     prompts [first, end) (the seed base of "self" shards), prompt_source,
+                     prompt_texts (the requests the target wrote), tokens, timings
 """
 
 from __future__ import annotations
@@ -228,6 +229,60 @@ def prompt_at(i: int, seed: int) -> str:
     return rnd.choice(PASSAGE_TEMPLATES).format(p=rnd.choice(paras))
 
 
+# The prompt sources a shard may draw from (not a key setting: runs may differ; shard.json names
+# its source). "templates": prompt_at's stream. "self": requests the target writes itself.
+PROMPT_SOURCES = ("self", "templates")
+_MARK = "\u2063QUERY\u2063"  # a placeholder no template contains
+
+
+def query_prefix(tok) -> list[int] | None:
+    """The chat template's tokens up to where a user's message starts (system turn included), or
+    None for a target without a chat template. Sampled from there, an instruction-tuned target
+    writes a user's request (Magpie, Xu et al. 2024)."""
+    if not tok.meta.get("chat_template"):
+        return None
+    text = tok.apply_chat([{"role": "user", "content": _MARK}])
+    if _MARK not in text:
+        return None
+    return tok.encode(text.split(_MARK)[0], add_bos=False)
+
+
+@lru_cache(maxsize=1)
+def kept_apart_shingles() -> frozenset:
+    """6-word runs (lowercased) of the held-out prompts and the benchmark prompts: a request the
+    target writes that shares one is not used for training."""
+    texts = []
+    for name in ("heldout_prompts.json", "prompts.json"):
+        data = json.loads((Path(__file__).parent.parent / "data" / name).read_text())
+        texts += [e.get("text", "") for e in (data.get("prompts") if isinstance(data, dict) else data)]
+    return frozenset().union(*(shingles(t) for t in texts))
+
+
+def shingles(text: str, n: int = 6) -> set:
+    words = text.lower().split()
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+def self_prompts(generate, tok, n: int, seed: int, max_len: int = 96) -> list[str]:
+    """Up to n user requests written by the target itself: 1.5n samples (temperature 1, top-p
+    0.95) from the chat template's user turn (query_prefix), kept when the target ended the turn
+    (EOS within max_len tokens), the text has 3 words or more, repeats none kept before, and shares
+    no 6-word run with the held-out or benchmark prompts. `generate`: a ResponseGenerator."""
+    prefix = query_prefix(tok)
+    eos = set(tok.meta.get("eos_token_ids") or [])
+    if prefix is None or not eos:
+        return []
+    outs = generate([prefix] * (n + (n + 1) // 2), max_len, eos, 1.0, seed, top_p=0.95)
+    apart, kept = kept_apart_shingles(), []
+    for o in outs:
+        if not o or o[-1] not in eos:
+            continue  # cut off: not a whole request
+        text = tok.decode(o[:-1], skip_special_tokens=True).strip()
+        if len(text.split()) >= 3 and text not in kept and not shingles(text) & apart:
+            kept.append(text)
+    return kept[:n]
+
+
 def chat_ids(tok, text: str) -> list[int]:
     """A user message in the target's chat template (plain text without one)."""
     if tok.meta.get("chat_template"):
@@ -294,13 +349,13 @@ class ResponseGenerator:
         self.decoder = BatchDecoder(self.engine, None, mode="vanilla", max_batch=batch)
 
     def __call__(
-        self, prompts: list[list[int]], max_new: int, eos: set[int], temperature: float, seed: int
+        self, prompts: list[list[int]], max_new: int, eos: set[int], temperature: float, seed: int, top_p=1.0
     ) -> list[list[int]]:
-        """temperature 0: greedy; else sampled (seed + row). -> the new tokens per prompt (up to
-        and including EOS)."""
+        """temperature 0: greedy; else sampled (seed + row; top_p < 1: nucleus). -> the new tokens
+        per prompt (up to and including EOS)."""
         from arborspec.runtime.sampling import SamplingParams
 
-        sp = SamplingParams(temperature=temperature) if temperature > 0 else None
+        sp = SamplingParams(temperature=temperature, top_p=top_p) if temperature > 0 else None
         seqs = self.decoder.generate_many(prompts, max_new, sorted(eos), sp, [seed + i for i in range(len(prompts))])
         return [list(s.tokens) for s in seqs]
 
@@ -460,6 +515,7 @@ class Corpus:
         device="cpu",
         first=0,
         cuda_graphs=False,
+        prompt_source="templates",
     ):
         self.loaded, self.aux, self.settings, self.threads, self.batch = loaded, aux_layers, settings, threads, batch
         self.device = device  # cpu: the ONNX Runtime features graph; else PyTorch on that device
@@ -467,6 +523,7 @@ class Corpus:
         self.first = first  # the prompt index a new corpus starts at
         self._engine = None
         self.shard_prompts = shard_prompts  # not a setting: runs may differ
+        self.prompt_source = prompt_source  # nor is this (PROMPT_SOURCES)
         self.folder = root / corpus_key(target_id_of(loaded), settings)
         self.folder.mkdir(parents=True, exist_ok=True)
         atomic_write_json(self.folder / "settings.json", settings)
@@ -520,11 +577,19 @@ class Corpus:
         limit = graph_context(self.loaded.config, s)
         t0 = time.perf_counter()
         stream, gen_tokens, responses = [], 0, 0
-        half = n_prompts // 2
-        for a, b, temp in ((first, first + half, 0.0), (first + half, first + n_prompts, 0.7)):
-            ids = [chat_ids(tok, prompt_at(i, s["seed"])) for i in range(a, b)]
+        texts = []
+        if self.prompt_source == "self":
+            texts = self_prompts(self.generator, tok, n_prompts, s["seed"] * 1_000_003 + first)
+            if not texts:
+                log("corpus: the target wrote no usable request (no chat template?): this shard uses the templates")
+        source = "self" if texts else "templates"
+        if not texts:
+            texts = [prompt_at(i, s["seed"]) for i in range(first, first + n_prompts)]
+        half = len(texts) // 2
+        for part, temp, seed in ((texts[:half], 0.0, first), (texts[half:], 0.7, first + half)):
+            ids = [chat_ids(tok, t) for t in part]
             ids = [p for p in ids if len(p) + s["gen_len"] <= limit]  # what the graph holds
-            for p_ids, o in zip(ids, self.generator(ids, s["gen_len"], set(eos), temp, s["seed"] + a)):
+            for p_ids, o in zip(ids, self.generator(ids, s["gen_len"], set(eos), temp, s["seed"] + seed)):
                 stream += p_ids + o + [sep]
                 gen_tokens += len(o)
                 responses += 1
@@ -540,6 +605,8 @@ class Corpus:
             feat = build_features(self._source(), windows, vocab, tmp, s["topk"], self.threads)
             info = {
                 "prompts": [first, first + n_prompts],
+                "prompt_source": source,
+                **({"prompt_texts": texts} if source == "self" else {}),
                 "windows": int(n),
                 "tokens": int(n * w),
                 "generated_tokens": gen_tokens,
@@ -590,6 +657,7 @@ def grow_corpus(
     first_prompt: int = 0,
     verbose: bool = True,
     cuda_graphs: bool = False,
+    prompt_source: str = "templates",
 ) -> Path:
     """Append shards to the corpus for this target and these settings until it holds
     `total_tokens` or `minutes` are up (a shard started is finished; 0: add none), and return
@@ -598,7 +666,11 @@ def grow_corpus(
     in PyTorch on the GPU (the corpus is the same either way: its key does not name the device).
     first_prompt: where a NEW corpus starts in the prompt stream (prompt_at): past the prompts an
     earlier corpus used, so a head fine-tuned on it sees new text (a corpus that exists goes on
-    from its own next prompt). cuda_graphs: on a GPU, the generator's calls replayed as graphs."""
+    from its own next prompt). cuda_graphs: on a GPU, the generator's calls replayed as graphs.
+    prompt_source: where new shards' prompts come from (PROMPT_SOURCES): "templates", prompt_at's
+    stream (index i -> prompt; its first 7,232 prompts hold 2,643 distinct ones, so half the greedy
+    responses repeat one another), or "self", requests the target writes itself (self_prompts),
+    new in each shard; a corpus may hold shards of both."""
     tok, cfg = loaded.tokenizer, loaded.config
     if tok is None:
         raise InputError("train-draft needs the target's tokenizer (to build the prompt mix)")
@@ -617,8 +689,21 @@ def grow_corpus(
         if len(vocab) != draft_vocab:
             raise InputError(f"the fixed draft vocabulary has {len(vocab)} ids, expected {draft_vocab}")
         settings["vocab_sha256"] = hashlib.sha256(np.asarray(vocab, dtype=np.int64).tobytes()).hexdigest()[:16]
+    if prompt_source not in PROMPT_SOURCES:
+        raise InputError(f"prompt source must be one of {', '.join(PROMPT_SOURCES)}, got {prompt_source!r}")
     corpus = Corpus(
-        loaded, aux_layers, root, settings, vocab, threads, batch, shard_prompts, device, first_prompt, cuda_graphs
+        loaded,
+        aux_layers,
+        root,
+        settings,
+        vocab,
+        threads,
+        batch,
+        shard_prompts,
+        device,
+        first_prompt,
+        cuda_graphs,
+        prompt_source,
     )
     t0 = time.perf_counter()
     lock = None
