@@ -528,6 +528,7 @@ def test_install_only_a_head_that_beats_the_shipped_one(tmp_path):
         (["--schedule-batches", "0"], "--schedule-batches must be >= 1"),
         (["--threads", "0"], "--threads must be >= 1"),
         (["--cuda-graphs"], "--cuda-graphs needs --device cuda"),
+        (["--template-share", "1"], "--template-share must be in [0, 1)"),
     ],
 )
 def test_train_draft_mistakes_are_one_error_line(tmp_path, capsys, extra, message):
@@ -749,3 +750,25 @@ def test_a_self_prompted_shard_falls_back_to_the_templates_when_the_target_write
     assert any(tokens[i : i + len(first)] == first for i in range(len(tokens)))
     with pytest.raises(Exception, match="prompt source must be one of"):
         ec.grow_corpus(lm, aux, root=tmp_path / "c", total_tokens=1, minutes=0, prompt_source="web", **kw)
+
+
+def test_an_epoch_takes_the_template_share_asked_and_every_other_window_once():
+    rng = np.random.default_rng(0)
+    sources = np.array(["templates"] * 100 + ["self"] * 30)
+    order = eagle3_train.epoch_order(sources, rng, 0.25)
+    assert len(order) == 40 and len(set(order.tolist())) == 40
+    assert set(range(100, 130)) <= set(order.tolist()) and (order < 100).sum() == 10
+    assert sorted(eagle3_train.epoch_order(sources, rng, None).tolist()) == list(range(130))
+    assert sorted(eagle3_train.epoch_order(sources[:100], rng, 0.25).tolist()) == list(range(100))  # no other
+    assert (eagle3_train.epoch_order(sources, rng, 0.0) >= 100).all()
+    few = np.array(["templates"] * 5 + ["self"] * 30)
+    assert len(eagle3_train.epoch_order(few, rng, 0.5)) == 35  # too few template windows: all of them
+
+
+def test_shard_data_knows_each_windows_prompt_source(tmp_path):
+    import json
+
+    cfg, target, head = _head()
+    _synthetic_corpus(tmp_path, cfg, target, head)  # shards of 6 and 4 windows, no shard.json
+    (tmp_path / "shards" / "00001" / "shard.json").write_text(json.dumps({"prompt_source": "self"}))
+    assert eagle3_train.ShardData(tmp_path).sources.tolist() == ["templates"] * 6 + ["self"] * 4

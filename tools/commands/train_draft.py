@@ -86,6 +86,14 @@ def register(sub) -> None:
         "a resumed run keeps its checkpoint's unless given); training stops there",
     )
     t.add_argument("--eval-minutes", type=float, default=10.0, help="held-out measure every N minutes (default 10)")
+    t.add_argument(
+        "--template-share",
+        type=float,
+        default=None,
+        metavar="F",
+        help="each epoch: every window of the self-written shards once, plus windows of template-prompt shards "
+        "making up this share of it (e.g. 0.25; default: every window once)",
+    )
     t.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     t.add_argument(
         "--init",
@@ -142,6 +150,8 @@ def check_args(args) -> None:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1")
     if args.first_prompt < 0:
         raise InputError("--first-prompt must be >= 0")
+    if args.template_share is not None and not 0.0 <= args.template_share < 1.0:
+        raise InputError(f"--template-share must be in [0, 1), got {args.template_share}")
     for name in ("ttt_steps", "batch"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1")
@@ -285,6 +295,7 @@ def run(args) -> int:
             progress=progress,
             device=args.device,
             precision=eagle3_train.training_precision(args.precision, args.device),
+            template_share=args.template_share,
         )
         cmd = "arborspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         history = [] if args.no_resume else commands_of(args.out)

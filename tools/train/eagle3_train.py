@@ -114,6 +114,31 @@ def step_losses(outs, top_ids, top_lp, top1, vocab_t, steps: int):
     return losses, accs
 
 
+def shard_source(d: Path) -> str:
+    import json
+
+    try:
+        return json.loads((d / "shard.json").read_text()).get("prompt_source", "templates")
+    except (OSError, ValueError):
+        return "templates"
+
+
+def epoch_order(sources: np.ndarray, rng, template_share: float | None) -> np.ndarray:
+    """One epoch's window order. template_share None: every window once. Else every window not
+    from template prompts once, plus template windows drawn without replacement to make up that
+    share of the epoch (all of them if there are too few; every window once if no other exists):
+    the template stream repeats itself, so its windows teach a head that has seen it little."""
+    n = len(sources)
+    if template_share is None:
+        return rng.permutation(n)
+    tmpl = np.flatnonzero(sources == "templates")
+    own = np.flatnonzero(sources != "templates")
+    if len(own) == 0:
+        return rng.permutation(n)
+    k = min(len(tmpl), int(round(len(own) * template_share / (1.0 - template_share))))
+    return rng.permutation(np.concatenate([own, rng.choice(tmpl, k, replace=False)]))
+
+
 class ShardData:
     """The windows of every finished shard of a corpus (tools/train/eagle3_corpus.py), memory-
     mapped, under one global index in shard order: a corpus that grew between two runs keeps the
@@ -137,6 +162,8 @@ class ShardData:
         self.shards = [{n: np.load(d / f"{n}.npy", mmap_mode="r") for n in self.NAMES} for d in dirs]
         sizes = [s["tokens"].shape[0] for s in self.shards]
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        # each window's prompt source (shard.json; shards from before sources: the templates)
+        self.sources = np.repeat([shard_source(d) for d in dirs] or ["templates"], sizes or [0])
         self.vocab_t = torch.from_numpy(np.load(corpus / "vocab.npy"))
 
     def __len__(self) -> int:
@@ -239,6 +266,7 @@ def train(
     save_every_s: float = 180.0,
     device: str = "cpu",
     precision: str = "fp32",
+    template_share: float | None = None,
 ) -> dict:
     """Train in place for `minutes` of this run; checkpoints `out/train_state.pt` (head,
     optimiser, step, epoch, the epoch's window order and the position in it, schedule, curve,
@@ -254,7 +282,8 @@ def train(
     GPU); the held-out measure and the checkpoints' heads are CPU copies, and checkpoints load with
     map_location="cpu", so a run resumes anywhere. `precision`: "bf16" runs the forward and
     backward matmuls under bfloat16 autocast (weights, optimiser state and the loss stay fp32;
-    `training_precision` picks it where the hardware has native bf16), "fp32" everything in fp32."""
+    `training_precision` picks it where the hardware has native bf16), "fp32" everything in fp32.
+    `template_share`: each epoch's share of windows from template-prompt shards (epoch_order)."""
     from tqdm import tqdm
 
     from arborspec.runtime.fileio import atomic_write_json
@@ -296,7 +325,7 @@ def train(
         if order is None or pos + batch > len(order):
             if order is not None:
                 epoch += 1
-            order = np.random.default_rng([seed, epoch]).permutation(len(data))
+            order = epoch_order(data.sources, np.random.default_rng([seed, epoch]), template_share)
             pos = 0
         idx = order[pos : pos + batch]
         pos += batch
@@ -414,6 +443,7 @@ def train(
         "ttt_steps": steps,
         "batch_windows": batch,
         "precision": precision,
+        "template_share": template_share,
         "seed": seed,
         "curve": curve,
         "heldout_curve": evals,
