@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The EAGLE-3 head trained on a lent GPU in one device call (issue 23): the corpus generated and
 # featurised by the PyTorch target on CUDA (`train-draft --device cuda`: batched decoding of a
-# broad prompt mix, greedy and sampled), the training there, the head brought back in pieces
+# broad prompt mix, greedy and sampled: by default requests the target writes itself, see
+# docs/drafts-training.md "Prompts"), the training there (bf16 autocast where the GPU has bf16), the head brought back in pieces
 # under the 16 MiB a returned file may have, with a checksum. Run from the repository root.
 #
 # HOW A SESSION CALLS IT. The device image has torch, tokenizers, safetensors, jinja2, tqdm, onnx;
