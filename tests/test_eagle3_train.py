@@ -772,3 +772,29 @@ def test_shard_data_knows_each_windows_prompt_source(tmp_path):
     _synthetic_corpus(tmp_path, cfg, target, head)  # shards of 6 and 4 windows, no shard.json
     (tmp_path / "shards" / "00001" / "shard.json").write_text(json.dumps({"prompt_source": "self"}))
     assert eagle3_train.ShardData(tmp_path).sources.tolist() == ["templates"] * 6 + ["self"] * 4
+
+
+def test_corpus_novelty_measures_agreement_per_group_of_windows(tmp_path):
+    """window_agreement over a group of windows equals the training step's own top-1 measure on
+    those windows; groups by shard range and by prompt source pick the right windows."""
+    import json
+
+    from arborspec.runtime.errors import InputError
+    from arborspec.tools.train import corpus_novelty as cn
+
+    cfg, target, head = _head(draft_vocab=48)
+    embed = target.model.embed_tokens.weight.detach()
+    _synthetic_corpus(tmp_path, cfg, target, head)  # shards 0 (6 windows) and 1 (4)
+    (tmp_path / "shards" / "00001" / "shard.json").write_text(json.dumps({"prompt_source": "self"}))
+    data = eagle3_train.ShardData(tmp_path)
+    assert cn.group_windows(data, "1-1").tolist() == [6, 7, 8, 9] == cn.group_windows(data, "source:self").tolist()
+    assert cn.group_windows(data, "0-5").tolist() == list(range(10)) and len(cn.group_windows(data, "1-0")) == 0
+    with pytest.raises(InputError, match="expected A-B"):
+        cn.group_windows(data, "first")
+    idx = np.array([6, 7, 8, 9])
+    got = cn.window_agreement(head, embed, data, idx, steps=2, batch=3)
+    tk, fe, ti, tl, t1 = data.batch_at(idx)
+    with torch.no_grad():
+        outs = eagle3_train.ttt_forward(head, embed, tk, fe, 2)
+    _, accs = eagle3_train.step_losses(outs, ti, tl, t1, data.vocab_t, 2)
+    assert got == [round(float(a), 4) for a in accs]
