@@ -390,11 +390,6 @@ def test_train_draft_init_that_does_not_fit_the_target_is_one_error_line(tmp_pat
     assert not (tmp_path / "o").exists()
 
 
-def _shingles(text: str, n: int = 6) -> set:
-    words = text.lower().split()
-    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
-
-
 def test_heldout_prompts_are_apart_from_training_and_benchmark_prompts():
     """The held-out prompts: every kind users send, and none of them (nor a run of 6 words of
     one) is a training prompt (the first 20000 of the stream, every template and passage) or a
@@ -418,12 +413,14 @@ def test_heldout_prompts_are_apart_from_training_and_benchmark_prompts():
         + ec.PASSAGE_TEMPLATES
         + ec.NOTES
     )
-    other_shingles = set().union(*(_shingles(t) for t in others))
+    other_shingles = set().union(*(ec.shingles(t) for t in others))
     for p in held:
         assert p["text"] not in train and p["text"] not in bench, p["id"]
-        assert not _shingles(p["text"]) & other_shingles, p["id"]
+        assert not ec.shingles(p["text"]) & other_shingles, p["id"]
     # and the check itself sees an overlap where there is one
-    assert _shingles(ec.prompt_at(3, 0)) & set().union(*(_shingles(t) for t in train))
+    assert ec.shingles(ec.prompt_at(3, 0)) & set().union(*(ec.shingles(t) for t in train))
+    # the filter of self-written requests holds every 6-word run of the held-out and benchmark prompts
+    assert set().union(*(ec.shingles(t) for t in [p["text"] for p in held] + bench)) <= ec.kept_apart_shingles()
 
 
 def _tiny_heldout(tmp_path, lm, aux, n=4):
