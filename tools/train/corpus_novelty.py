@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,7 @@ def window_agreement(head, embed, data, index: np.ndarray, steps: int = 4, batch
     """Top-1 agreement per depth 1..steps of `head` with the target's greedy token over the
     corpus windows `index` of `data` (eagle3_train.ShardData), by the training-time-test forward
     (the forward decoding computes) in fp32."""
-    from arborspec.tools.train.eagle3_train import ttt_forward
+    from arborspec.tools.train.eagle3_train import agrees, ttt_forward
 
     was = head.training
     head.eval()
@@ -33,10 +34,9 @@ def window_agreement(head, embed, data, index: np.ndarray, steps: int = 4, batch
     for a in range(0, len(index), batch):
         tk, fe, _, _, t1 = data.batch_at(index[a : a + batch])
         outs = ttt_forward(head, embed, tk, fe, steps)
-        n = outs[0].shape[1]
         for d, logits in enumerate(outs):
-            hits[d] += (data.vocab_t[logits.argmax(-1)] == t1[:, 1 + d : 1 + d + n].long()).sum().item()
-        count += tk.shape[0] * n
+            hits[d] += agrees(logits, t1, data.vocab_t, d).sum().item()
+        count += tk.shape[0] * outs[0].shape[1]
     head.train(was)
     return [round(float(h / max(count, 1)), 4) for h in hits]
 
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
             print(f"{g}: {len(pick)} of {len(idx)} windows, top-1 per depth {out[g]['top1_per_depth']}", flush=True)
         print(json.dumps(out))
     except ArborspecError as e:
-        print(f"corpus_novelty: error: {e}", file=__import__("sys").stderr)
+        print(f"corpus_novelty: error: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -251,10 +251,10 @@ def query_prefix(tok) -> list[int] | None:
 def kept_apart_shingles() -> frozenset:
     """6-word runs (lowercased) of the held-out prompts and the benchmark prompts: a request the
     target writes that shares one is not used for training."""
-    texts = []
-    for name in ("heldout_prompts.json", "prompts.json"):
-        data = json.loads((Path(__file__).parent.parent / "data" / name).read_text())
-        texts += [e.get("text", "") for e in (data.get("prompts") if isinstance(data, dict) else data)]
+    from arborspec.tools.prompts import read_prompts_file
+    from arborspec.tools.train.eagle3_heldout import heldout_prompts
+
+    texts = [e.get("text", "") for e in heldout_prompts() + read_prompts_file(None)[0]]
     return frozenset().union(*(shingles(t) for t in texts))
 
 

@@ -98,6 +98,13 @@ def ttt_forward(head: Eagle3Head, embed: torch.Tensor, tokens: torch.Tensor, fea
     return outs
 
 
+def agrees(logits, top1, vocab_t, depth: int):
+    """[B, n] bool: the draft's argmax at TTT step `depth` (mapped to target ids) is the target's
+    greedy token of its row (top1 [B, W], target ids)."""
+    n = logits.shape[1]
+    return vocab_t[logits.argmax(-1)] == top1[:, 1 + depth : 1 + depth + n].long()
+
+
 def step_losses(outs, top_ids, top_lp, top1, vocab_t, steps: int):
     """Soft cross-entropy against the target's top-K per step, and top-1 agreement with the
     target's greedy token (the draft's argmax mapped to target ids)."""
@@ -109,8 +116,7 @@ def step_losses(outs, top_ids, top_lp, top1, vocab_t, steps: int):
         logq = torch.log_softmax(logits, -1)
         lq = torch.gather(logq, -1, ids.clamp(min=0))
         losses.append(-(p * lq).sum(-1).mean())
-        pred = vocab_t[logits.argmax(-1)]
-        accs.append((pred == top1[:, 1 + k : 1 + k + n].long()).float().mean())
+        accs.append(agrees(logits, top1, vocab_t, k).float().mean())
     return losses, accs
 
 
