@@ -22,6 +22,11 @@ def default_prompts_path() -> Path:
     return Path(str(resources.files("arborspec.tools") / "data" / "prompts.json"))
 
 
+def heldout_prompts_path() -> Path:
+    """The held-out prompts no tuning or training reads (tools/train/eagle3_heldout.py)."""
+    return default_prompts_path().with_name("heldout_prompts.json")
+
+
 def read_prompts_file(path: str | os.PathLike | None) -> tuple[list[dict], str]:
     """-> raw prompt entries and the path read. The file is {"prompts": [...]} or a list; each
     entry has "id", "category" (or "kind") and either "text" (+ optional "chat": true, "system")

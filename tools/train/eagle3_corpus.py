@@ -251,10 +251,9 @@ def query_prefix(tok) -> list[int] | None:
 def kept_apart_shingles() -> frozenset:
     """6-word runs (lowercased) of the held-out prompts and the benchmark prompts: a request the
     target writes that shares one is not used for training."""
-    from arborspec.tools.prompts import read_prompts_file
-    from arborspec.tools.train.eagle3_heldout import heldout_prompts
+    from arborspec.tools.prompts import heldout_prompts_path, read_prompts_file
 
-    texts = [e.get("text", "") for e in heldout_prompts() + read_prompts_file(None)[0]]
+    texts = [e.get("text", "") for path in (heldout_prompts_path(), None) for e in read_prompts_file(path)[0]]
     return frozenset().union(*(shingles(t) for t in texts))
 
 

@@ -26,8 +26,9 @@ import numpy as np
 import torch
 
 from arborspec.runtime.fileio import PartialFolder, atomic_write_bytes, atomic_write_json
+from arborspec.tools.prompts import heldout_prompts_path
 
-PROMPTS_PATH = Path(__file__).parent.parent / "data" / "heldout_prompts.json"
+PROMPTS_PATH = heldout_prompts_path()
 TREES = {"tuned [[0],[1],[0,0]]": [[0], [1], [0, 0]], "chain:4": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]}
 TUNED = "tuned [[0],[1],[0,0]]"
 
