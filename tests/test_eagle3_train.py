@@ -412,6 +412,7 @@ def test_heldout_prompts_are_apart_from_training_and_benchmark_prompts():
         + ec.INSTRUCTION_TEMPLATES
         + ec.PASSAGE_TEMPLATES
         + ec.NOTES
+        + ec.request_openers()
     )
     other_shingles = set().union(*(ec.shingles(t) for t in others))
     for p in held:
@@ -694,13 +695,14 @@ def test_bf16_training_follows_fp32_training(tmp_path):
     assert eagle3_train.training_precision("auto", "cpu") == ("bf16" if native else "fp32")
 
 
-def test_self_written_prompts_keep_only_whole_new_requests_apart_from_the_heldout_set():
+def test_self_written_prompts_keep_only_whole_new_requests_apart_from_the_heldout_set(monkeypatch):
     """self_prompts: the target samples a user's turn from its chat template's user prefix
     (Magpie); kept are turns it ended (EOS), of 3 words or more, not repeats, and none sharing a
     6-word run with the held-out or benchmark prompts (a leak into the held-out measure)."""
     from arborspec.tools.train import eagle3_corpus as ec
     from arborspec.tools.train.eagle3_heldout import heldout_prompts
 
+    monkeypatch.setattr(ec, "OPENER_SHARE", 0.0)  # free requests only (openers: the next test)
     tok = _tiny_loaded(0).tokenizer
     prefix = ec.query_prefix(tok)
     assert tok.decode(prefix).endswith("user\n") and "assistant" not in tok.decode(prefix)
@@ -720,6 +722,36 @@ def test_self_written_prompts_keep_only_whole_new_requests_apart_from_the_heldou
     assert kept == ["How do I fold a paper crane?", "Tell me a joke"]
     assert calls == [(6, 1.0, 0.95, 7)]  # 1.5 x the requests asked for, sampled
     assert ec.self_prompts(fake_generate, tok, 1, seed=7) == ["How do I fold a paper crane?"]
+
+
+def test_self_written_requests_continue_openers_of_the_kinds_users_send(monkeypatch):
+    """A share of the samples starts the user turn with a REQUEST_OPENERS line (code, texts to
+    summarise, data to extract): the target continues it, and the request kept is the opener and
+    its continuation; the rest start at the bare user turn. No opener shares a 6-word run with the
+    held-out or benchmark prompts (else every request from it would be dropped)."""
+    from arborspec.tools.train import eagle3_corpus as ec
+
+    tok = _tiny_loaded(0).tokenizer
+    prefix = ec.query_prefix(tok)
+    openers = ec.request_openers()
+    assert len(openers) > 20 and not set().union(*(ec.shingles(o) for o in openers)) & ec.kept_apart_shingles()
+    seen = []
+
+    def fake_generate(prompts, max_new, eos_set, temperature, seed, top_p=1.0):
+        seen.extend(prompts)
+        return [tok.encode(" sort a list of words", add_bos=False) + [2] for _ in prompts]
+
+    monkeypatch.setattr(ec, "OPENER_SHARE", 1.0)
+    kept = ec.self_prompts(fake_generate, tok, 8, seed=3)
+    starts = [tok.decode(p[len(prefix) :]) for p in seen]
+    assert all(p[: len(prefix)] == prefix for p in seen) and all(s in openers for s in starts)
+    assert len(set(starts)) > 3  # drawn, not one opener
+    assert kept and all(any(k.startswith(o.strip()) for o in openers) and k.endswith("sort a list of words") for k in kept)
+    monkeypatch.setattr(ec, "OPENER_SHARE", 0.5)
+    seen.clear()
+    ec.self_prompts(fake_generate, tok, 40, seed=3)
+    bare = sum(p == prefix for p in seen)
+    assert 0.3 * len(seen) < bare < 0.7 * len(seen)
 
 
 def test_a_self_prompted_shard_falls_back_to_the_templates_when_the_target_writes_nothing(

@@ -262,21 +262,65 @@ def shingles(text: str, n: int = 6) -> set:
     return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
-def self_prompts(generate, tok, n: int, seed: int, max_len: int = 96) -> list[str]:
+# What half of the self-written requests start with (the target continues each, Magpie-style):
+# the kinds users send that the target rarely writes unprompted. Its free requests are nearly all
+# advice questions ("I'm considering a career change..."), while users also send code, texts to
+# summarise and data to extract (2/3 of the held-out set). Passage openers end in a blank line:
+# the target writes the passage too. None shares a 6-word run with the held-out or benchmark
+# prompts (tested); a request whose continuation does is dropped like any other.
+OPENER_SHARE = 0.5
+CODE_LANGS = ["Python", "JavaScript", "TypeScript", "Java", "C++", "Go", "Rust", "C#"]
+REQUEST_OPENERS = [
+    "Write a {lang} function to",
+    "Implement in {lang} a",
+    "I have this {lang} code and it does not work:\n\n",
+    "What does this {lang} snippet do?\n\n",
+    "Refactor this {lang} code to be more readable:\n\n",
+    "Write tests in {lang} for",
+    "Write a SQL query to",
+    "Write a shell command that",
+    "How do I use a regular expression to",
+    "Summarise this article for me:\n\n",
+    "Give me a short summary of this email:\n\n",
+    "Condense the following report into three bullet points:\n\n",
+    "Pull out every name and date from this text:\n\n",
+    "Convert this information into a JSON object:\n\n",
+    "Make a table from the following data:\n\n",
+    "Here are my meeting notes. What are the next steps?\n\n",
+    "Rewrite this email so it sounds friendlier:\n\n",
+    "Proofread this paragraph:\n\n",
+    "Is this customer review positive or negative?\n\n",
+    "Answer the question using only this passage:\n\n",
+]
+
+
+def request_openers() -> list[str]:
+    """Every opener with every language filled in (what the tests check against the held-out set)."""
+    return sorted({o.format(lang=lang) for o in REQUEST_OPENERS for lang in CODE_LANGS})
+
+
+def self_prompts(generate, tok, n: int, seed: int, max_len: int = 160) -> list[str]:
     """Up to n user requests written by the target itself: 1.5n samples (temperature 1, top-p
-    0.95) from the chat template's user turn (query_prefix), kept when the target ended the turn
-    (EOS within max_len tokens), the text has 3 words or more, repeats none kept before, and shares
-    no 6-word run with the held-out or benchmark prompts. `generate`: a ResponseGenerator."""
+    0.95) from the chat template's user turn (query_prefix), an OPENER_SHARE of them continuing a
+    REQUEST_OPENERS line (the request is the opener + what the target wrote), kept when the target
+    ended the turn (EOS within max_len tokens), the text has 3 words or more, repeats none kept
+    before, and shares no 6-word run with the held-out or benchmark prompts. `generate`: a
+    ResponseGenerator."""
     prefix = query_prefix(tok)
     eos = set(tok.meta.get("eos_token_ids") or [])
     if prefix is None or not eos:
         return []
-    outs = generate([prefix] * (n + (n + 1) // 2), max_len, eos, 1.0, seed, top_p=0.95)
+    rnd = random.Random(seed)
+    starts = []
+    for _ in range(n + (n + 1) // 2):
+        opener = rnd.choice(REQUEST_OPENERS).format(lang=rnd.choice(CODE_LANGS)) if rnd.random() < OPENER_SHARE else ""
+        starts.append(tok.encode(opener, add_bos=False) if opener else [])
+    outs = generate([prefix + s for s in starts], max_len, eos, 1.0, seed, top_p=0.95)
     apart, kept = kept_apart_shingles(), []
-    for o in outs:
+    for s, o in zip(starts, outs):
         if not o or o[-1] not in eos:
             continue  # cut off: not a whole request
-        text = tok.decode(o[:-1], skip_special_tokens=True).strip()
+        text = tok.decode(s + o[:-1], skip_special_tokens=True).strip()
         if len(text.split()) >= 3 and text not in kept and not shingles(text) & apart:
             kept.append(text)
     return kept[:n]
