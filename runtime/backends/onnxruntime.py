@@ -447,11 +447,17 @@ class OrtEngine(EngineBase):
         root-to-leaf path when no such layout fits; None when the call needs no change."""
         p, t = cache.length, input_ids.shape[1]
         anc = row_layout.ancestors(mask, p)
-        if not bool(mask[0, :, :p].all()) or row_layout.parents(anc) is None:
-            return None  # not one tree over the whole cache (a cost probe, a ragged row): run it as it is
-        rows = row_layout.slots(position_ids[0], anc, p)
-        if rows is not None and t > 1 and rows == list(range(t)):
-            return None
+        if not bool(mask[0, :, :p].all()):
+            return None  # not over the whole cache (a cost probe, a ragged row): run it as it is
+        if row_layout.is_chain(position_ids[0], anc, p):  # vanilla's one row, a chain's verify
+            if t > 1:
+                return None  # every row already sits where it commits
+            rows = [0]
+        else:
+            par = row_layout.parents(anc)
+            if par is None:
+                return None  # not one tree: run it as it is
+            rows = row_layout.slots(position_ids[0], anc, p, par)
         if (
             rows is None
             or p + max(max(rows) + 1, 2) > cache.max_len

@@ -53,15 +53,25 @@ def parents(anc: torch.Tensor) -> torch.Tensor | None:
     return par if bool(torch.equal(expect, anc)) else None
 
 
-def slots(pos: torch.Tensor, anc: torch.Tensor, p: int) -> list[int] | None:
+def is_chain(pos: torch.Tensor, anc: torch.Tensor, p: int) -> bool:
+    """Whether the T new rows are a causal chain at their own positions P..P+T-1 (vanilla's
+    one row, a chain's verify): every row then already sits where it commits."""
+    t = len(pos)
+    if pos.tolist() != list(range(p, p + t)):
+        return False
+    return bool(torch.equal(anc, torch.ones(t, t, dtype=torch.bool, device=anc.device).tril()))
+
+
+def slots(pos: torch.Tensor, anc: torch.Tensor, p: int, par: torch.Tensor | None = None) -> list[int] | None:
     """Row of each node (caller order) in the padded call, or None when no layout keeps every
     node's column congruent to its position and inside its CHUNK block. pos: [T] position ids;
-    anc: [T, T] bool, row j = j's ancestors and itself (parents before children)."""
+    anc: [T, T] bool, row j = j's ancestors and itself (parents before children); par: its
+    `parents`, when the caller has them."""
     t = len(pos)
     pos_l = pos.tolist()
-    if all(pos_l[j] == p + j for j in range(t)) and bool(torch.equal(anc, torch.ones(t, t, dtype=torch.bool).tril())):
+    if is_chain(pos, anc, p):
         return list(range(t))  # a causal chain at its own positions: every row is where it commits
-    par = parents(anc)
+    par = parents(anc) if par is None else par
     if par is None:
         return None
     parent = par.tolist()
