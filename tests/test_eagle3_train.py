@@ -746,7 +746,9 @@ def test_self_written_requests_continue_openers_of_the_kinds_users_send(monkeypa
     starts = [tok.decode(p[len(prefix) :]) for p in seen]
     assert all(p[: len(prefix)] == prefix for p in seen) and all(s in openers for s in starts)
     assert len(set(starts)) > 3  # drawn, not one opener
-    assert kept and all(any(k.startswith(o.strip()) for o in openers) and k.endswith("sort a list of words") for k in kept)
+    assert kept and all(
+        any(k.startswith(o.strip()) for o in openers) and k.endswith("sort a list of words") for k in kept
+    )
     monkeypatch.setattr(ec, "OPENER_SHARE", 0.5)
     seen.clear()
     ec.self_prompts(fake_generate, tok, 40, seed=3)
