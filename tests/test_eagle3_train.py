@@ -469,6 +469,14 @@ def test_heldout_ranks_equal_the_tune_ranks_of_decoding(tmp_path):
     res = evaluate_heldout(head, embed, folder, steps, k)
     assert res["positions"] == sum(e - s for _, s, e in rows)
     assert 1.0 <= res["tokens_per_step"]["chain:4"] <= 1 + steps
+    # per kind of prompt: each kind's depth-1 agreement over its own rows, counted by hand
+    import json
+
+    kinds = json.loads((folder / "heldout.json").read_text())["row_kinds"]
+    assert len(kinds) == len(rows) and sorted(res["top1_per_kind"]) == sorted(set(kinds))
+    for kind, per_depth in res["top1_per_kind"].items():
+        ranks = [r for (d, s, e), kd in zip(rows, kinds) if kd == kind for r in d[0][s:e]]
+        assert len(per_depth) == steps and per_depth[0] == pytest.approx(np.mean(np.asarray(ranks) == 0), abs=1e-4)
 
 
 def test_install_only_a_head_that_beats_the_shipped_one(tmp_path):

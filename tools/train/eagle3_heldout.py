@@ -64,7 +64,12 @@ def build_heldout(loaded, aux_layers, source, root: Path, *, gen_len=160, steps=
         eos = list(tok.meta.get("eos_token_ids") or [])
         # prompts the graph cannot hold with a response are left out (none for SmolLM2)
         limit = graph_context(cfg, {"window": 0, "gen_len": gen_len}) - gen_len - steps - 2
-        ids = [p for p in (chat_ids(tok, t) for t in texts) if len(p) <= limit]
+        ids, kinds = [], []
+        for p in prompts:
+            p_ids = chat_ids(tok, p["text"])
+            if len(p_ids) <= limit:
+                ids.append(p_ids)
+                kinds.append(p.get("kind", ""))
         t0 = time.perf_counter()
         source = source() if callable(source) else source
         gen = ResponseGenerator(source, min(16, len(ids)), threads)
@@ -88,6 +93,7 @@ def build_heldout(loaded, aux_layers, source, root: Path, *, gen_len=160, steps=
             "prompts": len(ids),
             "prompts_too_long": len(texts) - len(ids),
             "kinds": sorted({p.get("kind", "") for p in prompts}),
+            "row_kinds": kinds,  # each row's prompt kind (the per-kind agreement)
             "response_tokens": int((spans[:, 1] - spans[:, 0]).sum()),
             "gen_len": gen_len,
             "generation_s": round(time.perf_counter() - t0 - feat["features_s"], 1),
@@ -129,12 +135,8 @@ def depth_ranks(head, embed, folder: Path, steps: int = 4, k: int = 8, batch: in
     return rows
 
 
-def evaluate_heldout(head, embed, folder: Path, steps: int = 4, k: int = 8) -> dict:
-    """Top-1 agreement per depth over chains rooted in the responses, the chain acceptance it
-    implies (1 + sum of cumulative products), and the tokens per verify step of `TREES`."""
-    from arborspec.tools.tune.acceptance_sim import simulated_tokens_per_step
-
-    rows = depth_ranks(head, embed, folder, steps, k)
+def per_depth_top1(rows, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-1 agreement per depth over `depth_ranks` rows, and the positions counted per depth."""
     hits, counts = np.zeros(steps), np.zeros(steps)
     for ranks, start, end in rows:
         for d in range(1, steps + 1):
@@ -143,14 +145,32 @@ def evaluate_heldout(head, embed, folder: Path, steps: int = 4, k: int = 8) -> d
             r = np.asarray(ranks[d - 1][lo:end])
             hits[d - 1] += (r == 0).sum()
             counts[d - 1] += len(r)
-    acc = hits / np.maximum(counts, 1)
+    return hits / np.maximum(counts, 1), counts
+
+
+def evaluate_heldout(head, embed, folder: Path, steps: int = 4, k: int = 8) -> dict:
+    """Top-1 agreement per depth over chains rooted in the responses, the chain acceptance it
+    implies (1 + sum of cumulative products), the tokens per verify step of `TREES`, and the
+    agreement per depth for each kind of prompt (instruction, code, summary, extraction) where the
+    set records its rows' kinds."""
+    from arborspec.tools.tune.acceptance_sim import simulated_tokens_per_step
+
+    rows = depth_ranks(head, embed, folder, steps, k)
+    acc, counts = per_depth_top1(rows, steps)
     runs = [{"by_depth": r, "start": s, "end": e} for r, s, e in rows]
-    return {
+    out = {
         "top1_agreement_per_depth": [round(float(x), 4) for x in acc],
         "expected_accepted_chain": round(1.0 + float(np.sum(np.cumprod(acc))), 3),
         "tokens_per_step": {name: round(simulated_tokens_per_step(runs, p), 3) for name, p in TREES.items()},
         "positions": int(counts[0]),
     }
+    kinds = json.loads((folder / "heldout.json").read_text()).get("row_kinds")  # absent in sets built before
+    if kinds and len(kinds) == len(rows):
+        out["top1_per_kind"] = {
+            kind: per_depth_top1([r for r, k_ in zip(rows, kinds) if k_ == kind], steps)[0].round(4).tolist()
+            for kind in sorted(set(kinds))
+        }
+    return out
 
 
 def beats(new: dict, old: dict) -> bool:
