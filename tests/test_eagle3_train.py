@@ -5,10 +5,12 @@ saved in the public layout loads back with the loader other tools use."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
-from conftest import random_model, tiny_config
+from conftest import random_model, tiny_config, tiny_text_export
 
 from arborspec.models.eagle3 import default_aux_layers, load_eagle3
 from arborspec.tools.train import eagle3_train as eagle3_train
@@ -837,3 +839,47 @@ def test_corpus_novelty_measures_agreement_per_group_of_windows(tmp_path):
         outs = eagle3_train.ttt_forward(head, embed, tk, fe, 2)
     _, accs = eagle3_train.step_losses(outs, ti, tl, t1, data.vocab_t, 2)
     assert got == [round(float(a), 4) for a in accs]
+
+
+def test_heads_are_measured_on_an_exports_own_target(tmp_path, monkeypatch, capsys):
+    """heldout_on_export: the held-out set rebuilt with an export's target graph (responses,
+    features and greedy tokens from that graph, cached under its checksum) and each head measured
+    on it as evaluate_heldout measures; an export whose target has no features is one line, exit 2."""
+    import json
+
+    from test_eagle3 import checkpoint
+
+    from arborspec.export.export_folder import export_folder
+    from arborspec.models import registry
+    from arborspec.runtime.backends.onnxruntime import OrtEngine
+    from arborspec.runtime.decode import SpeculativeDecoder
+    from arborspec.tools.train import eagle3_heldout, heldout_on_export
+    from arborspec.tools.train.eagle3_corpus import chat_ids
+
+    lm = _tiny_loaded(4)
+    for i, seed in enumerate((5, 6)):
+        checkpoint(tmp_path / f"h{i}", lm.config, 40, seed=seed, scale=3.0)
+    export_folder(lm, tmp_path / "exp", f"eagle3:{tmp_path / 'h0'}", max_context=512, progress=False, verify=False)
+    monkeypatch.setattr(registry, "load_model", lambda name: lm)
+    monkeypatch.setattr(registry, "cache_dir", lambda: tmp_path / "cache")
+    argv = ["--export-dir", str(tmp_path / "exp"), "--heads", str(tmp_path / "h0"), str(tmp_path / "h1")]
+    assert heldout_on_export.main(argv) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    folder = Path(res["heldout"])
+    assert folder.parent.parent == tmp_path / "cache" / "eagle3-heldout-exports"
+    # the set's responses are the export's target's greedy continuations
+    tokens, spans = np.load(folder / "tokens.npy"), np.load(folder / "spans.npy")
+    prompt = chat_ids(lm.tokenizer, eagle3_heldout.heldout_prompts()[0]["text"])
+    assert tokens[0, : len(prompt)].tolist() == prompt and spans[0, 0] == len(prompt)
+    eng = OrtEngine(tmp_path / "exp" / "target.onnx")
+    ref = SpeculativeDecoder(eng, mode="vanilla").generate(prompt, int(spans[0, 1] - spans[0, 0]))
+    assert tokens[0, spans[0, 0] : spans[0, 1]].tolist() == ref.tokens
+    embed = lm.module.model.embed_tokens.weight.detach().float()
+    for i in range(2):
+        want = eagle3_heldout.evaluate_heldout(load_eagle3(tmp_path / f"h{i}", lm.config).float(), embed, folder)
+        assert res["heads"][str(tmp_path / f"h{i}")] == json.loads(json.dumps(want))
+    assert res["heads"][str(tmp_path / "h0")] != res["heads"][str(tmp_path / "h1")]
+    tiny_text_export(tmp_path / "plain")  # a layers:1 draft: no features output
+    assert heldout_on_export.main(["--export-dir", str(tmp_path / "plain")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no features output" in err[0]
