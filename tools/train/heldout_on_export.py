@@ -36,8 +36,8 @@ def main(argv=None) -> int:
 
     from arborspec.models.eagle3 import default_aux_layers, eagle3_folder, load_eagle3
     from arborspec.models.registry import cache_dir, load_model
-    from arborspec.runtime.errors import ArborspecError
     from arborspec.runtime.contract import read_manifest
+    from arborspec.runtime.errors import ArborspecError
     from arborspec.tools.train import eagle3_heldout
 
     try:
