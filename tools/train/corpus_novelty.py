@@ -68,9 +68,9 @@ def main(argv=None) -> int:
     p.add_argument("--windows", type=int, default=24, help="windows sampled per group (default 24)")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     args = p.parse_args(argv)
-    from arborspec.models.eagle3 import eagle3_folder, load_eagle3
     from arborspec.models.registry import load_model
     from arborspec.runtime.errors import ArborspecError
+    from arborspec.tools.train.eagle3_heldout import head_to_measure
     from arborspec.tools.train.eagle3_train import ShardData
 
     try:
@@ -79,8 +79,7 @@ def main(argv=None) -> int:
         if not (args.corpus / "vocab.npy").is_file():
             raise ArborspecError(f"{args.corpus}: not a corpus folder (no vocab.npy)")
         loaded = load_model(args.model)
-        folder = eagle3_folder("eagle3", args.model) if args.head == "eagle3" else Path(args.head)
-        head = load_eagle3(folder, loaded.config).float()
+        head = head_to_measure(args.head, args.model, loaded.config)
         embed = loaded.module.model.embed_tokens.weight.detach().float()
         data = ShardData(args.corpus)
         rng = np.random.default_rng(0)

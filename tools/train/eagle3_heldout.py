@@ -173,6 +173,14 @@ def evaluate_heldout(head, embed, folder: Path, steps: int = 4, k: int = 8) -> d
     return out
 
 
+def head_to_measure(arg: str, model: str, config):
+    """A tool's --head argument: `eagle3` (the head shipped for the registry model `model`) or a
+    head folder -> that head, fp32, loaded and checked against the target's `config`."""
+    from arborspec.models.eagle3 import eagle3_folder, load_eagle3
+
+    return load_eagle3(eagle3_folder("eagle3", model) if arg == "eagle3" else Path(arg), config).float()
+
+
 def beats(new: dict, old: dict) -> bool:
     """The install rule: a head replaces the shipped one only if, on the same held-out set, its
     mean top-1 agreement over the depths is higher AND the tuned tree's tokens per step is not

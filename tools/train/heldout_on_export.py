@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from arborspec.models.eagle3 import default_aux_layers, eagle3_folder, load_eagle3
+    from arborspec.models.eagle3 import default_aux_layers
     from arborspec.models.registry import cache_dir, load_model
     from arborspec.runtime.contract import read_manifest
     from arborspec.runtime.errors import ArborspecError
@@ -59,8 +59,7 @@ def main(argv=None) -> int:
         embed = loaded.module.model.embed_tokens.weight.detach().float()
         out = {}
         for h in args.heads:
-            hf = eagle3_folder("eagle3", args.model) if h == "eagle3" else Path(h)
-            head = load_eagle3(hf, loaded.config).float()
+            head = eagle3_heldout.head_to_measure(h, args.model, loaded.config)
             out[h] = eagle3_heldout.evaluate_heldout(head, embed, folder)
             print(f"{h}: top-1 per depth {out[h]['top1_agreement_per_depth']}", flush=True)
         print(json.dumps({"export": str(args.export_dir), "heldout": str(folder), "heads": out}))
