@@ -173,6 +173,39 @@ def test_training_resumes_from_its_checkpoint_with_identical_state(tmp_path):
     assert eagle3_train.lr_at(19, 1.0, 20, 3) < 0.2 < eagle3_train.lr_at(5, 1.0, 20, 3)  # cosine to a tenth
 
 
+def test_a_resumed_run_keeps_its_checkpoints_peak_rate_and_template_share(tmp_path):
+    """A run resumed without --lr / --template-share trains on with the checkpoint's (not the
+    defaults), so it ends where one uninterrupted run ends, and its report (e.g. the 0-batch
+    `--install` run's) names the peak and share the head was trained with."""
+    cfg, target, head = _head(draft_vocab=48)
+    embed = target.model.embed_tokens.weight.detach()
+    _synthetic_corpus(tmp_path, cfg, target, head)
+    (tmp_path / "shards" / "00001" / "shard.json").write_text('{"prompt_source": "self"}')
+    start = {k: v.clone() for k, v in head.state_dict().items()}
+    kw = dict(steps=2, batch=2, schedule_batches=20, minutes=5, progress=False, seed=4)
+
+    def fresh():
+        h = _head(draft_vocab=48)[2]
+        h.load_state_dict(start)
+        return h
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    eagle3_train.train(fresh(), embed, tmp_path, tmp_path / "a", batches=6, lr=3e-3, template_share=0.5, **kw)
+    eagle3_train.train(fresh(), embed, tmp_path, tmp_path / "b", batches=2, lr=3e-3, template_share=0.5, **kw)
+    eagle3_train.train(fresh(), embed, tmp_path, tmp_path / "b", batches=4, **kw)
+    report = eagle3_train.train(fresh(), embed, tmp_path, tmp_path / "b", batches=0, **kw)
+    assert report["batches"] == 6 and report["schedule"]["peak"] == 3e-3 and report["template_share"] == 0.5
+    a = torch.load(tmp_path / "a" / "train_state.pt", weights_only=False)
+    b = torch.load(tmp_path / "b" / "train_state.pt", weights_only=False)
+    assert np.array_equal(a["order"], b["order"]) and a["schedule"] == b["schedule"]
+    assert len(a["order"]) == 8  # the share holds: the 4 self-written windows + 4 of the 6 template ones
+    for k, v in a["head"].items():
+        assert torch.equal(v, b["head"][k]), k
+    fresh_report = eagle3_train.train(fresh(), embed, tmp_path, tmp_path / "c", batches=0, **kw)
+    assert fresh_report["schedule"]["peak"] == eagle3_train.DEFAULT_LR and fresh_report["template_share"] is None
+
+
 def test_training_keeps_the_head_that_measured_best_across_runs(tmp_path):
     """The held-out measure runs after every batch here (scripted: it peaks at batch 2); the head of
     that batch is kept in best_head.pt, named in the report, survives a resumed run that does not

@@ -76,7 +76,12 @@ def register(sub) -> None:
     t = p.add_argument_group("training (resumes from OUT/.train/train_state.pt)")
     t.add_argument("--ttt-steps", type=int, default=4, help="unrolled draft steps per position (default 4)")
     t.add_argument("--batch", type=int, default=4, help="windows per batch (default 4)")
-    t.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (default 5e-4)")
+    t.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="peak learning rate (default: 5e-4 for a new run; a resumed run keeps its checkpoint's unless given)",
+    )
     t.add_argument("--minutes", type=float, default=60.0, help="training time of this run (default 60; 0: none)")
     t.add_argument(
         "--schedule-batches",
@@ -92,7 +97,8 @@ def register(sub) -> None:
         default=None,
         metavar="F",
         help="each epoch: every window of the self-written shards once, plus windows of template-prompt shards "
-        "making up this share of it (e.g. 0.25; default: every window once)",
+        "making up this share of it (e.g. 0.25; default: every window once; a resumed run keeps its checkpoint's "
+        "unless given)",
     )
     t.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     t.add_argument(
@@ -157,7 +163,7 @@ def check_args(args) -> None:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1")
     if args.window <= args.ttt_steps + 2:
         raise InputError("--window must be larger than --ttt-steps + 2")
-    if args.minutes < 0 or args.corpus_minutes < 0 or args.lr <= 0 or args.eval_minutes <= 0:
+    if args.minutes < 0 or args.corpus_minutes < 0 or (args.lr is not None and args.lr <= 0) or args.eval_minutes <= 0:
         raise InputError("--minutes and --corpus-minutes must be >= 0, --lr and --eval-minutes > 0")
     if args.schedule_batches is not None and args.schedule_batches < 1:
         raise InputError("--schedule-batches must be >= 1")

@@ -210,6 +210,9 @@ def training_precision(choice: str, device: str) -> str:
         return "fp32"
 
 
+DEFAULT_LR = 5e-4  # the peak learning rate of a new run
+
+
 def lr_at(i: int, peak: float, total: int, warm: int) -> float:
     """Linear warm-up over `warm` batches, then cosine from `peak` down to peak/10 at `total`
     (held there after)."""
@@ -258,7 +261,7 @@ def train(
     *,
     steps: int = 4,
     batch: int = 4,
-    lr: float = 5e-4,
+    lr: float | None = None,
     minutes: float = 60.0,
     batches: int | None = None,
     schedule_batches: int | None = None,
@@ -278,7 +281,8 @@ def train(
     optimiser, step, epoch, the epoch's window order and the position in it, schedule, curve,
     time spent) every `save_every_s` and at the end; a later run resumes from it with the same
     state. The learning rate follows `lr_at` over `schedule_batches` (default: 2 passes over the
-    corpus as the first run finds it; kept from the checkpoint on resume unless given). Each
+    corpus as the first run finds it) up to the peak `lr` (default DEFAULT_LR); a resumed run keeps
+    its checkpoint's schedule, peak and `template_share` unless given (not None). Each
     epoch draws a new order over all windows the corpus then has. `batches`: at most this many
     in this run. `evaluate(head) -> dict` (the
     held-out measure) runs every `eval_every_s` and at the end; its results go into the curve, and
@@ -308,7 +312,7 @@ def train(
     embed = embed.to(dev)
     vocab_t = data.vocab_t.to(dev)
     params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=DEFAULT_LR, betas=(0.9, 0.95), weight_decay=0.0)  # lr set every batch
     state_file = out / "train_state.pt"
     st = None
     if resume and state_file.is_file():
@@ -316,6 +320,10 @@ def train(
         head.load_state_dict(st["head"])
         opt.load_state_dict(st["opt"])
     total = int(schedule_batches or (st["schedule"]["total"] if st else 2 * max(1, len(data) // batch)))
+    if lr is None:
+        lr = st["schedule"]["peak"] if st else DEFAULT_LR
+    if template_share is None and st is not None:
+        template_share = st.get("template_share")
     sched = {"total": total, "warm": min(50, total // 10 + 1), "peak": lr}
     if st is None:
         st = {"step": 0, "epoch": 0, "order": None, "pos": 0, "curve": [], "evals": [], "spent_s": 0.0, "cpu_s": 0.0}
@@ -352,6 +360,7 @@ def train(
             "order": order,
             "pos": pos,
             "schedule": sched,
+            "template_share": template_share,
             "curve": curve,
             "evals": evals,
             "best": best,
