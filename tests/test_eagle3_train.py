@@ -5,6 +5,7 @@ saved in the public layout loads back with the loader other tools use."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -916,3 +917,66 @@ def test_heads_are_measured_on_an_exports_own_target(tmp_path, monkeypatch, caps
     assert heldout_on_export.main(["--export-dir", str(tmp_path / "plain")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no features output" in err[0]
+
+
+def test_head_history_reads_the_installed_runs_oldest_first(tmp_path, capsys):
+    """head_history walks the `replaced` chain of a training.json: one row per installed run,
+    oldest first, training CPU-hours summed over CPU runs only; the first head's record (no
+    held-out measure before) ends the chain; the table and the plot come from the same rows."""
+    from arborspec.tools.train import head_history
+
+    def measure(d1, tree):
+        return {
+            "top1_agreement_per_depth": [d1, d1 - 0.05, d1 - 0.1, d1 - 0.15],
+            "tokens_per_step": {"tuned [[0]]": tree, "chain:4": 1.0},
+            "positions": 99,
+        }
+
+    first = {"heldout": {"top1_agreement_per_depth": [0.55, 0.5, 0.5, 0.4]}, "command": "old"}
+    gpu = {
+        "heldout_before": measure(0.30, 1.5),
+        "heldout": measure(0.35, 1.55),
+        "minutes": 3.0,
+        "cpu_minutes": 9.0,
+        "batches": 900,
+        "commands": ["arborspec train-draft --device cuda"],
+        "corpus": {"tokens": 500},
+        "replaced": first,
+    }
+    cpu1 = {
+        "heldout_before": measure(0.35, 1.55),
+        "heldout": measure(0.40, 1.6),
+        "cpu_minutes": 30.0,
+        "batches": 300,
+        "commands": ["arborspec train-draft --threads 1"],
+        "corpus": {"tokens": 1000, "generation_s": 3600, "features_s": 1800},
+        "replaced": gpu,
+    }
+    cpu2 = {
+        "heldout_before": measure(0.40, 1.6),
+        "heldout": measure(0.42, 1.7),
+        "cpu_minutes": 60.0,
+        "batches": 500,
+        "commands": ["arborspec train-draft"],
+        "corpus": {"tokens": 2000},
+        "replaced": cpu1,
+    }
+    rows = head_history.runs(cpu2)
+    assert [r["device"] for r in rows] == ["gpu", "cpu", "cpu"]
+    assert [r["train_minutes"] for r in rows] == [3.0, 30.0, 60.0]
+    assert [r["cpu_hours_total"] for r in rows] == [0.0, 0.5, 1.5]
+    assert [r["after"][0] for r in rows] == [0.35, 0.40, 0.42] and rows[1]["corpus_build_hours"] == 1.5
+    assert (rows[2]["tree_before"], rows[2]["tree_after"]) == (1.6, 1.7)
+    path = tmp_path / "training.json"
+    path.write_text(json.dumps(cpu2))
+    png = tmp_path / "curve.png"
+    assert head_history.main(["--training-json", str(path), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 + 3 and out[-1].startswith(
+        "| 3 | cpu | 500 | 60.0 | 2,000 (0.0) | 0.420 / 0.370 / 0.320 / 0.270 | +0.020 |"
+    )
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    path.write_text(json.dumps(first))
+    assert head_history.main(["--training-json", str(path)]) == 2
+    assert "records no installed run" in capsys.readouterr().err
+    assert head_history.main(["--model", "no-such-model"]) == 2
