@@ -980,3 +980,60 @@ def test_head_history_reads_the_installed_runs_oldest_first(tmp_path, capsys):
     assert head_history.main(["--training-json", str(path)]) == 2
     assert "records no installed run" in capsys.readouterr().err
     assert head_history.main(["--model", "no-such-model"]) == 2
+
+
+def test_passage_requests_ask_tasks_over_the_targets_own_answers():
+    """A request over a passage: a PASSAGE_TASKS line, a blank line, one of the answers; short
+    answers, repeats and answers sharing a 6-word run with the held-out or benchmark prompts are
+    not used; at most n; drawn by the seed. No task line shares a 6-word run with those prompts."""
+    from arborspec.tools.train import eagle3_corpus as ec
+    from arborspec.tools.train.eagle3_heldout import heldout_prompts
+
+    assert not set().union(*(ec.shingles(t) for t in ec.PASSAGE_TASKS)) & ec.kept_apart_shingles()
+    long = [f"answer {i}: " + " ".join(f"w{i}x{j}" for j in range(ec.PASSAGE_MIN_WORDS)) for i in range(6)]
+    leak = " ".join(heldout_prompts()[5]["text"].split()[: ec.PASSAGE_MIN_WORDS]) + " " + long[0]
+    answers = long + [long[1], "too short to summarise", leak]
+    reqs = ec.passage_requests(answers, 4, seed=1)
+    assert len(reqs) == 4 and len(set(reqs)) == 4
+    tasks = [r.split("\n\n", 1)[0] for r in reqs]
+    bodies = [r.split("\n\n", 1)[1] for r in reqs]
+    assert all(t in ec.PASSAGE_TASKS for t in tasks) and set(bodies) <= set(long)
+    everything = ec.passage_requests(answers, 100, seed=1)
+    assert sorted(r.split("\n\n", 1)[1] for r in everything) == sorted(long)  # not the short, repeat or leak
+    assert reqs == ec.passage_requests(answers, 4, seed=1) != ec.passage_requests(answers, 4, seed=2)
+
+
+def test_a_self_prompted_shard_records_its_answers_and_the_next_asks_tasks_over_them(tmp_path, monkeypatch):
+    """Each shard records its whole greedy answers (shard.json "passages"); the next self-prompted
+    shard makes a PASSAGE_SHARE of its requests tasks over them, and the rest self-written."""
+    import json
+
+    from arborspec.tools.train import eagle3_corpus as ec
+
+    lm = _tiny_loaded(9)
+    aux = default_aux_layers(lm.config.n_layers)
+    kw = dict(shard_prompts=4, gen_len=4, batch=2, window=16, draft_vocab=32, topk=4, seed=0)
+    eos = lm.tokenizer.meta["eos_token_ids"][0]
+    calls = []
+
+    def fake_generate(self, prompts, max_new, eos_set, temperature, seed, top_p=1.0):
+        calls.append(len(prompts))
+        return [
+            lm.tokenizer.encode(f"reply {len(calls)}.{i} at {temperature} one two", add_bos=False) + [eos]
+            for i in range(len(prompts))
+        ]
+
+    monkeypatch.setattr(ec.ResponseGenerator, "__call__", fake_generate)
+    monkeypatch.setattr(ec, "PASSAGE_SHARE", 0.5)
+    monkeypatch.setattr(ec, "PASSAGE_MIN_WORDS", 3)
+    monkeypatch.setattr(ec, "self_prompts", lambda gen, tok, n, seed: [f"Request {i} of {seed}." for i in range(n)])
+    c = ec.grow_corpus(lm, aux, root=tmp_path / "c", total_tokens=10**6, minutes=0.001, prompt_source="self", **kw)
+    first = json.loads((ec.shard_dirs(c)[0] / "shard.json").read_text())
+    assert first["passage_requests"] == 0 and len(first["prompt_texts"]) == 4  # no shard before it
+    assert len(first["passages"]) == 2 and all(t.startswith("reply ") and " at 0.0 " in t for t in first["passages"])
+    ec.grow_corpus(lm, aux, root=tmp_path / "c", total_tokens=10**6, minutes=0.001, prompt_source="self", **kw)
+    second = json.loads((ec.shard_dirs(c)[1] / "shard.json").read_text())
+    on_passages = [t for t in second["prompt_texts"] if "\n\n" in t]
+    assert second["passage_requests"] == 2 == len(on_passages) and len(second["prompt_texts"]) == 4
+    assert {t.split("\n\n", 1)[1] for t in on_passages} == set(first["passages"])
+    assert sum(t.startswith("Request ") for t in second["prompt_texts"]) == 2
