@@ -513,6 +513,19 @@ def test_heldout_ranks_equal_the_tune_ranks_of_decoding(tmp_path):
     for kind, per_depth in res["top1_per_kind"].items():
         ranks = [r for (d, s, e), kd in zip(rows, kinds) if kd == kind for r in d[0][s:e]]
         assert len(per_depth) == steps and per_depth[0] == pytest.approx(np.mean(np.asarray(ranks) == 0), abs=1e-4)
+    # copied from the prompt (the answer's bigram occurs in the prompt) vs the rest, by hand
+    hits = {True: [], False: []}
+    for (d, s, e), row in zip(rows, tokens):
+        pairs = {(int(a), int(b)) for a, b in zip(row[: s - 1], row[1:s])}
+        for p in range(s, e):
+            hits[(int(row[p - 1]), int(row[p])) in pairs].append(d[0][p] == 0)
+    split = res["top1_copied"]
+    assert split["share"] == pytest.approx(len(hits[True]) / res["positions"], abs=1e-4)
+    assert split["other"][0] == pytest.approx(np.mean(hits[False]), abs=1e-4)
+    assert split["copied"][0] == (pytest.approx(np.mean(hits[True]), abs=1e-4) if hits[True] else 0.0)
+    from arborspec.tools.train.eagle3_heldout import copied_from_prompt
+
+    assert copied_from_prompt(np.array([5, 6, 7, 9, 5, 6, 6, 7]), 4).tolist() == [0, 0, 0, 0, 0, 1, 0, 1]
 
 
 def test_install_only_a_head_that_beats_the_shipped_one(tmp_path):

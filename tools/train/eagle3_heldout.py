@@ -135,17 +135,31 @@ def depth_ranks(head, embed, folder: Path, steps: int = 4, k: int = 8, batch: in
     return rows
 
 
-def per_depth_top1(rows, steps: int) -> tuple[np.ndarray, np.ndarray]:
-    """Top-1 agreement per depth over `depth_ranks` rows, and the positions counted per depth."""
+def per_depth_top1(rows, steps: int, keep=None) -> tuple[np.ndarray, np.ndarray]:
+    """Top-1 agreement per depth over `depth_ranks` rows, and the positions counted per depth.
+    keep: per row, a bool array over its positions: only those count."""
     hits, counts = np.zeros(steps), np.zeros(steps)
-    for ranks, start, end in rows:
+    for i, (ranks, start, end) in enumerate(rows):
         for d in range(1, steps + 1):
             # token p drafted at depth d: its chain's root p - d is the last prompt token or later
             lo = max(start, start - 1 + d)
             r = np.asarray(ranks[d - 1][lo:end])
+            if keep is not None:
+                r = r[keep[i][lo:end]]
             hits[d - 1] += (r == 0).sum()
             counts[d - 1] += len(r)
     return hits / np.maximum(counts, 1), counts
+
+
+def copied_from_prompt(tokens: np.ndarray, start: int) -> np.ndarray:
+    """[len(tokens)] bool: position p >= start continues a bigram of the prompt (tokens[:start]),
+    i.e. (tokens[p-1], tokens[p]) occurs there: what an answer copies from a text it was given."""
+    t = np.asarray(tokens, dtype=np.int64)
+    pairs = set(zip(t[: start - 1].tolist(), t[1:start].tolist()))
+    out = np.zeros(len(t), dtype=bool)
+    for p in range(max(start, 1), len(t)):
+        out[p] = (int(t[p - 1]), int(t[p])) in pairs
+    return out
 
 
 def evaluate_heldout(head, embed, folder: Path, steps: int = 4, k: int = 8) -> dict:
@@ -163,6 +177,14 @@ def evaluate_heldout(head, embed, folder: Path, steps: int = 4, k: int = 8) -> d
         "expected_accepted_chain": round(1.0 + float(np.sum(np.cumprod(acc))), 3),
         "tokens_per_step": {name: round(simulated_tokens_per_step(runs, p), 3) for name, p in TREES.items()},
         "positions": int(counts[0]),
+    }
+    tokens = np.load(folder / "tokens.npy")
+    copied = [copied_from_prompt(tokens[i], s) for i, (_, s, _) in enumerate(rows)]
+    share = sum(c[s:e].sum() for c, (_, s, e) in zip(copied, rows)) / max(sum(e - s for _, s, e in rows), 1)
+    out["top1_copied"] = {  # answer tokens copied from the prompt vs the rest
+        "share": round(float(share), 4),
+        "copied": per_depth_top1(rows, steps, copied)[0].round(4).tolist(),
+        "other": per_depth_top1(rows, steps, [~c for c in copied])[0].round(4).tolist(),
     }
     kinds = json.loads((folder / "heldout.json").read_text()).get("row_kinds")  # absent in sets built before
     if kinds and len(kinds) == len(rows):
