@@ -1031,8 +1031,9 @@ def test_a_self_prompted_shard_records_its_answers_and_the_next_asks_tasks_over_
 
     def fake_generate(self, prompts, max_new, eos_set, temperature, seed, top_p=1.0):
         calls.append(len(prompts))
-        return [
-            lm.tokenizer.encode(f"reply {len(calls)}.{i} at {temperature} one two", add_bos=False) + [eos]
+        return [  # every other answer cut at the length, mid-sentence
+            lm.tokenizer.encode(f"reply {len(calls)}.{i} at {temperature} one two. and th", add_bos=False)
+            + ([eos] if i % 2 == 0 else [])
             for i in range(len(prompts))
         ]
 
@@ -1044,6 +1045,9 @@ def test_a_self_prompted_shard_records_its_answers_and_the_next_asks_tasks_over_
     first = json.loads((ec.shard_dirs(c)[0] / "shard.json").read_text())
     assert first["passage_requests"] == 0 and len(first["prompt_texts"]) == 4  # no shard before it
     assert len(first["passages"]) == 2 and all(t.startswith("reply ") and " at 0.0 " in t for t in first["passages"])
+    assert sorted(t.endswith("one two.") for t in first["passages"]) == [False, True]  # the cut one: whole sentences
+    assert ec.whole_sentences(" Done. Cut mid", False) == "Done." and ec.whole_sentences("e.g. x", False) == "e.g."
+    assert ec.whole_sentences("no end", False) == "" and ec.whole_sentences(" no end ", True) == "no end"
     ec.grow_corpus(lm, aux, root=tmp_path / "c", total_tokens=10**6, minutes=0.001, prompt_source="self", **kw)
     second = json.loads((ec.shard_dirs(c)[1] / "shard.json").read_text())
     on_passages = [t for t in second["prompt_texts"] if "\n\n" in t]

@@ -296,7 +296,7 @@ REQUEST_OPENERS = [
 
 # What a quarter of a self-prompted shard's requests are: one of these tasks over a passage, the
 # passage one of the target's own greedy responses of the shard before (`shard.json`
-# "passages"). Users send texts to summarise, rewrite and extract from, and the answers copy from
+# "passages"; one cut at gen_len up to its last whole sentence). Users send texts to summarise, rewrite and extract from, and the answers copy from
 # them: on the held-out set 19% of the response tokens continue a bigram of the prompt, and the
 # head agreed with the target on only 0.33 of those where the target itself was >= 0.9 sure
 # (0.74 on the others); the corpus's responses copied 8% (free requests) to 16% (openers).
@@ -316,6 +316,16 @@ PASSAGE_TASKS = [
     "Convert the key facts of this text into JSON:",
     "Which claims in this text would need a source? List them word for word:",
 ]
+
+
+def whole_sentences(text: str, ended: bool) -> str:
+    """`text` stripped; one that did not end (cut at a length) up to its last sentence end (. ! or
+    ? before white space or the end), or "" if it has none."""
+    text = text.strip()
+    if ended:
+        return text
+    ends = [m.end() for m in re.finditer(r"[.!?](?=\s|$)", text)]
+    return text[: ends[-1]] if ends else ""
 
 
 def passage_requests(answers: list[str], n: int, seed: int) -> list[str]:
@@ -692,8 +702,9 @@ class Corpus:
                 stream += p_ids + o + [sep]
                 gen_tokens += len(o)
                 responses += 1
-                if temp == 0.0 and o and o[-1] in eos:  # whole answers only
-                    answers.append(tok.decode(o[:-1], skip_special_tokens=True).strip())
+                if temp == 0.0 and o:  # an answer cut at gen_len ends at its last whole sentence
+                    done = o[-1] in eos
+                    answers.append(whole_sentences(tok.decode(o[:-1] if done else o, skip_special_tokens=True), done))
         gen_s = time.perf_counter() - t0
         arr = np.asarray(stream, dtype=np.int64)
         vocab = self.vocab(arr)
