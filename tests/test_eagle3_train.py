@@ -136,20 +136,28 @@ def test_training_lowers_the_loss_and_the_head_round_trips(tmp_path):
     torch.testing.assert_close(loaded.fc.weight, head.fc.weight.half().float())
 
 
-def test_training_resumes_from_its_checkpoint_with_identical_state(tmp_path):
-    """One run of 7 batches == a run stopped after 3 (checkpointed) + a new run resuming from the
-    checkpoint into a fresh head: same weights, optimiser moments, step, epoch, window order and
-    position (so the same next batches), and the same learning-rate schedule."""
+def _resumable(tmp_path):
+    """A synthetic corpus in tmp_path, the embeddings, and `fresh()`: a new head with the same
+    starting weights each call (runs that must end equal start from it)."""
     cfg, target, head = _head(draft_vocab=48)
     embed = target.model.embed_tokens.weight.detach()
     _synthetic_corpus(tmp_path, cfg, target, head)
     start = {k: v.clone() for k, v in head.state_dict().items()}
-    kw = dict(steps=2, batch=3, lr=3e-3, schedule_batches=20, minutes=5, progress=False, seed=4)
 
     def fresh():
         h = _head(draft_vocab=48)[2]
         h.load_state_dict(start)
         return h
+
+    return embed, fresh
+
+
+def test_training_resumes_from_its_checkpoint_with_identical_state(tmp_path):
+    """One run of 7 batches == a run stopped after 3 (checkpointed) + a new run resuming from the
+    checkpoint into a fresh head: same weights, optimiser moments, step, epoch, window order and
+    position (so the same next batches), and the same learning-rate schedule."""
+    embed, fresh = _resumable(tmp_path)
+    kw = dict(steps=2, batch=3, lr=3e-3, schedule_batches=20, minutes=5, progress=False, seed=4)
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -178,17 +186,9 @@ def test_a_resumed_run_keeps_its_checkpoints_peak_rate_and_template_share(tmp_pa
     """A run resumed without --lr / --template-share trains on with the checkpoint's (not the
     defaults), so it ends where one uninterrupted run ends, and its report (e.g. the 0-batch
     `--install` run's) names the peak and share the head was trained with."""
-    cfg, target, head = _head(draft_vocab=48)
-    embed = target.model.embed_tokens.weight.detach()
-    _synthetic_corpus(tmp_path, cfg, target, head)
+    embed, fresh = _resumable(tmp_path)
     (tmp_path / "shards" / "00001" / "shard.json").write_text('{"prompt_source": "self"}')
-    start = {k: v.clone() for k, v in head.state_dict().items()}
     kw = dict(steps=2, batch=2, schedule_batches=20, minutes=5, progress=False, seed=4)
-
-    def fresh():
-        h = _head(draft_vocab=48)[2]
-        h.load_state_dict(start)
-        return h
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
