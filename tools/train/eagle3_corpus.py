@@ -296,10 +296,11 @@ REQUEST_OPENERS = [
 
 # What a quarter of a self-prompted shard's requests are: one of these tasks over a passage, the
 # passage one of the target's own greedy responses of the shard before (`shard.json`
-# "passages"; one cut at gen_len up to its last whole sentence). Users send texts to summarise, rewrite and extract from, and the answers copy from
-# them: on the held-out set 19% of the response tokens continue a bigram of the prompt, and the
-# head agreed with the target on only 0.33 of those where the target itself was >= 0.9 sure
-# (0.74 on the others); the corpus's responses copied 8% (free requests) to 16% (openers).
+# "passages"; one cut at gen_len up to its last whole sentence). Users send texts to summarise,
+# rewrite and extract from, and the answers copy from them: on the held-out set 19% of the
+# response tokens continue a bigram of the prompt, and the head agreed with the target on only
+# 0.33 of those where the target itself was >= 0.9 sure (0.74 on the others); the corpus's
+# responses copied 8% (free requests) to 16% (openers).
 PASSAGE_SHARE = 0.25
 PASSAGE_MIN_WORDS = 40
 PASSAGE_TASKS = [
@@ -685,11 +686,10 @@ class Corpus:
             texts = self_prompts(self.generator, tok, n_prompts - len(on_passages), rseed)
             if not texts:
                 log("corpus: the target wrote no usable request (no chat template?): this shard uses the templates")
-            else:
+            elif on_passages:
                 n_passage = len(on_passages)
-                if on_passages:
-                    texts += on_passages
-                    random.Random(rseed).shuffle(texts)  # greedy and sampled halves both get some
+                texts += on_passages
+                random.Random(rseed).shuffle(texts)  # greedy and sampled halves both get some
         source = "self" if texts else "templates"
         if not texts:
             texts = [prompt_at(i, s["seed"]) for i in range(first, first + n_prompts)]

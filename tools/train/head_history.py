@@ -124,7 +124,6 @@ def main(argv=None) -> int:
 
             if args.model not in SHIPPED_HEADS:
                 raise InputError(f"no EAGLE-3 head is shipped for {args.model!r} (shipped: {', '.join(SHIPPED_HEADS)})")
-
             path = eagle3_folder("eagle3", args.model) / "training.json"
         if not path.is_file():
             raise InputError(f"no training.json at {path}")
