@@ -584,6 +584,9 @@ def test_install_only_a_head_that_beats_the_shipped_one(tmp_path):
         (["--threads", "0"], "--threads must be >= 1"),
         (["--cuda-graphs"], "--cuda-graphs needs --device cuda"),
         (["--template-share", "1"], "--template-share must be in [0, 1)"),
+        (["--revocab", "16384"], "--revocab re-chooses the vocabulary of a head given with --init"),
+        (["--init", "eagle3", "--revocab", "0"], "--revocab must be >= 1"),
+        (["--corpus", "no/such/corpus"], "--corpus no/such/corpus: no such folder"),
     ],
 )
 def test_train_draft_mistakes_are_one_error_line(tmp_path, capsys, extra, message):
@@ -1054,3 +1057,155 @@ def test_a_self_prompted_shard_records_its_answers_and_the_next_asks_tasks_over_
     assert second["passage_requests"] == 2 == len(on_passages) and len(second["prompt_texts"]) == 4
     assert {t.split("\n\n", 1)[1] for t in on_passages} == set(first["passages"])
     assert sum(t.startswith("Request ") for t in second["prompt_texts"]) == 2
+
+
+def test_a_revocabbed_head_keeps_every_weight_and_the_kept_tokens_logits():
+    """`train-draft --revocab`: the head over another draft vocabulary is the same head for the
+    tokens both vocabularies hold (bit-identical logits, same output hidden states); a new token's
+    row is the target's LM head row, as a new head's would be."""
+    cfg, target, head = _head(draft_vocab=40)
+    old = head.token_map().numpy()
+    fresh = np.setdiff1d(np.arange(cfg.vocab_size), old)[:30]
+    vocab = np.concatenate([fresh[:10], old[::2], fresh[10:]])  # 20 kept, 30 new, another order
+    new = eagle3_train.revocab_head(head, vocab, target).eval()
+    assert new.config.draft_vocab_size == 50 and new.token_map().tolist() == vocab.tolist()
+    assert bool(new.t2d[torch.from_numpy(vocab)].all()) and int(new.t2d.sum()) == 50
+    for k, v in head.state_dict().items():
+        if k not in ("lm_head.weight", "d2t", "t2d"):
+            assert torch.equal(v, new.state_dict()[k]), k
+    embed = target.model.embed_tokens.weight.detach()
+    tk = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    fe = torch.randn(2, 12, head.config.feature_size, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        a, b = eagle3_train.ttt_forward(head, embed, tk, fe, 2), eagle3_train.ttt_forward(new, embed, tk, fe, 2)
+    where_old = {int(t): i for i, t in enumerate(old)}
+    kept = [i for i, t in enumerate(vocab) if int(t) in where_old]
+    assert len(kept) == 20
+    for x, y in zip(a, b):
+        assert torch.equal(x[..., [where_old[int(vocab[i])] for i in kept]], y[..., kept])
+    i_new = [i for i, t in enumerate(vocab) if int(t) not in where_old]
+    assert torch.equal(new.lm_head.weight[i_new], target.lm_head.weight[torch.from_numpy(vocab[i_new])].float())
+
+
+def test_shard_data_serves_the_corpus_top_k_over_a_heads_other_vocabulary(tmp_path):
+    """A corpus stores the target's top-K over ITS draft vocabulary; a head over another (after
+    --revocab) reads each stored token at its own id (absent: -1, no weight), plus one slot for the
+    target's greedy token where the head holds it and the corpus's vocabulary did not, weighted with
+    the mass the stored top-K leaves. Over the corpus's own vocabulary nothing changes."""
+    cfg, target, head = _head(draft_vocab=24)
+    arrays = _synthetic_corpus(tmp_path, cfg, target, head)
+    cv = np.load(tmp_path / "vocab.npy")
+    same = eagle3_train.ShardData(tmp_path, cv)
+    assert same.remap is None and torch.equal(same.batch_at([1, 4])[2], torch.from_numpy(arrays["top_ids"][[1, 4]]))
+    greedy = np.unique(arrays["top1"])
+    new_greedy = np.setdiff1d(greedy, cv)[:5]
+    assert len(new_greedy) >= 3  # tokens the corpus's vocabulary lacks and the target picked
+    hv = np.concatenate([cv[::2], new_greedy])
+    data = eagle3_train.ShardData(tmp_path, hv)
+    assert data.vocab_t.tolist() == hv.tolist()
+    idx = np.arange(10)
+    tk, fe, ti, tl, t1 = data.batch_at(idx)
+    assert ti.shape[-1] == arrays["top_ids"].shape[-1] + 1
+    stored = torch.from_numpy(arrays["top_ids"]).long()
+    hv_t, cv_t = torch.from_numpy(hv), torch.from_numpy(cv)
+    got = ti[..., :-1].long()
+    present = torch.from_numpy(np.isin(cv[stored.numpy()], hv))
+    assert torch.equal(got >= 0, present)  # the stored tokens the head holds, and only those
+    assert torch.equal(hv_t[got[present]], cv_t[stored[present]])  # each at its own id
+    assert torch.equal(tl[..., :-1], torch.from_numpy(arrays["top_lp"]).float())
+    g = torch.from_numpy(arrays["top1"]).long()
+    extra = ti[..., -1].long()
+    want = torch.from_numpy(np.isin(arrays["top1"], new_greedy))
+    assert torch.equal(extra >= 0, want) and bool(want.any())
+    assert torch.equal(hv_t[extra[want]], g[want])
+    rest = 1.0 - torch.from_numpy(arrays["top_lp"]).float().exp().sum(-1)
+    torch.testing.assert_close(tl[..., -1][want].exp(), rest[want])
+    # the loss reads the extra slot: a head that ranks the new greedy token first gains from it
+    logits = torch.zeros(10, 16 - 2 - 1, len(hv))
+    base = eagle3_train.step_losses([logits], ti, tl, t1, data.vocab_t, 1)[0][0]
+    rows = torch.arange(1, 14)
+    favoured = logits.clone()
+    ex = extra[:, rows]
+    favoured[ex >= 0, ex[ex >= 0]] = 5.0
+    assert eagle3_train.step_losses([favoured], ti, tl, t1, data.vocab_t, 1)[0][0] < base
+
+
+def test_training_a_revocabbed_head_on_its_predecessors_corpus_and_resuming_it(tmp_path):
+    """train() reads the corpus over the head's own vocabulary (the checkpoint's, when it
+    resumes); a checkpoint of another vocabulary size is one clear error, not a traceback."""
+    from arborspec.runtime.errors import InputError
+
+    cfg, target, head = _head(draft_vocab=24)
+    _synthetic_corpus(tmp_path, cfg, target, head)
+    old = head.token_map().numpy()
+    vocab = np.concatenate([old[:12], np.setdiff1d(np.arange(cfg.vocab_size), old)[:20]])
+    new = eagle3_train.revocab_head(head, vocab, target)
+    embed = target.model.embed_tokens.weight.detach()
+    work = tmp_path / "w"
+    work.mkdir()
+    kw = dict(steps=2, batch=2, lr=3e-3, schedule_batches=40, minutes=5, progress=False, log_every=5)
+    rep = eagle3_train.train(new, embed, tmp_path, work, batches=40, **kw)
+    assert rep["curve"][-1]["loss"] < rep["curve"][0]["loss"]
+    again = eagle3_train.revocab_head(head, vocab[::-1].copy(), target)  # same size, another order
+    eagle3_train.train(again, embed, tmp_path, work, batches=0, **kw)
+    assert again.token_map().tolist() == vocab.tolist()  # the checkpoint's vocabulary, not the one given
+    other = eagle3_train.revocab_head(head, vocab[:20], target)
+    with pytest.raises(InputError, match=r"a draft vocabulary of 32\): resume it with the same --revocab"):
+        eagle3_train.train(other, embed, tmp_path, work, batches=1, **kw)
+
+
+def test_an_existing_corpus_is_grown_whatever_the_heads_vocabulary(tmp_path):
+    """grow_corpus(folder=...) (`train-draft --corpus`): that corpus's settings and vocabulary are
+    used, not the ones given (a re-vocabbed head keys another folder); it must hold the head's
+    feature layers; a folder that is not a corpus is one error line."""
+    from arborspec.runtime.errors import InputError
+    from arborspec.tools.train.eagle3_corpus import grow_corpus, most_frequent, read_progress, token_counts
+
+    lm = _tiny_loaded(1)
+    cfg = lm.config
+    aux = default_aux_layers(cfg.n_layers)
+    kw = dict(shard_prompts=4, gen_len=12, batch=2, window=64, topk=4, seed=0, verbose=False)
+    corpus = grow_corpus(lm, aux, root=tmp_path / "c", total_tokens=100, minutes=5, draft_vocab=64, **kw)
+    p1 = read_progress(corpus)
+    other = np.arange(100, 148)
+    again = grow_corpus(
+        lm,
+        aux,
+        root=tmp_path / "c",
+        total_tokens=p1["tokens"] + 1,
+        minutes=5,
+        draft_vocab=48,
+        vocab=other,
+        folder=corpus,
+        **kw,
+    )
+    assert again == corpus and read_progress(corpus)["shards"] == p1["shards"] + 1
+    assert len(np.load(corpus / "vocab.npy")) == 64 and len(list((tmp_path / "c").iterdir())) == 1
+    with pytest.raises(InputError, match="holds the features of layers"):
+        grow_corpus(lm, [0, 1], root=tmp_path / "c", total_tokens=1, minutes=0, folder=corpus, **kw)
+    with pytest.raises(InputError, match="not a train-draft corpus"):
+        grow_corpus(lm, aux, root=tmp_path / "c", total_tokens=1, minutes=0, folder=tmp_path, **kw)
+    counts = token_counts(corpus, cfg.vocab_size)
+    assert counts.sum() == sum(np.load(d / "tokens.npy").size for d in (corpus / "shards").iterdir())
+    top = most_frequent(counts, 5, [2])
+    assert top[0] == 2 and all(counts[top[i]] >= counts[top[i + 1]] for i in range(1, 4))
+
+
+def test_new_tokens_rows_follow_the_map_training_took_the_kept_ones_along():
+    """Where enough tokens are kept (>= 2x the hidden size), a new token's row is its target row
+    through the least-squares map from the kept tokens' target rows to their trained rows: when
+    training moved every row by one linear map, the new rows are exactly where it would have put
+    them (raw target rows outscored the trained ones on the SmolLM2 head: 0.02 agreement)."""
+    cfg = tiny_config("llama", vocab=400)
+    target = random_model(cfg, 0)
+    vocab = np.arange(0, 300, dtype=np.int64)
+    head = eagle3_train.init_head(cfg, target, default_aux_layers(cfg.n_layers), vocab, 0).eval()
+    a = torch.eye(cfg.hidden_size) + 0.3 * torch.randn(cfg.hidden_size, cfg.hidden_size)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.lm_head.weight[:300].float() @ a)  # "training": one map
+    new_vocab = np.concatenate([np.arange(150, 400), np.arange(0, 20)]).astype(np.int64)
+    new = eagle3_train.revocab_head(head, new_vocab, target)
+    want = target.lm_head.weight[torch.from_numpy(new_vocab)].float() @ a
+    torch.testing.assert_close(new.lm_head.weight, want, rtol=1e-3, atol=1e-3)
+    kept = np.flatnonzero(new_vocab < 300)
+    assert torch.equal(new.lm_head.weight[kept], head.lm_head.weight[torch.from_numpy(new_vocab[kept])])

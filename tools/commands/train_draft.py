@@ -107,7 +107,24 @@ def register(sub) -> None:
         default=None,
         metavar="FOLDER",
         help="fine-tune this EAGLE-3 head (public layout; `eagle3` = the one shipped for the model): "
-        "its draft vocabulary and layer ids are kept",
+        "its layer ids are kept, and its draft vocabulary unless --revocab",
+    )
+    t.add_argument(
+        "--revocab",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --init: re-choose the head's draft vocabulary as the N most frequent tokens of the corpus "
+        "(FR-Spec; every weight kept, new tokens' rows from the target's LM head); the corpus's stored top-K is "
+        "mapped onto it. A resumed run keeps its checkpoint's vocabulary",
+    )
+    c.add_argument(
+        "--corpus",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="grow and train on this corpus folder (~/.cache/arborspec/eagle3-corpus/<key>) whatever its settings, "
+        "not the one the settings and the --init head's vocabulary key: e.g. after --revocab",
     )
     t.add_argument(
         "--precision",
@@ -151,8 +168,12 @@ def check_args(args) -> None:
         raise InputError(
             f"--install-head {args.install_head}: no model.safetensors there (a public-layout EAGLE-3 head)"
         )
-    for name in ("corpus_tokens", "shard_prompts", "gen_len", "gen_batch", "window", "draft_vocab", "topk"):
-        if getattr(args, name) < 1:
+    if args.revocab is not None and args.init is None:
+        raise InputError("--revocab re-chooses the vocabulary of a head given with --init")
+    if args.corpus is not None and not args.corpus.is_dir():
+        raise InputError(f"--corpus {args.corpus}: no such folder")
+    for name in ("corpus_tokens", "shard_prompts", "gen_len", "gen_batch", "window", "draft_vocab", "topk", "revocab"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1")
     if args.first_prompt < 0:
         raise InputError("--first-prompt must be >= 0")
@@ -200,6 +221,8 @@ def run(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    import numpy as np
+
     from arborspec.models.eagle3 import default_aux_layers, eagle3_folder, load_eagle3
     from arborspec.models.registry import cache_dir, load_model
     from arborspec.tools.train import eagle3_corpus, eagle3_heldout, eagle3_train
@@ -220,6 +243,8 @@ def run(args) -> int:
     if args.init is not None:
         folder = shipped if str(args.init) == "eagle3" else args.init
         init = load_eagle3(folder, cfg)
+        if args.revocab is not None and args.revocab > cfg.vocab_size:
+            raise InputError(f"--revocab {args.revocab} exceeds the target's vocabulary ({cfg.vocab_size})")
         aux = list(init.config.aux_layers)
         fixed_vocab = (torch.arange(init.config.draft_vocab_size) + init.d2t.long()).numpy()
         draft_vocab = len(fixed_vocab)
@@ -242,6 +267,7 @@ def run(args) -> int:
         first_prompt=args.first_prompt,
         cuda_graphs=args.cuda_graphs,
         prompt_source=args.prompt_source,
+        folder=args.corpus,
     )
     info = eagle3_corpus.read_progress(corpus)
     log(
@@ -270,11 +296,18 @@ def run(args) -> int:
                 (work / f).unlink(missing_ok=True)
         if init is not None:
             head = init.float()
+            if args.revocab is not None:
+                eos = list(loaded.tokenizer.meta.get("eos_token_ids") or []) if loaded.tokenizer else []
+                counts = eagle3_corpus.token_counts(corpus, cfg.vocab_size)
+                vocab = eagle3_corpus.most_frequent(counts, args.revocab, eos)
+                head = eagle3_train.revocab_head(head, vocab, loaded.module)
+                log(
+                    f"train-draft: draft vocabulary re-chosen: {args.revocab} tokens, "
+                    f"{int((~np.isin(vocab, fixed_vocab)).sum())} new to the head (their rows from the target's LM head)"
+                )
             for p in head.parameters():
                 p.requires_grad_(True)
         else:
-            import numpy as np
-
             head = eagle3_train.init_head(cfg, loaded.module, aux, np.load(corpus / "vocab.npy"), args.seed)
         before_file = work / "before.json"  # the starting point on the held-out set, measured once
         if not before_file.is_file():

@@ -474,11 +474,25 @@ def target_graph(module, cfg, window: int, aux_layers: list[int], path: Path) ->
 def draft_vocabulary(stream: np.ndarray, vocab_size: int, draft_vocab: int, always: list[int]) -> np.ndarray:
     """FR-Spec: the draft predicts over the `draft_vocab` most frequent tokens of the corpus
     (ties by id), plus `always` (EOS); returns target ids sorted by frequency."""
-    counts = np.bincount(stream, minlength=vocab_size).astype(np.int64)
+    return most_frequent(np.bincount(stream, minlength=vocab_size), draft_vocab, always)
+
+
+def most_frequent(counts: np.ndarray, n: int, always: list[int] = ()) -> np.ndarray:
+    """The `n` ids of largest count (ties by id), `always` first; target ids by frequency."""
+    counts = np.asarray(counts, dtype=np.int64).copy()
     for t in always:
         counts[t] = counts.max() + 1
-    order = np.lexsort((np.arange(vocab_size), -counts))
-    return order[:draft_vocab].astype(np.int64)
+    return np.lexsort((np.arange(len(counts)), -counts))[:n].astype(np.int64)
+
+
+def token_counts(folder: Path, vocab_size: int = 0) -> np.ndarray:
+    """How often each token id occurs in a corpus's windows (every finished shard)."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for d in shard_dirs(folder):
+        c = np.bincount(np.load(d / "tokens.npy").ravel())
+        counts = np.pad(counts, (0, max(0, len(c) - len(counts))))
+        counts[: len(c)] += c
+    return counts
 
 
 def build_features(
@@ -563,6 +577,24 @@ def grow_lock(folder: Path):
     return f, None
 
 
+def corpus_settings(folder: Path) -> dict:
+    """An existing corpus folder's settings (`train-draft --corpus`); one-line InputError if the
+    folder is not a corpus (no settings.json / vocab.npy)."""
+    try:
+        settings = json.loads((folder / "settings.json").read_text())
+        if not (folder / "vocab.npy").is_file():
+            raise FileNotFoundError
+        keys = ("gen_len", "window", "draft_vocab", "topk", "seed", "aux")
+        if not all(k in settings for k in keys):
+            raise ValueError
+    except (OSError, ValueError):
+        raise InputError(
+            f"--corpus {folder}: not a train-draft corpus (it needs settings.json and vocab.npy, as "
+            "~/.cache/arborspec/eagle3-corpus/<key>/ holds)"
+        ) from None
+    return settings
+
+
 def shard_dirs(folder: Path) -> list[Path]:
     """The finished shards, in order (temp folders of a killed build are not among them)."""
     d = folder / "shards"
@@ -605,6 +637,7 @@ class Corpus:
         first=0,
         cuda_graphs=False,
         prompt_source="templates",
+        folder: Path | None = None,
     ):
         self.loaded, self.aux, self.settings, self.threads, self.batch = loaded, aux_layers, settings, threads, batch
         self.device = device  # cpu: the ONNX Runtime features graph; else PyTorch on that device
@@ -613,9 +646,11 @@ class Corpus:
         self._engine = None
         self.shard_prompts = shard_prompts  # not a setting: runs may differ
         self.prompt_source = prompt_source  # nor is this (PROMPT_SOURCES)
-        self.folder = root / corpus_key(target_id_of(loaded), settings)
+        # folder: an existing corpus given by path (its own settings.json), else the key's folder
+        self.folder = folder if folder is not None else root / corpus_key(target_id_of(loaded), settings)
         self.folder.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(self.folder / "settings.json", settings)
+        if folder is None:
+            atomic_write_json(self.folder / "settings.json", settings)
         self.fixed_vocab = vocab
         self.generator = None
 
@@ -750,6 +785,26 @@ class Corpus:
         self._engine = None
 
 
+def new_corpus_settings(cfg, aux_layers, gen_len, window, draft_vocab, topk, seed, vocab) -> dict:
+    """The settings that key a corpus (corpus_key): what its shards hold depends on each."""
+    if draft_vocab > cfg.vocab_size:
+        raise InputError(f"--draft-vocab {draft_vocab} exceeds the target's vocabulary ({cfg.vocab_size})")
+    settings = {
+        "gen_len": gen_len,
+        "window": window,
+        "draft_vocab": draft_vocab,
+        "topk": topk,
+        "seed": seed,
+        "aux": list(aux_layers),
+        "v": 3,
+    }
+    if vocab is not None:
+        if len(vocab) != draft_vocab:
+            raise InputError(f"the fixed draft vocabulary has {len(vocab)} ids, expected {draft_vocab}")
+        settings["vocab_sha256"] = hashlib.sha256(np.asarray(vocab, dtype=np.int64).tobytes()).hexdigest()[:16]
+    return settings
+
+
 def grow_corpus(
     loaded,
     aux_layers: list[int],
@@ -771,6 +826,7 @@ def grow_corpus(
     verbose: bool = True,
     cuda_graphs: bool = False,
     prompt_source: str = "templates",
+    folder: Path | None = None,
 ) -> Path:
     """Append shards to the corpus for this target and these settings until it holds
     `total_tokens` or `minutes` are up (a shard started is finished; 0: add none), and return
@@ -783,27 +839,23 @@ def grow_corpus(
     prompt_source: where new shards' prompts come from (PROMPT_SOURCES): "templates", prompt_at's
     stream (index i -> prompt; its first 7,232 prompts hold 2,643 distinct ones, so half the greedy
     responses repeat one another), or "self", requests the target writes itself (self_prompts),
-    new in each shard; a corpus may hold shards of both."""
+    new in each shard; a corpus may hold shards of both. folder: grow THIS corpus (`train-draft
+    --corpus`), whatever its settings (its settings.json and vocab.npy are used; the layer ids must
+    be `aux_layers`), instead of the one these settings key: a head whose draft vocabulary was
+    re-chosen (`--revocab`) keeps training on the corpus its predecessor made."""
     tok, cfg = loaded.tokenizer, loaded.config
     if tok is None:
         raise InputError("train-draft needs the target's tokenizer (to build the prompt mix)")
-    if draft_vocab > cfg.vocab_size:
-        raise InputError(f"--draft-vocab {draft_vocab} exceeds the target's vocabulary ({cfg.vocab_size})")
-    settings = {
-        "gen_len": gen_len,
-        "window": window,
-        "draft_vocab": draft_vocab,
-        "topk": topk,
-        "seed": seed,
-        "aux": list(aux_layers),
-        "v": 3,
-    }
-    if vocab is not None:
-        if len(vocab) != draft_vocab:
-            raise InputError(f"the fixed draft vocabulary has {len(vocab)} ids, expected {draft_vocab}")
-        settings["vocab_sha256"] = hashlib.sha256(np.asarray(vocab, dtype=np.int64).tobytes()).hexdigest()[:16]
     if prompt_source not in PROMPT_SOURCES:
         raise InputError(f"prompt source must be one of {', '.join(PROMPT_SOURCES)}, got {prompt_source!r}")
+    if folder is not None:
+        settings, vocab = corpus_settings(folder), None
+        if settings["aux"] != list(aux_layers):
+            raise InputError(
+                f"the corpus {folder} holds the features of layers {settings['aux']}, the head reads {list(aux_layers)}"
+            )
+    else:
+        settings = new_corpus_settings(cfg, aux_layers, gen_len, window, draft_vocab, topk, seed, vocab)
     corpus = Corpus(
         loaded,
         aux_layers,
@@ -817,6 +869,7 @@ def grow_corpus(
         first_prompt,
         cuda_graphs,
         prompt_source,
+        folder,
     )
     t0 = time.perf_counter()
     lock = None

@@ -234,17 +234,12 @@ def vocab_coverage(corpus: Path, folder: Path, sizes=(8192, 16384, 32768), vocab
     """The ceiling the draft vocabulary puts on agreement: the fraction of the held-out responses'
     tokens inside the `sizes` most frequent tokens of the corpus (FR-Spec's choice at that size),
     and inside `vocab` (a head's own draft vocabulary, target ids)."""
-    from arborspec.tools.train.eagle3_corpus import shard_dirs
+    from arborspec.tools.train.eagle3_corpus import most_frequent, token_counts
 
-    counts = np.zeros(0, dtype=np.int64)
-    for d in shard_dirs(corpus):
-        c = np.bincount(np.load(d / "tokens.npy").ravel())
-        counts = np.pad(counts, (0, max(0, len(c) - len(counts))))
-        counts[: len(c)] += c
+    counts = token_counts(corpus)
     tokens, spans = np.load(folder / "tokens.npy"), np.load(folder / "spans.npy")
     held = np.concatenate([row[s:e] for row, (s, e) in zip(tokens, spans)])
-    order = np.lexsort((np.arange(len(counts)), -counts))
-    out = {f"top_{v}": round(float(np.isin(held, order[:v]).mean()), 4) for v in sizes}
+    out = {f"top_{v}": round(float(np.isin(held, most_frequent(counts, v)).mean()), 4) for v in sizes}
     out["corpus_distinct_tokens"] = int((counts > 0).sum())
     if vocab is not None:
         out["head_vocab"] = round(float(np.isin(held, np.asarray(vocab)).mean()), 4)

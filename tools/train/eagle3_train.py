@@ -60,6 +60,43 @@ def init_head(cfg_t, target_module, aux_layers: list[int], vocab: np.ndarray, se
     return head
 
 
+def revocab_head(head: Eagle3Head, vocab: np.ndarray, target_module) -> Eagle3Head:
+    """The head over another draft vocabulary (`vocab`, target ids; `train-draft --revocab`): every
+    weight carried over, lm_head rows of the tokens both vocabularies hold too (their logits are
+    unchanged), the new tokens' rows from the target's LM head (init_head's starting point) through
+    the map training took the kept ones' along."""
+    import copy
+    import dataclasses
+
+    c = dataclasses.replace(head.config, draft_vocab_size=len(vocab))
+    new = Eagle3Head(c)
+    sd = {k: v for k, v in head.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    new.load_state_dict(sd, strict=False)
+    old_ids = head.token_map().cpu().long()
+    vt = torch.from_numpy(np.asarray(vocab, dtype=np.int64))
+    pos = torch.full((c.vocab_size,), -1, dtype=torch.long)
+    pos[old_ids] = torch.arange(len(old_ids))
+    src = pos[vt]
+    with torch.no_grad():
+        w = target_module.lm_head.weight[vt].float().clone()
+        kept = src >= 0
+        kept_rows = head.lm_head.weight[src[kept]].float()
+        if int(kept.sum()) >= 2 * w.shape[1] and not bool(kept.all()):
+            # the head's rows are the target's moved by training: the linear map that takes the kept
+            # tokens' target rows to their trained rows (least squares) moves the new ones alike.
+            # Measured (SmolLM2 head, 3,252 of 8,192 tokens new): raw target rows outscore the trained
+            # ones and held-out agreement falls to 0.02 at depth 1; mapped rows keep the head's
+            a = torch.linalg.lstsq(w[kept], kept_rows).solution
+            w = w @ a
+        w[kept] = kept_rows
+        new.lm_head.weight.copy_(w)
+        new.d2t.copy_(vt - torch.arange(len(vt)))
+        new.t2d.zero_()
+        new.t2d[vt] = True
+    new.rotary = copy.deepcopy(head.rotary)
+    return new.train(head.training)
+
+
 def ttt_forward(head: Eagle3Head, embed: torch.Tensor, tokens: torch.Tensor, feats: torch.Tensor, steps: int):
     """Unrolled training-time test over windows: tokens [B, W], feats [B, W, F] ->
     list of draft logits per step [B, n, Vd] with n = W - steps - 1 entries."""
@@ -152,7 +189,7 @@ class ShardData:
 
     NAMES = ("tokens", "features", "top_ids", "top_lp", "top1")
 
-    def __init__(self, corpus: Path):
+    def __init__(self, corpus: Path, head_vocab: np.ndarray | None = None):
         from arborspec.tools.train.eagle3_corpus import shard_dirs
 
         dirs = shard_dirs(corpus)
@@ -170,7 +207,28 @@ class ShardData:
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         # each window's prompt source (shard.json; shards from before sources: the templates)
         self.sources = np.repeat([shard_source(d) for d in dirs] or ["templates"], sizes or [0])
-        self.vocab_t = torch.from_numpy(np.load(corpus / "vocab.npy"))
+        self.corpus_vocab = torch.from_numpy(np.load(corpus / "vocab.npy")).long()
+        self.vocab_t, self.remap = self.corpus_vocab, None
+        if head_vocab is not None:
+            self.use_vocab(head_vocab)
+
+    def use_vocab(self, head_vocab: np.ndarray) -> None:
+        """Serve the top-K over `head_vocab` (a head's draft vocabulary, target ids) where it is not
+        the corpus's own: each stored id mapped to the head's (-1, weight 0, where the head lacks
+        it), plus one slot for the target's greedy token where the head holds it and the corpus's
+        vocabulary did not, with the mass the stored top-K leaves (1 - their sum: the most it can
+        have; the least is their largest)."""
+        hv, cv = torch.as_tensor(np.asarray(head_vocab, dtype=np.int64)), self.corpus_vocab
+        self.vocab_t = hv
+        if hv.shape == cv.shape and bool((hv == cv).all()):
+            self.remap = None
+            return
+        n = int(max(int(hv.max()), int(cv.max()))) + 1
+        pos = torch.full((n,), -1, dtype=torch.long)
+        pos[hv] = torch.arange(len(hv))
+        in_corpus = torch.zeros(n, dtype=torch.bool)
+        in_corpus[cv] = True
+        self.remap = (pos[cv], pos, in_corpus)  # corpus draft id -> head's; target id -> head's (-1: none)
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -185,13 +243,23 @@ class ShardData:
             for n in self.NAMES:
                 parts[n].append(self.shards[s][n][rows])
         tk, fe, ti, tl, t1 = (np.concatenate(parts[n]) for n in self.NAMES)
-        return (
-            torch.from_numpy(tk.astype(np.int64)),
-            torch.from_numpy(fe.astype(np.float32)),
-            torch.from_numpy(ti),
-            torch.from_numpy(tl.astype(np.float32)),
-            torch.from_numpy(t1),
-        )
+        ti, tl, t1 = torch.from_numpy(ti), torch.from_numpy(tl.astype(np.float32)), torch.from_numpy(t1)
+        if self.remap is not None:
+            ti, tl = self._remapped(ti, tl, t1)
+        return torch.from_numpy(tk.astype(np.int64)), torch.from_numpy(fe.astype(np.float32)), ti, tl, t1
+
+    def _remapped(self, ti, tl, t1):
+        """(top_ids, top_lp) over the head's vocabulary (use_vocab): [.., K] -> [.., K + 1]."""
+        to_head, pos, in_corpus = self.remap
+        none = torch.full_like(ti.long(), -1)
+        ids = torch.where(ti >= 0, to_head[ti.long().clamp(min=0)], none)
+        g = t1.long()
+        known = (g >= 0) & (g < len(pos))
+        g = torch.where(known, g, torch.zeros_like(g))
+        new = known & ~in_corpus[g] & (pos[g] >= 0)  # the greedy token: the head holds it, the corpus did not
+        extra = torch.where(new, pos[g], torch.full_like(g, -1))
+        rest = (1.0 - tl.exp().sum(-1)).clamp(min=1e-6).log()
+        return torch.cat([ids, extra[..., None]], -1).int(), torch.cat([tl, rest[..., None]], -1)
 
 
 def training_precision(choice: str, device: str) -> str:
@@ -299,7 +367,7 @@ def train(
     from arborspec.runtime.fileio import atomic_write_json
     from arborspec.tools.train.eagle3_corpus import log
 
-    data = ShardData(corpus)
+    data = ShardData(corpus)  # its top-K over the head's vocabulary: set after a resumed state loads
     if len(data) == 0:
         from arborspec.runtime.errors import InputError
 
@@ -310,15 +378,25 @@ def train(
     dev = torch.device(device)
     head.to(dev)
     embed = embed.to(dev)
-    vocab_t = data.vocab_t.to(dev)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=DEFAULT_LR, betas=(0.9, 0.95), weight_decay=0.0)  # lr set every batch
     state_file = out / "train_state.pt"
     st = None
     if resume and state_file.is_file():
         st = torch.load(state_file, map_location="cpu", weights_only=False)
-        head.load_state_dict(st["head"])
+        try:
+            head.load_state_dict(st["head"])
+        except RuntimeError:
+            from arborspec.runtime.errors import InputError
+
+            n = st["head"].get("lm_head.weight", torch.zeros(0)).shape[0]
+            raise InputError(
+                f"{state_file} holds a head of another shape (a draft vocabulary of {n}): resume it with the "
+                "same --revocab, or start over (--no-resume, or another --out)"
+            ) from None
         opt.load_state_dict(st["opt"])
+    data.use_vocab(head.token_map().cpu().numpy())  # a head over another vocabulary (revocab_head) reads
+    vocab_t = data.vocab_t.to(dev)  # the corpus's top-K mapped onto its own
     total = int(schedule_batches or (st["schedule"]["total"] if st else 2 * max(1, len(data) // batch)))
     if lr is None:
         lr = st["schedule"]["peak"] if st else DEFAULT_LR
