@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -83,7 +84,11 @@ def test_every_command_help_is_whole_and_speaks_one_vocabulary(capsys):
         assert p.description and p.description.rstrip().endswith((".", ")")), (name, p.description)
         with pytest.raises(SystemExit) as e:
             main([name, "--help"])
-        assert e.value.code == 0 and f"arborspec {name}" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert e.value.code == 0 and f"arborspec {name}" in out
+        # an example continued on the next line keeps its backslash there (a lone `\` in the
+        # source joined the two lines into one with a run of spaces in it)
+        assert not re.search(r"\S {4,}--", out.split("example")[-1]), (name, out)
     for name in ("generate", "bench", "serve"):  # every tree policy, everywhere a tree is taken
         h = _action(subs[name], "--tree").help
         for spec in ("chain:K", "full:D,W", "beam:", "dynamic:K,D,N[,P]", "static:FILE.json", "auto"):

@@ -27,7 +27,9 @@ EXAMPLE = """examples:
   arborspec train-draft --model smollm2-135m --out heads/smollm2-eagle3
   arborspec train-draft --model smollm2-135m --out /tmp/h --corpus-tokens 20000 --minutes 2   # a quick try
   arborspec train-draft --model smollm2-135m --init eagle3 --out heads/tuned --minutes 40      # fine-tune the shipped head
-  arborspec train-draft --model smollm2-135m --init eagle3 --out heads/gpu --device cuda --gen-batch 128 \
+  arborspec train-draft --model smollm2-135m --init eagle3 --revocab 16384 --out heads/v16 --corpus-minutes 0 \\
+      --corpus ~/.cache/arborspec/eagle3-corpus/KEY --minutes 60   # its vocabulary re-chosen from the corpus
+  arborspec train-draft --model smollm2-135m --init eagle3 --out heads/gpu --device cuda --gen-batch 128 \\
       --corpus-tokens 20000000 --corpus-minutes 4 --minutes 4 --batch 32   # on a GPU (tools/train/gpu_train.sh)
   nohup nice -n 19 arborspec train-draft --model smollm2-135m --init eagle3 --out ~/.cache/arborspec/train/h \\
       --threads 1 --corpus-tokens 2000000 --corpus-minutes 30 --minutes 30 > train.log 2>&1 &  # rerun: it resumes
@@ -303,7 +305,7 @@ def run(args) -> int:
                 head = eagle3_train.revocab_head(head, vocab, loaded.module)
                 log(
                     f"train-draft: draft vocabulary re-chosen: {args.revocab} tokens, "
-                    f"{int((~np.isin(vocab, fixed_vocab)).sum())} new to the head (their rows from the target's LM head)"
+                    f"{int((~np.isin(vocab, fixed_vocab)).sum())} new to the head (their rows mapped from the target's LM head)"
                 )
             for p in head.parameters():
                 p.requires_grad_(True)
