@@ -526,6 +526,10 @@ def test_heldout_ranks_equal_the_tune_ranks_of_decoding(tmp_path):
     from arborspec.tools.train.eagle3_heldout import copied_from_prompt
 
     assert copied_from_prompt(np.array([5, 6, 7, 9, 5, 6, 6, 7]), 4).tolist() == [0, 0, 0, 0, 0, 1, 0, 1]
+    # the draft vocabulary's ceiling: the answers' (greedy) tokens it holds, counted by hand
+    answers = np.concatenate([row[s:e] for (_, s, e), row in zip(rows, tokens)])
+    assert res["greedy_in_vocab"] == pytest.approx(np.isin(answers, vocab).mean(), abs=1e-4)
+    assert res["top1_agreement_per_depth"][0] <= res["greedy_in_vocab"]
 
 
 def test_install_only_a_head_that_beats_the_shipped_one(tmp_path):

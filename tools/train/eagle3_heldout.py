@@ -179,6 +179,9 @@ def evaluate_heldout(head, embed, folder: Path, steps: int = 4, k: int = 8) -> d
         "positions": int(counts[0]),
     }
     tokens = np.load(folder / "tokens.npy")
+    greedy = np.load(folder / "top1.npy")
+    held = np.concatenate([greedy[i, s - 1 : e - 1] for i, (_, s, e) in enumerate(rows)])  # row p predicts p + 1
+    out["greedy_in_vocab"] = round(float(np.isin(held, head.token_map().cpu().numpy()).mean()), 4)  # the ceiling
     copied = [copied_from_prompt(tokens[i], s) for i, (_, s, _) in enumerate(rows)]
     share = sum(c[s:e].sum() for c, (_, s, e) in zip(copied, rows)) / max(sum(e - s for _, s, e in rows), 1)
     out["top1_copied"] = {  # answer tokens copied from the prompt vs the rest
