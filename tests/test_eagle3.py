@@ -325,6 +325,11 @@ def test_export_folder_with_an_eagle3_draft_decodes_like_vanilla(tmp_path, capsy
         ref = SpeculativeDecoder(ex.target, mode="vanilla").generate(prompt, 24).tokens
         res = SpeculativeDecoder(ex.target, ex.draft, mode="tree", tree="full:2,2").generate(prompt, 24)
         assert res.tokens == ref and res.stats.draft_calls > 0
+    from arborspec.tools.train.head_cost import measure_export  # the head's cost as decoding runs it
+
+    cost = measure_export(str(out), nodes=2, past=16, reps=3)
+    assert cost["draft_vocab"] == 40 and min(cost["target_ms"], cost["head_ms"], cost["fc_ms"]) > 0
+    assert cost["of_target_step"] == pytest.approx((cost["head_ms"] + cost["fc_ms"]) / cost["target_ms"], rel=0.05)
     import arborspec
 
     with arborspec.Generator.from_export(out, backend="onnxruntime", tree="dynamic:3,3,8") as gen:  # embedding API

@@ -1,11 +1,15 @@
 """The EAGLE-3 head's cost against the target's: one head call (a tree level of T nodes over a
 cache of P entries) vs one one-token target step (P cached), both PyTorch on this CPU, for draft
-vocabularies of several sizes (the head's LM head is most of its cost).
+vocabularies of several sizes (the head's LM head is most of its cost); or, with --export-dir, an
+export's own graphs as decoding runs them (ONNX Runtime, one shared thread pool as the CLI's,
+the target's one-token call in the export's row layout, the head's call right after it: its
+weights come back from memory then, as in a decode step, and again straight after: warm).
 
 Role in one decode step: none; it measures step 1's call against step 3's (the issue's budget:
 a head call <= 10% of a one-token target step).
 
     python -m arborspec.tools.train.head_cost --model smollm2-135m --vocab 8192 16384 32768 --threads 1
+    python -m arborspec.tools.train.head_cost --export-dir EXPORT_A EXPORT_B --reps 60
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -67,6 +72,53 @@ def measure(model: str, vocabs: list[int], nodes: int, past: int, reps: int) -> 
     return {"nodes": nodes, "past": past, "heads": rows}
 
 
+@torch.inference_mode()
+def measure_export(path: str, nodes: int, past: int, reps: int) -> dict:
+    """An export's EAGLE-3 head against its target (module docstring): medians in ms."""
+    from arborspec.runtime.errors import InputError
+    from arborspec.runtime.export_dir import open_export
+    from arborspec.runtime.kvcache import KVCache
+
+    with open_export(path, draft="export", load_tok=False) as ex:
+        head = getattr(ex.draft, "engine", None)
+        if head is None or not hasattr(head, "forward_hidden"):
+            raise InputError(f"{path}: the export's draft is not an EAGLE-3 head")
+        t, tc = ex.target, KVCache(ex.target.info.cache, past + 4, 1)
+        hc = KVCache(head.info.cache, past + nodes + 1, 1)
+        tc.length = hc.length = past
+        ids1, pos1 = torch.tensor([[42]]), torch.tensor([[past]])
+        mask1 = torch.ones(1, 1, past + 1, dtype=torch.bool)
+        ids = torch.full((1, nodes), 42)
+        hid = torch.randn(1, nodes, head.hidden_size)
+        pos = torch.full((1, nodes), past)
+        mask = torch.ones(1, nodes, past + nodes, dtype=torch.bool)
+        feats = torch.randn(nodes, head.feature_size)
+        times: dict = {"target": [], "head": [], "head_warm": [], "fc": []}
+        for r in range(reps + 3):
+            t0 = time.perf_counter()
+            t.forward(ids1, pos1, mask1, tc)
+            t1 = time.perf_counter()
+            head.forward_hidden(ids, hid, pos, mask, hc)
+            t2 = time.perf_counter()
+            head.forward_hidden(ids, hid, pos, mask, hc)
+            t3 = time.perf_counter()
+            head.project(feats)
+            t4 = time.perf_counter()
+            if r >= 3:
+                for k, (a, b) in zip(times, ((t0, t1), (t1, t2), (t2, t3), (t3, t4))):
+                    times[k].append((b - a) * 1e3)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        return {
+            "export": str(path),
+            "draft_vocab": int(head.info.vocab_size),
+            "target_ms": round(med["target"], 3),
+            "head_ms": round(med["head"], 3),
+            "head_warm_ms": round(med["head_warm"], 3),
+            "fc_ms": round(med["fc"], 3),
+            "of_target_step": round((med["head"] + med["fc"]) / med["target"], 3),
+        }
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -75,8 +127,23 @@ def main(argv=None) -> int:
     p.add_argument("--past", type=int, default=256, help="cached entries (default 256)")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--export-dir", nargs="+", default=None, help="measure these exports' own head and target (ONNX Runtime)"
+    )
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
+    if a.export_dir:
+        from arborspec.runtime.backends.onnxruntime import enable_shared_pool
+        from arborspec.runtime.errors import ArborspecError
+
+        enable_shared_pool()
+        try:
+            rows = [measure_export(e, a.nodes, a.past, a.reps) for e in a.export_dir]
+        except ArborspecError as e:
+            print(f"head_cost: error: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps({"nodes": a.nodes, "past": a.past, "exports": rows}, indent=1))
+        return 0
     print(json.dumps({"threads": a.threads, **measure(a.model, a.vocab, a.nodes, a.past, a.reps)}, indent=1))
     return 0
 
