@@ -23,20 +23,17 @@ import time
 import torch
 
 
-def paired(f, g, reps: int) -> tuple[float, float]:
-    """Median milliseconds of `f()` and of `g()`, called in turn `reps` times (after two warm-up
-    rounds), so both see the same machine load."""
-    tf, tg = [], []
-    for r in range(reps + 2):
-        t0 = time.perf_counter()
-        f()
-        t1 = time.perf_counter()
-        g()
-        t2 = time.perf_counter()
-        if r >= 2:
-            tf.append((t1 - t0) * 1e3)
-            tg.append((t2 - t1) * 1e3)
-    return statistics.median(tf), statistics.median(tg)
+def in_turn(fns, reps: int, warmup: int = 2) -> list[float]:
+    """Median milliseconds of each of `fns`, called in turn `reps` times (after `warmup` rounds),
+    so all see the same machine load (and each runs right after the one before it)."""
+    times = [[] for _ in fns]
+    for r in range(reps + warmup):
+        for f, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            f()
+            if r >= warmup:
+                ts.append((time.perf_counter() - t0) * 1e3)
+    return [statistics.median(ts) for ts in times]
 
 
 @torch.inference_mode()
@@ -60,7 +57,7 @@ def measure(model: str, vocabs: list[int], nodes: int, past: int, reps: int) -> 
         hid = torch.randn(1, nodes, c.hidden_size)
         pos = torch.full((1, nodes), past)
         mask = torch.ones(1, nodes, past + nodes, dtype=torch.bool)
-        tms, ms = paired(lambda: m(ids, pos1, mask1, *kv), lambda: head(emb, hid, pos, mask, pk, pv), reps)
+        tms, ms = in_turn([lambda: m(ids, pos1, mask1, *kv), lambda: head(emb, hid, pos, mask, pk, pv)], reps)
         rows.append(
             {
                 "draft_vocab": v,
@@ -93,29 +90,24 @@ def measure_export(path: str, nodes: int, past: int, reps: int) -> dict:
         pos = torch.full((1, nodes), past)
         mask = torch.ones(1, nodes, past + nodes, dtype=torch.bool)
         feats = torch.randn(nodes, head.feature_size)
-        times: dict = {"target": [], "head": [], "head_warm": [], "fc": []}
-        for r in range(reps + 3):
-            t0 = time.perf_counter()
-            t.forward(ids1, pos1, mask1, tc)
-            t1 = time.perf_counter()
-            head.forward_hidden(ids, hid, pos, mask, hc)
-            t2 = time.perf_counter()
-            head.forward_hidden(ids, hid, pos, mask, hc)
-            t3 = time.perf_counter()
-            head.project(feats)
-            t4 = time.perf_counter()
-            if r >= 3:
-                for k, (a, b) in zip(times, ((t0, t1), (t1, t2), (t2, t3), (t3, t4))):
-                    times[k].append((b - a) * 1e3)
-        med = {k: statistics.median(v) for k, v in times.items()}
+        target_ms, head_ms, warm_ms, fc_ms = in_turn(
+            [
+                lambda: t.forward(ids1, pos1, mask1, tc),
+                lambda: head.forward_hidden(ids, hid, pos, mask, hc),  # right after the target: cold
+                lambda: head.forward_hidden(ids, hid, pos, mask, hc),  # straight again: warm
+                lambda: head.project(feats),
+            ],
+            reps,
+            warmup=3,
+        )
         return {
             "export": str(path),
             "draft_vocab": int(head.info.vocab_size),
-            "target_ms": round(med["target"], 3),
-            "head_ms": round(med["head"], 3),
-            "head_warm_ms": round(med["head_warm"], 3),
-            "fc_ms": round(med["fc"], 3),
-            "of_target_step": round((med["head"] + med["fc"]) / med["target"], 3),
+            "target_ms": round(target_ms, 3),
+            "head_ms": round(head_ms, 3),
+            "head_warm_ms": round(warm_ms, 3),
+            "fc_ms": round(fc_ms, 3),
+            "of_target_step": round((head_ms + fc_ms) / target_ms, 3),
         }
 
 
