@@ -299,7 +299,7 @@ def run(args) -> int:
         if init is not None:
             head = init.float()
             if args.revocab is not None:
-                eos = list(loaded.tokenizer.meta.get("eos_token_ids") or []) if loaded.tokenizer else []
+                eos = list(loaded.tokenizer.meta.get("eos_token_ids") or [])  # grow_corpus required a tokenizer
                 counts = eagle3_corpus.token_counts(corpus, cfg.vocab_size)
                 vocab = eagle3_corpus.most_frequent(counts, args.revocab, eos)
                 head = eagle3_train.revocab_head(head, vocab, loaded.module)
