@@ -31,6 +31,17 @@ class CacheSpec:
     layout: str = "sbhd"  # or "bhsd"
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """`device` as a tensor made there reports it: "cuda" -> cuda:N (the current device). Engines
+    keep their device this way, so that `cache.device == engine.device` holds for a cache they
+    made: torch.device("cuda") != torch.device("cuda:0"), and comparing them made every
+    generate() on a GPU allocate a new cache (and capture new CUDA graphs for it)."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None and torch.cuda.is_available():  # else the engine says why not
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
 class KVCache:
     def __init__(self, spec: CacheSpec, max_len: int, batch: int = 1, device: str | torch.device = "cpu"):
         if max_len < 1:
@@ -61,7 +72,7 @@ class KVCache:
             self.spec == spec
             and self.max_len >= max_len
             and self.batch == batch
-            and self.device == torch.device(device)
+            and self.device == resolve_device(device)
         )
 
     def room(self, t: int) -> None:

@@ -194,3 +194,27 @@ def test_a_call_goes_to_the_cheapest_measured_bucket_that_holds_it():
     for c in others[1:]:
         static.forward(ids, pos, mask, c)
     assert not any(k[:4] == slab for k in static.static.entries)
+
+
+class _CacheOnCuda0(KVCache):
+    """A CPU cache that reports what a cache made on a GPU reports: cuda:0."""
+
+    device = property(lambda self: torch.device("cuda", 0))
+
+
+def test_a_cuda_engine_keeps_its_cache_from_one_generation_to_the_next(monkeypatch):
+    """An engine made with device="cuda" and the cache it made (on cuda:0) are on one device. The
+    old check compared torch.device("cuda") with cuda:0 (unequal in torch), so on the H100 every
+    generate() allocated a new cache and captured new CUDA graphs for it: 6 captures while timed
+    on vanilla (benchmarks/RESULTS.md, "GPU: the fourth session"). Checked here without a GPU."""
+    from arborspec.runtime.kvcache import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert resolve_device("cuda") == torch.device("cuda", 0)
+    assert resolve_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert resolve_device("cpu") == torch.device("cpu")
+    spec = TorchEngine(random_model(tiny_config("llama"), seed=1)).info.cache
+    cache = _CacheOnCuda0(spec, 64, 1)
+    assert cache.fits(spec, 64, 1, "cuda") and cache.fits(spec, 32, 1, torch.device("cuda"))
+    assert not cache.fits(spec, 64, 1, "cpu") and not cache.fits(spec, 65, 1, "cuda")

@@ -22,7 +22,7 @@ import torch
 
 from .. import contract as C
 from ..errors import DeviceError, EngineError, ExportDirError, InputError, MissingFileError
-from ..kvcache import CacheSpec, KVCache
+from ..kvcache import CacheSpec, KVCache, resolve_device
 from . import row_layout
 from .base import EngineBase, EngineCapabilities, EngineInfo, check_call
 
@@ -168,7 +168,7 @@ class OrtEngine(EngineBase):
         path = Path(path)
         if not path.is_file():
             raise MissingFileError(f"{path}: no such ONNX file")
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         if self.device.type not in ("cpu", "cuda"):
             raise InputError(f"onnxruntime backend supports cpu or cuda devices, not {device!r}")
         want_cuda = self.device.type == "cuda"

@@ -32,7 +32,7 @@ import torch
 from .. import contract as C
 from ..errors import DeviceError, EngineError, InputError, MissingFileError
 from ..fileio import atomic_write_bytes
-from ..kvcache import CacheSpec, KVCache
+from ..kvcache import CacheSpec, KVCache, resolve_device
 from .base import EngineBase, EngineCapabilities, EngineInfo, check_call
 
 _ENV_MODULE = "ARBORSPEC_TRT_MODULE"
@@ -142,7 +142,7 @@ class TrtEngine(EngineBase):
         self.path = Path(engine_path)
         if not self.path.is_file():
             raise MissingFileError(f"TensorRT engine not found: {self.path}")
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         if self.device.type != "cuda":
             raise InputError(f"TrtEngine runs on a CUDA device, not {self.device}")
         if not torch.cuda.is_available():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kvcache import CacheSpec, KVCache
+from ..kvcache import CacheSpec, KVCache, resolve_device
 from .base import EngineBase, EngineCapabilities, EngineInfo
 
 
@@ -26,7 +26,7 @@ class TorchEngine(EngineBase):
     ):
         cfg = module.config
         self.module = module.to(device=device, dtype=dtype).eval()
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.info = EngineInfo(
             vocab_size=cfg.vocab_size,
             max_position=cfg.max_position,
@@ -90,7 +90,7 @@ class TorchEagle3Head(EngineBase):
         c = head.config
         self.head = head.to(device).eval()
         self.embed = embed.to(device)
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.feature_size = c.feature_size
         self.hidden_size = c.hidden_size
         self.token_map = head.token_map().cpu()
