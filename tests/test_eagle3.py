@@ -622,3 +622,28 @@ def test_a_context_window_keeps_decoding_exact_and_tune_replays_it(target, tmp_p
     for p, run in zip(prompts, acc["runs"]):
         res = SpeculativeDecoder(eng, draft, tree="full:2,3").generate(p, 24)
         assert simulate_greedy_steps(None, run["start"], run["end"], paths, run["by_depth"]) == res.stats.steps
+
+
+@pytest.mark.parametrize("spec", ["chain:3", "dynamic:3,3,10"])
+def test_the_heads_static_calls_draft_what_its_eager_calls_draft(tmp_path, spec):
+    """Eagle3Draft(cuda_graphs="static"): the head's calls padded to a bucket over the whole slab
+    (what a CUDA graph replays on a GPU, runtime/backends/cuda_graphs.py) run eagerly. They draft
+    what the eager calls draft: the same tokens, the same steps (the same accepted lengths: a
+    vocabulary of 8 makes the random head right often), and every call of a short prompt goes
+    through a static entry (none falls back)."""
+    m = sampling_target()
+    eng = TorchEngine(m)
+    prompt = [5, 1, 2, 7, 1, 3, 4]
+    ref = SpeculativeDecoder(eng, mode="vanilla").generate(prompt, 30).tokens
+    checkpoint(tmp_path / "e3", m.config, 8, seed=2)
+    embed = m.model.embed_tokens.weight.detach()
+    mode = "chain" if spec.startswith("chain") else "tree"
+    runs = {}
+    for graphs in (False, "static"):
+        draft = Eagle3Draft(load_eagle3(tmp_path / "e3", m.config), embed, cuda_graphs=graphs)
+        r = SpeculativeDecoder(eng, draft, mode=mode, tree=spec).generate(prompt, 30)
+        runs[graphs] = (r.tokens, r.stats.steps, draft.engine.static)
+    assert runs[False][0] == runs["static"][0] == ref
+    assert runs[False][1] == runs["static"][1] < 30  # the same acceptance, and some
+    static = runs["static"][2]
+    assert runs[False][2] is None and len(static.entries) >= 2 and static.eager == 0

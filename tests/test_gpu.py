@@ -749,3 +749,46 @@ def test_a_decoder_keeps_its_cache_and_its_graphs_from_one_generation_to_the_nex
     assert again == first
     assert dec._cache is cache and dec._cache.device == target.device
     assert set(target.static.entries) == keys and target.static.captured == captured
+
+
+def test_an_eagle3_heads_calls_replay_as_cuda_graphs():
+    """Eagle3Draft(cuda_graphs=True): the head's calls of up to 128 rows captured once per bucket
+    and replayed (their eager calls were 17-30 % of a graph-replayed step on the H100, RESULTS.md
+    "GPU: the fourth session"); greedy tree == vanilla for a chain, a full and a dynamic tree, the
+    same steps as the eager head (dry mode: exactly; on a GPU fp32 may differ in the last bits
+    between buckets, so recorded), graphs captured and replayed."""
+    from arborspec.models.eagle3 import default_aux_layers
+    from arborspec.runtime.backends.torch_backend import TorchEngine
+    from arborspec.runtime.decode import SpeculativeDecoder
+    from arborspec.runtime.drafts.eagle3 import Eagle3Draft
+    from arborspec.tools.train.eagle3_train import init_head
+
+    graphs = True if HAS_CUDA else "static"
+    m = random_model(tiny_config("llama", vocab=8, max_position=256), seed=5, scale=2.0)
+    m.feature_layers = default_aux_layers(m.config.n_layers)
+    head = init_head(m.config, m, m.feature_layers, np.arange(6), 0).eval()
+    embed = m.model.embed_tokens.weight.detach()
+    target = TorchEngine(copy.deepcopy(m), device=DEV, cuda_graphs=graphs)
+    prompt = [5, 1, 2, 7, 1, 3, 4]
+    ref = SpeculativeDecoder(target, mode="vanilla").generate(prompt, N_NEW).tokens
+    seen = {}
+    for spec in ("chain:3", "full:3,2", "dynamic:3,4,10"):
+        steps = {}
+        for g in (False, graphs):
+            draft = Eagle3Draft(copy.deepcopy(head), embed, device=DEV, cuda_graphs=g)
+            r = SpeculativeDecoder(target, draft, mode=_mode(spec), tree=spec).generate(prompt, N_NEW)
+            assert r.tokens == ref, (spec, g)
+            steps[g] = r.stats.steps
+        static = draft.engine.static
+        seen[spec] = {
+            "steps_eager": steps[False],
+            "steps_graphs": steps[graphs],
+            "captured": static.captured,
+            "replays": static.replays,
+            "eager_calls": static.eager,
+        }
+        if not HAS_CUDA:
+            assert steps[False] == steps[graphs] and len(static.entries) >= 2 and static.eager == 0
+        else:
+            assert static.captured >= 2 and static.replays > static.captured and static.eager == 0
+    record("eagle3_head_graphs", {**seen, "graphs": graphs is True})

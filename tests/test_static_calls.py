@@ -176,7 +176,7 @@ def test_a_call_goes_to_the_cheapest_measured_bucket_that_holds_it():
     assert static.static.routed == 0 and [k[-1] for k in static.static.entries] == [4]
     entries = static.static.entries
     for tb, ms in ((8, 1.0), (16, 1.5)):  # entries of larger buckets on this slab, as a GPU would time them
-        entries[(*slab, tb)] = _Entry(cb, tb, static.static.n_layers)
+        entries[(*slab, tb)] = _Entry(cb, tb, static.static.n_layers, (ids,))
         entries[(*slab, tb)].ms = ms
     entries[(*slab, 4)].ms = 2.0
     lb = static.forward(ids, pos, mask, cb)

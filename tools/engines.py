@@ -192,7 +192,7 @@ def mixed_with_lookup(draft, vocab_size: int, max_ngram: int = 3, what: str = "-
 
 def _open_torch(model, ds, device: str, need_draft: bool, cuda_graphs: bool = False) -> OpenModels:
     """ds: a parsed draft spec (runtime/drafts/spec.py) or None. cuda_graphs: the target and a
-    model draft replay their calls as CUDA graphs (runtime/backends/cuda_graphs.py)."""
+    model draft or EAGLE-3 head replay their calls as CUDA graphs (runtime/backends/cuda_graphs.py)."""
     from arborspec.models.registry import load_model
     from arborspec.runtime.backends.torch_backend import TorchEngine
 
@@ -206,7 +206,8 @@ def _open_torch(model, ds, device: str, need_draft: bool, cuda_graphs: bool = Fa
         head = load_eagle3(eagle3_folder(ds.arg, str(model)), loaded.config)
         loaded.module.feature_layers = list(head.config.aux_layers)
         target = TorchEngine(loaded.module, device=device, cuda_graphs=cuda_graphs)
-        draft = Eagle3Draft(head, loaded.module.model.embed_tokens.weight.detach(), device=device)
+        embed = loaded.module.model.embed_tokens.weight.detach()
+        draft = Eagle3Draft(head, embed, device=device, cuda_graphs=cuda_graphs)
         return OpenModels(
             target, draft, loaded.tokenizer, describe=f"{model} + eagle3 (torch, {device})", source=loaded.source
         )

@@ -1,7 +1,7 @@
 """Static-shape calls of the PyTorch backend, replayed as CUDA graphs on a GPU.
 
-Role in one decode step: the torch backend's verify call (and each call of a torch draft) on a
-GPU. Eager PyTorch spends its time launching kernels there: on an H200 a call of a 1B Llama
+Role in one decode step: the torch backend's verify call (and each call of a torch draft, and
+each call of a torch EAGLE-3 head: step 1, drafting) on a GPU. Eager PyTorch spends its time launching kernels there: on an H200 a call of a 1B Llama
 took ~15 ms at every T from 1 to 128, and the same call captured once and replayed 3.2-4.6 ms
 (benchmarks/RESULTS.md, "GPU"). A graph replays fixed shapes and addresses, so each call is made
 static before it runs:
@@ -13,8 +13,9 @@ static before it runs:
 * T is padded up to a bucket (1, 2, 4, ..., 128); a padded row reads position P and sees only
   itself; its logits and K/V are dropped (they never reach the slab, so a bucket may reach past
   the slab's end: only the T real rows need room there);
-* the call's ids, positions and mask are copied into the entry's buffers, the graph replays, and
-  the T real rows of its outputs are read back; the new K/V go to [P, P+T) as on the eager path.
+* the call's rows (a target's ids; a head's token embeddings and hidden states), positions and
+  mask are copied into the entry's buffers, the graph replays, and the T real rows of its outputs
+  are read back; the new K/V go to [P, P+T) as on the eager path.
 
 One entry per (cache slab, batch rows, T bucket), captured at its first use (a few eager
 warm-up calls, then the capture) and its replay timed. Calls the buckets do not cover (long
@@ -39,11 +40,11 @@ MAX_SLABS = 4  # caches whose entries are kept (a decoder reuses its cache; a se
 class _Entry:
     """The buffers (and the graph) of one static call shape."""
 
-    def __init__(self, cache: KVCache, tb: int, n_layers: int):
+    def __init__(self, cache: KVCache, tb: int, n_layers: int, rows: tuple):
         b, s = cache.k.shape[2], cache.k.shape[1]
         dev = cache.k.device
         self.s = s
-        self.ids = torch.zeros(b, tb, dtype=torch.long, device=dev)
+        self.rows = [torch.zeros(b, tb, *r.shape[2:], dtype=r.dtype, device=dev) for r in rows]
         self.pos = torch.zeros(b, tb, dtype=torch.long, device=dev)
         self.mask = torch.zeros(b, tb, s + tb, dtype=torch.bool, device=dev)
         self.diag = torch.arange(tb, device=dev)
@@ -54,10 +55,11 @@ class _Entry:
         self.out = None
         self.ms: float | None = None  # a replay's measured milliseconds (captured entries)
 
-    def fill(self, ids, pos, mask, p: int) -> None:
-        t, s = ids.shape[1], self.s
-        self.ids.zero_()
-        self.ids[:, :t] = ids
+    def fill(self, rows: tuple, pos, mask, p: int) -> None:
+        t, s = pos.shape[1], self.s
+        for buf, r in zip(self.rows, rows):
+            buf.zero_()  # padded rows: token 0, or zero embeddings and hidden states (finite)
+            buf[:, :t] = r
         self.pos.fill_(p)
         self.pos[:, :t] = pos
         m = self.mask
@@ -68,11 +70,17 @@ class _Entry:
 
 
 class StaticCalls:
-    """The static calls of one module (see the module docstring). `run` -> (logits, new K/V
-    [L, T, B, H, D] x 2, features or None) for the T real rows, or None when no bucket holds T."""
+    """The static calls of one module (see the module docstring): module(*rows, positions, mask,
+    *past K/V of each layer) -> outputs per row [B, T, ..] with the new K/V of each layer [T, B, H, D]
+    from output `kv_first` on (a target: logits, K/V.., features; an EAGLE-3 head: logits, hidden
+    states, K, V). `run` -> (the per-row outputs, new K/V [L, T, B, H, D] x 2) for the T real rows,
+    or None when no bucket holds T (the caller runs the eager call)."""
 
-    def __init__(self, module: torch.nn.Module, n_layers: int, capture: bool = True, buckets=BUCKETS):
+    def __init__(
+        self, module: torch.nn.Module, n_layers: int, capture: bool = True, buckets=BUCKETS, kv_first: int = 1
+    ):
         self.module, self.n_layers, self.capture, self.buckets = module, n_layers, capture, tuple(buckets)
+        self.kv_first = kv_first
         self.entries: dict = {}
         self.captured = 0  # graphs captured so far (the GPU test reads it)
         self.replays = 0
@@ -104,7 +112,7 @@ class StaticCalls:
         end.synchronize()
         e.ms = start.elapsed_time(end) / 3
 
-    def _entry(self, cache: KVCache, slab: tuple, tb: int) -> _Entry:
+    def _entry(self, cache: KVCache, slab: tuple, tb: int, rows: tuple) -> _Entry:
         key = (*slab, tb)
         e = self.entries.get(key)
         if e is None:
@@ -114,11 +122,11 @@ class StaticCalls:
                     self.entries = {k: v for k, v in self.entries.items() if k[:4] != slabs[0]}
                 cache.k[:, cache.length :].zero_()  # hidden keys must be finite (module docstring)
                 cache.v[:, cache.length :].zero_()
-            e = self.entries[key] = _Entry(cache, tb, self.n_layers)
+            e = self.entries[key] = _Entry(cache, tb, self.n_layers, rows)
         return e
 
     def _call(self, e: _Entry):
-        return self.module(e.ids, e.pos, e.mask, *e.past)
+        return self.module(*e.rows, e.pos, e.mask, *e.past)
 
     def _capture(self, e: _Entry) -> None:
         side = torch.cuda.Stream(e.ids.device)
@@ -132,8 +140,8 @@ class StaticCalls:
             e.out = self._call(e)
         self.captured += 1
 
-    def run(self, ids, pos, mask, cache: KVCache):
-        t = ids.shape[1]
+    def run(self, rows: tuple, pos, mask, cache: KVCache):
+        t = pos.shape[1]
         tb = self.bucket(t)
         if cache.spec.layout != "sbhd" or tb is None or cache.length + t > cache.max_len:
             self.eager += 1
@@ -141,8 +149,8 @@ class StaticCalls:
         slab = self._slab(cache)
         routed = self._route(slab, tb)
         self.routed += routed != tb
-        e = self._entry(cache, slab, routed)
-        e.fill(ids, pos, mask, cache.length)
+        e = self._entry(cache, slab, routed, rows)
+        e.fill(rows, pos, mask, cache.length)
         if not self.capture:
             out = self._call(e)
         else:
@@ -152,9 +160,8 @@ class StaticCalls:
             e.graph.replay()
             self.replays += 1
             out = e.out
-        n = self.n_layers
-        kv = out[1 : 1 + 2 * n]
+        a, z = self.kv_first, self.kv_first + 2 * self.n_layers
+        kv = out[a:z]
         # copies: a graph's outputs are overwritten by its next replay, the caller may keep them
-        logits = out[0][:, :t].clone()
-        feats = out[1 + 2 * n][:, :t].clone() if len(out) > 1 + 2 * n else None
-        return logits, torch.stack([k[:t] for k in kv[0::2]]), torch.stack([v[:t] for v in kv[1::2]]), feats
+        per_row = tuple(x[:, :t].clone() for x in (*out[:a], *out[z:]))
+        return per_row, torch.stack([k[:t] for k in kv[0::2]]), torch.stack([v[:t] for v in kv[1::2]])

@@ -59,15 +59,17 @@ class Eagle3Draft(DraftSource):
         embed: torch.Tensor | None = None,
         device: str | torch.device = "cpu",
         context: int | None = CONTEXT,
+        cuda_graphs: bool | str = False,
     ):
         """head: a head engine (TorchEagle3Head, OrtEagle3Head), or a torch EAGLE-3 module with
-        `embed` (the target's token embeddings), wrapped in a TorchEagle3Head."""
+        `embed` (the target's token embeddings), wrapped in a TorchEagle3Head (`cuda_graphs`: its
+        calls replayed as CUDA graphs on a GPU, "static" the same calls eagerly)."""
         if isinstance(head, torch.nn.Module):
             from ..backends.torch_backend import TorchEagle3Head
 
             if embed is None:
                 raise ValueError("Eagle3Draft(module, embed): a torch head needs the target's token embeddings")
-            head = TorchEagle3Head(head, embed, device)
+            head = TorchEagle3Head(head, embed, device, cuda_graphs=cuda_graphs)
         self.engine = head
         self.device = head.device
         # context: read at most this many of the prompt's entries (its last ones), None: all.

@@ -283,10 +283,11 @@ def part_decode(a, res: dict) -> None:
 
             embed = target.module.model.embed_tokens.weight.detach()
             if "eagle3" in a.drafts:
-                drafts["eagle3"] = Eagle3Draft(copy.deepcopy(head), embed, device=a.device)
+                drafts["eagle3"] = Eagle3Draft(copy.deepcopy(head), embed, device=a.device, cuda_graphs=graphs)
             if "eagle3+lookup" in a.drafts:
                 drafts["eagle3+lookup"] = LookupMixDraft(
-                    Eagle3Draft(copy.deepcopy(head), embed, device=a.device), LookupDraft(target.info.vocab_size)
+                    Eagle3Draft(copy.deepcopy(head), embed, device=a.device, cuda_graphs=graphs),
+                    LookupDraft(target.info.vocab_size),
                 )
         configs = [("vanilla", None, "vanilla", None)]
         for name, dr in drafts.items():
@@ -302,6 +303,8 @@ def part_decode(a, res: dict) -> None:
                 dec.generate(max(prompts, key=len), new)
             st = target.static  # graph captures and eager fallbacks while timed: both should be 0
             cap0, eag0, rou0 = (st.captured, st.eager, st.routed) if st is not None else (0, 0, 0)
+            hs = getattr(getattr(getattr(dr, "base", dr), "engine", None), "static", None)  # an EAGLE-3 head's
+            hcap0, heag0, hrep0 = (hs.captured, hs.eager, hs.replays) if hs is not None else (0, 0, 0)
             tot_new = tot_dec = tot_steps = tot_own = 0.0
             equal = True
             for i, ids in enumerate(prompts):
@@ -331,6 +334,10 @@ def part_decode(a, res: dict) -> None:
                     "captures_while_timed": st.captured - cap0 if st is not None else 0,
                     "eager_calls_while_timed": st.eager - eag0 if st is not None else 0,
                     "routed_calls_while_timed": st.routed - rou0 if st is not None else 0,  # to a larger bucket
+                    # the EAGLE-3 head's calls: replayed, captured, eager (a prompt's long chain) while timed
+                    "head_replays_while_timed": hs.replays - hrep0 if hs is not None else 0,
+                    "head_captures_while_timed": hs.captured - hcap0 if hs is not None else 0,
+                    "head_eager_calls_while_timed": hs.eager - heag0 if hs is not None else 0,
                 }
             )
             print(f"bench_gpu: decode {rows[-1]}", file=sys.stderr)
@@ -490,11 +497,11 @@ def part_profile(a, res: dict) -> None:
         for t in (1, 2, 8, 16, 32, 64, 128):
             ids, pos, mask = verify_inputs(eng, t, p, a.device, cache)
             with torch.inference_mode():
-                static.run(ids, pos, mask, cache)  # captured here (a replay from then on)
-                ms = Clock(a.device).time(lambda: static.run(ids, pos, mask, cache), a.reps)["median_ms"]
+                static.run((ids,), pos, mask, cache)  # captured here (a replay from then on)
+                ms = Clock(a.device).time(lambda: static.run((ids,), pos, mask, cache), a.reps)["median_ms"]
                 with profile(activities=act) as prof:
                     for _ in range(5):
-                        static.run(ids, pos, mask, cache)
+                        static.run((ids,), pos, mask, cache)
                     if cuda:
                         torch.cuda.synchronize()
             ev = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)
