@@ -218,3 +218,63 @@ def test_a_cuda_engine_keeps_its_cache_from_one_generation_to_the_next(monkeypat
     cache = _CacheOnCuda0(spec, 64, 1)
     assert cache.fits(spec, 64, 1, "cuda") and cache.fits(spec, 32, 1, torch.device("cuda"))
     assert not cache.fits(spec, 64, 1, "cpu") and not cache.fits(spec, 65, 1, "cuda")
+
+
+class _FakeCuda:
+    """Stand-ins for the torch.cuda calls of a capture (streams, graphs, timing events), so the
+    capture path runs on the CPU: a "graph" replays nothing, its outputs are the captured call's."""
+
+    class Graph:
+        def replay(self):
+            pass
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 3.0
+
+    class Stream:
+        def __init__(self, device=None):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+
+def test_the_capture_path_runs_on_the_cpu_with_stand_ins(monkeypatch):
+    """The GPU-only lines of cuda_graphs.py (capture on a side stream, time the replays) run with
+    stand-ins for torch.cuda: a renamed buffer there failed only on a GPU before (an entry's `ids`
+    became `rows`; the capture still read `e.ids`). One call: captured, timed, its outputs (the
+    captured call's) equal the eager call's."""
+    import contextlib
+
+    from arborspec.runtime.backends.cuda_graphs import StaticCalls
+
+    fake = _FakeCuda
+    monkeypatch.setattr(torch.cuda, "Stream", fake.Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake.Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", fake.Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", fake.Event)
+    m = random_model(tiny_config("llama"), seed=2)
+    eager = TorchEngine(copy.deepcopy(m))
+    static = StaticCalls(eager.module, m.config.n_layers, capture=True)
+    ca, cb = (KVCache(eager.info.cache, 64, 1) for _ in range(2))
+    ids = torch.randint(0, m.config.vocab_size, (1, 3))
+    pos, mask = torch.tensor([[0, 1, 2]]), _tree_mask(3, 0, [-1, 0, 1])
+    with torch.inference_mode():
+        (logits,), new_k, _ = static.run((ids,), pos, mask, cb)
+    assert static.captured == 1 and static.replays == 1
+    assert [e.ms for e in static.entries.values()] == [1.0]  # 3 replays timed at 3.0 ms in all
+    la = eager.forward(ids, pos, mask, ca)
+    torch.testing.assert_close(logits, la, rtol=0, atol=1e-5 * float(la.abs().max()))
+    torch.testing.assert_close(new_k, ca.k[:, :3], rtol=1e-5, atol=1e-5)

@@ -129,12 +129,12 @@ class StaticCalls:
         return self.module(*e.rows, e.pos, e.mask, *e.past)
 
     def _capture(self, e: _Entry) -> None:
-        side = torch.cuda.Stream(e.ids.device)
-        side.wait_stream(torch.cuda.current_stream(e.ids.device))
+        side = torch.cuda.Stream(e.pos.device)
+        side.wait_stream(torch.cuda.current_stream(e.pos.device))
         with torch.cuda.stream(side):
             for _ in range(3):  # warm-up: lazy initialisation and allocator state before the capture
                 self._call(e)
-        torch.cuda.current_stream(e.ids.device).wait_stream(side)
+        torch.cuda.current_stream(e.pos.device).wait_stream(side)
         e.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(e.graph):
             e.out = self._call(e)
