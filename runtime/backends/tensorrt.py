@@ -147,8 +147,6 @@ class TrtEngine(EngineBase):
             raise InputError(f"TrtEngine runs on a CUDA device, not {self.device}")
         if not torch.cuda.is_available():
             raise DeviceError("TrtEngine needs a CUDA GPU and none is visible to torch")
-        if self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
         self.entry = manifest_entry(self.path)
         recorded = (self.entry or {}).get("trt", {}).get("module")
         trt, self.flavour = _import_trt(flavour or os.environ.get(_ENV_MODULE) or recorded)
