@@ -126,8 +126,10 @@ class Eagle3Draft(DraftSource):
         logits, out = self.engine.forward_hidden(
             tokens.to(dev)[None], hidden.to(dev)[None], pos.to(dev)[None], mask, self.cache
         )
+        # the copies wait for the device (a replayed graph returns before it ran): the head's time
+        logits, out = logits[0].cpu(), out[0].cpu()
         self.model_s += time.perf_counter() - t0
-        return logits[0].cpu(), out[0].cpu()
+        return logits, out
 
     @torch.inference_mode()
     def start(self, root: int) -> torch.Tensor:
@@ -136,7 +138,9 @@ class Eagle3Draft(DraftSource):
         m = int(tokens.numel())
         c = self.cache
         p = c.length
-        hidden = self.engine.project(feats).cpu()
+        t0 = time.perf_counter()
+        hidden = self.engine.project(feats).cpu()  # the head's fc: a model call, timed as one
+        self.model_s += time.perf_counter() - t0
         # a long chain (the prompt) runs in chunks over the cache (tree_plan.run_chain; measured
         # on 4,472 prompt tokens: one call 3.07 s inside the decoder, its attention alone
         # allocating ~0.7 GB; chunked 0.58 s); only the last chunk's rows are used

@@ -277,11 +277,11 @@ def part_decode(a, res: dict) -> None:
             drafts[f"layers:{k}"] = TorchEngine(
                 copy.deepcopy(draft_module), device=a.device, dtype=dtype, cuda_graphs=graphs
             )
-        if head is not None and dtype == torch.float32:  # the head runs in fp32 on fp32 features
+        if head is not None:  # the head runs in fp32 (on an fp16 target: its features cast up)
             from arborspec.runtime.drafts.eagle3 import Eagle3Draft
             from arborspec.runtime.drafts.mixed import LookupMixDraft
 
-            embed = target.module.model.embed_tokens.weight.detach()
+            embed = target.module.model.embed_tokens.weight.detach().float()
             if "eagle3" in a.drafts:
                 drafts["eagle3"] = Eagle3Draft(copy.deepcopy(head), embed, device=a.device, cuda_graphs=graphs)
             if "eagle3+lookup" in a.drafts:
