@@ -55,14 +55,34 @@ def warp_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
         kth = torch.topk(x, sp.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if sp.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        p = torch.softmax(sorted_x, dim=-1)
-        # drop a token when the mass strictly before it already reaches top_p (keeps >= 1)
-        drop_sorted = (torch.cumsum(p, dim=-1) - p) >= sp.top_p
-        drop_sorted[..., 0] = False  # the most likely token always stays (a top_p below float32's range)
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
+        x = top_p_filter(x, sp.top_p)
     return x
+
+
+TOP_P_FIRST_K = 256  # top_p_filter looks among this many of the most likely tokens first
+
+
+def top_p_filter(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """-inf on every token the nucleus drops: a token is dropped when the mass strictly before it
+    (most likely first) already reaches top_p; the most likely token always stays. The nucleus is
+    looked for among the TOP_P_FIRST_K most likely tokens, then 4x as many, up to all of them:
+    every token past the first k is dropped once those k hold top_p. (Sorting all 49k entries cost
+    3.5 ms a row on 2 Xeon cores: 455 ms a step for a 128-row sampled batch, ten times the H100's
+    replayed call, which made the GPU corpus's sampled requests its slowest part.)"""
+    v = x.shape[-1]
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    k = min(v, TOP_P_FIRST_K)
+    while True:
+        top, order = torch.topk(x, k, dim=-1)  # sorted, most likely first
+        p = torch.exp(top - lse)
+        before = torch.cumsum(p, dim=-1) - p
+        if k == v or bool((before[..., -1] + p[..., -1] >= top_p).all()):
+            break
+        k = min(v, 4 * k)
+    drop = before >= top_p
+    drop[..., 0] = False  # (a top_p below float32's range)
+    keep = torch.zeros_like(x, dtype=torch.bool).scatter(-1, order, ~drop)
+    return x.masked_fill(~keep, float("-inf"))
 
 
 def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:

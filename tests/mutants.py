@@ -89,8 +89,15 @@ MUTANTS = [
     Mutant(
         "top-p drops the token that crosses the threshold",
         SAMPLING,
-        "drop_sorted = (torch.cumsum(p, dim=-1) - p) >= sp.top_p",
-        "drop_sorted = torch.cumsum(p, dim=-1) > sp.top_p",
+        "drop = before >= top_p",
+        "drop = before + p > top_p",
+        (WARP,),
+    ),
+    Mutant(
+        "top-p stops its search at the first 256 tokens",
+        SAMPLING,
+        "if k == v or bool(",
+        "if k or bool(",
         (WARP,),
     ),
     Mutant(
