@@ -14,6 +14,7 @@ import torch
 from conftest import random_model, tiny_config, tiny_text_export
 
 from arborspec.models.eagle3 import default_aux_layers, load_eagle3
+from arborspec.runtime.errors import ArborspecError
 from arborspec.tools.train import eagle3_train as eagle3_train
 from arborspec.tools.train.eagle3_corpus import draft_vocabulary
 
@@ -1213,3 +1214,81 @@ def test_new_tokens_rows_follow_the_map_training_took_the_kept_ones_along():
     torch.testing.assert_close(new.lm_head.weight, want, rtol=1e-3, atol=1e-3)
     kept = np.flatnonzero(new_vocab < 300)
     assert torch.equal(new.lm_head.weight[kept], head.lm_head.weight[torch.from_numpy(new_vocab[kept])])
+
+
+def test_a_corpus_packed_as_ids_unpacks_to_the_same_corpus(tmp_path, capsys, monkeypatch):
+    """corpus_ids: pack keeps a corpus's token ids, shard records, settings, vocabulary and
+    progress in one file a fraction of the folder's size; unpack rebuilds the folder (features,
+    top-K and greedy tokens from the target again): the same arrays, records and progress. An
+    interrupted unpack resumes (shards there kept, untouched); another target's model is one
+    error line; and the rebuilt corpus grows on."""
+    import json
+
+    from arborspec.tools.train import corpus_ids
+    from arborspec.tools.train.eagle3_corpus import grow_corpus, read_progress, shard_dirs
+
+    lm = _tiny_loaded(1)
+    aux = default_aux_layers(lm.config.n_layers)
+    kw = dict(shard_prompts=4, gen_len=12, batch=2, window=64, draft_vocab=64, topk=4, seed=0)
+    src = grow_corpus(lm, aux, root=tmp_path / "a", total_tokens=1, minutes=5, verbose=False, **kw)
+    grow_corpus(
+        lm, aux, root=tmp_path / "a", total_tokens=read_progress(src)["tokens"] + 1, minutes=5, verbose=False, **kw
+    )
+    n = read_progress(src)["shards"]
+    assert n == 2
+    ids = tmp_path / "ids.npz"
+    got = corpus_ids.pack(lm, src, ids)
+    assert got["shards"] == n and got["tokens"] == read_progress(src)["tokens"]
+    size = sum(f.stat().st_size for f in src.rglob("*") if f.is_file() and f.suffix == ".npy")
+    assert ids.stat().st_size * 5 < size
+
+    # an unpack stopped after its first shard (what a killed run leaves), then run again
+    from arborspec.tools.train import eagle3_corpus as ec
+
+    build, calls = ec.build_features, []
+
+    def stop_after_one(*a, **k):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return build(*a, **k)
+
+    monkeypatch.setattr(ec, "build_features", stop_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        corpus_ids.unpack(lm, ids, tmp_path / "b", verbose=False)
+    monkeypatch.setattr(ec, "build_features", build)
+    dst = tmp_path / "b" / src.name
+    assert len(shard_dirs(dst)) == 1 and read_progress(dst)["shards"] == 1
+    first = {f: f.stat().st_mtime_ns for f in shard_dirs(dst)[0].iterdir()}
+    assert corpus_ids.unpack(lm, ids, tmp_path / "b", verbose=False) == dst
+    assert {f: f.stat().st_mtime_ns for f in shard_dirs(dst)[0].iterdir()} == first
+
+    drop = ("features_s",)
+    assert {k: v for k, v in read_progress(dst).items() if k not in drop} == {
+        k: v for k, v in read_progress(src).items() if k not in drop
+    }
+    for name in ("settings.json",):
+        assert json.loads((dst / name).read_text()) == json.loads((src / name).read_text())
+    assert np.array_equal(np.load(dst / "vocab.npy"), np.load(src / "vocab.npy"))
+    for a, b in zip(shard_dirs(src), shard_dirs(dst), strict=True):
+        for f in ("tokens.npy", "top_ids.npy", "top1.npy", "top_lp.npy"):
+            assert np.array_equal(np.load(a / f), np.load(b / f)), f
+        np.testing.assert_allclose(np.load(a / "features.npy"), np.load(b / "features.npy"), atol=1e-3)
+        ja, jb = (json.loads((d / "shard.json").read_text()) for d in (a, b))
+        assert {k: v for k, v in ja.items() if k not in drop} == {k: v for k, v in jb.items() if k not in drop}
+    # the rebuilt corpus grows on from where the packed one stopped
+    grow_corpus(
+        lm, aux, root=tmp_path / "b", total_tokens=read_progress(dst)["tokens"] + 1, minutes=5, verbose=False, **kw
+    )
+    assert read_progress(dst)["shards"] == n + 1
+    assert (
+        json.loads((shard_dirs(dst)[-1] / "shard.json").read_text())["prompts"][0] == read_progress(src)["next_prompt"]
+    )
+
+    with pytest.raises(ArborspecError, match="another target"):
+        corpus_ids.unpack(_tiny_loaded(2), ids, tmp_path / "c", verbose=False)
+    (tmp_path / "junk.npz").write_bytes(b"not a pack")
+    with pytest.raises(ArborspecError, match="not a corpus-ids file"):
+        corpus_ids.unpack(lm, tmp_path / "junk.npz", tmp_path / "c", verbose=False)
+    assert corpus_ids.main(["unpack", "--model", "smollm2-135m", "--ids", str(tmp_path / "nope.npz")]) == 2
+    assert "no such file" in capsys.readouterr().err

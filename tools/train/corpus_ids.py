@@ -1,0 +1,205 @@
+"""A train-draft corpus as token ids only, and back: `pack` writes one small file (every shard's
+windows of token ids, its shard.json, the corpus's settings, draft vocabulary and progress);
+`unpack` rebuilds the corpus folder from it, the target computing each shard's features, top-K
+and greedy tokens again (runtime of build_features; on a GPU in seconds).
+
+Why: a corpus is ~3.5 KB a token with its features (6 GB for the 1.89M tokens the shipped
+SmolLM2 head saw) and took ~9 CPU-hours to generate, 55 % of them the generation. Its ids are 2
+bytes a token: small enough to keep beside the code (a machine whose cache is emptied loses
+only the features) and to carry to a lent GPU, which featurises them there and trains on them
+with its own new shards (tools/train/gpu_train.sh, CORPUS_IDS=FILE).
+
+Role in one decode step: none; it keeps the data that step 1's draft head is trained on.
+
+    python -m arborspec.tools.train.corpus_ids pack --model smollm2-135m \\
+        --corpus ~/.cache/arborspec/eagle3-corpus/KEY --out corpus-ids.npz
+    python -m arborspec.tools.train.corpus_ids unpack --model smollm2-135m --ids corpus-ids.npz
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from arborspec.runtime.errors import ArborspecError, InputError
+from arborspec.runtime.fileio import PartialFolder, atomic_write, atomic_write_bytes, atomic_write_json
+
+FORMAT = 1
+MEASURED = ("features_s", "feature_size")  # what unpack measures again: not kept in the pack
+
+
+def target_sha(loaded) -> str:
+    from arborspec.tools.train.eagle3_corpus import target_id_of
+
+    return hashlib.sha256(target_id_of(loaded).encode()).hexdigest()[:16]
+
+
+def pack(loaded, folder: Path, out: Path) -> dict:
+    """Write corpus `folder`'s ids, shard records, settings, vocabulary and progress to `out`
+    (an .npz, written whole or not at all). -> what it holds."""
+    from arborspec.tools.train.eagle3_corpus import corpus_settings, read_progress, shard_dirs
+
+    settings = corpus_settings(folder)
+    shards = shard_dirs(folder)
+    if not shards:
+        raise InputError(f"--corpus {folder}: no finished shard to pack")
+    arrays, infos = {}, []
+    for i, d in enumerate(shards):
+        try:
+            t = np.load(d / "tokens.npy")
+            info = json.loads((d / "shard.json").read_text())
+        except (OSError, ValueError):
+            raise InputError(f"--corpus {folder}: shard {d.name} is incomplete (no tokens.npy or shard.json)") from None
+        arrays[f"shard{i:05d}"] = t.astype(np.uint16) if 0 <= t.min() and t.max() < 1 << 16 else t
+        infos.append({k: v for k, v in info.items() if k not in MEASURED})
+    prog = read_progress(folder)
+    meta = {
+        "format": FORMAT,
+        "key": folder.name,
+        "target": target_sha(loaded),
+        "settings": settings,
+        "progress": {k: v for k, v in prog.items() if k not in MEASURED},
+        "shards": infos,
+    }
+    arrays["vocab"] = np.load(folder / "vocab.npy")
+    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **arrays)
+    atomic_write_bytes(out, buf.getvalue())
+    return {"shards": len(shards), "tokens": int(sum(a.size for k, a in arrays.items() if k.startswith("shard")))}
+
+
+def read_pack(path: Path) -> tuple[dict, np.lib.npyio.NpzFile]:
+    try:
+        z = np.load(path, allow_pickle=False)
+        meta = json.loads(bytes(z["meta"]).decode())
+    except (OSError, ValueError, KeyError) as e:
+        raise InputError(f"--ids {path}: not a corpus-ids file ({type(e).__name__})") from None
+    if meta.get("format") != FORMAT:
+        raise InputError(f"--ids {path}: format {meta.get('format')!r}, this arborspec reads {FORMAT}")
+    return meta, z
+
+
+def unpack(
+    loaded, path: Path, root: Path, device: str = "cpu", threads: int | None = None, verbose: bool = True
+) -> Path:
+    """Rebuild the corpus of ids file `path` under `root` (its own folder name, the key it had):
+    shards already there are kept, the others get their features from the target again (one
+    shard at a time, each published whole, progress written after each: an interrupted unpack
+    resumes). -> the corpus folder."""
+    from arborspec.tools.train import eagle3_corpus as ec
+
+    meta, z = read_pack(path)
+    if meta["target"] != target_sha(loaded):
+        raise InputError(f"--ids {path}: made for another target than this --model (its weights differ)")
+    settings, infos = meta["settings"], meta["shards"]
+    folder = root / meta["key"]
+    folder.mkdir(parents=True, exist_ok=True)
+    lock, holder = ec.grow_lock(folder)
+    if lock is None:
+        raise InputError(f"another run (pid {holder}) is adding shards to {folder}: unpack when it is done")
+    engine = None
+    try:
+        vocab = np.asarray(z["vocab"], dtype=np.int64)
+        if (folder / "settings.json").is_file():
+            if ec.corpus_settings(folder) != settings or not np.array_equal(np.load(folder / "vocab.npy"), vocab):
+                raise InputError(f"{folder} holds a corpus with other settings or vocabulary: not overwritten")
+        else:
+            atomic_write(folder / "vocab.npy", lambda f: np.save(f, vocab))
+            atomic_write_json(folder / "settings.json", settings)
+        have = len(ec.shard_dirs(folder))
+        done = ec.read_progress(folder)
+        if have < len(infos):
+            if device == "cpu":
+                source = ec.corpus_graph(loaded, folder)
+            else:
+                source = engine = ec.feature_engine(loaded, settings["aux"], device)
+        prog = {**meta["progress"], "features_s": done.get("features_s", 0.0)} if have else {}
+        for i in range(have, len(infos)):
+            windows = np.asarray(z[f"shard{i:05d}"], dtype=np.int32)
+            with PartialFolder(folder / "shards" / f"{i:05d}") as tmp:
+                np.save(tmp / "tokens.npy", windows)
+                feat = ec.build_features(source, windows, vocab, tmp, settings["topk"], threads)
+                atomic_write_json(tmp / "shard.json", {**infos[i], **feat})
+            # progress as the shards so far hold it; the pack's own totals once all are in
+            part = infos[: i + 1]
+            last = i + 1 == len(infos)
+            prog = {
+                **meta["progress"],
+                **(
+                    {}
+                    if last
+                    else {
+                        "shards": i + 1,
+                        "windows": sum(s["windows"] for s in part),
+                        "tokens": sum(s["tokens"] for s in part),
+                        "generated_tokens": sum(s.get("generated_tokens", 0) for s in part),
+                        "generated_responses": sum(s["prompts"][1] - s["prompts"][0] for s in part),
+                        "next_prompt": part[-1]["prompts"][1],
+                        "generation_s": round(sum(s.get("generation_s", 0.0) for s in part), 1),
+                    }
+                ),
+                "features_s": round(prog.get("features_s", 0.0) + feat["features_s"], 1),
+                "feature_size": feat["feature_size"],
+            }
+            atomic_write_json(folder / "corpus.json", prog)
+            if verbose:
+                ec.log(f"corpus ids: shard {i + 1}/{len(infos)} featurised ({feat['features_s']} s; {folder})")
+    finally:
+        if engine is not None:
+            engine.close()
+        lock.close()
+    return folder
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m arborspec.tools.train.corpus_ids",
+        description=__doc__.split("\n\n")[0],
+        epilog="examples:\n" + "\n".join(__doc__.rstrip().split("\n")[-3:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("pack", help="write a corpus's ids, records and settings to one file")
+    a.add_argument("--model", required=True, help="the corpus's target (e.g. smollm2-135m)")
+    a.add_argument(
+        "--corpus", type=Path, required=True, help="the corpus folder (~/.cache/arborspec/eagle3-corpus/KEY)"
+    )
+    a.add_argument("--out", type=Path, required=True, help="the file to write (.npz)")
+    b = sub.add_parser("unpack", help="rebuild the corpus folder from such a file (features computed again)")
+    b.add_argument("--model", required=True, help="the corpus's target (e.g. smollm2-135m)")
+    b.add_argument("--ids", type=Path, required=True, help="the file pack wrote")
+    b.add_argument(
+        "--root", type=Path, default=None, help="where corpora live (default: the user cache's eagle3-corpus)"
+    )
+    b.add_argument("--device", default="cpu", help="cpu (ONNX Runtime) or cuda[:N] (PyTorch on the GPU)")
+    b.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+    args = p.parse_args(argv)
+    try:
+        if args.cmd == "pack" and not args.corpus.is_dir():
+            raise InputError(f"--corpus {args.corpus}: no such folder")
+        if args.cmd == "unpack" and not args.ids.is_file():
+            raise InputError(f"--ids {args.ids}: no such file")
+        from arborspec.models.registry import cache_dir, load_model
+
+        loaded = load_model(args.model)
+        if args.cmd == "pack":
+            got = pack(loaded, args.corpus, args.out)
+            print(f"{args.out}: {got['shards']} shards, {got['tokens']} tokens ({args.out.stat().st_size} bytes)")
+        else:
+            folder = unpack(loaded, args.ids, args.root or cache_dir() / "eagle3-corpus", args.device, args.threads)
+            print(f"corpus: {folder}")
+    except ArborspecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
