@@ -531,3 +531,18 @@ def test_nbits_kernels_tool_runs_every_kind(capsys):
     assert s.run(None, {"x": np.ones((1, 3, 64), np.float32)})[0].shape == (1, 3, 48)
     assert nbits_kernels.main(["--k", "40"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_the_overhead_tool_measures_each_tree_and_a_bad_spec_is_one_line(capsys):
+    """tools/bench/overhead.py (the runtime's own time per step, null engines): a row per tree
+    with its nodes and time; a malformed tree spec or temperature is one error line, exit 2,
+    before anything is measured."""
+    from arborspec.tools.bench import overhead
+
+    assert overhead.main(["--trees", "chain:2", "full:2,2", "--steps", "5", "--vocab", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "chain:2" in out and "full:2,2" in out
+    for bad in (["--trees", "chain:2", "vanilla"], ["--trees", "chain:2", "--temperature", "-1"]):
+        assert overhead.main([*bad, "--steps", "5", "--vocab", "64"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and len(err.strip().splitlines()) == 1

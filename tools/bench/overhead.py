@@ -99,7 +99,7 @@ def measure(
     if host_topk:
         draft = HostTopkNullEngine(draft)
     dec = SpeculativeDecoder(target, draft, mode=mode, tree=tree, sampling=sp)
-    prompt = list(range(prompt_len))
+    prompt = [i % vocab for i in range(prompt_len)]
     dec.generate(prompt, 16)  # warm-up
     res = dec.generate(prompt, steps * 4, seed=1)
     st = res.stats
@@ -188,7 +188,16 @@ def main(argv=None) -> int:
             with open(a.json, "w") as f:
                 json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "batch": rows}, f, indent=1)
         return 0
-    sp = SamplingParams(a.temperature)
+    from arborspec.runtime.errors import ArborspecError
+    from arborspec.runtime.trees import parse_tree_spec
+
+    try:  # a mistake in the arguments is one line, before any measuring
+        sp = SamplingParams(a.temperature)
+        for t in a.trees:
+            parse_tree_spec(t)
+    except ArborspecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     rows = [measure(t, a.steps, sp, vocab=a.vocab, host_topk=a.host_topk) for t in a.trees]
     print(
         f"{'tree':22s} {'nodes':>6s} {'acc/step':>8s} {'overhead ms':>11s} {'tree':>7s} {'accept+kv':>9s} {'other':>7s}"
