@@ -56,7 +56,8 @@ def pack(loaded, folder: Path, out: Path) -> dict:
             info = json.loads((d / "shard.json").read_text())
         except (OSError, ValueError):
             raise InputError(f"--corpus {folder}: shard {d.name} is incomplete (no tokens.npy or shard.json)") from None
-        arrays[f"shard{i:05d}"] = t.astype(np.uint16) if 0 <= t.min() and t.max() < 1 << 16 else t
+        small = t.size == 0 or (0 <= t.min() and t.max() < 1 << 16)
+        arrays[f"shard{i:05d}"] = t.astype(np.uint16) if small else t
         infos.append({k: v for k, v in info.items() if k not in MEASURED})
     prog = read_progress(folder)
     meta = {
