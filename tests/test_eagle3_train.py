@@ -1267,8 +1267,7 @@ def test_a_corpus_packed_as_ids_unpacks_to_the_same_corpus(tmp_path, capsys, mon
     assert {k: v for k, v in read_progress(dst).items() if k not in drop} == {
         k: v for k, v in read_progress(src).items() if k not in drop
     }
-    for name in ("settings.json",):
-        assert json.loads((dst / name).read_text()) == json.loads((src / name).read_text())
+    assert json.loads((dst / "settings.json").read_text()) == json.loads((src / "settings.json").read_text())
     assert np.array_equal(np.load(dst / "vocab.npy"), np.load(src / "vocab.npy"))
     for a, b in zip(shard_dirs(src), shard_dirs(dst), strict=True):
         for f in ("tokens.npy", "top_ids.npy", "top1.npy", "top_lp.npy"):

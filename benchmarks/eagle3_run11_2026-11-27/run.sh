@@ -1,5 +1,5 @@
 #!/bin/bash
-# tenth session end: int4 export v17 (head run 11), tune, bench beside v16 (packaged, llama.cpp) and held-out
+# tenth session end: int4 export v17 (head run 11), tune, bench beside v16 (packaged and held-out; no llama.cpp)
 set -u
 cd /work/main
 A=.venv/bin/arborspec

@@ -87,6 +87,21 @@ def read_pack(path: Path) -> tuple[dict, np.lib.npyio.NpzFile]:
     return meta, z
 
 
+def progress_after(total: dict, shards: list[dict]) -> dict:
+    """corpus.json as it stood after the first of a pack's shards (`shards`, their records): the
+    pack's totals with the counts summed over those shards (responses: the prompts each took)."""
+    return {
+        **total,
+        "shards": len(shards),
+        "windows": sum(s["windows"] for s in shards),
+        "tokens": sum(s["tokens"] for s in shards),
+        "generated_tokens": sum(s.get("generated_tokens", 0) for s in shards),
+        "generated_responses": sum(s["prompts"][1] - s["prompts"][0] for s in shards),
+        "next_prompt": shards[-1]["prompts"][1],
+        "generation_s": round(sum(s.get("generation_s", 0.0) for s in shards), 1),
+    }
+
+
 def unpack(
     loaded, path: Path, root: Path, device: str = "cpu", threads: int | None = None, verbose: bool = True
 ) -> Path:
@@ -115,41 +130,24 @@ def unpack(
             atomic_write(folder / "vocab.npy", lambda f: np.save(f, vocab))
             atomic_write_json(folder / "settings.json", settings)
         have = len(ec.shard_dirs(folder))
-        done = ec.read_progress(folder)
         if have < len(infos):
             if device == "cpu":
                 source = ec.corpus_graph(loaded, folder)
             else:
                 source = engine = ec.feature_engine(loaded, settings["aux"], device)
-        prog = {**meta["progress"], "features_s": done.get("features_s", 0.0)} if have else {}
+        features_s = ec.read_progress(folder).get("features_s", 0.0)
         for i in range(have, len(infos)):
             windows = np.asarray(z[f"shard{i:05d}"], dtype=np.int32)
             with PartialFolder(folder / "shards" / f"{i:05d}") as tmp:
                 np.save(tmp / "tokens.npy", windows)
                 feat = ec.build_features(source, windows, vocab, tmp, settings["topk"], threads)
                 atomic_write_json(tmp / "shard.json", {**infos[i], **feat})
+            features_s = round(features_s + feat["features_s"], 1)
             # progress as the shards so far hold it; the pack's own totals once all are in
-            part = infos[: i + 1]
-            last = i + 1 == len(infos)
-            prog = {
-                **meta["progress"],
-                **(
-                    {}
-                    if last
-                    else {
-                        "shards": i + 1,
-                        "windows": sum(s["windows"] for s in part),
-                        "tokens": sum(s["tokens"] for s in part),
-                        "generated_tokens": sum(s.get("generated_tokens", 0) for s in part),
-                        "generated_responses": sum(s["prompts"][1] - s["prompts"][0] for s in part),
-                        "next_prompt": part[-1]["prompts"][1],
-                        "generation_s": round(sum(s.get("generation_s", 0.0) for s in part), 1),
-                    }
-                ),
-                "features_s": round(prog.get("features_s", 0.0) + feat["features_s"], 1),
-                "feature_size": feat["feature_size"],
-            }
-            atomic_write_json(folder / "corpus.json", prog)
+            prog = meta["progress"] if i + 1 == len(infos) else progress_after(meta["progress"], infos[: i + 1])
+            atomic_write_json(
+                folder / "corpus.json", {**prog, "features_s": features_s, "feature_size": feat["feature_size"]}
+            )
             if verbose:
                 ec.log(f"corpus ids: shard {i + 1}/{len(infos)} featurised ({feat['features_s']} s; {folder})")
     finally:
