@@ -67,7 +67,7 @@ def top_p_filter(x: torch.Tensor, top_p: float) -> torch.Tensor:
     (most likely first) already reaches top_p; the most likely token always stays. The nucleus is
     looked for among the TOP_P_FIRST_K most likely tokens, then 4x as many, up to all of them:
     every token past the first k is dropped once those k hold top_p. (Sorting all 49k entries cost
-    3.5 ms a row on 2 EPYC cores: 455 ms a step for a 128-row sampled batch, ten times the H100's
+    3.5 ms a row on one EPYC core: 455 ms a step for a 128-row sampled batch, ten times the H100's
     replayed call, which made the GPU corpus's sampled requests its slowest part.)"""
     v = x.shape[-1]
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
