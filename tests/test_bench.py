@@ -203,6 +203,37 @@ def test_bench_onnxruntime_export(tiny, tmp_path):
         assert p["runs"]["lookup+full:3,2"]["greedy_match"] is True
 
 
+def test_bench_candidate_modes_side_by_side(tiny, capsys):
+    """--candidates topk,sample-unique at T > 0: every speculative config once per mode, the
+    second named SPEC@MODE; a dynamic tree (ranked by score) runs with top-k only."""
+    tmp, folder, prompts = tiny
+    out = tmp / "cand.json"
+    args = ["bench", "--model", str(folder), "--draft", "layers:1", "--prompts", str(prompts)]
+    args += ["--limit-prompts", "3", "--max-new-tokens", "12", "--warmup", "0", "--threads", "1", "--no-progress"]
+    tree = ["--chain", "chain:3", "--tree", "full:2,2;dynamic:2,3,5"]
+    rc = main(args + tree + ["--temperature", "0.8", "--candidates", "topk,sample-unique", "--json-out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    cands = {c["name"]: c.get("candidates") for c in res["configs"]}
+    assert cands == {
+        "vanilla": "topk",
+        "chain:3": "topk",
+        "full:2,2": "topk",
+        "dynamic:2,3,5": "topk",
+        "chain:3@sample-unique": "sample-unique",
+        "full:2,2@sample-unique": "sample-unique",
+    }
+    runs = [p["runs"] for p in res["per_prompt"]]
+    # the same seed, other draws: sampled candidates change the sampled tokens somewhere
+    assert any(r["full:2,2"]["tokens"] != r["full:2,2@sample-unique"]["tokens"] for r in runs)
+    assert all(r["chain:3@sample-unique"]["new_tokens"] >= 1 for r in runs)
+    capsys.readouterr()
+    assert main(args + tree + ["--candidates", "sample"]) == 2  # greedy: candidates are the top ones
+    assert "--candidates needs --temperature > 0" in capsys.readouterr().err
+    assert main(args + tree + ["--temperature", "0.8", "--candidates", "topk,best"]) == 2
+    assert "unknown candidate mode 'best'" in capsys.readouterr().err
+
+
 def test_bench_user_errors(tiny, capsys):
     _, folder, prompts = tiny
     assert main(["bench", "--model", str(folder), "--prompts", str(prompts), "--tree", "full:2"]) == 2

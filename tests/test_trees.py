@@ -119,6 +119,25 @@ def test_tree_invariants(spec, vocab, seed, past, temp, cand):
         assert all(pos[0, j + 1] == pos[0, i + 1] for j in sib)
 
 
+@pytest.mark.parametrize("scale", [1.0, 1 / 0.75, 0.5])
+@pytest.mark.parametrize("cand", ["sample", "sample-unique"])
+def test_sampled_q_follows_the_drafts_sample_scale(scale, cand):
+    """Sampled candidates come from q = softmax(scale * logits / T), per frontier row, with the
+    warping after the scale (top-k here); the draft's sample_scale sets the scale."""
+    sp = SamplingParams(0.8, 5)
+    draft = RandomDraft(12, 3)
+    draft.sample_scale = scale
+    tree = draft_tree(draft, parse_tree_spec("full:2,2"), 1, sp, cand, torch.Generator().manual_seed(0))
+    rows = RandomDraft(12, 3)  # the same seed: the same logits, row by row
+    root = rows.start(1)[None]
+    level2 = rows.expand(None, torch.arange(2))
+    want = torch.cat([root, level2]) * scale / 0.8
+    kth = want.topk(5, -1).values[:, -1:]
+    want = torch.softmax(want.masked_fill(want < kth, float("-inf")), -1)
+    assert tree.q.shape == want.shape
+    torch.testing.assert_close(tree.q, want, rtol=1e-5, atol=1e-6)
+
+
 def test_static_tree(tmp_path):
     paths = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
     f = tmp_path / "t.json"

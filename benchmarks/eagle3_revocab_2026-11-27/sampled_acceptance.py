@@ -4,7 +4,11 @@ alpha_d = sum_x min(p_T(x), q(x)): the chance that a draft token sampled from q 
 accepted by the target sampling at temperature T (teacher-forced along the held-out responses,
 the head's own hidden states below depth 1, as `eagle3_heldout.depth_ranks` unrolls it); q is
 the head's distribution at temperature T x tau mapped onto the target's ids. tau < 1 sharpens
-the head. Output: sampled_acceptance.txt beside this file (2026-11-27, ninth session).
+the head. Beside it, the top-k candidates' rule (the default, `--candidates topk`): a
+deterministic candidate x is accepted with p_T(x), so depth d of a chain accepts with
+p_T(argmax q) and a first level of the two top candidates with p_T(x1) + p_T(x2). Output:
+sampled_acceptance.txt beside this file (2026-11-27, ninth session; the top-k rows and
+sampled_acceptance_run11.txt, the head of run 11, eleventh session).
 
     .venv/bin/python benchmarks/eagle3_revocab_2026-11-27/sampled_acceptance.py [HEAD_SPEC]
 
@@ -44,6 +48,7 @@ def main() -> None:
     head = load_eagle3(eagle3_folder(spec, "smollm2-135m"), m.config).float().eval()
     tmap = head.token_map().long()
     acc = {t: {tau: np.zeros((DEPTHS, 2)) for tau in TAUS} for t in (0.8, 1.0)}
+    top = {t: np.zeros((DEPTHS, 3)) for t in acc}  # sum p_T(top-1 of q), sum p_T(top-2 of q), n
     with torch.inference_mode():
         for i in range(n_rows):
             ids = torch.from_numpy(tokens[i : i + 1].astype(np.int64))
@@ -58,6 +63,9 @@ def main() -> None:
                     continue
                 for t in acc:
                     p = torch.softmax(target[js + 1 + d] / t, -1)
+                    best2 = tmap[logits[0, js].topk(2, -1).indices]
+                    pk = p.gather(1, best2)
+                    top[t][d] += [float(pk[:, 0].sum()), float(pk.sum()), len(js)]
                     for tau in TAUS:
                         q = torch.zeros(len(js), m.config.vocab_size)
                         q[:, tmap] = torch.softmax(logits[0, js] / (t * tau), -1)
@@ -68,6 +76,11 @@ def main() -> None:
             print(
                 f"T={t} tau={tau}: alpha per depth {np.round(a, 4).tolist()}  chain-4 expected {1 + np.cumprod(a).sum():.4f}"
             )
+        a1, a2 = top[t][:, 0] / top[t][:, 2], top[t][:, 1] / top[t][:, 2]
+        print(
+            f"T={t} topk: p_T(top-1) per depth {np.round(a1, 4).tolist()}  chain-4 expected "
+            f"{1 + np.cumprod(a1).sum():.4f}; p_T(top-1) + p_T(top-2) per depth {np.round(a2, 4).tolist()}"
+        )
 
 
 if __name__ == "__main__":

@@ -61,7 +61,10 @@ class DraftSource:
     row entry (None: the rows are over the target vocabulary); needs_target_features: the
     decode loop passes the target's features (hidden states) to reset/commit; finite_logits:
     False for tables whose rows may have no candidates (all -inf), so trees are pruned per step
-    instead of following a fixed plan; model_s: seconds spent inside model calls (stats)."""
+    instead of following a fixed plan; model_s: seconds spent inside model calls (stats);
+    sample_scale: sampled candidates are drawn from q = softmax(sample_scale * logits / T), and
+    the accept rule reads that same q, so any scale is lossless (1: the draft's own
+    distribution; > 1 sharpens an under-confident draft; top-k candidates ignore it)."""
 
     kind = "draft"
     vocab_size: int = 0
@@ -69,6 +72,7 @@ class DraftSource:
     needs_target_features = False
     finite_logits = True
     model_s = 0.0
+    sample_scale = 1.0
 
     def prepare(self, policy: TreePolicy, max_len: int) -> None:
         """Once per generation, before `reset`: size scratch space for `policy` and a committed

@@ -52,6 +52,13 @@ class Eagle3Draft(DraftSource):
     # head: 4.4k-token prompts, the same acceptance (1.25 per call) for 19.8 -> 5.4 ms of draft
     # time per token (the head's pass over the prompt); packaged prompts: 1.566 -> 1.560
     CONTEXT = 1024
+    # sampled candidates' q = softmax(SAMPLE_SCALE * logits / T) (DraftSource.sample_scale;
+    # lossless at any value). Measured on the 3,676 held-out positions, teacher-forced
+    # (benchmarks/eagle3_revocab_2026-11-27/sampled_acceptance.py): the trained heads are
+    # under-confident, sum_x min(p_T, q) is highest for logits sharpened by 1/0.7-1/0.75 at every
+    # depth, at T = 0.8 and 1.0 alike (run 11's head, T = 0.8: depth 1 0.520 -> 0.528, chain-of-4
+    # expectation 1.922 -> 1.950)
+    SAMPLE_SCALE = 1 / 0.75
 
     def __init__(
         self,
@@ -60,10 +67,12 @@ class Eagle3Draft(DraftSource):
         device: str | torch.device = "cpu",
         context: int | None = CONTEXT,
         cuda_graphs: bool | str = False,
+        sample_scale: float = SAMPLE_SCALE,
     ):
         """head: a head engine (TorchEagle3Head, OrtEagle3Head), or a torch EAGLE-3 module with
         `embed` (the target's token embeddings), wrapped in a TorchEagle3Head (`cuda_graphs`: its
-        calls replayed as CUDA graphs on a GPU, "static" the same calls eagerly)."""
+        calls replayed as CUDA graphs on a GPU, "static" the same calls eagerly). sample_scale:
+        the logit scale of sampled candidates (1: the head's own distribution)."""
         if isinstance(head, torch.nn.Module):
             from ..backends.torch_backend import TorchEagle3Head
 
@@ -78,6 +87,9 @@ class Eagle3Draft(DraftSource):
         if context is not None and context < 1:
             raise ValueError("Eagle3Draft context must be >= 1 or None")
         self.context = context
+        if not sample_scale > 0:
+            raise ValueError(f"Eagle3Draft sample_scale must be > 0, got {sample_scale}")
+        self.sample_scale = float(sample_scale)
         self.vocab_size = head.info.vocab_size
         self.token_map = head.token_map
         self.spec = head.info.cache
@@ -96,7 +108,8 @@ class Eagle3Draft(DraftSource):
         self._root_hidden = torch.zeros(self.hidden_size)
 
     def fork(self) -> "Eagle3Draft":
-        return Eagle3Draft(self.engine, device=self.device, context=self.context)  # the same head, own cache
+        # the same head, own cache
+        return Eagle3Draft(self.engine, device=self.device, context=self.context, sample_scale=self.sample_scale)
 
     def prepare(self, policy: TreePolicy, max_len: int) -> None:
         cap = tree_capacity(policy, self.vocab_size)

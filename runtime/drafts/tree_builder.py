@@ -202,7 +202,7 @@ def _draft_dynamic(draft, policy, root, sp, mode, rng, keep_q, ws: TreeWorkspace
     f_score = np.zeros(1, dtype=np.float32)
     for level in range(1, policy.depth + 1):
         k = min(policy.width(level), vocab)
-        vals, toks, q = _candidates(out, k, mode, topk_only, sp, rng, tmap, out_vocab)
+        vals, toks, q = _candidates(out, k, mode, topk_only, sp, rng, tmap, out_vocab, draft.sample_scale)
         if q is not None:
             qs.append(q)
         n, m, fi = _add_level(ws, policy, level, n, frontier, f_score, vals, to_target(toks, tmap).cpu().numpy())
@@ -230,9 +230,10 @@ def _draft_dynamic(draft, policy, root, sp, mode, rng, keep_q, ws: TreeWorkspace
     return _final_tree(ws, policy, n, qs, mode, calls)
 
 
-def _candidates(out, k: int, mode: str, topk_only: bool, sp, rng, tmap, out_vocab):
+def _candidates(out, k: int, mode: str, topk_only: bool, sp, rng, tmap, out_vocab, scale: float = 1.0):
     """One level's candidates from the draft's answer: (values [F, k] log-probs or logits,
-    draft ids [F, k], the rows' draft distribution q over the target vocabulary or None)."""
+    draft ids [F, k], the rows' draft distribution q over the target vocabulary or None).
+    Sampled candidates come from q = softmax(warp(scale * logits)): the draft's sample_scale."""
     if topk_only:
         return out.values[:, :k], out.indices[:, :k], None
     if mode == "topk":
@@ -241,7 +242,7 @@ def _candidates(out, k: int, mode: str, topk_only: bool, sp, rng, tmap, out_voca
         # handles), normalised to log-probs (keep_q: analysis and tests)
         t = topk_of(out, k, True)
         return t.values, t.indices, full_vocab(torch.softmax(warp_logits(out, sp), -1), tmap, out_vocab).cpu()
-    warped = warp_logits(out, sp)
+    warped = warp_logits(out * scale if scale != 1.0 else out, sp)
     # a table draft may have no opinion at a node (every logit -inf): no candidates there
     empty = ~torch.isfinite(warped).any(-1, keepdim=True)
     q = torch.softmax(warped.masked_fill(empty, 0.0), -1)

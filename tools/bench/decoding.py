@@ -54,10 +54,12 @@ class BenchConfig:
     policy: str = "vanilla"
     max_nodes: int | None = 0
     draft: str | None = None  # None: the models' draft; "lookup": an n-gram lookup draft of its own
+    candidates: str = "topk"  # how draft children are chosen when sampling (runtime/drafts/tree_builder.py)
 
     def to_dict(self) -> dict:
         return {
             "draft": self.draft,
+            "candidates": self.candidates,
             "name": self.name,
             "kind": self.kind,
             "mode": self.mode,
@@ -82,7 +84,14 @@ def build_configs(
     baselines: list[str],
     lookup_trees: list[str] = (),
     mix_trees: list[str] = (),
+    candidates: list[str] = ("topk",),
 ) -> list[BenchConfig]:
+    """The configurations in run order. Each speculative one runs once per candidate mode
+    (`candidates`, the first unnamed, the others named `SPEC@MODE`); a data-dependent tree
+    (dynamic, beam) ranks candidates by score, so it runs with top-k candidates only."""
+    import dataclasses
+
+    from arborspec.runtime.drafts.tree_builder import CANDIDATE_MODES
     from arborspec.runtime.trees import ChainTree, parse_tree_spec
 
     bad = [m for m in modes if m not in ("vanilla", "chain", "tree")]
@@ -111,6 +120,18 @@ def build_configs(
     for spec in mix_trees:  # the models' draft mixed with lookup (runtime/drafts/mixed.py)
         pol = parse_tree_spec(spec)
         cfgs.append(BenchConfig(f"mix+{pol.spec}", "ours", "tree", pol.spec, pol.kind, pol.max_nodes, "mix"))
+    badc = [m for m in candidates if m not in CANDIDATE_MODES]
+    if badc or not candidates:
+        raise InputError(f"unknown candidate mode {(badc or [''])[0]!r} (expected {', '.join(CANDIDATE_MODES)})")
+    spec_cfgs, out = cfgs[1:], cfgs[:1]
+    for i, mode in enumerate(dict.fromkeys(candidates)):
+        for c in spec_cfgs:
+            ranked = parse_tree_spec(c.tree).data_dependent
+            if i == 0:
+                out.append(dataclasses.replace(c, candidates="topk" if ranked else mode))
+            elif mode == "topk" or not ranked:
+                out.append(dataclasses.replace(c, name=f"{c.name}@{mode}", candidates=mode))
+    cfgs = out
     for b in dict.fromkeys(baselines):
         kind = "hf" if b in BASELINES else "peer"
         cfgs.append(BenchConfig(b, kind, b, None, kind, None))
@@ -154,7 +175,7 @@ def mismatch_message(c: BenchConfig, prompt_id: str, at: int, exact: bool = True
     return "note: " + msg + f" ({who}; fp differences possible)"
 
 
-def make_decoders(models, configs: list[BenchConfig], temperature: float, candidates: str = "topk"):
+def make_decoders(models, configs: list[BenchConfig], temperature: float):
     from arborspec.runtime.decode import SpeculativeDecoder
     from arborspec.runtime.sampling import SamplingParams
 
@@ -180,7 +201,7 @@ def make_decoders(models, configs: list[BenchConfig], temperature: float, candid
             draft,
             mode=c.mode,
             tree=c.tree or "full:3,2",
-            candidates=candidates,
+            candidates=c.candidates,
             sampling=sp,
             max_tree_nodes=models.limits.get("max_tree_nodes"),
         )

@@ -31,7 +31,8 @@ SCHEMA = """\
   "configs": [{"name", "kind": "ours"|"hf"|"peer", "mode": "vanilla"|"chain"|"tree"|"hf-greedy"|
                "ort-genai"|"llama-cpp"|...,
                "tree": spec|null, "policy": "vanilla"|"chain"|"full"|"beam"|"dynamic"|"static"|"hf"|"peer",
-               "max_nodes": int (tree budget; 0 for vanilla; null for hf and peers)}],
+               "max_nodes": int (tree budget; 0 for vanilla; null for hf and peers),
+               "candidates": "topk"|"sample"|"sample-unique" (ours; how children are drawn when sampling)}],
   "per_prompt": [{"id", "category", "prompt_tokens", "text" (vanilla's output, if a tokenizer),
                   "runs": {config name: RUN}}],
       RUN = {"new_tokens", "tokens_per_s", "speedup_vs_vanilla", "speedup_vs_hf_greedy",

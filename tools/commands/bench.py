@@ -27,6 +27,8 @@ EXAMPLE = """examples:
       --json-out benchmarks/smollm2_cpu_torch.json --plot benchmarks/smollm2_cpu_torch.png
   arborspec bench --export-dir ~/.cache/arborspec/exports/smollm2 --backend onnxruntime \\
       --tree full:3,2 --tree dynamic:4,4,16 --limit-prompts 4
+  arborspec bench --export-dir ~/.cache/arborspec/exports/smollm2 --backend onnxruntime --temperature 0.8 \
+      --chain chain:3 --tree 'full:2,2' --candidates topk,sample-unique --limit-prompts 8
   arborspec bench --quality --export-dir out/int4 --reference-export-dir out/fp32 --limit-prompts 8 \\
       --baselines llama-cpp
   arborspec bench --export-dir ~/.cache/arborspec/exports/smollm2 --backend onnxruntime --modes vanilla \\
@@ -110,6 +112,13 @@ def register(sub) -> None:
     r.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; checks greedy_match)")
     r.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    r.add_argument(
+        "--candidates",
+        default="topk",
+        metavar="MODE[,MODE]",
+        help="how draft children are chosen when sampling: topk, sample, sample-unique; several run "
+        "side by side, the first unnamed, the others as SPEC@MODE (dynamic and beam trees: topk only) (topk)",
+    )
     r.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     r.add_argument("--warmup", type=int, default=1, help="warm-up generations per config before timing (1)")
     r.add_argument("--quiet", dest="no_progress", action="store_true", help=QUIET_HELP)
@@ -198,6 +207,9 @@ def run(args) -> int:
     if args.reference_export_dir is not None:
         raise InputError("--reference-export-dir is for --quality")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    candidates = [m.strip() for m in args.candidates.split(",") if m.strip()]
+    if args.temperature == 0 and candidates != ["topk"]:
+        raise InputError("--candidates needs --temperature > 0 (greedy decoding takes each draft's top candidates)")
     baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
     trees = bench.split_tree_specs(args.tree)
     entries, prompts_path = prompt_sets.read_prompts_file(args.prompts)  # cheap checks before loading models
@@ -212,6 +224,7 @@ def run(args) -> int:
         baselines,
         [("full:3,2" if t.lower() == "auto" else t) for t in lookup_trees],
         [("full:3,2" if t.lower() == "auto" else t) for t in mix_trees],
+        candidates,
     )
     torch.set_num_threads(args.threads)
 
@@ -231,7 +244,7 @@ def run(args) -> int:
         mix_key = dataclasses.replace(models_key(args), draft=f"{args.draft or 'export'}+lookup")
         mix_trees = [resolve_tree(t, mix_key) for t in mix_trees]
         lookup_trees = [resolve_tree(t, dataclasses.replace(models_key(args), draft="lookup")) for t in lookup_trees]
-        configs = bench.build_configs(modes, trees, args.chain, baselines, lookup_trees, mix_trees)
+        configs = bench.build_configs(modes, trees, args.chain, baselines, lookup_trees, mix_trees, candidates)
         prompts = prompt_sets.encode_prompts(prompt_sets.select_prompts(entries, args.limit_prompts), models.tokenizer)
         notes: list[str] = []
         limit = min(x for x in (models.limits.get("max_context"), models.target.info.max_position) if x)
