@@ -246,9 +246,8 @@ def _candidates(out, k: int, mode: str, topk_only: bool, sp, rng, tmap, out_voca
     # a table draft may have no opinion at a node (every logit -inf): no candidates there
     empty = ~torch.isfinite(warped).any(-1, keepdim=True)
     q = torch.softmax(warped.masked_fill(empty, 0.0), -1)
-    logq = torch.log(q)
     toks = draw_candidates(q, k, rng, unique=mode == "sample-unique")
-    vals = logq.gather(1, toks).masked_fill(empty, float("-inf"))
+    vals = torch.log(q.gather(1, toks)).masked_fill(empty, float("-inf"))  # the k drawn, not the row
     return vals, toks, full_vocab(q.masked_fill(empty, 0.0), tmap, out_vocab).cpu()
 
 
