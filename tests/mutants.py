@@ -120,9 +120,16 @@ MUTANTS = [
     Mutant(
         "sample-unique draws from q squared",
         SAMPLING,
-        "torch.log(q) - torch.log(-torch.log(u))",
-        "2 * torch.log(q) - torch.log(-torch.log(u))",
+        "torch.topk(qc / e, k",
+        "torch.topk(qc * qc / e, k",
         (PRIMS,),
+    ),
+    Mutant(
+        "sampled candidates ignore the draft's sample_scale",
+        DRAFTING,
+        "warp_logits(out * scale if scale != 1.0 else out, sp)",
+        "warp_logits(out, sp)",
+        ("tests/test_trees.py", "-k", "sample_scale"),
     ),
     Mutant(
         "sampled candidates point at the wrong q row",
@@ -194,8 +201,8 @@ MUTANTS = [
     Mutant(
         "batch: row commit skips the gather",
         KVCACHE,
-        "                r.narrow(sd, dst0, n).copy_(r.index_select(sd, idx))  # read before write",
-        "                pass",
+        "        r, d, s = torch.tensor([rows, dst, src], dtype=torch.long).to(self.device)",
+        "        return",
         (EXACT, "-k", "batched and topk"),
     ),
 ]

@@ -100,3 +100,14 @@ def test_the_seed_rule_is_seen(target_module, tmp_path):  # noqa: F811
 def test_batched_rule_bugs_are_seen(target_module, tmp_path, cand, bug):  # noqa: F811
     with mutated(accept_mod, bug):
         assert batch_tv(target_module, tmp_path, cand, stop_above=10 * TOL) > 10 * TOL
+
+
+def test_every_mutant_names_code_that_exists():
+    """Each mutant's snippet stands exactly once in its file: a refactor that moves the code
+    must move the mutant too (tests/mutation.py would report it `stale`, not `killed`)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for m in MUTANTS:
+        src = (root / m.file).read_text()
+        assert src.count(m.snippet) == 1, f"mutant {m.name!r}: snippet found {src.count(m.snippet)} times in {m.file}"
