@@ -27,7 +27,7 @@ EXAMPLE = """examples:
       --json-out benchmarks/smollm2_cpu_torch.json --plot benchmarks/smollm2_cpu_torch.png
   arborspec bench --export-dir ~/.cache/arborspec/exports/smollm2 --backend onnxruntime \\
       --tree full:3,2 --tree dynamic:4,4,16 --limit-prompts 4
-  arborspec bench --export-dir ~/.cache/arborspec/exports/smollm2 --backend onnxruntime --temperature 0.8 \
+  arborspec bench --export-dir ~/.cache/arborspec/exports/smollm2 --backend onnxruntime --temperature 0.8 \\
       --chain chain:3 --tree 'full:2,2' --candidates topk,sample-unique --limit-prompts 8
   arborspec bench --quality --export-dir out/int4 --reference-export-dir out/fp32 --limit-prompts 8 \\
       --baselines llama-cpp

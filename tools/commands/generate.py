@@ -175,6 +175,8 @@ def run(args) -> int:
     models = open_models(args, need_draft=args.mode != "vanilla")
     with models:  # closes the engines it opened (TensorRT-RTX saves its runtime cache)
         if args.mode is None:  # as serve and Generator.from_export: speculate when there is a draft
+            if models.draft is None and args.tree:
+                raise InputError(f"--tree {args.tree} needs a draft: {_draft_hint(args)} (or leave --tree out)")
             args.mode = "tree" if models.draft is not None else "vanilla"
         if args.mode != "vanilla" and models.draft is None:
             raise InputError(f"--mode {args.mode} needs a draft: {_draft_hint(args)} (or --mode vanilla)")
