@@ -24,6 +24,10 @@ def __getattr__(name):  # lazy: importing arborspec stays cheap
         from arborspec.runtime import export_dir
 
         return getattr(export_dir, name)
+    if name == "enable_shared_pool":
+        from arborspec.runtime.backends.onnxruntime import enable_shared_pool
+
+        return enable_shared_pool
     if name in ("ArborspecError",):
         from arborspec.runtime import errors
 

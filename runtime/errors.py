@@ -53,6 +53,12 @@ class InexactSpeculationWarning(UserWarning):
     decoding of the same export: the one correctness promise arborspec cannot keep there."""
 
 
+class ThreadPoolWarning(UserWarning):
+    """A model draft and the target on ONNX Runtime's CPU, each session on a thread pool of its
+    own: every call pays its pool's wake-up, and on a fast (int4) target that can make speculation
+    slower than vanilla decoding. `arborspec.enable_shared_pool()` before opening fixes it."""
+
+
 class EmptyCompletionWarning(UserWarning):
     """A text prompt answered with EOS at once by a model that has a chat template: an
     instruct model asked without its template (the fix: chat=True / `--chat`)."""

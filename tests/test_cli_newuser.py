@@ -152,7 +152,9 @@ def test_export_without_a_draft_decodes_like_serve(exports):
     line = one_error_line(arborspec("generate", "--export-dir", n, "--mode", "tree", "--prompt", "hi"), "needs a draft")
     assert "lookup" in line and "bigram" not in line  # what an export folder can take
     # a tree asked for without a draft is not silently vanilla decoding
-    line = one_error_line(arborspec("generate", "--export-dir", n, "--tree", "full:2,2", "--prompt", "hi"), "needs a draft")
+    line = one_error_line(
+        arborspec("generate", "--export-dir", n, "--tree", "full:2,2", "--prompt", "hi"), "needs a draft"
+    )
     assert line.startswith("arborspec: error: --tree full:2,2 needs a draft")
 
 

@@ -342,3 +342,29 @@ def test_host_work_runs_on_one_torch_thread_while_onnxruntime_decodes(tmp_path, 
             open_export(folder, "onnxruntime", draft="none", load_tok=False)
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_model_draft_on_per_session_pools_warns_once_the_fix(cli_export, monkeypatch):
+    """Opening an export whose draft is a model on ONNX Runtime's CPU without the shared thread
+    pool says how to fix the wake-up cost (arborspec.enable_shared_pool); with no model draft
+    nothing is said (with the pool neither: the CLI's runs, tests/test_quantize.py)."""
+    import warnings
+
+    import arborspec
+    import arborspec.runtime.backends.onnxruntime as ortb
+    from arborspec.runtime.errors import ThreadPoolWarning
+    from arborspec.runtime.export_dir import open_export
+
+    assert arborspec.enable_shared_pool is ortb.enable_shared_pool
+    monkeypatch.setattr(ortb, "shared_pool", lambda: False)
+    monkeypatch.setattr(ortb, "_asked", False)  # an application that never chose (the CLI chooses)
+    monkeypatch.delenv("ARBORSPEC_ORT_SHARED_POOL", raising=False)
+    monkeypatch.delenv("ARBORSPEC_ORT_SPINNING", raising=False)
+    with pytest.warns(ThreadPoolWarning, match=r"arborspec\.enable_shared_pool\(\)"):
+        open_export(cli_export).close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ThreadPoolWarning)
+        open_export(cli_export, draft="none").close()
+        open_export(cli_export, draft="lookup").close()
+        monkeypatch.setenv("ARBORSPEC_ORT_SHARED_POOL", "0")  # a pool per session, chosen
+        open_export(cli_export).close()

@@ -60,6 +60,7 @@ def qdq_exact_matmul(so) -> None:
 
 SHARED_POOL_ENV = "ARBORSPEC_ORT_SHARED_POOL"
 _shared = False
+_asked = False  # enable_shared_pool was called (the CLI's commands call it): a choice was made
 
 
 def _pool_env() -> str:
@@ -87,7 +88,8 @@ def enable_shared_pool() -> bool:
     generate, bench, tune and serve; an application opts in with this call or
     ARBORSPEC_ORT_SHARED_POOL=1. ARBORSPEC_ORT_SHARED_POOL=0, or ARBORSPEC_ORT_SPINNING=0/1, keeps a
     pool per session."""
-    global _shared
+    global _shared, _asked
+    _asked = True
     if _shared:
         return True
     if _pool_env() == "0" or os.environ.get("ARBORSPEC_ORT_SPINNING"):
@@ -108,6 +110,19 @@ def shared_pool() -> bool:
     if not _shared and _pool_env() == "1":
         return enable_shared_pool()
     return _shared
+
+
+def keep_session_pools() -> None:
+    """Choose a pool per session (the default) knowingly: open_export no longer warns about it."""
+    global _asked
+    _asked = True
+
+
+def pool_unchosen() -> bool:
+    """Neither the shared pool nor a pool per session was chosen: no `enable_shared_pool` call and
+    none of ARBORSPEC_ORT_SHARED_POOL / ARBORSPEC_ORT_SPINNING set (an application that never heard
+    of them; open_export then warns where a model draft would pay for it)."""
+    return not _asked and not _pool_env() and not os.environ.get("ARBORSPEC_ORT_SPINNING")
 
 
 def new_session_options(ort, spinning: bool = False):

@@ -141,10 +141,13 @@ def main(argv: list[str] | None = None, shared_pool: bool = False) -> int:
     old = _install_signal_handlers()
     old_show, warnings.showwarning = warnings.showwarning, _show_warning
     try:
-        if shared_pool and getattr(args, "command", None) in SHARED_POOL_COMMANDS:
-            from arborspec.runtime.backends.onnxruntime import enable_shared_pool
+        if getattr(args, "command", None) in SHARED_POOL_COMMANDS:
+            from arborspec.runtime.backends import onnxruntime as ortb
 
-            enable_shared_pool()
+            if shared_pool:
+                ortb.enable_shared_pool()
+            else:  # an in-process caller keeps per-session pools, knowingly: no ThreadPoolWarning
+                ortb.keep_session_pools()
         return int(args.run(args) or 0)
     except Terminated:
         sys.stderr.write(f"arborspec: terminated (SIGTERM){_cleanup_note(args)}\n")
