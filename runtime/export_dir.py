@@ -263,9 +263,9 @@ def open_export(
         if reason:
             warnings.warn(reason, InexactSpeculationWarning, stacklevel=2)
         if backend == "onnxruntime" and str(device) == "cpu" and not model_free:
-            from .backends.onnxruntime import pool_unchosen, shared_pool
+            from .backends.onnxruntime import pool_unchosen
 
-            if not shared_pool() and pool_unchosen():
+            if pool_unchosen():  # unchosen: the shared pool is off too
                 warnings.warn(
                     "the draft model and the target run on ONNX Runtime thread pools of their own, and every call "
                     "pays a wake-up (measured on 2 cores, int4 SmolLM2 + EAGLE-3: a verify call 9.5 instead of 7.6 ms, "

@@ -356,7 +356,6 @@ def test_a_model_draft_on_per_session_pools_warns_once_the_fix(cli_export, monke
     from arborspec.runtime.export_dir import open_export
 
     assert arborspec.enable_shared_pool is ortb.enable_shared_pool
-    monkeypatch.setattr(ortb, "shared_pool", lambda: False)
     monkeypatch.setattr(ortb, "_asked", False)  # an application that never chose (the CLI chooses)
     monkeypatch.delenv("ARBORSPEC_ORT_SHARED_POOL", raising=False)
     monkeypatch.delenv("ARBORSPEC_ORT_SPINNING", raising=False)
