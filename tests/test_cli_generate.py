@@ -161,3 +161,40 @@ def test_help_has_an_example(capsys):
         main(["generate", "--help"])
     assert e.value.code == 0
     assert "arborspec generate --model" in capsys.readouterr().out
+
+
+def test_dtype_reaches_the_torch_engines_and_is_refused_for_an_export(ckpts, capsys, tmp_path):
+    """--dtype bf16: the target's and the model draft's weights and cache in bfloat16 (what the
+    GPU runs in fp16 use); greedy decoding through the CLI equals the engine's own vanilla
+    decode in that dtype. An export folder's dtype is fixed: --dtype there is one error line."""
+    from arborspec.models.registry import load_model
+    from arborspec.runtime.backends.torch_backend import TorchEngine
+    from arborspec.runtime.decode import SpeculativeDecoder
+    from arborspec.tools.engines import open_engines
+
+    a, _ = ckpts
+    with open_engines(model=a, draft="layers:1", dtype="bf16") as m:
+        assert m.target.info.cache.dtype == torch.bfloat16
+        assert next(m.target.module.parameters()).dtype == torch.bfloat16
+        assert next(getattr(m.draft, "engine", m.draft).module.parameters()).dtype == torch.bfloat16
+    ref = SpeculativeDecoder(TorchEngine(load_model(a).module, dtype=torch.bfloat16), mode="vanilla")
+    want = ref.generate([1, 2, 3], 12).tokens
+    rc, out, err = run_cli(
+        ["generate", "--model", a, "--draft", "layers:1", "--dtype", "bf16", "--mode", "tree"]
+        + ["--tree", "full:2,2", "--prompt-ids", "1,2,3", "--max-new-tokens", "12", "--json"],
+        capsys,
+    )
+    assert rc == 0, err
+    assert len(json.loads(out)["tokens"]) == 12
+    rc, out, err = run_cli(
+        ["generate", "--model", a, "--dtype", "bf16", "--mode", "vanilla", "--prompt-ids", "1,2,3"]
+        + ["--max-new-tokens", "12", "--json"],
+        capsys,
+    )
+    assert rc == 0 and json.loads(out)["tokens"] == want, err
+    rc, out, err = run_cli(
+        ["generate", "--export-dir", str(tmp_path), "--dtype", "fp16", "--prompt-ids", "1", "--max-new-tokens", "2"],
+        capsys,
+    )
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "--dtype fp16 is for the torch backend" in lines[0], err
