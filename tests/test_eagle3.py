@@ -714,3 +714,31 @@ def test_an_fp32_head_drafts_for_a_half_precision_target(target, tmp_path):
     ref = SpeculativeDecoder(eng, mode="vanilla").generate(prompt, 16).tokens
     r = SpeculativeDecoder(eng, draft, tree="full:2,2").generate(prompt, 16)
     assert r.tokens == ref and r.stats.draft_calls > 0
+
+
+@pytest.mark.parametrize("spec", ["full:2,3", "dynamic:3,3,10"])
+def test_the_heads_top_k_taken_where_its_logits_are_drafts_the_same_trees(target, tmp_path, spec):
+    """On a GPU the head's top-k is taken on the device (`device_topk`: only k values a row
+    cross to the host, not the draft vocabulary's). Forced on here on the CPU: the full rows
+    never reach the tree builder (`start`/`expand` are not called), and the steps are those of
+    the host's top-k: the same trees, step by step (tokens, parents, scores), and tokens == vanilla."""
+    eng = TorchEngine(target)
+    prompt = [5, 9, 2, 7, 1, 3]
+    ref = SpeculativeDecoder(eng, mode="vanilla").generate(prompt, 24).tokens
+    runs = {}
+    for on in (False, True):
+        draft = _draft(target, tmp_path, scale=3.0)
+        assert draft.device_topk is False  # off by default on the CPU
+        draft.device_topk = on
+        if on:
+
+            def rows_to_host(*a, **k):
+                raise AssertionError("a vocabulary-wide row was asked for")
+
+            draft.start = draft.expand = rows_to_host
+        dec = SpeculativeDecoder(eng, draft, tree=spec)
+        trees, build = [], dec._draft
+        dec._draft = lambda seq: trees.append(build(seq)) or trees[-1]
+        assert dec.generate(prompt, 24).tokens == ref
+        runs[on] = [(t.tokens.tolist(), t.parents.tolist(), t.score.tolist()) for t in trees]
+    assert runs[True] == runs[False] and len(runs[True]) > 1 and len(runs[True][0][0]) > 3

@@ -41,7 +41,7 @@ from .. import contract as C
 from ..kvcache import KVCache
 from ..tree_plan import MaskBuffer, run_chain
 from ..trees import Tree, TreePolicy
-from .base import DraftSource, NodeView, scratch_mask, tree_capacity
+from .base import DraftSource, NodeView, TopK, scratch_mask, topk_of, tree_capacity
 
 
 class Eagle3Draft(DraftSource):
@@ -81,6 +81,7 @@ class Eagle3Draft(DraftSource):
             head = TorchEagle3Head(head, embed, device, cuda_graphs=cuda_graphs)
         self.engine = head
         self.device = head.device
+        self.device_topk = self.device.type != "cpu"  # top-k where the logits are (start_topk)
         # context: read at most this many of the prompt's entries (its last ones), None: all.
         # The head attends with RoPE (relative positions), so dropping a prefix only removes
         # what it could attend to; the target still reads everything (outputs stay exact)
@@ -109,7 +110,9 @@ class Eagle3Draft(DraftSource):
 
     def fork(self) -> "Eagle3Draft":
         # the same head, own cache
-        return Eagle3Draft(self.engine, device=self.device, context=self.context, sample_scale=self.sample_scale)
+        fork = Eagle3Draft(self.engine, device=self.device, context=self.context, sample_scale=self.sample_scale)
+        fork.device_topk = self.device_topk
+        return fork
 
     def prepare(self, policy: TreePolicy, max_len: int) -> None:
         cap = tree_capacity(policy, self.vocab_size)
@@ -133,19 +136,45 @@ class Eagle3Draft(DraftSource):
         self._last = f[m - 1].float().cpu() if m else torch.zeros(self.feature_size)
 
     @torch.inference_mode()
-    def _run(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor):
+    def _run(self, tokens, hidden, pos, mask, topk: tuple[int, bool] | None = None, last: bool = False):
+        """One head call -> (logits [T, V] on the host, or with `topk` (k, logprobs) a TopK
+        computed where the logits are; `last`: of the last row only; output hidden [T, H])."""
         t0 = time.perf_counter()
         dev = self.device
         logits, out = self.engine.forward_hidden(
             tokens.to(dev)[None], hidden.to(dev)[None], pos.to(dev)[None], mask, self.cache
         )
+        logits = logits[0, -1:] if last else logits[0]
+        if topk is not None:  # on a GPU: k values a row cross to the host, not the vocabulary
+            t = topk_of(logits, *topk)
+            logits = TopK(t.values.cpu(), t.indices.cpu())
+        else:
+            logits = logits.cpu()
         # the copies wait for the device (a replayed graph returns before it ran): the head's time
-        logits, out = logits[0].cpu(), out[0].cpu()
+        out = out[0].cpu()
         self.model_s += time.perf_counter() - t0
         return logits, out
 
-    @torch.inference_mode()
+    # top-k where the logits are (DraftSource's hook; `device_topk`, on by default off the CPU):
+    # on a GPU the head's [F, V] rows never cross to the host (on an H200, dynamic:8,6,64, the
+    # runtime's own time was 4.5 ms a step with the host's top-k over them; on this CPU the
+    # host's top-k is ~1.4 ms of its 4.4); on the CPU the base class's path is the same work,
+    # timed as the runtime's own
+    def start_topk(self, root: int, k: int, logprobs: bool = False) -> TopK:
+        if not self.device_topk:
+            return super().start_topk(root, k, logprobs)
+        return self._start(root, (k, logprobs))
+
+    def expand_topk(self, nodes: NodeView, frontier: torch.Tensor, k: int, logprobs: bool = False) -> TopK:
+        if not self.device_topk:
+            return super().expand_topk(nodes, frontier, k, logprobs)
+        return self._expand(nodes, frontier, (k, logprobs))
+
     def start(self, root: int) -> torch.Tensor:
+        return self._start(root)[0]
+
+    @torch.inference_mode()
+    def _start(self, root: int, topk: tuple[int, bool] | None = None):
         feats = torch.cat([self._feats, self._last[None]]) if self._feats is not None else self._last[None]
         tokens = torch.tensor(self._tokens + [int(root)])
         m = int(tokens.numel())
@@ -159,7 +188,7 @@ class Eagle3Draft(DraftSource):
         # allocating ~0.7 GB; chunked 0.58 s); only the last chunk's rows are used
         logits, out = run_chain(
             lambda s, r, mask: self._run(
-                tokens[s : s + r], hidden[s : s + r], torch.arange(c.length, c.length + r), mask
+                tokens[s : s + r], hidden[s : s + r], torch.arange(c.length, c.length + r), mask, topk, last=True
             ),
             self.mask,
             m,
@@ -170,10 +199,13 @@ class Eagle3Draft(DraftSource):
         self._slot.fill(-1)
         self._root_hidden = out[-1]
         self._root_token = int(root)
-        return logits[-1]
+        return logits  # [1, V] (the root's row) or its TopK
+
+    def expand(self, nodes: NodeView, frontier: torch.Tensor) -> torch.Tensor:
+        return self._expand(nodes, frontier)
 
     @torch.inference_mode()
-    def expand(self, nodes: NodeView, frontier: torch.Tensor) -> torch.Tensor:
+    def _expand(self, nodes: NodeView, frontier: torch.Tensor, topk: tuple[int, bool] | None = None):
         f = int(frontier.numel())
         c = self.cache
         p = c.length
@@ -184,7 +216,7 @@ class Eagle3Draft(DraftSource):
         parents = nodes.parents.numpy()[fr]
         hidden = torch.stack([self._root_hidden if q < 0 else self._node_hidden[q] for q in parents.tolist()])
         pos = nodes.depth[frontier] + (scratch0 - 1)
-        logits, out = self._run(nodes.tokens[frontier], hidden, pos, mask)
+        logits, out = self._run(nodes.tokens[frontier], hidden, pos, mask, topk)
         self.mask.release()
         self._slot[fr] = np.arange(n_slots, n_slots + f)
         self._slot_node[n_slots : n_slots + f] = fr
