@@ -72,15 +72,21 @@ def accept_greedy(logits: torch.Tensor, tree: Tree) -> Acceptance:
     return Acceptance(torch.tensor(path, dtype=torch.long), [toks[i] for i in path] + [a])
 
 
-def accept_sampling(logits: torch.Tensor, tree: Tree, sp: SamplingParams, rng: torch.Generator) -> Acceptance:
-    """Lossless walk for temperature > 0; the rule follows tree.candidates."""
+def accept_sampling(
+    logits: torch.Tensor, tree: Tree, sp: SamplingParams, rng: torch.Generator, root_probs=None
+) -> Acceptance:
+    """Lossless walk for temperature > 0; the rule follows tree.candidates. root_probs: the root
+    row's `probs(logits[0], sp)` when computed already (a batch's rows in one call)."""
     mode = tree.candidates
     kids = tree.children() if tree.n else None
     node = -1
     path: list[int] = []
     tokens: list[int] = []
     while True:
-        p = probs(logits[node + 1].float().cpu(), sp)
+        if node == -1 and root_probs is not None:
+            p = root_probs.float().cpu()
+        else:
+            p = probs(logits[node + 1].float().cpu(), sp)
         children = kids[node + 1] if kids is not None else []
         q = None
         if children and mode != "topk":
@@ -119,7 +125,7 @@ def _renorm(p: torch.Tensor, fallback: torch.Tensor | None = None) -> torch.Tens
     return p / s
 
 
-def accept(logits: torch.Tensor, tree: Tree, sp: SamplingParams, rng: torch.Generator) -> Acceptance:
+def accept(logits: torch.Tensor, tree: Tree, sp: SamplingParams, rng: torch.Generator, root_probs=None) -> Acceptance:
     if sp.greedy:
         return accept_greedy(logits, tree)
-    return accept_sampling(logits, tree, sp, rng)
+    return accept_sampling(logits, tree, sp, rng, root_probs)

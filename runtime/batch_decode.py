@@ -34,7 +34,7 @@ from .drafts.model import as_draft_source
 from .drafts.tree_builder import TreeWorkspace, answer, tree_builder
 from .errors import InputError, NumericalError
 from .kvcache import KVCache, release_row, sized_cache
-from .sampling import SamplingParams
+from .sampling import SamplingParams, probs
 from .stats import GenerationStats
 from .tree_plan import padded_call, write_tree
 from .trees import Tree
@@ -127,6 +127,10 @@ class BatchDecoder:
         self._row_views = target.caps.row_views
         self._ragged = target.caps.ragged_rows
         self.ragged_steps = 0  # steps whose one-token rows each attended over their own length
+        # sampled rows' root probabilities in one call a step (`_root_probs`) where the logits
+        # live on a device; on the CPU one row at a time is as fast or faster (a batch's top-p
+        # search widens to its widest nucleus: 1.09 against 0.38 ms a row on SmolLM2's logits)
+        self.batched_root_probs = target.device.type != "cpu"
         if speculate_max_batch is None:
             speculate_max_batch = max_batch if target.caps.batched_trees else 1
         self.speculate_max_batch = speculate_max_batch
@@ -238,6 +242,7 @@ class BatchDecoder:
         t1 = time.perf_counter()
         dev = tgt.device
         logits, feats = verify(tgt, ids.to(dev), pos.to(dev), mask.to(dev), view, self.needs_features)
+        root_probs = self._root_probs(seqs, logits) if self.batched_root_probs else {}
         logits = host_logits(logits)
         share = (t_draft / len(seqs), (time.perf_counter() - t1) / len(seqs))
         moves = []  # (row, dst0, src positions): one gather for all rows after the loop
@@ -246,7 +251,10 @@ class BatchDecoder:
         for s, tree, drafted_tree, spec in zip(seqs, trees, drafted, speculated):
             # where this step's rows were written: at P, or at the row's own length (ragged)
             base = s.length if ragged else p
-            out.append((s, self._settle(s, logits, feats, tree, drafted_tree, spec, roots_only, base, moves, share)))
+            rp = root_probs.get(id(s))
+            out.append(
+                (s, self._settle(s, logits, feats, tree, drafted_tree, spec, roots_only, base, moves, share, rp))
+            )
         self._cache.commit_rows(moves)
         self._cache.length = max(s.length for s in self.seqs)
         return out
@@ -281,8 +289,36 @@ class BatchDecoder:
         view = cache.rows(n_rows) if n_rows != cache.batch else cache
         return ids, pos, mask, view, ragged
 
+    def _root_probs(self, seqs: list[BatchSequence], logits: torch.Tensor) -> dict:
+        """Step 4's first rows for the whole batch where the logits are: every sampled sequence's
+        root-row probabilities (warped: temperature, top-k, top-p), one `probs` call per sampling
+        setting, copied to the host together -> {id(sequence): [V]}. One row at a time, a 128-row
+        sampled batch spent 111 ms a step on the host (0.87 ms a row, tools/bench/overhead.py
+        --batch 128 --temperature 1 --top-p 0.95): the GPU corpus's sampled requests."""
+        groups: dict = {}
+        for s in seqs:
+            if not s.sampling.greedy:
+                groups.setdefault(s.sampling, []).append(s)
+        out = {}
+        for sp, group in groups.items():
+            rows = torch.tensor([s.row for s in group], device=logits.device)
+            p = probs(logits[rows, 0], sp).cpu()
+            out.update((id(s), p[i]) for i, s in enumerate(group))
+        return out
+
     def _settle(
-        self, s: BatchSequence, logits, feats, tree, drafted_tree, spec: bool, deferred: bool, base: int, moves, share
+        self,
+        s: BatchSequence,
+        logits,
+        feats,
+        tree,
+        drafted_tree,
+        spec: bool,
+        deferred: bool,
+        base: int,
+        moves,
+        share,
+        root_probs=None,
     ):
         """Steps 4-5 for one sequence (its row of the verify call, written at `base`): accept,
         queue its cache gather in `moves`, tell its draft, record its stats. -> its new tokens
@@ -290,7 +326,9 @@ class BatchDecoder:
         b, st = s.row, s.stats
         room = s.max_new_tokens - s.produced
         try:
-            new, path, stop = settle(logits[b], tree, s.sampling, s.rng, s.eos, room, st, self.target.info.name)
+            new, path, stop = settle(
+                logits[b], tree, s.sampling, s.rng, s.eos, room, st, self.target.info.name, root_probs
+            )
         except NumericalError as e:
             s.done, s.stop_reason, s.error = True, "error", e
             return []

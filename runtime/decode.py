@@ -297,14 +297,17 @@ def verify(engine, ids, pos, mask, cache, features: bool):
     return engine.forward(ids, pos, mask, cache), None
 
 
-def settle(logits, tree: Tree, sampling, rng, eos: set, room: int, stats: GenerationStats, name: str):
+def settle(logits, tree: Tree, sampling, rng, eos: set, room: int, stats: GenerationStats, name: str, root_probs=None):
     """Step 4 for one sequence: accept over its rows `logits` [>= tree.n + 1, V] (checked
     finite where read), cut at EOS / the token budget `room` -> (new tokens, the accepted path
     to commit: node indices, root excluded, the last token left out as the next root, stop
-    reason or None)."""
-    acc = accept(logits[: tree.n + 1], tree, sampling, rng)
-    # the rows the accept rule read: the accepted path's and the next token's
-    check_logits(logits, [0] + [i + 1 for i in acc.path.tolist()], stats.steps + 1, name)
+    reason or None). root_probs: the root row's warped probabilities when the caller computed
+    them already (a batch's, in one call on its device)."""
+    if not sampling.greedy:  # the sampled walk turns rows into probabilities as it reads them
+        check_logits(logits[: tree.n + 1], None, stats.steps + 1, name)
+    acc = accept(logits[: tree.n + 1], tree, sampling, rng, root_probs)
+    if sampling.greedy:  # the rows the greedy walk read: the accepted path's and the next token's
+        check_logits(logits, [0] + [i + 1 for i in acc.path.tolist()], stats.steps + 1, name)
     new, stop = truncate(acc.tokens, eos, room)
     return new, acc.path[: len(new) - 1], stop
 

@@ -19,7 +19,7 @@ def check_logits(logits: torch.Tensor, rows, step: int, engine_name: str) -> Non
     """logits [T, V]; rows: the row indices the accept rule reads (None: all)."""
     if logits.device.type == "cpu":  # SIMD sums of row views: NaN or Inf anywhere makes one non-finite
         a = logits.float().numpy()
-        ok = bool(np.isfinite(sum(float(a[r].sum()) for r in (range(a.shape[0]) if rows is None else rows))))
+        ok = bool(np.isfinite(a.sum() if rows is None else sum(float(a[r].sum()) for r in rows)))
     else:
         ok = bool(torch.isfinite(logits if rows is None else logits[rows]).all())
     if not ok:

@@ -16,6 +16,8 @@ TREE_PLAN = "runtime/tree_plan.py"
 KVCACHE = "runtime/kvcache.py"
 BATCH = "runtime/batch_decode.py"
 DRAFTS = "runtime/drafts/model.py"
+EAGLE3 = "runtime/drafts/eagle3.py"
+DECODE = "runtime/decode.py"
 
 EXACT = "tests/test_exact_lossless.py"
 NEG = "tests/test_negative_controls.py"
@@ -23,6 +25,8 @@ WARP = "tests/test_warping.py"
 GREEDY = "tests/test_decode_greedy.py"
 KV = "tests/test_kv_exact.py"
 PRIMS = "tests/test_random_primitives.py"  # the exact tests enumerate the primitives: checked here
+BATCH_T = "tests/test_batch_decode.py"
+EAGLE3_T = "tests/test_eagle3.py"
 
 
 @dataclass(frozen=True)
@@ -187,9 +191,30 @@ MUTANTS = [
     Mutant(
         "batch: every row accepts with row 0's logits",
         BATCH,
-        "settle(logits[b], tree, s.sampling,",
-        "settle(logits[0], tree, s.sampling,",
+        "logits[b], tree, s.sampling, s.rng,",
+        "logits[0], tree, s.sampling, s.rng,",
         (EXACT, "-k", "batched and topk"),
+    ),
+    Mutant(
+        "batch: the sampled rows' root probabilities all from the first row",
+        BATCH,
+        "rows = torch.tensor([s.row for s in group], device=logits.device)",
+        "rows = torch.tensor([group[0].row for s in group], device=logits.device)",
+        (BATCH_T, "-k", "root_probabilities"),
+    ),
+    Mutant(
+        "sampled walk: logits not checked before they become probabilities",
+        DECODE,
+        "        check_logits(logits[: tree.n + 1], None, stats.steps + 1, name)\n",
+        "        pass\n",
+        (BATCH_T, "-k", "nan_logits_while_sampling"),
+    ),
+    Mutant(
+        "EAGLE-3 device top-k: raw logits where log-probs were asked for",
+        EAGLE3,
+        "t = topk_of(logits, *topk)",
+        "t = topk_of(logits, topk[0], False)",
+        (EAGLE3_T, "-k", "top_k_taken"),
     ),
     Mutant(
         "batch: a shorter row attends the gap",

@@ -407,3 +407,66 @@ def test_max_batch_over_the_engines_profiles_is_one_line(llama_pair):
     with pytest.raises(InputError, match="rebuild it with `arborspec build --max-batch 4`"):
         BatchDecoder(Built(), None, mode="vanilla", max_batch=4)
     assert BatchDecoder(Built(), None, mode="vanilla", max_batch=2).max_batch == 2
+
+
+@pytest.mark.parametrize("mode,kind", [("vanilla", None), ("tree", "model")])
+def test_a_batchs_root_probabilities_in_one_call_draw_what_each_row_alone_draws(llama_pair, monkeypatch, mode, kind):
+    """Where the logits live on a GPU, every sampled sequence's root row is warped in one call a
+    step (`batched_root_probs`, on there by default). Forced on here on the CPU: the same tokens
+    as one row at a time and as each sequence decoded alone with its seed, two sampling settings
+    in one batch, and one `probs` call per setting and step for the root rows."""
+    import arborspec.runtime.batch_decode as bd_mod
+
+    target, draft_engine = llama_pair
+    v = target.info.vocab_size
+    prompts = _prompts(v, (5, 1, 17, 9, 3), seed=7)
+    sps = [SamplingParams(0.9, top_p=0.8) if i % 2 else SamplingParams(1.2, top_k=20) for i in range(len(prompts))]
+    alone = [
+        SpeculativeDecoder(target, _draft(kind, draft_engine, v), mode=mode, sampling=sp)
+        .generate(p, 12, seed=10 + i)
+        .tokens
+        for i, (p, sp) in enumerate(zip(prompts, sps))
+    ]
+    calls = []
+    real = bd_mod.probs
+    monkeypatch.setattr(bd_mod, "probs", lambda x, sp: calls.append(tuple(x.shape)) or real(x, sp))
+    outs = {}
+    for batched in (False, True):
+        dec = BatchDecoder(target, _draft(kind, draft_engine, v), mode=mode, max_batch=len(prompts))
+        assert dec.batched_root_probs is False  # the CPU's default
+        dec.batched_root_probs = batched
+        seqs = [dec.add(p, 12, (), sp, 10 + i) for i, (p, sp) in enumerate(zip(prompts, sps))]
+        steps = 0
+        while any(not s.done for s in dec.seqs):
+            dec.step()
+            steps += 1
+        outs[batched] = [list(s.tokens) for s in seqs]
+        dec.close()
+        if batched:
+            # the first step: one call for each setting's rows (3 and 2), then as sequences finish
+            assert sorted(calls[:2]) == [(2, v), (3, v)] and len(calls) <= 2 * steps, calls
+        else:
+            assert not calls
+    assert outs[True] == outs[False] == alone
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "tree"])
+def test_nan_logits_while_sampling_are_a_numerical_error(llama_pair, mode):
+    """A sampled walk turns rows into probabilities as it reads them: NaN logits there are the
+    guard's NumericalError at the step (was a ValueError from the sampler: a traceback alone,
+    and in a batch it ended every sequence)."""
+    from arborspec.runtime.errors import NumericalError
+
+    target, draft_engine = llama_pair
+    forward = target.forward
+
+    class Broken:
+        info, device, caps = target.info, target.device, target.caps
+
+        def forward(self, ids, pos, mask, cache):
+            return torch.full_like(forward(ids, pos, mask, cache), float("nan"))
+
+    draft = ModelDraft(draft_engine) if mode == "tree" else None
+    dec = SpeculativeDecoder(Broken(), draft, mode=mode, sampling=SamplingParams(0.8, top_p=0.9))
+    with pytest.raises(NumericalError, match="NaN in the logits"):
+        dec.generate([1, 2, 3], 4)

@@ -10,6 +10,7 @@ the runtime's overhead.
     python -m arborspec.tools.bench.overhead --trees chain:4 full:3,2 beam:4,8,8 dynamic:8,6,64 \
         --steps 200 [--vocab 49152] [--threads 1] [--temperature 0.8] [--host-topk] [--json OUT]
     python -m arborspec.tools.bench.overhead --batch 8 32 128 --threads 1   # BatchDecoder, vanilla
+    python -m arborspec.tools.bench.overhead --batch 128 --temperature 1 --top-p 0.95   # sampled rows
 
 --batch N...: the batched decoder's host time per step (flatten, accept, commit) for N rows of
 vanilla decoding (a server above its speculation limit, the GPU corpus generator).
@@ -115,9 +116,10 @@ def measure(
     }
 
 
-def measure_batch(rows: int, new: int = 48, vocab: int = 49152) -> dict:
+def measure_batch(rows: int, new: int = 48, vocab: int = 49152, sampling: SamplingParams | None = None) -> dict:
     """BatchDecoder over the null engine: `rows` sequences of ragged lengths, vanilla, `new`
-    tokens each; the host time per step is the step's time minus the engine's."""
+    tokens each (greedy, or `sampling`: each row its own seed); the host time per step is the
+    step's time minus the engine's."""
     from arborspec.runtime.batch_decode import BatchDecoder
 
     target, spent = NullEngine(vocab=vocab), [0.0]
@@ -133,7 +135,7 @@ def measure_batch(rows: int, new: int = 48, vocab: int = 49152) -> dict:
 
     bd = BatchDecoder(Timed(), None, mode="vanilla", max_batch=rows)
     for i in range(rows):
-        bd.add(list(range(16 + i % 7)), new)
+        bd.add(list(range(16 + i % 7)), new, sampling=sampling, seed=i)
     spent[0], steps, t0 = 0.0, 0, time.perf_counter()
     while any(not s.done for s in bd.seqs):
         bd.step()
@@ -160,6 +162,7 @@ def main(argv=None) -> int:
     )
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="with --batch and --temperature: nucleus sampling")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument(
         "--vocab",
@@ -180,7 +183,8 @@ def main(argv=None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.batch:
-        rows = [measure_batch(n, vocab=a.vocab) for n in a.batch]
+        sp = SamplingParams(a.temperature, top_p=a.top_p) if a.temperature > 0 else None
+        rows = [measure_batch(n, vocab=a.vocab, sampling=sp) for n in a.batch]
         print(f"{'rows':>5s} {'steps':>6s} {'host ms/step':>12s} {'us/row':>7s}")
         for r in rows:
             print(f"{r['rows']:5d} {r['steps']:6d} {r['host_ms_per_step']:12.2f} {r['host_us_per_row']:7.1f}")
