@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InputError
+from .errors import DeviceError, InputError
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,14 @@ def resolve_device(device: str | torch.device) -> torch.device:
     keep their device this way, so that `cache.device == engine.device` holds for a cache they
     made: torch.device("cuda") != torch.device("cuda:0"), and comparing them made every
     generate() on a GPU allocate a new cache (and capture new CUDA graphs for it)."""
-    d = torch.device(device)
-    if d.type == "cuda" and d.index is None and torch.cuda.is_available():  # else the engine says why not
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise DeviceError(f"device {device!r}: not a device torch knows (cpu, cuda, cuda:N)") from None
+    if d.type == "cuda" and not torch.cuda.is_available():  # one line, not torch's assertion
+        built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise DeviceError(f"device {device}: torch {torch.__version__} ({built}) sees no CUDA GPU; use --device cpu")
+    if d.type == "cuda" and d.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return d
 

@@ -198,3 +198,17 @@ def test_dtype_reaches_the_torch_engines_and_is_refused_for_an_export(ckpts, cap
     )
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and "--dtype fp16 is for the torch backend" in lines[0], err
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "gpu"])
+def test_a_device_that_is_not_there_is_one_line(ckpts, capsys, device):
+    """--device cuda where torch sees no GPU (or a name torch does not know) is one error line,
+    not torch's AssertionError traceback from moving the weights."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible here")
+    a, _ = ckpts
+    rc, out, err = run_cli(
+        ["generate", "--model", a, "--device", device, "--prompt-ids", "1,2", "--max-new-tokens", "2"], capsys
+    )
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and f"device {device}" in lines[0].replace("'", ""), err

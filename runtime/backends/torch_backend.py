@@ -38,8 +38,8 @@ class TorchEngine(EngineBase):
         cuda_graphs: bool | str = False,
     ):
         cfg = module.config
-        self.module = module.to(device=device, dtype=dtype).eval()
-        self.device = resolve_device(device)
+        self.device = resolve_device(device)  # first: a device that is not there is one line
+        self.module = module.to(device=self.device, dtype=dtype).eval()
         self.info = EngineInfo(
             vocab_size=cfg.vocab_size,
             max_position=cfg.max_position,
@@ -101,9 +101,9 @@ class TorchEagle3Head(EngineBase):
         cuda_graphs: bool | str = False,
     ):
         c = head.config
-        self.head = head.to(device).eval()
-        self.embed = embed.to(device)
         self.device = resolve_device(device)
+        self.head = head.to(self.device).eval()
+        self.embed = embed.to(self.device)
         self.feature_size = c.feature_size
         self.hidden_size = c.hidden_size
         self.token_map = head.token_map().cpu()
