@@ -355,3 +355,16 @@ def test_loadtest_warns_when_completions_are_one_token(monkeypatch, capsys):
     assert "warning" in err and "--chat" in err
     assert main(["loadtest", "--url", "http://127.0.0.1:1", "--max-tokens", "64", "--chat"]) == 0
     assert "warning" not in capsys.readouterr().err  # chat answers are what a chat model gives
+
+
+def test_loadtest_against_nothing_says_why(capsys):
+    """A server that is not up: the failed count and the first request's error (connection
+    refused), exit 1; not only "0/2 ok"."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["loadtest", "--url", f"http://127.0.0.1:{port}", "--requests", "2", "--timeout", "5"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and "2 of 2 requests failed" in err[-1] and "ConnectError" in err[-1], err

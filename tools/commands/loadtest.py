@@ -200,6 +200,11 @@ def run(args) -> int:
             "ends raw-text completions at once (no chat template); measure with --chat",
             file=sys.stderr,
         )
+    if res["errors"]:  # say why, not only how many (a server that is not up: ConnectError)
+        print(
+            f"arborspec: error: {res['errors']} of {res['requests']} requests failed; the first: {res['error_samples'][0]}",
+            file=sys.stderr,
+        )
     if args.json:
         print(json.dumps(res))
     if args.json_out is not None:
