@@ -116,6 +116,9 @@ def test_two_replicas_serve_concurrent_streaming_and_plain_requests(ray_server, 
         assert text == ref[p], p
     replicas = {rep for _, _, rep in got}
     assert len(replicas) == 2, f"one replica served every request: {replicas}"
+    # each replica runs its target and draft sessions on one shared ONNX Runtime pool
+    metrics = httpx.get(base + "/metrics", timeout=60).text
+    assert "arborspec_ort_shared_pool 1.0" in metrics, metrics[-400:]
 
     proc.send_signal(signal.SIGTERM)  # shuts Serve and Ray down, exit 0
     assert proc.wait(timeout=300) == 0, log.read_text()  # a loaded machine stops Serve and Ray slowly too

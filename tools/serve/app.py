@@ -39,6 +39,16 @@ def served_model_name(manifest_data: dict, export_dir) -> str:
     return name or Path(export_dir).resolve().name
 
 
+def _ort_shared_pool() -> bool:
+    """Whether ONNX Runtime sessions of this process run on the shared pool (False without ORT)."""
+    try:
+        from arborspec.runtime.backends.onnxruntime import shared_pool
+
+        return shared_pool()
+    except ArborspecError:
+        return False
+
+
 class GeneratorPool:
     """N generators with `slots` sequences each (their max_batch); `acquire()` blocks until a
     slot is free (the queue depth is what waits) and returns its generator."""
@@ -107,6 +117,11 @@ def create_app(
     g_active = Gauge("arborspec_active_sequences", "sequences being decoded", registry=reg)
     g_tps = Gauge("arborspec_tokens_per_second", "decode tokens/s of the last request", registry=reg)
     g_acc = Gauge("arborspec_mean_accepted", "tokens per verify call over all requests", registry=reg)
+    g_pool = Gauge(
+        "arborspec_ort_shared_pool",
+        "1: this process's ONNX Runtime sessions share one intra-op thread pool (arborspec.enable_shared_pool)",
+        registry=reg,
+    )
     g_batch = Gauge("arborspec_mean_batch_size", "sequences per verify call (batched decoding)", registry=reg)
     g_batch.set_function(lambda: getattr(pool, "mean_batch", 0.0))
     g_queue.set_function(lambda: pool.waiting)
@@ -203,6 +218,7 @@ def create_app(
     @app.get("/metrics")
     async def metrics():
         g_acc.set(totals["tokens"] / totals["steps"] if totals["steps"] else 0.0)
+        g_pool.set(1.0 if _ort_shared_pool() else 0.0)
         return PlainTextResponse(generate_latest(reg).decode(), media_type="text/plain; version=0.0.4")
 
     async def _body(request: Request) -> dict | JSONResponse:
