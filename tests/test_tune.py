@@ -303,3 +303,30 @@ def test_simulated_steps_equal_real_greedy_decoding(tree):
         seq = prompt + res.tokens
         rank = T.draft_topk_ranks(dft, seq, k).tolist()
         assert T.simulate_greedy_steps(rank, len(prompt), len(seq), paths) == res.stats.steps
+
+
+def test_in_loop_step_times_are_measured_interleaved(monkeypatch):
+    """The trees' and vanilla's in-loop step times come from decoding each prompt with every
+    policy in turn (a slow spell of the machine falls on all of them alike), not one policy over
+    every prompt and then the next: here the decoder records (policy, prompt) per generation."""
+    from conftest import random_model, tiny_config, truncated
+
+    from arborspec.runtime.backends.torch_backend import TorchEngine
+    from arborspec.runtime.decode import SpeculativeDecoder
+
+    m = random_model(tiny_config("llama"), seed=1)
+    target, draft = TorchEngine(m), TorchEngine(truncated(m, 1))
+    order, real = [], SpeculativeDecoder.generate
+
+    def recording(self, prompt, n, *a, **k):
+        order.append((self.policy.spec if self.policy else "vanilla", tuple(prompt)))
+        return real(self, prompt, n, *a, **k)
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", recording)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    pols = [StaticTree([[0]]), StaticTree([[0], [0, 0]]), None]
+    ms = T.loop_step_ms(target, draft, pols, prompts, 6, ())
+    assert len(ms) == 3 and all(x > 0 for x in ms)
+    timed = order[3:]  # after one warm-up generation each
+    names = [o[0] for o in order[:3]]
+    assert timed == [(n, tuple(p)) for p in prompts for n in names], timed
