@@ -164,7 +164,7 @@ def part_cost(a, res: dict) -> None:
         "weights": "random",
         "timer": "cuda events" if a.device.startswith("cuda") else "perf_counter",
         "curves_ms": curves,
-        "verify_64_vs_1": goal,
+        "verify_64_vs_1": goal,  # eager: on a GPU the host's launches (graphs: the goal figure)
         "seconds": round(time.perf_counter() - t0, 1),
     }
     del eng, m
@@ -414,8 +414,16 @@ def part_graphs(a, res: dict) -> None:
         out[label] = {"P": p, "rows": rows}
         eng = m = cache = None  # free the model before the next one
         torch.cuda.empty_cache()
+    # the goal figure (a verify call of 64 tokens within 1.3x of a one-token step, 1B config,
+    # P = 512) from the replays: eager calls of this size are launch-bound (14-16 ms for every T
+    # on the H200), so `cost`'s eager ratio measures the host, not the GPU
+    big = out.get("random-llama-1.1b fp16", {}).get("rows", {})
+    goal = None
+    if "graph_ms" in big.get(64, {}) and "graph_ms" in big.get(1, {}):
+        goal = {"T": 64, "P": p, "ratio_to_T1": big[64]["graph_ms"] / big[1]["graph_ms"], "goal": "<= 1.3"}
     res["graphs"] = {
         **out,
+        "verify_64_vs_1": goal,
         "note": "the module's forward captured per T at fixed P vs eager (launch overhead removed); "
         "the decode part measures the decoder with TorchEngine(cuda_graphs=True)",
     }
