@@ -40,11 +40,19 @@ def resolve_device(device: str | torch.device) -> torch.device:
         d = torch.device(device)
     except (RuntimeError, TypeError):
         raise DeviceError(f"device {device!r}: not a device torch knows (cpu, cuda, cuda:N)") from None
-    if d.type == "cuda" and not torch.cuda.is_available():  # one line, not torch's assertion
+    if d.type == "cuda" and d.index is None and torch.cuda.is_available():  # else the engine says why not
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
+def torch_device(device: str | torch.device) -> torch.device:
+    """`resolve_device` for tensors torch itself computes on (the torch backend's engines): a CUDA
+    device where torch sees none is one line here, before any weights move (not torch's
+    AssertionError)."""
+    d = resolve_device(device)
+    if d.type == "cuda" and not torch.cuda.is_available():
         built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         raise DeviceError(f"device {device}: torch {torch.__version__} ({built}) sees no CUDA GPU; use --device cpu")
-    if d.type == "cuda" and d.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
     return d
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kvcache import CacheSpec, KVCache, resolve_device
+from ..kvcache import CacheSpec, KVCache, torch_device
 from .base import EngineBase, EngineCapabilities, EngineInfo
 
 
@@ -38,7 +38,7 @@ class TorchEngine(EngineBase):
         cuda_graphs: bool | str = False,
     ):
         cfg = module.config
-        self.device = resolve_device(device)  # first: a device that is not there is one line
+        self.device = torch_device(device)  # first: a device that is not there is one line
         self.module = module.to(device=self.device, dtype=dtype).eval()
         self.info = EngineInfo(
             vocab_size=cfg.vocab_size,
@@ -101,7 +101,7 @@ class TorchEagle3Head(EngineBase):
         cuda_graphs: bool | str = False,
     ):
         c = head.config
-        self.device = resolve_device(device)
+        self.device = torch_device(device)
         self.head = head.to(self.device).eval()
         self.embed = embed.to(self.device)
         self.feature_size = c.feature_size
