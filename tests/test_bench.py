@@ -573,7 +573,11 @@ def test_the_overhead_tool_measures_each_tree_and_a_bad_spec_is_one_line(capsys)
     assert overhead.main(["--trees", "chain:2", "full:2,2", "--steps", "5", "--vocab", "64"]) == 0
     out = capsys.readouterr().out
     assert "chain:2" in out and "full:2,2" in out
-    for bad in (["--trees", "chain:2", "vanilla"], ["--trees", "chain:2", "--temperature", "-1"]):
+    for bad in (
+        ["--trees", "chain:2", "vanilla"],
+        ["--trees", "chain:2", "--temperature", "-1"],
+        ["--batch", "2", "--temperature", "1", "--top-p", "2"],  # the batch mode checks its sampling too
+    ):
         assert overhead.main([*bad, "--steps", "5", "--vocab", "64"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and len(err.strip().splitlines()) == 1

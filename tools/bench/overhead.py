@@ -8,7 +8,7 @@ vocabulary 49152) that return precomputed logits instantly, so what is timed is 
 the runtime's overhead.
 
     python -m arborspec.tools.bench.overhead --trees chain:4 full:3,2 beam:4,8,8 dynamic:8,6,64 \
-        --steps 200 [--vocab 49152] [--threads 1] [--temperature 0.8] [--host-topk] [--json OUT]
+        --steps 200 [--vocab 49152] [--threads 1] [--temperature 0.8 [--top-p 0.95]] [--host-topk] [--json OUT]
     python -m arborspec.tools.bench.overhead --batch 8 32 128 --threads 1   # BatchDecoder, vanilla
     python -m arborspec.tools.bench.overhead --batch 128 --temperature 1 --top-p 0.95   # sampled rows
 
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     )
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0, help="with --batch and --temperature: nucleus sampling")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument(
         "--vocab",
@@ -182,9 +182,18 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
+    from arborspec.runtime.errors import ArborspecError
+    from arborspec.runtime.trees import parse_tree_spec
+
+    try:  # a mistake in the arguments is one line, before any measuring
+        sp = SamplingParams(a.temperature, top_p=a.top_p)
+        for t in [] if a.batch else a.trees:
+            parse_tree_spec(t)
+    except ArborspecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if a.batch:
-        sp = SamplingParams(a.temperature, top_p=a.top_p) if a.temperature > 0 else None
-        rows = [measure_batch(n, vocab=a.vocab, sampling=sp) for n in a.batch]
+        rows = [measure_batch(n, vocab=a.vocab, sampling=None if sp.greedy else sp) for n in a.batch]
         print(f"{'rows':>5s} {'steps':>6s} {'host ms/step':>12s} {'us/row':>7s}")
         for r in rows:
             print(f"{r['rows']:5d} {r['steps']:6d} {r['host_ms_per_step']:12.2f} {r['host_us_per_row']:7.1f}")
@@ -192,16 +201,6 @@ def main(argv=None) -> int:
             with open(a.json, "w") as f:
                 json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "batch": rows}, f, indent=1)
         return 0
-    from arborspec.runtime.errors import ArborspecError
-    from arborspec.runtime.trees import parse_tree_spec
-
-    try:  # a mistake in the arguments is one line, before any measuring
-        sp = SamplingParams(a.temperature)
-        for t in a.trees:
-            parse_tree_spec(t)
-    except ArborspecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     rows = [measure(t, a.steps, sp, vocab=a.vocab, host_topk=a.host_topk) for t in a.trees]
     print(
         f"{'tree':22s} {'nodes':>6s} {'acc/step':>8s} {'overhead ms':>11s} {'tree':>7s} {'accept+kv':>9s} {'other':>7s}"
@@ -221,6 +220,7 @@ def main(argv=None) -> int:
                     "vocab": a.vocab,
                     "host_topk": a.host_topk,
                     "temperature": a.temperature,
+                    "top_p": a.top_p,
                     "rows": rows,
                 },
                 f,
