@@ -384,19 +384,24 @@ class BatchDecoder:
         prompts: Seq[Seq[int]],
         max_new_tokens: int = 64,
         eos_token_ids: Seq[int] = (),
-        sampling: SamplingParams | None = None,
+        sampling: SamplingParams | None | Seq[SamplingParams | None] = None,
         seeds: Seq[int] | None = None,
     ) -> list[BatchSequence]:
         """Decode every prompt, at most max_batch at a time, joining as rows free up (the
-        continuous batching a server does); -> the finished sequences, in prompt order."""
+        continuous batching a server does); -> the finished sequences, in prompt order.
+        sampling: one SamplingParams (None: greedy) for every prompt, or a list, one per prompt
+        (greedy and sampled rows decoded together)."""
         seeds = list(seeds) if seeds is not None else [0] * len(prompts)
+        per_row = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+        if len(per_row) != len(prompts):
+            raise InputError(f"sampling: {len(per_row)} SamplingParams for {len(prompts)} prompts")
         todo = list(range(len(prompts)))
         done: dict[int, BatchSequence] = {}
         owner: dict[int, int] = {}
         while todo or self.seqs:
             while todo and len(self.seqs) < self.max_batch:
                 i = todo.pop(0)
-                owner[id(self.add(prompts[i], max_new_tokens, eos_token_ids, sampling, seeds[i]))] = i
+                owner[id(self.add(prompts[i], max_new_tokens, eos_token_ids, per_row[i], seeds[i]))] = i
             for s, _ in self.step():
                 if s.done:
                     self.remove(s)

@@ -232,6 +232,8 @@ def test_batch_rejects_bad_input(llama_pair):
     bd = BatchDecoder(target, None, mode="vanilla", max_batch=1)
     with pytest.raises(InputError, match="outside the vocabulary"):
         bd.add([10**6], 4)
+    with pytest.raises(InputError, match="2 SamplingParams for 3 prompts"):
+        bd.generate_many([[1], [2], [3]], 4, (), [None, SamplingParams(0.7)])
     bd.add([1, 2], 4)
     with pytest.raises(InputError, match="batch full"):
         bd.add([1, 2], 4)

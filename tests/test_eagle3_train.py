@@ -282,8 +282,12 @@ def test_batched_response_generator_equals_one_prompt_at_a_time(tmp_path):
     try:
         greedy = gen(prompts, 20, {2}, 0.0, 0)
         s1, s2 = gen(prompts, 20, {2}, 0.7, 5), gen(prompts, 20, {2}, 0.7, 5)
+        # greedy and sampled rows in one call (a shard's two halves): each row as in its own call
+        mixed = gen(prompts, 20, {2}, [0.0, 0.7, 0.0, 0.7, 0.0], 5)
     finally:
         gen.close()
+    assert [mixed[i] for i in (0, 2, 4)] == [greedy[i] for i in (0, 2, 4)]
+    assert [mixed[i] for i in (1, 3)] == [s1[i] for i in (1, 3)]
     eng = OrtEngine(g)
     solo = SpeculativeDecoder(eng, None, mode="vanilla")
     assert greedy == [solo.generate(p, 20, [2]).tokens for p in prompts]
@@ -1039,8 +1043,9 @@ def test_a_self_prompted_shard_records_its_answers_and_the_next_asks_tasks_over_
 
     def fake_generate(self, prompts, max_new, eos_set, temperature, seed, top_p=1.0):
         calls.append(len(prompts))
+        temps = temperature if isinstance(temperature, list) else [temperature] * len(prompts)
         return [  # every other answer cut at the length, mid-sentence
-            lm.tokenizer.encode(f"reply {len(calls)}.{i} at {temperature} one two. and th", add_bos=False)
+            lm.tokenizer.encode(f"reply {len(calls)}.{i} at {temps[i]} one two. and th", add_bos=False)
             + ([eos] if i % 2 == 0 else [])
             for i in range(len(prompts))
         ]

@@ -438,13 +438,16 @@ class ResponseGenerator:
         self.decoder = BatchDecoder(self.engine, None, mode="vanilla", max_batch=batch)
 
     def __call__(
-        self, prompts: list[list[int]], max_new: int, eos: set[int], temperature: float, seed: int, top_p=1.0
+        self, prompts: list[list[int]], max_new: int, eos: set[int], temperature, seed: int, top_p=1.0
     ) -> list[list[int]]:
-        """temperature 0: greedy; else sampled (seed + row; top_p < 1: nucleus). -> the new tokens
-        per prompt (up to and including EOS)."""
+        """temperature 0: greedy; else sampled (seed + row; top_p < 1: nucleus); one for every
+        prompt or a list, one per prompt (greedy and sampled rows then share the batch: one wave
+        of continuous batching instead of two). -> the new tokens per prompt (up to and
+        including EOS)."""
         from arborspec.runtime.sampling import SamplingParams
 
-        sp = SamplingParams(temperature=temperature, top_p=top_p) if temperature > 0 else None
+        temps = list(temperature) if isinstance(temperature, (list, tuple)) else [temperature] * len(prompts)
+        sp = [SamplingParams(temperature=t, top_p=top_p) if t > 0 else None for t in temps]
         seqs = self.decoder.generate_many(prompts, max_new, sorted(eos), sp, [seed + i for i in range(len(prompts))])
         return [list(s.tokens) for s in seqs]
 
@@ -728,18 +731,21 @@ class Corpus:
         source = "self" if texts else "templates"
         if not texts:
             texts = [prompt_at(i, s["seed"]) for i in range(first, first + n_prompts)]
+        # the first half greedy, the rest sampled at T = 0.7 (row i's seed: seed + first + i),
+        # decoded together
         half = len(texts) // 2
+        rows = [(chat_ids(tok, t), 0.0 if i < half else 0.7) for i, t in enumerate(texts)]
+        rows = [(p, temp) for p, temp in rows if len(p) + s["gen_len"] <= limit]  # what the graph holds
+        ids, temps = [p for p, _ in rows], [temp for _, temp in rows]
         answers = []  # this shard's greedy responses: the next shard's passages
-        for part, temp, seed in ((texts[:half], 0.0, first), (texts[half:], 0.7, first + half)):
-            ids = [chat_ids(tok, t) for t in part]
-            ids = [p for p in ids if len(p) + s["gen_len"] <= limit]  # what the graph holds
-            for p_ids, o in zip(ids, self.generator(ids, s["gen_len"], set(eos), temp, s["seed"] + seed)):
-                stream += p_ids + o + [sep]
-                gen_tokens += len(o)
-                responses += 1
-                if temp == 0.0 and o:  # an answer cut at gen_len ends at its last whole sentence
-                    done = o[-1] in eos
-                    answers.append(whole_sentences(tok.decode(o[:-1] if done else o, skip_special_tokens=True), done))
+        outs = self.generator(ids, s["gen_len"], set(eos), temps, s["seed"] + first) if ids else []
+        for p_ids, temp, o in zip(ids, temps, outs):
+            stream += p_ids + o + [sep]
+            gen_tokens += len(o)
+            responses += 1
+            if temp == 0.0 and o:  # an answer cut at gen_len ends at its last whole sentence
+                done = o[-1] in eos
+                answers.append(whole_sentences(tok.decode(o[:-1] if done else o, skip_special_tokens=True), done))
         gen_s = time.perf_counter() - t0
         arr = np.asarray(stream, dtype=np.int64)
         vocab = self.vocab(arr)
