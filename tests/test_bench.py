@@ -234,6 +234,41 @@ def test_bench_candidate_modes_side_by_side(tiny, capsys):
     assert "unknown candidate mode 'best'" in capsys.readouterr().err
 
 
+def test_bench_top_k_and_top_p_reach_ours_and_the_transformers_baseline(tiny, capsys):
+    """--top-k / --top-p cut the sampling of every configuration, ours and the baselines': at
+    T = 1 with top-k 1 each samples the greedy tokens, where plain T = 1 sampling (the negative
+    control) leaves them; a cut without a temperature, or a bad one, is one error line."""
+    pytest.importorskip("transformers", reason="the hf-greedy baseline needs transformers")
+    tmp, folder, prompts = tiny
+    args = ["bench", "--model", str(folder), "--draft", "layers:1", "--prompts", str(prompts), "--no-progress"]
+    args += ["--limit-prompts", "3", "--max-new-tokens", "12", "--warmup", "0", "--threads", "1"]
+    args += ["--chain", "chain:2", "--tree", "full:2,2", "--baselines", "hf-greedy"]
+    res = {}
+    for name, extra in (
+        ("greedy", []),
+        ("top-k 1", ["--temperature", "1", "--top-k", "1"]),
+        ("top-p tiny", ["--temperature", "1", "--top-p", "1e-6"]),
+        ("plain", ["--temperature", "1"]),
+    ):
+        out = tmp / f"{name}.json"
+        assert main(args + extra + ["--json-out", str(out)]) == 0, name
+        res[name] = json.loads(out.read_text())
+    greedy = [p["runs"]["vanilla"]["tokens"] for p in res["greedy"]["per_prompt"]]
+    names = ["vanilla", "chain:2", "full:2,2", "hf-greedy"]
+    for name in ("top-k 1", "top-p tiny"):
+        for n in names:
+            assert [p["runs"][n]["tokens"] for p in res[name]["per_prompt"]] == greedy, (name, n)
+    meta = res["top-k 1"]["meta"]
+    assert (meta["temperature"], meta["top_k"], meta["top_p"]) == (1.0, 1, 1.0)
+    for n in names:
+        assert [p["runs"][n]["tokens"] for p in res["plain"]["per_prompt"]] != greedy, n
+    capsys.readouterr()
+    assert main(args + ["--top-p", "0.9"]) == 2
+    assert "--top-k and --top-p need --temperature > 0" in capsys.readouterr().err
+    assert main(args + ["--temperature", "1", "--top-p", "2"]) == 2
+    assert "top-p must be in (0, 1], got 2.0" in capsys.readouterr().err
+
+
 def test_bench_user_errors(tiny, capsys):
     _, folder, prompts = tiny
     assert main(["bench", "--model", str(folder), "--prompts", str(prompts), "--tree", "full:2"]) == 2
@@ -466,7 +501,7 @@ def test_bench_missing_or_failing_peer_is_one_line(tiny, tmp_path, monkeypatch, 
     assert "pip install 'arborspec[peers]'" in res["meta"]["skipped"]["llama-cpp"]
 
     class Boom:
-        def run(self, *a):
+        def run(self, *a, **kw):
             raise RuntimeError("model exploded\nsecond line")
 
     monkeypatch.setattr(bench_peers, "open_peers", lambda names, *a, **k: ({"llama-cpp": Boom()}, {}, {}))

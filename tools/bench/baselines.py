@@ -100,11 +100,11 @@ class HFBaselines:
 
         return f
 
-    def _gen(self, kind: str, ids, n: int, eos: list[int], temperature: float, seed: int):
+    def _gen(self, kind: str, ids, n: int, eos: list[int], temperature: float, seed: int, top_k=0, top_p=1.0):
         torch = self.torch
         kw: dict[str, Any] = dict(max_new_tokens=n, min_new_tokens=0, attention_mask=torch.ones_like(ids))
         if temperature > 0:
-            kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+            kw.update(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p)
         else:
             kw.update(do_sample=False, temperature=None, top_k=None, top_p=None)
         kw["eos_token_id"] = list(eos) if eos else None
@@ -122,10 +122,12 @@ class HFBaselines:
         counts = {k: (v[0], v[1]) for k, v in self._counts.items()}
         return out[0, ids.shape[1] :].tolist(), dt, counts
 
-    def run(self, kind: str, prompt: list[int], n: int, eos: list[int], temperature: float, seed: int) -> dict:
+    def run(
+        self, kind: str, prompt: list[int], n: int, eos: list[int], temperature: float, seed: int, top_k=0, top_p=1.0
+    ) -> dict:
         ids = self.torch.tensor([prompt], dtype=self.torch.long)
-        _, t1, c1 = self._gen(kind, ids, 1, eos, temperature, seed)
-        toks, tn, cn = self._gen(kind, ids, n, eos, temperature, seed)
+        _, t1, c1 = self._gen(kind, ids, 1, eos, temperature, seed, top_k, top_p)
+        toks, tn, cn = self._gen(kind, ids, n, eos, temperature, seed, top_k, top_p)
         if eos:  # generate() keeps the eos token, as our runtime does; drop any padding after it
             for i, t in enumerate(toks):
                 if t in eos:

@@ -175,11 +175,10 @@ def mismatch_message(c: BenchConfig, prompt_id: str, at: int, exact: bool = True
     return "note: " + msg + f" ({who}; fp differences possible)"
 
 
-def make_decoders(models, configs: list[BenchConfig], temperature: float):
+def make_decoders(models, configs: list[BenchConfig], sp):
+    """Our configurations' decoders, every one sampling with `sp` (a SamplingParams)."""
     from arborspec.runtime.decode import SpeculativeDecoder
-    from arborspec.runtime.sampling import SamplingParams
 
-    sp = SamplingParams(temperature, 0, 1.0)
     decs = {}
     mixed = None  # one mixed draft over the models' draft, shared by the --mix-tree configs
     for c in configs:
@@ -215,6 +214,8 @@ def run_bench(
     *,
     max_new_tokens: int,
     temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
     seed: int = 0,
     hf: HFBaselines | None = None,
     peers: dict | None = None,
@@ -237,7 +238,11 @@ def run_bench(
     skipped = skipped if skipped is not None else {}
     tok = models.tokenizer
     eos = list(tok.meta.get("eos_token_ids") or []) if tok is not None else []
-    decs = make_decoders(models, configs, temperature)
+    from arborspec.runtime.sampling import SamplingParams
+
+    sp = SamplingParams(temperature, top_k, top_p)  # checked: one error line for a bad value
+    cut = {"top_k": top_k, "top_p": top_p}  # the baselines and peers sample with the same cut
+    decs = make_decoders(models, configs, sp)
     runner = {c.name: (hf if c.kind == "hf" else peers.get(c.name)) for c in configs if c.kind != "ours"}
     run_cfgs = [c for c in configs if c.kind == "ours" or runner.get(c.name) is not None]
     exact = getattr(models.owner, "exact_speculation", True)  # False: int8-activation target
@@ -256,7 +261,7 @@ def run_bench(
                     decs[c.name].generate(w, min(8, max_new_tokens), [], seed)
                     continue
                 try:
-                    runner[c.name].run(c.name, w, min(4, max_new_tokens), [], temperature, seed)
+                    runner[c.name].run(c.name, w, min(4, max_new_tokens), [], temperature, seed, **cut)
                 except Exception as e:  # noqa: BLE001 - a peer's failure must not stop the bench
                     if c.kind != "peer":
                         raise
@@ -281,7 +286,9 @@ def run_bench(
                     runs[c.name] = _our_run(res.stats, res.tokens, res.stop_reason)
                 else:
                     try:
-                        runs[c.name] = runner[c.name].run(c.name, p["ids"], max_new_tokens, eos, temperature, seed)
+                        runs[c.name] = runner[c.name].run(
+                            c.name, p["ids"], max_new_tokens, eos, temperature, seed, **cut
+                        )
                     except Exception as e:  # noqa: BLE001 - a peer's failure must not stop the bench
                         if c.kind != "peer":
                             raise

@@ -16,7 +16,7 @@ Role in one decode step: none; these are what a CPU user would run instead of ar
 - llama-cpp / llama-cpp-lookup: llama-cpp-python on the source GGUF (no conversion), greedy
   (temp 0), n_threads = the cores this process may use; -lookup adds its prompt-lookup draft
   `LlamaPromptLookupDecoding(max_ngram_size=2, num_pred_tokens=K)`. At --temperature T > 0
-  llama.cpp samples at T with no top-k / top-p / min-p cut (plain temperature, as ours), its
+  llama.cpp samples at T with bench's --top-k / --top-p cut (none by default) and no min-p, as ours; its
   seed set to --seed; GenAI runs greedy only and is skipped there.
 
 Fairness: the prompt token ids are ours, fed as ids (no text, no chat template in the peer).
@@ -292,8 +292,8 @@ class GenAIRunner:
             pass
         return d
 
-    def run(self, kind: str, prompt: list[int], n: int, eos: list[int], temperature: float, seed: int) -> dict:
-        og, np = self.og, self.np
+    def run(self, kind: str, prompt: list[int], n: int, eos: list[int], temperature: float, seed: int, **_cut) -> dict:
+        og, np = self.og, self.np  # greedy only (open_peers skips it at temperature > 0): no cut to apply
         if eos and list(eos) != self.eos:
             raise PeerUnavailable(f"{kind}: the model was opened for eos ids {self.eos}, asked for {list(eos)}")
         total = len(prompt) + n
@@ -401,13 +401,15 @@ class LlamaCppRunner:
             "n_ctx": self.n_ctx,
             "sampling": "temp 0 (greedy), repeat_penalty 1"
             if not self.temperature
-            else f"temp {self.temperature:g} (top_k 0, top_p 1, min_p 0: plain temperature), repeat_penalty 1",
+            else f"temp {self.temperature:g} with bench's --top-k / --top-p (0 / 1: none), min_p 0, repeat_penalty 1",
         }
         if self.lookup:
             d["draft"] = {"LlamaPromptLookupDecoding": {"max_ngram_size": 2, "num_pred_tokens": self.lookup_tokens}}
         return d
 
-    def run(self, kind: str, prompt: list[int], n: int, eos: list[int], temperature: float, seed: int) -> dict:
+    def run(
+        self, kind: str, prompt: list[int], n: int, eos: list[int], temperature: float, seed: int, top_k=0, top_p=1.0
+    ) -> dict:
         llm = self.llm
         llm.reset()  # no prefix reuse from the previous prompt: every run prefills its whole prompt
         self._calls = 0
@@ -415,14 +417,12 @@ class LlamaCppRunner:
         t0 = time.perf_counter()
         t1 = None
         calls_at_first = 0
-        if temperature > 0:  # plain temperature sampling, as ours: no top-k / top-p / min-p cut
+        if temperature > 0:  # temperature with ours' top-k / top-p cut (0 / 1.0: none) and no min-p
             llm.set_seed(int(seed))
-            sampling = {"top_k": 0, "temp": float(temperature)}
+            sampling = {"top_k": int(top_k), "top_p": float(top_p), "temp": float(temperature)}
         else:
-            sampling = {"top_k": 1, "temp": 0.0}
-        gen = llm.generate(
-            list(prompt), top_p=1.0, min_p=0.0, typical_p=1.0, repeat_penalty=1.0, reset=True, **sampling
-        )
+            sampling = {"top_k": 1, "top_p": 1.0, "temp": 0.0}
+        gen = llm.generate(list(prompt), min_p=0.0, typical_p=1.0, repeat_penalty=1.0, reset=True, **sampling)
         for t in gen:
             toks.append(int(t))
             if t1 is None:

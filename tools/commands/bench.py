@@ -29,6 +29,8 @@ EXAMPLE = """examples:
       --tree full:3,2 --tree dynamic:4,4,16 --limit-prompts 4
   arborspec bench --export-dir ~/.cache/arborspec/exports/smollm2 --backend onnxruntime --temperature 0.8 \\
       --chain chain:3 --tree 'full:2,2' --candidates topk,sample-unique --limit-prompts 8
+  arborspec bench --export-dir ~/.cache/arborspec/exports/smollm2 --temperature 0.8 --top-p 0.95 \\
+      --tree auto --mix-tree auto --limit-prompts 8     # a serving configuration's sampling
   arborspec bench --quality --export-dir out/int4 --reference-export-dir out/fp32 --limit-prompts 8 \\
       --baselines llama-cpp
   arborspec bench --export-dir ~/.cache/arborspec/exports/smollm2 --backend onnxruntime --modes vanilla \\
@@ -37,8 +39,8 @@ baselines: hf-greedy, hf-assisted, hf-lookup (transformers; pip install 'arborsp
 ort-genai, ort-genai-int4 (ONNX Runtime GenAI, a model its builder makes from the export's source,
 cached in ~/.cache/arborspec/peers), ort-genai-ngram, ort-genai-int4-ngram (the same with GenAI's
 n-gram speculation), llama-cpp, llama-cpp-lookup (llama-cpp-python on the source GGUF, plain and
-with its prompt-lookup draft): pip install 'arborspec[peers]'. At --temperature T > 0 llama.cpp
-samples at T (no top-k/top-p/min-p); GenAI runs greedy only. With --quality, --baselines llama-cpp
+with its prompt-lookup draft): pip install 'arborspec[peers]'. At --temperature T > 0 llama.cpp and
+transformers sample at T with the same --top-k / --top-p cut as ours (no min-p); GenAI runs greedy only. With --quality, --baselines llama-cpp
 adds llama.cpp's perplexity and greedy agreement on the same GGUF and token ids. A baseline that is not installed
 or cannot run is skipped with one line saying why (and its reason in the JSON's meta.skipped).
 prompts file: {"prompts": [{"id", "category", "text" (+ "chat": true, "system") | "ids": [int]}]}
@@ -111,6 +113,8 @@ def register(sub) -> None:
     r.add_argument("--limit-prompts", type=int, default=None, help="use N prompts (round-robin over categories)")
     r.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; checks greedy_match)")
+    r.add_argument("--top-k", type=int, default=0, help="with --temperature: sample from the K most likely (0: all)")
+    r.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus mass (1.0: off)")
     r.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     r.add_argument(
         "--candidates",
@@ -210,6 +214,11 @@ def run(args) -> int:
     candidates = [m.strip() for m in args.candidates.split(",") if m.strip()]
     if args.temperature == 0 and candidates != ["topk"]:
         raise InputError("--candidates needs --temperature > 0 (greedy decoding takes each draft's top candidates)")
+    from arborspec.runtime.sampling import SamplingParams  # (torch: not at import, --help stays light)
+
+    SamplingParams(args.temperature, args.top_k, args.top_p)  # one error line for a bad value
+    if args.temperature == 0 and (args.top_k or args.top_p < 1.0):
+        raise InputError("--top-k and --top-p need --temperature > 0 (greedy decoding takes the most likely token)")
     baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
     trees = bench.split_tree_specs(args.tree)
     entries, prompts_path = prompt_sets.read_prompts_file(args.prompts)  # cheap checks before loading models
@@ -321,6 +330,8 @@ def run(args) -> int:
             prompts,
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
             seed=args.seed,
             hf=hf,
             peers=peers,
@@ -348,6 +359,8 @@ def run(args) -> int:
                 "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("run",)},
                 "date": bench_report.now_iso(),
                 "temperature": args.temperature,
+                "top_k": args.top_k,
+                "top_p": args.top_p,
                 "max_new_tokens": args.max_new_tokens,
                 "seed": args.seed,
                 "prompts_file": prompts_path,
