@@ -540,6 +540,10 @@ def test_llama_cpp_samples_at_the_temperature_with_its_seed(tmp_path, monkeypatc
     assert len({tuple(t) for t in runs.values()}) > 1
     greedy = r.run("llama-cpp", prompt, 16, [], 0.0, 0)["tokens"]
     assert any(t != greedy for t in runs.values())
+    # bench's --top-k / --top-p reach it: top-k 1 (or a tiny nucleus) at T = 1.5 is greedy again
+    seed = next(sd for sd, t in runs.items() if t != greedy)  # a seed whose plain sampling leaves greedy
+    assert r.run("llama-cpp", prompt, 16, [], 1.5, seed, top_k=1)["tokens"] == greedy
+    assert r.run("llama-cpp", prompt, 16, [], 1.5, seed, top_p=1e-6)["tokens"] == greedy
     assert "temp 1.5" in r.describe("llama-cpp")["sampling"]
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(PROMPTS))
