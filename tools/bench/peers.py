@@ -16,8 +16,10 @@ Role in one decode step: none; these are what a CPU user would run instead of ar
 - llama-cpp / llama-cpp-lookup: llama-cpp-python on the source GGUF (no conversion), greedy
   (temp 0), n_threads = the cores this process may use; -lookup adds its prompt-lookup draft
   `LlamaPromptLookupDecoding(max_ngram_size=2, num_pred_tokens=K)`. At --temperature T > 0
-  llama.cpp samples at T with bench's --top-k / --top-p cut (none by default) and no min-p, as ours; its
-  seed set to --seed; GenAI runs greedy only and is skipped there.
+  llama.cpp samples at T with bench's --top-k / --top-p cut (none by default) and no min-p; its
+  sampler chain cuts before it scales by T (top-k, top-p, then temp: llama-cpp-python 0.3.36),
+  ours and transformers' after, so at T != 1 with a top-p cut its nucleus is another set of tokens
+  (the same cost); its seed set to --seed; GenAI runs greedy only and is skipped there.
 
 Fairness: the prompt token ids are ours, fed as ids (no text, no chat template in the peer).
 Generation stops where ours stops: the same eos ids (GenAI: the model config's eos list is
