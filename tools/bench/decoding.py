@@ -213,9 +213,7 @@ def run_bench(
     prompts: list[dict],
     *,
     max_new_tokens: int,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    sampling=None,
     seed: int = 0,
     hf: HFBaselines | None = None,
     peers: dict | None = None,
@@ -224,7 +222,8 @@ def run_bench(
     progress: bool = True,
     log=None,
 ) -> tuple[list[dict], list[str]]:
-    """Runs every config on every prompt -> (per_prompt list, warnings).
+    """Runs every config on every prompt -> (per_prompt list, warnings). `sampling`: a
+    SamplingParams for ours, the baselines and the peers alike (None: greedy).
 
     `peers`: {config name: runner} for the ONNX Runtime GenAI / llama.cpp baselines
     (tools/bench/peers.py). A peer that fails while running is dropped with a one-line note
@@ -240,8 +239,9 @@ def run_bench(
     eos = list(tok.meta.get("eos_token_ids") or []) if tok is not None else []
     from arborspec.runtime.sampling import SamplingParams
 
-    sp = SamplingParams(temperature, top_k, top_p)  # checked: one error line for a bad value
-    cut = {"top_k": top_k, "top_p": top_p}  # the baselines and peers sample with the same cut
+    sp = sampling or SamplingParams()
+    temperature = sp.temperature
+    cut = {"top_k": sp.top_k, "top_p": sp.top_p}  # the baselines and peers sample with the same cut
     decs = make_decoders(models, configs, sp)
     runner = {c.name: (hf if c.kind == "hf" else peers.get(c.name)) for c in configs if c.kind != "ours"}
     run_cfgs = [c for c in configs if c.kind == "ours" or runner.get(c.name) is not None]

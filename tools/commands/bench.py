@@ -216,7 +216,7 @@ def run(args) -> int:
         raise InputError("--candidates needs --temperature > 0 (greedy decoding takes each draft's top candidates)")
     from arborspec.runtime.sampling import SamplingParams  # (torch: not at import, --help stays light)
 
-    SamplingParams(args.temperature, args.top_k, args.top_p)  # one error line for a bad value
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)  # one error line for a bad value
     if args.temperature == 0 and (args.top_k or args.top_p < 1.0):
         raise InputError("--top-k and --top-p need --temperature > 0 (greedy decoding takes the most likely token)")
     baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
@@ -329,9 +329,7 @@ def run(args) -> int:
             configs,
             prompts,
             max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
+            sampling=sampling,
             seed=args.seed,
             hf=hf,
             peers=peers,

@@ -738,7 +738,7 @@ class Corpus:
         rows = [(p, temp) for p, temp in rows if len(p) + s["gen_len"] <= limit]  # what the graph holds
         ids, temps = [p for p, _ in rows], [temp for _, temp in rows]
         answers = []  # this shard's greedy responses: the next shard's passages
-        outs = self.generator(ids, s["gen_len"], set(eos), temps, s["seed"] + first) if ids else []
+        outs = self.generator(ids, s["gen_len"], set(eos), temps, s["seed"] + first)
         for p_ids, temp, o in zip(ids, temps, outs):
             stream += p_ids + o + [sep]
             gen_tokens += len(o)
