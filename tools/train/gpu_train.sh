@@ -16,10 +16,13 @@
 # tools/data/corpus/smollm2-135m-eagle3-ids.npz, where present; none: skip), CORPUS_MIN (default 3.5), TRAIN_MIN (default 3.5), CORPUS_TOKENS (default
 # 20000000: the time is the limit), GEN_BATCH (128), BATCH (32 windows), LR (3e-4), INIT (eagle3:
 # fine-tune the shipped head; "none": a fresh head), SCHEDULE (4000 batches: the learning-rate schedule;
-# the time is the limit, ~230 batches a minute on an H100), EXTRA (more train-draft arguments, later ones win).
+# the time is the limit, ~230 batches a minute on an H100), EXTRA (more train-draft arguments, later ones win),
+# CALL_S (the device call's limit in seconds: the training's minutes are cut so that the run, its
+# last held-out measure and the head's split end ~75 s before it; a call killed at its limit brings
+# nothing back).
 # A dry run of the recipe on the CPU (small sizes, minutes):
 #     DEVICE=cpu PYTHON=.venv/bin/python CORPUS_MIN=0.1 TRAIN_MIN=0.2 OUT=/tmp/gt \
-#       EXTRA="--shard-prompts 4 --gen-len 16 --corpus-tokens 1000 --batch 2" bash tools/train/gpu_train.sh
+#       EXTRA="--shard-prompts 4 --gen-len 16 --corpus-tokens 1000 --batch 2 --window 32" bash tools/train/gpu_train.sh
 # Back here, from the returned files (the tool's files_at folder):
 #     bash tools/train/gpu_train.sh --reassemble FILES_AT heads/gpu   # joins the pieces, checks sha256
 #     arborspec train-draft --model smollm2-135m --out heads/gpu --install-head heads/gpu
@@ -38,6 +41,7 @@ if [ "${1:-}" = "--reassemble" ]; then
   echo "gpu_train: head reassembled in $dst"
   exit 0
 fi
+T0=$(date +%s)
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
 OUT=${OUT:-/tmp/arborspec-gpu-train-out}
@@ -60,10 +64,16 @@ if [ "$IDS" != none ] && [ -f "$IDS" ]; then
   "${PYTHON:-python3}" -P -m arborspec.tools.train.corpus_ids unpack --model smollm2-135m --ids "$IDS" \
     --device "${DEVICE:-cuda}" || echo "gpu_train: $IDS not unpacked; the run goes on without it"
 fi
+TRAIN_MIN=${TRAIN_MIN:-3.5}
+if [ -n "${CALL_S:-}" ]; then  # what the call has left, less ~75 s for loading, measuring, splitting
+  left=$(( CALL_S - ($(date +%s) - T0) - 75 ))
+  TRAIN_MIN=$("${PYTHON:-python3}" -c "print(round(max(0.3, min($TRAIN_MIN, $left / 60)), 2))")
+  echo "gpu_train: ${left} s left in the call: training for $TRAIN_MIN minutes"
+fi
 "${PYTHON:-python3}" -P -m arborspec.tools.commands.cli train-draft --model smollm2-135m --out "$HEAD" --device "${DEVICE:-cuda}" \
   "${init[@]}" --lr "${LR:-3e-4}" --gen-batch "${GEN_BATCH:-128}" --batch "${BATCH:-32}" \
   --corpus-tokens "${CORPUS_TOKENS:-20000000}" --corpus-minutes "${CORPUS_MIN:-3.5}" \
-  --minutes "${TRAIN_MIN:-3.5}" --shard-prompts 256 --eval-minutes 2 --schedule-batches "${SCHEDULE:-4000}" \
+  --minutes "$TRAIN_MIN" --shard-prompts 256 --eval-minutes 2 --schedule-batches "${SCHEDULE:-4000}" \
   --quiet ${EXTRA:-}
 rc=$?
 if [ $rc -eq 0 ] && [ -f "$HEAD/model.safetensors" ]; then  # never a stale head from an earlier run
