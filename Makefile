@@ -20,7 +20,7 @@ EXPORT_DRAFT ?= eagle3
 EXPORT_FLAGS ?= --quantize int4 --draft-quantize int8
 DEMO_DRAFT ?= export
 DEMO_TREE ?= auto
-DEMO_EXPORT := $(CACHE)/exports/smollm2-135m-int4-$(subst :,,$(EXPORT_DRAFT))-int8-v23
+DEMO_EXPORT := $(CACHE)/exports/smollm2-135m-int4-$(subst :,,$(EXPORT_DRAFT))-int8-v24
 DEMO_PROMPT ?= Sort this shopping list alphabetically, one item per line, and keep each quantity: 2 pears, 6 eggs, 1 loaf of bread, 3 lemons, 500 g of flour, 1 bag of rice, 4 apples, 2 onions, 1 jar of honey, 3 carrots.
 
 .PHONY: demo test lint install clean bench mutants
