@@ -13,7 +13,7 @@ CACHE ?= $(if $(ARBORSPEC_CACHE),$(ARBORSPEC_CACHE),$(HOME)/.cache/arborspec)
 # benchmarks/RESULTS.md 2026-11-25 and 2026-11-26): the int4 export (the GGUF's own 4-bit blocks,
 # int8 activations, made exact under speculation by the engine's row layout) with the shipped
 # EAGLE-3 head (int8) alone (`--draft export`: ahead of the head mixed with prompt lookup in every
-# column of the v21, v22 and v23 sittings against llama.cpp, 2026-11-27/28, by 5-13 %; the demo's prompt
+# column of the v21-v24 sittings against llama.cpp, 2026-11-27/28, by 5-13 %; the demo's prompt
 # 1.44-1.61x vs 1.31-1.35x mixed), on the tree `tune` chose for it on this machine (tuned once,
 # about a minute, kept in the export folder)
 EXPORT_DRAFT ?= eagle3

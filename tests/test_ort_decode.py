@@ -218,7 +218,20 @@ def _one_line(rc, err):
     assert err.count("\n") == 1 and err.startswith("arborspec: error:") and "Traceback" not in err, err
 
 
-def test_cli_generate_works(cli_export, capsys):
+def test_cli_generate_works(cli_export, capsys, monkeypatch):
+    # --vs-vanilla runs each decoder once untimed before its timed run (first-call costs, such as
+    # CUDA graph captures, stay out of the speed-up): count the runs of each mode
+    from arborspec.tools.commands import generate as gen_cmd
+
+    runs, make = [], gen_cmd.make_decoder
+
+    def counted(models, args, **kw):
+        dec = make(models, args, **kw)
+        stream, mode = dec.stream, kw.get("mode", args.mode)
+        dec.stream = lambda *a, **k: runs.append(mode) or stream(*a, **k)  # generate() streams too
+        return dec
+
+    monkeypatch.setattr(gen_cmd, "make_decoder", counted)
     rc = main(
         [
             "generate",
@@ -236,6 +249,7 @@ def test_cli_generate_works(cli_export, capsys):
     )
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["tokens"] == out["vanilla"]["tokens"] and len(out["tokens"]) == 6
+    assert sorted(runs) == ["tree", "tree", "vanilla", "vanilla"], runs
 
 
 def test_cli_foreign_onnx_target(cli_export, tmp_path, capsys):
