@@ -1298,6 +1298,25 @@ def test_a_corpus_packed_as_ids_unpacks_to_the_same_corpus(tmp_path, capsys, mon
         json.loads((shard_dirs(dst)[-1] / "shard.json").read_text())["prompts"][0] == read_progress(src)["next_prompt"]
     )
 
+    # over another draft vocabulary (a GPU run of train-draft --revocab N): its own folder, the N
+    # most frequent tokens of the windows with EOS, what --revocab N chooses from it; the same
+    # windows, features and greedy tokens, the top-K over the new vocabulary
+    eos = list(lm.tokenizer.meta.get("eos_token_ids") or [])
+    wide = corpus_ids.unpack(lm, ids, tmp_path / "b", verbose=False, draft_vocab=96)
+    assert wide != dst and wide.parent == dst.parent
+    v96 = np.load(wide / "vocab.npy")
+    assert len(v96) == 96 and set(eos) <= set(v96.tolist())
+    assert np.array_equal(v96, ec.most_frequent(ec.token_counts(wide, lm.config.vocab_size), 96, eos))
+    assert json.loads((wide / "settings.json").read_text())["draft_vocab"] == 96
+    for a, b in zip(shard_dirs(dst)[:n], shard_dirs(wide), strict=True):
+        for f in ("tokens.npy", "top1.npy"):
+            assert np.array_equal(np.load(a / f), np.load(b / f)), f
+        np.testing.assert_allclose(np.load(a / "features.npy"), np.load(b / "features.npy"), atol=1e-3)
+        top = np.load(b / "top_ids.npy")
+        assert top.min() >= 0 and top.max() < 96 and top.max() >= 64  # ids into the wider vocabulary
+    with pytest.raises(ArborspecError, match="--draft-vocab"):
+        corpus_ids.unpack(lm, ids, tmp_path / "b", verbose=False, draft_vocab=lm.config.vocab_size + 1)
+
     with pytest.raises(ArborspecError, match="another target"):
         corpus_ids.unpack(_tiny_loaded(2), ids, tmp_path / "c", verbose=False)
     (tmp_path / "junk.npz").write_bytes(b"not a pack")

@@ -14,6 +14,7 @@ Role in one decode step: none; it keeps the data that step 1's draft head is tra
     python -m arborspec.tools.train.corpus_ids pack --model smollm2-135m \\
         --corpus ~/.cache/arborspec/eagle3-corpus/KEY --out corpus-ids.npz
     python -m arborspec.tools.train.corpus_ids unpack --model smollm2-135m --ids corpus-ids.npz
+    python -m arborspec.tools.train.corpus_ids unpack --model smollm2-135m --ids corpus-ids.npz --draft-vocab 16384
 """
 
 from __future__ import annotations
@@ -102,13 +103,38 @@ def progress_after(total: dict, shards: list[dict]) -> dict:
     }
 
 
+def revocab(loaded, meta: dict, z, draft_vocab: int) -> tuple[dict, np.ndarray, str]:
+    """The pack's corpus over another draft vocabulary: the `draft_vocab` most frequent tokens of
+    its windows, EOS always in (what `train-draft --revocab N` chooses from the same corpus, so a
+    head re-vocabularied there reads the stored top-K as it is). -> (settings, vocabulary, key)."""
+    from arborspec.tools.train import eagle3_corpus as ec
+
+    v = loaded.config.vocab_size
+    if not 1 <= draft_vocab <= v:
+        raise InputError(f"--draft-vocab {draft_vocab}: not in 1..{v} (the target's vocabulary)")
+    counts = np.zeros(v, dtype=np.int64)
+    for i in range(len(meta["shards"])):
+        counts += np.bincount(np.asarray(z[f"shard{i:05d}"], dtype=np.int64).ravel(), minlength=v)[:v]
+    vocab = ec.most_frequent(counts, draft_vocab, list(loaded.tokenizer.meta.get("eos_token_ids") or []))
+    sha = hashlib.sha256(vocab.tobytes()).hexdigest()[:16]
+    settings = {**meta["settings"], "draft_vocab": draft_vocab, "vocab_sha256": sha}
+    return settings, vocab, ec.corpus_key(ec.target_id_of(loaded), settings)
+
+
 def unpack(
-    loaded, path: Path, root: Path, device: str = "cpu", threads: int | None = None, verbose: bool = True
+    loaded,
+    path: Path,
+    root: Path,
+    device: str = "cpu",
+    threads: int | None = None,
+    verbose: bool = True,
+    draft_vocab: int | None = None,
 ) -> Path:
     """Rebuild the corpus of ids file `path` under `root` (its own folder name, the key it had):
     shards already there are kept, the others get their features from the target again (one
     shard at a time, each published whole, progress written after each: an interrupted unpack
-    resumes). -> the corpus folder."""
+    resumes). draft_vocab: the top-K over another draft vocabulary (`revocab`; its own folder).
+    -> the corpus folder."""
     from arborspec.tools.train import eagle3_corpus as ec
 
     meta, z = read_pack(path)
@@ -116,13 +142,16 @@ def unpack(
         raise InputError(f"--ids {path}: made for another target than this --model (its weights differ)")
     settings, infos = meta["settings"], meta["shards"]
     folder = root / meta["key"]
+    vocab = np.asarray(z["vocab"], dtype=np.int64)
+    if draft_vocab is not None and draft_vocab != len(vocab):
+        settings, vocab, key = revocab(loaded, meta, z, draft_vocab)
+        folder = root / key
     folder.mkdir(parents=True, exist_ok=True)
     lock, holder = ec.grow_lock(folder)
     if lock is None:
         raise InputError(f"another run (pid {holder}) is adding shards to {folder}: unpack when it is done")
     engine = None
     try:
-        vocab = np.asarray(z["vocab"], dtype=np.int64)
         if (folder / "settings.json").is_file():
             if ec.corpus_settings(folder) != settings or not np.array_equal(np.load(folder / "vocab.npy"), vocab):
                 raise InputError(f"{folder} holds a corpus with other settings or vocabulary: not overwritten")
@@ -179,6 +208,14 @@ def main(argv=None) -> int:
     )
     b.add_argument("--device", default="cpu", help="cpu (ONNX Runtime) or cuda[:N] (PyTorch on the GPU)")
     b.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+    b.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        metavar="N",
+        help="store the top-K over the N most frequent tokens of the pack (EOS always in) instead of its own draft "
+        "vocabulary: another corpus folder, for a head trained with train-draft --revocab N",
+    )
     args = p.parse_args(argv)
     try:
         if args.cmd == "pack" and not args.corpus.is_dir():
@@ -192,7 +229,14 @@ def main(argv=None) -> int:
             got = pack(loaded, args.corpus, args.out)
             print(f"{args.out}: {got['shards']} shards, {got['tokens']} tokens ({args.out.stat().st_size} bytes)")
         else:
-            folder = unpack(loaded, args.ids, args.root or cache_dir() / "eagle3-corpus", args.device, args.threads)
+            folder = unpack(
+                loaded,
+                args.ids,
+                args.root or cache_dir() / "eagle3-corpus",
+                args.device,
+                args.threads,
+                draft_vocab=args.draft_vocab,
+            )
             print(f"corpus: {folder}")
     except ArborspecError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -17,7 +17,9 @@
 # 20000000: the time is the limit), GEN_BATCH (128), BATCH (32 windows), LR (3e-4), INIT (eagle3:
 # fine-tune the shipped head; "none": a fresh head), SCHEDULE (4000 batches: the learning-rate schedule;
 # the time is the limit, ~230 batches a minute on an H100), EXTRA (more train-draft arguments, later ones win),
-# CALL_S (the device call's limit in seconds: the training's minutes are cut so that the run, its
+# VOCAB (a draft vocabulary of VOCAB tokens: the ids featurised over the VOCAB most frequent tokens
+# of the pack, `corpus_ids unpack --draft-vocab`, and the head re-vocabularied to them, `train-draft
+# --revocab`, training on that corpus; CORPUS_MIN=0 with it), CALL_S (the device call's limit in seconds: the training's minutes are cut so that the run, its
 # last held-out measure and the head's split end ~75 s before it; a call killed at its limit brings
 # nothing back).
 # A dry run of the recipe on the CPU (small sizes, minutes):
@@ -60,9 +62,18 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 # the CPU corpus's token ids (tools/train/corpus_ids.py), featurised here first: the run trains
 # on them and on the shards it adds (which go on from their next prompt, so they are new text)
 IDS=${CORPUS_IDS:-tools/data/corpus/smollm2-135m-eagle3-ids.npz}
+vocab=()
 if [ "$IDS" != none ] && [ -f "$IDS" ]; then
-  "${PYTHON:-python3}" -P -m arborspec.tools.train.corpus_ids unpack --model smollm2-135m --ids "$IDS" \
-    --device "${DEVICE:-cuda}" || echo "gpu_train: $IDS not unpacked; the run goes on without it"
+  if ! "${PYTHON:-python3}" -P -m arborspec.tools.train.corpus_ids unpack --model smollm2-135m --ids "$IDS" \
+    --device "${DEVICE:-cuda}" ${VOCAB:+--draft-vocab "$VOCAB"} > /tmp/arborspec-unpack-$$.txt; then
+    echo "gpu_train: $IDS not unpacked; the run goes on without it"
+  fi
+  cat /tmp/arborspec-unpack-$$.txt
+  folder=$(sed -n 's/^corpus: //p' /tmp/arborspec-unpack-$$.txt)
+  [ -n "${VOCAB:-}" ] && [ -n "$folder" ] && vocab=(--revocab "$VOCAB" --corpus "$folder")
+fi
+if [ -n "${VOCAB:-}" ] && [ ${#vocab[@]} -eq 0 ]; then
+  echo "gpu_train: VOCAB=$VOCAB needs the ids unpacked (CORPUS_IDS); nothing trained" >&2; exit 2
 fi
 TRAIN_MIN=${TRAIN_MIN:-3.5}
 if [ -n "${CALL_S:-}" ]; then  # what the call has left, less ~75 s for loading, measuring, splitting
@@ -71,7 +82,7 @@ if [ -n "${CALL_S:-}" ]; then  # what the call has left, less ~75 s for loading,
   echo "gpu_train: ${left} s left in the call: training for $TRAIN_MIN minutes"
 fi
 "${PYTHON:-python3}" -P -m arborspec.tools.commands.cli train-draft --model smollm2-135m --out "$HEAD" --device "${DEVICE:-cuda}" \
-  "${init[@]}" --lr "${LR:-3e-4}" --gen-batch "${GEN_BATCH:-128}" --batch "${BATCH:-32}" \
+  "${init[@]}" "${vocab[@]}" --lr "${LR:-3e-4}" --gen-batch "${GEN_BATCH:-128}" --batch "${BATCH:-32}" \
   --corpus-tokens "${CORPUS_TOKENS:-20000000}" --corpus-minutes "${CORPUS_MIN:-3.5}" \
   --minutes "$TRAIN_MIN" --shard-prompts 256 --eval-minutes 2 --schedule-batches "${SCHEDULE:-4000}" \
   --quiet ${EXTRA:-}
