@@ -546,6 +546,40 @@ def test_heldout_ranks_equal_the_tune_ranks_of_decoding(tmp_path):
     assert res["top1_agreement_per_depth"][0] <= res["greedy_in_vocab"]
 
 
+def test_the_kept_head_is_one_the_install_rule_takes_where_one_was_measured():
+    """train-draft keeps, of its held-out measures, the first that beats the head it started from
+    (the install rule), then the higher mean agreement: run 19's measures (2026-11-28), where
+    keeping by `beats` alone stayed on batch 1017 (highest tuned tree, not above the start) and
+    published a head --install refused, while batches 2079, 2619 and 2850 beat the start."""
+    from arborspec.tools.train.eagle3_heldout import TUNED, beats, ranks_above
+
+    def m(top1, tuned):
+        return {"top1_agreement_per_depth": top1, "tokens_per_step": {TUNED: tuned}}
+
+    start = m([0.6727, 0.621, 0.6058, 0.5645], 2.124)
+    evals = {
+        481: m([0.6673, 0.6216, 0.5952, 0.562], 2.116),
+        1017: m([0.6687, 0.6238, 0.5975, 0.5676], 2.13),
+        1542: m([0.6687, 0.6221, 0.6011, 0.5701], 2.114),
+        2079: m([0.6714, 0.6218, 0.6077, 0.5729], 2.124),
+        2619: m([0.6697, 0.6251, 0.6052, 0.5737], 2.12),
+        2850: m([0.6708, 0.6249, 0.603, 0.574], 2.129),
+    }
+
+    def kept(better):
+        best = None
+        for b, r in evals.items():
+            if best is None or better(r, evals[best]):
+                best = b
+        return best
+
+    assert kept(beats) == 1017 and not beats(evals[1017], start)  # what the run published
+    got = kept(lambda new, old: ranks_above(new, old, start))
+    assert got == 2079 and beats(evals[got], start)
+    # none above the start: the highest mean agreement is kept
+    assert not ranks_above(evals[481], evals[1542], start) and ranks_above(evals[1542], evals[1017], start)
+
+
 def test_install_only_a_head_that_beats_the_shipped_one(tmp_path):
     """The compare-and-install rule: a head replaces the shipped one only if its held-out mean
     agreement is higher and the tuned tree's tokens per step not lower; otherwise the shipped

@@ -331,7 +331,7 @@ def run(args) -> int:
             seed=args.seed,
             resume=not args.no_resume,
             evaluate=measure,
-            better=eagle3_heldout.beats,
+            better=lambda new, old: eagle3_heldout.ranks_above(new, old, before),
             eval_every_s=args.eval_minutes * 60,
             progress=progress,
             device=args.device,

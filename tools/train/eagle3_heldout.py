@@ -214,6 +214,20 @@ def beats(new: dict, old: dict) -> bool:
     return bool(a_new > a_old and new["tokens_per_step"][TUNED] >= old["tokens_per_step"][TUNED])
 
 
+def ranks_above(new: dict, old: dict, start: dict) -> bool:
+    """Which of a run's held-out measures to keep as its head (`train-draft` publishes that one):
+    first one that beats the head the run started from (`start`) by the install rule, then the
+    higher mean agreement over the depths. `beats` alone is a partial order: a run that kept an
+    early head with the highest tuned tree passed over later ones that beat the start, and
+    published a head --install then refused (run 19: batch 1017 kept, mean 0.6144; batch 2079,
+    mean 0.6185 with the start's tuned tree, would have passed)."""
+
+    def key(r: dict) -> tuple[bool, float]:
+        return beats(r, start), float(np.mean(r["top1_agreement_per_depth"]))
+
+    return key(new) > key(old)
+
+
 def install_if_better(candidate: Path, shipped: Path, new: dict, old: dict) -> bool:
     """Copy the candidate head's files over the shipped head's (each file atomically) when
     `beats(new, old)`; returns whether it did. Nothing is touched otherwise. The installed
