@@ -299,9 +299,8 @@ def run(args) -> int:
         if init is not None:
             head = init.float()
             if args.revocab is not None:
-                eos = list(loaded.tokenizer.meta.get("eos_token_ids") or [])  # grow_corpus required a tokenizer
-                counts = eagle3_corpus.token_counts(corpus, cfg.vocab_size)
-                vocab = eagle3_corpus.most_frequent(counts, args.revocab, eos)
+                counts = eagle3_corpus.token_counts(corpus, cfg.vocab_size)  # grow_corpus required a tokenizer
+                vocab = eagle3_corpus.revocabulary(counts, args.revocab, loaded.tokenizer)
                 head = eagle3_train.revocab_head(head, vocab, loaded.module)
                 log(
                     f"train-draft: draft vocabulary re-chosen: {args.revocab} tokens, "

@@ -112,10 +112,8 @@ def revocab(loaded, meta: dict, z, draft_vocab: int) -> tuple[dict, np.ndarray, 
     v = loaded.config.vocab_size
     if not 1 <= draft_vocab <= v:
         raise InputError(f"--draft-vocab {draft_vocab}: not in 1..{v} (the target's vocabulary)")
-    counts = np.zeros(v, dtype=np.int64)
-    for i in range(len(meta["shards"])):
-        counts += np.bincount(np.asarray(z[f"shard{i:05d}"], dtype=np.int64).ravel(), minlength=v)[:v]
-    vocab = ec.most_frequent(counts, draft_vocab, list(loaded.tokenizer.meta.get("eos_token_ids") or []))
+    counts = ec.count_tokens((z[f"shard{i:05d}"] for i in range(len(meta["shards"]))), v)
+    vocab = ec.revocabulary(counts, draft_vocab, loaded.tokenizer)
     sha = hashlib.sha256(vocab.tobytes()).hexdigest()[:16]
     settings = {**meta["settings"], "draft_vocab": draft_vocab, "vocab_sha256": sha}
     return settings, vocab, ec.corpus_key(ec.target_id_of(loaded), settings)

@@ -488,14 +488,25 @@ def most_frequent(counts: np.ndarray, n: int, always: list[int] = ()) -> np.ndar
     return np.lexsort((np.arange(len(counts)), -counts))[:n].astype(np.int64)
 
 
-def token_counts(folder: Path, vocab_size: int = 0) -> np.ndarray:
-    """How often each token id occurs in a corpus's windows (every finished shard)."""
+def count_tokens(windows, vocab_size: int = 0) -> np.ndarray:
+    """How often each token id occurs in `windows` (arrays of token ids, e.g. a corpus's shards)."""
     counts = np.zeros(vocab_size, dtype=np.int64)
-    for d in shard_dirs(folder):
-        c = np.bincount(np.load(d / "tokens.npy").ravel())
+    for w in windows:
+        c = np.bincount(np.asarray(w, dtype=np.int64).ravel())
         counts = np.pad(counts, (0, max(0, len(c) - len(counts))))
         counts[: len(c)] += c
     return counts
+
+
+def token_counts(folder: Path, vocab_size: int = 0) -> np.ndarray:
+    """How often each token id occurs in a corpus's windows (every finished shard)."""
+    return count_tokens((np.load(d / "tokens.npy") for d in shard_dirs(folder)), vocab_size)
+
+
+def revocabulary(counts: np.ndarray, n: int, tokenizer) -> np.ndarray:
+    """A re-chosen draft vocabulary (`train-draft --revocab N`, `corpus_ids unpack --draft-vocab
+    N`): the `n` most frequent tokens of a corpus's `counts`, the tokenizer's EOS always in."""
+    return most_frequent(counts, n, list(tokenizer.meta.get("eos_token_ids") or []))
 
 
 def build_features(
