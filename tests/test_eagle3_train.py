@@ -639,6 +639,7 @@ def test_install_only_a_head_that_beats_the_shipped_one(tmp_path):
         (["--revocab", "16384"], "--revocab re-chooses the vocabulary of a head given with --init"),
         (["--init", "eagle3", "--revocab", "0"], "--revocab must be >= 1"),
         (["--corpus", "no/such/corpus"], "--corpus no/such/corpus: no such folder"),
+        (["--defer-features"], "--defer-features only grows the corpus"),
     ],
 )
 def test_train_draft_mistakes_are_one_error_line(tmp_path, capsys, extra, message):
@@ -1269,7 +1270,9 @@ def test_a_corpus_packed_as_ids_unpacks_to_the_same_corpus(tmp_path, capsys, mon
     progress in one file a fraction of the folder's size; unpack rebuilds the folder (features,
     top-K and greedy tokens from the target again): the same arrays, records and progress. An
     interrupted unpack resumes (shards there kept, untouched); another target's model is one
-    error line; and the rebuilt corpus grows on."""
+    error line; and the rebuilt corpus grows on. Unpacked as ids only, it grows on with shards of
+    ids only (--defer-features), training on it says how to featurise it, and `featurise` gives
+    every shard the features a full unpack and grower give."""
     import json
 
     from arborspec.tools.train import corpus_ids
@@ -1306,7 +1309,10 @@ def test_a_corpus_packed_as_ids_unpacks_to_the_same_corpus(tmp_path, capsys, mon
         corpus_ids.unpack(lm, ids, tmp_path / "b", verbose=False)
     monkeypatch.setattr(ec, "build_features", build)
     dst = tmp_path / "b" / src.name
-    assert len(shard_dirs(dst)) == 1 and read_progress(dst)["shards"] == 1
+    # every shard's ids are in, the first one featurised, the second not (nothing half-written)
+    assert len(shard_dirs(dst)) == n and read_progress(dst)["shards"] == n
+    assert [ec.featurised(d) for d in shard_dirs(dst)] == [True, False]
+    assert not list((dst / "shards").glob(".*"))
     first = {f: f.stat().st_mtime_ns for f in shard_dirs(dst)[0].iterdir()}
     assert corpus_ids.unpack(lm, ids, tmp_path / "b", verbose=False) == dst
     assert {f: f.stat().st_mtime_ns for f in shard_dirs(dst)[0].iterdir()} == first
@@ -1350,6 +1356,38 @@ def test_a_corpus_packed_as_ids_unpacks_to_the_same_corpus(tmp_path, capsys, mon
         assert top.min() >= 0 and top.max() < 96 and top.max() >= 64  # ids into the wider vocabulary
     with pytest.raises(ArborspecError, match="--draft-vocab"):
         corpus_ids.unpack(lm, ids, tmp_path / "b", verbose=False, draft_vocab=lm.config.vocab_size + 1)
+
+    # ids only: seconds, no features; a grower goes on from the pack's next prompt with shards of
+    # ids only; training on them names the command that featurises them; featurise gives the
+    # same arrays as the full unpack (the packed shards) and the grower (the new one)
+    from arborspec.tools.train.eagle3_train import ShardData
+
+    monkeypatch.setattr(ec, "build_features", None)  # never called without features
+    bare = corpus_ids.unpack(lm, ids, tmp_path / "d", verbose=False, ids_only=True)
+    assert bare.name == src.name and not any(ec.featurised(d) for d in shard_dirs(bare))
+    grow_corpus(
+        lm, aux, root=tmp_path / "d", total_tokens=read_progress(bare)["tokens"] + 1, minutes=5, verbose=False,
+        features=False, **kw,
+    )  # fmt: skip
+    monkeypatch.setattr(ec, "build_features", build)
+    assert len(shard_dirs(bare)) == n + 1 and not ec.featurised(shard_dirs(bare)[-1])
+    with pytest.raises(ArborspecError, match="token ids only.*corpus_ids featurise"):
+        ShardData(bare)
+    assert corpus_ids.main(["featurise", "--model", "smollm2-135m", "--corpus", str(tmp_path / "nope")]) == 2
+    assert "no such folder" in capsys.readouterr().err
+    assert ec.featurise(lm, bare, verbose=False) == n + 1
+    assert ec.featurise(lm, bare, verbose=False) == 0
+    assert len(ShardData(bare).offsets) == n + 2
+    drop = ("features_s", "generation_s")  # the two grown shards' timings
+    for a, b in zip(shard_dirs(dst), shard_dirs(bare), strict=True):
+        for f in ("tokens.npy", "top_ids.npy", "top1.npy", "top_lp.npy"):
+            assert np.array_equal(np.load(a / f), np.load(b / f)), f
+        np.testing.assert_allclose(np.load(a / "features.npy"), np.load(b / "features.npy"), atol=1e-3)
+        ja, jb = (json.loads((d / "shard.json").read_text()) for d in (a, b))
+        assert {k: v for k, v in ja.items() if k not in drop} == {k: v for k, v in jb.items() if k not in drop}
+    assert {k: v for k, v in read_progress(bare).items() if k not in drop} == {
+        k: v for k, v in read_progress(dst).items() if k not in drop
+    }
 
     with pytest.raises(ArborspecError, match="another target"):
         corpus_ids.unpack(_tiny_loaded(2), ids, tmp_path / "c", verbose=False)

@@ -15,6 +15,8 @@ Role in one decode step: none; it keeps the data that step 1's draft head is tra
         --corpus ~/.cache/arborspec/eagle3-corpus/KEY --out corpus-ids.npz
     python -m arborspec.tools.train.corpus_ids unpack --model smollm2-135m --ids corpus-ids.npz
     python -m arborspec.tools.train.corpus_ids unpack --model smollm2-135m --ids corpus-ids.npz --draft-vocab 16384
+    python -m arborspec.tools.train.corpus_ids unpack --model smollm2-135m --ids corpus-ids.npz --ids-only
+    python -m arborspec.tools.train.corpus_ids featurise --model smollm2-135m --corpus ~/.cache/arborspec/eagle3-corpus/KEY
 """
 
 from __future__ import annotations
@@ -127,12 +129,15 @@ def unpack(
     threads: int | None = None,
     verbose: bool = True,
     draft_vocab: int | None = None,
+    ids_only: bool = False,
 ) -> Path:
     """Rebuild the corpus of ids file `path` under `root` (its own folder name, the key it had):
-    shards already there are kept, the others get their features from the target again (one
-    shard at a time, each published whole, progress written after each: an interrupted unpack
-    resumes). draft_vocab: the top-K over another draft vocabulary (`revocab`; its own folder).
-    -> the corpus folder."""
+    the shards not there yet are written as token ids (each published whole, progress written
+    after each), then every shard without features gets them from the target again
+    (eagle3_corpus.featurise: one shard at a time; an interrupted unpack resumes). ids_only: the
+    ids alone (seconds), for a grower that goes on from the pack's last prompt
+    (`train-draft --defer-features`) or a later `featurise`. draft_vocab: the top-K over another
+    draft vocabulary (`revocab`; its own folder). -> the corpus folder."""
     from arborspec.tools.train import eagle3_corpus as ec
 
     meta, z = read_pack(path)
@@ -148,7 +153,6 @@ def unpack(
     lock, holder = ec.grow_lock(folder)
     if lock is None:
         raise InputError(f"another run (pid {holder}) is adding shards to {folder}: unpack when it is done")
-    engine = None
     try:
         if (folder / "settings.json").is_file():
             if ec.corpus_settings(folder) != settings or not np.array_equal(np.load(folder / "vocab.npy"), vocab):
@@ -157,29 +161,20 @@ def unpack(
             atomic_write(folder / "vocab.npy", lambda f: np.save(f, vocab))
             atomic_write_json(folder / "settings.json", settings)
         have = len(ec.shard_dirs(folder))
-        if have < len(infos):
-            if device == "cpu":
-                source = ec.corpus_graph(loaded, folder)
-            else:
-                source = engine = ec.feature_engine(loaded, settings["aux"], device)
-        features_s = ec.read_progress(folder).get("features_s", 0.0)
+        features = ec.read_progress(folder)
+        features = {k: features[k] for k in MEASURED if k in features}
         for i in range(have, len(infos)):
-            windows = np.asarray(z[f"shard{i:05d}"], dtype=np.int32)
             with PartialFolder(folder / "shards" / f"{i:05d}") as tmp:
-                np.save(tmp / "tokens.npy", windows)
-                feat = ec.build_features(source, windows, vocab, tmp, settings["topk"], threads)
-                atomic_write_json(tmp / "shard.json", {**infos[i], **feat})
-            features_s = round(features_s + feat["features_s"], 1)
+                np.save(tmp / "tokens.npy", np.asarray(z[f"shard{i:05d}"], dtype=np.int32))
+                atomic_write_json(tmp / "shard.json", infos[i])
             # progress as the shards so far hold it; the pack's own totals once all are in
             prog = meta["progress"] if i + 1 == len(infos) else progress_after(meta["progress"], infos[: i + 1])
-            atomic_write_json(
-                folder / "corpus.json", {**prog, "features_s": features_s, "feature_size": feat["feature_size"]}
-            )
-            if verbose:
-                ec.log(f"corpus ids: shard {i + 1}/{len(infos)} featurised ({feat['features_s']} s; {folder})")
+            atomic_write_json(folder / "corpus.json", {**prog, **features})
+        if verbose and have < len(infos):
+            ec.log(f"corpus ids: {len(infos) - have} shards of token ids written ({folder})")
+        if not ids_only:
+            ec.featurise(loaded, folder, device, threads, verbose, lock=lock)
     finally:
-        if engine is not None:
-            engine.close()
         lock.close()
     return folder
 
@@ -188,7 +183,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m arborspec.tools.train.corpus_ids",
         description=__doc__.split("\n\n")[0],
-        epilog="examples:\n" + "\n".join(__doc__.rstrip().split("\n")[-3:]),
+        epilog="examples:\n" + "\n".join(__doc__.rstrip().split("\n")[-6:]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -207,6 +202,12 @@ def main(argv=None) -> int:
     b.add_argument("--device", default="cpu", help="cpu (ONNX Runtime) or cuda[:N] (PyTorch on the GPU)")
     b.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
     b.add_argument(
+        "--ids-only",
+        action="store_true",
+        help="write the shards' token ids only (seconds): a grower goes on from the pack's last prompt "
+        "(train-draft --defer-features); `featurise` computes the features later",
+    )
+    b.add_argument(
         "--draft-vocab",
         type=int,
         default=None,
@@ -214,9 +215,16 @@ def main(argv=None) -> int:
         help="store the top-K over the N most frequent tokens of the pack (EOS always in) instead of its own draft "
         "vocabulary: another corpus folder, for a head trained with train-draft --revocab N",
     )
+    f = sub.add_parser("featurise", help="compute the features of a corpus's shards that hold token ids only")
+    f.add_argument("--model", required=True, help="the corpus's target (e.g. smollm2-135m)")
+    f.add_argument(
+        "--corpus", type=Path, required=True, help="the corpus folder (~/.cache/arborspec/eagle3-corpus/KEY)"
+    )
+    f.add_argument("--device", default="cpu", help="cpu (ONNX Runtime) or cuda[:N] (PyTorch on the GPU)")
+    f.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
     args = p.parse_args(argv)
     try:
-        if args.cmd == "pack" and not args.corpus.is_dir():
+        if args.cmd in ("pack", "featurise") and not args.corpus.is_dir():
             raise InputError(f"--corpus {args.corpus}: no such folder")
         if args.cmd == "unpack" and not args.ids.is_file():
             raise InputError(f"--ids {args.ids}: no such file")
@@ -226,6 +234,12 @@ def main(argv=None) -> int:
         if args.cmd == "pack":
             got = pack(loaded, args.corpus, args.out)
             print(f"{args.out}: {got['shards']} shards, {got['tokens']} tokens ({args.out.stat().st_size} bytes)")
+        elif args.cmd == "featurise":
+            from arborspec.tools.train.eagle3_corpus import corpus_settings, featurise
+
+            corpus_settings(args.corpus)  # one line if it is not a corpus
+            n = featurise(loaded, args.corpus, args.device, args.threads)
+            print(f"corpus: {args.corpus}: {n} shards featurised")
         else:
             folder = unpack(
                 loaded,
@@ -234,6 +248,7 @@ def main(argv=None) -> int:
                 args.device,
                 args.threads,
                 draft_vocab=args.draft_vocab,
+                ids_only=args.ids_only,
             )
             print(f"corpus: {folder}")
     except ArborspecError as e:

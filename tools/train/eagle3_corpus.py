@@ -627,6 +627,59 @@ def shard_dirs(folder: Path) -> list[Path]:
     return sorted(p for p in d.iterdir() if p.is_dir() and p.name.isdigit()) if d.is_dir() else []
 
 
+FEATURE_FILES = ("features.npy", "top_ids.npy", "top_lp.npy", "top1.npy")  # what build_features writes
+
+
+def featurised(shard: Path) -> bool:
+    """Whether a finished shard holds its features, top-K and greedy tokens (a shard grown with
+    `train-draft --defer-features`, or unpacked with `corpus_ids unpack --ids-only`, holds its
+    token ids only until `featurise`)."""
+    return all((shard / f).is_file() for f in FEATURE_FILES)
+
+
+def featurise(loaded, folder: Path, device: str = "cpu", threads: int | None = None, verbose: bool = True, lock=None):
+    """Give every shard of corpus `folder` that holds token ids only its features, top-K and
+    greedy tokens (the target run again over its windows: ONNX Runtime on the CPU, PyTorch on a
+    GPU), each shard republished whole and the progress written after each: an interrupted run
+    resumes. lock: the caller's grow_lock (else taken here: a corpus one run grows is not
+    featurised by another). -> how many shards it featurised."""
+    own = lock is None
+    if own:
+        lock, holder = grow_lock(folder)
+        if lock is None:
+            raise InputError(f"another run (pid {holder}) is adding shards to {folder}: featurise it when it is done")
+    settings, engine, done = corpus_settings(folder), None, 0
+    try:
+        todo = [d for d in shard_dirs(folder) if not featurised(d)]
+        if todo:
+            vocab = np.load(folder / "vocab.npy")
+            if device == "cpu":
+                source = corpus_graph(loaded, folder)
+            else:
+                source = engine = feature_engine(loaded, settings["aux"], device)
+        for d in todo:
+            info = json.loads((d / "shard.json").read_text())
+            windows = np.load(d / "tokens.npy")
+            with PartialFolder(d) as tmp:
+                np.save(tmp / "tokens.npy", windows)
+                feat = build_features(source, windows, vocab, tmp, settings["topk"], threads)
+                atomic_write_json(tmp / "shard.json", {**info, **feat})
+            prog = read_progress(folder)
+            prog.update(
+                features_s=round(prog.get("features_s", 0.0) + feat["features_s"], 1), feature_size=feat["feature_size"]
+            )
+            atomic_write_json(folder / "corpus.json", prog)
+            done += 1
+            if verbose:
+                log(f"corpus: shard {d.name} featurised ({done}/{len(todo)}, {feat['features_s']} s; {folder})")
+    finally:
+        if engine is not None:
+            engine.close()
+        if own:
+            lock.close()
+    return done
+
+
 def corpus_graph(loaded, folder: Path) -> Path:
     """The target's features graph of a corpus folder (built on first use, then kept): context
     for a window or a chat prompt plus a response, whichever is longer."""
@@ -664,6 +717,7 @@ class Corpus:
         cuda_graphs=False,
         prompt_source="templates",
         folder: Path | None = None,
+        features: bool = True,
     ):
         self.loaded, self.aux, self.settings, self.threads, self.batch = loaded, aux_layers, settings, threads, batch
         self.device = device  # cpu: the ONNX Runtime features graph; else PyTorch on that device
@@ -672,6 +726,7 @@ class Corpus:
         self._engine = None
         self.shard_prompts = shard_prompts  # not a setting: runs may differ
         self.prompt_source = prompt_source  # nor is this (PROMPT_SOURCES)
+        self.features = features  # False: shards of token ids only, featurised later (featurise)
         # folder: an existing corpus given by path (its own settings.json), else the key's folder
         self.folder = folder if folder is not None else root / corpus_key(target_id_of(loaded), settings)
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -778,7 +833,7 @@ class Corpus:
         index = prog["shards"]
         with PartialFolder(self.folder / "shards" / f"{index:05d}") as tmp:
             np.save(tmp / "tokens.npy", windows)
-            feat = build_features(self._source(), windows, vocab, tmp, s["topk"], self.threads)
+            feat = build_features(self._source(), windows, vocab, tmp, s["topk"], self.threads) if self.features else {}
             info = {
                 "prompts": [first, first + n_prompts],
                 "prompt_source": source,
@@ -799,11 +854,12 @@ class Corpus:
             generated_responses=prog["generated_responses"] + responses,
             next_prompt=first + n_prompts,
             generation_s=round(prog["generation_s"] + gen_s, 1),
-            features_s=round(prog["features_s"] + feat["features_s"], 1),
-            feature_size=feat["feature_size"],
+            features_s=round(prog.get("features_s", 0.0) + feat.get("features_s", 0.0), 1),
             window=w,
             draft_vocab=int(len(vocab)),
         )
+        if feat:
+            prog["feature_size"] = feat["feature_size"]
         atomic_write_json(self.folder / "corpus.json", prog)
         return prog
 
@@ -856,6 +912,7 @@ def grow_corpus(
     cuda_graphs: bool = False,
     prompt_source: str = "templates",
     folder: Path | None = None,
+    features: bool = True,
 ) -> Path:
     """Append shards to the corpus for this target and these settings until it holds
     `total_tokens` or `minutes` are up (a shard started is finished; 0: add none), and return
@@ -871,7 +928,9 @@ def grow_corpus(
     new in each shard; a corpus may hold shards of both. folder: grow THIS corpus (`train-draft
     --corpus`), whatever its settings (its settings.json and vocab.npy are used; the layer ids must
     be `aux_layers`), instead of the one these settings key: a head whose draft vocabulary was
-    re-chosen (`--revocab`) keeps training on the corpus its predecessor made."""
+    re-chosen (`--revocab`) keeps training on the corpus its predecessor made. features: False
+    adds shards of token ids only (no features, top-K or greedy tokens: ~1.5x the tokens a minute
+    on the CPU, where they take a third of a shard's time), for `featurise` or a GPU later."""
     tok, cfg = loaded.tokenizer, loaded.config
     if tok is None:
         raise InputError("train-draft needs the target's tokenizer (to build the prompt mix)")
@@ -899,6 +958,7 @@ def grow_corpus(
         cuda_graphs,
         prompt_source,
         folder,
+        features,
     )
     t0 = time.perf_counter()
     lock = None

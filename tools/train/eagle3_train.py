@@ -196,6 +196,12 @@ class ShardData:
             if missing:
                 from arborspec.runtime.errors import InputError
 
+                if (d / "tokens.npy").is_file() and (d / "shard.json").is_file():
+                    raise InputError(
+                        f"the corpus shard {d} holds token ids only (grown with --defer-features or unpacked with "
+                        f"--ids-only): featurise it first: python -m arborspec.tools.train.corpus_ids featurise "
+                        f"--model MODEL --corpus {corpus}"
+                    )
                 raise InputError(
                     f"the corpus shard {d} is incomplete (no {', '.join(missing)}): remove that folder "
                     "and train again (the corpus goes on without it)"
