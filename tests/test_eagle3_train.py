@@ -1282,6 +1282,8 @@ def test_a_corpus_packed_as_ids_unpacks_to_the_same_corpus(tmp_path, capsys, mon
     aux = default_aux_layers(lm.config.n_layers)
     kw = dict(shard_prompts=4, gen_len=12, batch=2, window=64, draft_vocab=64, topk=4, seed=0)
     src = grow_corpus(lm, aux, root=tmp_path / "a", total_tokens=1, minutes=5, verbose=False, **kw)
+    base = tmp_path / "ids-base.npz"  # the pack of the corpus's first shard, before it grew
+    assert corpus_ids.pack(lm, src, base)["shards"] == 1
     grow_corpus(
         lm, aux, root=tmp_path / "a", total_tokens=read_progress(src)["tokens"] + 1, minutes=5, verbose=False, **kw
     )
@@ -1290,6 +1292,14 @@ def test_a_corpus_packed_as_ids_unpacks_to_the_same_corpus(tmp_path, capsys, mon
     ids = tmp_path / "ids.npz"
     got = corpus_ids.pack(lm, src, ids)
     assert got["shards"] == n and got["tokens"] == read_progress(src)["tokens"]
+    cont = tmp_path / "ids-cont.npz"  # what the corpus grew by since `base`: shards 1..
+    assert corpus_ids.pack(lm, src, cont, first=1)["shards"] == n - 1
+    with pytest.raises(ArborspecError, match="--from 2: the corpus has shards 0..1"):
+        corpus_ids.pack(lm, src, tmp_path / "x.npz", first=2)
+    other = grow_corpus(
+        lm, aux, root=tmp_path / "e", total_tokens=1, minutes=5, verbose=False, **{**kw, "seed": 1}
+    )  # another corpus
+    corpus_ids.pack(lm, other, tmp_path / "other.npz")
     size = sum(f.stat().st_size for f in src.rglob("*") if f.is_file() and f.suffix == ".npy")
     assert ids.stat().st_size * 5 < size
 
@@ -1363,7 +1373,14 @@ def test_a_corpus_packed_as_ids_unpacks_to_the_same_corpus(tmp_path, capsys, mon
     from arborspec.tools.train.eagle3_train import ShardData
 
     monkeypatch.setattr(ec, "build_features", None)  # never called without features
-    bare = corpus_ids.unpack(lm, ids, tmp_path / "d", verbose=False, ids_only=True)
+    with pytest.raises(ArborspecError, match="starts at shard 1, the packs before it hold 0"):
+        corpus_ids.unpack(lm, [cont], tmp_path / "d", verbose=False, ids_only=True)
+    with pytest.raises(ArborspecError, match="starts at shard 0, the packs before it hold 1"):
+        corpus_ids.unpack(lm, [base, ids], tmp_path / "d", verbose=False, ids_only=True)
+    with pytest.raises(ArborspecError, match="another corpus than"):
+        corpus_ids.unpack(lm, [base, tmp_path / "other.npz"], tmp_path / "d", verbose=False, ids_only=True)
+    # the chain, in any order, is the whole pack (compared array by array below)
+    bare = corpus_ids.unpack(lm, [cont, base], tmp_path / "d", verbose=False, ids_only=True)
     assert bare.name == src.name and not any(ec.featurised(d) for d in shard_dirs(bare))
     grow_corpus(
         lm, aux, root=tmp_path / "d", total_tokens=read_progress(bare)["tokens"] + 1, minutes=5, verbose=False,

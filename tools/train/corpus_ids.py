@@ -15,7 +15,9 @@ Role in one decode step: none; it keeps the data that step 1's draft head is tra
         --corpus ~/.cache/arborspec/eagle3-corpus/KEY --out corpus-ids.npz
     python -m arborspec.tools.train.corpus_ids unpack --model smollm2-135m --ids corpus-ids.npz
     python -m arborspec.tools.train.corpus_ids unpack --model smollm2-135m --ids corpus-ids.npz --draft-vocab 16384
-    python -m arborspec.tools.train.corpus_ids unpack --model smollm2-135m --ids corpus-ids.npz --ids-only
+    python -m arborspec.tools.train.corpus_ids pack --model smollm2-135m --corpus ~/.cache/arborspec/eagle3-corpus/KEY \\
+        --from 496 --out corpus-ids-00496.npz      # shards 496.. only: a continuation
+    python -m arborspec.tools.train.corpus_ids unpack --model smollm2-135m --ids corpus-ids*.npz --ids-only
     python -m arborspec.tools.train.corpus_ids featurise --model smollm2-135m --corpus ~/.cache/arborspec/eagle3-corpus/KEY
 """
 
@@ -43,17 +45,20 @@ def target_sha(loaded) -> str:
     return hashlib.sha256(target_id_of(loaded).encode()).hexdigest()[:16]
 
 
-def pack(loaded, folder: Path, out: Path) -> dict:
+def pack(loaded, folder: Path, out: Path, first: int = 0) -> dict:
     """Write corpus `folder`'s ids, shard records, settings, vocabulary and progress to `out`
-    (an .npz, written whole or not at all). -> what it holds."""
+    (an .npz, written whole or not at all). first: pack shards `first`.. only (a continuation
+    of the packs that hold the shards before it: `unpack` takes them all). -> what it holds."""
     from arborspec.tools.train.eagle3_corpus import corpus_settings, read_progress, shard_dirs
 
     settings = corpus_settings(folder)
     shards = shard_dirs(folder)
     if not shards:
         raise InputError(f"--corpus {folder}: no finished shard to pack")
+    if not 0 <= first < len(shards):
+        raise InputError(f"--from {first}: the corpus has shards 0..{len(shards) - 1}")
     arrays, infos = {}, []
-    for i, d in enumerate(shards):
+    for i, d in enumerate(shards[first:], first):
         try:
             t = np.load(d / "tokens.npy")
             info = json.loads((d / "shard.json").read_text())
@@ -69,6 +74,7 @@ def pack(loaded, folder: Path, out: Path) -> dict:
         "target": target_sha(loaded),
         "settings": settings,
         "progress": {k: v for k, v in prog.items() if k not in MEASURED},
+        "first_shard": first,
         "shards": infos,
     }
     arrays["vocab"] = np.load(folder / "vocab.npy")
@@ -76,7 +82,7 @@ def pack(loaded, folder: Path, out: Path) -> dict:
     buf = io.BytesIO()
     np.savez_compressed(buf, **arrays)
     atomic_write_bytes(out, buf.getvalue())
-    return {"shards": len(shards), "tokens": int(sum(a.size for k, a in arrays.items() if k.startswith("shard")))}
+    return {"shards": len(infos), "tokens": int(sum(a.size for k, a in arrays.items() if k.startswith("shard")))}
 
 
 def read_pack(path: Path) -> tuple[dict, np.lib.npyio.NpzFile]:
@@ -88,6 +94,37 @@ def read_pack(path: Path) -> tuple[dict, np.lib.npyio.NpzFile]:
     if meta.get("format") != FORMAT:
         raise InputError(f"--ids {path}: format {meta.get('format')!r}, this arborspec reads {FORMAT}")
     return meta, z
+
+
+class Packs:
+    """One corpus from one pack or a chain of them (a pack and its continuations, `pack --from`),
+    in any order: ordered by their first shard, each the continuation of the ones before it (the
+    same corpus, settings and vocabulary). The whole corpus's progress is the last pack's."""
+
+    def __init__(self, paths: list[Path]):
+        packs = sorted((read_pack(p) + (p,) for p in paths), key=lambda m: m[0].get("first_shard", 0))
+        head, z0, _ = packs[0]
+        self.key, self.target, self.settings = head["key"], head["target"], head["settings"]
+        self.vocab = np.asarray(z0["vocab"], dtype=np.int64)
+        self.infos, self._z = [], []
+        for meta, z, p in packs:
+            if (meta["key"], meta["settings"]) != (self.key, self.settings) or not np.array_equal(
+                z["vocab"], self.vocab
+            ):
+                raise InputError(
+                    f"--ids {p}: another corpus than {packs[0][2]} (its key, settings or vocabulary differ)"
+                )
+            if meta.get("first_shard", 0) != len(self.infos):
+                raise InputError(
+                    f"--ids {p}: it starts at shard {meta.get('first_shard', 0)}, the packs before it hold "
+                    f"{len(self.infos)} (give every pack of the chain)"
+                )
+            self.infos += meta["shards"]
+            self._z += [z] * len(meta["shards"])
+        self.progress = packs[-1][0]["progress"]
+
+    def windows(self, i: int) -> np.ndarray:
+        return self._z[i][f"shard{i:05d}"]
 
 
 def progress_after(total: dict, shards: list[dict]) -> dict:
@@ -105,8 +142,8 @@ def progress_after(total: dict, shards: list[dict]) -> dict:
     }
 
 
-def revocab(loaded, meta: dict, z, draft_vocab: int) -> tuple[dict, np.ndarray, str]:
-    """The pack's corpus over another draft vocabulary: the `draft_vocab` most frequent tokens of
+def revocab(loaded, packs: Packs, draft_vocab: int) -> tuple[dict, np.ndarray, str]:
+    """The packs' corpus over another draft vocabulary: the `draft_vocab` most frequent tokens of
     its windows, EOS always in (what `train-draft --revocab N` chooses from the same corpus, so a
     head re-vocabularied there reads the stored top-K as it is). -> (settings, vocabulary, key)."""
     from arborspec.tools.train import eagle3_corpus as ec
@@ -114,16 +151,16 @@ def revocab(loaded, meta: dict, z, draft_vocab: int) -> tuple[dict, np.ndarray, 
     v = loaded.config.vocab_size
     if not 1 <= draft_vocab <= v:
         raise InputError(f"--draft-vocab {draft_vocab}: not in 1..{v} (the target's vocabulary)")
-    counts = ec.count_tokens((z[f"shard{i:05d}"] for i in range(len(meta["shards"]))), v)
+    counts = ec.count_tokens((packs.windows(i) for i in range(len(packs.infos))), v)
     vocab = ec.revocabulary(counts, draft_vocab, loaded.tokenizer)
     sha = hashlib.sha256(vocab.tobytes()).hexdigest()[:16]
-    settings = {**meta["settings"], "draft_vocab": draft_vocab, "vocab_sha256": sha}
+    settings = {**packs.settings, "draft_vocab": draft_vocab, "vocab_sha256": sha}
     return settings, vocab, ec.corpus_key(ec.target_id_of(loaded), settings)
 
 
 def unpack(
     loaded,
-    path: Path,
+    path: Path | list[Path],
     root: Path,
     device: str = "cpu",
     threads: int | None = None,
@@ -131,7 +168,8 @@ def unpack(
     draft_vocab: int | None = None,
     ids_only: bool = False,
 ) -> Path:
-    """Rebuild the corpus of ids file `path` under `root` (its own folder name, the key it had):
+    """Rebuild the corpus of ids file `path` (or a chain of them, Packs) under `root` (its own
+    folder name, the key it had):
     the shards not there yet are written as token ids (each published whole, progress written
     after each), then every shard without features gets them from the target again
     (eagle3_corpus.featurise: one shard at a time; an interrupted unpack resumes). ids_only: the
@@ -140,14 +178,14 @@ def unpack(
     draft vocabulary (`revocab`; its own folder). -> the corpus folder."""
     from arborspec.tools.train import eagle3_corpus as ec
 
-    meta, z = read_pack(path)
-    if meta["target"] != target_sha(loaded):
-        raise InputError(f"--ids {path}: made for another target than this --model (its weights differ)")
-    settings, infos = meta["settings"], meta["shards"]
-    folder = root / meta["key"]
-    vocab = np.asarray(z["vocab"], dtype=np.int64)
+    paths = [path] if isinstance(path, (str, Path)) else list(path)
+    packs = Packs([Path(p) for p in paths])
+    if packs.target != target_sha(loaded):
+        raise InputError(f"--ids {paths[0]}: made for another target than this --model (its weights differ)")
+    settings, infos, vocab = packs.settings, packs.infos, packs.vocab
+    folder = root / packs.key
     if draft_vocab is not None and draft_vocab != len(vocab):
-        settings, vocab, key = revocab(loaded, meta, z, draft_vocab)
+        settings, vocab, key = revocab(loaded, packs, draft_vocab)
         folder = root / key
     folder.mkdir(parents=True, exist_ok=True)
     lock, holder = ec.grow_lock(folder)
@@ -165,10 +203,11 @@ def unpack(
         features = {k: features[k] for k in MEASURED if k in features}
         for i in range(have, len(infos)):
             with PartialFolder(folder / "shards" / f"{i:05d}") as tmp:
-                np.save(tmp / "tokens.npy", np.asarray(z[f"shard{i:05d}"], dtype=np.int32))
+                np.save(tmp / "tokens.npy", np.asarray(packs.windows(i), dtype=np.int32))
                 atomic_write_json(tmp / "shard.json", infos[i])
-            # progress as the shards so far hold it; the pack's own totals once all are in
-            prog = meta["progress"] if i + 1 == len(infos) else progress_after(meta["progress"], infos[: i + 1])
+            # progress as the shards so far hold it; the packs' own totals once all are in
+            total = packs.progress
+            prog = total if i + 1 == len(infos) else progress_after(total, infos[: i + 1])
             atomic_write_json(folder / "corpus.json", {**prog, **features})
         if verbose and have < len(infos):
             ec.log(f"corpus ids: {len(infos) - have} shards of token ids written ({folder})")
@@ -183,7 +222,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m arborspec.tools.train.corpus_ids",
         description=__doc__.split("\n\n")[0],
-        epilog="examples:\n" + "\n".join(__doc__.rstrip().split("\n")[-6:]),
+        epilog="examples:\n" + "\n".join(__doc__.rstrip().split("\n")[-8:]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -193,9 +232,20 @@ def main(argv=None) -> int:
         "--corpus", type=Path, required=True, help="the corpus folder (~/.cache/arborspec/eagle3-corpus/KEY)"
     )
     a.add_argument("--out", type=Path, required=True, help="the file to write (.npz)")
+    a.add_argument(
+        "--from",
+        dest="first",
+        type=int,
+        default=0,
+        metavar="N",
+        help="pack shards N.. only: a continuation of the packs holding shards 0..N-1 (unpack takes them all), "
+        "so a grown corpus adds a small file instead of rewriting the whole pack",
+    )
     b = sub.add_parser("unpack", help="rebuild the corpus folder from such a file (features computed again)")
     b.add_argument("--model", required=True, help="the corpus's target (e.g. smollm2-135m)")
-    b.add_argument("--ids", type=Path, required=True, help="the file pack wrote")
+    b.add_argument(
+        "--ids", type=Path, nargs="+", required=True, help="the file pack wrote, or a pack and its continuations"
+    )
     b.add_argument(
         "--root", type=Path, default=None, help="where corpora live (default: the user cache's eagle3-corpus)"
     )
@@ -226,13 +276,14 @@ def main(argv=None) -> int:
     try:
         if args.cmd in ("pack", "featurise") and not args.corpus.is_dir():
             raise InputError(f"--corpus {args.corpus}: no such folder")
-        if args.cmd == "unpack" and not args.ids.is_file():
-            raise InputError(f"--ids {args.ids}: no such file")
+        for ids in args.ids if args.cmd == "unpack" else ():
+            if not ids.is_file():
+                raise InputError(f"--ids {ids}: no such file")
         from arborspec.models.registry import cache_dir, load_model
 
         loaded = load_model(args.model)
         if args.cmd == "pack":
-            got = pack(loaded, args.corpus, args.out)
+            got = pack(loaded, args.corpus, args.out, args.first)
             print(f"{args.out}: {got['shards']} shards, {got['tokens']} tokens ({args.out.stat().st_size} bytes)")
         elif args.cmd == "featurise":
             from arborspec.tools.train.eagle3_corpus import corpus_settings, featurise

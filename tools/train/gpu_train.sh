@@ -12,8 +12,8 @@
 #     run(command="bash .carry/load0/unpack.sh", carry=[".carry/load0"])   ... one call per load
 #     run(command="bash .carry/install/unpack.sh && bash tools/train/gpu_train.sh", carry=[".carry/install"],
 #         timeout_s=600)
-# Knobs (environment): CORPUS_IDS (a corpus_ids pack to featurise first; default the CPU corpus's,
-# tools/data/corpus/smollm2-135m-eagle3-ids.npz, where present; none: skip), CORPUS_MIN (default 3.5), TRAIN_MIN (default 3.5), CORPUS_TOKENS (default
+# Knobs (environment): CORPUS_IDS (corpus_ids packs to featurise first, space-separated: a pack and its
+# continuations; default the CPU corpus's, tools/data/corpus/smollm2-135m-eagle3-ids*.npz, where present; none: skip), CORPUS_MIN (default 3.5), TRAIN_MIN (default 3.5), CORPUS_TOKENS (default
 # 20000000: the time is the limit), GEN_BATCH (128), BATCH (32 windows), LR (3e-4), INIT (eagle3:
 # fine-tune the shipped head; "none": a fresh head), SCHEDULE (4000 batches: the learning-rate schedule;
 # the time is the limit, ~230 batches a minute on an H100), EXTRA (more train-draft arguments, later ones win),
@@ -61,10 +61,12 @@ init=()
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 # the CPU corpus's token ids (tools/train/corpus_ids.py), featurised here first: the run trains
 # on them and on the shards it adds (which go on from their next prompt, so they are new text)
-IDS=${CORPUS_IDS:-tools/data/corpus/smollm2-135m-eagle3-ids.npz}
+# (a pack and its continuations, `corpus_ids pack --from N`: every file of the chain)
+IDS=${CORPUS_IDS:-$(ls tools/data/corpus/smollm2-135m-eagle3-ids*.npz 2>/dev/null | tr '\n' ' ')}
 vocab=()
-if [ "$IDS" != none ] && [ -f "$IDS" ]; then
-  if ! "${PYTHON:-python3}" -P -m arborspec.tools.train.corpus_ids unpack --model smollm2-135m --ids "$IDS" \
+if [ "$IDS" != none ] && [ -n "${IDS// /}" ]; then
+  # shellcheck disable=SC2086  # the chain's files, one argument each
+  if ! "${PYTHON:-python3}" -P -m arborspec.tools.train.corpus_ids unpack --model smollm2-135m --ids $IDS \
     --device "${DEVICE:-cuda}" ${VOCAB:+--draft-vocab "$VOCAB"} > /tmp/arborspec-unpack-$$.txt; then
     echo "gpu_train: $IDS not unpacked; the run goes on without it"
   fi
