@@ -297,19 +297,43 @@ def verify(engine, ids, pos, mask, cache, features: bool):
     return engine.forward(ids, pos, mask, cache), None
 
 
-def settle(logits, tree: Tree, sampling, rng, eos: set, room: int, stats: GenerationStats, name: str, root_probs=None):
+def settle(
+    logits,
+    tree: Tree,
+    sampling,
+    rng,
+    eos: set,
+    room: int,
+    stats: GenerationStats,
+    name: str,
+    root_probs=None,
+    root=None,
+):
     """Step 4 for one sequence: accept over its rows `logits` [>= tree.n + 1, V] (checked
     finite where read), cut at EOS / the token budget `room` -> (new tokens, the accepted path
     to commit: node indices, root excluded, the last token left out as the next root, stop
     reason or None). root_probs: the root row's warped probabilities when the caller computed
-    them already (a batch's, in one call on its device)."""
-    if not sampling.greedy:  # the sampled walk turns rows into probabilities as it reads them
+    them already (a batch's, in one call on its device). root: (argmax, finite) of the root row
+    of a call without a tree, when the caller reduced it already (guards.root_reductions: a
+    batch's rows at once); `logits` are read then only to name a non-finite row's fault."""
+    if root is not None:
+        if tree.n:
+            raise ValueError("settle: root reductions are for calls without a tree")
+        if not root[1]:
+            check_logits(logits[:1], None, stats.steps + 1, name)  # raises, naming NaN or Inf
+        if sampling.greedy:
+            new, stop = truncate([root[0]], eos, room)
+            return new, NO_PATH, stop
+    elif not sampling.greedy:  # the sampled walk turns rows into probabilities as it reads them
         check_logits(logits[: tree.n + 1], None, stats.steps + 1, name)
     acc = accept(logits[: tree.n + 1], tree, sampling, rng, root_probs)
     if sampling.greedy:  # the rows the greedy walk read: the accepted path's and the next token's
         check_logits(logits, [0] + [i + 1 for i in acc.path.tolist()], stats.steps + 1, name)
     new, stop = truncate(acc.tokens, eos, room)
     return new, acc.path[: len(new) - 1], stop
+
+
+NO_PATH = torch.zeros(0, dtype=torch.long)  # the accepted path of a call without a tree
 
 
 def truncate(tokens: list[int], eos: set, room: int) -> tuple[list[int], str | None]:

@@ -591,8 +591,9 @@ def test_tensorrt_compare_cli(trt_answer, dtype, capsys):
 def test_torch_cuda_batched_equals_alone_and_accepts_on_the_host(cuda_models, kind, graphs, monkeypatch):
     """BatchDecoder on CUDA (the server's continuous batching, the GPU corpus of train-draft):
     every sequence equals decoding it alone, 2 rows for 3 prompts (joins and leaves), and the
-    accept of a roots-only step reads host logits (batch_decode.host_logits: one copy per step,
-    not a device sync per row), a tree step's stays on the device. Sampled rows run too (their generators are host generators). With CUDA graphs
+    accept of a roots-only step takes its row's argmax and finiteness reduced for the whole batch
+    at once (guards.root_reductions: two small copies a step, not the logits or a device sync per
+    row), a tree step's stays on the device. Sampled rows run too (their generators are host generators). With CUDA graphs
     (TorchEngine(cuda_graphs=True); "static" in the dry run) the batched calls are replayed."""
     from arborspec.runtime import batch_decode
     from arborspec.runtime.backends.torch_backend import TorchEngine
@@ -616,7 +617,7 @@ def test_torch_cuda_batched_equals_alone_and_accepts_on_the_host(cuda_models, ki
     settle = batch_decode.settle
 
     def spy(logits, *a, **k):
-        seen.append((logits.shape[0], logits.device.type))  # a row's [T, V]
+        seen.append((logits.shape[0], logits.device.type, a[8] if len(a) > 8 else k.get("root")))  # a row's [T, V]
         return settle(logits, *a, **k)
 
     monkeypatch.setattr(batch_decode, "settle", spy)
@@ -625,10 +626,11 @@ def test_torch_cuda_batched_equals_alone_and_accepts_on_the_host(cuda_models, ki
     )
     got = [s.tokens for s in bd.generate_many(prompts, 16)]
     assert got == ref
-    roots = {dev for t, dev in seen if t == 1}  # roots-only calls: accepted on host logits
-    assert roots == {"cpu"} if kind == "vanilla" else roots <= {"cpu"}
-    if kind != "vanilla":  # tree calls stay on the device (each row reduced there)
-        assert {dev for t, dev in seen if t > 1} == {DEV}
+    roots = [root for t, _, root in seen if t == 1]  # roots-only calls: reduced for the batch at once
+    assert all(r is not None for r in roots) and (roots or kind != "vanilla")
+    assert {dev for _, dev, _ in seen} == {DEV}  # the logits stay on the device
+    if kind != "vanilla":  # tree calls: each row reduced there
+        assert any(t > 1 for t, _, _ in seen)
     sampled = bd.generate_many(prompts, 4, sampling=SamplingParams(0.8, 0, 0.9), seeds=range(3))
     assert all(len(s.tokens) == 4 for s in sampled)
     static = getattr(batched_target, "static", None)
@@ -638,7 +640,7 @@ def test_torch_cuda_batched_equals_alone_and_accepts_on_the_host(cuda_models, ki
         f"batched_equals_alone[{kind}{'-graphs' if graphs else ''}]",
         {
             "equal": got == ref,
-            "accept_on": sorted({f"T={t}:{d}" for t, d in seen}),
+            "accept_on": sorted({f"T={t}:{d}{':batch-reduced' if r is not None else ''}" for t, d, r in seen}),
             "captured": getattr(static, "captured", None),
         },
     )

@@ -50,3 +50,31 @@ def test_check_logits_reads_only_the_rows_it_is_given():
     check_logits(x, [0, 1, 3], 1, "e")  # the broken row is not one the accept rule read
     with pytest.raises(NumericalError, match="NaN in the logits of e at decode step 7"):
         check_logits(x, [0, 2], 7, "e")
+
+
+def test_a_batchs_root_reductions_are_each_rows_own():
+    """guards.root_reductions (a roots-only batch step, every row at once) gives each row what
+    accept_greedy and check_logits give it alone: the first index of the maximum (ties too) and
+    whether the row is finite (a NaN, +Inf or -Inf anywhere in it makes it not)."""
+    from arborspec.runtime.accept import accept_greedy
+    from arborspec.runtime.guards import root_reductions
+    from arborspec.runtime.trees import Tree
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 1, 300, generator=g)
+    x[1, 0, [7, 250]] = 9.0  # a tie: the first index wins
+    x[2, 0, 11] = float("nan")
+    x[3, 0, 5] = float("inf")
+    x[4, 0, 299] = float("-inf")
+    best, finite = root_reductions(x)
+    assert finite == [True, True, False, False, False, True]
+    for r in (0, 1, 5):
+        assert best[r] == accept_greedy(x[r], Tree.empty()).tokens[0]
+    assert best[1] == 7
+    for r in range(6):
+        try:
+            check_logits(x[r], [0], 1, "t")
+            alone = True
+        except NumericalError:
+            alone = False
+        assert finite[r] == alone
