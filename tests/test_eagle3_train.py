@@ -1327,18 +1327,20 @@ def test_a_corpus_packed_as_ids_unpacks_to_the_same_corpus(tmp_path, capsys, mon
     assert corpus_ids.unpack(lm, ids, tmp_path / "b", verbose=False) == dst
     assert {f: f.stat().st_mtime_ns for f in shard_dirs(dst)[0].iterdir()} == first
 
-    drop = ("features_s",)
-    assert {k: v for k, v in read_progress(dst).items() if k not in drop} == {
-        k: v for k, v in read_progress(src).items() if k not in drop
-    }
-    assert json.loads((dst / "settings.json").read_text()) == json.loads((src / "settings.json").read_text())
-    assert np.array_equal(np.load(dst / "vocab.npy"), np.load(src / "vocab.npy"))
-    for a, b in zip(shard_dirs(src), shard_dirs(dst), strict=True):
-        for f in ("tokens.npy", "top_ids.npy", "top1.npy", "top_lp.npy"):
-            assert np.array_equal(np.load(a / f), np.load(b / f)), f
-        np.testing.assert_allclose(np.load(a / "features.npy"), np.load(b / "features.npy"), atol=1e-3)
-        ja, jb = (json.loads((d / "shard.json").read_text()) for d in (a, b))
-        assert {k: v for k, v in ja.items() if k not in drop} == {k: v for k, v in jb.items() if k not in drop}
+    def same_corpus(x, y, drop=("features_s",)):  # every array, record and the progress, timings aside
+        assert {k: v for k, v in read_progress(x).items() if k not in drop} == {
+            k: v for k, v in read_progress(y).items() if k not in drop
+        }
+        assert json.loads((x / "settings.json").read_text()) == json.loads((y / "settings.json").read_text())
+        assert np.array_equal(np.load(x / "vocab.npy"), np.load(y / "vocab.npy"))
+        for a, b in zip(shard_dirs(x), shard_dirs(y), strict=True):
+            for f in ("tokens.npy", "top_ids.npy", "top1.npy", "top_lp.npy"):
+                assert np.array_equal(np.load(a / f), np.load(b / f)), f
+            np.testing.assert_allclose(np.load(a / "features.npy"), np.load(b / "features.npy"), atol=1e-3)
+            ja, jb = (json.loads((d / "shard.json").read_text()) for d in (a, b))
+            assert {k: v for k, v in ja.items() if k not in drop} == {k: v for k, v in jb.items() if k not in drop}
+
+    same_corpus(dst, src)
     # the rebuilt corpus grows on from where the packed one stopped
     grow_corpus(
         lm, aux, root=tmp_path / "b", total_tokens=read_progress(dst)["tokens"] + 1, minutes=5, verbose=False, **kw
@@ -1395,16 +1397,7 @@ def test_a_corpus_packed_as_ids_unpacks_to_the_same_corpus(tmp_path, capsys, mon
     assert ec.featurise(lm, bare, verbose=False) == n + 1
     assert ec.featurise(lm, bare, verbose=False) == 0
     assert len(ShardData(bare).offsets) == n + 2
-    drop = ("features_s", "generation_s")  # the two grown shards' timings
-    for a, b in zip(shard_dirs(dst), shard_dirs(bare), strict=True):
-        for f in ("tokens.npy", "top_ids.npy", "top1.npy", "top_lp.npy"):
-            assert np.array_equal(np.load(a / f), np.load(b / f)), f
-        np.testing.assert_allclose(np.load(a / "features.npy"), np.load(b / "features.npy"), atol=1e-3)
-        ja, jb = (json.loads((d / "shard.json").read_text()) for d in (a, b))
-        assert {k: v for k, v in ja.items() if k not in drop} == {k: v for k, v in jb.items() if k not in drop}
-    assert {k: v for k, v in read_progress(bare).items() if k not in drop} == {
-        k: v for k, v in read_progress(dst).items() if k not in drop
-    }
+    same_corpus(bare, dst, drop=("features_s", "generation_s"))  # the two grown shards' timings differ
 
     with pytest.raises(ArborspecError, match="another target"):
         corpus_ids.unpack(_tiny_loaded(2), ids, tmp_path / "c", verbose=False)
