@@ -34,7 +34,9 @@ EXAMPLE = """examples:
   nohup nice -n 19 arborspec train-draft --model smollm2-135m --init eagle3 --out ~/.cache/arborspec/train/h \\
       --threads 1 --corpus-tokens 2000000 --corpus-minutes 30 --minutes 30 > train.log 2>&1 &  # rerun: it resumes
   arborspec train-draft --model smollm2-135m --init eagle3 --out ~/.cache/arborspec/train/h --corpus-minutes 0 \\
-      --minutes 0 --install   # measure the trained head against the shipped one; install it only if better"""
+      --minutes 0 --install   # measure the trained head against the shipped one; install it only if better
+  arborspec train-draft --model smollm2-135m --init eagle3 --out ~/.cache/arborspec/train/h --corpus-tokens 20000000 \\
+      --corpus-minutes 600 --minutes 0 --defer-features   # grow the corpus as token ids only (features later)"""
 
 
 def register(sub) -> None:
