@@ -296,9 +296,7 @@ def run(args) -> int:
         return 0
 
     def target_source():  # what runs the target for the held-out set, built only if it is not cached
-        if args.device == "cpu":
-            return eagle3_corpus.corpus_graph(loaded, corpus)
-        return eagle3_corpus.feature_engine(loaded, aux, args.device)
+        return eagle3_corpus.corpus_source(loaded, corpus, aux, args.device)
 
     heldout = eagle3_heldout.build_heldout(
         loaded, aux, target_source, cache_dir() / "eagle3-heldout", threads=args.threads

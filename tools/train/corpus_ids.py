@@ -199,8 +199,7 @@ def unpack(
             atomic_write(folder / "vocab.npy", lambda f: np.save(f, vocab))
             atomic_write_json(folder / "settings.json", settings)
         have = len(ec.shard_dirs(folder))
-        features = ec.read_progress(folder)
-        features = {k: features[k] for k in MEASURED if k in features}
+        measured = {k: v for k, v in ec.read_progress(folder).items() if k in MEASURED}  # of shards there
         for i in range(have, len(infos)):
             with PartialFolder(folder / "shards" / f"{i:05d}") as tmp:
                 np.save(tmp / "tokens.npy", np.asarray(packs.windows(i), dtype=np.int32))
@@ -208,7 +207,7 @@ def unpack(
             # progress as the shards so far hold it; the packs' own totals once all are in
             total = packs.progress
             prog = total if i + 1 == len(infos) else progress_after(total, infos[: i + 1])
-            atomic_write_json(folder / "corpus.json", {**prog, **features})
+            atomic_write_json(folder / "corpus.json", {**prog, **measured})
         if verbose and have < len(infos):
             ec.log(f"corpus ids: {len(infos) - have} shards of token ids written ({folder})")
         if not ids_only:

@@ -653,10 +653,8 @@ def featurise(loaded, folder: Path, device: str = "cpu", threads: int | None = N
         todo = [d for d in shard_dirs(folder) if not featurised(d)]
         if todo:
             vocab = np.load(folder / "vocab.npy")
-            if device == "cpu":
-                source = corpus_graph(loaded, folder)
-            else:
-                source = engine = feature_engine(loaded, settings["aux"], device)
+            source = corpus_source(loaded, folder, settings["aux"], device)
+            engine = None if isinstance(source, Path) else source
         for d in todo:
             info = json.loads((d / "shard.json").read_text())
             windows = np.load(d / "tokens.npy")
@@ -678,6 +676,15 @@ def featurise(loaded, folder: Path, device: str = "cpu", threads: int | None = N
         if own:
             lock.close()
     return done
+
+
+def corpus_source(loaded, folder: Path, aux_layers: list[int], device: str, cuda_graphs: bool = False):
+    """What runs the target over corpus `folder` (its windows, its generation, its held-out set):
+    the folder's ONNX Runtime features graph on the CPU (a path), else one feature_engine on
+    `device` (an engine: the caller closes it)."""
+    if device == "cpu":
+        return corpus_graph(loaded, folder)
+    return feature_engine(loaded, aux_layers, device, cuda_graphs)
 
 
 def corpus_graph(loaded, folder: Path) -> Path:
@@ -751,10 +758,8 @@ class Corpus:
 
     def _source(self):
         """What runs the target: the corpus's features graph (CPU) or one feature_engine (GPU)."""
-        if self.device == "cpu":
-            return corpus_graph(self.loaded, self.folder)
         if self._engine is None:
-            self._engine = feature_engine(self.loaded, self.aux, self.device, self.cuda_graphs)
+            self._engine = corpus_source(self.loaded, self.folder, self.aux, self.device, self.cuda_graphs)
         return self._engine
 
     def vocab(self, stream: np.ndarray | None = None) -> np.ndarray:

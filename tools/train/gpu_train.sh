@@ -71,9 +71,8 @@ if [ "$IDS" != none ] && [ -n "${IDS// /}" ]; then
   # disk's write rate; CORPUS_ROOT=DIR chooses the folder
   if [ -z "${CORPUS_ROOT:-}" ] && [ -d /dev/shm ]; then
     # shellcheck disable=SC2086
-    need=$("${PYTHON:-python3}" -c "import json, sys, numpy as np
-print(int(sum(s['tokens'] for f in sys.argv[1:] for s in json.loads(bytes(np.load(f)['meta']).decode())['shards'])
-          * 3600 * 1.25) + (8 << 30))" $IDS 2>/dev/null || echo 0)
+    need=$("${PYTHON:-python3}" -P -c "import sys; from arborspec.tools.train.corpus_ids import Packs
+print(int(sum(s['tokens'] for s in Packs(sys.argv[1:]).infos) * 3600 * 1.25) + (8 << 30))" $IDS 2>/dev/null || echo 0)
     free=$(df --output=avail -B1 /dev/shm 2>/dev/null | tail -1)
     if [ "${need:-0}" -gt 0 ] && [ "${free:-0}" -gt "$need" ]; then CORPUS_ROOT=/dev/shm/arborspec-corpus; fi
   fi
