@@ -58,3 +58,19 @@ def test_coin_and_sample_follow_their_definition():
     assert pvalue(seen, {(1,): 0.25, (3,): 0.75}) > 1e-3
     with pytest.raises(ValueError, match="positive finite sum"):
         sample(torch.zeros(5), g)
+
+
+def test_sample_over_the_nonzero_entries_draws_what_the_whole_row_draws():
+    """`sample` inverts the cumulative sum of the nonzero entries only (a nucleus, not 49k zeros):
+    the partial sums are the whole row's, so one draw gives the token the whole row's inversion
+    gives (checked draw by draw against that definition, written out here), never a zero entry."""
+    g = torch.Generator().manual_seed(5)
+    for trial in range(200):
+        p = torch.rand(2000, generator=g) * (torch.rand(2000, generator=g) < 0.02)
+        p[int(torch.randint(2000, (), generator=g))] += 0.1  # at least one nonzero
+        seed = 1000 + trial
+        got = sample(p, torch.Generator().manual_seed(seed))
+        c = torch.cumsum(p, 0, dtype=torch.float64)
+        u = float(torch.rand((), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)) * float(c[-1])
+        want = min(int(torch.searchsorted(c, torch.tensor([u], dtype=torch.float64), right=True)), 1999)
+        assert got == want and p[got] > 0

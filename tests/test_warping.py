@@ -6,6 +6,7 @@ threshold are left out (either answer is right there)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -37,8 +38,8 @@ def reference(logits: torch.Tensor, t: float, k: int, p: float) -> torch.Tensor:
     return torch.softmax(scores, -1)
 
 
-def near_the_threshold(logits: torch.Tensor, t: float, k: int, p: float) -> torch.Tensor:
-    """Rows where the mass before some token is within 1e-5 of top_p (after temperature, top-k)."""
+def near_the_threshold(logits: torch.Tensor, t: float, k: int, p: float, tol: float = 1e-5) -> torch.Tensor:
+    """Rows where the mass before some token is within `tol` of top_p (after temperature, top-k)."""
     if p >= 1.0:
         return torch.zeros(logits.shape[0], dtype=torch.bool)
     x = logits / t
@@ -47,7 +48,7 @@ def near_the_threshold(logits: torch.Tensor, t: float, k: int, p: float) -> torc
         x = x.masked_fill(x < kth, float("-inf"))
     sp = torch.softmax(x, -1).sort(-1, descending=True).values
     before = sp.cumsum(-1) - sp
-    return ((before - p).abs() < 1e-5).any(-1)
+    return ((before - p).abs() < tol).any(-1)
 
 
 @pytest.mark.parametrize("t,k,p", CASES)
@@ -88,3 +89,69 @@ def test_a_nucleus_of_thousands_of_tokens_equals_transformers(p):
     assert keep.sum() > 60 and sizes.min() < 256 and sizes.max() > 1024
     assert torch.equal(got > 0, want > 0), "a different set of tokens kept"
     assert torch.allclose(got, want, atol=1e-6)
+
+
+def nucleus_float64(x: torch.Tensor, p: float):
+    """The rule written out in float64: each row sorted (most likely first, equal ones in token
+    order), the cumulative mass before each token, the token dropped once it reaches p (the first
+    one never). -> (kept mask, each token's mass-before minus p, in token order)."""
+    x = x.double()
+    order = np.argsort(-x.numpy(), axis=1, kind="stable")
+    e = torch.exp(x - x.amax(1, keepdim=True)).nan_to_num(0.0)
+    pe = torch.gather(e, 1, torch.from_numpy(order))
+    pe = pe / pe.sum(1, keepdim=True)
+    before = torch.cumsum(pe, 1) - pe
+    keep_sorted = before < p
+    keep_sorted[:, 0] = True
+    keep = torch.zeros_like(keep_sorted).scatter(1, torch.from_numpy(order), keep_sorted)
+    gap = torch.zeros_like(before).scatter(1, torch.from_numpy(order), before - p)
+    return keep, gap
+
+
+def test_the_cpu_nucleus_and_the_device_paths_nucleus_follow_the_rule():
+    """top_p_filter has two implementations of one rule: CPU rows (`_nucleus_rows`: the tokens above
+    a floor, sorted, sums in float64) and any device (`_nucleus_topk`: a widening top-k, float32).
+    Both run on CPU tensors, so both are checked here against the rule written out in float64:
+    peaked to flat rows of a 49k vocabulary (nuclei from one token to thousands, every floor of
+    NUCLEUS_FLOORS and the last resort used), a row with -inf entries and one with equal logits.
+    Each may differ from it only at a token whose mass-before is within its rounding of top_p (the
+    CPU path's float32 exponentials: 1e-7; the device path's float32 sums: 1e-5). Kept logits
+    untouched."""
+    from arborspec.runtime.sampling import NUCLEUS_FLOORS, _nucleus_rows, _nucleus_topk
+
+    g = torch.Generator().manual_seed(11)
+    scale = torch.logspace(-1.5, 1.3, 48)[:, None]
+    x = torch.randn(48, 49152, generator=g) * scale
+    x[5, 100:] = float("-inf")  # a short row
+    x[40, :10] = x[40].max() + 3.0  # ten equal most likely tokens
+    x[46:, 1:] = torch.tensor([[-12.0], [-17.0]])  # one token and a long tail: 2^-17, 2^-25 of it
+    x[46:, 0] = 0.0
+    for p in (0.3, 0.9, 0.95, 0.999):
+        want, gap = nucleus_float64(x, p)
+        rows, dev = _nucleus_rows(x, p), _nucleus_topk(x, p)
+        for got, tol in ((rows, 1e-7), (dev, 1e-5)):  # float32 exponentials; float32 sums
+            differ = torch.isfinite(got) != want
+            if got is dev:  # its top-k orders equal logits its own way (and its float32 sums
+                # over the 49k equal tails drift by a few tokens): as many of the ten kept
+                assert torch.isfinite(dev[40]).sum() == want[40].sum()
+                differ[[40, 46, 47]] = False
+            assert (gap[differ].abs() < tol).all(), f"top_p {p}: {'CPU' if got is rows else 'device'} path"
+        for got in (rows, dev):
+            assert torch.equal(got[torch.isfinite(got)], x[torch.isfinite(got)])
+    kept = torch.isfinite(_nucleus_rows(x, 0.95)).sum(1)
+    assert kept.min() == 1 and kept.max() > 4096  # from one token to thousands
+    assert kept[40] == 10  # the ten equal most likely tokens hold 0.95: all ten kept
+    # which floor held each row's nucleus: each is used, and the last resort (every token)
+    e = torch.exp(x - x.amax(1, keepdim=True)).double()
+    mass = torch.stack([(e * (e >= f)).sum(1) for f in NUCLEUS_FLOORS]) / e.sum(1)
+    used = set()
+    for p in (0.95, 0.999):
+        held = mass >= p
+        used |= set(held.int().argmax(0).masked_fill(~held.any(0), len(NUCLEUS_FLOORS)).tolist())
+    assert used == set(range(len(NUCLEUS_FLOORS) + 1))
+    # equal logits: the earlier tokens first; NaN and all -inf rows: the device path's answer
+    assert torch.isfinite(_nucleus_rows(torch.tensor([[0.5, 0.5, 0.5]]), 0.5)).tolist() == [[True, True, False]]
+    odd = torch.tensor([[float("nan"), 1.0, 2.0], [float("-inf")] * 3])
+    for p in (0.2, 0.9):
+        got, dev = _nucleus_rows(odd, p), _nucleus_topk(odd, p)
+        assert torch.equal(got.isnan(), dev.isnan()) and torch.equal(got.isinf(), dev.isinf())
