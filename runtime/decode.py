@@ -324,9 +324,10 @@ def settle(
         if sampling.greedy:
             new, stop = truncate([root[0]], eos, room)
             return new, NO_PATH, stop
-    elif not sampling.greedy:  # the sampled walk turns rows into probabilities as it reads them
-        check_logits(logits[: tree.n + 1], None, stats.steps + 1, name)
-    acc = accept(logits[: tree.n + 1], tree, sampling, rng, root_probs)
+    check = None
+    if not sampling.greedy and root is None:  # the sampled walk checks each row as it reads it
+        check = lambda row: check_logits(logits, [row], stats.steps + 1, name)  # noqa: E731
+    acc = accept(logits[: tree.n + 1], tree, sampling, rng, root_probs, check)
     if sampling.greedy:  # the rows the greedy walk read: the accepted path's and the next token's
         check_logits(logits, [0] + [i + 1 for i in acc.path.tolist()], stats.steps + 1, name)
     new, stop = truncate(acc.tokens, eos, room)

@@ -75,12 +75,7 @@ def top_p_filter(x: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def _nucleus_rows(x: torch.Tensor, top_p: float) -> torch.Tensor:
-    """The CPU rows' nucleus without a vocabulary-wide sort or top-k: e = exp(x - max) once, then
-    the tokens with e at or above a floor (2^-7 of the top, else 2^-14, 2^-24, else every token
-    with mass): the first floor whose tokens hold top_p of the row's mass holds the whole nucleus
-    (every token below it is less likely than each above, and the mass above already reaches
-    top_p), so only those are sorted. Sums in float64. (On SmolLM2's 49k logits: 0.15 ms a row
-    against 0.35-1.2 ms for the widening top-k, whose width a flat row pushed to 4096 or all.)"""
+    """top_p_filter on CPU rows, one at a time (`_nucleus`)."""
     v = x.shape[-1]
     rows = x.reshape(-1, v).numpy()
     out = np.full(rows.shape, -np.inf, dtype=np.float32)
@@ -89,18 +84,28 @@ def _nucleus_rows(x: torch.Tensor, top_p: float) -> torch.Tensor:
         if not np.isfinite(m):  # no finite maximum (NaN or an all -inf row): the device path's answer
             o[:] = _nucleus_topk(torch.from_numpy(a[None]), top_p).numpy()[0]
             continue
-        e = np.exp(a - m)
-        need = top_p * e.sum(dtype=np.float64)
-        for floor in NUCLEUS_FLOORS + (0.0,):
-            cand = np.flatnonzero(e >= floor) if floor else np.flatnonzero(e > 0)
-            if floor == 0.0 or e[cand].sum(dtype=np.float64) >= need:
-                break
-        order = cand[np.argsort(-a[cand], kind="stable")]  # by logit: e rounds near-equal ones equal
-        p = e[order].astype(np.float64)
-        before = np.cumsum(p) - p
-        keep = order[(before < need) | (np.arange(len(order)) == 0)]
+        keep = _nucleus(a, np.exp(a - m), top_p)
         o[keep] = a[keep]
     return torch.from_numpy(out).view(x.shape)
+
+
+def _nucleus(a: np.ndarray, e: np.ndarray, top_p: float) -> np.ndarray:
+    """One row's nucleus (the kept token ids, most likely first) from its logits `a` and e =
+    exp(a - max(a)), without a vocabulary-wide sort or top-k: only the tokens with e at or above
+    a floor are sorted (2^-7 of the top, else 2^-14, 2^-24, else every token with mass), the
+    first floor whose tokens hold top_p of the row's mass: it holds the whole nucleus (every
+    token below it is less likely than each above, and the mass above already reaches top_p).
+    Sums in float64; equal logits in token order. (On SmolLM2's 49k logits: 0.15 ms a row against
+    0.35-1.2 ms for the widening top-k, whose width a flat row pushed to 4096 or all.)"""
+    need = top_p * e.sum(dtype=np.float64)
+    for floor in NUCLEUS_FLOORS + (0.0,):
+        cand = np.flatnonzero(e >= floor) if floor else np.flatnonzero(e > 0)
+        if floor == 0.0 or e[cand].sum(dtype=np.float64) >= need:
+            break
+    order = cand[np.argsort(-a[cand], kind="stable")]  # by logit: e rounds near-equal ones equal
+    p = e[order].astype(np.float64)
+    before = np.cumsum(p) - p
+    return order[(before < need) | (np.arange(len(order)) == 0)]
 
 
 def _nucleus_topk(x: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -126,11 +131,44 @@ def _nucleus_topk(x: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-    """Warped probabilities [..., V] (float32). For greedy, a one-hot at the argmax."""
+    """Warped probabilities [..., V] (float32): softmax(warp_logits). For greedy, a one-hot at the
+    argmax. CPU rows go through numpy (`_probs_rows`), the same numbers in a few calls."""
     if sp.greedy:
         out = torch.zeros_like(logits, dtype=torch.float32)
         return out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    if logits.device.type == "cpu" and logits.numel():
+        p = _probs_rows(logits, sp)
+        if p is not None:
+            return p
     return torch.softmax(warp_logits(logits, sp), dim=-1)
+
+
+def _probs_rows(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor | None:
+    """softmax(warp_logits) on CPU rows, one at a time in numpy: temperature, top-k, top-p
+    (`_nucleus`) and the normalisation (float64 sum) in ~10 numpy calls where the torch
+    composition makes ~20 torch calls. Right after an ONNX Runtime call each call runs with cold
+    caches (a SmolLM2 row: 0.6-0.8 ms cold against 0.27 warm, measured in the decode loop), so
+    the count of calls is the cost. None where a row has no finite maximum (NaN, +-Inf: the
+    torch path's answer)."""
+    v = logits.shape[-1]
+    rows = logits.float().reshape(-1, v).numpy()
+    out = np.zeros(rows.shape, dtype=np.float32)
+    t = np.float32(max(sp.temperature, 1e-30))
+    for a, o in zip(rows, out):
+        m = a.max()
+        if not np.isfinite(m):
+            return None
+        z = (a - m) / t  # the maximum at 0, as warp_logits
+        if sp.top_k and sp.top_k < v:
+            kth = np.partition(z, v - sp.top_k)[v - sp.top_k]
+            z[z < kth] = -np.inf
+        e = np.exp(z)
+        if sp.top_p < 1.0:
+            keep = _nucleus(z, e, sp.top_p)
+            o[keep] = e[keep] / e[keep].sum(dtype=np.float64)
+        else:
+            o[:] = e / e.sum(dtype=np.float64)
+    return torch.from_numpy(out).view(logits.shape)
 
 
 # The decoder's random draws, all of them: the accept rule's coins and samples and the sampled

@@ -107,8 +107,8 @@ MUTANTS = [
     Mutant(
         "top-p on the CPU drops the token that crosses the threshold",
         SAMPLING,
-        "keep = order[(before < need) |",
-        "keep = order[(before + p < need) |",
+        "return order[(before < need) |",
+        "return order[(before + p < need) |",
         (WARP,),
     ),
     Mutant(
@@ -123,6 +123,27 @@ MUTANTS = [
         SAMPLING,
         'order = cand[np.argsort(-a[cand], kind="stable")]',
         "order = cand",
+        (WARP,),
+    ),
+    Mutant(
+        "CPU probabilities normalised over every token, not the kept ones",
+        SAMPLING,
+        "o[keep] = e[keep] / e[keep].sum(dtype=np.float64)",
+        "o[keep] = e[keep] / e.sum(dtype=np.float64)",
+        (WARP,),
+    ),
+    Mutant(
+        "CPU temperature ignored",
+        SAMPLING,
+        "z = (a - m) / t",
+        "z = a - m",
+        (WARP,),
+    ),
+    Mutant(
+        "CPU top-k keeps k - 1",
+        SAMPLING,
+        "z[z < kth] = -np.inf",
+        "z[z <= kth] = -np.inf",
         (WARP,),
     ),
     Mutant(
@@ -232,9 +253,9 @@ MUTANTS = [
     ),
     Mutant(
         "sampled walk: logits not checked before they become probabilities",
-        DECODE,
-        "        check_logits(logits[: tree.n + 1], None, stats.steps + 1, name)\n",
-        "        pass\n",
+        ACCEPT,
+        "            if check is not None:\n                check(node + 1)\n",
+        "",
         (BATCH_T, "-k", "nan_logits_while_sampling"),
     ),
     Mutant(

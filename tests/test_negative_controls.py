@@ -47,7 +47,9 @@ def mutated(module, name: str):
 def seed_rule():
     mod, name = ACCEPT_SITE
     orig = getattr(mod, name)
-    setattr(mod, name, lambda logits, tree, sp, rng, root_probs=None: seed_rule_accept(logits, tree, sp, rng))
+    setattr(
+        mod, name, lambda logits, tree, sp, rng, root_probs=None, check=None: seed_rule_accept(logits, tree, sp, rng)
+    )
     try:
         yield
     finally:

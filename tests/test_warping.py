@@ -155,3 +155,23 @@ def test_the_cpu_nucleus_and_the_device_paths_nucleus_follow_the_rule():
     for p in (0.2, 0.9):
         got, dev = _nucleus_rows(odd, p), _nucleus_topk(odd, p)
         assert torch.equal(got.isnan(), dev.isnan()) and torch.equal(got.isinf(), dev.isinf())
+
+
+@pytest.mark.parametrize("t,k,p", CASES + [(1e-30, 0, 0.9), (0.8, 50, 0.95), (0.8, 0, 0.95)])
+def test_cpu_rows_probabilities_are_the_warped_softmax(t, k, p):
+    """probs() on CPU rows runs in numpy (`_probs_rows`); on any other device it is
+    softmax(warp_logits). Both on the same SmolLM2-sized rows, peaked to flat: the same kept
+    tokens (rows within rounding of the top-p threshold left out) and the same probabilities."""
+    from arborspec.runtime.sampling import _probs_rows, warp_logits
+
+    g = torch.Generator().manual_seed(int(1000 * t + 10 * k + 100 * p))
+    x = torch.randn(24, 49152, generator=g) * torch.logspace(-1, 1.2, 24)[:, None]
+    sp = SamplingParams(t, k, p)
+    keep = ~near_the_threshold(x, max(t, 1e-30), k, p, tol=2e-6)
+    got, want = _probs_rows(x, sp), torch.softmax(warp_logits(x, sp), -1)
+    assert torch.equal(probs(x, sp), got) and keep.sum() >= 16
+    assert torch.equal(got[keep] > 0, want[keep] > 0), "a different set of tokens kept"
+    assert torch.allclose(got[keep], want[keep], atol=1e-6, rtol=1e-5)
+    assert torch.allclose(got.sum(-1), torch.ones(24))
+    odd = torch.tensor([[float("nan"), 1.0, 2.0]])
+    assert _probs_rows(odd, sp) is None and torch.isnan(probs(odd, sp)).all()

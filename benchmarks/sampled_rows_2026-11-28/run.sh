@@ -1,17 +1,22 @@
 #!/bin/bash
-# Sampled rows before/after (eighteenth session): runtime/sampling.py of the commit before
-# (OLD=path) and the working tree's swapped in turn, two rounds, the T = 0.8 top-p 0.95 bench on
-# `make demo`'s export; writes t08_{old,new}_{1,2}.json beside this script.
-#   git show 031a941:runtime/sampling.py > /tmp/sampling_old.py
-#   OLD=/tmp/sampling_old.py bash benchmarks/sampled_rows_2026-11-28/run.sh ~/.cache/arborspec/exports/smollm2-135m-int4-eagle3-int8-v24
+# Sampled rows before/after (eighteenth session): the runtime's sampling, accept and decode
+# modules at git revision OLD (default 031a941, before the change) and the working tree's,
+# swapped in turn, two rounds, the T = 0.8 top-p 0.95 bench on `make demo`'s export; writes
+# t08_{old,new}_{1,2}.json beside this script (TAG=x: t08x_...).
+#   bash benchmarks/sampled_rows_2026-11-28/run.sh ~/.cache/arborspec/exports/smollm2-135m-int4-eagle3-int8-v24
 set -e
-E=${1:?usage: OLD=... run.sh EXPORT_DIR}
+E=${1:?usage: [OLD=rev] run.sh EXPORT_DIR}
+OLD=${OLD:-031a941}
 here=$(cd "$(dirname "$0")" && pwd)
-keep=$(mktemp); cp runtime/sampling.py "$keep"
-trap 'cp "$keep" runtime/sampling.py' EXIT
+files="runtime/sampling.py runtime/accept.py runtime/decode.py"
+keep=$(mktemp -d)
+for f in $files; do mkdir -p "$keep/$(dirname $f)"; cp $f "$keep/$f"; done
+trap 'for f in $files; do cp "$keep/$f" $f; done' EXIT
 for r in 1 2; do for v in old new; do
-  if [ $v = old ]; then cp "$OLD" runtime/sampling.py; else cp "$keep" runtime/sampling.py; fi
+  for f in $files; do
+    if [ $v = old ]; then git show "$OLD:$f" > $f; else cp "$keep/$f" $f; fi
+  done
   .venv/bin/arborspec bench --export-dir "$E" --backend onnxruntime --temperature 0.8 --top-p 0.95 \
-      --modes vanilla,chain,tree --chain chain:2 --tree auto --limit-prompts 8 --max-new-tokens 96 \
-      --json-out "$here/t08_${v}_$r.json" > /dev/null
+      --modes vanilla,chain,tree --chain chain:2 --tree 'auto;full:3,2' --limit-prompts 8 --max-new-tokens 96 \
+      --json-out "$here/t08${TAG}_${v}_$r.json" > /dev/null
 done; done
