@@ -77,9 +77,10 @@ def accept_sampling(
 ) -> Acceptance:
     """Lossless walk for temperature > 0; the rule follows tree.candidates. root_probs: the root
     row's `probs(logits[0], sp)` when computed already (a batch's rows in one call). check(row):
-    called on each row the walk reads, before it becomes probabilities (the decoder's guard:
-    NaN/Inf is a NumericalError there; the rows it never reads are not summed: a 15-row tree's
-    2.9 MB of logits cost 0.38 ms a step to check whole, cold after the verify call)."""
+    called on each row the walk reads, on the host, before it becomes probabilities (the
+    decoder's guard: NaN/Inf is a NumericalError there); the rows it never reads are not summed
+    (a 15-row tree's 2.9 MB of logits cost 0.38 ms a step to check whole, cold after the verify
+    call), and a GPU's row is checked in its host copy (no device sync of its own)."""
     mode = tree.candidates
     kids = tree.children() if tree.n else None
     node = -1
@@ -89,9 +90,10 @@ def accept_sampling(
         if node == -1 and root_probs is not None:
             p = root_probs.float().cpu()
         else:
+            row = logits[node + 1].float().cpu()
             if check is not None:
-                check(node + 1)
-            p = probs(logits[node + 1].float().cpu(), sp)
+                check(row)
+            p = probs(row, sp)
         children = kids[node + 1] if kids is not None else []
         q = None
         if children and mode != "topk":

@@ -326,7 +326,7 @@ def settle(
             return new, NO_PATH, stop
     check = None
     if not sampling.greedy and root is None:  # the sampled walk checks each row as it reads it
-        check = lambda row: check_logits(logits, [row], stats.steps + 1, name)  # noqa: E731
+        check = lambda row: check_logits(row[None], None, stats.steps + 1, name)  # noqa: E731
     acc = accept(logits[: tree.n + 1], tree, sampling, rng, root_probs, check)
     if sampling.greedy:  # the rows the greedy walk read: the accepted path's and the next token's
         check_logits(logits, [0] + [i + 1 for i in acc.path.tolist()], stats.steps + 1, name)

@@ -254,7 +254,7 @@ MUTANTS = [
     Mutant(
         "sampled walk: logits not checked before they become probabilities",
         ACCEPT,
-        "            if check is not None:\n                check(node + 1)\n",
+        "            if check is not None:\n                check(row)\n",
         "",
         (BATCH_T, "-k", "nan_logits_while_sampling"),
     ),
