@@ -77,7 +77,7 @@ def top_p_filter(x: torch.Tensor, top_p: float) -> torch.Tensor:
 def _nucleus_rows(x: torch.Tensor, top_p: float) -> torch.Tensor:
     """top_p_filter on CPU rows, one at a time (`_nucleus`)."""
     v = x.shape[-1]
-    rows = x.reshape(-1, v).numpy()
+    rows = x.detach().reshape(-1, v).numpy()
     out = np.full(rows.shape, -np.inf, dtype=np.float32)
     for a, o in zip(rows, out):
         m = a.max()
@@ -151,7 +151,7 @@ def _probs_rows(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor | None
     the count of calls is the cost. None where a row has no finite maximum (NaN, +-Inf: the
     torch path's answer)."""
     v = logits.shape[-1]
-    rows = logits.float().reshape(-1, v).numpy()
+    rows = logits.detach().float().reshape(-1, v).numpy()
     out = np.zeros(rows.shape, dtype=np.float32)
     t = np.float32(max(sp.temperature, 1e-30))
     for a, o in zip(rows, out):
