@@ -115,8 +115,8 @@ class BatchDecoder:
         self._ragged = target.caps.ragged_rows
         self.ragged_steps = 0  # steps whose one-token rows each attended over their own length
         # sampled rows' root probabilities in one call a step (`_root_probs`) where the logits
-        # live on a device; on the CPU one row at a time is as fast or faster (a batch's top-p
-        # search widens to its widest nucleus: 1.09 against 0.38 ms a row on SmolLM2's logits)
+        # live on a device; on the CPU `probs` works row by row in any case (sampling._probs_rows),
+        # so each row is warped where the accept walk reads it
         self.batched_root_probs = target.device.type != "cpu"
         if speculate_max_batch is None:
             speculate_max_batch = max_batch if target.caps.batched_trees else 1
