@@ -70,12 +70,14 @@ class Generator:
         eos_token_ids: Sequence[int] | None = None,
         owns: Sequence = (),
         max_batch: int = 1,
+        sampled_tree: str | None = None,
     ):
         mode = mode or ("tree" if draft is not None else "vanilla")
         if mode not in MODES:
             raise InputError(f"unknown mode {mode!r} (expected one of {', '.join(MODES)})")
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.mode, self.tree, self.candidates, self.max_tree_nodes = mode, tree, candidates, max_tree_nodes
+        self.sampled_tree = sampled_tree  # the tree of unbatched calls at temperature > 0 (None: `tree`)
         if eos_token_ids is None:
             eos_token_ids = list(getattr(tokenizer, "eos_token_ids", []) or [])
         self.eos_token_ids = [int(e) for e in eos_token_ids]
@@ -83,6 +85,8 @@ class Generator:
         self._lock = threading.RLock()
         self._decoders: dict[SamplingParams, SpeculativeDecoder] = {}
         self._decoder(SamplingParams())  # validates mode / tree / draft now, not at the first call
+        if sampled_tree:
+            self._decoder(SamplingParams(temperature=1.0))  # and the sampled calls' tree
         self._last = threading.local()
         self._busy = 0
         self._batch = None
@@ -141,15 +145,19 @@ class Generator:
         max_batch: int = 1,
     ) -> "Generator":
         """Open an export folder (runtime/export_dir.open_export) and wrap it. tree: a spec,
-        "auto" (the tree `arborspec tune --export-dir DIR` chose), or None (the export's
-        default tree)."""
+        "auto" (the tree `arborspec tune --export-dir DIR` chose; for unbatched calls at a
+        temperature above 0 the one `tune --temperature T` chose, when it ran), or None (the
+        export's default tree)."""
         from .export_dir import open_export
 
         ex = open_export(dir, backend, device, draft=draft, verify=verify, engine_dir=engine_dir)
         try:
             tree = tree or ex.tree_default or "full:3,2"
+            sampled_tree = None
             if str(tree).strip().lower() == "auto":
                 tree = auto_tree_spec(dir, draft)
+                sampled = auto_tree_file(dir, draft, sampled=True)  # `tune --temperature T` wrote it
+                sampled_tree = f"static:{sampled}" if sampled.is_file() else None
             return cls(
                 ex.target,
                 ex.draft,
@@ -160,6 +168,7 @@ class Generator:
                 max_tree_nodes=ex.limits.get("max_tree_nodes"),
                 owns=[ex],
                 max_batch=max_batch,
+                sampled_tree=sampled_tree,
             )
         except BaseException:
             ex.close()
@@ -173,7 +182,7 @@ class Generator:
                 self.target,
                 self.draft,
                 mode=self.mode,
-                tree=self.tree,
+                tree=self.sampled_tree if self.sampled_tree and not sp.greedy else self.tree,
                 candidates=self.candidates,
                 sampling=sp,
                 max_tree_nodes=self.max_tree_nodes,
@@ -337,14 +346,16 @@ def warn_if_empty_answer(tokenizer, n_tokens: int, stop_reason: str | None, fix:
         )
 
 
-def auto_tree_file(export_dir, draft: str | None = None) -> Path:
+def auto_tree_file(export_dir, draft: str | None = None, sampled: bool = False) -> Path:
     """Where `arborspec tune --export-dir DIR [--draft SPEC]` writes its tree: DIR/tree_auto.json
     for the export's own draft, DIR/tree_auto.SPEC.json for another (`lookup`, `export+lookup`:
-    each draft gets the tree tuned for it)."""
+    each draft gets the tree tuned for it); `tree_auto[.SPEC].sampled.json` for the tree tuned
+    for sampled decoding (`tune --temperature T`)."""
     d = (draft or "export").strip().lower()
+    tail = ".sampled.json" if sampled else ".json"
     if d in ("export", "eagle3"):
-        return Path(export_dir) / AUTO_TREE_FILE
-    return Path(export_dir) / f"tree_auto.{re.sub(r'[^a-z0-9_.-]+', '_', d)}.json"
+        return Path(export_dir) / (AUTO_TREE_FILE[: -len(".json")] + tail)
+    return Path(export_dir) / f"tree_auto.{re.sub(r'[^a-z0-9_.-]+', '_', d)}{tail}"
 
 
 def auto_tree_spec(export_dir, draft: str | None = None) -> str:

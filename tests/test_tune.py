@@ -330,3 +330,107 @@ def test_in_loop_step_times_are_measured_interleaved(monkeypatch):
     timed = order[3:]  # after one warm-up generation each
     names = [o[0] for o in order[:3]]
     assert timed == [(n, tuple(p)) for p in prompts for n in names], timed
+
+
+@pytest.mark.parametrize("tree,temperature", [("chain:3", 3.0), ("full:2,2", 4.0), ("full:3,3", 5.0)])
+def test_replay_over_sampled_text_equals_sampled_tree_decoding(tree, temperature):
+    """Sampled, a static tree's walk (`topk` candidates) commits a child's token exactly when it
+    accepted that child (a rejected child is zeroed before the final draw), so replaying the tree
+    over the text sampled tree decoding itself committed counts exactly its verify steps: what
+    `tune --temperature` relies on to count tokens per step on sampled text."""
+    from conftest import random_model, tiny_config, truncated
+
+    from arborspec.runtime.backends.torch_backend import TorchEngine
+    from arborspec.runtime.decode import SpeculativeDecoder
+    from arborspec.runtime.sampling import SamplingParams
+
+    # flat rows (scale 0.3) at these temperatures: the text is not the greedy one, some drafted
+    # tokens are accepted and some steps stop short of the tree's depth
+    m = random_model(tiny_config("llama", vocab=96, layers=3, hidden=64), seed=3, scale=0.3)
+    tgt, dft = TorchEngine(m), TorchEngine(truncated(m, 1))
+    mode = "chain" if tree.startswith("chain") else "tree"
+    paths = T.spec_paths(tree)
+    k = max(p[-1] for p in paths) + 1
+    sp = SamplingParams(temperature)
+    accepted = short = differs = 0
+    for seed, prompt in enumerate(([1, 2, 3], [9, 8, 7, 6, 5], [4, 4, 4])):
+        res = SpeculativeDecoder(tgt, dft, mode=mode, tree=tree, sampling=sp).generate(prompt, 40, seed=seed)
+        seq = prompt + res.tokens
+        rank = T.draft_topk_ranks(dft, seq, k).tolist()
+        assert T.simulate_greedy_steps(rank, len(prompt), len(seq), paths) == res.stats.steps
+        accepted += len(res.tokens) - res.stats.steps
+        short += sum(n for a, n in res.stats.accepted_hist.items() if int(a) <= max(map(len, paths)))
+        differs += res.tokens != SpeculativeDecoder(tgt, mode="vanilla").generate(prompt, 40).tokens
+    assert accepted > 0 and short > 3 and differs
+
+
+def test_sampled_acceptance_is_measured_on_sampled_text():
+    """Drafting with the target itself: on greedy text its token is always its own rank 0; on text
+    sampled at T = 20 (rows near flat) the sampled token is mostly not its argmax, so rank 0 holds
+    less than all."""
+    from conftest import random_model, tiny_config
+
+    from arborspec.runtime.backends.torch_backend import TorchEngine
+    from arborspec.runtime.sampling import SamplingParams
+
+    eng = TorchEngine(random_model(tiny_config("llama", vocab=96, layers=2, hidden=64)))
+    prompts = [[1, 2, 3], [4, 5]]
+    greedy = T.measure_acceptance(eng, eng, prompts, max_new_tokens=30, k=4, max_depth=2)
+    sampled = T.measure_acceptance(eng, eng, prompts, 30, 4, 2, sampling=SamplingParams(20.0), seed=5)
+    assert greedy["q"][0][0] == pytest.approx(1.0) and greedy["text"] == "greedy"
+    assert sampled["text"] == "sampled" and 0.0 < sampled["q"][0][0] < 0.95 and sum(sampled["q"][0][1:]) > 0
+    again = T.measure_acceptance(eng, eng, prompts, 30, 4, 2, sampling=SamplingParams(20.0), seed=5)
+    assert again["q"] == sampled["q"]  # seeded: prompt i is drawn with seed + i
+
+
+def test_tune_for_sampling_writes_its_own_tree_and_auto_picks_it_by_temperature(tmp_path, capsys):
+    """`tune --temperature T` writes tree_auto.sampled.json (the greedy tree_auto.json untouched),
+    records the sampling it measured, and `--tree auto` takes it at temperature > 0 (generate,
+    the embedding API) and the greedy tree at 0."""
+    from types import SimpleNamespace
+
+    from conftest import random_model, tiny_config
+
+    from arborspec.export.export_folder import export_folder
+    from arborspec.runtime.generator import Generator, auto_tree_file
+    from arborspec.tools.commands.cli import main
+
+    m = random_model(tiny_config("llama", vocab=64, layers=2, hidden=64, heads=4, kv=2), seed=6, scale=1.0)
+    e = tmp_path / "e"
+    export_folder(
+        SimpleNamespace(module=m, config=m.config, tokenizer=None, source={"kind": "test"}),
+        e,
+        draft="layers:1",
+        progress=False,
+    )
+    assert auto_tree_file(e, None, sampled=True).name == "tree_auto.sampled.json"
+    assert auto_tree_file(e, "lookup", sampled=True).name == "tree_auto.lookup.sampled.json"
+    small = ["--max-nodes", "6", "--max-depth", "3", "--max-width", "3", "--n-prompts", "2", "--calib-tokens", "16"]
+    small += ["--reps", "2", "--past", "16", "--loop-candidates", "1", "--loop-tokens", "6", "--quiet"]
+    tune = ["tune", "--export-dir", str(e)] + small
+    # bad sampling: one line, exit 2, nothing written
+    assert main(tune + ["--temperature", "-1"]) == 2
+    assert main(tune + ["--top-p", "0.9"]) == 2 and "--temperature" in capsys.readouterr().err
+    assert not list(e.glob("tree_auto*"))
+    assert main(tune + ["--temperature", "0.8", "--top-p", "0.95"]) == 0
+    doc = json.loads((e / "tree_auto.sampled.json").read_text())
+    assert doc["sampling"] == {"temperature": 0.8, "top_k": 0, "top_p": 0.95} and doc["acceptance"]["text"] == "sampled"
+    assert not (e / "tree_auto.json").exists()
+    gen = ["generate", "--export-dir", str(e), "--prompt-ids", "3,4,5,3,4", "--max-new-tokens", "6", "--tree", "auto"]
+    capsys.readouterr()
+    assert main(gen + ["--temperature", "0.8", "--json"]) == 0
+    assert "tree_auto.sampled.json" in json.loads(capsys.readouterr().out)["stats"]["tree"]
+    assert main(gen) == 2  # greedy: no greedy tree tuned yet, one line naming the command
+    assert "arborspec tune --export-dir" in capsys.readouterr().err
+    assert main(tune) == 0
+    doc = json.loads((e / "tree_auto.json").read_text())
+    assert doc["sampling"] is None and doc["acceptance"]["text"] == "greedy"
+    capsys.readouterr()
+    assert main(gen + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["tree"].endswith("tree_auto.json")
+    with Generator.from_export(e, tree="auto") as g:
+        assert str(g.tree).endswith("tree_auto.json") and str(g.sampled_tree).endswith("tree_auto.sampled.json")
+        g.generate([3, 4, 5], max_new_tokens=4)
+        assert g.last_stats.tree.endswith("tree_auto.json")
+        g.generate([3, 4, 5], max_new_tokens=4, temperature=0.8, seed=1)
+        assert g.last_stats.tree.endswith("tree_auto.sampled.json")

@@ -248,11 +248,12 @@ def run(args) -> int:
             trees = [models.tree_default or "full:3,2"]
         from arborspec.tools.tune.tuner import resolve_tree
 
-        trees = [resolve_tree(t, models_key(args)) for t in trees]
+        T = args.temperature  # above 0: the trees tuned for sampling, where `tune --temperature` wrote them
+        trees = [resolve_tree(t, models_key(args), T) for t in trees]
         # `auto` for the mixed draft: the tree tuned for it (tune --draft BASE+lookup)
         mix_key = dataclasses.replace(models_key(args), draft=f"{args.draft or 'export'}+lookup")
-        mix_trees = [resolve_tree(t, mix_key) for t in mix_trees]
-        lookup_trees = [resolve_tree(t, dataclasses.replace(models_key(args), draft="lookup")) for t in lookup_trees]
+        mix_trees = [resolve_tree(t, mix_key, T) for t in mix_trees]
+        lookup_trees = [resolve_tree(t, dataclasses.replace(models_key(args), draft="lookup"), T) for t in lookup_trees]
         configs = bench.build_configs(modes, trees, args.chain, baselines, lookup_trees, mix_trees, candidates)
         prompts = prompt_sets.encode_prompts(prompt_sets.select_prompts(entries, args.limit_prompts), models.tokenizer)
         notes: list[str] = []

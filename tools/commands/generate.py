@@ -105,8 +105,9 @@ def _read(path: Path) -> str:
 
 
 def resolve_tree_arg(models, args, mode: str):
-    """`--tree auto` -> the static tree tuned by `arborspec tune` for these models (one-line
-    error when there is none); any other --tree value is returned unchanged."""
+    """`--tree auto` -> the static tree tuned by `arborspec tune` for these models (at
+    --temperature > 0 the one tuned for sampling, when there is one; one-line error when there is
+    none); any other --tree value is returned unchanged."""
     if args.tree is None or args.tree.strip().lower() != "auto":
         return args.tree
     if mode == "vanilla":
@@ -115,7 +116,7 @@ def resolve_tree_arg(models, args, mode: str):
         raise InputError("--tree auto picks a static tree: use it with --mode tree")
     from arborspec.tools.tune.tuner import resolve_tree
 
-    return resolve_tree(args.tree, models_key(args))
+    return resolve_tree(args.tree, models_key(args), args.temperature)
 
 
 def make_decoder(models, args, mode: str | None = None):

@@ -21,6 +21,7 @@ EXAMPLE = """examples:
   arborspec tune --model smollm2-135m --draft layers:2 --plot tune.png
   arborspec tune --export-dir ~/.cache/arborspec/exports/smollm2 --backend onnxruntime --max-nodes 32
   arborspec tune --export-dir E3Q --draft export+lookup   # the export's draft mixed with lookup: its own tree
+  arborspec tune --export-dir E3Q --temperature 0.8 --top-p 0.95   # for sampled decoding: its own tree
   arborspec generate --model smollm2-135m --draft layers:2 --tree auto --prompt 'Hello'"""
 
 
@@ -39,7 +40,16 @@ def register(sub) -> None:
     )
     g.add_argument("--limit-prompts", type=int, default=8, metavar="N", help="use N calibration prompts (default 8)")
     g.add_argument("--n-prompts", dest="limit_prompts", type=int, help=argparse.SUPPRESS)  # the old name
-    g.add_argument("--calib-tokens", type=int, default=64, help="greedy tokens per calibration prompt")
+    g.add_argument("--calib-tokens", type=int, default=64, help="tokens decoded per calibration prompt (default 64)")
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="tune for sampled decoding at this temperature (default 0: greedy); the tree goes to its own "
+        "file (tree_auto.sampled.json), which --tree auto uses whenever the temperature is above 0",
+    )
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus of that sampling (default 1.0: off)")
+    g.add_argument("--top-k", type=int, default=0, help="top-k of that sampling (default 0: off)")
     g.add_argument(
         "--chat",
         action="store_true",
@@ -79,6 +89,11 @@ def run(args) -> int:
         raise MissingFileError(f"prompts file not found: {args.prompts}")
     if args.model and not args.draft:
         raise InputError("tune needs a draft: give --draft layers:K|bigram|lookup[:N]|eagle3[:DIR]|MODEL")
+    from arborspec.runtime.sampling import SamplingParams
+
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)  # one InputError line when out of range
+    if sampling.greedy and (args.top_p != 1.0 or args.top_k):
+        raise InputError("--top-p and --top-k shape sampled decoding: give --temperature > 0 with them")
     models = open_models(args)
     from arborspec.tools.tune.tuner import TuneOptions, tune
 
@@ -97,6 +112,7 @@ def run(args) -> int:
         seed=args.seed,
         out=args.out,
         plot=args.plot,
+        sampling=sampling,
     )
     try:
         doc = tune(models, models_key(args), opts, progress=not args.quiet)

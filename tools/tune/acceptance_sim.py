@@ -1,6 +1,7 @@
-"""Acceptance measured and simulated: the draft's rank of the target's greedy token at every
-position (teacher forcing), per-depth per-rank acceptance, and the exact number of greedy
-steps a static-shaped tree would take.
+"""Acceptance measured and simulated: the draft's rank of the target's token at every
+position (teacher forcing), per-depth per-rank acceptance, and the exact number of steps a
+static-shaped tree would take, on greedy text or on text sampled at the temperature decoding
+will use.
 
 Role in one decode step: none at run time; predicts what steps 1 and 4 accept, for `tune` and
 the draft evaluation.
@@ -200,13 +201,23 @@ def measure_acceptance(
     eos: Sequence[int] = (),
     min_count: int = 8,
     progress=None,
+    sampling=None,
+    seed: int = 0,
 ) -> dict:
-    """Sequoia's positional acceptance vector, per depth, from greedy decoding of the prompts.
+    """Sequoia's positional acceptance vector, per depth, from vanilla decoding of the prompts:
+    greedy, or sampled with `sampling` (a SamplingParams with temperature > 0; prompt i drawn
+    with seed + i). Sampled, the same counts measure the sampled accept rule of static trees
+    (`topk` candidates, runtime/accept.py): at a node whose target distribution is p, that rule
+    moves to the child holding token x with probability exactly p(x), which is the probability
+    that the sampled text's next token is x. So q[d][r] estimates P(the rank-r child is accepted
+    at depth d), and replaying the loop over the sampled text (`simulated_tokens_per_step`) is
+    the sampled decoding's tokens per step, in distribution.
     `runs` (not JSON: tune drops it) keeps each prompt's ranks for `simulated_tokens_per_step`."""
     from arborspec.runtime.decode import SpeculativeDecoder
     from arborspec.runtime.drafts.bigram import BigramDraft
 
-    dec = SpeculativeDecoder(target, mode="vanilla")
+    sampled = sampling is not None and not sampling.greedy
+    dec = SpeculativeDecoder(target, mode="vanilla", sampling=sampling if sampled else None)
     # fast paths: an EAGLE-3 head (many positions per head call), a model engine or a bigram
     # table (one causal pass); anything else goes through the draft-source interface
     eagle3 = getattr(draft, "needs_target_features", False) and getattr(draft, "lookup", None) is None
@@ -216,8 +227,8 @@ def measure_acceptance(
     counts = [0] * max_depth
     runs = []
     it = progress(prompts) if progress else prompts
-    for p in it:
-        gen = dec.generate(list(p), max_new_tokens, eos).tokens
+    for i, p in enumerate(it):
+        gen = dec.generate(list(p), max_new_tokens, eos, seed=seed + i).tokens
         seq = list(p) + gen
         if len(gen) < 1:
             continue
@@ -252,7 +263,15 @@ def measure_acceptance(
             q.append([h / c for h in hits[d]])
         else:
             q.append(list(q[-1]))  # too few samples at this depth: reuse the shallower row
-    return {"q": q, "counts": counts, "k": k, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "runs": runs}
+    return {
+        "q": q,
+        "counts": counts,
+        "k": k,
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "text": "sampled" if sampled else "greedy",
+        "runs": runs,
+    }
 
 
 def tree_children(paths: Sequence[Sequence[int]]) -> dict:

@@ -38,6 +38,7 @@ from pathlib import Path
 from arborspec.runtime.errors import InputError, MissingFileError, OutputError
 from arborspec.runtime.fileio import atomic_write_json
 from arborspec.runtime.generator import auto_tree_file
+from arborspec.runtime.sampling import SamplingParams
 from arborspec.tools.prompts import calibration_prompts
 from arborspec.tools.tune.acceptance_sim import (  # noqa: F401 - the tuning API, re-exported
     draft_topk_ranks,
@@ -111,27 +112,34 @@ class TuneOptions:
     seed: int = 0
     out: str | os.PathLike | None = None
     plot: str | os.PathLike | None = None
+    sampling: SamplingParams | None = None  # temperature > 0: tune for sampled decoding (its own file)
 
 
-def auto_tree_path(key: ModelsKey) -> Path:
+def auto_tree_path(key: ModelsKey, sampled: bool = False) -> Path:
     """Where `--tree auto` looks: EXPORT_DIR/tree_auto.json, or the user cache for --model
-    runs, keyed by model + draft + backend + device."""
+    runs, keyed by model + draft + backend + device; `.sampled.json` for the tree tuned for
+    sampled decoding (`tune --temperature T`)."""
     if key.export_dir:
-        return auto_tree_file(key.export_dir, key.draft)
+        return auto_tree_file(key.export_dir, key.draft, sampled)
     from arborspec.models.registry import cache_dir
 
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{Path(str(key.model)).name}-{Path(str(key.draft or 'none')).name}")[:80]
-    return cache_dir() / "tune" / f"{stem}-{hashlib.sha256(key.key().encode()).hexdigest()[:12]}.json"
+    tail = ".sampled.json" if sampled else ".json"
+    return cache_dir() / "tune" / f"{stem}-{hashlib.sha256(key.key().encode()).hexdigest()[:12]}{tail}"
 
 
-def resolve_tree(spec: str | None, key: ModelsKey | None = None) -> str | None:
-    """`auto` -> `static:PATH` of the tuned tree for these models (see auto_tree_path);
-    any other spec is returned unchanged. A missing tuned file is one clear error."""
+def resolve_tree(spec: str | None, key: ModelsKey | None = None, temperature: float = 0.0) -> str | None:
+    """`auto` -> `static:PATH` of the tuned tree for these models (see auto_tree_path): at a
+    temperature above 0 the tree tuned for sampling when `tune --temperature` wrote one, else
+    (and at 0) the greedy one. Any other spec is returned unchanged. A missing tuned file is one
+    clear error."""
     if spec is None or str(spec).strip().lower() != "auto":
         return spec
     if key is None:
         raise InputError("--tree auto needs the model arguments to find the tuned tree")
     path = auto_tree_path(key)
+    if temperature > 0 and auto_tree_path(key, sampled=True).is_file():
+        path = auto_tree_path(key, sampled=True)
     if not path.is_file():
         be = f" --backend {key.backend}" if key.backend else ""
         own = path.name == AUTO_FILE  # the export's own draft
@@ -154,32 +162,37 @@ def resolve_tree(spec: str | None, key: ModelsKey | None = None) -> str | None:
     return f"static:{path}"
 
 
-def loop_step_ms(target, draft, policies, prompts, tokens: int, eos, progress=None) -> list[float]:
-    """Mean decode time per step (ms) of real greedy decoding with each of `policies` (None:
-    vanilla) over `prompts`: the verify at the prompts' own context lengths, the draft's level
-    calls, the projection and top-k, the accept and the cache commit, as a user's decoding pays
-    them. Interleaved: each prompt is decoded by every policy in turn, so a slow spell of the
+def loop_step_ms(target, draft, policies, prompts, tokens: int, eos, progress=None, sampling=None) -> list[float]:
+    """Mean decode time per step (ms) of real decoding (greedy, or sampled with `sampling`, prompt
+    i drawn with seed i) with each of `policies` (None: vanilla) over `prompts`: the verify at the
+    prompts' own context lengths, the draft's level calls, the projection and top-k, the accept
+    (sampled: each row the walk reads warped and drawn) and the cache commit, as a user's decoding
+    pays them. Interleaved: each prompt is decoded by every policy in turn, so a slow spell of the
     machine falls on all of them alike (measured one policy after the other, a 1-node tree was
     once priced at 11.3 ms a step against vanilla's 7.2, "1.00x", where the bench then measured
     1.44x; four re-runs priced it at 1.33-1.47x)."""
     from arborspec.runtime.decode import SpeculativeDecoder
 
     decs = [
-        SpeculativeDecoder(target, mode="vanilla") if pol is None else SpeculativeDecoder(target, draft, tree=pol)
+        SpeculativeDecoder(target, mode="vanilla", sampling=sampling)
+        if pol is None
+        else SpeculativeDecoder(target, draft, tree=pol, sampling=sampling)
         for pol in policies
     ]
     for dec in decs:
         dec.generate(list(prompts[0]), 4, eos)  # warm
     secs, steps = [0.0] * len(decs), [0] * len(decs)
-    for p in progress(prompts) if progress else prompts:
+    for n, p in enumerate(progress(prompts) if progress else prompts):
         for i, dec in enumerate(decs):
-            st = dec.generate(list(p), tokens, eos).stats
+            st = dec.generate(list(p), tokens, eos, seed=n).stats
             secs[i] += st.decode_s
             steps[i] += st.steps
     return [1e3 * s / max(n, 1) for s, n in zip(secs, steps)]
 
 
-def price_in_loop(target, draft, choice: dict, prompts, eos, n: int, tokens: int, bar=None) -> dict | None:
+def price_in_loop(
+    target, draft, choice: dict, prompts, eos, n: int, tokens: int, bar=None, sampling=None
+) -> dict | None:
     """Re-price the cost model's `n` best trees (and vanilla) with step times measured in the
     decoding loop over the calibration prompts, and pick the best by replayed tokens per step /
     measured step time. The isolated costs miss what only the loop pays (measured, SmolLM2 +
@@ -200,7 +213,7 @@ def price_in_loop(target, draft, choice: dict, prompts, eos, n: int, tokens: int
             break
     pols = [StaticTree(g["paths"]) for g in cands] + [None]
     per_prompt = (lambda it: bar(it, "in-loop step times")) if bar else None
-    *ms, vanilla_ms = loop_step_ms(target, draft, pols, prompts, tokens, eos, per_prompt)
+    *ms, vanilla_ms = loop_step_ms(target, draft, pols, prompts, tokens, eos, per_prompt, sampling)
     for g, m in zip(cands, ms):
         g["loop_step_ms"] = m
         g["loop_tokens_per_s"] = 1e3 * g["expected_tokens_per_step"] / m
@@ -251,6 +264,8 @@ def tune(models, key: ModelsKey, opts: TuneOptions | None = None, progress: bool
     tok = models.tokenizer
     eos = list(tok.meta.get("eos_token_ids") or []) if tok is not None else []
     prompts = calibration_prompts(tok, opts.prompts, opts.n_prompts, opts.chat, target.info.vocab_size, opts.seed)
+    sp = opts.sampling if opts.sampling is not None and not opts.sampling.greedy else None
+    text = "greedy" if sp is None else f"sampled, T={sp.temperature:g}"
     acc = measure_acceptance(
         target,
         draft,
@@ -259,7 +274,9 @@ def tune(models, key: ModelsKey, opts: TuneOptions | None = None, progress: bool
         opts.max_width,
         opts.max_depth,
         eos,
-        progress=(lambda it: bar(it, "acceptance (greedy)")) if bar else None,
+        progress=(lambda it: bar(it, f"acceptance ({text})")) if bar else None,
+        sampling=sp,
+        seed=opts.seed,
     )
     runs = acc.pop("runs")
     choice = choose_tree(
@@ -271,7 +288,7 @@ def tune(models, key: ModelsKey, opts: TuneOptions | None = None, progress: bool
         lambda paths: simulated_tokens_per_step(runs, paths),
         layout_calls if target.caps.row_invariant else None,
     )
-    loop = price_in_loop(target, draft, choice, prompts, eos, opts.loop_candidates, opts.loop_tokens, bar)
+    loop = price_in_loop(target, draft, choice, prompts, eos, opts.loop_candidates, opts.loop_tokens, bar, sp)
     best = choice["best"]
     backend = key.resolved_backend
     doc = {
@@ -286,6 +303,8 @@ def tune(models, key: ModelsKey, opts: TuneOptions | None = None, progress: bool
         "vanilla_tokens_per_s": choice["vanilla_tokens_per_s"],
         "in_loop": loop,  # the candidates' step times measured in the decoding loop (price_in_loop)
         "predicted_speedup": best["tokens_per_s"] / choice["vanilla_tokens_per_s"],
+        # None: tuned on greedy text, for temperature 0; else the sampling it was tuned for
+        "sampling": None if sp is None else {"temperature": sp.temperature, "top_k": sp.top_k, "top_p": sp.top_p},
         "backend": backend,
         "device": key.device,
         "model": str(key.model) if key.model else None,
@@ -301,7 +320,7 @@ def tune(models, key: ModelsKey, opts: TuneOptions | None = None, progress: bool
         "tune_s": round(time.perf_counter() - t0, 2),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    targets = [auto_tree_path(key)]
+    targets = [auto_tree_path(key, sampled=sp is not None)]
     if opts.out:
         targets.append(Path(opts.out))
     written = []
