@@ -197,14 +197,39 @@ def coin(prob: float, rng: torch.Generator) -> bool:
     return float(torch.rand((), generator=rng)) < prob
 
 
+_SUPPORT_ROWS = 16  # up to this many rows, unique draws look only at each row's nonzero entries
+
+
+def _gumbel_topk_support(q: torch.Tensor, k: int, rng: torch.Generator) -> torch.Tensor:
+    """Gumbel-top-k row by row over the nonzero entries only (a warped draft row is a nucleus of
+    tens to hundreds of tokens, not its 8k-49k entries): the same distribution as over the whole
+    row, whose zero entries come last; a row with fewer than k nonzero entries is completed with
+    distinct zero entries (the accept rule never accepts them: q = 0). A draft level's one or two
+    rows of 8k: 0.08 -> 0.02 ms a row (the whole row's exponentials and top-k skipped)."""
+    rows = q.numpy()
+    out = np.empty((rows.shape[0], k), dtype=np.int64)
+    for a, o in zip(rows, out):
+        s = np.flatnonzero(a != 0)  # (a float array's own flatnonzero is 10x slower)
+        e = -np.log(np.maximum(torch.rand(s.size, generator=rng, dtype=torch.float64).numpy(), 1e-300))
+        order = s[np.argsort(e / a[s], kind="stable")[:k]]  # the largest q / e first
+        if order.size < k:  # too few nonzero entries: distinct zero entries after them
+            order = np.concatenate([order, np.setdiff1d(np.arange(k + s.size), s)[: k - order.size]])
+        o[:] = order
+    return torch.from_numpy(out)
+
+
 def draw_candidates(q: torch.Tensor, k: int, rng: torch.Generator, unique: bool) -> torch.Tensor:
     """k candidates per row of q [F, V] -> [F, k]: i.i.d. (with replacement), or `unique`:
     sequential draws without replacement, by the Gumbel-top-k trick (q = 0 entries come last).
     The draws run on the host with the decoder's (CPU) generator wherever q lives, so that one
-    seed gives the same candidates on every device; the ids come back on q's device."""
+    seed gives the same candidates on every device; the ids come back on q's device. Unique
+    draws over a few rows (a draft level's frontier) look at each row's nonzero entries only
+    (`_gumbel_topk_support`)."""
     qc = q.detach().to("cpu", torch.float32)
     if not unique:
         return torch.multinomial(qc, k, replacement=True, generator=rng).to(q.device)
+    if qc.shape[0] <= _SUPPORT_ROWS:
+        return _gumbel_topk_support(qc, k, rng).to(q.device)
     # Gumbel-top-k: the top-k of log q + G (G = -log E, E = -log u ~ Exp(1)) is the top-k of q / E,
     # one logarithm over the rows instead of three: 1.52 -> 0.57 ms on 4 rows of 49k entries (a
     # mixed draft's level), 0.18 -> 0.12 ms on 8k (the EAGLE-3 head's); q = 0 entries come last

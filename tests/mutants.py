@@ -178,10 +178,24 @@ MUTANTS = [
         (PRIMS,),
     ),
     Mutant(
+        "sample-unique over a few rows draws from q squared",
+        SAMPLING,
+        "np.argsort(e / a[s], kind",
+        "np.argsort(e / (a[s] * a[s]), kind",
+        (PRIMS,),
+    ),
+    Mutant(
+        "sample-unique over a few rows repeats a zero entry after the nonzero ones",
+        SAMPLING,
+        "np.setdiff1d(np.arange(k + s.size), s)[: k - order.size]",
+        "np.zeros(k - order.size, dtype=np.int64) + int(np.setdiff1d(np.arange(k + s.size), s)[0])",
+        (PRIMS,),
+    ),
+    Mutant(
         "sampled candidates ignore the draft's sample_scale",
         DRAFTING,
-        "warp_logits(out * scale if scale != 1.0 else out, sp)",
-        "warp_logits(out, sp)",
+        "x = out * scale if scale != 1.0 else out",
+        "x = out",
         ("tests/test_trees.py", "-k", "sample_scale"),
     ),
     Mutant(

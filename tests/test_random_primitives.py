@@ -28,10 +28,13 @@ def pvalue(observed: dict, expected: dict) -> float:
     return float(stats.chisquare(o, e).pvalue)
 
 
-@pytest.mark.parametrize("unique", [False, True])
-def test_draw_candidates_follow_their_definition(unique):
-    g = torch.Generator().manual_seed(7 + unique)
-    rows = draw_candidates(Q.expand(N, -1).contiguous(), 2, g, unique).tolist()
+@pytest.mark.parametrize("unique,per_call", [(False, N), (True, N), (True, 8)])
+def test_draw_candidates_follow_their_definition(unique, per_call):
+    """per_call 8: a draft level's few rows, whose unique draws look at the nonzero entries only."""
+    g = torch.Generator().manual_seed(7 + unique + per_call)
+    rows = []
+    for _ in range(N // per_call):
+        rows += draw_candidates(Q.expand(per_call, -1).contiguous(), 2, g, unique).tolist()
     seen: dict = {}
     for r in rows:
         seen[tuple(r)] = seen.get(tuple(r), 0) + 1
@@ -74,3 +77,14 @@ def test_sample_over_the_nonzero_entries_draws_what_the_whole_row_draws():
         u = float(torch.rand((), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)) * float(c[-1])
         want = min(int(torch.searchsorted(c, torch.tensor([u], dtype=torch.float64), right=True)), 1999)
         assert got == want and p[got] > 0
+
+
+def test_unique_draws_with_fewer_nonzero_entries_than_k_end_with_distinct_zero_entries():
+    g = torch.Generator().manual_seed(11)
+    q = torch.tensor([[0.0, 0.7, 0.0, 0.3, 0.0, 0.0]]).expand(4, -1).contiguous()
+    firsts = []
+    for _ in range(2000):
+        for r in draw_candidates(q, 4, g, True).tolist():
+            assert sorted(r[:2]) == [1, 3] and len(set(r)) == 4 and all(q[0, x] == 0 for x in r[2:])
+            firsts.append(r[0])
+    assert abs(firsts.count(1) / len(firsts) - 0.7) < 0.02  # 8,000 draws: 0.005 a standard deviation

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError
-from ..sampling import SamplingParams, draw_candidates, warp_logits
+from ..sampling import SamplingParams, draw_candidates, probs, warp_logits
 from ..tree_plan import PLANNED_KINDS, plan_for
 from ..trees import Tree, TreePolicy
 from .base import DraftSource, NodeView, full_vocab, to_target, topk_of, tree_capacity
@@ -242,7 +242,14 @@ def _candidates(out, k: int, mode: str, topk_only: bool, sp, rng, tmap, out_voca
         # handles), normalised to log-probs (keep_q: analysis and tests)
         t = topk_of(out, k, True)
         return t.values, t.indices, full_vocab(torch.softmax(warp_logits(out, sp), -1), tmap, out_vocab).cpu()
-    warped = warp_logits(out * scale if scale != 1.0 else out, sp)
+    x = out * scale if scale != 1.0 else out
+    if x.device.type == "cpu" and bool(torch.isfinite(x.amax(-1)).all()):
+        # every row has a finite maximum: q in numpy (sampling._probs_rows, the same q as below
+        # in a third of the time), the unique draws over its nucleus (draw_candidates)
+        q = probs(x, sp)
+        toks = draw_candidates(q, k, rng, unique=mode == "sample-unique")
+        return torch.log(q.gather(1, toks)), toks, full_vocab(q, tmap, out_vocab)
+    warped = warp_logits(x, sp)
     # a table draft may have no opinion at a node (every logit -inf): no candidates there
     empty = ~torch.isfinite(warped).any(-1, keepdim=True)
     q = torch.softmax(warped.masked_fill(empty, 0.0), -1)
