@@ -78,7 +78,7 @@ class BatchDecoder:
         *,
         mode: str = "tree",
         tree="full:3,2",
-        candidates: str = "topk",
+        candidates: str | None = None,
         max_batch: int = 8,
         max_tree_nodes: int | None = None,
         speculate_max_batch: int | None = None,
@@ -107,7 +107,7 @@ class BatchDecoder:
             target, draft, mode=mode, tree=tree, candidates=candidates, max_tree_nodes=max_tree_nodes
         )
         self.target, self.draft, self.policy = target, draft, self._solo.policy
-        self.mode, self.candidates, self.max_batch = mode, candidates, max_batch
+        self.mode, self.candidates, self.max_batch = mode, self._solo.candidates, max_batch
         if self.policy is not None and not getattr(draft, "batchable", False):
             raise InputError(f"draft {getattr(draft, 'kind', type(draft).__name__)} cannot be batched (no fork())")
         self.needs_features = self._solo.needs_features

@@ -73,7 +73,8 @@ class SpeculativeDecoder:
     target: an Engine; draft: a DraftSource (ModelDraft, BigramDraft, LookupDraft, ...), an
     Engine (wrapped in a ModelDraft), or None (vanilla only).
     mode: vanilla | chain | tree; tree: a spec string or TreePolicy (chain mode wants chain:K).
-    candidates: topk | sample | sample-unique (how draft children are produced when sampling).
+    candidates: topk | sample | sample-unique (how draft children are produced when sampling);
+    None: the tree's own choice (a tuned file's, `tune --temperature`), else topk.
     """
 
     def __init__(
@@ -83,16 +84,16 @@ class SpeculativeDecoder:
         *,
         mode: str = "tree",
         tree: str | TreePolicy = "full:3,2",
-        candidates: str = "topk",
+        candidates: str | None = None,
         sampling: SamplingParams | None = None,
         max_tree_nodes: int | None = None,
     ):
         if mode not in MODES:
             raise InputError(f"unknown mode {mode!r} (expected one of {', '.join(MODES)})")
-        if candidates not in CANDIDATE_MODES:
+        if candidates is not None and candidates not in CANDIDATE_MODES:
             raise InputError(f"unknown candidate mode {candidates!r} (expected one of {', '.join(CANDIDATE_MODES)})")
         self.target = target
-        self.mode, self.candidates = mode, candidates
+        self.mode, self.candidates = mode, candidates or "topk"
         self.sampling = sampling or SamplingParams()
         self.policy: TreePolicy | None = None
         self._timer_sync = torch.cuda.synchronize if target.device.type == "cuda" else None
@@ -113,6 +114,8 @@ class SpeculativeDecoder:
                     f"over the engine's limit of {target.info.max_tokens}"
                 )
             self.policy = policy
+            if candidates is None:  # a tuned tree's own choice for sampled steps
+                self.candidates = policy.candidates or "topk"
             tv = target.info.vocab_size
             if draft.token_map is None and draft.vocab_size != tv:
                 raise InputError(f"draft vocabulary ({draft.vocab_size}) differs from the target's ({tv})")

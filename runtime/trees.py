@@ -40,6 +40,7 @@ class TreePolicy:
     kind = "base"
     depth: int
     data_dependent = False  # True when selection depends on draft scores (beam, dynamic)
+    candidates: str | None = None  # sampled candidates a tuned tree file chose (`tune --temperature`)
 
     def width(self, level: int) -> int:
         raise NotImplementedError
@@ -154,7 +155,10 @@ class DynamicTree(TreePolicy):
 class StaticTree(TreePolicy):
     kind = "static"
 
-    def __init__(self, paths: list[list[int]], spec: str = ""):
+    def __init__(self, paths: list[list[int]], spec: str = "", candidates: str | None = None):
+        if candidates not in (None, "topk", "sample", "sample-unique"):
+            raise TreeSpecError(f"static tree: unknown candidates {candidates!r} (topk, sample or sample-unique)")
+        self.candidates = candidates
         seen = set()
         for p in paths:
             if not isinstance(p, (list, tuple)) or not p or not all(isinstance(r, int) and r >= 0 for r in p):
@@ -235,11 +239,13 @@ def parse_tree_spec(spec: str, base_dir: str | None = None) -> TreePolicy:
                 data = json.load(f)
         except json.JSONDecodeError as e:
             raise TreeSpecError(f"static tree file {path} is not valid JSON: {e}") from None
+        candidates = None
         if isinstance(data, dict):
+            candidates = data.get("candidates")  # what `tune --temperature` measured fastest
             data = data.get("paths", data.get("choices"))
         if not isinstance(data, list):
             raise TreeSpecError(f"static tree file {path}: expected a list of paths")
-        return StaticTree(data, spec)
+        return StaticTree(data, spec, candidates)
     if kind == "dynamic" and rest.count(",") == 3:  # dynamic:K,D,N,P (P a probability)
         head, _, p = rest.rpartition(",")
         try:

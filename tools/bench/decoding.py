@@ -84,11 +84,12 @@ def build_configs(
     baselines: list[str],
     lookup_trees: list[str] = (),
     mix_trees: list[str] = (),
-    candidates: list[str] = ("topk",),
+    candidates: list[str | None] = ("topk",),
 ) -> list[BenchConfig]:
     """The configurations in run order. Each speculative one runs once per candidate mode
-    (`candidates`, the first unnamed, the others named `SPEC@MODE`); a data-dependent tree
-    (dynamic, beam) ranks candidates by score, so it runs with top-k candidates only."""
+    (`candidates`, the first unnamed, the others named `SPEC@MODE`; None: the tree's own, a
+    tuned file's `candidates`, else topk); a data-dependent tree (dynamic, beam) ranks
+    candidates by score, so it runs with top-k candidates only."""
     import dataclasses
 
     from arborspec.runtime.drafts.tree_builder import CANDIDATE_MODES
@@ -120,15 +121,17 @@ def build_configs(
     for spec in mix_trees:  # the models' draft mixed with lookup (runtime/drafts/mixed.py)
         pol = parse_tree_spec(spec)
         cfgs.append(BenchConfig(f"mix+{pol.spec}", "ours", "tree", pol.spec, pol.kind, pol.max_nodes, "mix"))
-    badc = [m for m in candidates if m not in CANDIDATE_MODES]
+    badc = [m for m in candidates if m not in CANDIDATE_MODES + (None,)]
     if badc or not candidates:
         raise InputError(f"unknown candidate mode {(badc or [''])[0]!r} (expected {', '.join(CANDIDATE_MODES)})")
     spec_cfgs, out = cfgs[1:], cfgs[:1]
     for i, mode in enumerate(dict.fromkeys(candidates)):
         for c in spec_cfgs:
-            ranked = parse_tree_spec(c.tree).data_dependent
+            pol = parse_tree_spec(c.tree)
+            ranked = pol.data_dependent
             if i == 0:
-                out.append(dataclasses.replace(c, candidates="topk" if ranked else mode))
+                own = mode or pol.candidates or "topk"
+                out.append(dataclasses.replace(c, candidates="topk" if ranked else own))
             elif mode == "topk" or not ranked:
                 out.append(dataclasses.replace(c, name=f"{c.name}@{mode}", candidates=mode))
     cfgs = out

@@ -118,10 +118,11 @@ def register(sub) -> None:
     r.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     r.add_argument(
         "--candidates",
-        default="topk",
+        default=None,
         metavar="MODE[,MODE]",
         help="how draft children are chosen when sampling: topk, sample, sample-unique; several run "
-        "side by side, the first unnamed, the others as SPEC@MODE (dynamic and beam trees: topk only) (topk)",
+        "side by side, the first unnamed, the others as SPEC@MODE (dynamic and beam trees: topk only) "
+        "(default: what `tune --temperature` chose for --tree auto, else topk)",
     )
     r.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     r.add_argument("--warmup", type=int, default=1, help="warm-up generations per config before timing (1)")
@@ -211,8 +212,9 @@ def run(args) -> int:
     if args.reference_export_dir is not None:
         raise InputError("--reference-export-dir is for --quality")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    candidates = [m.strip() for m in args.candidates.split(",") if m.strip()]
-    if args.temperature == 0 and candidates != ["topk"]:
+    # None: each tree's own (what `tune --temperature` chose for --tree auto), else topk
+    candidates = [m.strip() for m in args.candidates.split(",") if m.strip()] if args.candidates else [None]
+    if args.temperature == 0 and candidates not in (["topk"], [None]):
         raise InputError("--candidates needs --temperature > 0 (greedy decoding takes each draft's top candidates)")
     from arborspec.runtime.sampling import SamplingParams  # (torch: not at import, --help stays light)
 

@@ -44,8 +44,9 @@ def register(sub) -> None:
     g.add_argument(
         "--candidates",
         choices=["topk", "sample", "sample-unique"],
-        default="topk",
-        help="how draft children are chosen when sampling (default topk)",
+        default=None,
+        help="how draft children are chosen when sampling (default: what `tune --temperature` chose for "
+        "--tree auto, else topk)",
     )
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="sample from the K most likely tokens (0: all; default)")

@@ -67,7 +67,12 @@ def register(sub) -> None:
         help="re-time the N best trees (and vanilla) in the decoding loop on the calibration prompts "
         "and choose among them by that (default 4; 0: the cost model alone)",
     )
-    g.add_argument("--loop-tokens", type=int, default=32, help="tokens per prompt in that pass (default 32)")
+    g.add_argument(
+        "--loop-tokens",
+        type=int,
+        default=None,
+        help="tokens per prompt in that pass (default 32; 64 with --temperature, whose steps vary more)",
+    )
     g.add_argument("--seed", type=int, default=0, help="seed of the built-in calibration prompts (default 0)")
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, help="also write the tree file here")
@@ -83,6 +88,8 @@ def run(args) -> int:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1")
     if args.past < 0:
         raise InputError("--past must be >= 0")
+    if args.loop_tokens is None:
+        args.loop_tokens = 64 if args.temperature > 0 else 32
     if args.loop_candidates < 0 or args.loop_tokens < 1:
         raise InputError("--loop-candidates must be >= 0 and --loop-tokens >= 1")
     if args.prompts is not None and not args.prompts.is_file():
@@ -137,6 +144,6 @@ def run(args) -> int:
             "note: with this draft, speculation is predicted SLOWER than vanilla decoding on this backend "
             "(a cheaper or better-aligned draft is needed; the best tree is written anyway)"
         )
-    print("paths: " + json.dumps(doc["paths"]))
+    print("paths: " + json.dumps(doc["paths"]) + (f"; candidates {doc['candidates']}" if doc.get("candidates") else ""))
     print("written: " + ", ".join(doc["written"]) + (f"; plot {args.plot}" if args.plot else ""))
     return 0

@@ -63,6 +63,9 @@ from arborspec.tools.tune.tree_dp import (  # noqa: F401 - the tuning API, re-ex
 
 FORMAT = 1
 AUTO_FILE = "tree_auto.json"
+# sampled tuning keeps top-k candidates unless sample-unique made this much more in the loop: the
+# int4 export's [[0]] measured 114.9 against 114.3 tok/s there and 1.32x against 1.36x in the bench
+SAMPLED_MARGIN = 1.02
 
 
 @dataclass(frozen=True)
@@ -163,31 +166,41 @@ def resolve_tree(spec: str | None, key: ModelsKey | None = None, temperature: fl
 
 
 def loop_step_ms(target, draft, policies, prompts, tokens: int, eos, progress=None, sampling=None) -> list[float]:
-    """Mean decode time per step (ms) of real decoding (greedy, or sampled with `sampling`, prompt
-    i drawn with seed i) with each of `policies` (None: vanilla) over `prompts`: the verify at the
-    prompts' own context lengths, the draft's level calls, the projection and top-k, the accept
-    (sampled: each row the walk reads warped and drawn) and the cache commit, as a user's decoding
-    pays them. Interleaved: each prompt is decoded by every policy in turn, so a slow spell of the
+    """Mean decode time per step (ms) of each policy in the decoding loop (`loop_measure`)."""
+    return [ms for ms, _ in loop_measure(target, draft, policies, prompts, tokens, eos, progress, sampling)]
+
+
+def loop_measure(
+    target, draft, policies, prompts, tokens: int, eos, progress=None, sampling=None
+) -> list[tuple[float, float]]:
+    """(mean decode time per step in ms, tokens per step) of real decoding (greedy, or sampled
+    with `sampling`, prompt i drawn with seed i) with each of `policies` (None: vanilla; a policy;
+    or (policy, candidates)) over `prompts`: the verify at the prompts' own context lengths, the
+    draft's level calls, the projection and top-k, the accept (sampled: each row the walk reads
+    warped and drawn) and the cache commit, as a user's decoding pays them.
+    Interleaved: each prompt is decoded by every policy in turn, so a slow spell of the
     machine falls on all of them alike (measured one policy after the other, a 1-node tree was
     once priced at 11.3 ms a step against vanilla's 7.2, "1.00x", where the bench then measured
     1.44x; four re-runs priced it at 1.33-1.47x)."""
     from arborspec.runtime.decode import SpeculativeDecoder
 
-    decs = [
-        SpeculativeDecoder(target, mode="vanilla", sampling=sampling)
-        if pol is None
-        else SpeculativeDecoder(target, draft, tree=pol, sampling=sampling)
-        for pol in policies
-    ]
+    decs = []
+    for pol in policies:
+        pol, cand = pol if isinstance(pol, tuple) else (pol, None)
+        if pol is None:
+            decs.append(SpeculativeDecoder(target, mode="vanilla", sampling=sampling))
+        else:
+            decs.append(SpeculativeDecoder(target, draft, tree=pol, candidates=cand, sampling=sampling))
     for dec in decs:
         dec.generate(list(prompts[0]), 4, eos)  # warm
-    secs, steps = [0.0] * len(decs), [0] * len(decs)
+    secs, steps, made = [0.0] * len(decs), [0] * len(decs), [0] * len(decs)
     for n, p in enumerate(progress(prompts) if progress else prompts):
         for i, dec in enumerate(decs):
             st = dec.generate(list(p), tokens, eos, seed=n).stats
             secs[i] += st.decode_s
             steps[i] += st.steps
-    return [1e3 * s / max(n, 1) for s, n in zip(secs, steps)]
+            made[i] += st.new_tokens
+    return [(1e3 * s / max(k, 1), m / max(k, 1)) for s, k, m in zip(secs, steps, made)]
 
 
 def price_in_loop(
@@ -198,7 +211,14 @@ def price_in_loop(
     measured step time. The isolated costs miss what only the loop pays (measured, SmolLM2 +
     int8 EAGLE-3 head: predicted 21.7 ms per step of [[0],[1],[0,0]], the loop took 24-26 ms:
     the projection, top-k and host work around the head's 0.4 ms calls). Updates
-    `choice["best"]` and `choice["vanilla_tokens_per_s"]`; returns what it measured."""
+    `choice["best"]` and `choice["vanilla_tokens_per_s"]`; returns what it measured.
+
+    Sampled (`sampling` with temperature > 0): each tree runs twice in the loop, with `topk`
+    and with `sample-unique` candidates (drawn from the draft's q, accepted by recursive
+    rejection sampling: more tokens a call where the draft's q is close to the target's, a
+    little more host work a level), and every one is priced by the tokens per second it made
+    there (the replay describes `topk` only); the winner's `candidates` go into the file, top-k
+    unless the other rule made SAMPLED_MARGIN times as many tokens a second."""
     from arborspec.runtime.trees import StaticTree
 
     if n <= 0 or not prompts:
@@ -211,13 +231,23 @@ def price_in_loop(
             cands.append(g)
         if len(cands) >= n:
             break
-    pols = [StaticTree(g["paths"]) for g in cands] + [None]
+    sampled = sampling is not None and not sampling.greedy
+    if sampled:
+        cands = [dict(g, candidates=m) for m in ("topk", "sample-unique") for g in cands]
+    pols = [(StaticTree(g["paths"]), g.get("candidates")) for g in cands] + [None]
     per_prompt = (lambda it: bar(it, "in-loop step times")) if bar else None
-    *ms, vanilla_ms = loop_step_ms(target, draft, pols, prompts, tokens, eos, per_prompt, sampling)
-    for g, m in zip(cands, ms):
+    *got, (vanilla_ms, _) = loop_measure(target, draft, pols, prompts, tokens, eos, per_prompt, sampling)
+    for g, (m, tps) in zip(cands, got):
         g["loop_step_ms"] = m
+        g["loop_tokens_per_step"] = tps
+        if sampled:  # the tokens it made in the loop
+            g["expected_tokens_per_step"] = tps
         g["loop_tokens_per_s"] = 1e3 * g["expected_tokens_per_step"] / m
     best = max(cands, key=lambda g: g["loop_tokens_per_s"])
+    if sampled and best["candidates"] != "topk":  # top-k unless the other rule is clearly faster
+        best_topk = max((g for g in cands if g["candidates"] == "topk"), key=lambda g: g["loop_tokens_per_s"])
+        if best["loop_tokens_per_s"] < SAMPLED_MARGIN * best_topk["loop_tokens_per_s"]:
+            best = best_topk
     best = dict(best, step_ms=best["loop_step_ms"], tokens_per_s=best["loop_tokens_per_s"])
     choice["best"] = best
     choice["vanilla_tokens_per_s"] = 1e3 / vanilla_ms
@@ -225,7 +255,15 @@ def price_in_loop(
         "vanilla_step_ms": vanilla_ms,
         "tokens_per_prompt": tokens,
         "candidates": [
-            {"nodes": g["nodes"], "depth": g["depth"], "model_step_ms": g["step_ms"], "loop_step_ms": g["loop_step_ms"]}
+            {
+                "nodes": g["nodes"],
+                "depth": g["depth"],
+                "candidates": g.get("candidates", "topk"),
+                "model_step_ms": g["step_ms"],
+                "loop_step_ms": g["loop_step_ms"],
+                "loop_tokens_per_step": g["loop_tokens_per_step"],
+                "loop_tokens_per_s": g["loop_tokens_per_s"],
+            }
             for g in cands
         ],
     }
@@ -296,7 +334,8 @@ def tune(models, key: ModelsKey, opts: TuneOptions | None = None, progress: bool
         "paths": best["paths"],
         "nodes": best["nodes"],
         "depth": best["depth"],
-        "expected_tokens_per_step": best["expected_tokens_per_step"],  # replayed (simulated_tokens_per_step)
+        # replayed (simulated_tokens_per_step); sampled, as made in the loop (price_in_loop)
+        "expected_tokens_per_step": best["expected_tokens_per_step"],
         "dp_tokens_per_step": best["dp_tokens_per_step"],  # Sequoia's estimate under q
         "predicted_step_ms": best["step_ms"],
         "predicted_tokens_per_s": best["tokens_per_s"],
@@ -305,6 +344,9 @@ def tune(models, key: ModelsKey, opts: TuneOptions | None = None, progress: bool
         "predicted_speedup": best["tokens_per_s"] / choice["vanilla_tokens_per_s"],
         # None: tuned on greedy text, for temperature 0; else the sampling it was tuned for
         "sampling": None if sp is None else {"temperature": sp.temperature, "top_k": sp.top_k, "top_p": sp.top_p},
+        # sampled: the candidates that made the most tokens a second in the loop (price_in_loop);
+        # decoding with this file takes them unless --candidates says otherwise
+        "candidates": best.get("candidates") if sp is not None else None,
         "backend": backend,
         "device": key.device,
         "model": str(key.model) if key.model else None,
