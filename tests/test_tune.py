@@ -452,6 +452,25 @@ def test_tune_for_sampling_writes_its_own_tree_and_auto_picks_it_by_temperature(
             assert g._decoder(SamplingParams(0.8)).candidates == won
         with Generator.from_export(e, tree="auto", candidates="sample") as g:
             assert g._decoder(SamplingParams(0.8)).candidates == "sample"
+        # bench: --tree auto at T > 0 runs the sampled file with its candidates; --candidates overrides
+        pf = tmp_path / "p.json"
+        pf.write_text(json.dumps({"prompts": [{"id": "a", "category": "c", "ids": [3, 4, 5, 3, 4]}]}))
+        bench = ["bench", "--export-dir", str(e), "--prompts", str(pf), "--max-new-tokens", "4", "--modes", "tree"]
+        bench += [
+            "--tree",
+            "auto",
+            "--temperature",
+            "0.8",
+            "--warmup",
+            "0",
+            "--quiet",
+            "--json-out",
+            str(tmp_path / "b.json"),
+        ]
+        for extra, want in (([], won), (["--candidates", "sample"], "sample")):
+            assert main(bench + extra) == 0
+            cfg = json.loads((tmp_path / "b.json").read_text())["configs"][-1]
+            assert cfg["name"].endswith("tree_auto.sampled.json") and cfg["candidates"] == want
     (e / "tree_auto.sampled.json").write_text(json.dumps(dict(sdoc, candidates="best")))
     assert main(gen + ["--temperature", "0.8"]) == 2
     assert "unknown candidates 'best'" in capsys.readouterr().err
