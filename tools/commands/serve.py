@@ -138,6 +138,8 @@ def _serve(args, man, sock, uvicorn) -> int:
         url = f"http://{host}:{args.port}"
         draft = "none" if g.draft is None else (args.draft or "export")
         tree = g.tree if g.mode != "vanilla" else "-"
+        if g.mode != "vanilla" and g.sampled_tree and args.max_batch == 1:  # `tune --temperature` ran
+            tree += f", at temperature > 0 {g.sampled_tree}"
         sock.listen(2048)
         _say(
             f"serving {name} on {url} (draft {draft}, mode {g.mode}, tree {tree}, batch {args.max_batch}, "
