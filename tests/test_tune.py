@@ -250,6 +250,23 @@ def test_tune_end_to_end_and_tree_auto(tmp_path, monkeypatch, capsys):
         ]
     )
     assert rc == 2 and "arborspec tune" in capsys.readouterr().err
+    # --model runs: the sampled tune's file sits beside the greedy one in the cache, and --tree
+    # auto takes it at temperature > 0 only
+    small = ["--max-nodes", "6", "--max-depth", "3", "--max-width", "3", "--n-prompts", "2", "--calib-tokens", "12"]
+    small += ["--reps", "2", "--past", "16", "--loop-candidates", "1", "--loop-tokens", "6", "--quiet"]
+    model = ["--model", str(folder), "--draft", "layers:1"]
+    assert main(["tune"] + model + small + ["--temperature", "0.9"]) == 0
+    cached = sorted(p.name for p in (tmp_path / "cache" / "tune").iterdir())
+    assert len(cached) == 2 and cached[1] == cached[0][: -len(".json")] + ".sampled.json", cached
+    capsys.readouterr()
+    for temp, tail in (("0.9", ".sampled.json"), ("0", cached[0][-12:])):
+        rc = main(
+            ["generate"]
+            + model
+            + ["--tree", "auto", "--prompt-ids", "1,2,3", "--max-new-tokens", "4"]
+            + ["--temperature", temp, "--json"]
+        )
+        assert rc == 0 and json.loads(capsys.readouterr().out)["stats"]["tree"].endswith(tail)
 
 
 def test_acceptance_of_the_target_itself_is_one_at_rank_zero():
