@@ -30,6 +30,8 @@ import torch
 
 from .errors import MissingFileError, TreeSpecError
 
+CANDIDATE_MODES = ("topk", "sample", "sample-unique")  # how draft children are made when sampling
+
 # ----------------------------------------------------------------------------- policies
 
 
@@ -156,8 +158,8 @@ class StaticTree(TreePolicy):
     kind = "static"
 
     def __init__(self, paths: list[list[int]], spec: str = "", candidates: str | None = None):
-        if candidates not in (None, "topk", "sample", "sample-unique"):
-            raise TreeSpecError(f"static tree: unknown candidates {candidates!r} (topk, sample or sample-unique)")
+        if candidates is not None and candidates not in CANDIDATE_MODES:
+            raise TreeSpecError(f"static tree: unknown candidates {candidates!r} ({', '.join(CANDIDATE_MODES)})")
         self.candidates = candidates
         seen = set()
         for p in paths:

@@ -342,7 +342,7 @@ def test_in_loop_step_times_are_measured_interleaved(monkeypatch):
     monkeypatch.setattr(SpeculativeDecoder, "generate", recording)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     pols = [StaticTree([[0]]), StaticTree([[0], [0, 0]]), None]
-    ms = T.loop_step_ms(target, draft, pols, prompts, 6, ())
+    ms = [m for m, _ in T.loop_measure(target, draft, pols, prompts, 6, ())]
     assert len(ms) == 3 and all(x > 0 for x in ms)
     timed = order[3:]  # after one warm-up generation each
     names = [o[0] for o in order[:3]]

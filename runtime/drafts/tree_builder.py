@@ -28,10 +28,8 @@ import torch
 from ..errors import InputError
 from ..sampling import SamplingParams, draw_candidates, probs, warp_logits
 from ..tree_plan import PLANNED_KINDS, plan_for
-from ..trees import Tree, TreePolicy
+from ..trees import CANDIDATE_MODES, Tree, TreePolicy
 from .base import DraftSource, NodeView, full_vocab, to_target, topk_of, tree_capacity
-
-CANDIDATE_MODES = ("topk", "sample", "sample-unique")
 
 
 @dataclass

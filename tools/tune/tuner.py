@@ -141,8 +141,9 @@ def resolve_tree(spec: str | None, key: ModelsKey | None = None, temperature: fl
     if key is None:
         raise InputError("--tree auto needs the model arguments to find the tuned tree")
     path = auto_tree_path(key)
-    if temperature > 0 and auto_tree_path(key, sampled=True).is_file():
-        path = auto_tree_path(key, sampled=True)
+    sampled = auto_tree_path(key, sampled=True)
+    if temperature > 0 and sampled.is_file():
+        path = sampled
     if not path.is_file():
         be = f" --backend {key.backend}" if key.backend else ""
         own = path.name == AUTO_FILE  # the export's own draft
@@ -163,11 +164,6 @@ def resolve_tree(spec: str | None, key: ModelsKey | None = None, temperature: fl
             file=sys.stderr,
         )
     return f"static:{path}"
-
-
-def loop_step_ms(target, draft, policies, prompts, tokens: int, eos, progress=None, sampling=None) -> list[float]:
-    """Mean decode time per step (ms) of each policy in the decoding loop (`loop_measure`)."""
-    return [ms for ms, _ in loop_measure(target, draft, policies, prompts, tokens, eos, progress, sampling)]
 
 
 def loop_measure(
