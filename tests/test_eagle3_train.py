@@ -208,6 +208,39 @@ def test_a_resumed_run_keeps_its_checkpoints_peak_rate_and_template_share(tmp_pa
     assert fresh_report["schedule"]["peak"] == eagle3_train.DEFAULT_LR and fresh_report["template_share"] is None
 
 
+def test_training_on_a_shard_range_reads_those_shards_only_and_resumes_on_them(tmp_path):
+    """train(shards=range): its windows are those shards' alone (the others may hold ids only),
+    the checkpoint keeps the range (a run resumed without one trains on it, with another is one
+    error line), and the report names it; an empty range is an error, not a silent no-op."""
+    from arborspec.tools.train.eagle3_corpus import shard_range
+
+    embed, fresh = _resumable(tmp_path)  # shards 0 (6 windows) and 1 (4 windows)
+    for f in (tmp_path / "shards" / "00000").glob("features.npy"):
+        f.unlink()  # shard 0 holds token ids only: the range must keep training off it
+    (tmp_path / "shards" / "00000" / "shard.json").write_text("{}")
+    kw = dict(steps=2, batch=2, lr=3e-3, schedule_batches=20, minutes=5, progress=False, seed=4)
+    (tmp_path / "a").mkdir()
+    with pytest.raises(ArborspecError, match="token ids only"):
+        eagle3_train.train(fresh(), embed, tmp_path, tmp_path / "a", batches=1, **kw)
+    with pytest.raises(ArborspecError, match=r"featurise .* --shards 0:1"):
+        eagle3_train.train(fresh(), embed, tmp_path, tmp_path / "a", batches=1, shards=range(0, 1), **kw)
+    rep = eagle3_train.train(fresh(), embed, tmp_path, tmp_path / "a", batches=3, shards=shard_range("1:"), **kw)
+    assert rep["train_windows"] == 4 and rep["shards"] == [1, 2]
+    st = torch.load(tmp_path / "a" / "train_state.pt", weights_only=False)
+    assert sorted(int(i) for i in st["order"]) == [0, 1, 2, 3]  # one pass over shard 1's 4 windows
+    rep = eagle3_train.train(fresh(), embed, tmp_path, tmp_path / "a", batches=2, **kw)  # resumed: same range
+    assert rep["batches"] == 5 and rep["train_windows"] == 4 and rep["shards"] == [1, 2]
+    with pytest.raises(ArborspecError, match="trained on shards 1:1000000000, not --shards 0:2"):
+        eagle3_train.train(fresh(), embed, tmp_path, tmp_path / "a", batches=1, shards=range(0, 2), **kw)
+    (tmp_path / "b").mkdir()
+    with pytest.raises(ArborspecError, match="no training window in those shards"):
+        eagle3_train.train(fresh(), embed, tmp_path, tmp_path / "b", batches=1, shards=range(5, 9), **kw)
+    assert shard_range("3") == range(3, 4) and shard_range("2:5") == range(2, 5)
+    for bad in ("5:3", "x", "-1:", "4:4", ":3"):
+        with pytest.raises(ArborspecError, match="--shards"):
+            shard_range(bad)
+
+
 def test_training_keeps_the_head_that_measured_best_across_runs(tmp_path):
     """The held-out measure runs after every batch here (scripted: it peaks at batch 2); the head of
     that batch is kept in best_head.pt, named in the report, survives a resumed run that does not
@@ -640,6 +673,8 @@ def test_install_only_a_head_that_beats_the_shipped_one(tmp_path):
         (["--init", "eagle3", "--revocab", "0"], "--revocab must be >= 1"),
         (["--corpus", "no/such/corpus"], "--corpus no/such/corpus: no such folder"),
         (["--defer-features"], "--defer-features only grows the corpus"),
+        (["--shards", "9:3"], "--shards '9:3': give N:M"),
+        (["--shards", "3:", "--defer-features", "--minutes", "0"], "--defer-features trains on nothing"),
     ],
 )
 def test_train_draft_mistakes_are_one_error_line(tmp_path, capsys, extra, message):
@@ -1394,7 +1429,11 @@ def test_a_corpus_packed_as_ids_unpacks_to_the_same_corpus(tmp_path, capsys, mon
         ShardData(bare)
     assert corpus_ids.main(["featurise", "--model", "smollm2-135m", "--corpus", str(tmp_path / "nope")]) == 2
     assert "no such folder" in capsys.readouterr().err
-    assert ec.featurise(lm, bare, verbose=False) == n + 1
+    # a range first (the newest shard alone: what a CPU session trains on), then the rest
+    assert ec.featurise(lm, bare, verbose=False, shards=range(n, n + 1)) == 1
+    assert [ec.featurised(d) for d in shard_dirs(bare)] == [False] * n + [True]
+    assert len(ShardData(bare, shards=range(n, n + 1)).offsets) == 2
+    assert ec.featurise(lm, bare, verbose=False) == n
     assert ec.featurise(lm, bare, verbose=False) == 0
     assert len(ShardData(bare).offsets) == n + 2
     same_corpus(bare, dst, drop=("features_s", "generation_s"))  # the two grown shards' timings differ

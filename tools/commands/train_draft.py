@@ -36,7 +36,9 @@ EXAMPLE = """examples:
   arborspec train-draft --model smollm2-135m --init eagle3 --out ~/.cache/arborspec/train/h --corpus-minutes 0 \\
       --minutes 0 --install   # measure the trained head against the shipped one; install it only if better
   arborspec train-draft --model smollm2-135m --init eagle3 --out ~/.cache/arborspec/train/h --corpus-tokens 20000000 \\
-      --corpus-minutes 600 --minutes 0 --defer-features   # grow the corpus as token ids only (features later)"""
+      --corpus-minutes 600 --minutes 0 --defer-features   # grow the corpus as token ids only (features later)
+  arborspec train-draft --model smollm2-135m --init eagle3 --out ~/.cache/arborspec/train/new --corpus-minutes 0 \
+      --shards 480:522 --minutes 50 --lr 6e-5   # the newest shards only (corpus_ids featurise --shards 480:522)"""
 
 
 def register(sub) -> None:
@@ -110,6 +112,14 @@ def register(sub) -> None:
         help="each epoch: every window of the self-written shards once, plus windows of template-prompt shards "
         "making up this share of it (e.g. 0.25; default: every window once; a resumed run keeps its checkpoint's "
         "unless given)",
+    )
+    t.add_argument(
+        "--shards",
+        default=None,
+        metavar="N:M",
+        help="train on corpus shards N..M-1 only (N: to the end), e.g. the newest text, featurised alone with "
+        "`corpus_ids featurise --shards N:M` where the whole corpus would take the CPU hours; a resumed run keeps "
+        "its checkpoint's range",
     )
     t.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     t.add_argument(
@@ -201,6 +211,12 @@ def check_args(args) -> None:
         raise InputError(
             "--defer-features only grows the corpus (its shards have no features to train on): give --minutes 0"
         )
+    if args.shards is not None:
+        from arborspec.tools.train.eagle3_corpus import shard_range
+
+        args.shards = shard_range(args.shards)
+        if args.defer_features:
+            raise InputError("--shards chooses what a run trains on; --defer-features trains on nothing")
     if args.schedule_batches is not None and args.schedule_batches < 1:
         raise InputError("--schedule-batches must be >= 1")
     if args.threads is not None and args.threads < 1:
@@ -352,6 +368,7 @@ def run(args) -> int:
             device=args.device,
             precision=eagle3_train.training_precision(args.precision, args.device),
             template_share=args.template_share,
+            shards=args.shards,
         )
         cmd = "arborspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         history = [] if args.no_resume else commands_of(args.out)
@@ -373,6 +390,8 @@ def run(args) -> int:
             report["heldout"] = {k: v for k, v in best.items() if k not in ("batch", "minutes", "cpu_minutes")}
             log(f"train-draft: the head of batch {best['batch']} measured best on the held-out set: publishing it")
         meta = {"heldout": report["heldout"], "corpus_tokens": info["tokens"], "minutes": report["minutes"]}
+        if report.get("shards"):
+            meta["shards"] = report["shards"]  # trained on these shards of the corpus only
         eagle3_train.save_public(head, args.out, {"arborspec_training": meta})
         (args.out / "training.json").write_text(json.dumps(report, indent=1))
         print(f"wrote {args.out} ({eagle3_train.head_bytes(head) / 1e6:.1f} MB): {eagle3_train.describe(report)}")

@@ -19,6 +19,8 @@ Role in one decode step: none; it keeps the data that step 1's draft head is tra
         --from 496 --out corpus-ids-00496.npz      # shards 496.. only: a continuation
     python -m arborspec.tools.train.corpus_ids unpack --model smollm2-135m --ids corpus-ids*.npz --ids-only
     python -m arborspec.tools.train.corpus_ids featurise --model smollm2-135m --corpus ~/.cache/arborspec/eagle3-corpus/KEY
+    python -m arborspec.tools.train.corpus_ids featurise --model smollm2-135m --corpus ~/.cache/arborspec/eagle3-corpus/KEY \\
+        --shards 480:508     # those shards only (train-draft --shards 480:508 trains on them)
 """
 
 from __future__ import annotations
@@ -221,7 +223,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m arborspec.tools.train.corpus_ids",
         description=__doc__.split("\n\n")[0],
-        epilog="examples:\n" + "\n".join(__doc__.rstrip().split("\n")[-8:]),
+        epilog="examples:\n" + "\n".join(__doc__.rstrip().split("\n")[-10:]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -271,6 +273,12 @@ def main(argv=None) -> int:
     )
     f.add_argument("--device", default="cpu", help="cpu (ONNX Runtime) or cuda[:N] (PyTorch on the GPU)")
     f.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+    f.add_argument(
+        "--shards",
+        default=None,
+        metavar="N:M",
+        help="only shards N..M-1 (N: to the end): the text a head has not seen yet, for train-draft --shards N:M",
+    )
     args = p.parse_args(argv)
     try:
         if args.cmd in ("pack", "featurise") and not args.corpus.is_dir():
@@ -285,10 +293,11 @@ def main(argv=None) -> int:
             got = pack(loaded, args.corpus, args.out, args.first)
             print(f"{args.out}: {got['shards']} shards, {got['tokens']} tokens ({args.out.stat().st_size} bytes)")
         elif args.cmd == "featurise":
-            from arborspec.tools.train.eagle3_corpus import corpus_settings, featurise
+            from arborspec.tools.train.eagle3_corpus import corpus_settings, featurise, shard_range
 
             corpus_settings(args.corpus)  # one line if it is not a corpus
-            n = featurise(loaded, args.corpus, args.device, args.threads)
+            shards = None if args.shards is None else shard_range(args.shards)
+            n = featurise(loaded, args.corpus, args.device, args.threads, shards=shards)
             print(f"corpus: {args.corpus}: {n} shards featurised")
         else:
             folder = unpack(

@@ -637,12 +637,40 @@ def featurised(shard: Path) -> bool:
     return all((shard / f).is_file() for f in FEATURE_FILES)
 
 
-def featurise(loaded, folder: Path, device: str = "cpu", threads: int | None = None, verbose: bool = True, lock=None):
+def shard_range(text: str) -> range:
+    """`N:M` (shards N..M-1), `N:` (N to the end) or `N` (that shard alone) as a range of shard
+    numbers; one-line InputError otherwise (`corpus_ids featurise --shards`, `train-draft --shards`)."""
+    first, sep, last = text.partition(":")
+    try:
+        a = int(first)
+        b = (int(last) if last else 10**9) if sep else a + 1
+    except ValueError:
+        a, b = -1, -1
+    if a < 0 or b <= a:
+        raise InputError(f"--shards {text!r}: give N:M (shards N to M-1), N: (N to the end) or N, with 0 <= N < M")
+    return range(a, b)
+
+
+def in_shards(shard: Path, shards: range | None) -> bool:
+    """Whether a shard folder (named by its number) is among `shards` (None: all)."""
+    return shards is None or int(shard.name) in shards
+
+
+def featurise(
+    loaded,
+    folder: Path,
+    device: str = "cpu",
+    threads: int | None = None,
+    verbose: bool = True,
+    lock=None,
+    shards: range | None = None,
+):
     """Give every shard of corpus `folder` that holds token ids only its features, top-K and
     greedy tokens (the target run again over its windows: ONNX Runtime on the CPU, PyTorch on a
     GPU), each shard republished whole and the progress written after each: an interrupted run
     resumes. lock: the caller's grow_lock (else taken here: a corpus one run grows is not
-    featurised by another). -> how many shards it featurised."""
+    featurised by another). shards: only these shard numbers (a CPU featurises the newest text
+    a head has not seen in an hour, the whole corpus in several). -> how many shards it featurised."""
     own = lock is None
     if own:
         lock, holder = grow_lock(folder)
@@ -650,7 +678,7 @@ def featurise(loaded, folder: Path, device: str = "cpu", threads: int | None = N
             raise InputError(f"another run (pid {holder}) is adding shards to {folder}: featurise it when it is done")
     settings, engine, done = corpus_settings(folder), None, 0
     try:
-        todo = [d for d in shard_dirs(folder) if not featurised(d)]
+        todo = [d for d in shard_dirs(folder) if not featurised(d) and in_shards(d, shards)]
         if todo:
             vocab = np.load(folder / "vocab.npy")
             source = corpus_source(loaded, folder, settings["aux"], device)

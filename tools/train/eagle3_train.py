@@ -187,10 +187,10 @@ class ShardData:
 
     NAMES = ("tokens", "features", "top_ids", "top_lp", "top1")
 
-    def __init__(self, corpus: Path, head_vocab: np.ndarray | None = None):
-        from arborspec.tools.train.eagle3_corpus import shard_dirs
+    def __init__(self, corpus: Path, head_vocab: np.ndarray | None = None, shards: range | None = None):
+        from arborspec.tools.train.eagle3_corpus import in_shards, shard_dirs
 
-        dirs = shard_dirs(corpus)
+        dirs = [d for d in shard_dirs(corpus) if in_shards(d, shards)]  # shards: these numbers only
         for d in dirs:
             missing = [f"{n}.npy" for n in self.NAMES if not (d / f"{n}.npy").is_file()]
             if missing:
@@ -201,12 +201,14 @@ class ShardData:
                         f"the corpus shard {d} holds token ids only (grown with --defer-features or unpacked with "
                         f"--ids-only): featurise it first: python -m arborspec.tools.train.corpus_ids featurise "
                         f"--model MODEL --corpus {corpus}"
+                        + ("" if shards is None else f" --shards {shards.start}:{shards.stop}")
                     )
                 raise InputError(
                     f"the corpus shard {d} is incomplete (no {', '.join(missing)}): remove that folder "
                     "and train again (the corpus goes on without it)"
                 )
         self.shards = [{n: np.load(d / f"{n}.npy", mmap_mode="r") for n in self.NAMES} for d in dirs]
+        self.last = int(dirs[-1].name) if dirs else -1  # the last shard number read
         sizes = [s["tokens"].shape[0] for s in self.shards]
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         # each window's prompt source (shard.json; shards from before sources: the templates)
@@ -348,6 +350,7 @@ def train(
     device: str = "cpu",
     precision: str = "fp32",
     template_share: float | None = None,
+    shards: range | None = None,
 ) -> dict:
     """Train in place for `minutes` of this run; checkpoints `out/train_state.pt` (head,
     optimiser, step, epoch, the epoch's window order and the position in it, schedule, curve,
@@ -365,34 +368,41 @@ def train(
     map_location="cpu", so a run resumes anywhere. `precision`: "bf16" runs the forward and
     backward matmuls under bfloat16 autocast (weights, optimiser state and the loss stay fp32;
     `training_precision` picks it where the hardware has native bf16), "fp32" everything in fp32.
-    `template_share`: each epoch's share of windows from template-prompt shards (epoch_order)."""
+    `template_share`: each epoch's share of windows from template-prompt shards (epoch_order).
+    `shards`: train on these shard numbers only (the text a head has not seen, featurised on its
+    own); a resumed run keeps its checkpoint's range, and refuses another."""
     from tqdm import tqdm
 
+    from arborspec.runtime.errors import InputError
     from arborspec.runtime.fileio import atomic_write_json
     from arborspec.tools.train.eagle3_corpus import log
 
-    data = ShardData(corpus)  # its top-K over the head's vocabulary: set after a resumed state loads
-    if len(data) == 0:
-        from arborspec.runtime.errors import InputError
-
+    state_file = out / "train_state.pt"
+    st = torch.load(state_file, map_location="cpu", weights_only=False) if resume and state_file.is_file() else None
+    kept = st.get("shards") if st is not None else None  # [first, stop] or None (every shard)
+    if st is not None and shards is not None and kept != [shards.start, shards.stop]:
         raise InputError(
-            f"the corpus {corpus} has no training window yet (its responses are shorter than one window): "
-            "grow it (--corpus-minutes, --corpus-tokens) or give a smaller --window"
+            f"{state_file} trained on {'shards %d:%d' % tuple(kept) if kept else 'every shard'}, not --shards "
+            f"{shards.start}:{shards.stop}: resume it with the same range, or start over (--no-resume, or another --out)"
+        )
+    if shards is None and kept is not None:
+        shards = range(*kept)
+    data = ShardData(corpus, shards=shards)  # its top-K over the head's vocabulary: set after the state loads
+    if len(data) == 0:
+        raise InputError(
+            f"the corpus {corpus} has no training window {'in those shards' if shards is not None else 'yet'} (its "
+            "responses are shorter than one window): grow it (--corpus-minutes, --corpus-tokens), give a smaller "
+            "--window or other --shards"
         )
     dev = torch.device(device)
     head.to(dev)
     embed = embed.to(dev)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=DEFAULT_LR, betas=(0.9, 0.95), weight_decay=0.0)  # lr set every batch
-    state_file = out / "train_state.pt"
-    st = None
-    if resume and state_file.is_file():
-        st = torch.load(state_file, map_location="cpu", weights_only=False)
+    if st is not None:
         try:
             head.load_state_dict(st["head"])
         except RuntimeError:
-            from arborspec.runtime.errors import InputError
-
             n = st["head"].get("lm_head.weight", torch.zeros(0)).shape[0]
             raise InputError(
                 f"{state_file} holds a head of another shape (a draft vocabulary of {n}): resume it with the "
@@ -443,6 +453,7 @@ def train(
             "pos": pos,
             "schedule": sched,
             "template_share": template_share,
+            "shards": None if shards is None else [shards.start, shards.stop],
             "curve": curve,
             "evals": evals,
             "best": best,
@@ -537,6 +548,7 @@ def train(
         "minutes": round((time.perf_counter() - t0) / 60, 2),
         "cpu_minutes": round((time.process_time() - c0) / 60, 2),
         "train_windows": len(data),
+        "shards": None if shards is None else [shards.start, min(shards.stop, data.last + 1)],
         "ttt_steps": steps,
         "batch_windows": batch,
         "precision": precision,
