@@ -230,7 +230,7 @@ def test_training_on_a_shard_range_reads_those_shards_only_and_resumes_on_them(t
     assert sorted(int(i) for i in st["order"]) == [0, 1, 2, 3]  # one pass over shard 1's 4 windows
     rep = eagle3_train.train(fresh(), embed, tmp_path, tmp_path / "a", batches=2, **kw)  # resumed: same range
     assert rep["batches"] == 5 and rep["train_windows"] == 4 and rep["shards"] == [1, 2]
-    with pytest.raises(ArborspecError, match="trained on shards 1:1000000000, not --shards 0:2"):
+    with pytest.raises(ArborspecError, match="trained on shards 1:, not --shards 0:2"):
         eagle3_train.train(fresh(), embed, tmp_path, tmp_path / "a", batches=1, shards=range(0, 2), **kw)
     (tmp_path / "b").mkdir()
     with pytest.raises(ArborspecError, match="no training window in those shards"):

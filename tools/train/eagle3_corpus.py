@@ -637,18 +637,26 @@ def featurised(shard: Path) -> bool:
     return all((shard / f).is_file() for f in FEATURE_FILES)
 
 
+OPEN_END = 10**9  # the stop of `--shards N:` (to the end)
+
+
 def shard_range(text: str) -> range:
     """`N:M` (shards N..M-1), `N:` (N to the end) or `N` (that shard alone) as a range of shard
     numbers; one-line InputError otherwise (`corpus_ids featurise --shards`, `train-draft --shards`)."""
     first, sep, last = text.partition(":")
     try:
         a = int(first)
-        b = (int(last) if last else 10**9) if sep else a + 1
+        b = (int(last) if last else OPEN_END) if sep else a + 1
     except ValueError:
         a, b = -1, -1
     if a < 0 or b <= a:
         raise InputError(f"--shards {text!r}: give N:M (shards N to M-1), N: (N to the end) or N, with 0 <= N < M")
     return range(a, b)
+
+
+def shards_text(shards: range) -> str:
+    """A range of shard numbers as `--shards` takes it (`N:M`, or `N:` to the end)."""
+    return f"{shards.start}:" if shards.stop >= OPEN_END else f"{shards.start}:{shards.stop}"
 
 
 def in_shards(shard: Path, shards: range | None) -> bool:

@@ -188,7 +188,7 @@ class ShardData:
     NAMES = ("tokens", "features", "top_ids", "top_lp", "top1")
 
     def __init__(self, corpus: Path, head_vocab: np.ndarray | None = None, shards: range | None = None):
-        from arborspec.tools.train.eagle3_corpus import in_shards, shard_dirs
+        from arborspec.tools.train.eagle3_corpus import in_shards, shard_dirs, shards_text
 
         dirs = [d for d in shard_dirs(corpus) if in_shards(d, shards)]  # shards: these numbers only
         for d in dirs:
@@ -201,7 +201,7 @@ class ShardData:
                         f"the corpus shard {d} holds token ids only (grown with --defer-features or unpacked with "
                         f"--ids-only): featurise it first: python -m arborspec.tools.train.corpus_ids featurise "
                         f"--model MODEL --corpus {corpus}"
-                        + ("" if shards is None else f" --shards {shards.start}:{shards.stop}")
+                        + ("" if shards is None else f" --shards {shards_text(shards)}")
                     )
                 raise InputError(
                     f"the corpus shard {d} is incomplete (no {', '.join(missing)}): remove that folder "
@@ -380,15 +380,15 @@ def train(
 
     from arborspec.runtime.errors import InputError
     from arborspec.runtime.fileio import atomic_write_json
-    from arborspec.tools.train.eagle3_corpus import log
+    from arborspec.tools.train.eagle3_corpus import log, shards_text
 
     state_file = out / "train_state.pt"
     st = torch.load(state_file, map_location="cpu", weights_only=False) if resume and state_file.is_file() else None
     kept = st.get("shards") if st is not None else None  # [first, stop] or None (every shard)
     if st is not None and shards is not None and kept != [shards.start, shards.stop]:
         raise InputError(
-            f"{state_file} trained on {'shards %d:%d' % tuple(kept) if kept else 'every shard'}, not --shards "
-            f"{shards.start}:{shards.stop}: resume it with the same range, or start over (--no-resume, or another --out)"
+            f"{state_file} trained on {'shards ' + shards_text(range(*kept)) if kept else 'every shard'}, not "
+            f"--shards {shards_text(shards)}: resume it with the same range, or start over (--no-resume, or another --out)"
         )
     if shards is None and kept is not None:
         shards = range(*kept)
