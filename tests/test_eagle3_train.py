@@ -1477,3 +1477,43 @@ def test_a_corpus_packed_as_ids_unpacks_to_the_same_corpus(tmp_path, capsys, mon
         corpus_ids.unpack(lm, tmp_path / "junk.npz", tmp_path / "c", verbose=False)
     assert corpus_ids.main(["unpack", "--model", "smollm2-135m", "--ids", str(tmp_path / "nope.npz")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_head_blend_interpolates_weights_and_keeps_the_blend_the_install_rule_ranks_first(tmp_path, capsys):
+    """head_blend: alpha 0 is the start head and 1 the tuned one exactly, 0.5 the midpoint of every
+    weight (the draft vocabulary kept); heads of another vocabulary are one error line; the blend
+    kept is the one `ranks_above` puts first against the start's measure (scripted here: it
+    peaks at alpha 0.5), and the tuned head is always among those measured."""
+    from arborspec.tools.train import head_blend
+    from arborspec.tools.train.eagle3_heldout import TUNED
+
+    cfg, target, start = _head(0)
+    tuned = _head(0)[2]
+    with torch.no_grad():
+        for p in tuned.parameters():
+            if p.is_floating_point():
+                p.add_(torch.randn_like(p))
+    for a, want in ((0.0, start), (1.0, tuned)):
+        got = head_blend.blend(start, tuned, a)
+        assert all(torch.equal(v, want.state_dict()[k].float()) for k, v in got.state_dict().items()), a
+    mid = head_blend.blend(start, tuned, 0.5)
+    torch.testing.assert_close(mid.fc.weight, (start.fc.weight + tuned.fc.weight) / 2)
+    assert torch.equal(mid.d2t, start.d2t) and torch.equal(mid.t2d, start.t2d)
+    other = _head(1)[2]  # another draft vocabulary
+    with pytest.raises(ArborspecError, match="cannot be blended"):
+        head_blend.blend(start, other, 0.5)
+
+    def scripted(head):  # agreement peaking at the midpoint of fc's first weight
+        w, w0, w1 = (h.fc.weight.detach()[0, 0] for h in (head, start, tuned))
+        x = float((w - w0) / (w1 - w0))
+        acc = 0.6 + 0.1 * x * (1 - x)
+        return {"top1_agreement_per_depth": [acc, acc - 0.05], "tokens_per_step": {TUNED: 2.0 + acc}}
+
+    alpha, head, rows = head_blend.best_blend(start, tuned, [0.25, 0.5], scripted)
+    assert alpha == 0.5 and [r["alpha"] for r in rows] == [0.0, 0.25, 0.5, 1.0]
+    torch.testing.assert_close(head.fc.weight, mid.fc.weight)
+    assert head_blend.main(["--model", "x", "--start", "eagle3", "--tuned", str(tmp_path), "--out", str(tmp_path)]) == 2
+    assert "no model.safetensors" in capsys.readouterr().err
+    args = ["--model", "x", "--start", "eagle3", "--tuned", str(tmp_path), "--out", str(tmp_path), "--alphas", "2"]
+    assert head_blend.main(args) == 2
+    assert "--alphas must lie in [0, 1]" in capsys.readouterr().err

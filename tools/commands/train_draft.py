@@ -13,7 +13,6 @@ then replaces the shipped head only if this one measures better on the held-out 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shlex
 import sys
@@ -436,29 +435,10 @@ def install_head(args, loaded, shipped: Path) -> int:
     """--install-head DIR: both heads measured on this machine's held-out set (built once, on the
     CPU), DIR's installed only if it beats the shipped one (the same rule as --install)."""
     from arborspec.models.eagle3 import load_eagle3
-    from arborspec.models.registry import cache_dir
-    from arborspec.tools.train import eagle3_corpus, eagle3_heldout
+    from arborspec.tools.train import eagle3_heldout
 
     cfg = loaded.config
-    embed = loaded.module.model.embed_tokens.weight.detach().float()
-
-    def measure(head):  # on the held-out set with this head's feature layers (built once per layer set)
-        aux = list(head.config.aux_layers)
-        tid = hashlib.sha256(eagle3_corpus.target_id_of(loaded).encode()).hexdigest()[:16]
-        name = f"target-features-{tid}-{'-'.join(map(str, aux))}.onnx"
-        graph = cache_dir() / "eagle3-heldout" / name
-
-        def target_source():
-            if not graph.is_file():
-                graph.parent.mkdir(parents=True, exist_ok=True)
-                ctx = eagle3_corpus.graph_context(cfg, {"window": 0, "gen_len": 160})
-                eagle3_corpus.target_graph(loaded.module.eval(), cfg, ctx, aux, graph)
-            return graph
-
-        root = cache_dir() / "eagle3-heldout"
-        heldout = eagle3_heldout.build_heldout(loaded, aux, target_source, root, threads=args.threads)
-        return eagle3_heldout.evaluate_heldout(head, embed, heldout, args.ttt_steps)
-
+    measure = eagle3_heldout.heldout_measure(loaded, args.threads, args.ttt_steps)
     new = measure(load_eagle3(args.install_head, cfg).float())
     old = measure(load_eagle3(shipped, cfg).float())
     done = eagle3_heldout.install_if_better(args.install_head, shipped, new, old)

@@ -206,6 +206,35 @@ def head_to_measure(arg: str, model: str, config):
     return load_eagle3(eagle3_folder("eagle3", model) if arg == "eagle3" else Path(arg), config).float()
 
 
+def heldout_measure(loaded, threads: int | None = None, steps: int = 4):
+    """head -> its held-out measure (evaluate_heldout) for the target `loaded`, on the CPU, with
+    the head's own feature layers (the target's features graph and the held-out set built once
+    per layer set, in the user cache): how `--install-head` and `head_blend` measure heads."""
+    from arborspec.models.registry import cache_dir
+    from arborspec.tools.train import eagle3_corpus
+
+    cfg = loaded.config
+    embed = loaded.module.model.embed_tokens.weight.detach().float()
+    root = cache_dir() / "eagle3-heldout"
+
+    def measure(head) -> dict:
+        aux = list(head.config.aux_layers)
+        tid = hashlib.sha256(eagle3_corpus.target_id_of(loaded).encode()).hexdigest()[:16]
+        graph = root / f"target-features-{tid}-{'-'.join(map(str, aux))}.onnx"
+
+        def target_source():
+            if not graph.is_file():
+                graph.parent.mkdir(parents=True, exist_ok=True)
+                ctx = eagle3_corpus.graph_context(cfg, {"window": 0, "gen_len": 160})
+                eagle3_corpus.target_graph(loaded.module.eval(), cfg, ctx, aux, graph)
+            return graph
+
+        heldout = build_heldout(loaded, aux, target_source, root, threads=threads)
+        return evaluate_heldout(head, embed, heldout, steps)
+
+    return measure
+
+
 def beats(new: dict, old: dict) -> bool:
     """The install rule: a head replaces the shipped one only if, on the same held-out set, its
     mean top-1 agreement over the depths is higher AND the tuned tree's tokens per step is not
