@@ -638,15 +638,21 @@ def test_the_kept_head_is_one_the_install_rule_takes_where_one_was_measured():
         return best
 
     assert kept(beats) == 1017 and not beats(evals[1017], start)  # what the run published
+    # none above the start (each lower at depth 1, the int4 export's single node): the highest mean
     got = kept(lambda new, old: ranks_above(new, old, start))
-    assert got == 2079 and beats(evals[got], start)
-    # none above the start: the highest mean agreement is kept
+    assert got == 2079 and not any(beats(r, start) for r in evals.values())
     assert not ranks_above(evals[481], evals[1542], start) and ranks_above(evals[1542], evals[1017], start)
+    # one that beats the start (depth 1 not lower, mean higher, tuned tree not lower) is kept over
+    # a higher mean that does not
+    evals[3000] = m([0.6727, 0.6215, 0.6058, 0.5645], 2.124)
+    assert beats(evals[3000], start) and kept(lambda new, old: ranks_above(new, old, start)) == 3000
+    assert np.mean(evals[3000]["top1_agreement_per_depth"]) < np.mean(evals[2079]["top1_agreement_per_depth"])
 
 
 def test_install_only_a_head_that_beats_the_shipped_one(tmp_path):
     """The compare-and-install rule: a head replaces the shipped one only if its held-out mean
-    agreement is higher and the tuned tree's tokens per step not lower; otherwise the shipped
+    agreement is higher, the tuned tree's tokens per step not lower and its depth-1 agreement (the
+    int4 export's one-node tree) not lower; otherwise the shipped
     files stay as they are. A head measured equal to the shipped one is not installed."""
     import json
 
@@ -669,6 +675,7 @@ def test_install_only_a_head_that_beats_the_shipped_one(tmp_path):
         measured([0.54, 0.5, 0.5, 0.5], 1.9),  # lower agreement
         measured([0.7, 0.3, 0.3, 0.3], 1.7),  # higher at depth 1, lower mean
         measured([0.6, 0.5, 0.5, 0.5], 1.79),  # higher agreement, fewer tokens per step
+        measured([0.54, 0.56, 0.56, 0.56], 1.9),  # higher mean and tuned tree, lower at depth 1 (int4's [[0]])
         old,  # equal
     ):
         assert not beats(worse, old) and not install_if_better(cand, shipped, worse, old)
