@@ -241,37 +241,6 @@ def test_training_on_a_shard_range_reads_those_shards_only_and_resumes_on_them(t
             shard_range(bad)
 
 
-def test_a_fresh_run_warms_adams_moments_at_learning_rate_zero_first(tmp_path):
-    """moment_warmup=K: a run without optimiser state first runs K batches that change no weight
-    but fill AdamW's moments (K steps in its state); a resumed run does not warm again; and the
-    first real update is smaller than a fresh optimiser's, whose step is ~lr x sign(g) for every
-    weight (what the warm-up is for)."""
-    embed, fresh = _resumable(tmp_path)
-    kw = dict(steps=2, batch=2, lr=3e-3, schedule_batches=20, minutes=5, progress=False, seed=4)
-    for d in "abc":
-        (tmp_path / d).mkdir()
-    h = fresh()
-    start = {k: v.clone() for k, v in h.state_dict().items()}
-    assert eagle3_train.train(h, embed, tmp_path, tmp_path / "a", batches=0, moment_warmup=3, **kw)["batches"] == 0
-    assert all(torch.equal(v, start[k]) for k, v in h.state_dict().items())
-
-    def adam_steps(folder):
-        st = torch.load(folder / "train_state.pt", weights_only=False)
-        return {int(s["step"]) for s in st["opt"]["state"].values()}
-
-    assert adam_steps(tmp_path / "a") == {3}
-    eagle3_train.train(fresh(), embed, tmp_path, tmp_path / "a", batches=2, moment_warmup=3, **kw)
-    assert adam_steps(tmp_path / "a") == {5}  # resumed: two updates, no second warm-up
-
-    def first_update(folder, warm):
-        h = fresh()
-        eagle3_train.train(h, embed, tmp_path, folder, batches=1, moment_warmup=warm, **kw)
-        return sum(float((v.float() - start[k].float()).abs().sum()) for k, v in h.state_dict().items())
-
-    cold, warmed = first_update(tmp_path / "b", 0), first_update(tmp_path / "c", 6)
-    assert 0 < warmed < 0.8 * cold, (warmed, cold)
-
-
 def test_training_keeps_the_head_that_measured_best_across_runs(tmp_path):
     """The held-out measure runs after every batch here (scripted: it peaks at batch 2); the head of
     that batch is kept in best_head.pt, named in the report, survives a resumed run that does not
@@ -712,7 +681,6 @@ def test_install_only_a_head_that_beats_the_shipped_one(tmp_path):
         (["--corpus", "no/such/corpus"], "--corpus no/such/corpus: no such folder"),
         (["--defer-features"], "--defer-features only grows the corpus"),
         (["--shards", "9:3"], "--shards '9:3': give N:M"),
-        (["--moment-warmup", "-1"], "--moment-warmup must be >= 0"),
         (["--shards", "3:", "--defer-features", "--minutes", "0"], "--defer-features trains on nothing"),
     ],
 )

@@ -120,14 +120,6 @@ def register(sub) -> None:
         "`corpus_ids featurise --shards N:M` where the whole corpus would take the CPU hours; a resumed run keeps "
         "its checkpoint's range",
     )
-    t.add_argument(
-        "--moment-warmup",
-        type=int,
-        default=0,
-        metavar="N",
-        help="a run without optimiser state first runs N batches at learning rate 0, so AdamW's moments hold the "
-        "gradients' scale before its first update (default 0)",
-    )
     t.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     t.add_argument(
         "--init",
@@ -224,8 +216,6 @@ def check_args(args) -> None:
         args.shards = shard_range(args.shards)
         if args.defer_features:
             raise InputError("--shards chooses what a run trains on; --defer-features trains on nothing")
-    if args.moment_warmup < 0:
-        raise InputError("--moment-warmup must be >= 0")
     if args.schedule_batches is not None and args.schedule_batches < 1:
         raise InputError("--schedule-batches must be >= 1")
     if args.threads is not None and args.threads < 1:
@@ -378,7 +368,6 @@ def run(args) -> int:
             precision=eagle3_train.training_precision(args.precision, args.device),
             template_share=args.template_share,
             shards=args.shards,
-            moment_warmup=args.moment_warmup,
         )
         cmd = "arborspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         history = [] if args.no_resume else commands_of(args.out)

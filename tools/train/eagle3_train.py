@@ -351,7 +351,6 @@ def train(
     precision: str = "fp32",
     template_share: float | None = None,
     shards: range | None = None,
-    moment_warmup: int = 0,
 ) -> dict:
     """Train in place for `minutes` of this run; checkpoints `out/train_state.pt` (head,
     optimiser, step, epoch, the epoch's window order and the position in it, schedule, curve,
@@ -371,11 +370,7 @@ def train(
     `training_precision` picks it where the hardware has native bf16), "fp32" everything in fp32.
     `template_share`: each epoch's share of windows from template-prompt shards (epoch_order).
     `shards`: train on these shard numbers only (the text a head has not seen, featurised on its
-    own); a resumed run keeps its checkpoint's range, and refuses another.
-    `moment_warmup`: a run that starts without optimiser state (not a resumed one) first runs this
-    many batches of random windows at learning rate 0, so that AdamW's moments hold the gradients'
-    scale before the first update (fresh moments make the first updates ~lr x sign(g) for every
-    weight: a fine-tuned head's held-out agreement dipped after them)."""
+    own); a resumed run keeps its checkpoint's range, and refuses another."""
     from tqdm import tqdm
 
     from arborspec.runtime.errors import InputError
@@ -488,26 +483,6 @@ def train(
         log(f"train-draft: held-out at batch {step}: {res['top1_agreement_per_depth']}")
 
     head.train()
-
-    def forward_backward(idx):
-        tk, fe, ti, tl, t1 = (x.to(dev, non_blocking=True) for x in data.batch_at(idx))
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            outs = ttt_forward(head, embed, tk, fe, steps)
-            losses, accs = step_losses(outs, ti, tl, t1, vocab_t, steps)
-        loss = sum(w * lo for w, lo in zip(weights, losses)) / sum(weights)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        return loss, accs
-
-    if moment_warmup > 0 and step == 0 and not opt.state:  # a fresh optimiser: its moments first, lr 0
-        rng = np.random.default_rng([seed, 1 << 20])
-        for g in opt.param_groups:
-            g["lr"] = 0.0
-        for _ in tqdm(range(moment_warmup), desc="optimiser moments", disable=None if progress else True):
-            forward_backward(rng.choice(len(data), size=min(batch, len(data)), replace=False))
-            opt.step()
-        log(f"train-draft: AdamW's moments warmed over {moment_warmup} batches at learning rate 0")
     last_save = last_eval = time.perf_counter()
     bar = tqdm(total=total, initial=step, desc="train-draft", unit="batch", disable=None if progress else True)
     run_loss, run_acc = [], []
@@ -520,9 +495,16 @@ def train(
             if (time.perf_counter() - run_start) / 60 >= minutes or (batches is not None and step - first >= batches):
                 stop_reason = f"this run's budget ({minutes:g} min)" if batches is None else f"{batches} batches"
                 break
+            tk, fe, ti, tl, t1 = (x.to(dev, non_blocking=True) for x in data.batch_at(next_batch()))
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, sched["peak"], sched["total"], sched["warm"])
-            loss, accs = forward_backward(next_batch())
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+                outs = ttt_forward(head, embed, tk, fe, steps)
+                losses, accs = step_losses(outs, ti, tl, t1, vocab_t, steps)
+            loss = sum(w * lo for w, lo in zip(weights, losses)) / sum(weights)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 0.5)
             opt.step()
             step += 1
             run_loss.append(float(loss.detach()))
