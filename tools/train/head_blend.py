@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from arborspec.runtime.errors import ArborspecError, InputError
+from arborspec.runtime.fileio import atomic_write_json
 
 
 def blend(start, tuned, alpha: float):
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
             }
         )
         save_public(head, args.out, {"arborspec_training": {"heldout": meta, "blend_alpha": alpha}})
-        (args.out / "training.json").write_text(json.dumps(report, indent=1))
+        atomic_write_json(args.out / "training.json", report, indent=1)
         print(f"wrote {args.out}: the blend of alpha {alpha:.2f}")
     except ArborspecError as e:
         print(f"error: {e}", file=sys.stderr)
