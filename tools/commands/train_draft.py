@@ -36,8 +36,8 @@ EXAMPLE = """examples:
       --minutes 0 --install   # measure the trained head against the shipped one; install it only if better
   arborspec train-draft --model smollm2-135m --init eagle3 --out ~/.cache/arborspec/train/h --corpus-tokens 20000000 \\
       --corpus-minutes 600 --minutes 0 --defer-features   # grow the corpus as token ids only (features later)
-  arborspec train-draft --model smollm2-135m --init eagle3 --out ~/.cache/arborspec/train/new --corpus-minutes 0 \
-      --shards 480:522 --minutes 50 --lr 6e-5   # the newest shards only (corpus_ids featurise --shards 480:522)"""
+  arborspec train-draft --model smollm2-135m --init eagle3 --out ~/.cache/arborspec/train/new --corpus-minutes 0 \\
+      --shards 480:516 --minutes 50 --lr 1e-4   # the newest shards only (corpus_ids featurise --shards 480:516)"""
 
 
 def register(sub) -> None:
