@@ -216,10 +216,10 @@ def heldout_measure(loaded, threads: int | None = None, steps: int = 4):
     cfg = loaded.config
     embed = loaded.module.model.embed_tokens.weight.detach().float()
     root = cache_dir() / "eagle3-heldout"
+    tid = hashlib.sha256(eagle3_corpus.target_id_of(loaded).encode()).hexdigest()[:16]
 
     def measure(head) -> dict:
         aux = list(head.config.aux_layers)
-        tid = hashlib.sha256(eagle3_corpus.target_id_of(loaded).encode()).hexdigest()[:16]
         graph = root / f"target-features-{tid}-{'-'.join(map(str, aux))}.onnx"
 
         def target_source():

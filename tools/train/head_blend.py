@@ -91,15 +91,13 @@ def main(argv=None) -> int:
             raise InputError(f"--tuned {args.tuned}: no model.safetensors there (a public-layout EAGLE-3 head)")
         if args.threads:
             torch.set_num_threads(args.threads)
-        from arborspec.models.eagle3 import eagle3_folder, load_eagle3
         from arborspec.models.registry import load_model
-        from arborspec.tools.train.eagle3_heldout import TUNED, heldout_measure
+        from arborspec.tools.train.eagle3_heldout import TUNED, head_to_measure, heldout_measure
         from arborspec.tools.train.eagle3_train import save_public
 
         loaded = load_model(args.model)
-        start_dir = eagle3_folder(args.start, args.model) if args.start.startswith("eagle3") else Path(args.start)
-        start = load_eagle3(start_dir, loaded.config).float()
-        tuned = load_eagle3(args.tuned, loaded.config).float()
+        start = head_to_measure(args.start, args.model, loaded.config)
+        tuned = head_to_measure(str(args.tuned), args.model, loaded.config)
         alpha, head, rows = best_blend(start, tuned, args.alphas, heldout_measure(loaded, args.threads))
         for r in rows:
             print(
@@ -116,7 +114,7 @@ def main(argv=None) -> int:
             {
                 "heldout_tuned": report.get("heldout"),
                 "heldout": meta,
-                "blend": {"start": str(start_dir), "tuned": str(args.tuned), "alpha": alpha, "measured": rows},
+                "blend": {"start": args.start, "tuned": str(args.tuned), "alpha": alpha, "measured": rows},
             }
         )
         save_public(head, args.out, {"arborspec_training": {"heldout": meta, "blend_alpha": alpha}})
