@@ -183,21 +183,24 @@ def test_training_resumes_from_its_checkpoint_with_identical_state(tmp_path):
     assert eagle3_train.lr_at(19, 1.0, 20, 3) < 0.2 < eagle3_train.lr_at(5, 1.0, 20, 3)  # cosine to a tenth
 
 
-def test_a_resumed_run_keeps_its_checkpoints_peak_rate_and_template_share(tmp_path):
-    """A run resumed without --lr / --template-share trains on with the checkpoint's (not the
-    defaults), so it ends where one uninterrupted run ends, and its report (e.g. the 0-batch
-    `--install` run's) names the peak and share the head was trained with."""
+def test_a_resumed_run_keeps_its_checkpoints_peak_rate_template_share_and_step_decay(tmp_path):
+    """A run resumed without --lr / --template-share / --step-decay trains on with the
+    checkpoint's (not the defaults), so it ends where one uninterrupted run ends, and its report
+    (e.g. the 0-batch `--install` run's) names the peak, share and decay the head was trained
+    with; the decay is used (the same batches with the default end elsewhere)."""
     embed, fresh = _resumable(tmp_path)
     (tmp_path / "shards" / "00001" / "shard.json").write_text('{"prompt_source": "self"}')
     kw = dict(steps=2, batch=2, schedule_batches=20, minutes=5, progress=False, seed=4)
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    eagle3_train.train(fresh(), embed, tmp_path, tmp_path / "a", batches=6, lr=3e-3, template_share=0.5, **kw)
-    eagle3_train.train(fresh(), embed, tmp_path, tmp_path / "b", batches=2, lr=3e-3, template_share=0.5, **kw)
+    given = dict(lr=3e-3, template_share=0.5, step_decay=0.5)
+    eagle3_train.train(fresh(), embed, tmp_path, tmp_path / "a", batches=6, **given, **kw)
+    eagle3_train.train(fresh(), embed, tmp_path, tmp_path / "b", batches=2, **given, **kw)
     eagle3_train.train(fresh(), embed, tmp_path, tmp_path / "b", batches=4, **kw)
     report = eagle3_train.train(fresh(), embed, tmp_path, tmp_path / "b", batches=0, **kw)
     assert report["batches"] == 6 and report["schedule"]["peak"] == 3e-3 and report["template_share"] == 0.5
+    assert report["step_decay"] == 0.5
     a = torch.load(tmp_path / "a" / "train_state.pt", weights_only=False)
     b = torch.load(tmp_path / "b" / "train_state.pt", weights_only=False)
     assert np.array_equal(a["order"], b["order"]) and a["schedule"] == b["schedule"]
@@ -206,6 +209,12 @@ def test_a_resumed_run_keeps_its_checkpoints_peak_rate_and_template_share(tmp_pa
         assert torch.equal(v, b["head"][k]), k
     fresh_report = eagle3_train.train(fresh(), embed, tmp_path, tmp_path / "c", batches=0, **kw)
     assert fresh_report["schedule"]["peak"] == eagle3_train.DEFAULT_LR and fresh_report["template_share"] is None
+    assert fresh_report["step_decay"] == eagle3_train.STEP_DECAY == 0.8
+    (tmp_path / "d").mkdir()
+    eagle3_train.train(fresh(), embed, tmp_path, tmp_path / "d", batches=6, lr=3e-3, template_share=0.5, **kw)
+    d = torch.load(tmp_path / "d" / "train_state.pt", weights_only=False)
+    assert np.array_equal(a["order"], d["order"])  # the same batches, other step weights: other weights
+    assert any(not torch.allclose(v, d["head"][k]) for k, v in a["head"].items())
 
 
 def test_training_on_a_shard_range_reads_those_shards_only_and_resumes_on_them(tmp_path):
@@ -676,6 +685,7 @@ def test_install_only_a_head_that_beats_the_shipped_one(tmp_path):
         (["--threads", "0"], "--threads must be >= 1"),
         (["--cuda-graphs"], "--cuda-graphs needs --device cuda"),
         (["--template-share", "1"], "--template-share must be in [0, 1)"),
+        (["--step-decay", "0"], "--step-decay must be in (0, 1]"),
         (["--revocab", "16384"], "--revocab re-chooses the vocabulary of a head given with --init"),
         (["--init", "eagle3", "--revocab", "0"], "--revocab must be >= 1"),
         (["--corpus", "no/such/corpus"], "--corpus no/such/corpus: no such folder"),

@@ -120,6 +120,14 @@ def register(sub) -> None:
         "`corpus_ids featurise --shards N:M` where the whole corpus would take the CPU hours; a resumed run keeps "
         "its checkpoint's range",
     )
+    t.add_argument(
+        "--step-decay",
+        type=float,
+        default=None,
+        metavar="F",
+        help="the loss of training-time-test step k weighs F**k (default 0.8, EAGLE-3's; lower puts more of it on "
+        "depth 1; a resumed run keeps its checkpoint's unless given)",
+    )
     t.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     t.add_argument(
         "--init",
@@ -199,6 +207,8 @@ def check_args(args) -> None:
         raise InputError("--first-prompt must be >= 0")
     if args.template_share is not None and not 0.0 <= args.template_share < 1.0:
         raise InputError(f"--template-share must be in [0, 1), got {args.template_share}")
+    if args.step_decay is not None and not 0.0 < args.step_decay <= 1.0:
+        raise InputError(f"--step-decay must be in (0, 1], got {args.step_decay}")
     for name in ("ttt_steps", "batch"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1")
@@ -368,6 +378,7 @@ def run(args) -> int:
             precision=eagle3_train.training_precision(args.precision, args.device),
             template_share=args.template_share,
             shards=args.shards,
+            step_decay=args.step_decay,
         )
         cmd = "arborspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         history = [] if args.no_resume else commands_of(args.out)

@@ -10,7 +10,7 @@ with fc(f[j]) at position j; entry j of step k pairs x[j+1+k] with step k-1's ou
 entry j at position j+k, and attends to step 0's entries 0..j (the committed chain) and to
 entry j of steps 1..k (its ancestors and itself): a chain of depth k in a tree. Its label is the
 target's next-token distribution at row j+1+k (top-K over the draft vocabulary, normalised
-over the full vocabulary), step weights 0.8^k.
+over the full vocabulary), step weights STEP_DECAY^k (train-draft --step-decay).
 """
 
 from __future__ import annotations
@@ -285,6 +285,7 @@ def training_precision(choice: str, device: str) -> str:
 
 
 DEFAULT_LR = 5e-4  # the peak learning rate of a new run
+STEP_DECAY = 0.8  # the loss of TTT step k weighs STEP_DECAY**k (EAGLE-3's)
 
 
 def lr_at(i: int, peak: float, total: int, warm: int) -> float:
@@ -351,6 +352,7 @@ def train(
     precision: str = "fp32",
     template_share: float | None = None,
     shards: range | None = None,
+    step_decay: float | None = None,
 ) -> dict:
     """Train in place for `minutes` of this run; checkpoints `out/train_state.pt` (head,
     optimiser, step, epoch, the epoch's window order and the position in it, schedule, curve,
@@ -370,7 +372,9 @@ def train(
     `training_precision` picks it where the hardware has native bf16), "fp32" everything in fp32.
     `template_share`: each epoch's share of windows from template-prompt shards (epoch_order).
     `shards`: train on these shard numbers only (the text a head has not seen, featurised on its
-    own); a resumed run keeps its checkpoint's range, and refuses another."""
+    own); a resumed run keeps its checkpoint's range, and refuses another. `step_decay`: the
+    loss of training-time-test step k weighs step_decay**k (default STEP_DECAY; lower puts more
+    of it on depth 1); a resumed run keeps its checkpoint's unless given."""
     from tqdm import tqdm
 
     from arborspec.runtime.errors import InputError
@@ -424,7 +428,9 @@ def train(
     best = st.get("best") if best_file.is_file() else None  # an older checkpoint kept no best head
     first = step
     curve, evals = st["curve"], st["evals"]
-    weights = [0.8**k for k in range(steps)]
+    if step_decay is None:
+        step_decay = st.get("step_decay", STEP_DECAY) if st is not None else STEP_DECAY
+    weights = [step_decay**k for k in range(steps)]
 
     def next_batch():
         nonlocal epoch, order, pos
@@ -453,6 +459,7 @@ def train(
             "pos": pos,
             "schedule": sched,
             "template_share": template_share,
+            "step_decay": step_decay,
             "shards": None if shards is None else [shards.start, shards.stop],
             "curve": curve,
             "evals": evals,
@@ -550,6 +557,7 @@ def train(
         "train_windows": len(data),
         "shards": None if shards is None else [shards.start, min(shards.stop, data.last + 1)],
         "ttt_steps": steps,
+        "step_decay": step_decay,
         "batch_windows": batch,
         "precision": precision,
         "template_share": template_share,
