@@ -420,6 +420,8 @@ def train(
         lr = st["schedule"]["peak"] if st else DEFAULT_LR
     if template_share is None and st is not None:
         template_share = st.get("template_share")
+    if step_decay is None:
+        step_decay = st.get("step_decay", STEP_DECAY) if st else STEP_DECAY
     sched = {"total": total, "warm": min(50, total // 10 + 1), "peak": lr}
     if st is None:
         st = {"step": 0, "epoch": 0, "order": None, "pos": 0, "curve": [], "evals": [], "spent_s": 0.0, "cpu_s": 0.0}
@@ -428,8 +430,6 @@ def train(
     best = st.get("best") if best_file.is_file() else None  # an older checkpoint kept no best head
     first = step
     curve, evals = st["curve"], st["evals"]
-    if step_decay is None:
-        step_decay = st.get("step_decay", STEP_DECAY) if st is not None else STEP_DECAY
     weights = [step_decay**k for k in range(steps)]
 
     def next_batch():
