@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from arborspec.runtime.errors import ExportDirError, InputError, MissingFileError
+from arborspec.runtime.errors import ExportDirError, InputError, MissingFileError, one_line
 
 from .llama import RMSNorm, additive_mask, apply_rope, attend, merge_past, repeat_kv
 from .rope import Rotary, rope_scaling_from_hf
@@ -256,7 +256,7 @@ def load_eagle3(folder: str | Path, target_config=None) -> Eagle3Head:
         raise
     except Exception as e:  # noqa: BLE001 - corrupt files raise many types
         raise ExportDirError(
-            f"{folder}: cannot read the EAGLE-3 weights ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+            f"{folder}: cannot read the EAGLE-3 weights ({one_line(e)})"
         ) from None
     head = Eagle3Head(c)
     sd = {k.removeprefix("model."): v for k, v in sd.items() if not k.endswith("embed_tokens.weight")}

@@ -62,3 +62,10 @@ class ThreadPoolWarning(UserWarning):
 class EmptyCompletionWarning(UserWarning):
     """A text prompt answered with EOS at once by a model that has a chat template: an
     instruct model asked without its template (the fix: chat=True / `--chat`)."""
+
+
+def one_line(e: BaseException) -> str:
+    """The first line of an error's message (its type's name when the message is empty): what
+    the CLI, a tool or the server reports of a caller's mistake."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

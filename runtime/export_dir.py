@@ -27,6 +27,7 @@ from .errors import (
     InputError,
     MissingFileError,
     ThreadPoolWarning,
+    one_line,
 )
 from .onnx_meta import read_onnx_metadata  # noqa: F401
 
@@ -119,7 +120,7 @@ def load_tokenizer(man: Manifest):
         if isinstance(e, ExportDirError):
             raise
         raise ExportDirError(
-            f"{man.root}: cannot read the tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+            f"{man.root}: cannot read the tokenizer ({one_line(e)})"
         ) from None
 
 

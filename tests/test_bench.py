@@ -619,4 +619,4 @@ def test_the_overhead_tool_measures_each_tree_and_a_bad_spec_is_one_line(capsys)
     ):
         assert overhead.main([*bad, "--steps", "5", "--vocab", "64"]) == 2
         err = capsys.readouterr().err
-        assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
+        assert err.startswith("overhead: error: ") and len(err.strip().splitlines()) == 1

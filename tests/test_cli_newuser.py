@@ -368,3 +368,28 @@ def test_loadtest_against_nothing_says_why(capsys):
     assert main(["loadtest", "--url", f"http://127.0.0.1:{port}", "--requests", "2", "--timeout", "5"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err and "2 of 2 requests failed" in err[-1] and "ConnectError" in err[-1], err
+
+
+def test_a_tools_mistake_is_one_line_naming_the_tool(tmp_path, capsys):
+    from arborspec.tools.train import head_history
+
+    missing = tmp_path / "none.json"
+    assert head_history.main(["--training-json", str(missing)]) == 2
+    assert capsys.readouterr().err == f"head_history: error: no training.json at {missing}\n"
+
+
+def test_reports_mistakes_prints_the_first_line_and_lets_bugs_through(capsys):
+    from arborspec.runtime.errors import InputError, one_line
+    from arborspec.tools.errors import reports_mistakes
+
+    @reports_mistakes("tool")
+    def main(exc):
+        raise exc
+
+    assert main(InputError("first line\nsecond line")) == 2
+    assert capsys.readouterr().err == "tool: error: first line\n"
+    assert main(InputError("")) == 2  # an empty message names its type (was an IndexError in the server)
+    assert capsys.readouterr().err == "tool: error: InputError\n"
+    with pytest.raises(KeyError):  # a bug keeps its traceback
+        main(KeyError("bug"))
+    assert one_line(ValueError("\n  padded\nrest")) == "padded"

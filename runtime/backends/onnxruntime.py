@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .. import contract as C
-from ..errors import DeviceError, EngineError, ExportDirError, InputError, MissingFileError
+from ..errors import DeviceError, EngineError, ExportDirError, InputError, MissingFileError, one_line
 from ..kvcache import CacheSpec, KVCache, resolve_device
 from . import row_layout
 from .base import EngineBase, EngineCapabilities, EngineInfo, check_call
@@ -214,7 +214,7 @@ class OrtEngine(EngineBase):
                 so.add_session_config_entry("session.disable_quant_qdq", "1")
                 self.session = ort.InferenceSession(str(path), so, providers=providers)
         except Exception as e:  # ORT raises its own exception types (Fail, InvalidGraph...)
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            msg = one_line(e)
             if "external" in msg.lower() or "No such file" in msg or "open file" in msg.lower():
                 raise MissingFileError(
                     f"{path}: cannot load the model, an external-data file is missing or unreadable ({msg})"

@@ -91,7 +91,7 @@ def load_bigram_table(path) -> BigramDraft:
     """A BigramDraft from an exported table file (safetensors: `logits`, optional `indices`)."""
     from safetensors import safe_open
 
-    from ..errors import ExportDirError
+    from ..errors import ExportDirError, one_line
 
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -102,7 +102,7 @@ def load_bigram_table(path) -> BigramDraft:
         raise
     except Exception as e:  # safetensors raises its own error types for corrupt files
         raise ExportDirError(
-            f"{path}: not a readable bigram table ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+            f"{path}: not a readable bigram table ({one_line(e)})"
         ) from None
     vocab = int(meta.get("vocab_size", logits.shape[-1]))
     return BigramDraft(indices, logits, vocab)

@@ -30,6 +30,7 @@ from arborspec.runtime.backends.base import EngineCapabilities, EngineInfo
 from arborspec.runtime.decode import SpeculativeDecoder
 from arborspec.runtime.kvcache import CacheSpec
 from arborspec.runtime.sampling import SamplingParams
+from arborspec.tools.errors import reports_mistakes
 
 
 class HostTopkNullEngine:
@@ -154,6 +155,7 @@ def measure_batch(rows: int, new: int = 48, vocab: int = 49152, sampling: Sampli
     }
 
 
+@reports_mistakes("overhead")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n")[0],
@@ -187,16 +189,12 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    from arborspec.runtime.errors import ArborspecError
     from arborspec.runtime.trees import parse_tree_spec
 
-    try:  # a mistake in the arguments is one line, before any measuring
-        sp = SamplingParams(a.temperature, top_p=a.top_p)
-        for t in [] if a.batch else a.trees:
-            parse_tree_spec(t)
-    except ArborspecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    # a mistake in the arguments is one line, before any measuring
+    sp = SamplingParams(a.temperature, top_p=a.top_p)
+    for t in [] if a.batch else a.trees:
+        parse_tree_spec(t)
     if a.batch:
         rows = [measure_batch(n, vocab=a.vocab, sampling=None if sp.greedy else sp) for n in a.batch]
         print(f"{'rows':>5s} {'steps':>6s} {'host ms/step':>12s} {'us/row':>7s}")

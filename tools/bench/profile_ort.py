@@ -20,6 +20,7 @@ import torch
 
 from arborspec.runtime.backends.onnxruntime import qdq_exact_matmul
 from arborspec.runtime.errors import ArborspecError
+from arborspec.tools.errors import reports_mistakes
 
 
 def _profiling_options(threads: int, prefix: str):
@@ -103,6 +104,7 @@ def profile_genai(path: str, tokens: int = 1, past: int = 256, reps: int = 20, t
     return _measure(lambda: sess.run(None, feed), sess, reps)
 
 
+@reports_mistakes("profile_ort")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n")[0],
@@ -116,11 +118,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--genai", action="store_true", help="the file is an ONNX Runtime GenAI model.onnx")
     a = p.parse_args(argv)
-    try:
-        r = (profile_genai if a.genai else profile)(a.onnx, a.tokens, a.past, a.reps, a.threads)
-    except ArborspecError as e:
-        print(f"profile_ort: error: {e}", file=sys.stderr)
-        return 2
+    r = (profile_genai if a.genai else profile)(a.onnx, a.tokens, a.past, a.reps, a.threads)
     print(f"T={a.tokens} P={a.past}: median {r['median_ms']:.2f} ms, min {r['min_ms']:.2f} ms")
     for op, share, ms in r["ops"][:15]:
         print(f"  {op:34s} {100 * share:5.1f}%  {ms:.3f} ms/call")

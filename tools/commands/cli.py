@@ -18,7 +18,7 @@ import warnings
 COMMANDS = ["export", "build", "generate", "compare", "bench", "tune", "train-draft", "serve", "loadtest"]
 
 
-from arborspec.runtime.errors import ArborspecError, InputError  # noqa: E402
+from arborspec.runtime.errors import ArborspecError, InputError, one_line  # noqa: E402
 
 
 class UserError(InputError):
@@ -162,8 +162,7 @@ def main(argv: list[str] | None = None, shared_pool: bool = False) -> int:
     except ArborspecError as e:
         if debug:
             raise
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        sys.stderr.write(f"arborspec: error: {msg}\n")
+        sys.stderr.write(f"arborspec: error: {one_line(e)}\n")
         return 2
     except OSError as e:  # the system refused a file the command needed: one line, not a traceback
         if debug:

@@ -13,8 +13,9 @@ import sys
 
 import torch
 
-from arborspec.runtime.errors import ArborspecError, InputError
+from arborspec.runtime.errors import InputError
 from arborspec.runtime.fileio import atomic_write_json
+from arborspec.tools.errors import reports_mistakes
 from arborspec.tools.train import distill_draft as distill_draft
 from arborspec.tools.train.distill_draft import DistillOptions, distill
 from arborspec.tools.train.distill_eval import (
@@ -81,36 +82,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@reports_mistakes("distill_draft")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        if args.eval:
-            from arborspec.models.registry import load_model
+    if args.eval:
+        from arborspec.models.registry import load_model
 
-            tok = load_model(args.model).tokenizer
-            prompts = eval_prompt_ids(tok, args.prompts, args.n_eval)
-            if not prompts:
-                raise InputError(
-                    "no held-out prompts to evaluate on (the model has no tokenizer and the "
-                    "prompts file has no 'ids' entries)"
-                )
-            drafts = [os.path.expanduser(d.strip()) for d in args.drafts.split(",") if d.strip()]
-            trees = [t.strip() for t in args.trees.split(";") if t.strip()]
-            run = simulate_drafts if args.simulate else evaluate_drafts
-            rows = run(args.model, drafts, prompts, trees, args.max_new_tokens, not args.quiet)
-            print(markdown_table(rows))
-            if args.json_out:
-                atomic_write_json(args.json_out, rows, indent=1)
-            return 0
-        if args.steps < 1 or args.seq_len < 2 or args.batch < 1 or args.corpus_tokens < 1:
-            raise InputError("--steps, --batch and --corpus-tokens must be >= 1 and --seq-len >= 2")
-        distill(DistillOptions.from_namespace(args))
+        tok = load_model(args.model).tokenizer
+        prompts = eval_prompt_ids(tok, args.prompts, args.n_eval)
+        if not prompts:
+            raise InputError(
+                "no held-out prompts to evaluate on (the model has no tokenizer and the "
+                "prompts file has no 'ids' entries)"
+            )
+        drafts = [os.path.expanduser(d.strip()) for d in args.drafts.split(",") if d.strip()]
+        trees = [t.strip() for t in args.trees.split(";") if t.strip()]
+        run = simulate_drafts if args.simulate else evaluate_drafts
+        rows = run(args.model, drafts, prompts, trees, args.max_new_tokens, not args.quiet)
+        print(markdown_table(rows))
+        if args.json_out:
+            atomic_write_json(args.json_out, rows, indent=1)
         return 0
-    except ArborspecError as e:
-        print(f"distill_draft: error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
+    if args.steps < 1 or args.seq_len < 2 or args.batch < 1 or args.corpus_tokens < 1:
+        raise InputError("--steps, --batch and --corpus-tokens must be >= 1 and --seq-len >= 2")
+    distill(DistillOptions.from_namespace(args))
+    return 0
 
 
 if __name__ == "__main__":

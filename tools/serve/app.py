@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from fastapi import Request  # module level: FastAPI resolves the (string) annotations here
 
-from arborspec.runtime.errors import ArborspecError
+from arborspec.runtime.errors import ArborspecError, one_line
 
 
 def served_model_name(manifest_data: dict, export_dir) -> str:
@@ -378,7 +378,7 @@ def create_app(
             try:
                 r = await anyio.to_thread.run_sync(lambda: _run(prompt, params, chat))
             except ArborspecError as e:
-                return error(400, str(e).splitlines()[0])
+                return error(400, one_line(e))
             _count(request, r["completion_tokens"])
             return _response("chat" if chat else "text", rid, created, r)
 
@@ -392,7 +392,7 @@ def create_app(
                 _count(request, r["completion_tokens"])
                 q.put(("done", r))
             except ArborspecError as e:
-                q.put(("error", str(e).splitlines()[0]))
+                q.put(("error", one_line(e)))
             except Exception as e:  # noqa: BLE001 - a bug: reported to the client, logged by uvicorn
                 q.put(("error", f"internal error: {type(e).__name__}"))
                 raise

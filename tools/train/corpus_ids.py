@@ -34,8 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
-from arborspec.runtime.errors import ArborspecError, InputError
+from arborspec.runtime.errors import InputError
 from arborspec.runtime.fileio import PartialFolder, atomic_write, atomic_write_bytes, atomic_write_json
+from arborspec.tools.errors import reports_mistakes
 
 FORMAT = 1
 MEASURED = ("features_s", "feature_size")  # what unpack measures again: not kept in the pack
@@ -219,6 +220,7 @@ def unpack(
     return folder
 
 
+@reports_mistakes("corpus_ids")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m arborspec.tools.train.corpus_ids",
@@ -280,39 +282,35 @@ def main(argv=None) -> int:
         help="only shards N..M-1 (N: to the end): the text a head has not seen yet, for train-draft --shards N:M",
     )
     args = p.parse_args(argv)
-    try:
-        if args.cmd in ("pack", "featurise") and not args.corpus.is_dir():
-            raise InputError(f"--corpus {args.corpus}: no such folder")
-        for ids in args.ids if args.cmd == "unpack" else ():
-            if not ids.is_file():
-                raise InputError(f"--ids {ids}: no such file")
-        from arborspec.models.registry import cache_dir, load_model
+    if args.cmd in ("pack", "featurise") and not args.corpus.is_dir():
+        raise InputError(f"--corpus {args.corpus}: no such folder")
+    for ids in args.ids if args.cmd == "unpack" else ():
+        if not ids.is_file():
+            raise InputError(f"--ids {ids}: no such file")
+    from arborspec.models.registry import cache_dir, load_model
 
-        loaded = load_model(args.model)
-        if args.cmd == "pack":
-            got = pack(loaded, args.corpus, args.out, args.first)
-            print(f"{args.out}: {got['shards']} shards, {got['tokens']} tokens ({args.out.stat().st_size} bytes)")
-        elif args.cmd == "featurise":
-            from arborspec.tools.train.eagle3_corpus import corpus_settings, featurise, shard_range
+    loaded = load_model(args.model)
+    if args.cmd == "pack":
+        got = pack(loaded, args.corpus, args.out, args.first)
+        print(f"{args.out}: {got['shards']} shards, {got['tokens']} tokens ({args.out.stat().st_size} bytes)")
+    elif args.cmd == "featurise":
+        from arborspec.tools.train.eagle3_corpus import corpus_settings, featurise, shard_range
 
-            corpus_settings(args.corpus)  # one line if it is not a corpus
-            shards = None if args.shards is None else shard_range(args.shards)
-            n = featurise(loaded, args.corpus, args.device, args.threads, shards=shards)
-            print(f"corpus: {args.corpus}: {n} shards featurised")
-        else:
-            folder = unpack(
-                loaded,
-                args.ids,
-                args.root or cache_dir() / "eagle3-corpus",
-                args.device,
-                args.threads,
-                draft_vocab=args.draft_vocab,
-                ids_only=args.ids_only,
-            )
-            print(f"corpus: {folder}")
-    except ArborspecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        corpus_settings(args.corpus)  # one line if it is not a corpus
+        shards = None if args.shards is None else shard_range(args.shards)
+        n = featurise(loaded, args.corpus, args.device, args.threads, shards=shards)
+        print(f"corpus: {args.corpus}: {n} shards featurised")
+    else:
+        folder = unpack(
+            loaded,
+            args.ids,
+            args.root or cache_dir() / "eagle3-corpus",
+            args.device,
+            args.threads,
+            draft_vocab=args.draft_vocab,
+            ids_only=args.ids_only,
+        )
+        print(f"corpus: {folder}")
     return 0
 
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from arborspec.tools.errors import reports_mistakes
 
 
 @torch.no_grad()
@@ -54,6 +55,7 @@ def group_windows(data, spec: str) -> np.ndarray:
     return np.arange(data.offsets[lo], data.offsets[hi + 1]) if lo <= hi else np.arange(0)
 
 
+@reports_mistakes("corpus_novelty")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m arborspec.tools.train.corpus_novelty",
@@ -73,26 +75,22 @@ def main(argv=None) -> int:
     from arborspec.tools.train.eagle3_heldout import head_to_measure
     from arborspec.tools.train.eagle3_train import ShardData
 
-    try:
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        if not (args.corpus / "vocab.npy").is_file():
-            raise ArborspecError(f"{args.corpus}: not a corpus folder (no vocab.npy)")
-        loaded = load_model(args.model)
-        head = head_to_measure(args.head, args.model, loaded.config)
-        embed = loaded.module.model.embed_tokens.weight.detach().float()
-        data = ShardData(args.corpus)
-        rng = np.random.default_rng(0)
-        out = {}
-        for g in args.groups:
-            idx = group_windows(data, g)
-            pick = np.sort(rng.choice(idx, min(args.windows, len(idx)), replace=False)) if len(idx) else idx
-            out[g] = {"windows": int(len(pick)), "top1_per_depth": window_agreement(head, embed, data, pick)}
-            print(f"{g}: {len(pick)} of {len(idx)} windows, top-1 per depth {out[g]['top1_per_depth']}", flush=True)
-        print(json.dumps(out))
-    except ArborspecError as e:
-        print(f"corpus_novelty: error: {e}", file=sys.stderr)
-        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not (args.corpus / "vocab.npy").is_file():
+        raise ArborspecError(f"{args.corpus}: not a corpus folder (no vocab.npy)")
+    loaded = load_model(args.model)
+    head = head_to_measure(args.head, args.model, loaded.config)
+    embed = loaded.module.model.embed_tokens.weight.detach().float()
+    data = ShardData(args.corpus)
+    rng = np.random.default_rng(0)
+    out = {}
+    for g in args.groups:
+        idx = group_windows(data, g)
+        pick = np.sort(rng.choice(idx, min(args.windows, len(idx)), replace=False)) if len(idx) else idx
+        out[g] = {"windows": int(len(pick)), "top1_per_depth": window_agreement(head, embed, data, pick)}
+        print(f"{g}: {len(pick)} of {len(idx)} windows, top-1 per depth {out[g]['top1_per_depth']}", flush=True)
+    print(json.dumps(out))
     return 0
 
 

@@ -25,8 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from arborspec.runtime.errors import ArborspecError, InputError
+from arborspec.runtime.errors import InputError
 from arborspec.runtime.fileio import atomic_write_json
+from arborspec.tools.errors import reports_mistakes
 
 
 def blend(start, tuned, alpha: float):
@@ -68,6 +69,7 @@ def best_blend(start, tuned, alphas: list[float], measure) -> tuple[float, objec
     return best[0], best[1], rows
 
 
+@reports_mistakes("head_blend")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m arborspec.tools.train.head_blend",
@@ -84,45 +86,41 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True, help="folder for the best blend (public EAGLE-3 layout)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
     args = p.parse_args(argv)
-    try:
-        if any(not 0.0 <= a <= 1.0 for a in args.alphas):
-            raise InputError("--alphas must lie in [0, 1]")
-        if not (args.tuned / "model.safetensors").is_file():
-            raise InputError(f"--tuned {args.tuned}: no model.safetensors there (a public-layout EAGLE-3 head)")
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        from arborspec.models.registry import load_model
-        from arborspec.tools.train.eagle3_heldout import TUNED, head_to_measure, heldout_measure
-        from arborspec.tools.train.eagle3_train import save_public
+    if any(not 0.0 <= a <= 1.0 for a in args.alphas):
+        raise InputError("--alphas must lie in [0, 1]")
+    if not (args.tuned / "model.safetensors").is_file():
+        raise InputError(f"--tuned {args.tuned}: no model.safetensors there (a public-layout EAGLE-3 head)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from arborspec.models.registry import load_model
+    from arborspec.tools.train.eagle3_heldout import TUNED, head_to_measure, heldout_measure
+    from arborspec.tools.train.eagle3_train import save_public
 
-        loaded = load_model(args.model)
-        start = head_to_measure(args.start, args.model, loaded.config)
-        tuned = head_to_measure(str(args.tuned), args.model, loaded.config)
-        alpha, head, rows = best_blend(start, tuned, args.alphas, heldout_measure(loaded, args.threads))
-        for r in rows:
-            print(
-                f"alpha {r['alpha']:.2f}: held-out top-1 per depth {r['top1_agreement_per_depth']} "
-                f"(mean {np.mean(r['top1_agreement_per_depth']):.4f}), tuned tree {r['tokens_per_step'][TUNED]}"
-            )
-        try:
-            report = json.loads((args.tuned / "training.json").read_text())
-        except (OSError, ValueError):
-            report = {}
-        chosen = next(r for r in rows if r["alpha"] == alpha)
-        meta = {k: v for k, v in chosen.items() if k != "alpha"}
-        report.update(
-            {
-                "heldout_tuned": report.get("heldout"),
-                "heldout": meta,
-                "blend": {"start": args.start, "tuned": str(args.tuned), "alpha": alpha, "measured": rows},
-            }
+    loaded = load_model(args.model)
+    start = head_to_measure(args.start, args.model, loaded.config)
+    tuned = head_to_measure(str(args.tuned), args.model, loaded.config)
+    alpha, head, rows = best_blend(start, tuned, args.alphas, heldout_measure(loaded, args.threads))
+    for r in rows:
+        print(
+            f"alpha {r['alpha']:.2f}: held-out top-1 per depth {r['top1_agreement_per_depth']} "
+            f"(mean {np.mean(r['top1_agreement_per_depth']):.4f}), tuned tree {r['tokens_per_step'][TUNED]}"
         )
-        save_public(head, args.out, {"arborspec_training": {"heldout": meta, "blend_alpha": alpha}})
-        atomic_write_json(args.out / "training.json", report, indent=1)
-        print(f"wrote {args.out}: the blend of alpha {alpha:.2f}")
-    except ArborspecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    try:
+        report = json.loads((args.tuned / "training.json").read_text())
+    except (OSError, ValueError):
+        report = {}
+    chosen = next(r for r in rows if r["alpha"] == alpha)
+    meta = {k: v for k, v in chosen.items() if k != "alpha"}
+    report.update(
+        {
+            "heldout_tuned": report.get("heldout"),
+            "heldout": meta,
+            "blend": {"start": args.start, "tuned": str(args.tuned), "alpha": alpha, "measured": rows},
+        }
+    )
+    save_public(head, args.out, {"arborspec_training": {"heldout": meta, "blend_alpha": alpha}})
+    atomic_write_json(args.out / "training.json", report, indent=1)
+    print(f"wrote {args.out}: the blend of alpha {alpha:.2f}")
     return 0
 
 

@@ -17,10 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 
 import torch
+
+from arborspec.tools.errors import reports_mistakes
 
 
 def in_turn(fns, reps: int, warmup: int = 2) -> list[float]:
@@ -111,6 +112,7 @@ def measure_export(path: str, nodes: int, past: int, reps: int) -> dict:
         }
 
 
+@reports_mistakes("head_cost")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -126,14 +128,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     if a.export_dir:
         from arborspec.runtime.backends.onnxruntime import enable_shared_pool
-        from arborspec.runtime.errors import ArborspecError
 
         enable_shared_pool()
-        try:
-            rows = [measure_export(e, a.nodes, a.past, a.reps) for e in a.export_dir]
-        except ArborspecError as e:
-            print(f"head_cost: error: {e}", file=sys.stderr)
-            return 2
+        rows = [measure_export(e, a.nodes, a.past, a.reps) for e in a.export_dir]
         print(json.dumps({"nodes": a.nodes, "past": a.past, "exports": rows}, indent=1))
         return 0
     print(json.dumps({"threads": a.threads, **measure(a.model, a.vocab, a.nodes, a.past, a.reps)}, indent=1))

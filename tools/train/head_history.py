@@ -17,6 +17,8 @@ import json
 import sys
 from pathlib import Path
 
+from arborspec.tools.errors import reports_mistakes
+
 
 def runs(report: dict) -> list[dict]:
     """The installed runs of a head's training.json, oldest first, each a flat row. A record
@@ -103,6 +105,7 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+@reports_mistakes("head_history")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m arborspec.tools.train.head_history",
@@ -115,31 +118,27 @@ def main(argv=None) -> int:
     p.add_argument("--plot", type=Path, metavar="PNG", help="also draw the curve into this PNG")
     p.add_argument("--json", action="store_true", help="the rows as JSON instead of a table")
     args = p.parse_args(argv)
-    from arborspec.runtime.errors import ArborspecError, InputError
+    from arborspec.runtime.errors import InputError
 
+    path = args.training_json
+    if path is None:
+        from arborspec.models.eagle3 import SHIPPED_HEADS, eagle3_folder
+
+        if args.model not in SHIPPED_HEADS:
+            raise InputError(f"no EAGLE-3 head is shipped for {args.model!r} (shipped: {', '.join(SHIPPED_HEADS)})")
+        path = eagle3_folder("eagle3", args.model) / "training.json"
+    if not path.is_file():
+        raise InputError(f"no training.json at {path}")
     try:
-        path = args.training_json
-        if path is None:
-            from arborspec.models.eagle3 import SHIPPED_HEADS, eagle3_folder
-
-            if args.model not in SHIPPED_HEADS:
-                raise InputError(f"no EAGLE-3 head is shipped for {args.model!r} (shipped: {', '.join(SHIPPED_HEADS)})")
-            path = eagle3_folder("eagle3", args.model) / "training.json"
-        if not path.is_file():
-            raise InputError(f"no training.json at {path}")
-        try:
-            report = json.loads(path.read_text())
-        except ValueError as e:
-            raise InputError(f"{path} is not JSON: {e}") from None
-        rows = runs(report)
-        if not rows:
-            raise InputError(f"{path} records no installed run measured on the held-out set")
-        if args.plot is not None:
-            plot(rows, args.plot)
-        print(json.dumps(rows, indent=1) if args.json else table(rows))
-    except ArborspecError as e:
-        print(f"head_history: {e}", file=sys.stderr)
-        return 2
+        report = json.loads(path.read_text())
+    except ValueError as e:
+        raise InputError(f"{path} is not JSON: {e}") from None
+    rows = runs(report)
+    if not rows:
+        raise InputError(f"{path} records no installed run measured on the held-out set")
+    if args.plot is not None:
+        plot(rows, args.plot)
+    print(json.dumps(rows, indent=1) if args.json else table(rows))
     return 0
 
 

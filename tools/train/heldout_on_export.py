@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
+from arborspec.tools.errors import reports_mistakes
 
+
+@reports_mistakes("heldout_on_export")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m arborspec.tools.train.heldout_on_export",
@@ -40,32 +42,26 @@ def main(argv=None) -> int:
     from arborspec.runtime.errors import ArborspecError
     from arborspec.tools.train import eagle3_heldout
 
-    try:
-        torch.set_num_threads(args.threads)
-        man = read_manifest(args.export_dir)
-        target = man.target
-        outputs = [o["name"] for o in target.get("outputs", [])]
-        if "hidden_states" not in outputs:
-            raise ArborspecError(
-                f"{args.export_dir}: its target has no features output (export it with --draft eagle3)"
-            )
-        loaded = load_model(args.model)
-        aux = default_aux_layers(loaded.config.n_layers)
-        # keyed by the export's target graph: its held-out set is its own, not the fp32 target's
-        root = cache_dir() / "eagle3-heldout-exports" / str(target["sha256"])[:16]
-        folder = eagle3_heldout.build_heldout(
-            loaded, aux, str(args.export_dir / target["file"]), root, threads=args.threads
-        )
-        embed = loaded.module.model.embed_tokens.weight.detach().float()
-        out = {}
-        for h in args.heads:
-            head = eagle3_heldout.head_to_measure(h, args.model, loaded.config)
-            out[h] = eagle3_heldout.evaluate_heldout(head, embed, folder)
-            print(f"{h}: top-1 per depth {out[h]['top1_agreement_per_depth']}", flush=True)
-        print(json.dumps({"export": str(args.export_dir), "heldout": str(folder), "heads": out}))
-    except ArborspecError as e:
-        print(f"heldout_on_export: error: {e}", file=sys.stderr)
-        return 2
+    torch.set_num_threads(args.threads)
+    man = read_manifest(args.export_dir)
+    target = man.target
+    outputs = [o["name"] for o in target.get("outputs", [])]
+    if "hidden_states" not in outputs:
+        raise ArborspecError(f"{args.export_dir}: its target has no features output (export it with --draft eagle3)")
+    loaded = load_model(args.model)
+    aux = default_aux_layers(loaded.config.n_layers)
+    # keyed by the export's target graph: its held-out set is its own, not the fp32 target's
+    root = cache_dir() / "eagle3-heldout-exports" / str(target["sha256"])[:16]
+    folder = eagle3_heldout.build_heldout(
+        loaded, aux, str(args.export_dir / target["file"]), root, threads=args.threads
+    )
+    embed = loaded.module.model.embed_tokens.weight.detach().float()
+    out = {}
+    for h in args.heads:
+        head = eagle3_heldout.head_to_measure(h, args.model, loaded.config)
+        out[h] = eagle3_heldout.evaluate_heldout(head, embed, folder)
+        print(f"{h}: top-1 per depth {out[h]['top1_agreement_per_depth']}", flush=True)
+    print(json.dumps({"export": str(args.export_dir), "heldout": str(folder), "heads": out}))
     return 0
 
 
