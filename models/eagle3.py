@@ -255,9 +255,7 @@ def load_eagle3(folder: str | Path, target_config=None) -> Eagle3Head:
     except (MissingFileError, InputError):
         raise
     except Exception as e:  # noqa: BLE001 - corrupt files raise many types
-        raise ExportDirError(
-            f"{folder}: cannot read the EAGLE-3 weights ({one_line(e)})"
-        ) from None
+        raise ExportDirError(f"{folder}: cannot read the EAGLE-3 weights ({one_line(e)})") from None
     head = Eagle3Head(c)
     sd = {k.removeprefix("model."): v for k, v in sd.items() if not k.endswith("embed_tokens.weight")}
     if "d2t" in sd:

@@ -119,9 +119,7 @@ def load_tokenizer(man: Manifest):
     except (ValueError, OSError) as e:
         if isinstance(e, ExportDirError):
             raise
-        raise ExportDirError(
-            f"{man.root}: cannot read the tokenizer ({one_line(e)})"
-        ) from None
+        raise ExportDirError(f"{man.root}: cannot read the tokenizer ({one_line(e)})") from None
 
 
 def _engine(

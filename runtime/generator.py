@@ -11,7 +11,7 @@ generation. Typical use in a production app:
         print(c.text, c.stats.tokens_per_s)
         for chunk in gen.stream("Once upon a time", temperature=0.8, seed=1):
             print(chunk, end="")
-        c = gen.chat([{"role": "user", "content": "Hello!"}])
+        c = gen.chat([{"role": "user", "content": "Hello!"}], stop=["\n\n"])  # c.stop_reason "stop"
 
 Thread safety: one Generator may be shared by several threads. With `max_batch=1` (the
 default) its calls are serialised by a lock (a `stream()` holds it until the iterator is
@@ -39,6 +39,7 @@ from .errors import EmptyCompletionWarning, InputError, MissingFileError
 from .sampling import SamplingParams
 from .stats import GenerationStats
 from .stats import GenerationStats as _Stats
+from .stop_strings import StopStrings, decode_until_stop, parse_stop
 
 AUTO_TREE_FILE = "tree_auto.json"  # written by `arborspec tune --export-dir DIR`
 
@@ -48,7 +49,7 @@ class Completion:
     text: str
     tokens: list[int]
     prompt_tokens: int
-    stop_reason: str  # "eos", "length" or "context"
+    stop_reason: str  # "eos", "length", "context" or "stop" (a stop string)
     stats: GenerationStats = field(repr=False, default_factory=GenerationStats)
 
 
@@ -223,10 +224,13 @@ class Generator:
         top_p: float = 1.0,
         seed: int = 0,
         chat: bool = False,
+        stop=None,
     ) -> Completion:
         """One completion of a text or token-id prompt. chat=True: a text prompt is one user
         message through the model's chat template (what an instruct model expects; without it
-        such a model often answers '' at once, and an EmptyCompletionWarning says so)."""
+        such a model often answers '' at once, and an EmptyCompletionWarning says so).
+        stop: a string or a list of strings: the text ends before the first of them
+        (stop_reason "stop"; `tokens` then end with the one that completed it)."""
         if chat:
             if not isinstance(prompt, str):
                 raise InputError("chat=True takes a text prompt (for messages use chat())")
@@ -237,14 +241,36 @@ class Generator:
                 top_k=top_k,
                 top_p=top_p,
                 seed=seed,
+                stop=stop,
             )
         ids = self._ids(prompt)
+        sp = SamplingParams(temperature, top_k, top_p)
+        stops = self._stops(stop)
         out: list[int] = []
-        for chunk in self._token_stream(ids, max_new_tokens, SamplingParams(temperature, top_k, top_p), seed):
-            out += chunk
+        if stops:
+            text = "".join(self._text_until_stop(ids, max_new_tokens, sp, seed, stops, out))
+        else:
+            for chunk in self._token_stream(ids, max_new_tokens, sp, seed):
+                out += chunk
+            text = self._text(out)
         if isinstance(prompt, str):
             warn_if_empty_answer(self.tokenizer, len(out), self.last_stop_reason, "generate(prompt, chat=True)")
-        return Completion(self._text(out), out, len(ids), self.last_stop_reason, self.last_stats)
+        return Completion(text, out, len(ids), self.last_stop_reason, self.last_stats)
+
+    def _stops(self, stop, ids: bool = False) -> list[str]:
+        stops = parse_stop(stop)
+        if stops and (ids or self.tokenizer is None):
+            raise InputError("stop strings need text output (a tokenizer, and ids=False)")
+        return stops
+
+    def _text_until_stop(self, ids: list[int], max_new_tokens: int, sp: SamplingParams, seed: int, stops, tokens):
+        """Text pieces of one generation that ends at the first stop string (left out of the
+        text; stop_reason "stop"); `tokens` collects the ids read, up to the one that completed it."""
+        match = StopStrings(stops)
+        chunks = self._token_stream(ids, max_new_tokens, sp, seed)
+        yield from decode_until_stop(chunks, self.tokenizer.stream_decoder(skip_special_tokens=True), match, tokens)
+        if match.hit:
+            self._last.stop_reason = "stop"
 
     def _token_stream(self, ids: list[int], max_new_tokens: int, sp: SamplingParams, seed: int):
         """Token-id chunks of one generation, batched or under the lock; sets this thread's
@@ -280,11 +306,17 @@ class Generator:
         top_p: float = 1.0,
         seed: int = 0,
         ids: bool = False,
+        stop=None,
     ) -> Iterator:
         """Text chunks as they become final (or lists of token ids with ids=True). Stats and stop
-        reason of the last stream: `last_stats`, `last_stop_reason`."""
+        reason of the last stream: `last_stats`, `last_stop_reason`. stop: as in generate (a
+        chunk that might begin a stop string is held back until it cannot)."""
         prompt_ids = self._ids(prompt)
         sp = SamplingParams(temperature, top_k, top_p)
+        stops = self._stops(stop, ids)
+        if stops:
+            yield from self._text_until_stop(prompt_ids, max_new_tokens, sp, seed, stops, [])
+            return
         sd = self.tokenizer.stream_decoder(skip_special_tokens=True) if (self.tokenizer and not ids) else None
         for chunk in self._token_stream(prompt_ids, max_new_tokens, sp, seed):
             if sd is None:

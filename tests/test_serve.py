@@ -143,6 +143,17 @@ def test_stream_concatenates_to_the_full_text(server):
         ({"prompt": ""}, 400, "prompt"),
         ({"prompt": "hi", "n": 2}, 400, "n"),
         ({"prompt": [10**7]}, 400, None),
+        ({"prompt": "hi", "stop": ""}, 400, "stop"),
+        ({"prompt": "hi", "stop": ["a", 1]}, 400, "stop"),
+        ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({"prompt": "hi", "top_k": -2}, 400, "top_k"),
+        # fields that would change the answer and are not implemented: refused, never ignored
+        ({"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({"prompt": "hi", "frequency_penalty": 1}, 400, "frequency_penalty"),
+        ({"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+        ({"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+        ({"prompt": "hi", "echo": True}, 400, "echo"),
+        ({"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
     ],
 )
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, body, status, param):
@@ -154,6 +165,32 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, body, status,
         err = r.json()["error"]
         assert err["message"] and "type" in err and (param is None or err["param"] == param)
         assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_stop_strings_end_the_answer(server):
+    base, _ = server
+    req = {"prompt": "hello hello", "max_tokens": 24, "temperature": 0}
+    with client(base) as c:
+        full = c.post("/v1/completions", json=req).json()["choices"][0]
+        text = full["text"]
+        assert full["finish_reason"] == "length" and "ok" in text and "ohe" in text, text
+        for stop, at in (("ok", text.find("ok")), (["zz", "ohe"], text.find("ohe"))):
+            r = c.post("/v1/completions", json={**req, "stop": stop}).json()["choices"][0]
+            assert (r["text"], r["finish_reason"]) == (text[:at], "stop"), stop
+        # the "off" values of unimplemented fields are accepted, and top_k is honoured
+        off = {"presence_penalty": 0, "logprobs": None, "echo": False, "response_format": {"type": "text"}}
+        hot = {**req, **off, "temperature": 2.0, "seed": 1}
+        assert c.post("/v1/completions", json=hot).json()["choices"][0]["text"] != text  # the control
+        r = c.post("/v1/completions", json={**hot, "top_k": 1}).json()
+        assert r["choices"][0]["text"] == text  # top-k 1 samples the greedy token
+        parts, finish = [], None
+        with c.stream("POST", "/v1/completions", json={**req, "stop": "ok", "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for ch in json.loads(line[6:])["choices"]:
+                        parts.append(ch["text"])
+                        finish = ch["finish_reason"] or finish
+        assert "".join(parts) == text[: text.find("ok")] and finish == "stop"
 
 
 def test_disconnect_mid_stream_frees_the_generator(server):

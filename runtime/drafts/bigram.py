@@ -101,8 +101,6 @@ def load_bigram_table(path) -> BigramDraft:
     except FileNotFoundError:
         raise
     except Exception as e:  # safetensors raises its own error types for corrupt files
-        raise ExportDirError(
-            f"{path}: not a readable bigram table ({one_line(e)})"
-        ) from None
+        raise ExportDirError(f"{path}: not a readable bigram table ({one_line(e)})") from None
     vocab = int(meta.get("vocab_size", logits.shape[-1]))
     return BigramDraft(indices, logits, vocab)

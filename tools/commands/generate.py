@@ -21,6 +21,7 @@ EXAMPLE = """examples:
   arborspec generate --export-dir ~/.cache/arborspec/exports/smollm2 --backend onnxruntime \\
       --temperature 0.8 --top-p 0.95 --n 3 --seed 1 --prompt 'Once upon a time' --json
   arborspec generate --export-dir E3Q --draft export+lookup --tree auto --chat --prompt 'Sort: pears, apples'
+  arborspec generate --export-dir E3Q --chat --prompt 'List three fruits.' --stop $'\\n\\n' --stop '4.'
   arborspec generate --model tiny.pt --draft bigram --prompt-ids 1,2,3 --json"""
 
 
@@ -54,6 +55,13 @@ def register(sub) -> None:
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     g.add_argument("--n", type=int, default=1, help="independent completions (seeds seed..seed+N-1)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    g.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="end the text before the first TEXT (repeatable; stop reason 'stop'; needs a tokenizer)",
+    )
     pr = p.add_argument_group("prompt (one of)")
     pr.add_argument("--prompt", help="the prompt text")
     pr.add_argument("--prompt-file", type=Path, help="a UTF-8 text file holding the prompt")
@@ -175,6 +183,11 @@ def run(args) -> int:
     if args.tree and args.tree.strip().lower() != "auto":
         parse_tree_spec(args.tree)
     _check_one_prompt(args)  # before the models load
+    from arborspec.runtime.stop_strings import StopStrings, decode_until_stop, parse_stop
+
+    stops = parse_stop(args.stop)
+    if stops and args.prompt_ids is not None:
+        raise InputError("--stop matches text: give a text prompt (--prompt or --prompt-file)")
     if args.prompt_file is not None:
         _read(args.prompt_file)  # missing or not UTF-8: one line before the models load
     models = open_models(args, need_draft=args.mode != "vanilla")
@@ -199,24 +212,40 @@ def run(args) -> int:
                 d.generate(ids, args.max_new_tokens, eos, args.seed)
         runs = []
         stream_text = not args.json and args.n == 1 and tok is not None
+        if stops and tok is None:
+            raise InputError("--stop matches text: this model has no tokenizer")
+        texts = []
         for i in range(args.n):
             seed = args.seed + i
             toks: list[int] = []
+            chunks = dec.stream(ids, args.max_new_tokens, eos, seed)
+            if stops:  # the text, cut before the first stop string, token by token
+                match, pieces = StopStrings(stops), []
+                for text in decode_until_stop(chunks, tok.stream_decoder(skip_special_tokens=True), match, toks):
+                    pieces.append(text)
+                    if stream_text:
+                        sys.stdout.write(text)
+                        sys.stdout.flush()
+                if stream_text:
+                    sys.stdout.write("\n")
+                texts.append("".join(pieces))
+                runs.append((toks, dec.last_stats, "stop" if match.hit else dec.last_stop_reason))
+                continue
             sd = tok.stream_decoder(skip_special_tokens=True) if stream_text else None
-            for chunk in dec.stream(ids, args.max_new_tokens, eos, seed):
+            for chunk in chunks:
                 toks += chunk
                 if sd is not None:
                     sys.stdout.write(sd.push(chunk))
                     sys.stdout.flush()
             if sd is not None:
                 sys.stdout.write(sd.finish() + "\n")
+            texts.append(tok.decode(toks, skip_special_tokens=True) if tok is not None else None)
             runs.append((toks, dec.last_stats, dec.last_stop_reason))
         if args.prompt_ids is None and not args.chat:
             from arborspec.runtime.generator import warn_if_empty_answer
 
             warn_if_empty_answer(tok, len(runs[0][0]), runs[0][2], "--chat")
         vanilla = vdec.generate(ids, args.max_new_tokens, eos, args.seed) if vdec is not None else None
-        texts = [tok.decode(t, skip_special_tokens=True) if tok is not None else None for t, _, _ in runs]
         if args.json:
             stats = [s.to_dict() | {"stop_reason": r} for _, s, r in runs]
             out = {
@@ -248,7 +277,7 @@ def run(args) -> int:
         if vanilla is not None:
             st = runs[0][1]
             print(_stats_line(vanilla.stats), file=sys.stderr)
-            same = vanilla.tokens == runs[0][0]
+            same = (vanilla.tokens[: len(runs[0][0])] if stops else vanilla.tokens) == runs[0][0]
             sp = st.tokens_per_s / vanilla.stats.tokens_per_s if vanilla.stats.tokens_per_s else float("nan")
             print(f"speed-up {sp:.2f}x vs vanilla" + (" | identical tokens" if same else ""), file=sys.stderr)
         return 0

@@ -24,6 +24,26 @@ from typing import Any, Callable
 from fastapi import Request  # module level: FastAPI resolves the (string) annotations here
 
 from arborspec.runtime.errors import ArborspecError, one_line
+from arborspec.runtime.stop_strings import parse_stop
+
+MAX_STOP = 4  # stop strings a request may give (OpenAI's limit)
+# request fields that would change the answer and that this server does not implement, with the
+# values that mean "off": any other value is a 400 naming the field, never a silently other answer
+UNSUPPORTED = {
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "min_p": (None, 0),
+    "logit_bias": (None, {}),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "functions": (None, []),
+    "response_format": (None, {"type": "text"}),
+}
 
 
 def served_model_name(manifest_data: dict, export_dir) -> str:
@@ -257,10 +277,24 @@ def create_app(
             return error(400, "temperature must be in [0, 2]", param="temperature")
         if not 0 < out["top_p"] <= 1:
             return error(400, "top_p must be in (0, 1]", param="top_p")
+        top_k = body.get("top_k", 0)  # an extension (vLLM, llama.cpp's server): 0 or -1 = off
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < -1:
+            return error(400, "top_k must be an integer >= -1 (0 or -1: off)", param="top_k")
+        out["top_k"] = max(top_k, 0)
         seed = body.get("seed", 0)
         if not isinstance(seed, int) or isinstance(seed, bool):
             return error(400, "seed must be an integer", param="seed")
         out["seed"] = seed
+        stop = body.get("stop")
+        try:
+            out["stop"] = parse_stop(stop)
+        except ArborspecError as e:
+            return error(400, one_line(e), param="stop")
+        if len(out["stop"]) > MAX_STOP:
+            return error(400, f"at most {MAX_STOP} stop strings, got {len(out['stop'])}", param="stop")
+        for key, default in UNSUPPORTED.items():  # never a silently different answer
+            if key in body and body[key] not in default:
+                return error(400, f"{key} is not supported by this server", param=key)
         return out
 
     def _run(prompt, params: dict, chat: bool, on_chunk=None, cancelled=lambda: False) -> dict:
@@ -282,8 +316,10 @@ def create_app(
                 ids,
                 params["max_new_tokens"],
                 temperature=params["temperature"],
+                top_k=params["top_k"],
                 top_p=params["top_p"],
                 seed=params["seed"],
+                stop=params["stop"],
             )
             try:
                 for chunk in it:
@@ -301,7 +337,7 @@ def create_app(
             m_steps.inc(st.steps)
             m_decode_s.inc(st.decode_s)
             g_tps.set(st.tokens_per_s)
-            reason = "stop" if getattr(g, "last_stop_reason", "") == "eos" else "length"
+            reason = "stop" if getattr(g, "last_stop_reason", "") in ("eos", "stop") else "length"
             return {
                 "text": "".join(text),
                 "prompt_tokens": len(ids),
