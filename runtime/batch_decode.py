@@ -221,8 +221,16 @@ class BatchDecoder:
             return []
         tgt, policy = self.target, self.policy
         t0 = time.perf_counter()
-        speculated = [policy is not None and s.length + policy.depth < tgt.info.max_position for s in seqs]
-        roots_only = len(seqs) > self.speculate_max_batch  # no drafting: drafts defer (see __init__)
+        # a tree's rows sit at columns [length, length + nodes + 1) (see decode.step): a sequence
+        # that close to the end of the context decodes without one from then on; and the call's
+        # columns run to the longest row's length + the rows, so while that would pass the
+        # context only the roots are verified (the drafts defer, as above the speculation limit)
+        rows = policy.max_nodes + 1 if policy is not None else 1
+        speculated = [policy is not None and s.length + rows <= tgt.info.max_position for s in seqs]
+        roots_only = (
+            len(seqs) > self.speculate_max_batch  # no drafting: drafts defer (see __init__)
+            or max(s.length for s in seqs) + rows > tgt.info.max_position
+        )
         trees = drafted = [Tree.empty()] * len(seqs) if roots_only else self._draft_trees(seqs, speculated)
         t_draft = time.perf_counter() - t0
         ids, pos, mask, view, ragged = self._flatten(seqs, trees)

@@ -199,7 +199,9 @@ class SpeculativeDecoder:
         if past >= tgt.info.max_position:
             seq.done, self.last_stop_reason = True, "context"
             return []
-        speculate = policy is not None and past + policy.depth < tgt.info.max_position
+        # a verify call's rows sit at columns [past, past + nodes + 1): GroupQueryAttention's rotary
+        # cache ends at max_position, so the last few tokens of the context decode without a tree
+        speculate = policy is not None and past + policy.max_nodes + 1 <= tgt.info.max_position
         with timer("draft_s"):
             tree = self._draft(seq) if speculate else Tree.empty()
         # flattening lands in other_s (the runtime's own time), the call in verify_s

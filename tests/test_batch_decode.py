@@ -91,6 +91,27 @@ def test_batched_greedy_equals_alone_torch(llama_pair, mode, kind, tree):
         assert bd.draft_batch.calls < sum(s.stats.draft_calls for s in got)
 
 
+@pytest.mark.parametrize("kind,tree", [("model", "full:3,2"), ("lookup", "full:2,2")])
+def test_a_sequence_at_the_end_of_the_context_pauses_the_trees_of_its_batch(kind, tree):
+    """A batched call's columns run to the longest row's length + the tree rows: while that would
+    pass max_position only the roots are verified and the other rows' drafts defer, then they
+    speculate again once the long row has ended; every output equals vanilla decoding alone. (The
+    limit is GroupQueryAttention's, pinned in tests/test_ort_decode.py; torch has none, so this pins
+    that the pause and the drafts' deferral keep every row exact.)"""
+    m = random_model(tiny_config("llama", max_position=64))
+    target, d_eng = TorchEngine(m), TorchEngine(truncated(m, 1))
+    v = target.info.vocab_size
+    prompts = [_prompts(v, (56,))[0], _prompts(v, (3,), seed=1)[0]]
+    vanilla = SpeculativeDecoder(target, None, mode="vanilla")
+    want = [vanilla.generate(p, 30) for p in prompts]
+    assert [w.stop_reason for w in want] == ["context", "length"]
+    bd = BatchDecoder(target, _draft(kind, d_eng, v), mode="tree", tree=tree, max_batch=2)
+    got = bd.generate_many(prompts, 30)
+    assert [s.tokens for s in got] == [w.tokens for w in want]
+    assert [s.stop_reason for s in got] == ["context", "length"]
+    assert got[1].stats.steps < 30  # the short row's draft was used, before and after the pause
+
+
 def test_batched_rows_share_one_draft_call_per_level(llama_pair):
     """4 sequences drafting full:3,2 trees cost 3 draft calls per step (one per level), not 12."""
     target, draft_engine = llama_pair

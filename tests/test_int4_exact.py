@@ -78,6 +78,21 @@ def test_tiny_int4_tree_equals_vanilla(tiny_int4):
     _greedy_equal(tiny_int4, prompts, 24, ["chain:3", "full:2,2", "full:3,2"])
 
 
+def test_tiny_int4_decodes_to_the_end_of_the_context(tiny_int4):
+    """The laid-out calls stay within max_position (GroupQueryAttention's rotary cache): band rows
+    that would pass it go path by path, and the context's last column, which has no room for the
+    padding row, runs as one row in vanilla decoding and speculation alike (both crashed there)."""
+    with open_export(tiny_int4) as ex:
+        mp, v = ex.target.info.max_position, ex.target.info.vocab_size
+        prompt = [(3 + 5 * i) % v for i in range(mp - 30)]
+        want = SpeculativeDecoder(ex.target, None, mode="vanilla").generate(prompt, 40)
+        assert (len(want.tokens), want.stop_reason) == (31, "context")
+        for spec in ["chain:3", "full:2,2", "full:3,2"]:
+            mode = "chain" if spec.startswith("chain") else "tree"
+            got = SpeculativeDecoder(ex.target, ex.draft, mode=mode, tree=spec).generate(prompt, 40)
+            assert (got.tokens, got.stop_reason) == (want.tokens, "context"), spec
+
+
 def test_row_layout_env_off_warns_that_speculation_is_inexact(tiny_int4, monkeypatch):
     from arborspec.runtime.errors import InexactSpeculationWarning
 

@@ -94,6 +94,26 @@ def test_ort_greedy_equals_torch_and_vanilla(engines, spec, static_file):
     assert outs["torch"] == vanilla, spec
 
 
+@pytest.mark.parametrize("spec", ["full:2,2", "dynamic:3,3,8", "chain:3"])
+def test_trees_decode_to_the_end_of_the_context(engines, spec):
+    """A verify call's rows sit at columns [past, past + nodes + 1) and GroupQueryAttention's rotary
+    cache ends at max_position: a branching tree near the end of the context crashed there ("cos_cache
+    dimension 0 shall not be less than total_sequence_length", a traceback from `generate`, a 500
+    from the server). Trees now stop where their rows would pass it: decoding into the end of the
+    context equals vanilla on both backends and ends with 'context'."""
+    mp = engines["onnxruntime"][0].info.max_position
+    v = engines["onnxruntime"][0].info.vocab_size
+    prompt = [(5 + 7 * i) % v for i in range(mp - 20)]
+    for backend in ("torch", "onnxruntime"):
+        t, d = engines[backend]
+        want = SpeculativeDecoder(t, None, mode="vanilla").generate(prompt, 30)
+        assert (len(want.tokens), want.stop_reason) == (21, "context")
+        mode = "chain" if spec.startswith("chain") else "tree"
+        r = SpeculativeDecoder(t, d, mode=mode, tree=spec, max_tree_nodes=64).generate(prompt, 30)
+        assert (r.tokens, r.stop_reason) == (want.tokens, "context"), backend
+        assert r.stats.steps < 21  # the draft was used until near the end
+
+
 # ----------------------------------------------------------------------------- SmolLM2
 def _smollm2_export() -> Path | None:
     """A cached SmolLM2 export with a layers:4 draft; exported here only with ARBORSPEC_SLOW=1."""

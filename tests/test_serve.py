@@ -193,6 +193,17 @@ def test_stop_strings_end_the_answer(server):
         assert "".join(parts) == text[: text.find("ok")] and finish == "stop"
 
 
+def test_no_max_tokens_decodes_to_the_end_of_the_context(server):
+    base, _ = server  # OpenAI's and vLLM's default (it was 64 tokens, cut silently)
+    with client(base) as c:
+        r = c.post("/v1/completions", json={"prompt": "hello", "temperature": 0}).json()
+        u = r["usage"]
+        assert r["choices"][0]["finish_reason"] == "length" and u["total_tokens"] == 512, u
+        long = {"prompt": [5] * 512, "temperature": 0}
+        r = c.post("/v1/completions", json=long)
+        assert r.status_code == 400 and "fills the model's context of 512" in r.json()["error"]["message"]
+
+
 def test_disconnect_mid_stream_frees_the_generator(server):
     base, pool = server
     with client(base) as c:

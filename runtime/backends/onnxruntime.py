@@ -467,6 +467,8 @@ class OrtEngine(EngineBase):
         if row_layout.is_chain(position_ids[0], anc, p):  # vanilla's one row, a chain's verify
             if t > 1:
                 return None  # every row already sits where it commits
+            if p + 2 > self._columns(cache):
+                return None  # the context's last column: no room for the padding row (vanilla's call too)
             rows = [0]
         else:
             par = row_layout.parents(anc)
@@ -475,7 +477,7 @@ class OrtEngine(EngineBase):
             rows = row_layout.slots(position_ids[0], anc, p, par)
         if (
             rows is None
-            or p + max(max(rows) + 1, 2) > cache.max_len
+            or p + max(max(rows) + 1, 2) > self._columns(cache)
             or self.tree_layout == "paths"
             or (self.tree_layout == "auto" and t > 1 and row_layout.prefer_paths(rows, anc))
         ):
@@ -497,7 +499,7 @@ class OrtEngine(EngineBase):
         last = torch.where(seen, torch.arange(p + 1, device=mask.device), -1).amax(1)  # [B]
         prefix = seen.sum(1) == last + 1
         padding = (last == p) & (seen.sum(1) == 1)
-        if not bool((prefix | padding).all()) or int(last.max()) + 2 > cache.max_len:
+        if not bool((prefix | padding).all()) or int(last.max()) + 2 > self._columns(cache):
             return None
         outs: list = [None] * 4
         for i in range(b):
@@ -512,6 +514,11 @@ class OrtEngine(EngineBase):
                         outs[j] = x.new_zeros((b, *x.shape[1:]))
                     outs[j][i] = x[0]
         return tuple(outs)
+
+    def _columns(self, cache: KVCache) -> int:
+        """The columns a laid-out call may fill: the cache's, and no further than max_position
+        (GroupQueryAttention's rotary cache ends there: past + rows beyond it is refused)."""
+        return min(cache.max_len, self.info.max_position)
 
     def _run_paths(self, input_ids, position_ids, mask, cache: KVCache, k: int | None, anc):
         """A tree verified as chain calls, one per root-to-leaf path in depth-first order, each

@@ -262,10 +262,12 @@ def create_app(
         n = body.get("n", 1)
         if n != 1:
             return error(400, "only n = 1 is supported", param="n")
-        mt = body.get("max_tokens", body.get("max_completion_tokens", 64))
-        if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
+        mt = body.get("max_tokens")
+        mt = body.get("max_completion_tokens") if mt is None else mt
+        # absent or null: up to the end of the context (OpenAI's and vLLM's default), EOS or a stop string
+        if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt < 1):
             return error(400, "max_tokens must be an integer >= 1", param="max_tokens")
-        if mt > max_context:
+        if mt is not None and mt > max_context:
             return error(400, f"max_tokens {mt} is beyond the model's context of {max_context}", param="max_tokens")
         out = {"max_new_tokens": mt}
         for key, default in (("temperature", 1.0), ("top_p", 1.0)):
@@ -306,6 +308,10 @@ def create_app(
                 if prompt is None:
                     raise ArborspecError("this model has no tokenizer: chat needs one")
             ids = g.encode_prompt(prompt)
+            if params["max_new_tokens"] is None:  # the rest of the context
+                if len(ids) >= max_context:
+                    raise ArborspecError(f"the prompt ({len(ids)} tokens) fills the model's context of {max_context}")
+                params = {**params, "max_new_tokens": max_context - len(ids)}
             if len(ids) + params["max_new_tokens"] > max_context:
                 raise ArborspecError(
                     f"the prompt ({len(ids)} tokens) plus max_tokens ({params['max_new_tokens']}) "
