@@ -93,6 +93,20 @@ def test_tiny_int4_decodes_to_the_end_of_the_context(tiny_int4):
             assert (got.tokens, got.stop_reason) == (want.tokens, "context"), spec
 
 
+def test_tiny_int4_batched_rows_into_the_end_of_the_context_equal_alone(tiny_int4):
+    """Batched one-token rows run as one padded call each; a row at the context's last column
+    runs as one row (as alone), and no longer turns the whole batch into one unpadded call."""
+    from arborspec.runtime.batch_decode import BatchDecoder
+
+    with open_export(tiny_int4, draft="none") as ex:
+        mp, v = ex.target.info.max_position, ex.target.info.vocab_size
+        prompts = [[(3 + 5 * i) % v for i in range(mp - 6)], [(7 + 3 * i) % v for i in range(40)]]
+        alone = [SpeculativeDecoder(ex.target, None, mode="vanilla").generate(p, 12) for p in prompts]
+        got = BatchDecoder(ex.target, None, mode="vanilla", max_batch=2).generate_many(prompts, 12)
+        assert [g.tokens for g in got] == [a.tokens for a in alone]
+        assert [g.stop_reason for g in got] == ["context", "length"]
+
+
 def test_row_layout_env_off_warns_that_speculation_is_inexact(tiny_int4, monkeypatch):
     from arborspec.runtime.errors import InexactSpeculationWarning
 
