@@ -147,12 +147,14 @@ class Generator:
     ) -> "Generator":
         """Open an export folder (runtime/export_dir.open_export) and wrap it. tree: a spec,
         "auto" (the tree `arborspec tune --export-dir DIR` chose; for unbatched calls at a
-        temperature above 0 the one `tune --temperature T` chose, when it ran), or None (the
-        export's default tree)."""
+        temperature above 0 the one `tune --temperature T` chose, when it ran), or None: "auto"
+        when `tune` ran for this draft, else the export's default tree (OpenedExport.tree_default)."""
         from .export_dir import open_export
 
         ex = open_export(dir, backend, device, draft=draft, verify=verify, engine_dir=engine_dir)
         try:
+            if tree is None and auto_tree_file(dir, draft).is_file():
+                tree = "auto"  # `arborspec tune` chose one for this export and draft
             tree = tree or ex.tree_default or "full:3,2"
             sampled_tree = None
             if str(tree).strip().lower() == "auto":

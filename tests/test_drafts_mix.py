@@ -204,6 +204,14 @@ def test_tune_and_tree_auto_per_draft_on_an_export(tmp_path, capsys):
     assert "tree_auto.export_lookup.json" in json.dumps(out)
     with Generator.from_export(e, draft="export+lookup", tree="auto") as g:
         assert "tree_auto.export_lookup.json" in str(g.tree)
+    # no tree named: the tuned one is the default where `tune` ran for that draft, else the export's
+    with Generator.from_export(e, draft="export+lookup") as g, Generator.from_export(e) as own:
+        assert "tree_auto.export_lookup.json" in str(g.tree) and own.tree == "full:3,2"
+    capsys.readouterr()
+    assert main(gen + ["--draft", "export+lookup", "--json"]) == 0
+    assert "tree_auto.export_lookup.json" in json.loads(capsys.readouterr().out)["stats"]["tree"]
+    assert main(gen + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["tree"] == "full:3,2"
     # bench: --lookup-tree auto takes the tree tuned for lookup, --mix-tree auto the mixed one's
     pf = tmp_path / "p.json"
     pf.write_text(json.dumps({"prompts": [{"id": "a", "category": "c", "ids": [3, 4, 5, 3, 4, 5, 3, 4]}]}))

@@ -116,15 +116,18 @@ def _read(path: Path) -> str:
 def resolve_tree_arg(models, args, mode: str):
     """`--tree auto` -> the static tree tuned by `arborspec tune` for these models (at
     --temperature > 0 the one tuned for sampling, when there is one; one-line error when there is
-    none); any other --tree value is returned unchanged."""
+    none), and so is no --tree in tree mode when that tree exists; any other --tree value is
+    returned unchanged."""
+    from arborspec.tools.tune.tuner import auto_tree_path, resolve_tree
+
+    if args.tree is None and mode == "tree" and auto_tree_path(models_key(args)).is_file():
+        return resolve_tree("auto", models_key(args), args.temperature)  # `tune` chose one: the default
     if args.tree is None or args.tree.strip().lower() != "auto":
         return args.tree
     if mode == "vanilla":
         return None
     if mode != "tree":
         raise InputError("--tree auto picks a static tree: use it with --mode tree")
-    from arborspec.tools.tune.tuner import resolve_tree
-
     return resolve_tree(args.tree, models_key(args), args.temperature)
 
 
