@@ -51,6 +51,8 @@ def read_text_file(path: str | os.PathLike, what: str = "file") -> str:
     """A UTF-8 text file the user named: a missing file or one that is not UTF-8 is one
     `ArborspecError` line naming the file (and the first bad byte), not a traceback."""
     p = Path(path)
+    if p.is_dir():
+        raise InputError(f"{what} {p} is a folder, not a file")
     if not p.is_file():
         raise MissingFileError(f"{what} not found: {p}")
     data = p.read_bytes()

@@ -143,6 +143,14 @@ def test_prompt_file_not_utf8_is_one_line(exports, tmp_path):
     one_error_line(r, "not UTF-8")
 
 
+def test_prompt_file_that_is_a_folder_is_one_line(tmp_path):
+    from arborspec.runtime.errors import InputError
+    from arborspec.runtime.fileio import read_text_file
+
+    with pytest.raises(InputError, match="is a folder, not a file"):  # was "not found" for a folder that exists
+        read_text_file(tmp_path, "prompt file")
+
+
 def test_export_without_a_draft_decodes_like_serve(exports):
     _, n = exports
     r = arborspec("generate", "--export-dir", n, "--prompt", "hello", "--max-new-tokens", 4)
