@@ -144,6 +144,13 @@ def test_stream_concatenates_to_the_full_text(server):
         ({"prompt": "hi", "n": 2}, 400, "n"),
         ({"prompt": [10**7]}, 400, None),
         ({"prompt": "hi", "stop": ""}, 400, "stop"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            400,
+            "messages",
+        ),
+        ({"messages": [{"role": "user", "content": 3}]}, 400, "messages"),
+        ({"messages": []}, 400, "messages"),
         ({"prompt": "hi", "stop": ["a", 1]}, 400, "stop"),
         ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ({"prompt": "hi", "top_k": -2}, 400, "top_k"),
@@ -160,7 +167,8 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, body, status,
     base, _ = server
     with client(base) as c:
         data = body if isinstance(body, str) else json.dumps(body)
-        r = c.post("/v1/completions", content=data, headers={"content-type": "application/json"})
+        route = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
+        r = c.post(route, content=data, headers={"content-type": "application/json"})
         assert r.status_code == status, r.text
         err = r.json()["error"]
         assert err["message"] and "type" in err and (param is None or err["param"] == param)
@@ -191,6 +199,18 @@ def test_stop_strings_end_the_answer(server):
                         parts.append(ch["text"])
                         finish = ch["finish_reason"] or finish
         assert "".join(parts) == text[: text.find("ok")] and finish == "stop"
+
+
+def test_content_parts_of_text_are_the_same_message(server):
+    base, _ = server  # OpenAI's newer clients send content as a list of parts
+    req = {"max_tokens": 12, "temperature": 0}
+    parts = [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]
+    with client(base) as c:
+        a = c.post("/v1/chat/completions", json={**req, "messages": [{"role": "user", "content": "hello"}]})
+        b = c.post("/v1/chat/completions", json={**req, "messages": [{"role": "user", "content": parts}]})
+        assert a.status_code == b.status_code == 200, b.text
+        assert a.json()["choices"][0]["message"] == b.json()["choices"][0]["message"]
+        assert a.json()["usage"] == b.json()["usage"]
 
 
 def test_no_max_tokens_decodes_to_the_end_of_the_context(server):

@@ -46,6 +46,20 @@ UNSUPPORTED = {
 }
 
 
+def message_text(message) -> str | None:
+    """A chat message's content as text: a string, or OpenAI's list of content parts when every
+    part is text ({"type": "text", "text": ...}, joined); None for anything else (an image part)."""
+    if not isinstance(message, dict):
+        return None
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        if all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str) for c in content):
+            return "".join(c["text"] for c in content)
+    return None
+
+
 def served_model_name(manifest_data: dict, export_dir) -> str:
     """The model id clients send: the export's source model as a clean name (a registry name as
     is; a path's last part without .gguf/.pt: `./tiny-llama` -> `tiny-llama`), else the
@@ -396,16 +410,15 @@ def create_app(
             return params
         if chat:
             msgs = body.get("messages")
-            if (
-                not isinstance(msgs, list)
-                or not msgs
-                or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in msgs
+            texts = [message_text(m) for m in msgs] if isinstance(msgs, list) else []
+            if not msgs or None in texts or not all(isinstance(m.get("role"), str) for m in msgs):
+                return error(
+                    400,
+                    'messages must be a non-empty list of {"role", "content"}: content a string or a list of '
+                    '{"type": "text", "text"} parts (only text is supported)',
+                    param="messages",
                 )
-            ):
-                return error(400, 'messages must be a non-empty list of {"role", "content"} strings', param="messages")
-            prompt = [{"role": m["role"], "content": m["content"]} for m in msgs]
+            prompt = [{"role": m["role"], "content": t} for m, t in zip(msgs, texts)]
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
