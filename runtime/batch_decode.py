@@ -28,7 +28,7 @@ from typing import Sequence as Seq
 
 import torch
 
-from .decode import MODES, SpeculativeDecoder, check_prompt, host_threads, settle, verify
+from .decode import MODES, SpeculativeDecoder, check_prompt, host_threads, seeded_rng, settle, verify
 from .drafts.base import tree_capacity
 from .drafts.model import as_draft_source
 from .drafts.tree_builder import TreeWorkspace, answer, tree_builder
@@ -154,8 +154,7 @@ class BatchDecoder:
         prompt = check_prompt(self.target.info, prompt_ids, max_new_tokens)
         sp = sampling or SamplingParams()
         tgt = self.target
-        seq = BatchSequence(prompt, max_new_tokens, {int(e) for e in eos_token_ids}, sp, torch.Generator())
-        seq.rng.manual_seed(int(seed))
+        seq = BatchSequence(prompt, max_new_tokens, {int(e) for e in eos_token_ids}, sp, seeded_rng(seed))
         seq.t_start = time.perf_counter()
         st = seq.stats = GenerationStats(
             mode=self.mode, tree=self.policy.spec if self.policy else "", prompt_tokens=len(prompt)

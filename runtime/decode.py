@@ -17,6 +17,7 @@ per thread (runtime/generator.Generator serialises calls with a lock).
 
 from __future__ import annotations
 
+import operator
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -171,7 +172,7 @@ class SpeculativeDecoder:
         tgt, draft, policy = self.target, self.draft, self.policy
         st = GenerationStats(mode=self.mode, tree=policy.spec if policy else "", prompt_tokens=len(prompt))
         self.last_stats, self.last_stop_reason = st, "length"
-        rng = torch.Generator().manual_seed(int(seed))
+        rng = seeded_rng(seed)
         seq = self._seq = _Sequence(prompt[-1], max_new_tokens, {int(e) for e in eos_token_ids}, rng, st)
         seq.timer = Timer(st, self._timer_sync)
         seq.model_s0 = draft.model_s if draft is not None else 0.0
@@ -275,6 +276,18 @@ class _Sequence:
 
 
 # ---------------------------------------------------------------------- the steps both decoders share
+def seeded_rng(seed) -> torch.Generator:
+    """A request's random generator (its sampled draws and accept coins), seeded with `seed`: an
+    integer in torch's range [-2**63, 2**64); one InputError line for anything else."""
+    try:
+        s = operator.index(seed)
+    except TypeError:
+        raise InputError(f"seed must be an integer, got {seed!r}") from None
+    if not -(2**63) <= s < 2**64:
+        raise InputError(f"seed must lie in [-2**63, 2**64), got {s}")
+    return torch.Generator().manual_seed(s)
+
+
 def check_prompt(info, prompt_ids, max_new_tokens) -> list[int]:
     """A request's prompt as a list of ids, checked against the engine's `info` (one-line errors)."""
     try:

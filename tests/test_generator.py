@@ -78,9 +78,17 @@ def test_bad_input_is_one_arborspec_error(pair, tok):
         lambda: gen.generate("hi", top_p=0.0),
         lambda: gen.chat([{"content": "no role"}]),
         lambda: gen.generate("hi", temperature=float("nan")),
+        lambda: gen.generate("hi", seed="x"),  # was a bare ValueError from int()
+        lambda: gen.generate("hi", seed=2**70),  # was torch's overflow ValueError
+        lambda: gen.generate("hi", seed=1.5),
     ):
         with pytest.raises(ArborspecError):
             call()
+    assert gen.generate([1, 2], 4, temperature=1.0, seed=2**64 - 1).tokens  # torch's whole range
+    batched = Generator(target, draft, tok, max_batch=2)
+    with pytest.raises(InputError, match="seed must lie in"):
+        batched.generate([1, 2], 4, seed=-(2**63) - 1)
+    batched.close()
     with pytest.raises(InputError, match="no tokenizer"):
         Generator(target, draft).generate("text")
     with pytest.raises(TreeSpecError, match="tree spec"):
