@@ -496,6 +496,25 @@ def test_batched_decoding_with_eagle3_equals_decoding_alone(target, tmp_path, sp
     assert [s.stats.steps for s in got] == [r.stats.steps for r in ref]
 
 
+@pytest.mark.parametrize("spec", ["full:2,3", "dynamic:3,3,10"])
+def test_batched_eagle3_rows_into_the_end_of_the_context_equal_vanilla(target, tmp_path, spec):
+    """While the longest row is too close to the end of the context for a tree (its rows would
+    pass max_position) the batch verifies roots only and the heads defer the committed roots with
+    their features; afterwards the short row drafts again from an exact cache."""
+    from arborspec.runtime.batch_decode import BatchDecoder
+
+    eng = TorchEngine(target)
+    mp = eng.info.max_position
+    prompts = [[(3 + 5 * i) % 96 for i in range(mp - 8)], [5, 9, 2, 7, 1]]
+    vanilla = SpeculativeDecoder(eng, None, mode="vanilla")
+    want = [vanilla.generate(p, 24) for p in prompts]
+    assert [w.stop_reason for w in want] == ["context", "length"]
+    bd = BatchDecoder(eng, _draft(target, tmp_path), mode="tree", tree=spec, max_batch=2)
+    got = bd.generate_many(prompts, 24)
+    assert [s.tokens for s in got] == [w.tokens for w in want]
+    assert got[1].stats.draft_calls > 0  # (the random head rarely agrees: its trees, not its hits)
+
+
 def test_batched_decoding_with_the_exported_eagle3_head_on_onnxruntime(target, ort_pair):
     """ONNX Runtime: the GroupQueryAttention target batches roots (trees while one sequence is
     active), the head's forks keep their drafts in step: each output equals vanilla."""
