@@ -213,6 +213,16 @@ def test_content_parts_of_text_are_the_same_message(server):
         assert a.json()["usage"] == b.json()["usage"]
 
 
+def test_no_seed_draws_another_sample_each_time(server):
+    base, _ = server  # a fixed default seed answered every unseeded sampled request the same way
+    req = {"prompt": "hello hello", "max_tokens": 8, "temperature": 2.0}
+    with client(base) as c:
+        seeds = {c.post("/v1/completions", json=req).json()["seed"] for _ in range(3)}
+        assert len(seeds) == 3
+        a, b = (c.post("/v1/completions", json={**req, "seed": 77}).json() for _ in range(2))
+        assert a["seed"] == b["seed"] == 77 and a["choices"] == b["choices"]
+
+
 def test_no_max_tokens_decodes_to_the_end_of_the_context(server):
     base, _ = server  # OpenAI's and vLLM's default (it was 64 tokens, cut silently)
     with client(base) as c:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import queue
+import secrets
 import threading
 import time
 import uuid
@@ -297,7 +298,9 @@ def create_app(
         if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < -1:
             return error(400, "top_k must be an integer >= -1 (0 or -1: off)", param="top_k")
         out["top_k"] = max(top_k, 0)
-        seed = body.get("seed", 0)
+        seed = body.get("seed")
+        if seed is None:  # as OpenAI's: another sample each time (a fixed default repeated one answer)
+            seed = secrets.randbelow(2**63)
         if not isinstance(seed, int) or isinstance(seed, bool):
             return error(400, "seed must be an integer", param="seed")
         out["seed"] = seed
@@ -364,6 +367,7 @@ def create_app(
                 "completion_tokens": st.new_tokens,
                 "finish_reason": reason,
                 "mean_accepted": st.mean_accepted,
+                "seed": params["seed"],
             }
         finally:
             pool.release(g)
@@ -387,6 +391,7 @@ def create_app(
                 "model": model_name,
                 "choices": [choice],
                 "usage": usage,
+                "seed": r["seed"],  # an extension: the seed that drew it (send it back to repeat the sample)
             }
         return {
             "id": rid,
@@ -395,6 +400,7 @@ def create_app(
             "model": model_name,
             "choices": [{"index": 0, "text": r["text"], "finish_reason": r["finish_reason"], "logprobs": None}],
             "usage": usage,
+            "seed": r["seed"],
         }
 
     async def _handle(request: Request, chat: bool):
