@@ -141,7 +141,9 @@ def test_stream_concatenates_to_the_full_text(server):
         ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
         ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
         ({"prompt": ""}, 400, "prompt"),
-        ({"prompt": "hi", "n": 2}, 400, "n"),
+        ({"prompt": "hi", "n": 0}, 400, "n"),
+        ({"prompt": "hi", "n": 17}, 400, "n"),
+        ({"prompt": "hi", "n": "2"}, 400, "n"),
         ({"prompt": [10**7]}, 400, None),
         ({"prompt": "hi", "stop": ""}, 400, "stop"),
         (
@@ -211,6 +213,49 @@ def test_content_parts_of_text_are_the_same_message(server):
         assert a.status_code == b.status_code == 200, b.text
         assert a.json()["choices"][0]["message"] == b.json()["choices"][0]["message"]
         assert a.json()["usage"] == b.json()["usage"]
+
+
+def test_n_choices_are_the_samples_of_seeds_seed_to_seed_plus_n(server):
+    """One sequence per generator: choice i is exactly the request with seed + i. Batched, the n
+    choices decode together and a sampled output depends on the batch it ran in (serving.md), so
+    there the shape is checked (and a greedy n gives n equal choices)."""
+    base, pool = server
+    alone = pool.slots == 1
+    req = {"prompt": "hello hello", "max_tokens": 8, "temperature": 2.0, "seed": 1}
+    with client(base) as c:
+        one = [c.post("/v1/completions", json={**req, "seed": 1 + i}).json() for i in range(3)]
+        r = c.post("/v1/completions", json={**req, "n": 3}).json()
+        assert [ch["index"] for ch in r["choices"]] == [0, 1, 2] and r["seed"] == 1
+        if alone:
+            assert [ch["text"] for ch in r["choices"]] == [o["choices"][0]["text"] for o in one]
+            assert len({ch["text"] for ch in r["choices"]}) > 1  # seeds 1..3 draw different samples here
+            assert r["usage"]["completion_tokens"] == sum(o["usage"]["completion_tokens"] for o in one)
+        assert r["usage"]["prompt_tokens"] == one[0]["usage"]["prompt_tokens"]
+        greedy = c.post("/v1/completions", json={**req, "temperature": 0, "n": 2}).json()["choices"]
+        assert (
+            greedy[0]["text"]
+            == greedy[1]["text"]
+            == c.post("/v1/completions", json={**req, "temperature": 0}).json()["choices"][0]["text"]
+        )
+        # streamed: each choice's chunks, in its own index, end with its own finish_reason
+        texts, finishes, usage = {}, {}, None
+        chat = {"messages": [{"role": "user", "content": "hello hello"}], "max_tokens": 8, "temperature": 2.0}
+        full = c.post("/v1/chat/completions", json={**chat, "seed": 1, "n": 2}).json()
+        body = {**chat, "seed": 1, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+        with c.stream("POST", "/v1/chat/completions", json=body) as resp:
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                obj = json.loads(line[6:])
+                usage = obj.get("usage") or usage
+                for ch in obj["choices"]:
+                    texts[ch["index"]] = texts.get(ch["index"], "") + ch["delta"].get("content", "")
+                    if ch["finish_reason"]:
+                        finishes[ch["index"]] = ch["finish_reason"]
+        assert set(texts) == set(finishes) == {0, 1} and usage["prompt_tokens"] == full["usage"]["prompt_tokens"]
+        if alone:
+            assert texts == {i: ch["message"]["content"] for i, ch in enumerate(full["choices"])}
+            assert usage == full["usage"]
 
 
 def test_no_seed_draws_another_sample_each_time(server):

@@ -28,6 +28,7 @@ from arborspec.runtime.errors import ArborspecError, one_line
 from arborspec.runtime.stop_strings import parse_stop
 
 MAX_STOP = 4  # stop strings a request may give (OpenAI's limit)
+MAX_N = 16  # choices a request may ask for (`n`): each is a sequence of its own, decoded concurrently
 # request fields that would change the answer and that this server does not implement, with the
 # values that mean "off": any other value is a 400 naming the field, never a silently other answer
 UNSUPPORTED = {
@@ -275,8 +276,8 @@ def create_app(
                 code="model_not_found",
             )
         n = body.get("n", 1)
-        if n != 1:
-            return error(400, "only n = 1 is supported", param="n")
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+            return error(400, f"n must be an integer in [1, {MAX_N}]", param="n")
         mt = body.get("max_tokens")
         mt = body.get("max_completion_tokens") if mt is None else mt
         # absent or null: up to the end of the context (OpenAI's and vLLM's default), EOS or a stop string
@@ -303,7 +304,7 @@ def create_app(
             seed = secrets.randbelow(2**63)
         if not isinstance(seed, int) or isinstance(seed, bool):
             return error(400, "seed must be an integer", param="seed")
-        out["seed"] = seed
+        out["seed"], out["n"] = seed, n
         stop = body.get("stop")
         try:
             out["stop"] = parse_stop(stop)
@@ -372,35 +373,37 @@ def create_app(
         finally:
             pool.release(g)
 
-    def _response(kind: str, rid: str, created: int, r: dict) -> dict:
-        usage = {
-            "prompt_tokens": r["prompt_tokens"],
-            "completion_tokens": r["completion_tokens"],
-            "total_tokens": r["prompt_tokens"] + r["completion_tokens"],
-        }
+    def _usage(runs: list[dict]) -> dict:
+        """One request's usage: its prompt once, the tokens of all its choices."""
+        prompt, completion = runs[0]["prompt_tokens"], sum(r["completion_tokens"] for r in runs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _response(kind: str, rid: str, created: int, runs: list[dict]) -> dict:
         if kind == "chat":
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": r["text"]},
-                "finish_reason": r["finish_reason"],
-            }
-            return {
-                "id": rid,
-                "object": "chat.completion",
-                "created": created,
-                "model": model_name,
-                "choices": [choice],
-                "usage": usage,
-                "seed": r["seed"],  # an extension: the seed that drew it (send it back to repeat the sample)
-            }
+            choices = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": r["text"]},
+                    "finish_reason": r["finish_reason"],
+                }
+                for i, r in enumerate(runs)
+            ]
+            obj = "chat.completion"
+        else:
+            choices = [
+                {"index": i, "text": r["text"], "finish_reason": r["finish_reason"], "logprobs": None}
+                for i, r in enumerate(runs)
+            ]
+            obj = "text_completion"
         return {
             "id": rid,
-            "object": "text_completion",
+            "object": obj,
             "created": created,
             "model": model_name,
-            "choices": [{"index": 0, "text": r["text"], "finish_reason": r["finish_reason"], "logprobs": None}],
-            "usage": usage,
-            "seed": r["seed"],
+            "choices": choices,
+            "usage": _usage(runs),
+            # an extension: the seed that drew choice 0 (choice i: seed + i; send it back to repeat)
+            "seed": runs[0]["seed"],
         }
 
     async def _handle(request: Request, chat: bool):
@@ -435,35 +438,45 @@ def create_app(
                 return error(400, "prompt must be a non-empty string or a list of token ids", param="prompt")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
+        # choice i draws with seed + i; each is a sequence of its own (batched together when the
+        # generators batch)
+        jobs = [{**params, "seed": params["seed"] + i} for i in range(params["n"])]
         if not body.get("stream"):
-            try:
-                r = await anyio.to_thread.run_sync(lambda: _run(prompt, params, chat))
-            except ArborspecError as e:
-                return error(400, one_line(e))
-            _count(request, r["completion_tokens"])
-            return _response("chat" if chat else "text", rid, created, r)
+            import asyncio
 
-        # streaming: the generation runs in a worker thread and hands chunks over a queue
+            runs = await asyncio.gather(
+                *(anyio.to_thread.run_sync(lambda p=p: _run(prompt, p, chat)) for p in jobs), return_exceptions=True
+            )
+            for r in runs:
+                if isinstance(r, ArborspecError):
+                    return error(400, one_line(r))
+                if isinstance(r, BaseException):
+                    raise r
+            _count(request, sum(r["completion_tokens"] for r in runs))
+            return _response("chat" if chat else "text", rid, created, runs)
+
+        # streaming: each choice runs in a worker thread and hands its chunks over one queue
         q: queue.Queue = queue.Queue()
         stop = threading.Event()
 
-        def work():
+        def work(i: int, p: dict):
             try:
-                r = _run(prompt, params, chat, on_chunk=lambda c: q.put(("chunk", c)), cancelled=stop.is_set)
+                r = _run(prompt, p, chat, on_chunk=lambda c: q.put(("chunk", i, c)), cancelled=stop.is_set)
                 _count(request, r["completion_tokens"])
-                q.put(("done", r))
+                q.put(("done", i, r))
             except ArborspecError as e:
-                q.put(("error", one_line(e)))
+                q.put(("error", i, one_line(e)))
             except Exception as e:  # noqa: BLE001 - a bug: reported to the client, logged by uvicorn
-                q.put(("error", f"internal error: {type(e).__name__}"))
+                q.put(("error", i, f"internal error: {type(e).__name__}"))
                 raise
 
-        threading.Thread(target=work, daemon=True).start()
+        for i, p in enumerate(jobs):
+            threading.Thread(target=work, args=(i, p), daemon=True).start()
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
-        def event(delta: dict | None = None, finish=None, usage=None) -> str:
+        def event(delta: dict | None = None, finish=None, usage=None, index: int = 0) -> str:
             if chat:
-                choice = {"index": 0, "delta": delta or {}, "finish_reason": finish}
+                choice = {"index": index, "delta": delta or {}, "finish_reason": finish}
                 obj = {
                     "id": rid,
                     "object": "chat.completion.chunk",
@@ -473,7 +486,7 @@ def create_app(
                 }
             else:
                 choice = {
-                    "index": 0,
+                    "index": index,
                     "text": (delta or {}).get("content", ""),
                     "finish_reason": finish,
                     "logprobs": None,
@@ -490,34 +503,33 @@ def create_app(
             return f"data: {json.dumps(obj)}\n\n"
 
         async def sse():
+            done: dict[int, dict] = {}
             try:
                 if chat:
-                    yield event({"role": "assistant", "content": ""})
+                    for i in range(len(jobs)):
+                        yield event({"role": "assistant", "content": ""}, index=i)
                 while True:
                     if await request.is_disconnected():
                         stop.set()
                         return
                     try:
-                        kind, payload = await anyio.to_thread.run_sync(lambda: q.get(timeout=0.2))
+                        kind, i, payload = await anyio.to_thread.run_sync(lambda: q.get(timeout=0.2))
                     except queue.Empty:
                         continue
                     if kind == "chunk":
-                        yield event({"content": payload})
+                        yield event({"content": payload}, index=i)
                     elif kind == "error":
                         m_errors.labels("stream").inc()
                         yield f"data: {json.dumps({'error': {'message': payload, 'type': 'invalid_request_error', 'param': None, 'code': None}})}\n\n"
                         yield "data: [DONE]\n\n"
                         return
                     else:
-                        yield event(finish=payload["finish_reason"])
+                        done[i] = payload
+                        yield event(finish=payload["finish_reason"], index=i)
+                        if len(done) < len(jobs):
+                            continue
                         if include_usage:
-                            yield event(
-                                usage={
-                                    "prompt_tokens": payload["prompt_tokens"],
-                                    "completion_tokens": payload["completion_tokens"],
-                                    "total_tokens": payload["prompt_tokens"] + payload["completion_tokens"],
-                                }
-                            )
+                            yield event(usage=_usage([done[j] for j in range(len(jobs))]))
                         yield "data: [DONE]\n\n"
                         return
             finally:
