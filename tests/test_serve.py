@@ -142,6 +142,9 @@ def test_stream_concatenates_to_the_full_text(server):
         ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
         ({"prompt": ""}, 400, "prompt"),
         ({"prompt": "hi", "n": 0}, 400, "n"),
+        ({"prompt": ["hi", 3]}, 400, "prompt"),
+        ({"prompt": [[1, 2], []]}, 400, "prompt"),
+        ({"prompt": ["hi"] * 9, "n": 8}, 400, "prompt"),
         ({"prompt": "hi", "n": 17}, 400, "n"),
         ({"prompt": "hi", "n": "2"}, 400, "n"),
         ({"prompt": [10**7]}, 400, None),
@@ -256,6 +259,20 @@ def test_n_choices_are_the_samples_of_seeds_seed_to_seed_plus_n(server):
         if alone:
             assert texts == {i: ch["message"]["content"] for i, ch in enumerate(full["choices"])}
             assert usage == full["usage"]
+
+
+def test_a_list_of_prompts_gets_n_choices_each(server):
+    base, _ = server
+    req = {"max_tokens": 6, "temperature": 0}
+    with client(base) as c:
+        single = [c.post("/v1/completions", json={**req, "prompt": p}).json() for p in ("hello", "the")]
+        r = c.post("/v1/completions", json={**req, "prompt": ["hello", "the"], "n": 2}).json()
+        assert [ch["index"] for ch in r["choices"]] == [0, 1, 2, 3]
+        want = [single[k]["choices"][0]["text"] for k in (0, 0, 1, 1)]  # prompt k's choices: k*n .. k*n+n-1
+        assert [ch["text"] for ch in r["choices"]] == want
+        assert r["usage"]["prompt_tokens"] == sum(x["usage"]["prompt_tokens"] for x in single)
+        ids = c.post("/v1/completions", json={**req, "prompt": [[5, 6, 7], [8]]}).json()
+        assert len(ids["choices"]) == 2 and ids["usage"]["prompt_tokens"] == 4
 
 
 def test_no_seed_draws_another_sample_each_time(server):

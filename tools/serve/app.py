@@ -29,6 +29,7 @@ from arborspec.runtime.stop_strings import parse_stop
 
 MAX_STOP = 4  # stop strings a request may give (OpenAI's limit)
 MAX_N = 16  # choices a request may ask for (`n`): each is a sequence of its own, decoded concurrently
+MAX_CHOICES = 64  # prompts x n of one completions request
 # request fields that would change the answer and that this server does not implement, with the
 # values that mean "off": any other value is a 400 naming the field, never a silently other answer
 UNSUPPORTED = {
@@ -59,6 +60,22 @@ def message_text(message) -> str | None:
     if isinstance(content, list) and content:
         if all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str) for c in content):
             return "".join(c["text"] for c in content)
+    return None
+
+
+def completion_prompts(prompt) -> list | None:
+    """A completions request's `prompt` as a list of prompts (each text or token ids): a string,
+    a list of token ids, or a list of either (OpenAI's batch form); None for anything else."""
+
+    def one(p) -> bool:
+        text = isinstance(p, str) and p != ""
+        ids = isinstance(p, list) and p != [] and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+        return text or ids
+
+    if one(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(one(p) and not isinstance(p, int) for p in prompt):
+        return list(prompt)
     return None
 
 
@@ -373,12 +390,14 @@ def create_app(
         finally:
             pool.release(g)
 
-    def _usage(runs: list[dict]) -> dict:
-        """One request's usage: its prompt once, the tokens of all its choices."""
-        prompt, completion = runs[0]["prompt_tokens"], sum(r["completion_tokens"] for r in runs)
+    def _usage(runs: list[dict], n: int) -> dict:
+        """One request's usage: each prompt once (runs k*n .. k*n+n-1 share prompt k), the tokens of
+        all its choices."""
+        prompt = sum(r["prompt_tokens"] for r in runs[::n])
+        completion = sum(r["completion_tokens"] for r in runs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def _response(kind: str, rid: str, created: int, runs: list[dict]) -> dict:
+    def _response(kind: str, rid: str, created: int, runs: list[dict], n: int) -> dict:
         if kind == "chat":
             choices = [
                 {
@@ -401,7 +420,7 @@ def create_app(
             "created": created,
             "model": model_name,
             "choices": choices,
-            "usage": _usage(runs),
+            "usage": _usage(runs, n),
             # an extension: the seed that drew choice 0 (choice i: seed + i; send it back to repeat)
             "seed": runs[0]["seed"],
         }
@@ -427,25 +446,27 @@ def create_app(
                     '{"type": "text", "text"} parts (only text is supported)',
                     param="messages",
                 )
-            prompt = [{"role": m["role"], "content": t} for m, t in zip(msgs, texts)]
+            prompts = [[{"role": m["role"], "content": t} for m, t in zip(msgs, texts)]]
         else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            if not (isinstance(prompt, str) and prompt) and not (
-                isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
-            ):
-                return error(400, "prompt must be a non-empty string or a list of token ids", param="prompt")
+            prompts = completion_prompts(body.get("prompt"))
+            if prompts is None:
+                return error(
+                    400,
+                    "prompt must be a non-empty string, a list of token ids, or a list of either",
+                    param="prompt",
+                )
+            if len(prompts) * params["n"] > MAX_CHOICES:
+                return error(400, f"prompts x n must be at most {MAX_CHOICES}", param="prompt")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
-        # choice i draws with seed + i; each is a sequence of its own (batched together when the
-        # generators batch)
-        jobs = [{**params, "seed": params["seed"] + i} for i in range(params["n"])]
+        # prompt k's choice i (index k * n + i) draws with seed + i; each is a sequence of its own
+        # (batched together when the generators batch)
+        jobs = [(pr, {**params, "seed": params["seed"] + i}) for pr in prompts for i in range(params["n"])]
         if not body.get("stream"):
             import asyncio
 
             runs = await asyncio.gather(
-                *(anyio.to_thread.run_sync(lambda p=p: _run(prompt, p, chat)) for p in jobs), return_exceptions=True
+                *(anyio.to_thread.run_sync(lambda j=j: _run(*j, chat)) for j in jobs), return_exceptions=True
             )
             for r in runs:
                 if isinstance(r, ArborspecError):
@@ -453,13 +474,13 @@ def create_app(
                 if isinstance(r, BaseException):
                     raise r
             _count(request, sum(r["completion_tokens"] for r in runs))
-            return _response("chat" if chat else "text", rid, created, runs)
+            return _response("chat" if chat else "text", rid, created, runs, params["n"])
 
         # streaming: each choice runs in a worker thread and hands its chunks over one queue
         q: queue.Queue = queue.Queue()
         stop = threading.Event()
 
-        def work(i: int, p: dict):
+        def work(i: int, prompt, p: dict):
             try:
                 r = _run(prompt, p, chat, on_chunk=lambda c: q.put(("chunk", i, c)), cancelled=stop.is_set)
                 _count(request, r["completion_tokens"])
@@ -470,8 +491,8 @@ def create_app(
                 q.put(("error", i, f"internal error: {type(e).__name__}"))
                 raise
 
-        for i, p in enumerate(jobs):
-            threading.Thread(target=work, args=(i, p), daemon=True).start()
+        for i, (pr, p) in enumerate(jobs):
+            threading.Thread(target=work, args=(i, pr, p), daemon=True).start()
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
         def event(delta: dict | None = None, finish=None, usage=None, index: int = 0) -> str:
@@ -529,7 +550,7 @@ def create_app(
                         if len(done) < len(jobs):
                             continue
                         if include_usage:
-                            yield event(usage=_usage([done[j] for j in range(len(jobs))]))
+                            yield event(usage=_usage([done[j] for j in range(len(jobs))], params["n"]))
                         yield "data: [DONE]\n\n"
                         return
             finally:
