@@ -224,6 +224,14 @@ def test_tune_and_tree_auto_per_draft_on_an_export(tmp_path, capsys):
     names = [c["name"] for c in json.loads((tmp_path / "b.json").read_text())["configs"]]
     assert any("tree_auto.lookup.json" in n and n.startswith("lookup+") for n in names), names
     assert any("tree_auto.export_lookup.json" in n and n.startswith("mix+") for n in names), names
+    # no --tree: the tree mode runs the tree tuned for the draft, as generate and serve do
+    one = ["bench", "--export-dir", str(e), "--prompts", str(pf), "--max-new-tokens", "6", "--warmup", "0"]
+    assert (
+        main([*one, "--no-progress", "--modes", "tree", "--draft", "lookup", "--json-out", str(tmp_path / "c.json")])
+        == 0
+    )
+    names = [c["name"] for c in json.loads((tmp_path / "c.json").read_text())["configs"]]
+    assert any("tree_auto.lookup.json" in n for n in names), names
 
 
 def test_batched_decoding_with_a_mixed_draft_equals_decoding_alone(target, tmp_path):

@@ -246,9 +246,10 @@ def run(args) -> int:
     with models:  # closes the engines it opened
         if need_draft and models.draft is None:
             raise InputError("modes chain/tree need a draft: give --draft layers:K|bigram|MODEL (or --modes vanilla)")
-        if not trees:
-            trees = [models.tree_default or "full:3,2"]
-        from arborspec.tools.tune.tuner import resolve_tree
+        from arborspec.tools.tune.tuner import auto_tree_path, resolve_tree
+
+        if not trees:  # as generate and serve: the tree `tune` chose for these models, else the export's
+            trees = ["auto" if auto_tree_path(models_key(args)).is_file() else (models.tree_default or "full:3,2")]
 
         T = args.temperature  # above 0: the trees tuned for sampling, where `tune --temperature` wrote them
         trees = [resolve_tree(t, models_key(args), T) for t in trees]
