@@ -71,6 +71,33 @@ def test_sigterm_removes_the_partial_export(big_hf, tmp_path):
     assert not out.exists() and not _partials(out)
 
 
+def test_a_signal_that_other_code_wrapped_still_ends_as_that_signal(monkeypatch, capsys):
+    """SIGTERM inside a class body's __set_name__ (torch's lazy import of torch._dynamo, during an
+    export) reaches the CLI as a RuntimeError caused by Terminated: it ended with that traceback and
+    exit 1 (seen once in CI); it is the signal's exit and one line. A plain bug keeps its traceback."""
+    from arborspec.tools.commands import cli, generate
+
+    def wrapped(signal):
+        def run(args):
+            try:
+                raise signal
+            except KeyboardInterrupt as e:
+                raise RuntimeError("Error calling __set_name__ on 'cached_property' instance") from e
+
+        return run
+
+    argv = ["generate", "--prompt", "x", "--model", "m"]
+    monkeypatch.setattr(generate, "run", wrapped(cli.Terminated()))
+    assert cli.main(argv) == 143
+    assert capsys.readouterr().err == "arborspec: terminated (SIGTERM)\n"
+    monkeypatch.setattr(generate, "run", wrapped(KeyboardInterrupt()))
+    assert cli.main(argv) == 130
+    assert capsys.readouterr().err == "arborspec: interrupted\n"
+    monkeypatch.setattr(generate, "run", lambda args: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        cli.main(argv)
+
+
 def test_sigkill_partial_is_removed_by_the_next_run(big_hf, tmp_path):
     out = tmp_path / "e"
     proc = _start_export(big_hf, out)

@@ -126,6 +126,20 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
     (file or sys.stderr).write(text)
 
 
+def _signal_behind(e: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C or SIGTERM (Terminated) that an exception was raised while handling, or None.
+    Some code wraps what it catches: Python turns an exception raised inside a class body's
+    `__set_name__` into a RuntimeError, and SIGTERM during torch's lazy import of torch._dynamo
+    (an export's first weight init) ended `export` with that traceback and exit 1, not 143."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def _cleanup_note(args) -> str:
     return "; partial output was removed" if getattr(args, "command", None) in CLEANS_UP_OUTPUT else ""
 
@@ -148,7 +162,13 @@ def main(argv: list[str] | None = None, shared_pool: bool = False) -> int:
                 ortb.enable_shared_pool()
             else:  # an in-process caller keeps per-session pools, knowingly: no ThreadPoolWarning
                 ortb.keep_session_pools()
-        return int(args.run(args) or 0)
+        try:
+            return int(args.run(args) or 0)
+        except Exception as e:
+            stop = _signal_behind(e)
+            if stop is None:
+                raise
+            raise stop from None  # the Ctrl-C or SIGTERM itself, for the handlers below
     except Terminated:
         sys.stderr.write(f"arborspec: terminated (SIGTERM){_cleanup_note(args)}\n")
         return 143
