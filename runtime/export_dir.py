@@ -62,7 +62,7 @@ class OpenedExport:
         """The tree of a call that names none (when `arborspec tune` has not chosen one): the
         manifest's, but a chain of 2 on a target whose calls the row-invariant layout carries, where
         a branching tree costs padded bands or one call per path (int4 SmolLM2 + its EAGLE-3 head,
-        one prompt, 2 cores: full:3,2 19.6 tok/s against vanilla's 92.1; chain:2 ~1.4x vanilla)."""
+        one prompt, 2 cores: full:3,2 19.6 tok/s against vanilla's 92.1; chain:2 1.21-1.36x vanilla in two bench runs)."""
         tree = (self.manifest.tree_defaults or {}).get("tree")
         if tree and getattr(self.target.caps, "row_invariant", False) and not tree.startswith("chain:"):
             return LAID_OUT_TREE
