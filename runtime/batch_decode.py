@@ -28,7 +28,17 @@ from typing import Sequence as Seq
 
 import torch
 
-from .decode import MODES, SpeculativeDecoder, check_prompt, host_threads, seeded_rng, settle, verify
+from .decode import (
+    MODES,
+    SpeculativeDecoder,
+    check_logprobs,
+    check_prompt,
+    host_threads,
+    seeded_rng,
+    settle,
+    token_logprobs,
+    verify,
+)
 from .drafts.base import tree_capacity
 from .drafts.model import as_draft_source
 from .drafts.tree_builder import TreeWorkspace, answer, tree_builder
@@ -62,6 +72,8 @@ class BatchSequence:
     t_start: float = 0.0
     ws: TreeWorkspace | None = None
     error: BaseException | None = None  # set when its row's logits were not finite
+    logprobs: int | None = None  # top log-probs asked for (None: none)
+    token_logprobs: list = field(default_factory=list)
 
 
 class BatchDecoder:
@@ -146,15 +158,18 @@ class BatchDecoder:
         eos_token_ids: Seq[int] = (),
         sampling: SamplingParams | None = None,
         seed: int = 0,
+        logprobs: int | None = None,
     ) -> BatchSequence:
         """Prefill a new sequence into a free row (between steps). Raises InputError when the
-        batch is full or the request is invalid."""
+        batch is full or the request is invalid. logprobs: as SpeculativeDecoder.stream's
+        (`token_logprobs` of the returned sequence)."""
         if len(self.seqs) >= self.max_batch:
             raise InputError(f"batch full ({self.max_batch} sequences)")
         prompt = check_prompt(self.target.info, prompt_ids, max_new_tokens)
         sp = sampling or SamplingParams()
         tgt = self.target
         seq = BatchSequence(prompt, max_new_tokens, {int(e) for e in eos_token_ids}, sp, seeded_rng(seed))
+        seq.logprobs = check_logprobs(logprobs)
         seq.t_start = time.perf_counter()
         st = seq.stats = GenerationStats(
             mode=self.mode, tree=self.policy.spec if self.policy else "", prompt_tokens=len(prompt)
@@ -332,6 +347,8 @@ class BatchDecoder:
             s.done, s.stop_reason, s.error = True, "error", e
             return []
         keep = [0] + [i + 1 for i in path.tolist()]
+        if s.logprobs is not None:
+            s.token_logprobs += token_logprobs(logits[b][keep], new, s.logprobs)
         moves.append((b, s.length, [base + j for j in keep]))
         if spec and deferred:  # no tree was drafted: the draft queues the root for its next start
             s.draft.defer(s.root, feats[b, :1] if feats is not None else None)

@@ -27,6 +27,7 @@ class BatchStream:
     def __init__(self, request: tuple):
         self.request = request
         self.stats = GenerationStats()
+        self.logprobs: list = []
         self.stop_reason = "length"
         self.cancelled = threading.Event()
         self._q: queue.Queue = queue.Queue()
@@ -88,9 +89,11 @@ class BatchScheduler:
         eos_token_ids: Sequence[int] = (),
         sampling: SamplingParams | None = None,
         seed: int = 0,
+        logprobs: int | None = None,
     ) -> BatchStream:
-        """Queue a request; its stream yields token chunks as the batch decodes it."""
-        stream = BatchStream((list(prompt_ids), max_new_tokens, list(eos_token_ids), sampling, seed))
+        """Queue a request; its stream yields token chunks as the batch decodes it (and, with
+        logprobs, fills `stream.logprobs` as BatchDecoder.add says)."""
+        stream = BatchStream((list(prompt_ids), max_new_tokens, list(eos_token_ids), sampling, seed, logprobs))
         with self._cv:
             if self._closed:
                 raise InputError("this generator is closed")
@@ -117,6 +120,7 @@ class BatchScheduler:
                     seq = dec.add(*stream.request)
                     self._owner[id(seq)] = stream
                     stream.stats = seq.stats  # live: a caller that stops early still sees its stats
+                    stream.logprobs = seq.token_logprobs
                 except ArborspecError as e:
                     stream._end(None, e)
                 except Exception as e:  # a bug: its caller sees it, the other sequences go on

@@ -141,19 +141,30 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------ public API
     def generate(
-        self, prompt_ids: Sequence[int], max_new_tokens: int = 64, eos_token_ids: Sequence[int] = (), seed: int = 0
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int = 64,
+        eos_token_ids: Sequence[int] = (),
+        seed: int = 0,
+        logprobs: int | None = None,
     ) -> GenerationResult:
         out: list[int] = []
-        for chunk in self.stream(prompt_ids, max_new_tokens, eos_token_ids, seed):
+        for chunk in self.stream(prompt_ids, max_new_tokens, eos_token_ids, seed, logprobs):
             out += chunk
         return GenerationResult(out, self.last_stats, self.last_stop_reason)
 
     def stream(
-        self, prompt_ids: Sequence[int], max_new_tokens: int = 64, eos_token_ids: Sequence[int] = (), seed: int = 0
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int = 64,
+        eos_token_ids: Sequence[int] = (),
+        seed: int = 0,
+        logprobs: int | None = None,
     ) -> Iterator[list[int]]:
-        """Yields the tokens committed by each step; stats in `self.last_stats` at the end."""
+        """Yields the tokens committed by each step; stats in `self.last_stats` at the end;
+        logprobs (k >= 0): each token's log-prob and the k most likely there in `self.last_logprobs`."""
         with host_threads(self.target):
-            self.start(prompt_ids, max_new_tokens, eos_token_ids, seed)
+            self.start(prompt_ids, max_new_tokens, eos_token_ids, seed, logprobs)
             try:
                 while True:
                     new = self.step()
@@ -164,7 +175,12 @@ class SpeculativeDecoder:
                 self._finish()
 
     def start(
-        self, prompt_ids: Sequence[int], max_new_tokens: int = 64, eos_token_ids: Sequence[int] = (), seed: int = 0
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int = 64,
+        eos_token_ids: Sequence[int] = (),
+        seed: int = 0,
+        logprobs: int | None = None,
     ) -> None:
         """Begin a sequence: check the prompt, prefill all of it but its last token (the first
         root) into the target's cache, reset the draft. Then call `step()` until it returns []."""
@@ -174,6 +190,8 @@ class SpeculativeDecoder:
         self.last_stats, self.last_stop_reason = st, "length"
         rng = seeded_rng(seed)
         seq = self._seq = _Sequence(prompt[-1], max_new_tokens, {int(e) for e in eos_token_ids}, rng, st)
+        seq.logprobs = check_logprobs(logprobs)
+        self.last_logprobs = seq.token_logprobs
         seq.timer = Timer(st, self._timer_sync)
         seq.model_s0 = draft.model_s if draft is not None else 0.0
         extra = (policy.max_nodes if policy else 0) + 2
@@ -213,6 +231,8 @@ class SpeculativeDecoder:
             self._vbuf.release()
             room = seq.max_new_tokens - seq.produced
             new, path, stop = settle(logits[0], tree, self.sampling, seq.rng, seq.eos, room, seq.stats, tgt.info.name)
+            if seq.logprobs is not None:  # the rows that predicted the new tokens: the root's, then the path's
+                seq.token_logprobs += token_logprobs(logits[0, [0] + [i + 1 for i in path.tolist()]], new, seq.logprobs)
             # the caches keep every committed token but the last (the next root)
             cache.commit([0] + [i + 1 for i in path.tolist()], tree.n + 1)
             if speculate:
@@ -273,6 +293,8 @@ class _Sequence:
     timer: Timer | None = None
     model_s0: float = 0.0
     t_start: float = field(default_factory=time.perf_counter)
+    logprobs: int | None = None  # top log-probs asked for (None: none)
+    token_logprobs: list = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------- the steps both decoders share
@@ -286,6 +308,32 @@ def seeded_rng(seed) -> torch.Generator:
     if not -(2**63) <= s < 2**64:
         raise InputError(f"seed must lie in [-2**63, 2**64), got {s}")
     return torch.Generator().manual_seed(s)
+
+
+MAX_LOGPROBS = 20  # alternatives a token's log-probs may list (OpenAI's top_logprobs limit)
+
+
+def check_logprobs(k) -> int | None:
+    """None (no log-probs) or the number of alternatives, 0..MAX_LOGPROBS; one InputError line else."""
+    if k is None:
+        return None
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS:
+        raise InputError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+    return k
+
+
+def token_logprobs(rows: torch.Tensor, tokens: list[int], k: int) -> list[tuple]:
+    """Step 4's by-product for a caller that asked for log-probs: each new token's log-prob under
+    the target's distribution at the row that predicted it (`rows` [n, V]: the verify call's raw
+    logits, no temperature or top-k/p, as OpenAI and vLLM report) and the k most likely tokens
+    there -> [(token, logprob, [(token, logprob), ...]), ...]."""
+    lp = torch.log_softmax(rows.float(), -1).cpu()
+    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
+    top = lp.topk(k, -1) if k else None
+    return [
+        (t, chosen[j], list(zip(top.indices[j].tolist(), top.values[j].tolist())) if k else [])
+        for j, t in enumerate(tokens)
+    ]
 
 
 def check_prompt(info, prompt_ids, max_new_tokens) -> list[int]:

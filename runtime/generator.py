@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from .decode import MODES, SpeculativeDecoder
+from .decode import MODES, SpeculativeDecoder, check_logprobs
 from .errors import EmptyCompletionWarning, InputError, MissingFileError
 from .sampling import SamplingParams
 from .stats import GenerationStats
@@ -51,6 +51,8 @@ class Completion:
     prompt_tokens: int
     stop_reason: str  # "eos", "length", "context" or "stop" (a stop string)
     stats: GenerationStats = field(repr=False, default_factory=GenerationStats)
+    # with generate(logprobs=k): per token (id, log-prob, [(id, log-prob)] of the k most likely)
+    logprobs: list | None = field(repr=False, default=None)
 
 
 class Generator:
@@ -227,12 +229,15 @@ class Generator:
         seed: int = 0,
         chat: bool = False,
         stop=None,
+        logprobs: int | None = None,
     ) -> Completion:
         """One completion of a text or token-id prompt. chat=True: a text prompt is one user
         message through the model's chat template (what an instruct model expects; without it
         such a model often answers '' at once, and an EmptyCompletionWarning says so).
         stop: a string or a list of strings: the text ends before the first of them
-        (stop_reason "stop"; `tokens` then end with the one that completed it)."""
+        (stop_reason "stop"; `tokens` then end with the one that completed it). logprobs=k (0..20):
+        `Completion.logprobs`, each token's log-prob under the target (the verify call's row that
+        predicted it, before temperature and top-k/p) and the k most likely tokens there."""
         if chat:
             if not isinstance(prompt, str):
                 raise InputError("chat=True takes a text prompt (for messages use chat())")
@@ -244,20 +249,23 @@ class Generator:
                 top_p=top_p,
                 seed=seed,
                 stop=stop,
+                logprobs=logprobs,
             )
         ids = self._ids(prompt)
+        logprobs = check_logprobs(logprobs)
         sp = SamplingParams(temperature, top_k, top_p)
         stops = self._stops(stop)
         out: list[int] = []
         if stops:
-            text = "".join(self._text_until_stop(ids, max_new_tokens, sp, seed, stops, out))
+            text = "".join(self._text_until_stop(ids, max_new_tokens, sp, seed, stops, out, logprobs))
         else:
-            for chunk in self._token_stream(ids, max_new_tokens, sp, seed):
+            for chunk in self._token_stream(ids, max_new_tokens, sp, seed, logprobs):
                 out += chunk
             text = self._text(out)
         if isinstance(prompt, str):
             warn_if_empty_answer(self.tokenizer, len(out), self.last_stop_reason, "generate(prompt, chat=True)")
-        return Completion(text, out, len(ids), self.last_stop_reason, self.last_stats)
+        lps = None if logprobs is None else list(getattr(self._last, "logprobs", []))[: len(out)]
+        return Completion(text, out, len(ids), self.last_stop_reason, self.last_stats, lps)
 
     def _stops(self, stop, ids: bool = False) -> list[str]:
         stops = parse_stop(stop)
@@ -265,36 +273,40 @@ class Generator:
             raise InputError("stop strings need text output (a tokenizer, and ids=False)")
         return stops
 
-    def _text_until_stop(self, ids: list[int], max_new_tokens: int, sp: SamplingParams, seed: int, stops, tokens):
+    def _text_until_stop(
+        self, ids: list[int], max_new_tokens: int, sp: SamplingParams, seed: int, stops, tokens, logprobs=None
+    ):
         """Text pieces of one generation that ends at the first stop string (left out of the
         text; stop_reason "stop"); `tokens` collects the ids read, up to the one that completed it."""
         match = StopStrings(stops)
-        chunks = self._token_stream(ids, max_new_tokens, sp, seed)
+        chunks = self._token_stream(ids, max_new_tokens, sp, seed, logprobs)
         yield from decode_until_stop(chunks, self.tokenizer.stream_decoder(skip_special_tokens=True), match, tokens)
         if match.hit:
             self._last.stop_reason = "stop"
 
-    def _token_stream(self, ids: list[int], max_new_tokens: int, sp: SamplingParams, seed: int):
+    def _token_stream(self, ids: list[int], max_new_tokens: int, sp: SamplingParams, seed: int, logprobs=None):
         """Token-id chunks of one generation, batched or under the lock; sets this thread's
         last_stats / last_stop_reason when it ends."""
         if self._batch is not None:
             self._check_open()
-            s = self._batch.submit(ids, max_new_tokens, self.eos_token_ids, sp, seed)
+            s = self._batch.submit(ids, max_new_tokens, self.eos_token_ids, sp, seed, logprobs)
             try:
                 yield from s
             finally:
                 s.cancel()  # a caller that stops early frees its row
                 # its stats so far (live until the scheduler drops the row)
                 self._last.stats, self._last.stop_reason = s.stats, s.stop_reason
+                self._last.logprobs = s.logprobs
             return
         with self._lock:
             self._check_open()
             dec = self._decoder(sp)
             self._busy = 1
             try:
-                yield from dec.stream(ids, max_new_tokens, self.eos_token_ids, seed)
+                yield from dec.stream(ids, max_new_tokens, self.eos_token_ids, seed, logprobs)
             finally:
                 self._busy = 0
+                self._last.logprobs = getattr(dec, "last_logprobs", [])
                 self._last.stats = getattr(dec, "last_stats", None)
                 self._last.stop_reason = getattr(dec, "last_stop_reason", None)
 

@@ -163,7 +163,10 @@ def test_stream_concatenates_to_the_full_text(server):
         ({"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
         ({"prompt": "hi", "frequency_penalty": 1}, 400, "frequency_penalty"),
         ({"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
-        ({"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+        ({"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
+        ({"prompt": "hi", "logprobs": "x"}, 400, "logprobs"),
+        ({"prompt": "hi", "logprobs": 1, "stream": True}, 400, "logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
         ({"prompt": "hi", "echo": True}, 400, "echo"),
         ({"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
     ],
@@ -273,6 +276,29 @@ def test_a_list_of_prompts_gets_n_choices_each(server):
         assert r["usage"]["prompt_tokens"] == sum(x["usage"]["prompt_tokens"] for x in single)
         ids = c.post("/v1/completions", json={**req, "prompt": [[5, 6, 7], [8]]}).json()
         assert len(ids["choices"]) == 2 and ids["usage"]["prompt_tokens"] == 4
+
+
+def test_logprobs_are_the_generators_in_openais_shapes(server, export_dir):
+    base, _ = server
+    with Generator.from_export(export_dir, tree="full:2,2") as g:
+        want = g.generate("hello hello", 6, logprobs=2)
+        word = [g.tokenizer.decode([t]) for t in want.tokens]
+    req = {"prompt": "hello hello", "max_tokens": 6, "temperature": 0}
+    with client(base) as c:
+        r = c.post("/v1/completions", json={**req, "logprobs": 2}).json()["choices"][0]
+        lp = r["logprobs"]
+        assert lp["tokens"] == word and "".join(word) == r["text"]
+        assert lp["token_logprobs"] == pytest.approx([x for _, x, _ in want.logprobs], abs=1e-5)
+        assert [len(t) for t in lp["top_logprobs"]] == [2] * 6
+        assert lp["text_offset"] == [sum(len(w) for w in word[:i]) for i in range(6)]
+        assert c.post("/v1/completions", json=req).json()["choices"][0]["logprobs"] is None
+        chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0}
+        r = c.post("/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 3}).json()
+        content = r["choices"][0]["logprobs"]["content"]
+        assert len(content) == 4 and all(len(e["top_logprobs"]) == 3 for e in content)
+        assert "".join(e["token"] for e in content) == r["choices"][0]["message"]["content"]
+        assert all(e["logprob"] <= 0 and e["bytes"] == list(e["token"].encode()) for e in content)
+        assert "logprobs" not in c.post("/v1/chat/completions", json=chat).json()["choices"][0]
 
 
 def test_no_seed_draws_another_sample_each_time(server):

@@ -38,8 +38,6 @@ UNSUPPORTED = {
     "repetition_penalty": (None, 1),
     "min_p": (None, 0),
     "logit_bias": (None, {}),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -77,6 +75,26 @@ def completion_prompts(prompt) -> list | None:
     if isinstance(prompt, list) and prompt and all(one(p) and not isinstance(p, int) for p in prompt):
         return list(prompt)
     return None
+
+
+def chat_logprob(word: str, lp: float, top: list) -> dict:
+    """One token of a chat choice's `logprobs.content` (OpenAI's shape)."""
+    entry = {"token": word, "logprob": lp, "bytes": list(word.encode())}
+    return entry | {"top_logprobs": [{"token": w, "logprob": v, "bytes": list(w.encode())} for w, v in top]}
+
+
+def text_logprobs(run: dict) -> dict | None:
+    """A completions choice's `logprobs` (OpenAI's legacy shape), or None when not asked for."""
+    if run["logprobs"] is None:
+        return None
+    words = [w for w, _, _ in run["logprobs"]]
+    offsets = [sum(len(w) for w in words[:i]) for i in range(len(words))]
+    return {
+        "tokens": words,
+        "token_logprobs": [lp for _, lp, _ in run["logprobs"]],
+        "top_logprobs": [dict(top) for _, _, top in run["logprobs"]],
+        "text_offset": offsets,
+    }
 
 
 def served_model_name(manifest_data: dict, export_dir) -> str:
@@ -329,6 +347,17 @@ def create_app(
             return error(400, one_line(e), param="stop")
         if len(out["stop"]) > MAX_STOP:
             return error(400, f"at most {MAX_STOP} stop strings, got {len(out['stop'])}", param="stop")
+        lp = body.get("logprobs")  # completions: the number of alternatives; chat: a flag + top_logprobs
+        top = body.get("top_logprobs")
+        if lp is not None and (not isinstance(lp, (bool, int)) or (not isinstance(lp, bool) and not 0 <= lp <= 5)):
+            return error(
+                400, "logprobs must be a boolean (chat) or an integer in [0, 5] (completions)", param="logprobs"
+            )
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
+            return error(400, "top_logprobs must be an integer in [0, 20]", param="top_logprobs")
+        out["logprobs"] = None if lp in (None, False) else (int(top or 0) if lp is True else int(lp))
+        if out["logprobs"] is not None and body.get("stream"):
+            return error(400, "logprobs with stream is not supported by this server", param="logprobs")
         for key, default in UNSUPPORTED.items():  # never a silently different answer
             if key in body and body[key] not in default:
                 return error(400, f"{key} is not supported by this server", param=key)
@@ -352,6 +381,18 @@ def create_app(
                     f"the prompt ({len(ids)} tokens) plus max_tokens ({params['max_new_tokens']}) "
                     f"is beyond the model's context of {max_context}"
                 )
+            if params.get("logprobs") is not None:  # one call: the tokens and their log-probs together
+                c = g.generate(
+                    ids,
+                    params["max_new_tokens"],
+                    temperature=params["temperature"],
+                    top_k=params["top_k"],
+                    top_p=params["top_p"],
+                    seed=params["seed"],
+                    stop=params["stop"],
+                    logprobs=params["logprobs"],
+                )
+                return _result(g, c.text, len(ids), c.stop_reason, params, logprobs=c.logprobs)
             text = []
             it = g.stream(
                 ids,
@@ -371,24 +412,35 @@ def create_app(
                         break
             finally:
                 it.close()  # a disconnect frees the generator here
-            st = g.last_stats
-            totals["tokens"] += st.new_tokens
-            totals["steps"] += st.steps
-            m_tokens.inc(st.new_tokens)
-            m_steps.inc(st.steps)
-            m_decode_s.inc(st.decode_s)
-            g_tps.set(st.tokens_per_s)
-            reason = "stop" if getattr(g, "last_stop_reason", "") in ("eos", "stop") else "length"
-            return {
-                "text": "".join(text),
-                "prompt_tokens": len(ids),
-                "completion_tokens": st.new_tokens,
-                "finish_reason": reason,
-                "mean_accepted": st.mean_accepted,
-                "seed": params["seed"],
-            }
+            return _result(g, "".join(text), len(ids), getattr(g, "last_stop_reason", ""), params)
         finally:
             pool.release(g)
+
+    def _result(g, text: str, n_prompt: int, stop_reason, params: dict, logprobs=None) -> dict:
+        """One generation's record (its stats counted in the metrics); logprobs: the Completion's,
+        each token as its text."""
+        st = g.last_stats
+        totals["tokens"] += st.new_tokens
+        totals["steps"] += st.steps
+        m_tokens.inc(st.new_tokens)
+        m_steps.inc(st.steps)
+        m_decode_s.inc(st.decode_s)
+        g_tps.set(st.tokens_per_s)
+
+        def word(t: int) -> str:
+            return g.tokenizer.decode([t]) if g.tokenizer is not None else str(t)
+
+        return {
+            "text": text,
+            "prompt_tokens": n_prompt,
+            "completion_tokens": st.new_tokens,
+            "finish_reason": "stop" if stop_reason in ("eos", "stop") else "length",
+            "mean_accepted": st.mean_accepted,
+            "seed": params["seed"],
+            "logprobs": None
+            if logprobs is None
+            else [(word(t), lp, [(word(a), alp) for a, alp in top]) for t, lp, top in logprobs],
+        }
 
     def _usage(runs: list[dict], n: int) -> dict:
         """One request's usage: each prompt once (runs k*n .. k*n+n-1 share prompt k), the tokens of
@@ -407,10 +459,13 @@ def create_app(
                 }
                 for i, r in enumerate(runs)
             ]
+            for c, r in zip(choices, runs):
+                if r["logprobs"] is not None:
+                    c["logprobs"] = {"content": [chat_logprob(w, lp, top) for w, lp, top in r["logprobs"]]}
             obj = "chat.completion"
         else:
             choices = [
-                {"index": i, "text": r["text"], "finish_reason": r["finish_reason"], "logprobs": None}
+                {"index": i, "text": r["text"], "finish_reason": r["finish_reason"], "logprobs": text_logprobs(r)}
                 for i, r in enumerate(runs)
             ]
             obj = "text_completion"

@@ -1,0 +1,63 @@
+"""Log-probs of the generated tokens (`generate(logprobs=k)`, the server's `logprobs`): each
+token's log-prob and its k most likely alternatives, taken from the verify call's row that
+predicted it, checked against an independent reference (one causal forward over prompt + output,
+log-softmax at every position), for vanilla, chain and tree decoding, alone and batched, greedy
+and sampled (raw log-probs: before temperature and top-p)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_model, tiny_config, truncated
+
+from arborspec.runtime.backends.torch_backend import TorchEngine
+from arborspec.runtime.errors import InputError
+from arborspec.runtime.generator import Generator
+from arborspec.runtime.kvcache import KVCache
+
+
+@pytest.fixture(scope="module")
+def pair():
+    m = random_model(tiny_config("llama"), seed=4, scale=1.0)
+    return TorchEngine(m), TorchEngine(truncated(m, 1))
+
+
+def reference(engine, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """log-softmax of the target at the positions that predict `tokens` [n, V], one causal call."""
+    seq = prompt + tokens
+    n = len(seq)
+    cache = KVCache(engine.info.cache, n, 1)
+    logits = engine.forward(
+        torch.tensor([seq]), torch.arange(n)[None], torch.ones(n, n, dtype=torch.bool).tril()[None], cache
+    )
+    return torch.log_softmax(logits[0, len(prompt) - 1 : n - 1].double(), -1)
+
+
+@pytest.mark.parametrize("mode,tree,batch", [("vanilla", None, 1), ("tree", "full:2,2", 1), ("chain", "chain:3", 2)])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_logprobs_equal_one_causal_forward(pair, mode, tree, batch, temperature):
+    target, draft = pair
+    g = Generator(target, None if mode == "vanilla" else draft, mode=mode, tree=tree or "full:3,2", max_batch=batch)
+    prompt = [5, 17, 3, 42, 8]
+    c = g.generate(prompt, 20, temperature=temperature, top_p=0.9, seed=3, logprobs=3)
+    g.close()
+    assert len(c.logprobs) == len(c.tokens) == 20
+    ref = reference(target, prompt, c.tokens)
+    for j, (tok, lp, top) in enumerate(c.logprobs):
+        assert tok == c.tokens[j]
+        assert lp == pytest.approx(float(ref[j, tok]), abs=1e-4)
+        want = torch.topk(ref[j], 3)
+        assert [t for t, _ in top] == want.indices.tolist()
+        assert [v for _, v in top] == pytest.approx(want.values.tolist(), abs=1e-4)
+    if mode != "vanilla":
+        assert c.stats.steps < 20  # several tokens a verify call: the rows of accepted nodes were read
+
+
+def test_logprobs_off_by_default_and_checked(pair):
+    target, draft = pair
+    g = Generator(target, draft, tree="full:2,2")
+    assert g.generate([1, 2, 3], 4).logprobs is None
+    assert [top for _, _, top in g.generate([1, 2, 3], 4, logprobs=0).logprobs] == [[]] * 4
+    for bad in (-1, 21, 2.0, True, "3"):
+        with pytest.raises(InputError, match="logprobs"):
+            g.generate([1, 2, 3], 4, logprobs=bad)
