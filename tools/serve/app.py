@@ -381,28 +381,12 @@ def create_app(
                     f"the prompt ({len(ids)} tokens) plus max_tokens ({params['max_new_tokens']}) "
                     f"is beyond the model's context of {max_context}"
                 )
+            kw = {k: params[k] for k in ("temperature", "top_k", "top_p", "seed", "stop")}
             if params.get("logprobs") is not None:  # one call: the tokens and their log-probs together
-                c = g.generate(
-                    ids,
-                    params["max_new_tokens"],
-                    temperature=params["temperature"],
-                    top_k=params["top_k"],
-                    top_p=params["top_p"],
-                    seed=params["seed"],
-                    stop=params["stop"],
-                    logprobs=params["logprobs"],
-                )
+                c = g.generate(ids, params["max_new_tokens"], logprobs=params["logprobs"], **kw)
                 return _result(g, c.text, len(ids), c.stop_reason, params, logprobs=c.logprobs)
             text = []
-            it = g.stream(
-                ids,
-                params["max_new_tokens"],
-                temperature=params["temperature"],
-                top_k=params["top_k"],
-                top_p=params["top_p"],
-                seed=params["seed"],
-                stop=params["stop"],
-            )
+            it = g.stream(ids, params["max_new_tokens"], **kw)
             try:
                 for chunk in it:
                     text.append(chunk)
