@@ -37,6 +37,7 @@ from .decode import (
     seeded_rng,
     settle,
     token_logprobs,
+    tree_fits,
     verify,
 )
 from .drafts.base import tree_capacity
@@ -235,15 +236,15 @@ class BatchDecoder:
             return []
         tgt, policy = self.target, self.policy
         t0 = time.perf_counter()
-        # a tree's rows sit at columns [length, length + nodes + 1) (see decode.step): a sequence
-        # that close to the end of the context decodes without one from then on; and the call's
-        # columns run to the longest row's length + the rows, so while that would pass the
-        # context only the roots are verified (the drafts defer, as above the speculation limit)
-        rows = policy.max_nodes + 1 if policy is not None else 1
-        speculated = [policy is not None and s.length + rows <= tgt.info.max_position for s in seqs]
+        # a sequence too close to the end of the context for a tree (decode.tree_fits) decodes
+        # without one from then on; and the call's columns run to the longest row's length + the
+        # rows, so while no tree fits there only the roots are verified (the drafts defer, as above
+        # the speculation limit)
+        mp = tgt.info.max_position
+        speculated = [tree_fits(policy, s.length, mp) for s in seqs]
         roots_only = (
             len(seqs) > self.speculate_max_batch  # no drafting: drafts defer (see __init__)
-            or max(s.length for s in seqs) + rows > tgt.info.max_position
+            or not tree_fits(policy, max(s.length for s in seqs), mp)
         )
         trees = drafted = [Tree.empty()] * len(seqs) if roots_only else self._draft_trees(seqs, speculated)
         t_draft = time.perf_counter() - t0

@@ -218,9 +218,7 @@ class SpeculativeDecoder:
         if past >= tgt.info.max_position:
             seq.done, self.last_stop_reason = True, "context"
             return []
-        # a verify call's rows sit at columns [past, past + nodes + 1): GroupQueryAttention's rotary
-        # cache ends at max_position, so the last few tokens of the context decode without a tree
-        speculate = policy is not None and past + policy.max_nodes + 1 <= tgt.info.max_position
+        speculate = tree_fits(policy, past, tgt.info.max_position)  # the context's last tokens: none
         with timer("draft_s"):
             tree = self._draft(seq) if speculate else Tree.empty()
         # flattening lands in other_s (the runtime's own time), the call in verify_s
@@ -231,10 +229,11 @@ class SpeculativeDecoder:
             self._vbuf.release()
             room = seq.max_new_tokens - seq.produced
             new, path, stop = settle(logits[0], tree, self.sampling, seq.rng, seq.eos, room, seq.stats, tgt.info.name)
-            if seq.logprobs is not None:  # the rows that predicted the new tokens: the root's, then the path's
-                seq.token_logprobs += token_logprobs(logits[0, [0] + [i + 1 for i in path.tolist()]], new, seq.logprobs)
+            keep = [0] + [i + 1 for i in path.tolist()]  # the rows that predicted the new tokens
+            if seq.logprobs is not None:
+                seq.token_logprobs += token_logprobs(logits[0, keep], new, seq.logprobs)
             # the caches keep every committed token but the last (the next root)
-            cache.commit([0] + [i + 1 for i in path.tolist()], tree.n + 1)
+            cache.commit(keep, tree.n + 1)
             if speculate:
                 self.draft.commit(tree, path, feats[0] if feats is not None else None)
         seq.produced += len(new)
@@ -298,6 +297,13 @@ class _Sequence:
 
 
 # ---------------------------------------------------------------------- the steps both decoders share
+def tree_fits(policy, length: int, max_position: int) -> bool:
+    """Whether a tree of `policy` may be verified after `length` committed tokens: its rows sit at
+    columns [length, length + nodes + 1), and GroupQueryAttention's rotary cache ends at
+    max_position (ONNX Runtime refuses a call past it, although the tree's positions stay below)."""
+    return policy is not None and length + policy.max_nodes + 1 <= max_position
+
+
 def seeded_rng(seed) -> torch.Generator:
     """A request's random generator (its sampled draws and accept coins), seeded with `seed`: an
     integer in torch's range [-2**63, 2**64); one InputError line for anything else."""

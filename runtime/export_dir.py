@@ -64,7 +64,7 @@ class OpenedExport:
         a branching tree costs padded bands or one call per path (int4 SmolLM2 + its EAGLE-3 head,
         one prompt, 2 cores: full:3,2 19.6 tok/s against vanilla's 92.1; chain:2 1.21-1.36x vanilla in two bench runs)."""
         tree = (self.manifest.tree_defaults or {}).get("tree")
-        if tree and getattr(self.target.caps, "row_invariant", False) and not tree.startswith("chain:"):
+        if tree and self.target.caps.row_invariant and not tree.startswith("chain:"):
             return LAID_OUT_TREE
         return tree
 

@@ -120,15 +120,16 @@ def resolve_tree_arg(models, args, mode: str):
     returned unchanged."""
     from arborspec.tools.tune.tuner import auto_tree_path, resolve_tree
 
-    if args.tree is None and mode == "tree" and auto_tree_path(models_key(args)).is_file():
-        return resolve_tree("auto", models_key(args), args.temperature)  # `tune` chose one: the default
+    key = models_key(args)
+    if args.tree is None and mode == "tree" and auto_tree_path(key).is_file():
+        return resolve_tree("auto", key, args.temperature)  # `tune` chose one: the default
     if args.tree is None or args.tree.strip().lower() != "auto":
         return args.tree
     if mode == "vanilla":
         return None
     if mode != "tree":
         raise InputError("--tree auto picks a static tree: use it with --mode tree")
-    return resolve_tree(args.tree, models_key(args), args.temperature)
+    return resolve_tree(args.tree, key, args.temperature)
 
 
 def make_decoder(models, args, mode: str | None = None):

@@ -20,6 +20,7 @@ import secrets
 import threading
 import time
 import uuid
+from itertools import accumulate
 from typing import Any, Callable
 
 from fastapi import Request  # module level: FastAPI resolves the (string) annotations here
@@ -88,7 +89,7 @@ def text_logprobs(run: dict) -> dict | None:
     if run["logprobs"] is None:
         return None
     words = [w for w, _, _ in run["logprobs"]]
-    offsets = [sum(len(w) for w in words[:i]) for i in range(len(words))]
+    offsets = list(accumulate(map(len, words), initial=0))[: len(words)]  # where each token's text begins
     return {
         "tokens": words,
         "token_logprobs": [lp for _, lp, _ in run["logprobs"]],
