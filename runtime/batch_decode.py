@@ -34,6 +34,7 @@ from .decode import (
     check_logprobs,
     check_prompt,
     host_threads,
+    prompt_scorer,
     seeded_rng,
     settle,
     token_logprobs,
@@ -75,6 +76,7 @@ class BatchSequence:
     error: BaseException | None = None  # set when its row's logits were not finite
     logprobs: int | None = None  # top log-probs asked for (None: none)
     token_logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None  # with prompt_logprobs=k: the prompt's (decode.prompt_scorer)
 
 
 class BatchDecoder:
@@ -160,10 +162,11 @@ class BatchDecoder:
         sampling: SamplingParams | None = None,
         seed: int = 0,
         logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> BatchSequence:
         """Prefill a new sequence into a free row (between steps). Raises InputError when the
-        batch is full or the request is invalid. logprobs: as SpeculativeDecoder.stream's
-        (`token_logprobs` of the returned sequence)."""
+        batch is full or the request is invalid. logprobs, prompt_logprobs: as
+        SpeculativeDecoder.stream's (`token_logprobs`, `prompt_logprobs` of the returned sequence)."""
         if len(self.seqs) >= self.max_batch:
             raise InputError(f"batch full ({self.max_batch} sequences)")
         prompt = check_prompt(self.target.info, prompt_ids, max_new_tokens)
@@ -171,6 +174,7 @@ class BatchDecoder:
         tgt = self.target
         seq = BatchSequence(prompt, max_new_tokens, {int(e) for e in eos_token_ids}, sp, seeded_rng(seed))
         seq.logprobs = check_logprobs(logprobs)
+        on_logits, seq.prompt_logprobs = prompt_scorer(prompt, check_logprobs(prompt_logprobs))
         seq.t_start = time.perf_counter()
         st = seq.stats = GenerationStats(
             mode=self.mode, tree=self.policy.spec if self.policy else "", prompt_tokens=len(prompt)
@@ -180,7 +184,7 @@ class BatchDecoder:
         if scratch is None or scratch.max_len < cap:
             scratch = self._scratch = KVCache(tgt.info.cache, cap, 1, tgt.device)
         scratch.reset()
-        feats, calls = self._solo.prefill(prompt[:-1], scratch)
+        feats, calls = self._solo.prefill(prompt[:-1], scratch, on_logits)
         st.target_calls += calls
         if self.policy is not None:
             if self._spare_drafts:

@@ -28,6 +28,7 @@ class BatchStream:
         self.request = request
         self.stats = GenerationStats()
         self.logprobs: list = []
+        self.prompt_logprobs: list | None = None
         self.stop_reason = "length"
         self.cancelled = threading.Event()
         self._q: queue.Queue = queue.Queue()
@@ -90,10 +91,13 @@ class BatchScheduler:
         sampling: SamplingParams | None = None,
         seed: int = 0,
         logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> BatchStream:
         """Queue a request; its stream yields token chunks as the batch decodes it (and, with
-        logprobs, fills `stream.logprobs` as BatchDecoder.add says)."""
-        stream = BatchStream((list(prompt_ids), max_new_tokens, list(eos_token_ids), sampling, seed, logprobs))
+        logprobs / prompt_logprobs, fills `stream.logprobs` / `stream.prompt_logprobs` as
+        BatchDecoder.add says)."""
+        request = (list(prompt_ids), max_new_tokens, list(eos_token_ids), sampling, seed, logprobs, prompt_logprobs)
+        stream = BatchStream(request)
         with self._cv:
             if self._closed:
                 raise InputError("this generator is closed")
@@ -120,7 +124,7 @@ class BatchScheduler:
                     seq = dec.add(*stream.request)
                     self._owner[id(seq)] = stream
                     stream.stats = seq.stats  # live: a caller that stops early still sees its stats
-                    stream.logprobs = seq.token_logprobs
+                    stream.logprobs, stream.prompt_logprobs = seq.token_logprobs, seq.prompt_logprobs
                 except ArborspecError as e:
                     stream._end(None, e)
                 except Exception as e:  # a bug: its caller sees it, the other sequences go on

@@ -147,9 +147,10 @@ class SpeculativeDecoder:
         eos_token_ids: Sequence[int] = (),
         seed: int = 0,
         logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> GenerationResult:
         out: list[int] = []
-        for chunk in self.stream(prompt_ids, max_new_tokens, eos_token_ids, seed, logprobs):
+        for chunk in self.stream(prompt_ids, max_new_tokens, eos_token_ids, seed, logprobs, prompt_logprobs):
             out += chunk
         return GenerationResult(out, self.last_stats, self.last_stop_reason)
 
@@ -160,11 +161,13 @@ class SpeculativeDecoder:
         eos_token_ids: Sequence[int] = (),
         seed: int = 0,
         logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> Iterator[list[int]]:
         """Yields the tokens committed by each step; stats in `self.last_stats` at the end;
-        logprobs (k >= 0): each token's log-prob and the k most likely there in `self.last_logprobs`."""
+        logprobs (k >= 0): each token's log-prob and the k most likely there in `self.last_logprobs`;
+        prompt_logprobs (k >= 0): the prompt's, from the prefill, in `self.last_prompt_logprobs`."""
         with host_threads(self.target):
-            self.start(prompt_ids, max_new_tokens, eos_token_ids, seed, logprobs)
+            self.start(prompt_ids, max_new_tokens, eos_token_ids, seed, logprobs, prompt_logprobs)
             try:
                 while True:
                     new = self.step()
@@ -181,10 +184,12 @@ class SpeculativeDecoder:
         eos_token_ids: Sequence[int] = (),
         seed: int = 0,
         logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> None:
         """Begin a sequence: check the prompt, prefill all of it but its last token (the first
         root) into the target's cache, reset the draft. Then call `step()` until it returns []."""
         prompt = check_prompt(self.target.info, prompt_ids, max_new_tokens)
+        on_logits, self.last_prompt_logprobs = prompt_scorer(prompt, check_logprobs(prompt_logprobs))
         tgt, draft, policy = self.target, self.draft, self.policy
         st = GenerationStats(mode=self.mode, tree=policy.spec if policy else "", prompt_tokens=len(prompt))
         self.last_stats, self.last_stop_reason = st, "length"
@@ -201,7 +206,7 @@ class SpeculativeDecoder:
             if cache is None or not cache.fits(tgt.info.cache, cap, 1, tgt.device):
                 cache = self._cache = KVCache(tgt.info.cache, cap, 1, tgt.device)
             cache.reset()
-            feats, calls = self.prefill(prompt[:-1], cache)
+            feats, calls = self.prefill(prompt[:-1], cache, on_logits)
             st.target_calls += calls
             if policy is not None:
                 draft.prepare(policy, min(len(prompt) + max_new_tokens, tgt.info.max_position))
@@ -243,14 +248,17 @@ class SpeculativeDecoder:
         seq.root = new[-1]
         return new
 
-    def prefill(self, tokens: list[int], cache: KVCache):
+    def prefill(self, tokens: list[int], cache: KVCache, on_logits=None):
         """Run `tokens` (a prompt but its last token) as causal calls of at most `prefill_chunk`
         tokens (a 4k-token prompt in one call builds a 4k x 4k attention; in chunks each call
         sees only its own rows). Returns (the target features of those tokens [n, F] when the
-        draft reads them, else None; the number of target calls)."""
+        draft reads them, else None; the number of target calls). on_logits: causal_prefill's
+        (prompt_scorer's, for the prompt's log-probs)."""
         if not tokens:
             return None, 0
-        return causal_prefill(self.target, tokens, cache, self.prefill_chunk, self.needs_features, self._vbuf.mask)
+        return causal_prefill(
+            self.target, tokens, cache, self.prefill_chunk, self.needs_features, self._vbuf.mask, on_logits
+        )
 
     prefill_chunk = 512  # tokens per prefill call (long prompts run as several causal chunks)
 
@@ -340,6 +348,20 @@ def token_logprobs(rows: torch.Tensor, tokens: list[int], k: int) -> list[tuple]
         (t, chosen[j], list(zip(top.indices[j].tolist(), top.values[j].tolist())) if k else [])
         for j, t in enumerate(tokens)
     ]
+
+
+def prompt_scorer(prompt: list[int], k: int | None):
+    """The prompt's log-probs as the prefill computes its rows (a caller that asked for
+    prompt_logprobs=k) -> (an on_logits callback for causal_prefill, or None; the list it fills:
+    [(first token, None, [])] as it has no row, then token_logprobs' entries for the others)."""
+    if k is None:
+        return None, None
+    out = [(prompt[0], None, [])]
+
+    def on_logits(s: int, rows: torch.Tensor) -> None:  # row j predicts prompt[s + j + 1]
+        out.extend(token_logprobs(rows, prompt[s + 1 : s + 1 + len(rows)], k))
+
+    return on_logits, out
 
 
 def check_prompt(info, prompt_ids, max_new_tokens) -> list[int]:

@@ -53,6 +53,8 @@ class Completion:
     stats: GenerationStats = field(repr=False, default_factory=GenerationStats)
     # with generate(logprobs=k): per token (id, log-prob, [(id, log-prob)] of the k most likely)
     logprobs: list | None = field(repr=False, default=None)
+    # with generate(prompt_logprobs=k): the prompt's, the same shape (the first token's log-prob None)
+    prompt_logprobs: list | None = field(repr=False, default=None)
 
 
 class Generator:
@@ -230,6 +232,7 @@ class Generator:
         chat: bool = False,
         stop=None,
         logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> Completion:
         """One completion of a text or token-id prompt. chat=True: a text prompt is one user
         message through the model's chat template (what an instruct model expects; without it
@@ -237,7 +240,9 @@ class Generator:
         stop: a string or a list of strings: the text ends before the first of them
         (stop_reason "stop"; `tokens` then end with the one that completed it). logprobs=k (0..20):
         `Completion.logprobs`, each token's log-prob under the target (the verify call's row that
-        predicted it, before temperature and top-k/p) and the k most likely tokens there."""
+        predicted it, before temperature and top-k/p) and the k most likely tokens there.
+        prompt_logprobs=k: `Completion.prompt_logprobs`, the same for each prompt token from the
+        prefill's rows (the first token has none: None and []); what scoring a text needs."""
         if chat:
             if not isinstance(prompt, str):
                 raise InputError("chat=True takes a text prompt (for messages use chat())")
@@ -250,22 +255,25 @@ class Generator:
                 seed=seed,
                 stop=stop,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
         ids = self._ids(prompt)
-        logprobs = check_logprobs(logprobs)
+        logprobs, prompt_logprobs = check_logprobs(logprobs), check_logprobs(prompt_logprobs)
+        self._last.prompt_logprobs = None
         sp = SamplingParams(temperature, top_k, top_p)
         stops = self._stops(stop)
         out: list[int] = []
         if stops:
-            text = "".join(self._text_until_stop(ids, max_new_tokens, sp, seed, stops, out, logprobs))
+            text = "".join(self._text_until_stop(ids, max_new_tokens, sp, seed, stops, out, logprobs, prompt_logprobs))
         else:
-            for chunk in self._token_stream(ids, max_new_tokens, sp, seed, logprobs):
+            for chunk in self._token_stream(ids, max_new_tokens, sp, seed, logprobs, prompt_logprobs):
                 out += chunk
             text = self._text(out)
         if isinstance(prompt, str):
             warn_if_empty_answer(self.tokenizer, len(out), self.last_stop_reason, "generate(prompt, chat=True)")
         lps = None if logprobs is None else list(getattr(self._last, "logprobs", []))[: len(out)]
-        return Completion(text, out, len(ids), self.last_stop_reason, self.last_stats, lps)
+        plps = None if prompt_logprobs is None else list(self._last.prompt_logprobs or [])
+        return Completion(text, out, len(ids), self.last_stop_reason, self.last_stats, lps, plps)
 
     def _stops(self, stop, ids: bool = False) -> list[str]:
         stops = parse_stop(stop)
@@ -274,39 +282,50 @@ class Generator:
         return stops
 
     def _text_until_stop(
-        self, ids: list[int], max_new_tokens: int, sp: SamplingParams, seed: int, stops, tokens, logprobs=None
+        self,
+        ids: list[int],
+        max_new_tokens: int,
+        sp: SamplingParams,
+        seed: int,
+        stops,
+        tokens,
+        logprobs=None,
+        prompt_logprobs=None,
     ):
         """Text pieces of one generation that ends at the first stop string (left out of the
         text; stop_reason "stop"); `tokens` collects the ids read, up to the one that completed it."""
         match = StopStrings(stops)
-        chunks = self._token_stream(ids, max_new_tokens, sp, seed, logprobs)
+        chunks = self._token_stream(ids, max_new_tokens, sp, seed, logprobs, prompt_logprobs)
         yield from decode_until_stop(chunks, self.tokenizer.stream_decoder(skip_special_tokens=True), match, tokens)
         if match.hit:
             self._last.stop_reason = "stop"
 
-    def _token_stream(self, ids: list[int], max_new_tokens: int, sp: SamplingParams, seed: int, logprobs=None):
+    def _token_stream(
+        self, ids: list[int], max_new_tokens: int, sp: SamplingParams, seed: int, logprobs=None, prompt_logprobs=None
+    ):
         """Token-id chunks of one generation, batched or under the lock; sets this thread's
-        last_stats / last_stop_reason when it ends."""
+        last_stats / last_stop_reason (and the log-probs asked for) when it ends."""
         if self._batch is not None:
             self._check_open()
-            s = self._batch.submit(ids, max_new_tokens, self.eos_token_ids, sp, seed, logprobs)
+            s = self._batch.submit(ids, max_new_tokens, self.eos_token_ids, sp, seed, logprobs, prompt_logprobs)
             try:
                 yield from s
             finally:
                 s.cancel()  # a caller that stops early frees its row
                 # its stats so far (live until the scheduler drops the row)
                 self._last.stats, self._last.stop_reason = s.stats, s.stop_reason
-                self._last.logprobs = s.logprobs
+                self._last.logprobs, self._last.prompt_logprobs = s.logprobs, s.prompt_logprobs
             return
         with self._lock:
             self._check_open()
             dec = self._decoder(sp)
             self._busy = 1
             try:
-                yield from dec.stream(ids, max_new_tokens, self.eos_token_ids, seed, logprobs)
+                yield from dec.stream(ids, max_new_tokens, self.eos_token_ids, seed, logprobs, prompt_logprobs)
             finally:
                 self._busy = 0
                 self._last.logprobs = getattr(dec, "last_logprobs", [])
+                self._last.prompt_logprobs = getattr(dec, "last_prompt_logprobs", None)
                 self._last.stats = getattr(dec, "last_stats", None)
                 self._last.stop_reason = getattr(dec, "last_stop_reason", None)
 

@@ -244,11 +244,18 @@ def padded_call(n_rows: int, t: int, p: int):
 
 
 def causal_prefill(
-    engine, tokens: list[int], cache: KVCache, chunk: int = 512, features: bool = False, masks: MaskBuffer | None = None
+    engine,
+    tokens: list[int],
+    cache: KVCache,
+    chunk: int = 512,
+    features: bool = False,
+    masks: MaskBuffer | None = None,
+    on_logits=None,
 ):
     """Append `tokens` to a one-row cache with causal calls of at most `chunk` tokens (run_chain:
     the one chunked prefill); -> (the engine's features of those tokens [n, F] when `features`,
-    else None; calls made). masks: a MaskBuffer on the engine's device to reuse."""
+    else None; calls made). masks: a MaskBuffer on the engine's device to reuse. on_logits(s,
+    rows): called after each call with its logits [r, V] (row j predicts the token after tokens[s + j])."""
     dev = engine.device
     n = len(tokens)
     chunk = max(1, int(chunk or n))
@@ -258,9 +265,12 @@ def causal_prefill(
         ids = torch.tensor([tokens[s : s + r]], dtype=torch.long, device=dev)
         pos = torch.arange(cache.length, cache.length + r, device=dev)[None]
         if features:
-            feats.append(engine.forward_features(ids, pos, mask, cache)[1][0])
+            logits, f = engine.forward_features(ids, pos, mask, cache)
+            feats.append(f[0])
         else:
-            engine.forward(ids, pos, mask, cache)
+            logits = engine.forward(ids, pos, mask, cache)
+        if on_logits is not None:
+            on_logits(s, logits[0])
 
     run_chain(call, masks or MaskBuffer(dev, 1 << 12), n, cache, chunk)
     return (torch.cat(feats) if feats else None), len(range(0, n, chunk))

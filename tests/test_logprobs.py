@@ -61,3 +61,42 @@ def test_logprobs_off_by_default_and_checked(pair):
     for bad in (-1, 21, 2.0, True, "3"):
         with pytest.raises(InputError, match="logprobs"):
             g.generate([1, 2, 3], 4, logprobs=bad)
+
+
+@pytest.mark.parametrize("batch,chunk", [(1, 512), (1, 3), (2, 4)])
+def test_prompt_logprobs_equal_one_causal_forward(pair, batch, chunk, monkeypatch):
+    """The prompt's log-probs come from the prefill's rows, chunk by chunk (a long prompt is
+    several causal calls): each equals the reference's; the first token has none."""
+    from arborspec.runtime.decode import SpeculativeDecoder
+
+    monkeypatch.setattr(SpeculativeDecoder, "prefill_chunk", chunk)
+    target, draft = pair
+    g = Generator(target, draft, tree="full:2,2", max_batch=batch)
+    prompt = [5, 17, 3, 42, 8, 11, 60, 2, 9, 31]
+    c = g.generate(prompt, 6, logprobs=1, prompt_logprobs=2)
+    plain = g.generate(prompt, 6)
+    g.close()
+    assert c.tokens == plain.tokens and plain.prompt_logprobs is None  # asking for them changes nothing else
+    assert c.prompt_logprobs[0] == (prompt[0], None, [])
+    ref = reference(target, prompt[:1], prompt[1:])  # the rows predicting prompt[1:]
+    assert [t for t, _, _ in c.prompt_logprobs] == prompt
+    for j, (tok, lp, top) in enumerate(c.prompt_logprobs[1:]):
+        assert lp == pytest.approx(float(ref[j, tok]), abs=1e-4)
+        want = torch.topk(ref[j], 2)
+        assert [t for t, _ in top] == want.indices.tolist()
+        assert [v for _, v in top] == pytest.approx(want.values.tolist(), abs=1e-4)
+    # the generated tokens' log-probs continue where the prompt's end (the same reference)
+    ref_out = reference(target, prompt, c.tokens)
+    assert [lp for _, lp, _ in c.logprobs] == pytest.approx(
+        [float(ref_out[j, t]) for j, t in enumerate(c.tokens)], abs=1e-4
+    )
+
+
+def test_prompt_logprobs_of_one_token_and_checked(pair):
+    target, draft = pair
+    g = Generator(target, draft, tree="full:2,2")
+    assert g.generate([7], 2, prompt_logprobs=3).prompt_logprobs == [(7, None, [])]
+    for bad in (-1, 21, "2"):
+        with pytest.raises(InputError, match="logprobs"):
+            g.generate([1, 2, 3], 4, prompt_logprobs=bad)
+    g.close()

@@ -167,7 +167,9 @@ def test_stream_concatenates_to_the_full_text(server):
         ({"prompt": "hi", "logprobs": "x"}, 400, "logprobs"),
         ({"prompt": "hi", "logprobs": 1, "stream": True}, 400, "logprobs"),
         ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
-        ({"prompt": "hi", "echo": True}, 400, "echo"),
+        ({"messages": [{"role": "user", "content": "hi"}], "echo": True}, 400, "echo"),
+        ({"prompt": "hi", "echo": 1}, 400, "echo"),
+        ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
         ({"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
     ],
 )
@@ -292,6 +294,8 @@ def test_logprobs_are_the_generators_in_openais_shapes(server, export_dir):
         assert [len(t) for t in lp["top_logprobs"]] == [2] * 6
         assert lp["text_offset"] == [sum(len(w) for w in word[:i]) for i in range(6)]
         assert c.post("/v1/completions", json=req).json()["choices"][0]["logprobs"] is None
+        zero = c.post("/v1/completions", json={**req, "logprobs": 0}).json()["choices"][0]["logprobs"]
+        assert zero["top_logprobs"] == [{}] * 6 and zero["token_logprobs"] == lp["token_logprobs"]  # 0 is not "off"
         chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0}
         r = c.post("/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 3}).json()
         content = r["choices"][0]["logprobs"]["content"]
@@ -299,6 +303,52 @@ def test_logprobs_are_the_generators_in_openais_shapes(server, export_dir):
         assert "".join(e["token"] for e in content) == r["choices"][0]["message"]["content"]
         assert all(e["logprob"] <= 0 and e["bytes"] == list(e["token"].encode()) for e in content)
         assert "logprobs" not in c.post("/v1/chat/completions", json=chat).json()["choices"][0]
+
+
+def test_echo_scores_a_continuation_as_lm_evaluation_harness_asks(server, export_dir):
+    """lm-evaluation-harness's loglikelihood requests (`local-completions`): token ids, echo,
+    logprobs 1, max_tokens 1, then sum(token_logprobs[ctxlen:-1]) and is_greedy from
+    top_logprobs. The prompt's log-probs (the prefill's rows) must equal the log-probs the same
+    tokens had when decoded (the verify calls' rows): a greedy continuation scores as greedy with
+    its generated log-probs, and a changed one is not greedy."""
+    base, _ = server
+    with Generator.from_export(export_dir, tree="full:2,2") as g:
+        ctx = g.encode_prompt("hello hello")
+        want = g.generate(ctx, 6, logprobs=1)
+    cont = want.tokens
+
+    def score(c, tokens):
+        body = {"prompt": [ctx + tokens], "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+        choice = c.post("/v1/completions", json=body).json()["choices"][0]
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(ctx) + len(tokens) + 1  # the prompt, then the one new token
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # the first token has no row
+        part = lp["token_logprobs"][len(ctx) : -1]
+        greedy = all(x == max(top.values()) for x, top in zip(part, lp["top_logprobs"][len(ctx) : -1]))
+        return part, greedy, choice
+
+    with client(base) as c:
+        part, greedy, choice = score(c, cont)
+        assert part == pytest.approx([x for _, x, _ in want.logprobs], abs=1e-4) and greedy
+        assert choice["text"].startswith("hello hello")  # echo: the prompt's text first
+        other = cont[:3] + [(cont[3] + 1) % 90] + cont[4:]
+        part2, greedy2, _ = score(c, other)
+        assert not greedy2 and part2[:3] == pytest.approx(part[:3], abs=1e-5) and part2[3] < part[3]
+        # max_tokens 0 with echo: the prompt alone, nothing decoded for the client
+        r = c.post("/v1/completions", json={"prompt": "hello hello", "echo": True, "max_tokens": 0, "logprobs": 0})
+        r = r.json()
+        ch = r["choices"][0]
+        assert ch["text"] == "hello hello" and r["usage"]["completion_tokens"] == 0
+        assert len(ch["logprobs"]["tokens"]) == len(ctx) and ch["logprobs"]["top_logprobs"][1] == {}
+        # streamed echo: the prompt's text is the first chunk
+        parts = []
+        body = {"prompt": "hello hello", "echo": True, "max_tokens": 4, "temperature": 0, "stream": True}
+        with c.stream("POST", "/v1/completions", json=body) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    parts += [ch["text"] for ch in json.loads(line[6:])["choices"]]
+        plain = c.post("/v1/completions", json={**body, "stream": False, "echo": False}).json()
+        assert parts[0] == "hello hello" and "".join(parts) == "hello hello" + plain["choices"][0]["text"]
 
 
 def test_no_seed_draws_another_sample_each_time(server):

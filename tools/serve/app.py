@@ -40,7 +40,6 @@ UNSUPPORTED = {
     "min_p": (None, 0),
     "logit_bias": (None, {}),
     "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None, ""),
     "tools": (None, []),
     "functions": (None, []),
@@ -85,7 +84,8 @@ def chat_logprob(word: str, lp: float, top: list) -> dict:
 
 
 def text_logprobs(run: dict) -> dict | None:
-    """A completions choice's `logprobs` (OpenAI's legacy shape), or None when not asked for."""
+    """A completions choice's `logprobs` (OpenAI's legacy shape), or None when not asked for; with
+    echo the prompt's tokens come first, the first of them with null log-probs (it has no row)."""
     if run["logprobs"] is None:
         return None
     words = [w for w, _, _ in run["logprobs"]]
@@ -93,7 +93,7 @@ def text_logprobs(run: dict) -> dict | None:
     return {
         "tokens": words,
         "token_logprobs": [lp for _, lp, _ in run["logprobs"]],
-        "top_logprobs": [dict(top) for _, _, top in run["logprobs"]],
+        "top_logprobs": [None if lp is None else dict(top) for _, lp, top in run["logprobs"]],
         "text_offset": offsets,
     }
 
@@ -316,12 +316,16 @@ def create_app(
             return error(400, f"n must be an integer in [1, {MAX_N}]", param="n")
         mt = body.get("max_tokens")
         mt = body.get("max_completion_tokens") if mt is None else mt
-        # absent or null: up to the end of the context (OpenAI's and vLLM's default), EOS or a stop string
-        if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt < 1):
-            return error(400, "max_tokens must be an integer >= 1", param="max_tokens")
+        echo = body.get("echo", False)
+        if not (echo is None or isinstance(echo, bool)):
+            return error(400, "echo must be a boolean", param="echo")
+        # absent or null: up to the end of the context (OpenAI's and vLLM's default), EOS or a stop string;
+        # 0 with echo: the prompt alone (scored with logprobs: what lm-evaluation-harness asks)
+        if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt < (0 if echo else 1)):
+            return error(400, "max_tokens must be an integer >= 1 (0 only with echo)", param="max_tokens")
         if mt is not None and mt > max_context:
             return error(400, f"max_tokens {mt} is beyond the model's context of {max_context}", param="max_tokens")
-        out = {"max_new_tokens": mt}
+        out = {"max_new_tokens": mt, "echo": bool(echo)}
         for key, default in (("temperature", 1.0), ("top_p", 1.0)):
             v = body.get(key, default)
             if not isinstance(v, (int, float)) or isinstance(v, bool):
@@ -356,7 +360,8 @@ def create_app(
             )
         if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
             return error(400, "top_logprobs must be an integer in [0, 20]", param="top_logprobs")
-        out["logprobs"] = None if lp in (None, False) else (int(top or 0) if lp is True else int(lp))
+        # completions' 0: the chosen tokens' log-probs, no alternatives (not "off": 0 == False in Python)
+        out["logprobs"] = None if lp is None or lp is False else (int(top or 0) if lp is True else int(lp))
         if out["logprobs"] is not None and body.get("stream"):
             return error(400, "logprobs with stream is not supported by this server", param="logprobs")
         for key, default in UNSUPPORTED.items():  # never a silently different answer
@@ -383,10 +388,20 @@ def create_app(
                     f"is beyond the model's context of {max_context}"
                 )
             kw = {k: params[k] for k in ("temperature", "top_k", "top_p", "seed", "stop")}
-            if params.get("logprobs") is not None:  # one call: the tokens and their log-probs together
-                c = g.generate(ids, params["max_new_tokens"], logprobs=params["logprobs"], **kw)
-                return _result(g, c.text, len(ids), c.stop_reason, params, logprobs=c.logprobs)
-            text = []
+            lp, echo = params.get("logprobs"), params.get("echo")
+            head = (prompt if isinstance(prompt, str) else g.tokenizer.decode(ids)) if echo and g.tokenizer else ""
+            if lp is not None or params["max_new_tokens"] == 0:  # one call: the tokens and their log-probs together
+                only_prompt = params["max_new_tokens"] == 0  # echo of the prompt alone: its one token dropped
+                plp = lp if echo else None  # echo: the prompt's log-probs first
+                c = g.generate(ids, max(params["max_new_tokens"], 1), logprobs=lp, prompt_logprobs=plp, **kw)
+                text, lps, reason = ("", [], "length") if only_prompt else (c.text, c.logprobs, c.stop_reason)
+                if on_chunk and head + text:
+                    on_chunk(head + text)
+                lps = None if lp is None else (c.prompt_logprobs or []) + lps
+                return _result(g, head + text, len(ids), reason, params, lps, 0 if only_prompt else None)
+            if on_chunk and head:
+                on_chunk(head)
+            text = [head]
             it = g.stream(ids, params["max_new_tokens"], **kw)
             try:
                 for chunk in it:
@@ -401,9 +416,10 @@ def create_app(
         finally:
             pool.release(g)
 
-    def _result(g, text: str, n_prompt: int, stop_reason, params: dict, logprobs=None) -> dict:
+    def _result(g, text: str, n_prompt: int, stop_reason, params: dict, logprobs=None, completion_tokens=None) -> dict:
         """One generation's record (its stats counted in the metrics); logprobs: the Completion's,
-        each token as its text."""
+        each token as its text; completion_tokens: what the client is told, when not the tokens
+        decoded (an echo of the prompt alone decodes one and returns none)."""
         st = g.last_stats
         totals["tokens"] += st.new_tokens
         totals["steps"] += st.steps
@@ -418,7 +434,7 @@ def create_app(
         return {
             "text": text,
             "prompt_tokens": n_prompt,
-            "completion_tokens": st.new_tokens,
+            "completion_tokens": st.new_tokens if completion_tokens is None else completion_tokens,
             "finish_reason": "stop" if stop_reason in ("eos", "stop") else "length",
             "mean_accepted": st.mean_accepted,
             "seed": params["seed"],
@@ -476,6 +492,8 @@ def create_app(
         params = _params(body)
         if not isinstance(params, dict):
             return params
+        if chat and params["echo"]:
+            return error(400, "echo is for /v1/completions (a chat answer is the assistant's message)", param="echo")
         if chat:
             msgs = body.get("messages")
             texts = [message_text(m) for m in msgs] if isinstance(msgs, list) else []
