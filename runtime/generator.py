@@ -309,7 +309,9 @@ class Generator:
             self._check_open()
             s = self._batch.submit(ids, max_new_tokens, self.eos_token_ids, sp, seed, logprobs, prompt_logprobs)
             try:
-                yield from s
+                for chunk in s:
+                    self._last.logprobs = s.logprobs  # live: the chunk's entries are in it (stream(logprobs=k))
+                    yield chunk
             finally:
                 s.cancel()  # a caller that stops early frees its row
                 # its stats so far (live until the scheduler drops the row)
@@ -320,9 +322,13 @@ class Generator:
             self._check_open()
             dec = self._decoder(sp)
             self._busy = 1
+            steps = dec.stream(ids, max_new_tokens, self.eos_token_ids, seed, logprobs, prompt_logprobs)
             try:
-                yield from dec.stream(ids, max_new_tokens, self.eos_token_ids, seed, logprobs, prompt_logprobs)
+                for chunk in steps:
+                    self._last.logprobs = dec.last_logprobs  # live, as above
+                    yield chunk
             finally:
+                steps.close()  # a caller that stops early ends the decoder's sequence here
                 self._busy = 0
                 self._last.logprobs = getattr(dec, "last_logprobs", [])
                 self._last.prompt_logprobs = getattr(dec, "last_prompt_logprobs", None)
@@ -340,18 +346,40 @@ class Generator:
         seed: int = 0,
         ids: bool = False,
         stop=None,
+        logprobs: int | None = None,
     ) -> Iterator:
         """Text chunks as they become final (or lists of token ids with ids=True). Stats and stop
         reason of the last stream: `last_stats`, `last_stop_reason`. stop: as in generate (a
-        chunk that might begin a stop string is held back until it cannot)."""
+        chunk that might begin a stop string is held back until it cannot). logprobs=k: yields
+        (chunk, entries) pairs instead, entries as generate's `Completion.logprobs` for the tokens
+        read since the previous pair (a token whose text is held back comes with the chunk that
+        releases it; a last pair may carry an empty chunk)."""
         prompt_ids = self._ids(prompt)
         sp = SamplingParams(temperature, top_k, top_p)
         stops = self._stops(stop, ids)
+        logprobs = check_logprobs(logprobs)
+        read: list[int] = []  # the tokens read so far
         if stops:
-            yield from self._text_until_stop(prompt_ids, max_new_tokens, sp, seed, stops, [])
+            pieces = self._text_until_stop(prompt_ids, max_new_tokens, sp, seed, stops, read, logprobs)
+        else:
+            pieces = self._pieces(prompt_ids, max_new_tokens, sp, seed, ids, read, logprobs)
+        if logprobs is None:
+            yield from pieces
             return
+        sent = 0
+        for piece in pieces:
+            entries, sent = self._last.logprobs[sent : len(read)], len(read)
+            yield piece, entries
+        rest = self._last.logprobs[sent : len(read)]
+        if rest:
+            yield ([] if ids else ""), rest
+
+    def _pieces(self, prompt_ids, max_new_tokens: int, sp: SamplingParams, seed: int, ids: bool, read, logprobs):
+        """stream's chunks without stop strings: text as it becomes final (ids: the token lists);
+        `read` collects the ids."""
         sd = self.tokenizer.stream_decoder(skip_special_tokens=True) if (self.tokenizer and not ids) else None
-        for chunk in self._token_stream(prompt_ids, max_new_tokens, sp, seed):
+        for chunk in self._token_stream(prompt_ids, max_new_tokens, sp, seed, logprobs):
+            read += chunk
             if sd is None:
                 yield chunk
             else:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_model, tiny_config, truncated
+from conftest import random_model, tiny_config, tiny_text_export, truncated
 
 from arborspec.runtime.backends.torch_backend import TorchEngine
 from arborspec.runtime.errors import InputError
@@ -99,4 +99,27 @@ def test_prompt_logprobs_of_one_token_and_checked(pair):
     for bad in (-1, 21, "2"):
         with pytest.raises(InputError, match="logprobs"):
             g.generate([1, 2, 3], 4, prompt_logprobs=bad)
+    g.close()
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_stream_pairs_each_chunk_with_its_tokens_logprobs(batch, tmp_path):
+    """stream(logprobs=k) yields (text, entries): the texts join to generate's text, the entries
+    to generate's log-probs, each entry arriving with (or before) the chunk that shows its text;
+    with a stop string too (the tokens read up to the one that completed it)."""
+    g = Generator.from_export(tiny_text_export(tmp_path / "e", seed=9), tree="full:2,2", max_batch=batch)
+    for stop in (None, "ok"):
+        want = g.generate("hello hello", 24, logprobs=2, stop=stop)
+        assert stop is None or want.stop_reason == "stop"
+        pairs = list(g.stream("hello hello", 24, logprobs=2, stop=stop))
+        assert "".join(t for t, _ in pairs) == want.text
+        entries = [e for _, es in pairs for e in es]
+        assert [t for t, _, _ in entries] == want.tokens
+        assert [lp for _, lp, _ in entries] == pytest.approx([lp for _, lp, _ in want.logprobs], abs=1e-6)
+        shown, toks = "", []
+        for text, es in pairs:  # the text shown so far never runs ahead of the tokens paired so far
+            shown, toks = shown + text, toks + [t for t, _, _ in es]
+            assert g.tokenizer.decode(toks, skip_special_tokens=True).startswith(shown)
+    chunks = list(g.stream("hello hello", 6, ids=True, logprobs=0))
+    assert [t for chunk, _ in chunks for t in chunk] == [t for _, es in chunks for t, _, _ in es]
     g.close()

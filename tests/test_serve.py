@@ -165,7 +165,6 @@ def test_stream_concatenates_to_the_full_text(server):
         ({"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
         ({"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
         ({"prompt": "hi", "logprobs": "x"}, 400, "logprobs"),
-        ({"prompt": "hi", "logprobs": 1, "stream": True}, 400, "logprobs"),
         ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "hi"}], "echo": True}, 400, "echo"),
         ({"prompt": "hi", "echo": 1}, 400, "echo"),

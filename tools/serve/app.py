@@ -83,13 +83,14 @@ def chat_logprob(word: str, lp: float, top: list) -> dict:
     return entry | {"top_logprobs": [{"token": w, "logprob": v, "bytes": list(w.encode())} for w, v in top]}
 
 
-def text_logprobs(run: dict) -> dict | None:
+def text_logprobs(run: dict, start: int = 0) -> dict | None:
     """A completions choice's `logprobs` (OpenAI's legacy shape), or None when not asked for; with
-    echo the prompt's tokens come first, the first of them with null log-probs (it has no row)."""
+    echo the prompt's tokens come first, the first of them with null log-probs (it has no row).
+    start: where the first token's text begins (a streamed chunk's: the text sent before it)."""
     if run["logprobs"] is None:
         return None
     words = [w for w, _, _ in run["logprobs"]]
-    offsets = list(accumulate(map(len, words), initial=0))[: len(words)]  # where each token's text begins
+    offsets = list(accumulate(map(len, words), initial=start))[: len(words)]  # where each token's text begins
     return {
         "tokens": words,
         "token_logprobs": [lp for _, lp, _ in run["logprobs"]],
@@ -362,15 +363,15 @@ def create_app(
             return error(400, "top_logprobs must be an integer in [0, 20]", param="top_logprobs")
         # completions' 0: the chosen tokens' log-probs, no alternatives (not "off": 0 == False in Python)
         out["logprobs"] = None if lp is None or lp is False else (int(top or 0) if lp is True else int(lp))
-        if out["logprobs"] is not None and body.get("stream"):
-            return error(400, "logprobs with stream is not supported by this server", param="logprobs")
         for key, default in UNSUPPORTED.items():  # never a silently different answer
             if key in body and body[key] not in default:
                 return error(400, f"{key} is not supported by this server", param=key)
         return out
 
     def _run(prompt, params: dict, chat: bool, on_chunk=None, cancelled=lambda: False) -> dict:
-        """One generation on a pooled generator (a worker thread): text, tokens, stats."""
+        """One generation on a pooled generator (a worker thread): text, tokens, stats.
+        on_chunk(text, logprobs): each streamed piece, with its tokens' log-probs (as _result's
+        `logprobs`) when the request asked for them, else None."""
         g = pool.acquire()
         try:
             if chat:
@@ -390,24 +391,26 @@ def create_app(
             kw = {k: params[k] for k in ("temperature", "top_k", "top_p", "seed", "stop")}
             lp, echo = params.get("logprobs"), params.get("echo")
             head = (prompt if isinstance(prompt, str) else g.tokenizer.decode(ids)) if echo and g.tokenizer else ""
-            if lp is not None or params["max_new_tokens"] == 0:  # one call: the tokens and their log-probs together
+            # one call: the prompt alone, or log-probs not streamed or with the prompt's (echo) first
+            if params["max_new_tokens"] == 0 or (lp is not None and (on_chunk is None or echo)):
                 only_prompt = params["max_new_tokens"] == 0  # echo of the prompt alone: its one token dropped
                 plp = lp if echo else None  # echo: the prompt's log-probs first
                 c = g.generate(ids, max(params["max_new_tokens"], 1), logprobs=lp, prompt_logprobs=plp, **kw)
                 text, lps, reason = ("", [], "length") if only_prompt else (c.text, c.logprobs, c.stop_reason)
+                lps = None if lp is None else named(g, (c.prompt_logprobs or []) + lps)
                 if on_chunk and head + text:
-                    on_chunk(head + text)
-                lps = None if lp is None else (c.prompt_logprobs or []) + lps
+                    on_chunk(head + text, lps)
                 return _result(g, head + text, len(ids), reason, params, lps, 0 if only_prompt else None)
             if on_chunk and head:
-                on_chunk(head)
+                on_chunk(head, None)
             text = [head]
-            it = g.stream(ids, params["max_new_tokens"], **kw)
+            it = g.stream(ids, params["max_new_tokens"], logprobs=lp, **kw)
             try:
-                for chunk in it:
+                for piece in it:
+                    chunk, entries = piece if lp is not None else (piece, None)
                     text.append(chunk)
                     if on_chunk:
-                        on_chunk(chunk)
+                        on_chunk(chunk, None if entries is None else named(g, entries))
                     if cancelled():
                         break
             finally:
@@ -416,10 +419,18 @@ def create_app(
         finally:
             pool.release(g)
 
+    def named(g, entries: list) -> list:
+        """Log-prob entries (token id, log-prob, [(id, log-prob)]) with each token as its text."""
+
+        def word(t: int) -> str:
+            return g.tokenizer.decode([t]) if g.tokenizer is not None else str(t)
+
+        return [(word(t), lp, [(word(a), alp) for a, alp in top]) for t, lp, top in entries]
+
     def _result(g, text: str, n_prompt: int, stop_reason, params: dict, logprobs=None, completion_tokens=None) -> dict:
-        """One generation's record (its stats counted in the metrics); logprobs: the Completion's,
-        each token as its text; completion_tokens: what the client is told, when not the tokens
-        decoded (an echo of the prompt alone decodes one and returns none)."""
+        """One generation's record (its stats counted in the metrics); logprobs: `named` entries;
+        completion_tokens: what the client is told, when not the tokens decoded (an echo of the
+        prompt alone decodes one and returns none)."""
         st = g.last_stats
         totals["tokens"] += st.new_tokens
         totals["steps"] += st.steps
@@ -427,10 +438,6 @@ def create_app(
         m_steps.inc(st.steps)
         m_decode_s.inc(st.decode_s)
         g_tps.set(st.tokens_per_s)
-
-        def word(t: int) -> str:
-            return g.tokenizer.decode([t]) if g.tokenizer is not None else str(t)
-
         return {
             "text": text,
             "prompt_tokens": n_prompt,
@@ -438,9 +445,7 @@ def create_app(
             "finish_reason": "stop" if stop_reason in ("eos", "stop") else "length",
             "mean_accepted": st.mean_accepted,
             "seed": params["seed"],
-            "logprobs": None
-            if logprobs is None
-            else [(word(t), lp, [(word(a), alp) for a, alp in top]) for t, lp, top in logprobs],
+            "logprobs": logprobs,
         }
 
     def _usage(runs: list[dict], n: int) -> dict:
@@ -540,7 +545,7 @@ def create_app(
 
         def work(i: int, prompt, p: dict):
             try:
-                r = _run(prompt, p, chat, on_chunk=lambda c: q.put(("chunk", i, c)), cancelled=stop.is_set)
+                r = _run(prompt, p, chat, on_chunk=lambda c, lps: q.put(("chunk", i, (c, lps))), cancelled=stop.is_set)
                 _count(request, r["completion_tokens"])
                 q.put(("done", i, r))
             except ArborspecError as e:
@@ -553,9 +558,13 @@ def create_app(
             threading.Thread(target=work, args=(i, pr, p), daemon=True).start()
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
-        def event(delta: dict | None = None, finish=None, usage=None, index: int = 0) -> str:
+        offset = [0] * len(jobs)  # completions: the text each choice has sent (its tokens' text_offset)
+
+        def event(delta: dict | None = None, finish=None, usage=None, index: int = 0, lps=None) -> str:
             if chat:
                 choice = {"index": index, "delta": delta or {}, "finish_reason": finish}
+                if lps is not None:
+                    choice["logprobs"] = {"content": [chat_logprob(w, lp, top) for w, lp, top in lps]}
                 obj = {
                     "id": rid,
                     "object": "chat.completion.chunk",
@@ -568,8 +577,9 @@ def create_app(
                     "index": index,
                     "text": (delta or {}).get("content", ""),
                     "finish_reason": finish,
-                    "logprobs": None,
+                    "logprobs": text_logprobs({"logprobs": lps}, offset[index]),
                 }
+                offset[index] += len(choice["text"])
                 obj = {
                     "id": rid,
                     "object": "text_completion",
@@ -596,7 +606,7 @@ def create_app(
                     except queue.Empty:
                         continue
                     if kind == "chunk":
-                        yield event({"content": payload}, index=i)
+                        yield event({"content": payload[0]}, index=i, lps=payload[1])
                     elif kind == "error":
                         m_errors.labels("stream").inc()
                         yield f"data: {json.dumps({'error': {'message': payload, 'type': 'invalid_request_error', 'param': None, 'code': None}})}\n\n"
