@@ -6,7 +6,9 @@ turned into new text for streaming by `StreamDecoder`, which holds back bytes un
 form whole UTF-8 characters (a byte-level BPE token can end mid-character).
 
 On disk, next to an export: `tokenizer.json` (a `tokenizers` file) and `tokenizer_meta.json`
-{bos_token_id, eos_token_ids, chat_template, add_bos}.
+{bos_token_id, eos_token_ids, chat_template, add_bos}; and, for tools built on transformers
+(`AutoTokenizer.from_pretrained(EXPORT_DIR)`, lm-evaluation-harness's `tokenizer=EXPORT_DIR`), a
+`tokenizer_config.json` saying the same in its terms (written, never read here).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from .fileio import atomic_write_text
 
 META_FILE = "tokenizer_meta.json"
 TOKENIZER_FILE = "tokenizer.json"
+HF_CONFIG_FILE = "tokenizer_config.json"
 META_KEYS = ("bos_token_id", "eos_token_ids", "chat_template", "add_bos")
 
 
@@ -68,11 +71,39 @@ class TextTokenizer:
             "add_bos": self.add_bos,
         }
 
+    @property
+    def hf_config(self) -> dict[str, Any]:
+        """transformers' tokenizer_config.json for tokenizer.json: the same special tokens, BOS
+        rule and chat template (a fast tokenizer; nothing here reads it back)."""
+        name = lambda i: None if i is None else self.id_to_token(int(i))  # noqa: E731
+        eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name(self.bos_token_id)}
+        cfg |= {"eos_token": name(eos), "add_bos_token": self.add_bos, "add_eos_token": False}
+        if self.chat_template:
+            cfg["chat_template"] = self.chat_template
+        return cfg
+
+    def _file_text(self) -> str:
+        """tokenizer.json's text. With add_bos it carries a post-processor that puts BOS first,
+        which only `add_special_tokens=True` encoders (transformers') apply: this runtime encodes
+        without it and adds BOS itself (`encode`), so both read the same ids."""
+        tok = self.tokenizer
+        if self.add_bos and self.bos_token_id is not None and tok.post_processor is None:
+            from tokenizers.processors import TemplateProcessing
+
+            tok = Tokenizer.from_str(tok.to_str())
+            bos = (self.id_to_token(self.bos_token_id), int(self.bos_token_id))
+            tok.post_processor = TemplateProcessing(
+                single=f"{bos[0]} $A", pair=f"{bos[0]} $A {bos[0]} $B", special_tokens=[bos]
+            )
+        return tok.to_str()
+
     def save(self, folder: str | Path) -> None:
-        """Write tokenizer.json and tokenizer_meta.json (each atomically) into folder."""
+        """Write tokenizer.json, tokenizer_meta.json and tokenizer_config.json (each atomically)."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        for name, text in ((TOKENIZER_FILE, self.tokenizer.to_str()), (META_FILE, json.dumps(self.meta, indent=1))):
+        files = (TOKENIZER_FILE, self._file_text()), (META_FILE, json.dumps(self.meta, indent=1))
+        for name, text in files + ((HF_CONFIG_FILE, json.dumps(self.hf_config, indent=1)),):
             atomic_write_text(folder / name, text)
 
     # -- ids <-> text --------------------------------------------------------------------

@@ -114,6 +114,25 @@ def test_save_load_round_trip(tmp_path, tiny_tok):
         assert again.meta == tiny_tok.meta and again.is_eos(2)
 
 
+@pytest.mark.parametrize("add_bos", [False, True])
+def test_saved_folder_reads_the_same_in_transformers(tmp_path, add_bos):
+    """A saved tokenizer (an export folder's) loads with transformers' AutoTokenizer (what
+    lm-evaluation-harness's `tokenizer=EXPORT_DIR` does) and encodes to the runtime's ids, BOS
+    included where the model adds one; the chat template and special tokens are the same."""
+    transformers = pytest.importorskip("transformers")
+    meta = synthetic_meta() | {"tokenizer.ggml.add_bos_token": add_bos}
+    tok = text_tokenizer_from_gguf_meta(meta)
+    tok.save(tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in TEXTS:
+        if add_bos and text.startswith("<|im_start|>"):  # BOS written in the text: the runtime adds no
+            continue  # second one, transformers' post-processor does
+        assert hf(text).input_ids == tok.encode(text) == TextTokenizer.load(tmp_path).encode(text), text
+    assert (hf.bos_token, hf.eos_token) == ("<|im_start|>", "<|im_end|>")
+    msgs = [{"role": "user", "content": "hello the"}]
+    assert hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == tok.apply_chat(msgs)
+
+
 def test_chat_template(tiny_tok):
     msgs = [{"role": "user", "content": "hi"}]
     assert tiny_tok.apply_chat(msgs) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
