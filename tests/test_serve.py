@@ -69,6 +69,10 @@ def test_health_models_and_auth(server):
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     with client(base) as c:
         assert c.get("/v1/models").json()["data"][0]["id"] == "tiny"
+        assert c.get("/v1/models/tiny").json() == c.get("/v1/models").json()["data"][0]  # retrieve
+        r = c.get("/v1/models/other")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(base + "/v1/models/tiny").status_code == 401
 
 
 def test_concurrent_greedy_requests_equal_single(server, export_dir):

@@ -3,7 +3,7 @@
 Role in one decode step: none of its own; each request becomes one generation on a
 `Generator` (runtime/generator.py) taken from a pool, run in a worker thread, its steps streamed
 out as server-sent events when asked. Routes: POST /v1/completions, POST /v1/chat/completions
-(streaming and not), GET /v1/models, GET /health, GET /metrics (Prometheus text).
+(streaming and not), GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics (Prometheus text).
 
 Concurrency: `workers` generators, each decoding up to `max_batch` sequences together (one
 verify call per step for all of them: continuous batching, runtime/batch_scheduler.py); requests
@@ -281,12 +281,18 @@ def create_app(
     async def health():
         return {"status": "ok", "model": model_name}
 
+    model_card = {"id": model_name, "object": "model", "owned_by": "arborspec", "created": 0}
+
     @app.get("/v1/models")
     async def models():
-        return {
-            "object": "list",
-            "data": [{"id": model_name, "object": "model", "owned_by": "arborspec", "created": 0}],
-        }
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):  # OpenAI's retrieve (openai-python's `client.models.retrieve`)
+        if model != model_name:
+            msg = f"model {model!r} does not exist (this server serves {model_name!r})"
+            return error(404, msg, param="model", code="model_not_found")
+        return model_card
 
     @app.get("/metrics")
     async def metrics():
