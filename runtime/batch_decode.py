@@ -97,6 +97,7 @@ class BatchDecoder:
         max_batch: int = 8,
         max_tree_nodes: int | None = None,
         speculate_max_batch: int | None = None,
+        prefix_cache: bool | None = None,
     ):
         """speculate_max_batch: verify trees only while at most this many sequences are active;
         above it only the roots are verified (vanilla, T = 1) and the drafts make no call: each
@@ -105,7 +106,8 @@ class BatchDecoder:
         151.4 tok/s without a draft). Default:
         no limit where the target batches trees (`engine.caps.batched_trees`), else 1 (ONNX Runtime's GroupQueryAttention CPU kernel rejects
         B > 1 with T > 1 after a prefix: "batch_size must be 1 when sequence_length > 1 and past
-        context is given")."""
+        context is given"). prefix_cache: as SpeculativeDecoder's (the joining prompts' prefill
+        into the scratch cache)."""
         if not isinstance(max_batch, int) or max_batch < 1:
             raise InputError(f"max-batch must be an integer >= 1, got {max_batch!r}")
         if mode not in MODES:
@@ -119,7 +121,13 @@ class BatchDecoder:
         draft = as_draft_source(draft)
         # one unbatched decoder validates mode / tree / draft and prefills joining sequences
         self._solo = SpeculativeDecoder(
-            target, draft, mode=mode, tree=tree, candidates=candidates, max_tree_nodes=max_tree_nodes
+            target,
+            draft,
+            mode=mode,
+            tree=tree,
+            candidates=candidates,
+            max_tree_nodes=max_tree_nodes,
+            prefix_cache=prefix_cache,
         )
         self.target, self.draft, self.policy = target, draft, self._solo.policy
         self.mode, self.candidates, self.max_batch = mode, self._solo.candidates, max_batch
@@ -179,12 +187,11 @@ class BatchDecoder:
         st = seq.stats = GenerationStats(
             mode=self.mode, tree=self.policy.spec if self.policy else "", prompt_tokens=len(prompt)
         )
-        cap = min(len(prompt) + max_new_tokens + self._extra, tgt.info.max_position + self._extra)
-        scratch = self._scratch
-        if scratch is None or scratch.max_len < cap:
-            scratch = self._scratch = KVCache(tgt.info.cache, cap, 1, tgt.device)
-        scratch.reset()
-        feats, calls = self._solo.prefill(prompt[:-1], scratch, on_logits)
+        top = tgt.info.max_position + self._extra
+        cap = min(len(prompt) + max_new_tokens + self._extra, top)
+        scratch = self._scratch = self._solo._prefix.room(self._scratch, tgt.info.cache, cap, tgt.device, top)
+        # the scratch still holds the last joiner's prompt: a prompt that starts like it reuses that
+        feats, calls, st.cached_tokens = self._solo.prefill_prompt(prompt, scratch, on_logits)
         st.target_calls += calls
         if self.policy is not None:
             if self._spare_drafts:

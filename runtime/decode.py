@@ -31,7 +31,7 @@ from .drafts.model import as_draft_source
 from .drafts.tree_builder import CANDIDATE_MODES, TreeWorkspace, draft_tree
 from .errors import InputError
 from .guards import check_logits
-from .kvcache import KVCache
+from .kvcache import KVCache, PrefixCache
 from .sampling import SamplingParams
 from .stats import GenerationStats, Timer
 from .tree_plan import VerifyBuffers, causal_prefill
@@ -88,6 +88,7 @@ class SpeculativeDecoder:
         candidates: str | None = None,
         sampling: SamplingParams | None = None,
         max_tree_nodes: int | None = None,
+        prefix_cache: bool | None = None,
     ):
         if mode not in MODES:
             raise InputError(f"unknown mode {mode!r} (expected one of {', '.join(MODES)})")
@@ -133,6 +134,10 @@ class SpeculativeDecoder:
         self._cache: KVCache | None = None  # the target's cache, reused by the next generation
         self._ws = TreeWorkspace(tree_capacity(self.policy, target.info.vocab_size)) if self.policy else None
         self._seq: _Sequence | None = None  # the sequence `start` began, advanced by `step`
+        # a prompt that starts like the last one prefills only the rest (kvcache.PrefixCache);
+        # by default where that is exact: a row-invariant target
+        self.prefix_cache = target.caps.row_invariant if prefix_cache is None else bool(prefix_cache)
+        self._prefix = PrefixCache()
 
     @property
     def needs_features(self) -> bool:
@@ -200,13 +205,11 @@ class SpeculativeDecoder:
         seq.timer = Timer(st, self._timer_sync)
         seq.model_s0 = draft.model_s if draft is not None else 0.0
         extra = (policy.max_nodes if policy else 0) + 2
-        cap = min(len(prompt) + max_new_tokens + extra, tgt.info.max_position + extra)
+        top = tgt.info.max_position + extra
+        cap = min(len(prompt) + max_new_tokens + extra, top)
         with seq.timer("prefill_s"):
-            cache = self._cache
-            if cache is None or not cache.fits(tgt.info.cache, cap, 1, tgt.device):
-                cache = self._cache = KVCache(tgt.info.cache, cap, 1, tgt.device)
-            cache.reset()
-            feats, calls = self.prefill(prompt[:-1], cache, on_logits)
+            cache = self._cache = self._prefix.room(self._cache, tgt.info.cache, cap, tgt.device, top)
+            feats, calls, st.cached_tokens = self.prefill_prompt(prompt, cache, on_logits)
             st.target_calls += calls
             if policy is not None:
                 draft.prepare(policy, min(len(prompt) + max_new_tokens, tgt.info.max_position))
@@ -239,6 +242,8 @@ class SpeculativeDecoder:
                 seq.token_logprobs += token_logprobs(logits[0, keep], new, seq.logprobs)
             # the caches keep every committed token but the last (the next root)
             cache.commit(keep, tree.n + 1)
+            # the root and the accepted nodes are committed: a next prompt that repeats them reuses them
+            self._prefix.extend([seq.root] + new[:-1], feats[0, keep] if feats is not None else None)
             if speculate:
                 self.draft.commit(tree, path, feats[0] if feats is not None else None)
         seq.produced += len(new)
@@ -247,6 +252,15 @@ class SpeculativeDecoder:
             seq.done, self.last_stop_reason = True, stop
         seq.root = new[-1]
         return new
+
+    def prefill_prompt(self, prompt: list[int], cache: KVCache, on_logits=None):
+        """All of `prompt` but its last token (the first root) into `cache`, but the tokens a
+        previous prefill left there (`prefix_cache`; not with on_logits: the prompt's log-probs
+        need every row) -> (the target features of prompt[:-1] when the draft reads them, else
+        None; target calls made; prompt tokens reused)."""
+        keep = self._prefix.begin(cache, prompt[:-1], self.prefix_cache and on_logits is None, self.needs_features)
+        feats, calls = self.prefill(prompt[keep:-1], cache, on_logits)
+        return self._prefix.end(prompt[:-1], feats), calls, keep
 
     def prefill(self, tokens: list[int], cache: KVCache, on_logits=None):
         """Run `tokens` (a prompt but its last token) as causal calls of at most `prefill_chunk`

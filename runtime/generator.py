@@ -76,6 +76,7 @@ class Generator:
         owns: Sequence = (),
         max_batch: int = 1,
         sampled_tree: str | None = None,
+        prefix_cache: bool | None = None,
     ):
         mode = mode or ("tree" if draft is not None else "vanilla")
         if mode not in MODES:
@@ -83,6 +84,9 @@ class Generator:
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.mode, self.tree, self.candidates, self.max_tree_nodes = mode, tree, candidates, max_tree_nodes
         self.sampled_tree = sampled_tree  # the tree of unbatched calls at temperature > 0 (None: `tree`)
+        # a prompt that starts like the previous one prefills only the rest (kvcache.PrefixCache);
+        # None: where exact (a row-invariant target, the int4 export's)
+        self.prefix_cache = prefix_cache
         if eos_token_ids is None:
             eos_token_ids = list(getattr(tokenizer, "eos_token_ids", []) or [])
         self.eos_token_ids = [int(e) for e in eos_token_ids]
@@ -110,6 +114,7 @@ class Generator:
                     candidates=candidates,
                     max_batch=max_batch,
                     max_tree_nodes=max_tree_nodes,
+                    prefix_cache=prefix_cache,
                 )
             )
         self.max_batch = max_batch
@@ -119,6 +124,11 @@ class Generator:
     def last_stats(self) -> _Stats | None:
         """Statistics of this thread's last generation."""
         return getattr(self._last, "stats", None)
+
+    @property
+    def reuses_prefix(self) -> bool:
+        """Whether a prompt that starts like the previous one reuses its K/V (`prefix_cache`)."""
+        return self._decoder(SamplingParams()).prefix_cache
 
     @property
     def last_stop_reason(self) -> str | None:
@@ -148,11 +158,14 @@ class Generator:
         verify: bool = False,
         engine_dir=None,
         max_batch: int = 1,
+        prefix_cache: bool | None = None,
     ) -> "Generator":
         """Open an export folder (runtime/export_dir.open_export) and wrap it. tree: a spec,
         "auto" (the tree `arborspec tune --export-dir DIR` chose; for unbatched calls at a
         temperature above 0 the one `tune --temperature T` chose, when it ran), or None: "auto"
-        when `tune` ran for this draft, else the export's default tree (OpenedExport.tree_default)."""
+        when `tune` ran for this draft, else the export's default tree (OpenedExport.tree_default).
+        prefix_cache: reuse the K/V of a prompt's start that the previous prompt shared (a chat's
+        earlier turns, a system prompt): None where that is exact (the int4 export), True / False."""
         from .export_dir import open_export
 
         ex = open_export(dir, backend, device, draft=draft, verify=verify, engine_dir=engine_dir)
@@ -176,6 +189,7 @@ class Generator:
                 owns=[ex],
                 max_batch=max_batch,
                 sampled_tree=sampled_tree,
+                prefix_cache=prefix_cache,
             )
         except BaseException:
             ex.close()
@@ -193,6 +207,7 @@ class Generator:
                 candidates=self.candidates,
                 sampling=sp,
                 max_tree_nodes=self.max_tree_nodes,
+                prefix_cache=self.prefix_cache,
             )
             if self._decoders:  # share one draft wrapper between sampling configurations
                 dec.draft = next(iter(self._decoders.values())).draft

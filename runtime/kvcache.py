@@ -256,3 +256,66 @@ def sized_cache(cache: KVCache | None, spec, need: int, batch: int, device, top:
         cache = cache.grown(max(need, min(2 * max(cache.max_len, need), top)))
     cache.ensure_finite(need)
     return cache
+
+
+# ---------------------------------------------------------------------- a prompt's prefix, kept
+class PrefixCache:
+    """The tokens whose K/V a one-row cache holds at [0, n): the last prompt's (but its last
+    token) and what the decoding committed after it; with the target's features of those tokens
+    when the draft reads them. A prompt that starts with the same tokens (the next turn of a
+    chat: the earlier turns and the answer; a shared system prompt) prefills only the rest.
+    Exact where the engine is row-invariant (a row's K/V do not depend on the call that carried
+    it: `caps.row_invariant`); a float engine's K/V may differ in the last bits from one prefill."""
+
+    def __init__(self):
+        self.cache: KVCache | None = None
+        self.tokens: list[int] = []
+        self._feats: list[torch.Tensor] = []  # chunks, rows in token order
+
+    @property
+    def n_feats(self) -> int:
+        return sum(len(f) for f in self._feats)
+
+    def room(self, cache: KVCache | None, spec: CacheSpec, need: int, device, top: int) -> KVCache:
+        """A one-row cache with room for `need` positions: `cache` where it has it, else a new
+        one (twice the old, up to `top`, the model's context) that keeps what this prefix holds
+        in the old (a longer next prompt still reuses it)."""
+        if cache is not None and cache.fits(spec, need, 1, device):
+            return cache
+        size = max(need, min(2 * cache.max_len, top)) if cache is not None else need
+        if cache is None or cache is not self.cache or not cache.fits(spec, 1, 1, device):
+            return KVCache(spec, size, 1, device)
+        cache.length = len(self.tokens)
+        self.cache = cache.grown(size)
+        return self.cache
+
+    def begin(self, cache: KVCache, tokens: list[int], enabled: bool, features: bool = False) -> int:
+        """Before a prefill of `tokens` into `cache`: -> how many of them its rows already hold
+        (0 when disabled or another cache); the cache's length is set there. Until `end` the
+        cache holds only those (a prefill that fails keeps what it kept). features: the caller
+        needs the kept tokens' features too."""
+        keep = 0
+        if enabled and cache is self.cache:
+            n = min(len(tokens), len(self.tokens), self.n_feats if features else len(tokens))
+            while keep < n and tokens[keep] == self.tokens[keep]:
+                keep += 1
+        feats = torch.cat(self._feats)[:keep] if self._feats and keep else None
+        self.cache, self.tokens, self._feats = cache, list(tokens[:keep]), [feats] if feats is not None else []
+        cache.length = keep
+        return keep
+
+    def end(self, tokens: list[int], new_feats: torch.Tensor | None) -> torch.Tensor | None:
+        """After the prefill of `tokens[keep:]` -> the features of all `tokens` (kept + new), or
+        None when the draft reads none."""
+        self.tokens = list(tokens)
+        if new_feats is not None:
+            self._feats.append(new_feats)
+        feats = torch.cat(self._feats) if self._feats else None
+        self._feats = [feats] if feats is not None else []
+        return feats
+
+    def extend(self, tokens: list[int], feats: torch.Tensor | None) -> None:
+        """A decode step committed `tokens` after these (their K/V, and features, in the rows after)."""
+        self.tokens += tokens
+        if feats is not None:
+            self._feats.append(feats)

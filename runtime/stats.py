@@ -17,6 +17,7 @@ class GenerationStats:
     mode: str = "tree"
     tree: str = ""
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V a previous prefill left in the cache (PrefixCache)
     new_tokens: int = 0
     steps: int = 0  # decode steps (= verify calls after the prefill)
     target_calls: int = 0  # verify calls + prefill calls

@@ -26,6 +26,8 @@ class UserError(InputError):
 
 
 # one vocabulary for the same idea in every command's help
+# --prefix-cache's choices -> Generator(prefix_cache=...): None = where exact (row-invariant targets)
+PREFIX_CACHE = {"auto": None, "on": True, "off": False}
 TREE_HELP = (
     "tree policy: chain:K | full:D,W | beam:n1,n2,... | dynamic:K,D,N[,P] | static:FILE.json | "
     "auto (the tree `arborspec tune` chose) (default: the export's tree, else full:3,2)"

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError
-from arborspec.tools.commands.cli import DRAFT_HELP_EXPORT, TREE_HELP, summary
+from arborspec.tools.commands.cli import DRAFT_HELP_EXPORT, PREFIX_CACHE, TREE_HELP, summary
 
 EXAMPLE = """examples:
   arborspec serve --export-dir ~/.cache/arborspec/exports/smollm2-135m-layers4-v2 --draft lookup --port 8000
@@ -54,6 +54,13 @@ def register(sub) -> None:
         type=int,
         default=1,
         help="generators (each with its engines and --max-batch sequences; default 1; more requests queue)",
+    )
+    p.add_argument(
+        "--prefix-cache",
+        choices=list(PREFIX_CACHE),
+        default="auto",
+        help="reuse the K/V of a prompt's start that the previous prompt shared (a chat's earlier turns, a "
+        "system prompt): auto (default) = where that is exact (a row-invariant target, the int4 export), on, off",
     )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $ARBORSPEC_API_KEY)")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the export's name)")
@@ -120,7 +127,13 @@ def _serve(args, man, sock, uvicorn) -> int:
     name = args.model_name or served_model_name(man.data, args.export_dir)
     pool = GeneratorPool(
         lambda: Generator.from_export(
-            args.export_dir, args.backend, args.device, draft=args.draft, tree=args.tree, max_batch=args.max_batch
+            args.export_dir,
+            args.backend,
+            args.device,
+            draft=args.draft,
+            tree=args.tree,
+            max_batch=args.max_batch,
+            prefix_cache=PREFIX_CACHE[args.prefix_cache],
         ),
         args.workers,
         slots=args.max_batch,
@@ -143,7 +156,8 @@ def _serve(args, man, sock, uvicorn) -> int:
         sock.listen(2048)
         _say(
             f"serving {name} on {url} (draft {draft}, mode {g.mode}, tree {tree}, batch {args.max_batch}, "
-            f"workers {args.workers}; requests default to temperature 1.0; Ctrl-C stops)"
+            f"workers {args.workers}, prefix cache {'on' if g.reuses_prefix else 'off'}; "
+            "requests default to temperature 1.0; Ctrl-C stops)"
         )
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10)
         try:

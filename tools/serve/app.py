@@ -447,6 +447,7 @@ def create_app(
         return {
             "text": text,
             "prompt_tokens": n_prompt,
+            "cached_tokens": st.cached_tokens,
             "completion_tokens": st.new_tokens if completion_tokens is None else completion_tokens,
             "finish_reason": "stop" if stop_reason in ("eos", "stop") else "length",
             "mean_accepted": st.mean_accepted,
@@ -459,7 +460,9 @@ def create_app(
         all its choices."""
         prompt = sum(r["prompt_tokens"] for r in runs[::n])
         completion = sum(r["completion_tokens"] for r in runs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached = sum(r["cached_tokens"] for r in runs[::n])  # the prompt's tokens a previous request's prefill left
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return usage | {"prompt_tokens_details": {"cached_tokens": cached}}
 
     def _response(kind: str, rid: str, created: int, runs: list[dict], n: int) -> dict:
         if kind == "chat":

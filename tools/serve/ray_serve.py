@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from arborspec.runtime.errors import ArborspecError, InputError
+from arborspec.tools.commands.cli import PREFIX_CACHE
 
 REPLICA_HEADER = "x-arborspec-replica"
 NEEDS_RAY = "arborspec serve --ray needs Ray Serve: pip install 'arborspec[ray]'"
@@ -51,7 +52,18 @@ class ArborspecReplica:
     """One replica: a generator pool over its own engines and the FastAPI app around it."""
 
     def __init__(
-        self, export_dir, backend, device, draft, tree, workers, model_name, max_context, api_key, max_batch=1
+        self,
+        export_dir,
+        backend,
+        device,
+        draft,
+        tree,
+        workers,
+        model_name,
+        max_context,
+        api_key,
+        max_batch=1,
+        prefix_cache=None,
     ):
         from arborspec.runtime.backends.onnxruntime import enable_shared_pool
         from arborspec.runtime.generator import Generator
@@ -64,7 +76,9 @@ class ArborspecReplica:
         if backend in (None, "onnxruntime"):
             enable_shared_pool()
         self.pool = GeneratorPool(
-            lambda: Generator.from_export(export_dir, backend, device, draft=draft, tree=tree, max_batch=max_batch),
+            lambda: Generator.from_export(
+                export_dir, backend, device, draft=draft, tree=tree, max_batch=max_batch, prefix_cache=prefix_cache
+            ),
             workers,
             slots=max_batch,
         )
@@ -86,6 +100,7 @@ def build(
     model_name: str | None = None,
     api_key: str | None = None,
     max_batch: int = 8,
+    prefix_cache: bool | None = None,
 ):
     """The Ray Serve application: `replicas` copies of ArborspecReplica, each given
     min(1, cores / replicas) CPUs (so N replicas never wait for cores Ray does not see)."""
@@ -116,6 +131,7 @@ def build(
         int(man.limits.get("max_context", 2048)),
         api_key or os.environ.get("ARBORSPEC_API_KEY"),
         int(max_batch),
+        prefix_cache,
     )
 
 
@@ -242,6 +258,7 @@ def run(args) -> int:
         max_batch=args.max_batch,
         model_name=args.model_name,
         api_key=args.api_key,
+        prefix_cache=PREFIX_CACHE[args.prefix_cache],
     )
     start_local_ray()
     done = threading.Event()  # after ray.init, which sets a SIGTERM handler of its own

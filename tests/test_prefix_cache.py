@@ -1,0 +1,125 @@
+"""A prompt that starts like the previous one reuses the K/V its prefill left in the cache
+(runtime/kvcache.PrefixCache): the next turn of a chat, a shared system prompt. On a
+row-invariant target (the int4 export's layout) that is on by default and exact: every token
+and every log-prob bit for bit what a fresh prefill gives, alone and batched, vanilla and
+speculative; on a float target it is opt-in; an EAGLE-3 draft gets the kept tokens' features."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import random_model, tiny_config
+
+from arborspec.runtime.backends.torch_backend import TorchEngine
+from arborspec.runtime.generator import Generator
+from arborspec.runtime.kvcache import KVCache
+from arborspec.runtime.sampling import SamplingParams
+
+BASE = [1, 5, 9, 2, 7, 7, 3, 11, 40, 6, 9, 2]
+
+
+def turns(prev_tokens):
+    """The prompts, each from the previous completion's tokens: a chat's next turn (prompt,
+    answer, a new message), a prompt that diverges after 5 tokens, the same again, a shorter one,
+    one with nothing in common."""
+    yield BASE
+    yield BASE + prev_tokens() + [21, 22]
+    yield BASE[:5] + [60, 61, 62]
+    yield BASE[:5] + [60, 61, 62]
+    yield BASE[:3]
+    yield [8, 8, 8, 8]
+
+
+def common(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def run_turns(g_on, g_off, exact: bool, batched: bool = False, **kw):
+    """Each turn decoded with the reuse and without: the same tokens (and log-probs, bit for bit
+    where exact); the reuse keeps what the cache holds: alone, the previous prompt and its
+    committed answer (all but the last token, the next root); batched, the previous prompt (but
+    its last token) that the joining prefill left in the scratch cache."""
+    held, last = [], None
+    for prompt in turns(lambda: last.tokens):
+        a = g_on.generate(prompt, 12, logprobs=2, **kw)
+        b = g_off.generate(prompt, 12, logprobs=2, **kw)
+        kept = common(prompt[:-1], held)
+        assert (a.stats.cached_tokens, b.stats.cached_tokens) == (kept, 0), prompt
+        assert a.tokens == b.tokens, prompt
+        if exact:  # the same K/V bit for bit: the same log-probs bit for bit
+            assert a.logprobs == b.logprobs, prompt
+        else:
+            assert [x for _, x, _ in a.logprobs] == pytest.approx([x for _, x, _ in b.logprobs], abs=1e-5)
+        held, last = (prompt[:-1] if batched else prompt + a.tokens[:-1]), a
+        assert kept > 0 or prompt in (BASE, [8, 8, 8, 8])  # every other turn reuses something
+    return a
+
+
+@pytest.fixture(scope="module")
+def tiny_int4(tmp_path_factory):
+    pytest.importorskip("onnxruntime")
+    from arborspec.export.export_folder import export_folder
+
+    m = random_model(tiny_config("llama", vocab=128, layers=2, hidden=64, heads=4, kv=2), seed=3, scale=1.0)
+    lm = SimpleNamespace(module=m, config=m.config, tokenizer=None, source={"kind": "test"})
+    out = tmp_path_factory.mktemp("int4") / "e"
+    export_folder(lm, out, draft="layers:1", progress=False, quantize="int4", max_tree_nodes=32)
+    return out
+
+
+@pytest.mark.parametrize("mode,tree,batch", [("vanilla", None, 1), ("chain", "chain:3", 1), ("tree", "full:2,2", 2)])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_row_invariant_target_reuses_the_prefix_exactly_by_default(tiny_int4, mode, tree, batch, temperature):
+    kw = dict(mode=mode, tree=tree or "chain:2", max_batch=batch)
+    with (
+        Generator.from_export(tiny_int4, **kw) as g_on,
+        Generator.from_export(tiny_int4, prefix_cache=False, **kw) as g_off,
+    ):
+        assert g_on.target.caps.row_invariant
+        run_turns(g_on, g_off, exact=True, batched=batch > 1, temperature=temperature, seed=4)
+
+
+def test_a_float_target_reuses_only_when_asked_and_eagle3_gets_the_kept_features(tmp_path):
+    from test_eagle3 import _draft
+
+    from arborspec.models.eagle3 import default_aux_layers
+
+    m = random_model(tiny_config("llama", vocab=96, layers=4, hidden=64, heads=4, kv=2), seed=3)
+    m.feature_layers = default_aux_layers(4)
+    eng = TorchEngine(m)
+    draft = _draft(m, tmp_path)
+    assert not eng.caps.row_invariant
+    g_default = Generator(eng, draft, tree="full:2,2")
+    g_default.generate(BASE, 4)
+    assert g_default.generate(BASE + [3], 4).stats.cached_tokens == 0  # off by default: not exact here
+    g_on = Generator(eng, draft, tree="full:2,2", prefix_cache=True)
+    g_off = Generator(eng, draft, tree="full:2,2", prefix_cache=False)
+    run_turns(g_on, g_off, exact=False)
+    # the draft drafted from the same features (the prompt's and the committed answer's)
+    first = g_on.generate(BASE, 24)
+    nxt = BASE + first.tokens + [30, 31]
+    a, b = (g.generate(nxt, 24) for g in (g_on, g_off))
+    assert a.stats.cached_tokens == len(BASE) + len(first.tokens) - 1
+    assert a.tokens == b.tokens
+    # the features kept for the draft are the target's features of those tokens, row for row
+    # (one causal call over them as the reference)
+    kept = g_on._decoder(SamplingParams())._prefix
+    assert len(kept.tokens) == kept.n_feats == len(nxt) + len(a.tokens) - 1
+    seq = torch.tensor([kept.tokens])
+    n = seq.shape[1]
+    cache = KVCache(eng.info.cache, n, 1)
+    _, ref = eng.forward_features(seq, torch.arange(n)[None], torch.ones(n, n, dtype=torch.bool).tril()[None], cache)
+    assert torch.allclose(torch.cat(kept._feats), ref[0], atol=1e-4)
+
+
+def test_prompt_logprobs_prefill_every_row(tiny_int4):
+    with Generator.from_export(tiny_int4) as g:
+        g.generate(BASE, 4)
+        c = g.generate(BASE + [3], 4, prompt_logprobs=0)
+        assert c.stats.cached_tokens == 0 and len(c.prompt_logprobs) == len(BASE) + 1
+        assert g.generate(BASE + [3, 4], 4).stats.cached_tokens == len(BASE) + 1  # and it is kept again
