@@ -15,7 +15,7 @@ import os
 import sys
 import warnings
 
-COMMANDS = ["export", "build", "generate", "compare", "bench", "tune", "train-draft", "serve", "loadtest"]
+COMMANDS = ["export", "build", "generate", "chat", "compare", "bench", "tune", "train-draft", "serve", "loadtest"]
 
 
 from arborspec.runtime.errors import ArborspecError, InputError, one_line  # noqa: E402
@@ -113,7 +113,7 @@ CLEANS_UP_OUTPUT = ("export", "build", "bench", "tune", "train-draft")
 
 # commands that only decode: the `arborspec` command runs their ONNX Runtime sessions on one
 # shared thread pool (runtime/backends/onnxruntime.py enable_shared_pool: faster, process-wide)
-SHARED_POOL_COMMANDS = ("generate", "bench", "tune", "serve")
+SHARED_POOL_COMMANDS = ("generate", "chat", "bench", "tune", "serve")
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError
-from arborspec.tools.commands.cli import JSON_HELP, TREE_HELP, summary
+from arborspec.tools.commands.cli import JSON_HELP, PREFIX_CACHE, TREE_HELP, summary
 from arborspec.tools.engines import add_model_args, models_key, open_models
 
 EXAMPLE = """examples:
@@ -132,6 +132,17 @@ def resolve_tree_arg(models, args, mode: str):
     return resolve_tree(args.tree, key, args.temperature)
 
 
+def resolve_mode(models, args) -> None:
+    """args.mode for these models: as serve and Generator.from_export, tree when there is a
+    draft, else vanilla; one line when a mode or --tree asks for a draft there is not."""
+    if args.mode is None:
+        if models.draft is None and args.tree:
+            raise InputError(f"--tree {args.tree} needs a draft: {_draft_hint(args)} (or leave --tree out)")
+        args.mode = "tree" if models.draft is not None else "vanilla"
+    if args.mode != "vanilla" and models.draft is None:
+        raise InputError(f"--mode {args.mode} needs a draft: {_draft_hint(args)} (or --mode vanilla)")
+
+
 def make_decoder(models, args, mode: str | None = None):
     from arborspec.runtime.decode import SpeculativeDecoder
     from arborspec.runtime.sampling import SamplingParams
@@ -153,6 +164,7 @@ def make_decoder(models, args, mode: str | None = None):
         candidates=args.candidates,
         sampling=sp,
         max_tree_nodes=models.limits.get("max_tree_nodes"),
+        prefix_cache=PREFIX_CACHE[getattr(args, "prefix_cache", "auto")],
     )
 
 
@@ -196,12 +208,7 @@ def run(args) -> int:
         _read(args.prompt_file)  # missing or not UTF-8: one line before the models load
     models = open_models(args, need_draft=args.mode != "vanilla")
     with models:  # closes the engines it opened (TensorRT-RTX saves its runtime cache)
-        if args.mode is None:  # as serve and Generator.from_export: speculate when there is a draft
-            if models.draft is None and args.tree:
-                raise InputError(f"--tree {args.tree} needs a draft: {_draft_hint(args)} (or leave --tree out)")
-            args.mode = "tree" if models.draft is not None else "vanilla"
-        if args.mode != "vanilla" and models.draft is None:
-            raise InputError(f"--mode {args.mode} needs a draft: {_draft_hint(args)} (or --mode vanilla)")
+        resolve_mode(models, args)
         tok = models.tokenizer
         ids = prompt_ids(args, tok)
         _check_limits(models, len(ids), args.max_new_tokens)
