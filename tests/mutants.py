@@ -27,6 +27,8 @@ KV = "tests/test_kv_exact.py"
 PRIMS = "tests/test_random_primitives.py"  # the exact tests enumerate the primitives: checked here
 BATCH_T = "tests/test_batch_decode.py"
 EAGLE3_T = "tests/test_eagle3.py"
+PREFIX_T = "tests/test_prefix_cache.py"
+LOGPROBS_T = "tests/test_logprobs.py"
 
 
 @dataclass(frozen=True)
@@ -285,6 +287,28 @@ MUTANTS = [
         "mask[b, :, : s.length] = True",
         "mask[b, :, :p] = True",
         (EXACT, "-k", "batched and topk"),
+    ),
+    # ---- prefix reuse and the prompt's log-probs
+    Mutant(
+        "prefix reuse keeps tokens the new prompt changed",
+        KVCACHE,
+        "while keep < n and tokens[keep] == self.tokens[keep]:",
+        "while keep < n:",
+        (PREFIX_T, "-k", "row_invariant and vanilla and 0.0"),
+    ),
+    Mutant(
+        "prefix reuse hands the draft the kept features one row late",
+        KVCACHE,
+        "torch.cat(self._feats)[:keep]",
+        "torch.cat(self._feats)[:keep].roll(1, 0)",
+        (PREFIX_T, "-k", "float_target"),
+    ),
+    Mutant(
+        "prompt log-probs read one row early",
+        DECODE,
+        "out.extend(token_logprobs(rows, prompt[s + 1 : s + 1 + len(rows)], k))",
+        "out.extend(token_logprobs(rows, prompt[s : s + len(rows)], k))",
+        (LOGPROBS_T, "-k", "prompt_logprobs_equal"),
     ),
     Mutant(
         "batch: row commit skips the gather",
