@@ -159,3 +159,24 @@ def test_smollm2_int4_tree_equals_vanilla():
     prompts = [tok.encode(t) for t in ("The capital of France is", "def fibonacci(n):", "Once upon a time")]
     _greedy_equal(out, prompts, 32, ["chain:3", "full:2,2"], draft="lookup")
     _greedy_equal(out, prompts[:1], 32, ["full:3,2"])  # the export's EAGLE-3 head
+
+
+@pytest.mark.slow
+def test_smollm2_int4_chat_turns_reuse_the_prefix_exactly():
+    """A chat's next turns on the real int4 export with its EAGLE-3 head: the prompt's kept rows
+    (the earlier turns and the answer) and the head's kept features give every token and
+    log-prob bit for bit what a fresh prefill gives."""
+    from arborspec.runtime.generator import Generator
+
+    out = _smollm2_int4()
+    with (
+        Generator.from_export(out, tree="chain:3") as on,
+        Generator.from_export(out, tree="chain:3", prefix_cache=False) as off,
+    ):
+        msgs = [{"role": "system", "content": "Answer briefly."}]
+        for q in ("Name a fruit.", "And a vegetable?", "Which of the two is sweeter?"):
+            msgs.append({"role": "user", "content": q})
+            a, b = (g.chat(msgs, 24, logprobs=1) for g in (on, off))
+            assert (a.tokens, a.logprobs) == (b.tokens, b.logprobs), q
+            assert (a.stats.cached_tokens > 0) == (len(msgs) > 2) and b.stats.cached_tokens == 0
+            msgs.append({"role": "assistant", "content": a.text})
