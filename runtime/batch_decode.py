@@ -77,6 +77,7 @@ class BatchSequence:
     logprobs: int | None = None  # top log-probs asked for (None: none)
     token_logprobs: list = field(default_factory=list)
     prompt_logprobs: list | None = None  # with prompt_logprobs=k: the prompt's (decode.prompt_scorer)
+    kept_feats: list | None = None  # with prefix reuse and a draft that reads features: its committed rows'
 
 
 class BatchDecoder:
@@ -193,6 +194,8 @@ class BatchDecoder:
         # the scratch still holds the last joiner's prompt: a prompt that starts like it reuses that
         feats, calls, st.cached_tokens = self._solo.prefill_prompt(prompt, scratch, on_logits)
         st.target_calls += calls
+        if self._solo.prefix_cache and self.needs_features:  # its rows' features, for remove()
+            seq.kept_feats = [feats] if feats is not None else []
         if self.policy is not None:
             if self._spare_drafts:
                 seq.draft = self._spare_drafts.pop()
@@ -215,11 +218,28 @@ class BatchDecoder:
         """Free a sequence's row (finished or cancelled); the last row moves into its place."""
         if seq not in self.seqs:
             return
+        if seq.done and seq.error is None and self._solo.prefix_cache:
+            self._keep_row(seq)
         release_row(self.seqs, seq, self._cache)
         if seq.draft is not None:  # reused by the next sequence that joins
             seq.draft.leave()  # e.g. its row of the batched draft cache
             self._spare_drafts.append(seq.draft)
             seq.draft = None
+
+    def _keep_row(self, seq: BatchSequence) -> None:
+        """A finished sequence's committed rows (its prompt and answer but the last token) into the
+        scratch cache, so that the next prompt that starts with them (a chat's next turn) joins
+        with a prefill of the rest only (kvcache.PrefixCache); as the unbatched decoder keeps them."""
+        n, tgt = seq.length, self.target
+        if self.needs_features and (seq.kept_feats is None or sum(len(f) for f in seq.kept_feats) != n):
+            return  # features missing: the draft could not start from this row
+        scratch = self._scratch
+        if scratch is None or scratch.max_len < n + self._extra:
+            top = tgt.info.max_position + self._extra
+            size = max(n + self._extra, min(2 * scratch.max_len, top) if scratch is not None else 0)
+            scratch = self._scratch = KVCache(tgt.info.cache, size, 1, tgt.device)
+        scratch.take_row(self._cache, seq.row, n)
+        self._solo._prefix.adopt(scratch, (seq.prompt + seq.tokens)[:n], seq.kept_feats or [])
 
     def _ensure(self, need: int) -> None:
         """A cache of max_batch rows with room for `need` positions (grown by doubling)."""
@@ -362,6 +382,8 @@ class BatchDecoder:
         if s.logprobs is not None:
             s.token_logprobs += token_logprobs(logits[b][keep], new, s.logprobs)
         moves.append((b, s.length, [base + j for j in keep]))
+        if s.kept_feats is not None and feats is not None:
+            s.kept_feats.append(feats[b, keep])
         if spec and deferred:  # no tree was drafted: the draft queues the root for its next start
             s.draft.defer(s.root, feats[b, :1] if feats is not None else None)
         elif spec:  # the draft keeps its accepted path

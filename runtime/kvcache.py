@@ -168,6 +168,11 @@ class KVCache:
         for mine, theirs in ((self.k, src.k), (self.v, src.v)):
             self._row(mine, row, 0, length).copy_(src._row(theirs, 0, 0, length))
 
+    def take_row(self, src: "KVCache", row: int, length: int) -> None:
+        """Copy the first `length` positions of batch row `row` of `src` into this one-row cache."""
+        for mine, theirs in ((self.k, src.k), (self.v, src.v)):
+            self._row(mine, 0, 0, length).copy_(src._row(theirs, row, 0, length))
+
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy row src's first `length` positions onto row dst (compaction when a row leaves)."""
         for x in (self.k, self.v):
@@ -313,6 +318,11 @@ class PrefixCache:
         feats = torch.cat(self._feats) if self._feats else None
         self._feats = [feats] if feats is not None else []
         return feats
+
+    def adopt(self, cache: KVCache, tokens: list[int], feats: list[torch.Tensor]) -> None:
+        """`cache` now holds `tokens` at [0, n) (a finished batch row copied into it), with these
+        features (chunks; [] when the draft reads none)."""
+        self.cache, self.tokens, self._feats = cache, list(tokens), list(feats)
 
     def extend(self, tokens: list[int], feats: torch.Tensor | None) -> None:
         """A decode step committed `tokens` after these (their K/V, and features, in the rows after)."""

@@ -162,21 +162,32 @@ def test_smollm2_int4_tree_equals_vanilla():
 
 
 @pytest.mark.slow
-def test_smollm2_int4_chat_turns_reuse_the_prefix_exactly():
+@pytest.mark.parametrize("batch", [1, 2])
+def test_smollm2_int4_chat_turns_reuse_the_prefix_exactly(batch):
     """A chat's next turns on the real int4 export with its EAGLE-3 head: the prompt's kept rows
     (the earlier turns and the answer) and the head's kept features give every token and
-    log-prob bit for bit what a fresh prefill gives."""
+    log-prob bit for bit what a fresh prefill gives, and the same drafts (the same number of
+    steps: features one row off would change what the head proposes, not the output)."""
     from arborspec.runtime.generator import Generator
 
     out = _smollm2_int4()
-    with (
-        Generator.from_export(out, tree="chain:3") as on,
-        Generator.from_export(out, tree="chain:3", prefix_cache=False) as off,
-    ):
+    kw = dict(tree="full:2,2", max_batch=batch)  # branching: an accepted path skips rows
+    with Generator.from_export(out, **kw) as on, Generator.from_export(out, prefix_cache=False, **kw) as off:
         msgs = [{"role": "system", "content": "Answer briefly."}]
         for q in ("Name a fruit.", "And a vegetable?", "Which of the two is sweeter?"):
             msgs.append({"role": "user", "content": q})
             a, b = (g.chat(msgs, 24, logprobs=1) for g in (on, off))
-            assert (a.tokens, a.logprobs) == (b.tokens, b.logprobs), q
+            assert (a.tokens, a.logprobs, a.stats.steps) == (b.tokens, b.logprobs, b.stats.steps), q
+            assert a.stats.steps < len(a.tokens)  # the head's drafts were accepted
             assert (a.stats.cached_tokens > 0) == (len(msgs) > 2) and b.stats.cached_tokens == 0
             msgs.append({"role": "assistant", "content": a.text})
+        # the features kept for the head: row for row the target's (one causal prefill over the
+        # kept tokens; the layout makes rows bit-identical however a call carries them)
+        from arborspec.runtime.kvcache import KVCache
+        from arborspec.runtime.sampling import SamplingParams
+        from arborspec.runtime.tree_plan import causal_prefill
+
+        kept = (on._batch.decoder._solo if batch > 1 else on._decoder(SamplingParams()))._prefix
+        cache = KVCache(on.target.info.cache, len(kept.tokens) + 2, 1)
+        ref, _ = causal_prefill(on.target, kept.tokens, cache, 512, features=True)
+        assert len(kept.tokens) == kept.n_feats and torch.equal(torch.cat(kept._feats), ref)

@@ -39,11 +39,11 @@ def common(a, b) -> int:
     return n
 
 
-def run_turns(g_on, g_off, exact: bool, batched: bool = False, **kw):
+def run_turns(g_on, g_off, exact: bool, **kw):
     """Each turn decoded with the reuse and without: the same tokens (and log-probs, bit for bit
-    where exact); the reuse keeps what the cache holds: alone, the previous prompt and its
-    committed answer (all but the last token, the next root); batched, the previous prompt (but
-    its last token) that the joining prefill left in the scratch cache."""
+    where exact); the reuse keeps what the cache holds: the previous prompt and its committed
+    answer (all but the last token, the next root); batched, the finished row copied into the
+    scratch cache that joining prompts are prefilled in."""
     held, last = [], None
     for prompt in turns(lambda: last.tokens):
         a = g_on.generate(prompt, 12, logprobs=2, **kw)
@@ -55,7 +55,7 @@ def run_turns(g_on, g_off, exact: bool, batched: bool = False, **kw):
             assert a.logprobs == b.logprobs, prompt
         else:
             assert [x for _, x, _ in a.logprobs] == pytest.approx([x for _, x, _ in b.logprobs], abs=1e-5)
-        held, last = (prompt[:-1] if batched else prompt + a.tokens[:-1]), a
+        held, last = prompt + a.tokens[:-1], a
         assert kept > 0 or prompt in (BASE, [8, 8, 8, 8])  # every other turn reuses something
     return a
 
@@ -81,10 +81,11 @@ def test_row_invariant_target_reuses_the_prefix_exactly_by_default(tiny_int4, mo
         Generator.from_export(tiny_int4, prefix_cache=False, **kw) as g_off,
     ):
         assert g_on.target.caps.row_invariant
-        run_turns(g_on, g_off, exact=True, batched=batch > 1, temperature=temperature, seed=4)
+        run_turns(g_on, g_off, exact=True, temperature=temperature, seed=4)
 
 
-def test_a_float_target_reuses_only_when_asked_and_eagle3_gets_the_kept_features(tmp_path):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_float_target_reuses_only_when_asked_and_eagle3_gets_the_kept_features(tmp_path, batch):
     from test_eagle3 import _draft
 
     from arborspec.models.eagle3 import default_aux_layers
@@ -97,8 +98,8 @@ def test_a_float_target_reuses_only_when_asked_and_eagle3_gets_the_kept_features
     g_default = Generator(eng, draft, tree="full:2,2")
     g_default.generate(BASE, 4)
     assert g_default.generate(BASE + [3], 4).stats.cached_tokens == 0  # off by default: not exact here
-    g_on = Generator(eng, draft, tree="full:2,2", prefix_cache=True)
-    g_off = Generator(eng, draft, tree="full:2,2", prefix_cache=False)
+    g_on = Generator(eng, draft, tree="full:2,2", prefix_cache=True, max_batch=batch)
+    g_off = Generator(eng, draft, tree="full:2,2", prefix_cache=False, max_batch=batch)
     run_turns(g_on, g_off, exact=False)
     # the draft drafted from the same features (the prompt's and the committed answer's)
     first = g_on.generate(BASE, 24)
@@ -108,7 +109,7 @@ def test_a_float_target_reuses_only_when_asked_and_eagle3_gets_the_kept_features
     assert a.tokens == b.tokens
     # the features kept for the draft are the target's features of those tokens, row for row
     # (one causal call over them as the reference)
-    kept = g_on._decoder(SamplingParams())._prefix
+    kept = (g_on._batch.decoder._solo if batch > 1 else g_on._decoder(SamplingParams()))._prefix
     assert len(kept.tokens) == kept.n_feats == len(nxt) + len(a.tokens) - 1
     seq = torch.tensor([kept.tokens])
     n = seq.shape[1]
