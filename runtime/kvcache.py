@@ -9,6 +9,10 @@ Layouts (runtime/contract.py KV_LAYOUTS): "sbhd", keys and values each [L, S_max
 (a layer's past is the dense prefix [0, P) of its slab); "bhsd", each [L, B, Hkv, S_max, D] (the
 engine reads and writes the layer's whole slab in place). Either way the committed tokens are
 positions [0, length) and a commit is one gather along the sequence axis.
+
+`PrefixCache` (before step 1 of a new sequence, and after each commit): which tokens a one-row
+cache still holds from the last request, so that a prompt that starts with them (a chat's next
+turn) prefills only the rest.
 """
 
 from __future__ import annotations
