@@ -242,8 +242,8 @@ class SpeculativeDecoder:
                 seq.token_logprobs += token_logprobs(logits[0, keep], new, seq.logprobs)
             # the caches keep every committed token but the last (the next root)
             cache.commit(keep, tree.n + 1)
-            # the root and the accepted nodes are committed: a next prompt that repeats them reuses them
-            self._prefix.extend([seq.root] + new[:-1], feats[0, keep] if feats is not None else None)
+            if self.prefix_cache:  # root and accepted nodes committed: a next prompt that repeats them reuses them
+                self._prefix.extend([seq.root] + new[:-1], feats[0, keep] if feats is not None else None)
             if speculate:
                 self.draft.commit(tree, path, feats[0] if feats is not None else None)
         seq.produced += len(new)
