@@ -424,3 +424,56 @@ def test_loadtest_against_the_server(server, tmp_path, capsys):
     rc = main(["loadtest", "--url", base, "--requests", "2", "--max-tokens", "2"])  # no key: 401s counted
     assert rc == 1
     assert main(["loadtest", "--url", "ftp://x", "--requests", "1"]) == 2
+
+
+class Held:
+    """A generator whose answers wait until `go` is set (a slot kept busy, deterministically)."""
+
+    def __init__(self, g, go: threading.Event):
+        self._g, self._go = g, go
+
+    def __getattr__(self, name):
+        return getattr(self._g, name)
+
+    def stream(self, *a, **kw):
+        self._go.wait(30)
+        return self._g.stream(*a, **kw)
+
+
+def test_a_full_queue_answers_503_at_once_and_admits_again(export_dir):
+    """One slot, --max-queue 1: a second request waits, a third is refused at once with 503 +
+    Retry-After (not left waiting without bound); once they finish, requests are admitted again;
+    a request asking for more sequences than can ever be admitted is a 400."""
+    go = threading.Event()
+    pool = GeneratorPool(lambda: Held(Generator.from_export(export_dir, tree="full:2,2"), go), 1, slots=1)
+    app = create_app(pool, "tiny", max_context=512, max_queue=1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    while not srv.started:
+        time.sleep(0.05)
+    base = f"http://127.0.0.1:{port}"
+    req = {"prompt": "hello", "max_tokens": 4, "temperature": 0}
+    try:
+        with ThreadPoolExecutor(2) as ex:
+            held = [ex.submit(httpx.post, base + "/v1/completions", json=req, timeout=60) for _ in range(2)]
+            for _ in range(100):  # both admitted (one decoding, one waiting)
+                if pool.waiting + pool.busy >= 2:
+                    break
+                time.sleep(0.05)
+            r = httpx.post(base + "/v1/completions", json=req, timeout=10)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert r.json()["error"]["code"] == "overloaded"
+            go.set()
+            assert [f.result().status_code for f in held] == [200, 200]
+        assert httpx.post(base + "/v1/completions", json=req, timeout=60).status_code == 200
+        r = httpx.post(base + "/v1/completions", json={**req, "n": 3}, timeout=10)
+        assert r.status_code == 400 and "more than this server admits (2)" in r.json()["error"]["message"]
+    finally:
+        go.set()
+        srv.should_exit = True
+        t.join(timeout=30)
+        pool.close()

@@ -62,6 +62,13 @@ def register(sub) -> None:
         help="reuse the K/V of a prompt's start that the previous prompt shared (a chat's earlier turns, a "
         "system prompt): auto (default) = where that is exact (a row-invariant target, the int4 export), on, off",
     )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="sequences that may wait beyond workers x max-batch; a request past it gets 503 + Retry-After "
+        "(default 256; -1: no limit)",
+    )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $ARBORSPEC_API_KEY)")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the export's name)")
     p.add_argument("--ray", action="store_true", help="run on Ray Serve (pip install 'arborspec[ray]')")
@@ -111,6 +118,8 @@ def run(args) -> int:
         raise InputError(f"--workers must be >= 1, got {args.workers}")
     if args.max_batch < 1:
         raise InputError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.max_queue < -1:
+        raise InputError(f"--max-queue must be >= 0 (or -1: no limit), got {args.max_queue}")
     sock = _bind(args.host, args.port)  # first: a port clash is one line, before anything loads
     try:
         from arborspec.runtime.contract import read_manifest
@@ -145,6 +154,7 @@ def _serve(args, man, sock, uvicorn) -> int:
             api_key=args.api_key or os.environ.get("ARBORSPEC_API_KEY"),
             max_context=int(man.limits.get("max_context", 2048)),
             access_log=None if args.quiet else _say,
+            max_queue=None if args.max_queue < 0 else args.max_queue,
         )
         g = pool.all[0]
         host = f"[{args.host}]" if ":" in args.host else args.host

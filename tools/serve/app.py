@@ -171,9 +171,12 @@ def create_app(
     api_key: str | None = None,
     max_context: int = 2048,
     access_log: Callable[[str], None] | None = None,
+    max_queue: int | None = None,
 ):
     """The app. access_log: called with one line per request (method, path, status, generated
-    tokens, ms) once its response (or stream) has ended; None: no access log."""
+    tokens, ms) once its response (or stream) has ended; None: no access log. max_queue: how
+    many sequences may wait beyond the pool's slots (workers x max_batch); a request that would
+    pass it gets a 503 with Retry-After at once (None: no limit)."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -209,11 +212,31 @@ def create_app(
         etype: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict | None = None,
     ):
         m_errors.labels(str(status)).inc()
         return JSONResponse(
-            {"error": {"message": message, "type": etype, "param": param, "code": code}}, status_code=status
+            {"error": {"message": message, "type": etype, "param": param, "code": code}},
+            status_code=status,
+            headers=headers,
         )
+
+    # admission: sequences admitted and not finished; beyond the slots + max_queue a request is
+    # refused at once (a 503 a client retries) instead of waiting without bound
+    slots = len(pool.all) * pool.slots
+    admitted = {"n": 0}
+    admit_lock = threading.Lock()
+
+    def admit(n: int) -> bool:
+        with admit_lock:
+            if max_queue is not None and admitted["n"] + n > slots + max_queue:
+                return False
+            admitted["n"] += n
+            return True
+
+    def finished(n: int = 1) -> None:
+        with admit_lock:
+            admitted["n"] -= n
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc):
@@ -534,12 +557,22 @@ def create_app(
         # prompt k's choice i (index k * n + i) draws with seed + i; each is a sequence of its own
         # (batched together when the generators batch)
         jobs = [(pr, {**params, "seed": params["seed"] + i}) for pr in prompts for i in range(params["n"])]
+        if max_queue is not None and len(jobs) > slots + max_queue:
+            return error(
+                400, f"{len(jobs)} sequences (prompts x n) are more than this server admits ({slots + max_queue})"
+            )
+        if not admit(len(jobs)):
+            busy = f"the server is busy ({max(0, admitted['n'] - slots)} sequences wait for {slots} slots); retry later"
+            return error(503, busy, etype="server_error", code="overloaded", headers={"Retry-After": "1"})
         if not body.get("stream"):
             import asyncio
 
-            runs = await asyncio.gather(
-                *(anyio.to_thread.run_sync(lambda j=j: _run(*j, chat)) for j in jobs), return_exceptions=True
-            )
+            try:
+                runs = await asyncio.gather(
+                    *(anyio.to_thread.run_sync(lambda j=j: _run(*j, chat)) for j in jobs), return_exceptions=True
+                )
+            finally:
+                finished(len(jobs))
             for r in runs:
                 if isinstance(r, ArborspecError):
                     return error(400, one_line(r))
@@ -562,6 +595,8 @@ def create_app(
             except Exception as e:  # noqa: BLE001 - a bug: reported to the client, logged by uvicorn
                 q.put(("error", i, f"internal error: {type(e).__name__}"))
                 raise
+            finally:
+                finished()
 
         for i, (pr, p) in enumerate(jobs):
             threading.Thread(target=work, args=(i, pr, p), daemon=True).start()
