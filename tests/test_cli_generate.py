@@ -122,6 +122,31 @@ def test_n_completions(ckpts, capsys):
     assert json.loads(out)["tokens"] == res["tokens"][1]
 
 
+def test_json_logprobs_are_the_apis(ckpts, capsys):
+    """--json --logprobs K: each token's log-prob and the K most likely, as Generator.generate's."""
+    from arborspec.runtime.generator import Generator
+    from arborspec.tools.engines import open_engines
+
+    a, _ = ckpts
+    args = ["generate", "--model", a, "--draft", "layers:1", "--tree", "full:2,2", "--prompt-ids", "1,2,3"]
+    rc, out, err = run_cli(args + ["--max-new-tokens", "10", "--json", "--logprobs", "2"], capsys)
+    assert rc == 0, err
+    res = json.loads(out)
+    with open_engines(model=a, draft="layers:1") as om:
+        want = Generator(om.target, om.draft, tree="full:2,2").generate([1, 2, 3], 10, logprobs=2)
+    assert [e["token"] for e in res["logprobs"]] == res["tokens"] == want.tokens
+    assert [e["logprob"] for e in res["logprobs"]] == pytest.approx([lp for _, lp, _ in want.logprobs], abs=1e-5)
+    assert [[a for a, _, _ in e["top"]] for e in res["logprobs"]] == [
+        [a for a, _ in top] for _, _, top in want.logprobs
+    ]
+    for extra, msg in (
+        (["--logprobs", "1"], "--logprobs is printed with --json"),
+        (["--json", "--logprobs", "21"], "[0, 20]"),
+    ):
+        rc, _, err = run_cli(args + extra, capsys)
+        assert rc == 2 and msg in err
+
+
 @pytest.mark.parametrize(
     "case", ["missing", "empty", "too_long", "vocab", "tree", "no_tokenizer", "bad_ids", "temperature"]
 )

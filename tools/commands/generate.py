@@ -71,6 +71,13 @@ def register(sub) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help=JSON_HELP)
     o.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --json: each new token's log-prob under the target and the K (0-20) most likely there",
+    )
+    o.add_argument(
         "--vs-vanilla",
         action="store_true",
         help="also run vanilla decoding on the same backend and print both stats (each decoder runs once "
@@ -199,6 +206,13 @@ def run(args) -> int:
     if args.tree and args.tree.strip().lower() != "auto":
         parse_tree_spec(args.tree)
     _check_one_prompt(args)  # before the models load
+    if args.logprobs is not None:
+        from arborspec.runtime.decode import MAX_LOGPROBS
+
+        if not 0 <= args.logprobs <= MAX_LOGPROBS:
+            raise InputError(f"--logprobs must be in [0, {MAX_LOGPROBS}], got {args.logprobs}")
+        if not args.json:
+            raise InputError("--logprobs is printed with --json")
     from arborspec.runtime.stop_strings import StopStrings, decode_until_stop, parse_stop
 
     stops = parse_stop(args.stop)
@@ -225,11 +239,11 @@ def run(args) -> int:
         stream_text = not args.json and args.n == 1 and tok is not None
         if stops and tok is None:
             raise InputError("--stop matches text: this model has no tokenizer")
-        texts = []
+        texts, lps = [], []
         for i in range(args.n):
             seed = args.seed + i
             toks: list[int] = []
-            chunks = dec.stream(ids, args.max_new_tokens, eos, seed)
+            chunks = dec.stream(ids, args.max_new_tokens, eos, seed, args.logprobs)
             if stops:  # the text, cut before the first stop string, token by token
                 match, pieces = StopStrings(stops), []
                 for text in decode_until_stop(chunks, tok.stream_decoder(skip_special_tokens=True), match, toks):
@@ -241,6 +255,7 @@ def run(args) -> int:
                     sys.stdout.write("\n")
                 texts.append("".join(pieces))
                 runs.append((toks, dec.last_stats, "stop" if match.hit else dec.last_stop_reason))
+                lps.append(dec.last_logprobs[: len(toks)] if args.logprobs is not None else None)
                 continue
             sd = tok.stream_decoder(skip_special_tokens=True) if stream_text else None
             for chunk in chunks:
@@ -252,6 +267,7 @@ def run(args) -> int:
                 sys.stdout.write(sd.finish() + "\n")
             texts.append(tok.decode(toks, skip_special_tokens=True) if tok is not None else None)
             runs.append((toks, dec.last_stats, dec.last_stop_reason))
+            lps.append(dec.last_logprobs[: len(toks)] if args.logprobs is not None else None)
         if args.prompt_ids is None and not args.chat:
             from arborspec.runtime.generator import warn_if_empty_answer
 
@@ -268,6 +284,16 @@ def run(args) -> int:
             }
             if args.n > 1:
                 out["stats_per_run"] = stats
+            if args.logprobs is not None:  # per token: its id, text, log-prob, and the K most likely
+                word = (lambda t: tok.decode([t])) if tok is not None else str  # noqa: E731
+                rows = [
+                    [
+                        {"token": t, "text": word(t), "logprob": lp, "top": [[a, word(a), v] for a, v in top]}
+                        for t, lp, top in run
+                    ]
+                    for run in lps
+                ]
+                out["logprobs"] = rows[0] if args.n == 1 else rows
             if vanilla is not None:
                 out["vanilla"] = {
                     "text": tok.decode(vanilla.tokens, skip_special_tokens=True) if tok else None,
