@@ -308,7 +308,9 @@ def test_serve_says_where_it_listens_logs_requests_and_stops(exports, tmp_path, 
     man["source"] = {"model": "./tiny-llama"}
     (e / "manifest.json").write_text(json.dumps(man))
     port = _free_port()
-    cmd = [*CLI, "serve", "--export-dir", str(e), "--port", str(port), "--max-batch", "2"] + (
+    # quiet: on another loopback address, which is not "this machine only": it warns without a key
+    host = "127.0.0.2" if quiet else "127.0.0.1"
+    cmd = [*CLI, "serve", "--export-dir", str(e), "--port", str(port), "--max-batch", "2", "--host", host] + (
         ["--quiet"] if quiet else []
     )
     proc = subprocess.Popen(
@@ -318,8 +320,9 @@ def test_serve_says_where_it_listens_logs_requests_and_stops(exports, tmp_path, 
     q = _stderr_lines(proc)
     try:
         up = _wait_for(q, "serving", lines)
-        assert f"http://127.0.0.1:{port}" in up and "tiny-llama" in up and "batch 2" in up and "tree" in up, up
-        base = f"http://127.0.0.1:{port}"
+        assert f"http://{host}:{port}" in up and "tiny-llama" in up and "batch 2" in up and "tree" in up, up
+        assert ("without --api-key" in "".join(lines)) == quiet
+        base = f"http://{host}:{port}"
         assert httpx.get(base + "/v1/models").json()["data"][0]["id"] == "tiny-llama"
         r = httpx.post(
             base + "/v1/completions", json={"prompt": "hello", "max_tokens": 3, "temperature": 0}, timeout=60

@@ -164,6 +164,10 @@ def _serve(args, man, sock, uvicorn) -> int:
         if g.mode != "vanilla" and g.sampled_tree and args.max_batch == 1:  # `tune --temperature` ran
             tree += f", at temperature > 0 {g.sampled_tree}"
         sock.listen(2048)
+        if args.host not in ("127.0.0.1", "localhost", "::1") and not (
+            args.api_key or os.environ.get("ARBORSPEC_API_KEY")
+        ):
+            _say(f"warning: listening on {args.host} without --api-key: anyone who can reach the port can use it")
         _say(
             f"serving {name} on {url} (draft {draft}, mode {g.mode}, tree {tree}, batch {args.max_batch}, "
             f"workers {args.workers}, prefix cache {'on' if g.reuses_prefix else 'off'}; "
