@@ -304,6 +304,13 @@ MUTANTS = [
         (PREFIX_T, "-k", "float_target"),
     ),
     Mutant(
+        "the EAGLE-3 head keeps one entry more than the new sequence repeats",
+        EAGLE3,
+        "w, keep = w0, min(n - 1 - w0, len(self._entries))",
+        "w, keep = w0, min(n - w0, len(self._entries))",
+        (PREFIX_T, "-k", "eagle3_head"),
+    ),
+    Mutant(
         "prompt log-probs read one row early",
         DECODE,
         "out.extend(token_logprobs(rows, prompt[s + 1 : s + 1 + len(rows)], k))",

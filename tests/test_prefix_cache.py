@@ -124,3 +124,57 @@ def test_prompt_logprobs_prefill_every_row(tiny_int4):
         c = g.generate(BASE + [3], 4, prompt_logprobs=0)
         assert c.stats.cached_tokens == 0 and len(c.prompt_logprobs) == len(BASE) + 1
         assert g.generate(BASE + [3, 4], 4).stats.cached_tokens == len(BASE) + 1  # and it is kept again
+
+
+@pytest.mark.parametrize("context", [None, 12])
+def test_the_eagle3_head_keeps_its_entries_for_a_sequence_that_starts_the_same(tmp_path, context):
+    """Eagle3Draft.reset keeps the entries its cache holds for the tokens a new sequence repeats
+    (a chat's next turn): the head then reads only the rest, and its cache and its proposal for
+    the next root are a fresh head's with the same window (context: its window start stays put
+    until the window would hold twice `context` entries, then a fresh window)."""
+    from test_eagle3 import _draft
+
+    from arborspec.models.eagle3 import default_aux_layers
+    from arborspec.runtime.trees import parse_tree_spec
+
+    m = random_model(tiny_config("llama", vocab=96, layers=4, hidden=64, heads=4, kv=2), seed=3)
+    m.feature_layers = default_aux_layers(4)
+    eng = TorchEngine(m)
+    seq = [int(x) for x in torch.randint(0, 96, (60,), generator=torch.Generator().manual_seed(1))]
+    other = seq[:25] + [(t + 7) % 96 for t in seq[25:]]  # the same first 25 tokens, then others
+
+    def features(tokens):  # the target's, one causal call
+        n = len(tokens)
+        cache = KVCache(eng.info.cache, n, 1)
+        mask = torch.ones(n, n, dtype=torch.bool).tril()[None]
+        return eng.forward_features(torch.tensor([tokens]), torch.arange(n)[None], mask, cache)[1][0]
+
+    feats = {id(seq): features(seq), id(other): features(other)}
+    policy = parse_tree_spec("chain:2")
+    d = _draft(m, tmp_path)
+    d.context = context
+    d.prepare(policy, 128)
+
+    def turn(draft, x, upto: int):  # a sequence of x[:upto + 1]: committed x[:upto], root x[upto]
+        draft.reset(x[:upto], feats[id(x)][:upto])
+        kept = draft.cache.length
+        return kept, draft.start(x[upto])
+
+    turn(d, seq, 20)
+    w0 = 20 - 1 - context if context is not None else 0  # the first window's start
+    # a longer turn of the same tokens; one that differs from token 25 on; past twice the context
+    for x, upto, kept_want in ((seq, 30, 20 - w0), (other, 32, 24 - w0), (other, 50, None)):
+        kept, got = turn(d, x, upto)
+        if context is not None and kept_want is None:  # a fresh window, nothing kept
+            assert kept == 0
+        else:
+            assert kept == (kept_want if kept_want is not None else 32)  # no window: all of other[:33] kept
+            fresh = _draft(m, tmp_path)
+            fresh.context = upto - 1 - w0 if context is not None else None  # the same window start
+            fresh.prepare(policy, 128)
+            _, want = turn(fresh, x, upto)
+            assert torch.allclose(got, want, atol=1e-5)
+            length = d.cache.length
+            assert length == fresh.cache.length
+            for a, b in ((d.cache.k, fresh.cache.k), (d.cache.v, fresh.cache.v)):
+                assert torch.allclose(d.cache._seq(a, 0, length), fresh.cache._seq(b, 0, length), atol=1e-5)

@@ -103,6 +103,11 @@ class Eagle3Draft(DraftSource):
         self._feats: torch.Tensor | None = None  # ... and their target features [n, F]
         self._last: torch.Tensor | None = None  # the feature the next root pairs with [F]
         self._base = self._chain = 0
+        # what the cache holds, for a next sequence that starts the same way (a chat's next turn):
+        # entry j is (x[w + 1 + j], the target feature of x[w + j]) of the sequence x whose first
+        # w + 1 tokens are `_lead`; `_entries` the entry tokens (None: nothing known)
+        self._lead: list[int] = []
+        self._entries: list[int] | None = None
         self._slot = np.full(64, -1, dtype=np.int64)
         self._slot_node = np.zeros(64, dtype=np.int64)
         self._node_hidden = torch.zeros(64, self.hidden_size)
@@ -119,20 +124,33 @@ class Eagle3Draft(DraftSource):
         need = max_len + cap + 2
         if self.cache is None or self.cache.max_len < need:
             self.cache = KVCache(self.spec, need, 1, self.device)
+            self._entries = None  # a new cache holds nothing
         if self._slot.size < cap:
             self._slot = np.full(cap, -1, dtype=np.int64)
             self._slot_node = np.zeros(cap, dtype=np.int64)
             self._node_hidden = torch.zeros(cap, self.hidden_size)
 
     def reset(self, committed: list[int], features: torch.Tensor | None = None) -> None:
-        self.cache.reset()
+        """Start a sequence whose committed tokens are `committed` (features: the target's of
+        them). The head reads the last `context` entries; where the cache already holds the first
+        ones (the previous sequence began the same way: a chat's next turn), they stay and only
+        the rest is queued, the window start kept until it would hold twice `context`."""
         m = len(committed)
         f = features if features is not None else torch.zeros(0, self.feature_size)
-        self._tokens = list(committed[1:])
-        self._feats = f[: max(m - 1, 0)].float().cpu()
-        if self.context is not None and len(self._tokens) > self.context:
-            self._tokens = self._tokens[len(self._tokens) - self.context :]
-            self._feats = self._feats[self._feats.shape[0] - self.context :]
+        w = max(0, m - 1 - self.context) if self.context is not None else 0  # a fresh window's start
+        keep = 0
+        if self._entries is not None and self._lead:
+            w0 = len(self._lead) - 1
+            if self.context is None or m - 1 - w0 <= 2 * self.context:
+                old, n = self._lead + self._entries, 0
+                while n < min(m, len(old)) and committed[n] == old[n]:
+                    n += 1
+                if n >= w0 + 1:  # the window's lead is the same: entries up to token n - 1 stay
+                    w, keep = w0, min(n - 1 - w0, len(self._entries))
+        self.cache.length = keep
+        self._lead, self._entries = list(committed[: w + 1]), (self._entries or [])[:keep]
+        self._tokens = list(committed[w + 1 + keep :])
+        self._feats = f[w + keep : max(m - 1, 0)].float().cpu()
         self._last = f[m - 1].float().cpu() if m else torch.zeros(self.feature_size)
 
     @torch.inference_mode()
@@ -196,6 +214,8 @@ class Eagle3Draft(DraftSource):
             self.PREFILL_CHUNK,
         )
         self._base, self._chain = p, m  # c.length is p + m
+        if self._entries is not None:
+            self._entries += tokens.tolist()
         self._slot.fill(-1)
         self._root_hidden = out[-1]
         self._root_token = int(root)
