@@ -202,6 +202,8 @@ class BatchDecoder:
             else:
                 seq.draft = self.draft_batch.handle() if self.draft_batch else self.draft.fork()
             seq.draft.prepare(self.policy, min(len(prompt) + max_new_tokens, tgt.info.max_position))
+            if self._solo.cold:
+                seq.draft.forget()
             seq.draft.reset(prompt[:-1], feats)
             seq.ws = TreeWorkspace(tree_capacity(self.policy, tgt.info.vocab_size))
         seq.row = len(self.seqs)

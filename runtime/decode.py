@@ -137,6 +137,9 @@ class SpeculativeDecoder:
         # a prompt that starts like the last one prefills only the rest (kvcache.PrefixCache);
         # by default where that is exact: a row-invariant target
         self.prefix_cache = target.caps.row_invariant if prefix_cache is None else bool(prefix_cache)
+        # a draft keeps what it can for a repeated start (its own cache: the output stays exact
+        # either way) unless the caller asked for cold requests (prefix_cache=False: a benchmark)
+        self.cold = prefix_cache is False
         self._prefix = PrefixCache()
 
     @property
@@ -213,6 +216,8 @@ class SpeculativeDecoder:
             st.target_calls += calls
             if policy is not None:
                 draft.prepare(policy, min(len(prompt) + max_new_tokens, tgt.info.max_position))
+                if self.cold:
+                    draft.forget()
                 draft.reset(prompt[:-1], feats)
 
     def step(self) -> list[int]:

@@ -178,3 +178,31 @@ def test_the_eagle3_head_keeps_its_entries_for_a_sequence_that_starts_the_same(t
             assert length == fresh.cache.length
             for a, b in ((d.cache.k, fresh.cache.k), (d.cache.v, fresh.cache.v)):
                 assert torch.allclose(d.cache._seq(a, 0, length), fresh.cache._seq(b, 0, length), atol=1e-5)
+
+
+def test_prefix_cache_false_starts_the_head_cold_too(tmp_path):
+    """prefix_cache=False (a benchmark's cold requests): the head reads its whole context again
+    on a repeated prompt, where the default keeps its entries and reads only the new ones."""
+    from test_eagle3 import _draft
+
+    from arborspec.models.eagle3 import default_aux_layers
+
+    m = random_model(tiny_config("llama", vocab=96, layers=4, hidden=64, heads=4, kv=2), seed=3)
+    m.feature_layers = default_aux_layers(4)
+    eng = TorchEngine(m)
+    prompt = [int(x) for x in torch.randint(0, 96, (300,), generator=torch.Generator().manual_seed(2))]
+    rows = {}
+    for pc in (None, False):
+        draft = _draft(m, tmp_path)
+        g = Generator(eng, draft, tree="chain:2", prefix_cache=pc)
+        g.generate(prompt, 4)
+        seen, call = [], draft.engine.forward_hidden
+
+        def counting(ids, *a, _call=call, _seen=seen):  # the entries the head runs
+            _seen.append(ids.shape[1])
+            return _call(ids, *a)
+
+        draft.engine.forward_hidden = counting
+        g.generate(prompt, 4)
+        rows[pc] = sum(seen)
+    assert rows[None] < 20 and rows[False] >= len(prompt) - 1, rows

@@ -78,6 +78,11 @@ class DraftSource:
         """Once per generation, before `reset`: size scratch space for `policy` and a committed
         context of up to `max_len` tokens."""
 
+    def forget(self) -> None:
+        """Drop what the source keeps from earlier sequences for a next one that starts the same
+        way (the EAGLE-3 head's cache entries), so that the next `reset` starts cold: what a
+        caller asks for with prefix_cache=False (a benchmark's cold requests)."""
+
     def reset(self, committed: list[int], features: torch.Tensor | None = None) -> None:
         """Start a sequence: `committed` are the tokens before the first root; `features` the
         target's features for them (from the prefill) when `needs_target_features`."""

@@ -130,6 +130,9 @@ class Eagle3Draft(DraftSource):
             self._slot_node = np.zeros(cap, dtype=np.int64)
             self._node_hidden = torch.zeros(cap, self.hidden_size)
 
+    def forget(self) -> None:
+        self._entries = None
+
     def reset(self, committed: list[int], features: torch.Tensor | None = None) -> None:
         """Start a sequence whose committed tokens are `committed` (features: the target's of
         them). The head reads the last `context` entries; where the cache already holds the first

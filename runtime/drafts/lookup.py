@@ -47,6 +47,10 @@ class LookupDraft(DraftSource):
         fb = self.fallback.fork() if self.fallback is not None else None
         return LookupDraft(self.vocab_size, self.max_n, self.min_n, fb)
 
+    def forget(self) -> None:
+        if self.fallback is not None:
+            self.fallback.forget()
+
     def reset(self, committed: list[int], features=None) -> None:
         self.ctx, self.index = [], {}
         for t in committed:

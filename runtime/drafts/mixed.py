@@ -60,6 +60,10 @@ class LookupMixDraft(DraftSource):
         self.base.prepare(policy, max_len)
         self.lookup.prepare(policy, max_len)
 
+    def forget(self) -> None:
+        self.base.forget()
+        self.lookup.forget()
+
     def reset(self, committed: list[int], features: torch.Tensor | None = None) -> None:
         self.base.reset(committed, features)
         self.lookup.reset(committed)

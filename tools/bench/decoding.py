@@ -206,7 +206,7 @@ def make_decoders(models, configs: list[BenchConfig], sp):
             candidates=c.candidates,
             sampling=sp,
             max_tree_nodes=models.limits.get("max_tree_nodes"),
-            prefix_cache=False,  # every run prefills its whole prompt: time to first token as a cold request's
+            prefix_cache=False,  # cold requests: every run prefills its whole prompt, the draft reads it all again
         )
     return decs
 

@@ -183,10 +183,14 @@ def loop_measure(
     decs = []
     for pol in policies:
         pol, cand = pol if isinstance(pol, tuple) else (pol, None)
+        # every run a cold request (prefix_cache=False): the configurations share the prompts and
+        # the draft, and a kept prefix would speed up whichever ran a prompt second
         if pol is None:
-            decs.append(SpeculativeDecoder(target, mode="vanilla", sampling=sampling))
+            decs.append(SpeculativeDecoder(target, mode="vanilla", sampling=sampling, prefix_cache=False))
         else:
-            decs.append(SpeculativeDecoder(target, draft, tree=pol, candidates=cand, sampling=sampling))
+            decs.append(
+                SpeculativeDecoder(target, draft, tree=pol, candidates=cand, sampling=sampling, prefix_cache=False)
+            )
     for dec in decs:
         dec.generate(list(prompts[0]), 4, eos)  # warm
     secs, steps, made = [0.0] * len(decs), [0] * len(decs), [0] * len(decs)
