@@ -7,6 +7,7 @@ Prometheus."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -33,14 +34,11 @@ def export_dir(tmp_path_factory):
     return tiny_text_export(tmp_path_factory.mktemp("serve") / "export", seed=9)
 
 
-@pytest.fixture(scope="module", params=[1, 4], ids=["one-at-a-time", "batched"])
-def server(export_dir, request):
-    """max_batch 1: two generators, one sequence each; 4: one generator batching 4 sequences."""
-    mb = request.param
-    pool = GeneratorPool(
-        lambda: Generator.from_export(export_dir, tree="full:2,2", max_batch=mb), 2 if mb == 1 else 1, slots=mb
-    )
-    app = create_app(pool, "tiny", api_key=KEY, max_context=512)
+@contextlib.contextmanager
+def serving(pool, **app_kw):
+    """The app over `pool` on a free 127.0.0.1 port, in a thread -> its base URL; stopped and the
+    pool closed on exit."""
+    app = create_app(pool, "tiny", max_context=512, **app_kw)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -52,10 +50,23 @@ def server(export_dir, request):
             break
         time.sleep(0.05)
     assert srv.started
-    yield f"http://127.0.0.1:{port}", pool
-    srv.should_exit = True
-    t.join(timeout=30)
-    pool.close()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        t.join(timeout=30)
+        pool.close()
+
+
+@pytest.fixture(scope="module", params=[1, 4], ids=["one-at-a-time", "batched"])
+def server(export_dir, request):
+    """max_batch 1: two generators, one sequence each; 4: one generator batching 4 sequences."""
+    mb = request.param
+    pool = GeneratorPool(
+        lambda: Generator.from_export(export_dir, tree="full:2,2", max_batch=mb), 2 if mb == 1 else 1, slots=mb
+    )
+    with serving(pool, api_key=KEY) as base:
+        yield base, pool
 
 
 def client(base):
@@ -446,34 +457,22 @@ def test_a_full_queue_answers_503_at_once_and_admits_again(export_dir):
     a request asking for more sequences than can ever be admitted is a 400."""
     go = threading.Event()
     pool = GeneratorPool(lambda: Held(Generator.from_export(export_dir, tree="full:2,2"), go), 1, slots=1)
-    app = create_app(pool, "tiny", max_context=512, max_queue=1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    while not srv.started:
-        time.sleep(0.05)
-    base = f"http://127.0.0.1:{port}"
-    req = {"prompt": "hello", "max_tokens": 4, "temperature": 0}
-    try:
-        with ThreadPoolExecutor(2) as ex:
-            held = [ex.submit(httpx.post, base + "/v1/completions", json=req, timeout=60) for _ in range(2)]
-            for _ in range(100):  # both admitted (one decoding, one waiting)
-                if pool.waiting + pool.busy >= 2:
-                    break
-                time.sleep(0.05)
-            r = httpx.post(base + "/v1/completions", json=req, timeout=10)
-            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
-            assert r.json()["error"]["code"] == "overloaded"
-            go.set()
-            assert [f.result().status_code for f in held] == [200, 200]
-        assert httpx.post(base + "/v1/completions", json=req, timeout=60).status_code == 200
-        r = httpx.post(base + "/v1/completions", json={**req, "n": 3}, timeout=10)
-        assert r.status_code == 400 and "more than this server admits (2)" in r.json()["error"]["message"]
-    finally:
-        go.set()
-        srv.should_exit = True
-        t.join(timeout=30)
-        pool.close()
+    with serving(pool, max_queue=1) as base:
+        try:
+            req = {"prompt": "hello", "max_tokens": 4, "temperature": 0}
+            with ThreadPoolExecutor(2) as ex:
+                held = [ex.submit(httpx.post, base + "/v1/completions", json=req, timeout=60) for _ in range(2)]
+                for _ in range(100):  # both admitted (one decoding, one waiting)
+                    if pool.waiting + pool.busy >= 2:
+                        break
+                    time.sleep(0.05)
+                r = httpx.post(base + "/v1/completions", json=req, timeout=10)
+                assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+                assert r.json()["error"]["code"] == "overloaded"
+                go.set()
+                assert [f.result().status_code for f in held] == [200, 200]
+            assert httpx.post(base + "/v1/completions", json=req, timeout=60).status_code == 200
+            r = httpx.post(base + "/v1/completions", json={**req, "n": 3}, timeout=10)
+            assert r.status_code == 400 and "more than this server admits (2)" in r.json()["error"]["message"]
+        finally:
+            go.set()  # never leave the held requests waiting

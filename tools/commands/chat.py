@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from arborspec.runtime.errors import InputError
-from arborspec.tools.commands.cli import PREFIX_CACHE, TREE_HELP, summary
+from arborspec.tools.commands.cli import PREFIX_CACHE, TREE_HELP, add_sampling_args, summary
 from arborspec.tools.engines import add_model_args, open_models
 
 EXAMPLE = """examples:
@@ -37,10 +37,7 @@ def register(sub) -> None:
     g.add_argument("--mode", choices=["vanilla", "chain", "tree"], default=None, help="default: tree with a draft")
     g.add_argument("--tree", default=None, help=TREE_HELP)
     g.add_argument("--candidates", choices=["topk", "sample", "sample-unique"], default=None, help=argparse.SUPPRESS)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0, help="sample from the K most likely tokens (0: all; default)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed of the first answer (then +1 a turn)")
+    add_sampling_args(g, "sampling seed of the first answer (then +1 a turn)")
     g.add_argument("--max-new-tokens", type=int, default=512, help="tokens per answer at most (default 512)")
     g.add_argument(
         "--prefix-cache",

@@ -48,6 +48,14 @@ JSON_HELP = "print the result as one JSON object on stdout (instead of text)"
 JSON_OUT_HELP = "also write the results to this JSON file"
 
 
+def add_sampling_args(g, seed_help: str = "sampling seed (default 0)") -> None:
+    """--temperature, --top-k, --top-p, --seed (generate, chat)."""
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the K most likely tokens (0: all; default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
+    g.add_argument("--seed", type=int, default=0, help=seed_help)
+
+
 def summary(doc: str) -> str:
     """A module docstring's first paragraph as one line: the description a command's --help shows."""
     return " ".join(doc.strip().split("\n\n")[0].split())

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError
-from arborspec.tools.commands.cli import JSON_HELP, PREFIX_CACHE, TREE_HELP, summary
+from arborspec.tools.commands.cli import JSON_HELP, PREFIX_CACHE, TREE_HELP, add_sampling_args, summary
 from arborspec.tools.engines import add_model_args, models_key, open_models
 
 EXAMPLE = """examples:
@@ -49,10 +49,7 @@ def register(sub) -> None:
         help="how draft children are chosen when sampling (default: what `tune --temperature` chose for "
         "--tree auto, else topk)",
     )
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0, help="sample from the K most likely tokens (0: all; default)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    add_sampling_args(g)
     g.add_argument("--n", type=int, default=1, help="independent completions (seeds seed..seed+N-1)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     g.add_argument(
