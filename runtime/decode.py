@@ -258,6 +258,10 @@ class SpeculativeDecoder:
         seq.root = new[-1]
         return new
 
+    def cached_prefix(self, ids: list[int]) -> int:
+        """How many of `ids`' first tokens (but its last) the cache holds for a next prompt."""
+        return self._prefix.match(list(ids[:-1])) if self.prefix_cache else 0
+
     def prefill_prompt(self, prompt: list[int], cache: KVCache, on_logits=None):
         """All of `prompt` but its last token (the first root) into `cache`, but the tokens a
         previous prefill left there (`prefix_cache`; not with on_logits: the prompt's log-probs

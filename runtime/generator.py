@@ -130,6 +130,15 @@ class Generator:
         """Whether a prompt that starts like the previous one reuses its K/V (`prefix_cache`)."""
         return self._decoder(SamplingParams()).prefix_cache
 
+    def cached_prefix(self, ids: list[int]) -> int:
+        """How many of `ids`' first tokens this generator's caches hold (its next prompt that
+        starts with them prefills only the rest); 0 where prefix reuse is off. A router's hint:
+        read without the lock, it may be a step stale."""
+        if not self.reuses_prefix:
+            return 0
+        decs = [self._batch.decoder._solo] if self._batch is not None else list(self._decoders.values())
+        return max(d.cached_prefix(ids) for d in decs)
+
     @property
     def last_stop_reason(self) -> str | None:
         return getattr(self._last, "stop_reason", None)

@@ -298,6 +298,13 @@ class PrefixCache:
         self.cache = cache.grown(size)
         return self.cache
 
+    def match(self, tokens: list[int]) -> int:
+        """How many of `tokens`' first ones this prefix holds."""
+        held, n = self.tokens, 0
+        while n < min(len(tokens), len(held)) and tokens[n] == held[n]:
+            n += 1
+        return n
+
     def begin(self, cache: KVCache, tokens: list[int], enabled: bool, features: bool = False) -> int:
         """Before a prefill of `tokens` into `cache`: -> how many of them its rows already hold
         (0 when disabled or another cache); the cache's length is set there. Until `end` the
@@ -305,9 +312,7 @@ class PrefixCache:
         needs the kept tokens' features too."""
         keep = 0
         if enabled and cache is self.cache:
-            n = min(len(tokens), len(self.tokens), self.n_feats if features else len(tokens))
-            while keep < n and tokens[keep] == self.tokens[keep]:
-                keep += 1
+            keep = min(self.match(tokens), self.n_feats) if features else self.match(tokens)
         feats = torch.cat(self._feats)[:keep] if self._feats and keep else None
         self.cache, self.tokens, self._feats = cache, list(tokens[:keep]), [feats] if feats is not None else []
         cache.length = keep

@@ -292,8 +292,8 @@ MUTANTS = [
     Mutant(
         "prefix reuse keeps tokens the new prompt changed",
         KVCACHE,
-        "while keep < n and tokens[keep] == self.tokens[keep]:",
-        "while keep < n:",
+        "while n < min(len(tokens), len(held)) and tokens[n] == held[n]:",
+        "while n < min(len(tokens), len(held)):",
         (PREFIX_T, "-k", "row_invariant and vanilla and 0.0"),
     ),
     Mutant(

@@ -476,3 +476,23 @@ def test_a_full_queue_answers_503_at_once_and_admits_again(export_dir):
             assert r.status_code == 400 and "more than this server admits (2)" in r.json()["error"]["message"]
         finally:
             go.set()  # never leave the held requests waiting
+
+
+def test_a_chats_next_turn_goes_to_the_generator_that_keeps_its_start(tmp_path_factory):
+    """Two generators, one sequence each, on a row-invariant (int4) export: each turn of a chat
+    is routed to the free generator whose cache holds most of its prompt, so the next turn
+    reuses it (a FIFO pool sent it to the other generator, which had nothing: 0 cached)."""
+    pytest.importorskip("onnxruntime")
+    from conftest import tiny_text_export as export
+
+    int4 = export(tmp_path_factory.mktemp("int4") / "e", seed=9, quantize="int4", max_tree_nodes=32)
+    pool = GeneratorPool(lambda: Generator.from_export(int4, tree="chain:2"), 2, slots=1)
+    with serving(pool) as base:
+        msgs = [{"role": "user", "content": "hello hello hello the hell"}]
+        cached = []
+        for _ in range(3):
+            r = httpx.post(base + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0})
+            body = r.json()
+            cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+            msgs += [body["choices"][0]["message"], {"role": "user", "content": "the hell"}]
+        assert cached[0] == 0 and all(c > 10 for c in cached[1:]), cached

@@ -124,33 +124,41 @@ def _ort_shared_pool() -> bool:
 
 class GeneratorPool:
     """N generators with `slots` sequences each (their max_batch); `acquire()` blocks until a
-    slot is free (the queue depth is what waits) and returns its generator."""
+    slot is free (the queue depth is what waits) and returns its generator: of the free ones, the
+    one whose cache holds the longest start of the request's prompt (`Generator.cached_prefix`),
+    so that a chat's next turn goes where its earlier turns are kept."""
 
     def __init__(self, factory: Callable[[], Any], workers: int, slots: int = 1):
-        self.free: queue.Queue = queue.Queue()
         self.all = [factory() for _ in range(workers)]
         self.slots = slots
-        for _ in range(slots):
-            for g in self.all:
-                self.free.put(g)
+        self.free = [g for _ in range(slots) for g in self.all]
         self.waiting = 0
-        self._lock = threading.Lock()
+        self._cv = threading.Condition()
 
-    def acquire(self, timeout: float | None = None):
-        with self._lock:
+    def acquire(self, timeout: float | None = None, ids: list[int] | None = None):
+        """A free generator (waiting up to `timeout` s; None: no limit; queue.Empty past it); with
+        the prompt's `ids`, the free one that keeps most of it."""
+        with self._cv:
             self.waiting += 1
-        try:
-            return self.free.get(timeout=timeout)
-        finally:
-            with self._lock:
+            try:
+                if not self._cv.wait_for(lambda: self.free, timeout):
+                    raise queue.Empty
+                best = 0
+                if ids is not None and len(self.free) > 1:
+                    kept = [getattr(g, "cached_prefix", lambda _: 0)(ids) for g in self.free]
+                    best = max(range(len(kept)), key=kept.__getitem__)
+                return self.free.pop(best)
+            finally:
                 self.waiting -= 1
 
     def release(self, g) -> None:
-        self.free.put(g)
+        with self._cv:
+            self.free.append(g)
+            self._cv.notify()
 
     @property
     def busy(self) -> int:
-        return len(self.all) * self.slots - self.free.qsize()
+        return len(self.all) * self.slots - len(self.free)
 
     @property
     def mean_batch(self) -> float:
@@ -401,13 +409,14 @@ def create_app(
         """One generation on a pooled generator (a worker thread): text, tokens, stats.
         on_chunk(text, logprobs): each streamed piece, with its tokens' log-probs (as _result's
         `logprobs`) when the request asked for them, else None."""
-        g = pool.acquire()
+        first = pool.all[0]  # the generators share one tokenizer: the prompt's ids before choosing one
+        if chat:
+            prompt = first.tokenizer.apply_chat(prompt) if first.tokenizer is not None else None
+            if prompt is None:
+                raise ArborspecError("this model has no tokenizer: chat needs one")
+        ids = first.encode_prompt(prompt)
+        g = pool.acquire(ids=ids)
         try:
-            if chat:
-                prompt = g.tokenizer.apply_chat(prompt) if g.tokenizer is not None else None
-                if prompt is None:
-                    raise ArborspecError("this model has no tokenizer: chat needs one")
-            ids = g.encode_prompt(prompt)
             if params["max_new_tokens"] is None:  # the rest of the context
                 if len(ids) >= max_context:
                     raise ArborspecError(f"the prompt ({len(ids)} tokens) fills the model's context of {max_context}")
