@@ -63,3 +63,23 @@ def test_mistakes_are_one_line(monkeypatch, capsys, export_dir, tmp_path):
     (no_tok / "tokenizer_meta.json").write_text('{"bos_token_id": 1, "eos_token_ids": [2]}')
     rc, _, err = chat(monkeypatch, capsys, no_tok, "hi\n")
     assert rc == 2 and "no chat template" in err
+
+
+def test_ctrl_c_stops_an_answer_not_the_conversation(monkeypatch, capsys, export_dir):
+    """Ctrl-C while an answer streams ends that answer (its text so far kept in the
+    conversation); the next line is answered; the program ends normally."""
+    from arborspec.runtime.decode import SpeculativeDecoder
+
+    real, calls = SpeculativeDecoder.stream, []
+
+    def interrupted_once(self, *a, **kw):
+        calls.append(1)
+        for chunk in real(self, *a, **kw):
+            yield chunk
+            if len(calls) == 1:  # Ctrl-C after the first answer's first chunk
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(SpeculativeDecoder, "stream", interrupted_once)
+    rc, out, err = chat(monkeypatch, capsys, export_dir, "hello\nthe hell\n", "--stats")
+    assert rc == 0 and len(calls) == 2 and "Traceback" not in err
+    assert "stop: interrupted" in err and err.count("tokens in") == 2
