@@ -496,3 +496,13 @@ def test_a_chats_next_turn_goes_to_the_generator_that_keeps_its_start(tmp_path_f
             cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
             msgs += [body["choices"][0]["message"], {"role": "user", "content": "the hell"}]
         assert cached[0] == 0 and all(c > 10 for c in cached[1:]), cached
+        # loadtest's conversations: each turn the whole chat so far, the reuse reported
+        from arborspec.tools.commands.cli import main
+
+        out = tmp_path_factory.mktemp("lt") / "lt.json"
+        args = ["loadtest", "--url", base, "--chat", "--turns", "3", "--requests", "2", "--concurrency", "2"]
+        assert main(args + ["--max-tokens", "6", "--stream", "--json-out", str(out)]) == 0
+        res = json.loads(out.read_text())
+        assert res["ok"] == res["requests"] == 6 and res["all_answered_once"] and res["turns"] == 3
+        assert len(res["ttft_p50_s_by_turn"]) == 3 and res["cached_tokens"] > 20, res
+        assert main(["loadtest", "--url", base, "--turns", "2"]) == 2  # conversations need --chat

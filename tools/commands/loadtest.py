@@ -23,7 +23,9 @@ from arborspec.tools.commands.cli import JSON_HELP, JSON_OUT_HELP, summary
 EXAMPLE = """examples:
   arborspec loadtest --url http://127.0.0.1:8000 --concurrency 4 --requests 40 --stream --max-tokens 64
   arborspec loadtest --url http://127.0.0.1:8000 --concurrency 1 --requests 10 --chat --json-out one.json
+  arborspec loadtest --url http://127.0.0.1:8000 --chat --turns 4 --requests 8 --stream   # 8 chats of 4 turns
 """
+FOLLOW_UPS = ["Tell me more.", "Now say it in one sentence.", "Give an example.", "Why?", "And then?"]
 PROMPTS = [
     "Write a haiku about trees.",
     "Explain why the sky is blue in two sentences.",
@@ -48,6 +50,13 @@ def register(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each request (default 64)")
     p.add_argument("--stream", action="store_true", help="stream (measures time to first token)")
     p.add_argument("--chat", action="store_true", help="/v1/chat/completions instead of /v1/completions")
+    p.add_argument(
+        "--turns",
+        type=int,
+        default=1,
+        help="with --chat: each of --requests is a conversation of T turns, each turn the whole "
+        "conversation so far (its answers and a follow-up); time to first token reported per turn",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="sent with each request (default 0: greedy)")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
@@ -63,19 +72,22 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def one_request(client, i: int, chat: bool, stream: bool, max_tokens: int, temperature: float) -> dict:
-    """One request tagged with its index (the nonce in the prompt lets the check tell answers apart)."""
+def one_request(
+    client, i: int, chat: bool, stream: bool, max_tokens: int, temperature: float, messages: list | None = None
+) -> dict:
+    """One request tagged with its index (the nonce in the prompt lets the check tell answers
+    apart); `messages`: a conversation to send instead of request i's first message."""
     prompt = f"[{i}] {PROMPTS[i % len(PROMPTS)]}"
     body = {"max_tokens": max_tokens, "temperature": temperature, "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}  # exact token counts (a chunk may hold several)
     if chat:
-        body["messages"] = [{"role": "user", "content": prompt}]
+        body["messages"] = messages or [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = prompt
     route = "/v1/chat/completions" if chat else "/v1/completions"
     t0 = time.perf_counter()
-    ttft, text, tokens, status = None, "", 0, None
+    ttft, text, tokens, status, usage = None, "", 0, None, {}
     try:
         if stream:
             with client.stream("POST", route, json=body) as r:
@@ -90,7 +102,7 @@ def one_request(client, i: int, chat: bool, stream: bool, max_tokens: int, tempe
                     if "error" in obj:
                         return {"i": i, "ok": False, "status": status, "error": obj["error"]["message"]}
                     if obj.get("usage"):
-                        tokens = obj["usage"]["completion_tokens"]
+                        tokens, usage = obj["usage"]["completion_tokens"], obj["usage"]
                     for ch in obj.get("choices", []):
                         piece = ch["delta"].get("content", "") if chat else ch.get("text", "")
                         if piece and ttft is None:
@@ -104,7 +116,7 @@ def one_request(client, i: int, chat: bool, stream: bool, max_tokens: int, tempe
             obj = r.json()
             ch = obj["choices"][0]
             text = ch["message"]["content"] if chat else ch["text"]
-            tokens = obj["usage"]["completion_tokens"]
+            tokens, usage = obj["usage"]["completion_tokens"], obj["usage"]
     except Exception as e:  # noqa: BLE001 - a failed request is a measured error, not a crash
         return {"i": i, "ok": False, "status": status, "error": f"{type(e).__name__}: {e}"[:200]}
     return {
@@ -115,7 +127,26 @@ def one_request(client, i: int, chat: bool, stream: bool, max_tokens: int, tempe
         "ttft_s": ttft,
         "tokens": tokens,
         "text": text,
+        # the prompt tokens the server says it reused (OpenAI's usage.prompt_tokens_details), if it says
+        "cached": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens"),
     }
+
+
+def one_conversation(client, i: int, turns: int, stream: bool, max_tokens: int, temperature: float) -> list[dict]:
+    """Conversation i: `turns` chat requests, each the conversation so far (the answers and a
+    follow-up appended), as a chat client sends them; stops at the first failed turn."""
+    msgs = [{"role": "user", "content": f"[{i}] {PROMPTS[i % len(PROMPTS)]}"}]
+    out = []
+    for t in range(turns):
+        r = one_request(client, i, True, stream, max_tokens, temperature, messages=list(msgs)) | {"turn": t}
+        out.append(r)
+        if not r["ok"]:
+            break
+        msgs += [
+            {"role": "assistant", "content": r["text"]},
+            {"role": "user", "content": FOLLOW_UPS[t % len(FOLLOW_UPS)]},
+        ]
+    return out
 
 
 def loadtest(
@@ -129,6 +160,7 @@ def loadtest(
     temperature: float = 0.0,
     api_key: str | None = None,
     timeout: float = 600.0,
+    turns: int = 1,
 ) -> dict:
     import httpx
 
@@ -138,21 +170,25 @@ def loadtest(
     def work(i):
         if not hasattr(local, "c"):
             local.c = httpx.Client(base_url=url, headers=headers, timeout=timeout)
-        return one_request(local.c, i, chat, stream, max_tokens, temperature)
+        if turns > 1:
+            return one_conversation(local.c, i, turns, stream, max_tokens, temperature)
+        return [one_request(local.c, i, chat, stream, max_tokens, temperature)]
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as ex:
-        results = list(ex.map(work, range(requests)))
+        results = [r for conv in ex.map(work, range(requests)) for r in conv]
     wall = time.perf_counter() - t0
     ok = [r for r in results if r["ok"]]
     lat = [r["latency_s"] for r in ok]
     ttft = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None]
     toks = sum(r["tokens"] for r in ok)
-    seen = sorted(r["i"] for r in results)
+    seen = sorted({r["i"] for r in results}) if turns > 1 else sorted(r["i"] for r in results)
+    by_turn = [[r["ttft_s"] for r in ok if r.get("turn") == t and r.get("ttft_s") is not None] for t in range(turns)]
+    cached = [r["cached"] for r in ok if r.get("cached") is not None]
     return {
         "url": url,
         "concurrency": concurrency,
-        "requests": requests,
+        "requests": requests * turns,
         "stream": stream,
         "chat": chat,
         "max_tokens": max_tokens,
@@ -167,13 +203,18 @@ def loadtest(
         "ttft_p99_s": _pct(ttft, 0.99),
         "mean_latency_s": statistics.mean(lat) if lat else None,
         "all_answered_once": seen == list(range(requests)),
+        "turns": turns,
+        "ttft_p50_s_by_turn": [_pct(x, 0.5) for x in by_turn] if turns > 1 else None,
+        "cached_tokens": sum(cached) if cached else None,  # None: the server reports none
         "error_samples": [r["error"] for r in results if not r["ok"]][:5],
     }
 
 
 def run(args) -> int:
-    if args.concurrency < 1 or args.requests < 1 or args.max_tokens < 1:
-        raise InputError("--concurrency, --requests and --max-tokens must be >= 1")
+    if args.concurrency < 1 or args.requests < 1 or args.max_tokens < 1 or args.turns < 1:
+        raise InputError("--concurrency, --requests, --max-tokens and --turns must be >= 1")
+    if args.turns > 1 and not args.chat:
+        raise InputError("--turns makes conversations: give --chat")
     if not args.url.startswith(("http://", "https://")):
         raise InputError(f"--url must start with http:// or https://, got {args.url!r}")
     res = loadtest(
@@ -186,12 +227,19 @@ def run(args) -> int:
         temperature=args.temperature,
         api_key=args.api_key,
         timeout=args.timeout,
+        turns=args.turns,
     )
     f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     print(
         f"{res['ok']}/{res['requests']} ok, {res['errors']} errors, {res['tokens']} tokens in {res['wall_s']:.1f} s "
         f"= {res['tokens_per_s']:.1f} tok/s | latency p50 {f(res['latency_p50_s'])} s p99 {f(res['latency_p99_s'])} s"
-        f" | ttft p50 {f(res['ttft_p50_s'])} s p99 {f(res['ttft_p99_s'])} s",
+        f" | ttft p50 {f(res['ttft_p50_s'])} s p99 {f(res['ttft_p99_s'])} s"
+        + (
+            " | ttft p50 by turn " + " ".join(f(x) for x in res["ttft_p50_s_by_turn"]) + " s"
+            if res["ttft_p50_s_by_turn"]
+            else ""
+        )
+        + (f" | {res['cached_tokens']} prompt tokens reused" if res["cached_tokens"] is not None else ""),
         file=sys.stderr if args.json else sys.stdout,
     )
     if res["ok"] and res["tokens"] / res["ok"] <= 2 < args.max_tokens and not args.chat:
