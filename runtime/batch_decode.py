@@ -46,7 +46,7 @@ from .drafts.model import as_draft_source
 from .drafts.tree_builder import TreeWorkspace, answer, tree_builder
 from .errors import InputError, NumericalError
 from .guards import root_reductions
-from .kvcache import KVCache, release_row, sized_cache
+from .kvcache import KVCache, PrefixCache, release_row, sized_cache
 from .sampling import SamplingParams, probs
 from .stats import GenerationStats
 from .tree_plan import padded_call, write_tree
@@ -78,6 +78,7 @@ class BatchSequence:
     token_logprobs: list = field(default_factory=list)
     prompt_logprobs: list | None = None  # with prompt_logprobs=k: the prompt's (decode.prompt_scorer)
     kept_feats: list | None = None  # with prefix reuse and a draft that reads features: its committed rows'
+    slot: int = 0  # the kept-conversation slot it joined from (BatchDecoder._slots), where it is kept again
 
 
 class BatchDecoder:
@@ -156,7 +157,12 @@ class BatchDecoder:
         if self.draft_batch is not None:
             self._spare_drafts = []
         self._cache: KVCache | None = None
-        self._scratch: KVCache | None = None  # one-row cache for a joining sequence's prefill
+        # kept conversations, one per batch row: each a one-row cache (a joining sequence is
+        # prefilled in one) and what it holds, a finished sequence's prompt and answer
+        # (kvcache.PrefixCache); a prompt joins from the slot that holds most of its start
+        self._slots = [PrefixCache() for _ in range(max_batch if self._solo.prefix_cache else 1)]
+        self._slot_used = [0] * len(self._slots)  # when each slot was last used (least recent: reused)
+        self._clock = 0
         self._extra = (self.policy.max_nodes if self.policy else 0) + 2
 
     # ------------------------------------------------------------------ joining / leaving
@@ -190,9 +196,10 @@ class BatchDecoder:
         )
         top = tgt.info.max_position + self._extra
         cap = min(len(prompt) + max_new_tokens + self._extra, top)
-        scratch = self._scratch = self._solo._prefix.room(self._scratch, tgt.info.cache, cap, tgt.device, top)
-        # the scratch still holds the last joiner's prompt: a prompt that starts like it reuses that
-        feats, calls, st.cached_tokens = self._solo.prefill_prompt(prompt, scratch, on_logits)
+        seq.slot = self._pick_slot(prompt)
+        kept = self._slots[seq.slot]
+        scratch = kept.room(kept.cache, tgt.info.cache, cap, tgt.device, top)
+        feats, calls, st.cached_tokens = self._solo.prefill_prompt(prompt, scratch, on_logits, kept)
         st.target_calls += calls
         if self._solo.prefix_cache and self.needs_features:  # its rows' features, for remove()
             seq.kept_feats = [feats] if feats is not None else []
@@ -228,20 +235,38 @@ class BatchDecoder:
             self._spare_drafts.append(seq.draft)
             seq.draft = None
 
+    def kept_for(self, ids: list[int]) -> PrefixCache:
+        """The kept conversation that holds most of `ids`' start."""
+        return max(self._slots, key=lambda k: k.match(list(ids)) if k.cache is not None else -1)
+
+    def _pick_slot(self, prompt: list[int]) -> int:
+        """The kept-conversation slot a joining prompt is prefilled in: the one that holds most
+        of its start, else the least recently used."""
+        self._clock += 1
+        held = [k.match(prompt[:-1]) if k.cache is not None else 0 for k in self._slots]
+        best = max(range(len(held)), key=lambda i: (held[i], -self._slot_used[i]))
+        if held[best] == 0:
+            best = min(range(len(held)), key=self._slot_used.__getitem__)
+        self._slot_used[best] = self._clock
+        return best
+
     def _keep_row(self, seq: BatchSequence) -> None:
         """A finished sequence's committed rows (its prompt and answer but the last token) into the
-        scratch cache, so that the next prompt that starts with them (a chat's next turn) joins
-        with a prefill of the rest only (kvcache.PrefixCache); as the unbatched decoder keeps them."""
+        slot it joined from, so that the next prompt that starts with them (a chat's next turn)
+        joins with a prefill of the rest only (kvcache.PrefixCache); as the unbatched decoder keeps them."""
         n, tgt = seq.length, self.target
         if self.needs_features and (seq.kept_feats is None or sum(len(f) for f in seq.kept_feats) != n):
             return  # features missing: the draft could not start from this row
-        scratch = self._scratch
-        if scratch is None or scratch.max_len < n + self._extra:
+        kept = self._slots[seq.slot]
+        cache = kept.cache
+        if cache is None or cache.max_len < n + self._extra:
             top = tgt.info.max_position + self._extra
-            size = max(n + self._extra, min(2 * scratch.max_len, top) if scratch is not None else 0)
-            scratch = self._scratch = KVCache(tgt.info.cache, size, 1, tgt.device)
-        scratch.take_row(self._cache, seq.row, n)
-        self._solo._prefix.adopt(scratch, (seq.prompt + seq.tokens)[:n], seq.kept_feats or [])
+            size = max(n + self._extra, min(2 * cache.max_len, top) if cache is not None else 0)
+            cache = KVCache(tgt.info.cache, size, 1, tgt.device)
+        cache.take_row(self._cache, seq.row, n)
+        kept.adopt(cache, (seq.prompt + seq.tokens)[:n], seq.kept_feats or [])
+        self._clock += 1
+        self._slot_used[seq.slot] = self._clock
 
     def _ensure(self, need: int) -> None:
         """A cache of max_batch rows with room for `need` positions (grown by doubling)."""
@@ -461,7 +486,7 @@ class BatchDecoder:
         return [done[i] for i in range(len(prompts))]
 
     def close(self) -> None:
-        self._cache = self._scratch = None
+        self._cache, self._slots = None, [PrefixCache() for _ in self._slots]
         for d in self._spare_drafts + [s.draft for s in self.seqs]:
             if d is not None and d is not self.draft:
                 d.close()  # a fork: its own buffers only, never the shared engine

@@ -262,14 +262,16 @@ class SpeculativeDecoder:
         """How many of `ids`' first tokens (but its last) the cache holds for a next prompt."""
         return self._prefix.match(list(ids[:-1])) if self.prefix_cache else 0
 
-    def prefill_prompt(self, prompt: list[int], cache: KVCache, on_logits=None):
+    def prefill_prompt(self, prompt: list[int], cache: KVCache, on_logits=None, kept: PrefixCache | None = None):
         """All of `prompt` but its last token (the first root) into `cache`, but the tokens a
         previous prefill left there (`prefix_cache`; not with on_logits: the prompt's log-probs
         need every row) -> (the target features of prompt[:-1] when the draft reads them, else
-        None; target calls made; prompt tokens reused)."""
-        keep = self._prefix.begin(cache, prompt[:-1], self.prefix_cache and on_logits is None, self.needs_features)
+        None; target calls made; prompt tokens reused). kept: what `cache` holds (default: this
+        decoder's own record; the batched decoder keeps one per slot)."""
+        kept = kept or self._prefix
+        keep = kept.begin(cache, prompt[:-1], self.prefix_cache and on_logits is None, self.needs_features)
         feats, calls = self.prefill(prompt[keep:-1], cache, on_logits)
-        return self._prefix.end(prompt[:-1], feats), calls, keep
+        return kept.end(prompt[:-1], feats), calls, keep
 
     def prefill(self, tokens: list[int], cache: KVCache, on_logits=None):
         """Run `tokens` (a prompt but its last token) as causal calls of at most `prefill_chunk`

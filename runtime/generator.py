@@ -136,8 +136,9 @@ class Generator:
         read without the lock, it may be a step stale."""
         if not self.reuses_prefix:
             return 0
-        decs = [self._batch.decoder._solo] if self._batch is not None else list(self._decoders.values())
-        return max(d.cached_prefix(ids) for d in decs)
+        if self._batch is not None:
+            return self._batch.decoder.kept_for(ids[:-1]).match(list(ids[:-1]))
+        return max(d.cached_prefix(ids) for d in self._decoders.values())
 
     @property
     def last_stop_reason(self) -> str | None:

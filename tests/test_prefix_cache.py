@@ -109,7 +109,7 @@ def test_a_float_target_reuses_only_when_asked_and_eagle3_gets_the_kept_features
     assert a.tokens == b.tokens
     # the features kept for the draft are the target's features of those tokens, row for row
     # (one causal call over them as the reference)
-    kept = (g_on._batch.decoder._solo if batch > 1 else g_on._decoder(SamplingParams()))._prefix
+    kept = g_on._batch.decoder.kept_for(nxt) if batch > 1 else g_on._decoder(SamplingParams())._prefix
     assert len(kept.tokens) == kept.n_feats == len(nxt) + len(a.tokens) - 1
     seq = torch.tensor([kept.tokens])
     n = seq.shape[1]
@@ -206,3 +206,20 @@ def test_prefix_cache_false_starts_the_head_cold_too(tmp_path):
         g.generate(prompt, 4)
         rows[pc] = sum(seen)
     assert rows[None] < 20 and rows[False] >= len(prompt) - 1, rows
+
+
+def test_batched_generators_keep_one_conversation_per_row(tiny_int4):
+    """Two chats interleaved through a batching generator (A, B, A, B, ...): each next turn finds
+    its own earlier turn and answer, kept in a slot of its own (one slot kept only the last
+    finished, so each turn found the other chat there), and decodes as without the reuse."""
+    chats = {"A": [3, 5, 7, 9, 11, 13, 15, 17], "B": [4, 6, 8, 10, 12, 14, 16, 18]}
+    with (
+        Generator.from_export(tiny_int4, tree="chain:2", max_batch=2) as g,
+        Generator.from_export(tiny_int4, tree="chain:2", max_batch=2, prefix_cache=False) as cold,
+    ):
+        for turn in range(3):
+            for name, prompt in chats.items():
+                a, b = g.generate(prompt, 6), cold.generate(prompt, 6)
+                assert a.tokens == b.tokens
+                assert a.stats.cached_tokens == (0 if turn == 0 else len(prompt) - 3), (name, turn)
+                chats[name] = prompt + a.tokens + [20 + turn, 21 + turn]  # the next turn: answer + message
