@@ -196,9 +196,12 @@ class BatchDecoder:
         )
         top = tgt.info.max_position + self._extra
         cap = min(len(prompt) + max_new_tokens + self._extra, top)
-        seq.slot = self._pick_slot(prompt)
+        seq.slot, src, share = self._pick_slot(prompt)
         kept = self._slots[seq.slot]
         scratch = kept.room(kept.cache, tgt.info.cache, cap, tgt.device, top)
+        if share and (self._slots[src].n_feats >= share or not self.needs_features):
+            scratch.take_row(self._slots[src].cache, 0, share)  # the shared start, copied (a memcpy)
+            kept.adopt(scratch, *self._slots[src].head(share))
         feats, calls, st.cached_tokens = self._solo.prefill_prompt(prompt, scratch, on_logits, kept)
         st.target_calls += calls
         if self._solo.prefix_cache and self.needs_features:  # its rows' features, for remove()
@@ -239,16 +242,22 @@ class BatchDecoder:
         """The kept conversation that holds most of `ids`' start."""
         return max(self._slots, key=lambda k: k.match(list(ids)) if k.cache is not None else -1)
 
-    def _pick_slot(self, prompt: list[int]) -> int:
-        """The kept-conversation slot a joining prompt is prefilled in: the one that holds most
-        of its start, else the least recently used."""
+    def _pick_slot(self, prompt: list[int]) -> tuple[int, int, int]:
+        """The kept-conversation slot a joining prompt is prefilled in -> (that slot, the slot
+        that holds most of its start, how many of its tokens to copy from there first). A prompt
+        that continues all of a kept conversation (a chat's next turn) takes its slot; any other
+        takes the least recently used one, with the start it shares (a system prompt) copied in:
+        no kept conversation is overwritten for a shared start."""
         self._clock += 1
         held = [k.match(prompt[:-1]) if k.cache is not None else 0 for k in self._slots]
-        best = max(range(len(held)), key=lambda i: (held[i], -self._slot_used[i]))
-        if held[best] == 0:
-            best = min(range(len(held)), key=self._slot_used.__getitem__)
-        self._slot_used[best] = self._clock
-        return best
+        best = max(range(len(held)), key=lambda i: (held[i], self._slot_used[i]))
+        if held[best] > 0 and held[best] == len(self._slots[best].tokens):
+            dst, share = best, 0  # a continuation: prefilled where it is kept
+        else:
+            dst = min(range(len(held)), key=self._slot_used.__getitem__)
+            share = held[best] if dst != best else 0  # in place, begin() keeps what it shares
+        self._slot_used[dst] = self._clock
+        return dst, best, share
 
     def _keep_row(self, seq: BatchSequence) -> None:
         """A finished sequence's committed rows (its prompt and answer but the last token) into the

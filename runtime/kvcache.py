@@ -328,6 +328,11 @@ class PrefixCache:
         self._feats = [feats] if feats is not None else []
         return feats
 
+    def head(self, n: int) -> tuple[list[int], list[torch.Tensor]]:
+        """The first n tokens held and their features (chunks; [] when none are kept)."""
+        feats = [torch.cat(self._feats)[:n]] if self._feats else []
+        return self.tokens[:n], feats
+
     def adopt(self, cache: KVCache, tokens: list[int], feats: list[torch.Tensor]) -> None:
         """`cache` now holds `tokens` at [0, n) (a finished batch row copied into it), with these
         features (chunks; [] when the draft reads none)."""

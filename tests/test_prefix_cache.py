@@ -223,3 +223,23 @@ def test_batched_generators_keep_one_conversation_per_row(tiny_int4):
                 assert a.tokens == b.tokens
                 assert a.stats.cached_tokens == (0 if turn == 0 else len(prompt) - 3), (name, turn)
                 chats[name] = prompt + a.tokens + [20 + turn, 21 + turn]  # the next turn: answer + message
+
+
+def test_a_shared_start_is_copied_without_overwriting_a_kept_conversation(tiny_int4):
+    """Batched (4 rows, 4 kept conversations): a new conversation with the same system prompt as
+    a kept one reuses that start (copied into a slot of its own), and the kept conversation's next
+    turn still finds all of it (taking the slot with the longest match overwrote it)."""
+    system = list(range(30, 50))
+    a1 = system + [3, 5, 7]
+    with (
+        Generator.from_export(tiny_int4, tree="chain:2", max_batch=4) as g,
+        Generator.from_export(tiny_int4, tree="chain:2", max_batch=4, prefix_cache=False) as cold,
+    ):
+        first = g.generate(a1, 6)
+        for other in ([4, 6, 8], [9, 9, 9]):  # two other chats with the same system prompt
+            c = g.generate(system + other, 6)
+            assert c.stats.cached_tokens == len(system) and c.tokens == cold.generate(system + other, 6).tokens
+        a2 = a1 + first.tokens + [11, 12]
+        c = g.generate(a2, 6)
+        assert c.stats.cached_tokens == len(a1) + len(first.tokens) - 1  # still kept whole
+        assert c.tokens == cold.generate(a2, 6).tokens
