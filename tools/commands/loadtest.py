@@ -236,10 +236,10 @@ def run(args) -> int:
         f" | ttft p50 {f(res['ttft_p50_s'])} s p99 {f(res['ttft_p99_s'])} s"
         + (
             " | ttft p50 by turn " + " ".join(f(x) for x in res["ttft_p50_s_by_turn"]) + " s"
-            if res["ttft_p50_s_by_turn"]
+            if res.get("ttft_p50_s_by_turn")
             else ""
         )
-        + (f" | {res['cached_tokens']} prompt tokens reused" if res["cached_tokens"] is not None else ""),
+        + (f" | {res['cached_tokens']} prompt tokens reused" if res.get("cached_tokens") is not None else ""),
         file=sys.stderr if args.json else sys.stdout,
     )
     if res["ok"] and res["tokens"] / res["ok"] <= 2 < args.max_tokens and not args.chat:
