@@ -238,6 +238,13 @@ class BatchDecoder:
             self._spare_drafts.append(seq.draft)
             seq.draft = None
 
+    def cached_prefix(self, ids: list[int]) -> int:
+        """As SpeculativeDecoder.cached_prefix: the most of `ids`' start (but its last) a kept
+        conversation holds."""
+        if not self._solo.prefix_cache:
+            return 0
+        return max((k.match(list(ids[:-1])) for k in self._slots if k.cache is not None), default=0)
+
     def kept_for(self, ids: list[int]) -> PrefixCache:
         """The kept conversation that holds most of `ids`' start."""
         return max(self._slots, key=lambda k: k.match(list(ids)) if k.cache is not None else -1)
@@ -267,11 +274,7 @@ class BatchDecoder:
         if self.needs_features and (seq.kept_feats is None or sum(len(f) for f in seq.kept_feats) != n):
             return  # features missing: the draft could not start from this row
         kept = self._slots[seq.slot]
-        cache = kept.cache
-        if cache is None or cache.max_len < n + self._extra:
-            top = tgt.info.max_position + self._extra
-            size = max(n + self._extra, min(2 * cache.max_len, top) if cache is not None else 0)
-            cache = KVCache(tgt.info.cache, size, 1, tgt.device)
+        cache = kept.room(kept.cache, tgt.info.cache, n + self._extra, tgt.device, tgt.info.max_position + self._extra)
         cache.take_row(self._cache, seq.row, n)
         kept.adopt(cache, (seq.prompt + seq.tokens)[:n], seq.kept_feats or [])
         self._clock += 1

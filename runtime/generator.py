@@ -134,11 +134,8 @@ class Generator:
         """How many of `ids`' first tokens this generator's caches hold (its next prompt that
         starts with them prefills only the rest); 0 where prefix reuse is off. A router's hint:
         read without the lock, it may be a step stale."""
-        if not self.reuses_prefix:
-            return 0
-        if self._batch is not None:
-            return self._batch.decoder.kept_for(ids[:-1]).match(list(ids[:-1]))
-        return max(d.cached_prefix(ids) for d in self._decoders.values())
+        decs = [self._batch.decoder] if self._batch is not None else self._decoders.values()
+        return max(d.cached_prefix(ids) for d in decs)
 
     @property
     def last_stop_reason(self) -> str | None:

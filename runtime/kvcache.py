@@ -268,6 +268,14 @@ def sized_cache(cache: KVCache | None, spec, need: int, batch: int, device, top:
 
 
 # ---------------------------------------------------------------------- a prompt's prefix, kept
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many first tokens `a` and `b` share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 class PrefixCache:
     """The tokens whose K/V a one-row cache holds at [0, n): the last prompt's (but its last
     token) and what the decoding committed after it; with the target's features of those tokens
@@ -300,10 +308,7 @@ class PrefixCache:
 
     def match(self, tokens: list[int]) -> int:
         """How many of `tokens`' first ones this prefix holds."""
-        held, n = self.tokens, 0
-        while n < min(len(tokens), len(held)) and tokens[n] == held[n]:
-            n += 1
-        return n
+        return common_prefix(tokens, self.tokens)
 
     def begin(self, cache: KVCache, tokens: list[int], enabled: bool, features: bool = False) -> int:
         """Before a prefill of `tokens` into `cache`: -> how many of them its rows already hold

@@ -292,8 +292,8 @@ MUTANTS = [
     Mutant(
         "prefix reuse keeps tokens the new prompt changed",
         KVCACHE,
-        "while n < min(len(tokens), len(held)) and tokens[n] == held[n]:",
-        "while n < min(len(tokens), len(held)):",
+        "while n < min(len(a), len(b)) and a[n] == b[n]:",
+        "while n < min(len(a), len(b)):",
         (PREFIX_T, "-k", "row_invariant and vanilla and 0.0"),
     ),
     Mutant(

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from .. import contract as C
-from ..kvcache import KVCache
+from ..kvcache import KVCache, common_prefix
 from ..tree_plan import MaskBuffer, run_chain
 from ..trees import Tree, TreePolicy
 from .base import DraftSource, NodeView, TopK, scratch_mask, topk_of, tree_capacity
@@ -145,9 +145,7 @@ class Eagle3Draft(DraftSource):
         if self._entries is not None and self._lead:
             w0 = len(self._lead) - 1
             if self.context is None or m - 1 - w0 <= 2 * self.context:
-                old, n = self._lead + self._entries, 0
-                while n < min(m, len(old)) and committed[n] == old[n]:
-                    n += 1
+                n = common_prefix(committed, self._lead + self._entries)
                 if n >= w0 + 1:  # the window's lead is the same: entries up to token n - 1 stay
                     w, keep = w0, min(n - 1 - w0, len(self._entries))
         self.cache.length = keep

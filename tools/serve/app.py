@@ -144,9 +144,10 @@ class GeneratorPool:
                 if not self._cv.wait_for(lambda: self.free, timeout):
                     raise queue.Empty
                 best = 0
-                if ids is not None and len(self.free) > 1:
-                    kept = [getattr(g, "cached_prefix", lambda _: 0)(ids) for g in self.free]
-                    best = max(range(len(kept)), key=kept.__getitem__)
+                gens = {id(g): g for g in self.free}  # a batching generator is free once per slot
+                if ids is not None and len(gens) > 1:
+                    kept = {k: g.cached_prefix(ids) for k, g in gens.items()}
+                    best = max(range(len(self.free)), key=lambda i: kept[id(self.free[i])])
                 return self.free.pop(best)
             finally:
                 self.waiting -= 1
