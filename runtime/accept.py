@@ -46,19 +46,24 @@ class Acceptance:
     tokens: list[int]  # tokens of the path + the bonus / corrected token
 
 
-def accept_greedy(logits: torch.Tensor, tree: Tree) -> Acceptance:
+def accept_greedy(logits: torch.Tensor, tree: Tree, process=None) -> Acceptance:
     """logits [T, V] for [root, nodes...]. Walks down from the root: at each accepted node the
     target's argmax picks the (unique) matching child. Only the rows on the accepted path are
     reduced (depth + 1 argmaxes, not T): on CPU that is most of the accept cost. On a GPU
-    all T argmaxes are taken on the device and copied once (one host transfer)."""
-    if logits.device.type != "cpu":
+    all T argmaxes are taken on the device and copied once (one host transfer).
+    process(row, path_tokens): the row after the request's penalties (runtime/penalties.py),
+    given the tokens accepted so far in this step; then each row read is processed on the host."""
+    toks = tree.tokens.tolist() if tree.n else []
+    if process is not None:
+        path_tokens: list[int] = []  # the walk's accepted tokens so far (the row's own path)
+        best = lambda row: int(process(logits[row].float().cpu(), path_tokens).argmax())  # noqa: E731
+    elif logits.device.type != "cpu":
         best_all = logits.argmax(-1).tolist()
         best = best_all.__getitem__
     else:  # numpy's argmax is SIMD: about 13x torch's on one 49k row (3.4 vs 45 us measured)
         rows = logits.float().numpy()
         best = lambda row: int(rows[row].argmax())  # noqa: E731
     kids = tree.children() if tree.n else None
-    toks = tree.tokens.tolist() if tree.n else []
     node, path = -1, []
     while True:
         a = best(node + 1)
@@ -69,14 +74,23 @@ def accept_greedy(logits: torch.Tensor, tree: Tree) -> Acceptance:
             break
         node = nxt
         path.append(node)
+        if process is not None:
+            path_tokens.append(a)
     return Acceptance(torch.tensor(path, dtype=torch.long), [toks[i] for i in path] + [a])
 
 
 def accept_sampling(
-    logits: torch.Tensor, tree: Tree, sp: SamplingParams, rng: torch.Generator, root_probs=None, check=None
+    logits: torch.Tensor,
+    tree: Tree,
+    sp: SamplingParams,
+    rng: torch.Generator,
+    root_probs=None,
+    check=None,
+    process=None,
 ) -> Acceptance:
     """Lossless walk for temperature > 0; the rule follows tree.candidates. root_probs: the root
-    row's `probs(logits[0], sp)` when computed already (a batch's rows in one call). check(row):
+    row's `probs(logits[0], sp)` when computed already (a batch's rows in one call). process:
+    as accept_greedy's, applied to each row read before it is warped. check(row):
     called on each row the walk reads, on the host, before it becomes probabilities (the
     decoder's guard: NaN/Inf is a NumericalError there); the rows it never reads are not summed
     (a 15-row tree's 2.9 MB of logits cost 0.38 ms a step to check whole, cold after the verify
@@ -93,6 +107,8 @@ def accept_sampling(
             row = logits[node + 1].float().cpu()
             if check is not None:
                 check(row)
+            if process is not None:
+                row = process(row, tokens)  # the tokens accepted so far: this row's path
             p = probs(row, sp)
         children = kids[node + 1] if kids is not None else []
         q = None
@@ -133,8 +149,15 @@ def _renorm(p: torch.Tensor, fallback: torch.Tensor | None = None) -> torch.Tens
 
 
 def accept(
-    logits: torch.Tensor, tree: Tree, sp: SamplingParams, rng: torch.Generator, root_probs=None, check=None
+    logits: torch.Tensor,
+    tree: Tree,
+    sp: SamplingParams,
+    rng: torch.Generator,
+    root_probs=None,
+    check=None,
+    process=None,
 ) -> Acceptance:
+    """process: the request's penalties (runtime/penalties.py), row by row; None: none."""
     if sp.greedy:
-        return accept_greedy(logits, tree)
-    return accept_sampling(logits, tree, sp, rng, root_probs, check)
+        return accept_greedy(logits, tree, process)
+    return accept_sampling(logits, tree, sp, rng, root_probs, check, process)

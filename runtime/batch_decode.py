@@ -47,6 +47,7 @@ from .drafts.tree_builder import TreeWorkspace, answer, tree_builder
 from .errors import InputError, NumericalError
 from .guards import root_reductions
 from .kvcache import KVCache, PrefixCache, release_row, sized_cache
+from .penalties import TokenHistory, history_for
 from .sampling import SamplingParams, probs
 from .stats import GenerationStats
 from .tree_plan import padded_call, write_tree
@@ -79,6 +80,7 @@ class BatchSequence:
     prompt_logprobs: list | None = None  # with prompt_logprobs=k: the prompt's (decode.prompt_scorer)
     kept_feats: list | None = None  # with prefix reuse and a draft that reads features: its committed rows'
     slot: int = 0  # the kept-conversation slot it joined from (BatchDecoder._slots), where it is kept again
+    history: TokenHistory | None = None  # the penalties' view of its tokens (None: no penalties)
 
 
 class BatchDecoder:
@@ -188,6 +190,7 @@ class BatchDecoder:
         sp = sampling or SamplingParams()
         tgt = self.target
         seq = BatchSequence(prompt, max_new_tokens, {int(e) for e in eos_token_ids}, sp, seeded_rng(seed))
+        seq.history = history_for(sp, prompt, tgt.info.vocab_size)
         seq.logprobs = check_logprobs(logprobs)
         on_logits, seq.prompt_logprobs = prompt_scorer(prompt, check_logprobs(prompt_logprobs))
         seq.t_start = time.perf_counter()
@@ -380,7 +383,7 @@ class BatchDecoder:
         --batch 128 --temperature 1 --top-p 0.95): the GPU corpus's sampled requests."""
         groups: dict = {}
         for s in seqs:
-            if not s.sampling.greedy:
+            if not s.sampling.greedy and s.history is None:  # (penalised rows: the walk processes them)
                 groups.setdefault(s.sampling, []).append(s)
         out = {}
         for sp, group in groups.items():
@@ -412,7 +415,7 @@ class BatchDecoder:
         room = s.max_new_tokens - s.produced
         try:
             new, path, stop = settle(
-                logits[b], tree, s.sampling, s.rng, s.eos, room, st, self.target.info.name, root_probs, root
+                logits[b], tree, s.sampling, s.rng, s.eos, room, st, self.target.info.name, root_probs, root, s.history
             )
         except NumericalError as e:
             s.done, s.stop_reason, s.error = True, "error", e

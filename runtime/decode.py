@@ -32,6 +32,7 @@ from .drafts.tree_builder import CANDIDATE_MODES, TreeWorkspace, draft_tree
 from .errors import InputError
 from .guards import check_logits
 from .kvcache import KVCache, PrefixCache
+from .penalties import TokenHistory, history_for
 from .sampling import SamplingParams
 from .stats import GenerationStats, Timer
 from .tree_plan import VerifyBuffers, causal_prefill
@@ -203,6 +204,7 @@ class SpeculativeDecoder:
         self.last_stats, self.last_stop_reason = st, "length"
         rng = seeded_rng(seed)
         seq = self._seq = _Sequence(prompt[-1], max_new_tokens, {int(e) for e in eos_token_ids}, rng, st)
+        seq.history = history_for(self.sampling, prompt, tgt.info.vocab_size)
         seq.logprobs = check_logprobs(logprobs)
         self.last_logprobs = seq.token_logprobs
         seq.timer = Timer(st, self._timer_sync)
@@ -241,7 +243,9 @@ class SpeculativeDecoder:
         with timer("accept_kv_s"):
             self._vbuf.release()
             room = seq.max_new_tokens - seq.produced
-            new, path, stop = settle(logits[0], tree, self.sampling, seq.rng, seq.eos, room, seq.stats, tgt.info.name)
+            new, path, stop = settle(
+                logits[0], tree, self.sampling, seq.rng, seq.eos, room, seq.stats, tgt.info.name, history=seq.history
+            )
             keep = [0] + [i + 1 for i in path.tolist()]  # the rows that predicted the new tokens
             if seq.logprobs is not None:
                 seq.token_logprobs += token_logprobs(logits[0, keep], new, seq.logprobs)
@@ -327,6 +331,7 @@ class _Sequence:
     t_start: float = field(default_factory=time.perf_counter)
     logprobs: int | None = None  # top log-probs asked for (None: none)
     token_logprobs: list = field(default_factory=list)
+    history: TokenHistory | None = None  # the penalties' view of the tokens (None: no penalties)
 
 
 # ---------------------------------------------------------------------- the steps both decoders share
@@ -427,6 +432,7 @@ def settle(
     name: str,
     root_probs=None,
     root=None,
+    history=None,
 ):
     """Step 4 for one sequence: accept over its rows `logits` [>= tree.n + 1, V] (checked
     finite where read), cut at EOS / the token budget `room` -> (new tokens, the accepted path
@@ -434,7 +440,15 @@ def settle(
     reason or None). root_probs: the root row's warped probabilities when the caller computed
     them already (a batch's, in one call on its device). root: (argmax, finite) of the root row
     of a call without a tree, when the caller reduced it already (guards.root_reductions: a
-    batch's rows at once); `logits` are read then only to name a non-finite row's fault."""
+    batch's rows at once); `logits` are read then only to name a non-finite row's fault.
+    history: the sequence's penalties.TokenHistory when its request has penalties or a logit
+    bias (each row read is processed along its path; the new tokens join it); the caller's
+    root_probs / root argmax are of unprocessed rows then, and not used."""
+    process = None
+    if history is not None:
+        process, root_probs = history.process, None
+        if root is not None and root[1]:
+            root = None  # a finite root row: the walk reads it, processed
     if root is not None:
         if tree.n:
             raise ValueError("settle: root reductions are for calls without a tree")
@@ -446,10 +460,12 @@ def settle(
     check = None
     if not sampling.greedy and root is None:  # the sampled walk checks each row as it reads it
         check = lambda row: check_logits(row[None], None, stats.steps + 1, name)  # noqa: E731
-    acc = accept(logits[: tree.n + 1], tree, sampling, rng, root_probs, check)
+    acc = accept(logits[: tree.n + 1], tree, sampling, rng, root_probs, check, process)
     if sampling.greedy:  # the rows the greedy walk read: the accepted path's and the next token's
         check_logits(logits, [0] + [i + 1 for i in acc.path.tolist()], stats.steps + 1, name)
     new, stop = truncate(acc.tokens, eos, room)
+    if history is not None:
+        history.extend(new)
     return new, acc.path[: len(new) - 1], stop
 
 

@@ -92,7 +92,9 @@ class Generator:
         self.eos_token_ids = [int(e) for e in eos_token_ids]
         self._owns = list(owns)
         self._lock = threading.RLock()
-        self._decoders: dict[SamplingParams, SpeculativeDecoder] = {}
+        # two decoders at most: greedy calls' and sampled calls' (their trees may differ); each
+        # call sets its own SamplingParams on the one it uses (under the lock)
+        self._decoders: dict[bool, SpeculativeDecoder] = {}
         self._decoder(SamplingParams())  # validates mode / tree / draft now, not at the first call
         if sampled_tree:
             self._decoder(SamplingParams(temperature=1.0))  # and the sampled calls' tree
@@ -204,7 +206,10 @@ class Generator:
 
     # ------------------------------------------------------------------ calls
     def _decoder(self, sp: SamplingParams) -> SpeculativeDecoder:
-        dec = self._decoders.get(sp)
+        """The decoder for `sp`'s kind of call (greedy or sampled; one each, whatever the
+        temperature or penalties: each holds a KV cache); a call sets its own `sampling` on it
+        under the lock (`_token_stream`)."""
+        dec = self._decoders.get(sp.greedy)
         if dec is None:
             dec = SpeculativeDecoder(
                 self.target,
@@ -218,7 +223,7 @@ class Generator:
             )
             if self._decoders:  # share one draft wrapper between sampling configurations
                 dec.draft = next(iter(self._decoders.values())).draft
-            self._decoders[sp] = dec
+            self._decoders[sp.greedy] = dec
         return dec
 
     def encode_prompt(self, prompt) -> list[int]:
@@ -255,6 +260,7 @@ class Generator:
         stop=None,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        **penalties,
     ) -> Completion:
         """One completion of a text or token-id prompt. chat=True: a text prompt is one user
         message through the model's chat template (what an instruct model expects; without it
@@ -264,7 +270,11 @@ class Generator:
         `Completion.logprobs`, each token's log-prob under the target (the verify call's row that
         predicted it, before temperature and top-k/p) and the k most likely tokens there.
         prompt_logprobs=k: `Completion.prompt_logprobs`, the same for each prompt token from the
-        prefill's rows (the first token has none: None and []); what scoring a text needs."""
+        prefill's rows (the first token has none: None and []); what scoring a text needs.
+        penalties: min_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias
+        ({token id: bias}), as `SamplingParams` (runtime/penalties.py: greedy speculation stays
+        the penalised greedy decoding token for token, sampling lossless)."""
+        sp = sampling_params(temperature, top_k, top_p, penalties, self.target.info.vocab_size)
         if chat:
             if not isinstance(prompt, str):
                 raise InputError("chat=True takes a text prompt (for messages use chat())")
@@ -278,11 +288,11 @@ class Generator:
                 stop=stop,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                **penalties,
             )
         ids = self._ids(prompt)
         logprobs, prompt_logprobs = check_logprobs(logprobs), check_logprobs(prompt_logprobs)
         self._last.prompt_logprobs = None
-        sp = SamplingParams(temperature, top_k, top_p)
         stops = self._stops(stop)
         out: list[int] = []
         if stops:
@@ -343,6 +353,7 @@ class Generator:
         with self._lock:
             self._check_open()
             dec = self._decoder(sp)
+            dec.sampling = sp
             self._busy = 1
             steps = dec.stream(ids, max_new_tokens, self.eos_token_ids, seed, logprobs, prompt_logprobs)
             try:
@@ -369,15 +380,16 @@ class Generator:
         ids: bool = False,
         stop=None,
         logprobs: int | None = None,
+        **penalties,
     ) -> Iterator:
         """Text chunks as they become final (or lists of token ids with ids=True). Stats and stop
         reason of the last stream: `last_stats`, `last_stop_reason`. stop: as in generate (a
         chunk that might begin a stop string is held back until it cannot). logprobs=k: yields
         (chunk, entries) pairs instead, entries as generate's `Completion.logprobs` for the tokens
         read since the previous pair (a token whose text is held back comes with the chunk that
-        releases it; a last pair may carry an empty chunk)."""
+        releases it; a last pair may carry an empty chunk). penalties: as generate's."""
+        sp = sampling_params(temperature, top_k, top_p, penalties, self.target.info.vocab_size)
         prompt_ids = self._ids(prompt)
-        sp = SamplingParams(temperature, top_k, top_p)
         stops = self._stops(stop, ids)
         logprobs = check_logprobs(logprobs)
         read: list[int] = []  # the tokens read so far
@@ -446,6 +458,21 @@ class Generator:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+PENALTIES = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")
+
+
+def sampling_params(temperature, top_k, top_p, penalties: dict, vocab_size: int | None = None) -> SamplingParams:
+    """A call's SamplingParams from its keyword arguments (one InputError line for a keyword
+    that is none of them, a value out of range, or a biased token outside `vocab_size`)."""
+    unknown = sorted(set(penalties) - set(PENALTIES))
+    if unknown:
+        raise InputError(f"unexpected keyword argument {unknown[0]!r} (sampling takes {', '.join(PENALTIES)})")
+    sp = SamplingParams(temperature, top_k, top_p, **{k: v for k, v in penalties.items() if v is not None})
+    if vocab_size is not None and sp.logit_bias and sp.logit_bias[-1][0] >= vocab_size:
+        raise InputError(f"logit_bias token id {sp.logit_bias[-1][0]} is outside the vocabulary [0, {vocab_size})")
+    return sp
 
 
 def warn_if_empty_answer(tokenizer, n_tokens: int, stop_reason: str | None, fix: str) -> None:

@@ -1,12 +1,15 @@
-"""Logit warping shared by target and draft: temperature, top-k, top-p.
+"""Logit warping shared by target and draft: temperature, top-k, top-p, min-p.
 
 Role in one decoding step: the accept rule compares the target's and the draft's
 distributions after the SAME warping, which is what makes sampling lossless with respect to
-the warped target distribution the user asked for. Temperature 0 means greedy.
+the warped target distribution the user asked for. Temperature 0 means greedy. The request's
+penalties and logit bias (also `SamplingParams`) process the target's rows before warping,
+along each row's tree path: runtime/penalties.py.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,19 +18,26 @@ import torch
 from .errors import InputError
 
 
+def _finite(name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or math.isinf(v):
+        raise InputError(f"{name.replace('_', '-')} must be a finite number, got {v!r}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
+    min_p: float = 0.0  # 0: off; keeps the tokens at least min_p times as likely as the most likely
+    # runtime/penalties.py: processed before warping (greedy too), along each row's tree path
+    repetition_penalty: float = 1.0  # 1: off (HF: prompt and output tokens)
+    presence_penalty: float = 0.0  # 0: off (OpenAI: output tokens)
+    frequency_penalty: float = 0.0  # 0: off (OpenAI: output tokens, per occurrence)
+    logit_bias: tuple = ()  # ((token, bias), ...) sorted by token; a dict is taken too
 
     def __post_init__(self):
-        import math
-
-        for name in ("temperature", "top_p"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or math.isinf(v):
-                raise InputError(f"{name.replace('_', '-')} must be a finite number, got {v!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            _finite(name, getattr(self, name))
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
             raise InputError(f"top-k must be an integer, got {self.top_k!r}")
         if self.temperature < 0:
@@ -36,10 +46,54 @@ class SamplingParams:
             raise InputError(f"top-k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise InputError(f"top-p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p < 1.0:
+            raise InputError(f"min-p must be in [0, 1), got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise InputError(f"repetition-penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InputError(f"{name.replace('_', '-')} must be in [-2, 2], got {getattr(self, name)}")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the target's rows are processed before warping (penalties or logit bias)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
+        )
+
+
+MAX_LOGIT_BIAS = 300  # tokens a logit_bias may name (OpenAI's limit)
+
+
+def _bias_pairs(bias) -> tuple:
+    """A logit bias ({token: bias} or (token, bias) pairs; token ids as ints or digit strings,
+    as OpenAI's JSON sends them; biases in [-100, 100]) -> ((token, bias), ...) sorted by token."""
+    items = bias.items() if isinstance(bias, dict) else bias
+    try:
+        pairs = [(k, v) for k, v in items]
+    except (TypeError, ValueError):
+        raise InputError('logit-bias must map token ids to numbers, e.g. {"50256": -100}') from None
+    out = {}
+    for k, v in pairs:
+        if isinstance(k, str) and k.strip().isdigit():
+            k = int(k)
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise InputError(f"logit-bias keys must be token ids (integers >= 0), got {k!r}")
+        _finite("logit_bias", v)
+        if not -100 <= v <= 100:
+            raise InputError(f"logit-bias values must be in [-100, 100], got {v!r} for token {k}")
+        out[k] = float(v)
+    if len(out) > MAX_LOGIT_BIAS:
+        raise InputError(f"logit-bias names {len(out)} tokens, over the limit of {MAX_LOGIT_BIAS}")
+    return tuple(sorted(out.items()))
 
 
 def warp_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
@@ -57,6 +111,8 @@ def warp_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
         x = x.masked_fill(x < kth, float("-inf"))
     if sp.top_p < 1.0:
         x = top_p_filter(x, sp.top_p)
+    if sp.min_p > 0.0:  # after top-k / top-p (HF's order): p / p_max = exp(x), the maximum at 0
+        x = x.masked_fill(x < math.log(sp.min_p), float("-inf"))
     return x
 
 
@@ -165,8 +221,12 @@ def _probs_rows(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor | None
         e = np.exp(z)
         if sp.top_p < 1.0:
             keep = _nucleus(z, e, sp.top_p)
+            if sp.min_p > 0.0:
+                keep = keep[z[keep] >= np.float32(math.log(sp.min_p))]
             o[keep] = e[keep] / e[keep].sum(dtype=np.float64)
         else:
+            if sp.min_p > 0.0:
+                e[z < np.float32(math.log(sp.min_p))] = 0.0
             o[:] = e / e.sum(dtype=np.float64)
     return torch.from_numpy(out).view(logits.shape)
 

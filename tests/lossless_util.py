@@ -59,7 +59,7 @@ def chi_square_pvalue(counts: np.ndarray, expected_p: np.ndarray) -> float:
     return float(stats.chisquare(o[keep], e[keep] * o[keep].sum() / e[keep].sum()).pvalue)
 
 
-def seed_rule_accept(logits, tree, sp, rng, root_probs=None, check=None):
+def seed_rule_accept(logits, tree, sp, rng, root_probs=None, check=None, process=None):
     """The seed write-up's accept rule, faithfully: every node accepted independently with
     min(1, p/q) against its parent's unmodified target distribution, a residual resample
     per rejected node, the longest accepted path, a bonus from the target; when no first-level
@@ -230,8 +230,8 @@ class Enumeration:
         walk = getattr(m, name)
         self._saved.append((m, name, walk))
 
-        def observed(logits, tree, sp, rng, root_probs=None, check=None):
-            acc = walk(logits, tree, sp, rng, root_probs, check)
+        def observed(logits, tree, sp, rng, root_probs=None, check=None, process=None):
+            acc = walk(logits, tree, sp, rng, root_probs, check, process)
             self._cur.observe(tree, rng, acc)
             return acc
 
@@ -272,22 +272,46 @@ class Enumeration:
         return dict(dist)
 
 
-def exact_target_joint(engine, prompt, sp: SamplingParams, m: int) -> dict:
-    """P(x_1..x_m) of the warped target, by enumeration of its support: {tuple: probability}."""
+def reference_penalties(row: torch.Tensor, prompt, out, sp: SamplingParams) -> torch.Tensor:
+    """The request's penalties and logit bias on one row of logits, written plainly from their
+    definitions (runtime/penalties.py's docstring), token by token in Python: the reference the
+    runtime's vectorised, tree-path version is checked against. out: the tokens generated so far."""
+    x = row.float().clone()
+    for t, b in sp.logit_bias:  # the bias first (transformers' and vLLM's order)
+        x[t] += b
+    r = sp.repetition_penalty
+    for t in set(prompt) | set(out):  # HF's repetition penalty: prompt and output
+        x[t] = x[t] / r if x[t] > 0 else x[t] * r
+    for t in set(out):  # OpenAI's presence and frequency penalties: output only
+        x[t] -= sp.presence_penalty + sp.frequency_penalty * list(out).count(t)
+    return x
 
-    def next_probs(seq):
-        n = len(seq)
-        cache = KVCache(engine.info.cache, n, 1)
-        logits = engine.forward(
-            torch.tensor([seq]), torch.arange(n)[None], torch.ones(n, n, dtype=torch.bool).tril()[None], cache
-        )
-        return probs(logits[0, -1], sp).double()
+
+def plain_next_logits(engine, seq) -> torch.Tensor:
+    """The target's logits after `seq`, from one causal call over all of it (no cache reuse)."""
+    n = len(seq)
+    cache = KVCache(engine.info.cache, n, 1)
+    logits = engine.forward(
+        torch.tensor([seq]), torch.arange(n)[None], torch.ones(n, n, dtype=torch.bool).tril()[None], cache
+    )
+    return logits[0, -1]
+
+
+def exact_target_joint(engine, prompt, sp: SamplingParams, m: int) -> dict:
+    """P(x_1..x_m) of the warped target (after the request's penalties, `reference_penalties`,
+    where it has any), by enumeration of its support: {tuple: probability}."""
+
+    def next_probs(seq, out):
+        row = plain_next_logits(engine, seq)
+        if sp.processes_logits:
+            row = reference_penalties(row, prompt, out, sp)
+        return probs(row, sp).double()
 
     level = {(): 1.0}
     for _ in range(m):
         nxt = {}
         for seq, pr in level.items():
-            p = next_probs(list(prompt) + list(seq))
+            p = next_probs(list(prompt) + list(seq), seq)
             for x in torch.nonzero(p > 0).flatten().tolist():
                 nxt[seq + (x,)] = pr * float(p[x])
         level = nxt

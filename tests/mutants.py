@@ -18,6 +18,7 @@ BATCH = "runtime/batch_decode.py"
 DRAFTS = "runtime/drafts/model.py"
 EAGLE3 = "runtime/drafts/eagle3.py"
 DECODE = "runtime/decode.py"
+PENALTIES = "runtime/penalties.py"
 
 EXACT = "tests/test_exact_lossless.py"
 NEG = "tests/test_negative_controls.py"
@@ -29,6 +30,7 @@ BATCH_T = "tests/test_batch_decode.py"
 EAGLE3_T = "tests/test_eagle3.py"
 PREFIX_T = "tests/test_prefix_cache.py"
 LOGPROBS_T = "tests/test_logprobs.py"
+PENALTIES_T = "tests/test_penalties.py"
 
 
 @dataclass(frozen=True)
@@ -316,6 +318,42 @@ MUTANTS = [
         "out.extend(token_logprobs(rows, prompt[s + 1 : s + 1 + len(rows)], k))",
         "out.extend(token_logprobs(rows, prompt[s : s + len(rows)], k))",
         (LOGPROBS_T, "-k", "prompt_logprobs_equal"),
+    ),
+    # ---- penalties: each verify row processed along its own tree path
+    Mutant(
+        "sampled walk: penalties ignore the tree path",
+        ACCEPT,
+        "row = process(row, tokens)",
+        "row = process(row, [])",
+        (EXACT, "-k", "penalised"),
+    ),
+    Mutant(
+        "greedy walk: penalties ignore the tree path",
+        ACCEPT,
+        "            path_tokens.append(a)",
+        "            pass",
+        (PENALTIES_T, "-k", "every_mode"),
+    ),
+    Mutant(
+        "penalties: a step's tokens never join the history",
+        DECODE,
+        "        history.extend(new)",
+        "        pass",
+        (PENALTIES_T, "-k", "every_mode"),
+    ),
+    Mutant(
+        "presence / frequency penalties count the prompt too",
+        PENALTIES,
+        "self.out = np.zeros(0, dtype=np.int64)  # the distinct output tokens",
+        "self.out = self.seen; np.add.at(self.counts, self.seen, 1)",
+        (PENALTIES_T, "-k", "every_mode or by_hand"),
+    ),
+    Mutant(
+        "min-p not applied after the nucleus on CPU rows",
+        SAMPLING,
+        "                keep = keep[z[keep] >= np.float32(math.log(sp.min_p))]",
+        "                pass",
+        (WARP, "-k", "min_p"),
     ),
     Mutant(
         "batch: row commit skips the gather",

@@ -86,6 +86,9 @@ MULTI = [
     ("lookup", "full:3,2", SamplingParams(1.0, 3)),
     ("eagle3", "full:3,2", SamplingParams(1.0, 3)),
     ("mixed", "dynamic:2,3,6", SamplingParams(1.0, 3)),
+    # the request's penalties read each row's tree path (runtime/penalties.py), min-p cuts
+    ("model", "full:3,2", SamplingParams(1.0, 3, repetition_penalty=1.8, presence_penalty=0.8, logit_bias={6: 1.5})),
+    ("lookup", "full:3,2", SamplingParams(0.8, 0, 0.9, min_p=0.15, frequency_penalty=0.7, repetition_penalty=1.5)),
 ]
 
 
@@ -110,7 +113,11 @@ def generation_tv(target_module, folder, kind, tree, sp, keep_q=False, stop_abov
     return max(total_variation(got, want), excess(got, want))
 
 
-@pytest.mark.parametrize("kind,tree,sp", MULTI, ids=[f"{k}-{t}" for k, t, _ in MULTI])
+def pen(sp) -> str:
+    return "-penalised" if sp.processes_logits else ""
+
+
+@pytest.mark.parametrize("kind,tree,sp", MULTI, ids=[f"{k}-{t}{pen(sp)}" for k, t, sp in MULTI])
 def test_generations_are_exactly_the_target_distribution(target_module, tmp_path, kind, tree, sp):
     """Top-k candidates, M tokens over several steps: P_decoder(x1..x3) == P_target(x1..x3)."""
     tv = generation_tv(target_module, tmp_path, kind, tree, sp)
@@ -124,11 +131,14 @@ STEP = [
     ("lookup", "sample", FORK_TREE, SamplingParams(1.0, 3)),
     ("eagle3", "sample-unique", FORK_TREE, SamplingParams(1.0, 3)),
     ("mixed", "sample", FORK_TREE, SamplingParams(1.0, 3)),
+    ("model", "sample-unique", FORK_TREE, SamplingParams(1.0, 3, repetition_penalty=1.6, frequency_penalty=0.9)),
 ]
 
 
 @pytest.mark.parametrize(
-    "kind,cand,tree,sp", STEP, ids=[f"{k}-{c}-{t if isinstance(t, str) else 'fork'}" for k, c, t, _ in STEP]
+    "kind,cand,tree,sp",
+    STEP,
+    ids=[f"{k}-{c}-{t if isinstance(t, str) else 'fork'}{pen(sp)}" for k, c, t, sp in STEP],
 )
 def test_one_step_is_exactly_lossless(target_module, tmp_path, kind, cand, tree, sp):
     """One step (any candidate mode), completed with the target: == the target's joint over

@@ -48,7 +48,11 @@ def seed_rule():
     mod, name = ACCEPT_SITE
     orig = getattr(mod, name)
     setattr(
-        mod, name, lambda logits, tree, sp, rng, root_probs=None, check=None: seed_rule_accept(logits, tree, sp, rng)
+        mod,
+        name,
+        lambda logits, tree, sp, rng, root_probs=None, check=None, process=None: seed_rule_accept(
+            logits, tree, sp, rng
+        ),
     )
     try:
         yield

@@ -174,10 +174,17 @@ def test_stream_concatenates_to_the_full_text(server):
         ({"prompt": "hi", "stop": ["a", 1]}, 400, "stop"),
         ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ({"prompt": "hi", "top_k": -2}, 400, "top_k"),
+        # penalties out of range or of the wrong type, a bias on a token outside the vocabulary
+        ({"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+        ({"prompt": "hi", "frequency_penalty": "1"}, 400, "frequency_penalty"),
+        ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+        ({"prompt": "hi", "min_p": 1.5}, 400, "min_p"),
+        ({"prompt": "hi", "logit_bias": {"x": 10}}, 400, "logit_bias"),
+        ({"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+        ({"prompt": "hi", "logit_bias": {"100000": 1}}, 400, "logit_bias"),
+        ({"prompt": "hi", "logit_bias": [5, 1]}, 400, "logit_bias"),
         # fields that would change the answer and are not implemented: refused, never ignored
-        ({"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
-        ({"prompt": "hi", "frequency_penalty": 1}, 400, "frequency_penalty"),
-        ({"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+        ({"prompt": "hi", "best_of": 2}, 400, "best_of"),
         ({"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
         ({"prompt": "hi", "logprobs": "x"}, 400, "logprobs"),
         ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
@@ -197,6 +204,29 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, body, status,
         err = r.json()["error"]
         assert err["message"] and "type" in err and (param is None or err["param"] == param)
         assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_penalties_and_logit_bias_are_the_generators(server, export_dir):
+    """presence / frequency / repetition penalties, min_p and logit_bias (OpenAI's string token
+    ids) reach the generator: the server's tokens are Generator.generate's with the same
+    keywords, and differ from the unpenalised answer (greedy and sampled, completions and chat)."""
+    base, _ = server
+    pen = {"presence_penalty": 1.5, "frequency_penalty": 1.0, "repetition_penalty": 1.3, "logit_bias": {"7": 5.0}}
+    with Generator.from_export(export_dir, tree="full:2,2") as g:
+        ids = g.encode_prompt("one two one two")
+        kw = {**pen, "logit_bias": {7: 5.0}}
+        want = g.generate(ids, 12, **kw).tokens
+        plain = g.generate(ids, 12).tokens
+        sampled = g.generate(ids, 12, temperature=0.9, seed=4, min_p=0.05, **kw).tokens
+    assert want != plain
+    with client(base) as c:
+        for extra, tokens in (({"temperature": 0}, want), ({"temperature": 0.9, "seed": 4, "min_p": 0.05}, sampled)):
+            r = c.post("/v1/completions", json={"prompt": ids, "max_tokens": 12, **pen, **extra, "logprobs": 0})
+            assert r.status_code == 200, r.text
+            got = r.json()["choices"][0]
+            assert got["logprobs"]["tokens"] == [g.tokenizer.decode([t]) for t in tokens]
+        r = c.post("/v1/completions", json={"prompt": ids, "max_tokens": 12, "temperature": 0, "presence_penalty": 0})
+        assert r.json()["choices"][0]["logprobs"] is None and r.status_code == 200
 
 
 def test_stop_strings_end_the_answer(server):

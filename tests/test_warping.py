@@ -175,3 +175,37 @@ def test_cpu_rows_probabilities_are_the_warped_softmax(t, k, p):
     assert torch.allclose(got.sum(-1), torch.ones(24))
     odd = torch.tensor([[float("nan"), 1.0, 2.0]])
     assert _probs_rows(odd, sp) is None and torch.isnan(probs(odd, sp)).all()
+
+
+MIN_P = [(1.0, 0, 1.0, 0.05), (0.7, 0, 1.0, 0.2), (1.3, 10, 0.9, 0.1), (0.8, 0, 0.95, 0.3), (2.0, 0, 0.98, 0.1)]
+
+
+@pytest.mark.parametrize("t,k,p,m", MIN_P)
+def test_min_p_equals_transformers(t, k, p, m):
+    """min-p after temperature, top-k and top-p (transformers' MinPLogitsWarper last, as
+    `generate` orders them), on the CPU rows (numpy) and the torch path alike; rows within
+    rounding of either threshold left out."""
+    from arborspec.runtime.sampling import _probs_rows, warp_logits
+
+    g = torch.Generator().manual_seed(int(1000 * t + 10 * k + 100 * p + 7 * m))
+    logits = torch.randn(400, 64, generator=g) * 3
+    ids = torch.zeros(400, 1, dtype=torch.long)
+    scores = tw.TemperatureLogitsWarper(t)(ids, logits.clone())
+    if k:
+        scores = tw.TopKLogitsWarper(k)(ids, scores)
+    if p < 1.0:
+        scores = tw.TopPLogitsWarper(p)(ids, scores)
+    want = torch.softmax(tw.MinPLogitsWarper(m)(ids, scores), -1)
+    # rows where some token's p / p_max is within rounding of min_p
+    pre = torch.softmax(scores, -1)
+    ratio = pre / pre.amax(-1, keepdim=True)
+    keep = ~near_the_threshold(logits, t, k, p) & ~((ratio - m).abs() < 1e-5).any(-1)
+    assert keep.sum() > 300
+    sp = SamplingParams(t, k, p, min_p=m)
+    got = probs(logits, sp)
+    assert torch.equal(got, _probs_rows(logits, sp))
+    for mine in (got, torch.softmax(warp_logits(logits, sp), -1)):
+        assert torch.equal(mine[keep] > 0, want[keep] > 0), "a different set of tokens kept"
+        assert torch.allclose(mine[keep], want[keep], atol=1e-6)
+    cut = probs(logits, SamplingParams(t, k, p))
+    assert ((cut > 0) & (got == 0))[keep].any(), "min-p cut nothing here"

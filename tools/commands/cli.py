@@ -49,11 +49,63 @@ JSON_OUT_HELP = "also write the results to this JSON file"
 
 
 def add_sampling_args(g, seed_help: str = "sampling seed (default 0)") -> None:
-    """--temperature, --top-k, --top-p, --seed (generate, chat)."""
+    """--temperature, --top-k, --top-p, --min-p, the penalties, --logit-bias, --seed (generate,
+    chat); `sampling_from_args` reads them."""
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="sample from the K most likely tokens (0: all; default)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
+    g.add_argument(
+        "--min-p", type=float, default=0.0, help="keep tokens at least MIN_P times as likely as the top one (0: off)"
+    )
+    g.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="divide the logits of prompt and output tokens by it (HF's rule; 1: off; greedy too)",
+    )
+    g.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="subtract it from generated tokens' logits (-2..2)"
+    )
+    g.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="subtract it per occurrence from generated tokens' logits (-2..2)",
+    )
+    g.add_argument(
+        "--logit-bias",
+        action="append",
+        default=None,
+        metavar="TOKEN=BIAS",
+        help="add BIAS (-100..100) to token id TOKEN's logit (repeatable)",
+    )
     g.add_argument("--seed", type=int, default=0, help=seed_help)
+
+
+def sampling_from_args(args):
+    """The SamplingParams of add_sampling_args' flags (one InputError line for a bad value)."""
+    from arborspec.runtime.errors import InputError
+    from arborspec.runtime.sampling import SamplingParams
+
+    bias = {}
+    for item in args.logit_bias or []:
+        token, sep, value = item.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise InputError(f"--logit-bias takes TOKEN=BIAS (a token id and a number), got {item!r}") from None
+        if not sep:
+            raise InputError(f"--logit-bias takes TOKEN=BIAS (a token id and a number), got {item!r}")
+    return SamplingParams(
+        args.temperature,
+        args.top_k,
+        args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        logit_bias=bias,
+    )
 
 
 def summary(doc: str) -> str:

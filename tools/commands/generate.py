@@ -12,7 +12,14 @@ import sys
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError
-from arborspec.tools.commands.cli import JSON_HELP, PREFIX_CACHE, TREE_HELP, add_sampling_args, summary
+from arborspec.tools.commands.cli import (
+    JSON_HELP,
+    PREFIX_CACHE,
+    TREE_HELP,
+    add_sampling_args,
+    sampling_from_args,
+    summary,
+)
 from arborspec.tools.engines import add_model_args, models_key, open_models
 
 EXAMPLE = """examples:
@@ -22,6 +29,7 @@ EXAMPLE = """examples:
       --temperature 0.8 --top-p 0.95 --n 3 --seed 1 --prompt 'Once upon a time' --json
   arborspec generate --export-dir E3Q --draft export+lookup --tree auto --chat --prompt 'Sort: pears, apples'
   arborspec generate --export-dir E3Q --chat --prompt 'List three fruits.' --stop $'\\n\\n' --stop '4.'
+  arborspec generate --export-dir E3Q --chat --prompt 'Name ten animals.' --repetition-penalty 1.2 --logit-bias 198=-5
   arborspec generate --model tiny.pt --draft bigram --prompt-ids 1,2,3 --json"""
 
 
@@ -149,7 +157,6 @@ def resolve_mode(models, args) -> None:
 
 def make_decoder(models, args, mode: str | None = None):
     from arborspec.runtime.decode import SpeculativeDecoder
-    from arborspec.runtime.sampling import SamplingParams
 
     mode = mode or args.mode
     tree = (
@@ -159,7 +166,7 @@ def make_decoder(models, args, mode: str | None = None):
     )
     if mode == "chain" and not tree.startswith("chain:"):
         tree = "chain:4" if args.tree is None else tree
-    sp = SamplingParams(args.temperature, args.top_k, args.top_p)
+    sp = sampling_from_args(args)
     return SpeculativeDecoder(
         models.target,
         models.draft if mode != "vanilla" else None,
@@ -196,10 +203,9 @@ def run(args) -> int:
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     # validate the cheap things before loading models
-    from arborspec.runtime.sampling import SamplingParams
     from arborspec.runtime.trees import parse_tree_spec
 
-    SamplingParams(args.temperature, args.top_k, args.top_p)
+    sampling_from_args(args)
     if args.tree and args.tree.strip().lower() != "auto":
         parse_tree_spec(args.tree)
     _check_one_prompt(args)  # before the models load

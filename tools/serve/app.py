@@ -26,6 +26,7 @@ from typing import Any, Callable
 from fastapi import Request  # module level: FastAPI resolves the (string) annotations here
 
 from arborspec.runtime.errors import ArborspecError, one_line
+from arborspec.runtime.generator import PENALTIES, sampling_params
 from arborspec.runtime.stop_strings import parse_stop
 
 MAX_STOP = 4  # stop strings a request may give (OpenAI's limit)
@@ -34,11 +35,6 @@ MAX_CHOICES = 64  # prompts x n of one completions request
 # request fields that would change the answer and that this server does not implement, with the
 # values that mean "off": any other value is a 400 naming the field, never a silently other answer
 UNSUPPORTED = {
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
-    "min_p": (None, 0),
-    "logit_bias": (None, {}),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -233,6 +229,7 @@ def create_app(
     # admission: sequences admitted and not finished; beyond the slots + max_queue a request is
     # refused at once (a 503 a client retries) instead of waiting without bound
     slots = len(pool.all) * pool.slots
+    vocab_size = pool.all[0].target.info.vocab_size  # where a logit_bias's token ids must lie
     admitted = {"n": 0}
     admit_lock = threading.Lock()
 
@@ -401,6 +398,25 @@ def create_app(
             return error(400, "top_logprobs must be an integer in [0, 20]", param="top_logprobs")
         # completions' 0: the chosen tokens' log-probs, no alternatives (not "off": 0 == False in Python)
         out["logprobs"] = None if lp is None or lp is False else (int(top or 0) if lp is True else int(lp))
+        pen = {}  # penalties, min_p, logit_bias (runtime/penalties.py): null or absent is off
+        for key in PENALTIES:
+            v = body.get(key)
+            if v is None:
+                continue
+            if key == "logit_bias" and not isinstance(v, dict):
+                return error(
+                    400, 'logit_bias must be an object mapping token ids to biases, e.g. {"198": -100}', param=key
+                )
+            if key != "logit_bias" and (not isinstance(v, (int, float)) or isinstance(v, bool)):
+                return error(400, f"{key} must be a number", param=key)
+            pen[key] = v
+        try:
+            sampling_params(out["temperature"], out["top_k"], out["top_p"], pen, vocab_size)
+        except ArborspecError as e:
+            msg = one_line(e)
+            bad = next((k for k in pen if k.replace("_", "-") in msg or k in msg), None)
+            return error(400, msg, param=bad)
+        out["penalties"] = pen
         for key, default in UNSUPPORTED.items():  # never a silently different answer
             if key in body and body[key] not in default:
                 return error(400, f"{key} is not supported by this server", param=key)
@@ -427,7 +443,7 @@ def create_app(
                     f"the prompt ({len(ids)} tokens) plus max_tokens ({params['max_new_tokens']}) "
                     f"is beyond the model's context of {max_context}"
                 )
-            kw = {k: params[k] for k in ("temperature", "top_k", "top_p", "seed", "stop")}
+            kw = {k: params[k] for k in ("temperature", "top_k", "top_p", "seed", "stop")} | params["penalties"]
             lp, echo = params.get("logprobs"), params.get("echo")
             head = (prompt if isinstance(prompt, str) else g.tokenizer.decode(ids)) if echo and g.tokenizer else ""
             # one call: the prompt alone, or log-probs not streamed or with the prompt's (echo) first

@@ -1,0 +1,81 @@
+"""Penalties and logit bias: the request's logit processing that depends on the tokens so far.
+
+Role in one decoding step: step 4. Before the accept walk reads a verify row (the target's
+logits at the root or at a tree node), the row is processed as plain decoding would process
+the target's logits after that row's own history: the prompt, the tokens generated so far and
+the tokens on the tree path down to that node (`TokenHistory.process`). The walk then compares
+the drafted tokens with those processed rows (greedy: their argmax; sampled: their warped
+distribution), so greedy speculation stays token for token the processed greedy decoding and
+sampling stays lossless with respect to the processed distribution. Only the rows the walk
+reads are processed: a greedy step touches depth + 1 rows, never the whole tree.
+
+The rules, in this order (the conventions and the order of Hugging Face `generate` and vLLM):
+  * logit_bias {token: bias} (OpenAI): bias added to the token's logit, every row;
+  * repetition_penalty r (HF, CTRL): every token in the prompt or the output so far has its
+    logit divided by r where positive, multiplied by r where negative;
+  * presence_penalty a, frequency_penalty b (OpenAI): a token generated c > 0 times so far has
+    a + b * c subtracted from its logit (the output only, not the prompt).
+Then temperature, top-k, top-p and min-p warp the processed row (runtime/sampling.py). The
+draft is never processed: its proposals stay what it drafted, which only the acceptance rate
+sees (the accept rule is exact for any draft distribution).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .errors import InputError
+
+
+class TokenHistory:
+    """One sequence's tokens as the penalties read them: the prompt and the committed output.
+    Kept as index arrays and an output-count vector, extended once a step (`extend`)."""
+
+    def __init__(self, prompt: Sequence[int], vocab_size: int, sp):
+        self.sp = sp
+        self.vocab_size = vocab_size
+        if sp.logit_bias:
+            ids = np.array([t for t, _ in sp.logit_bias], dtype=np.int64)
+            if ids.max() >= vocab_size:
+                raise InputError(f"logit_bias token id {int(ids.max())} is outside the vocabulary [0, {vocab_size})")
+            self.bias_ids, self.bias = ids, np.array([b for _, b in sp.logit_bias], dtype=np.float32)
+        self.seen = np.unique(np.asarray(list(prompt), dtype=np.int64))  # prompt and output (repetition)
+        self.counts = np.zeros(vocab_size, dtype=np.int64)  # output tokens so far (presence, frequency)
+        self.out = np.zeros(0, dtype=np.int64)  # the distinct output tokens
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Step 5's bookkeeping: the tokens a step committed join the history."""
+        if not tokens:
+            return
+        t = np.asarray(tokens, dtype=np.int64)
+        np.add.at(self.counts, t, 1)
+        self.seen = np.union1d(self.seen, t)
+        self.out = np.union1d(self.out, t)
+
+    def process(self, row: torch.Tensor, path: Sequence[int]) -> torch.Tensor:
+        """A verify row [V] (on the host) after the history plus `path` (the tree's tokens from
+        the root's first child down to the node whose row it is) -> the processed row, float32
+        (a copy: the verify call's logits stay as they came)."""
+        sp = self.sp
+        x = row.detach().float().numpy().copy()
+        p = np.asarray(path, dtype=np.int64)
+        if sp.logit_bias:  # first, as transformers' and vLLM's processors
+            x[self.bias_ids] += self.bias
+        if sp.repetition_penalty != 1.0:
+            ids = np.union1d(self.seen, p) if p.size else self.seen
+            v = x[ids]
+            x[ids] = np.where(v > 0, v / sp.repetition_penalty, v * sp.repetition_penalty)
+        if sp.presence_penalty or sp.frequency_penalty:
+            ids = np.union1d(self.out, p) if p.size else self.out
+            c = self.counts[ids]  # (a copy: fancy indexing)
+            np.add.at(c, np.searchsorted(ids, p), 1)  # the path's own tokens, each occurrence
+            x[ids] -= (sp.frequency_penalty * c + sp.presence_penalty * (c > 0)).astype(np.float32)
+        return torch.from_numpy(x)
+
+
+def history_for(sp, prompt: Sequence[int], vocab_size: int) -> TokenHistory | None:
+    """A sequence's TokenHistory when its sampling parameters process logits, else None."""
+    return TokenHistory(prompt, vocab_size, sp) if sp.processes_logits else None

@@ -1,0 +1,160 @@
+"""Penalties, logit bias and min-p (runtime/penalties.py, runtime/sampling.py) against references
+that share none of the runtime's code: greedy decoding written plainly (one causal call over the
+whole sequence per token, the penalties applied token by token from their definitions:
+lossless_util.reference_penalties) and transformers' own `generate` (RepetitionPenalty,
+SequenceBias processors) on a checkpoint it wrote. Vanilla, chain and tree decoding, single and
+batched, must give the penalised greedy tokens exactly; the lossless cases (exact enumeration,
+tests/test_exact_lossless.py) carry penalised SamplingParams too. Each case is a negative
+control of its own: the penalty must change the unpenalised answer."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+from conftest import random_model, tiny_config, truncated
+from lossless_util import plain_next_logits, reference_penalties
+
+from arborspec.runtime.backends.torch_backend import TorchEngine
+from arborspec.runtime.batch_decode import BatchDecoder
+from arborspec.runtime.decode import SpeculativeDecoder
+from arborspec.runtime.drafts.lookup import LookupDraft
+from arborspec.runtime.drafts.model import ModelDraft
+from arborspec.runtime.errors import InputError
+from arborspec.runtime.generator import Generator
+from arborspec.runtime.penalties import TokenHistory
+from arborspec.runtime.sampling import SamplingParams
+
+V = 96
+PROMPT = [5, 7, 9, 11, 5, 7, 9, 11, 5, 7]
+N = 24
+CASES = {
+    "repetition": SamplingParams(repetition_penalty=1.6),
+    "presence+frequency": SamplingParams(presence_penalty=1.2, frequency_penalty=0.9),
+    "frequency<0": SamplingParams(frequency_penalty=-0.6),
+    "bias": SamplingParams(logit_bias={"3": 6.0, 7: -100}),
+    "all": SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4, logit_bias={12: 3.0}),
+}
+
+
+@pytest.fixture(scope="module")
+def target():
+    """A random Llama whose logits sit in a trained model's range (a few units apart: the
+    penalties can move them) and whose unpenalised greedy output repeats itself."""
+    cfg = dataclasses.replace(tiny_config("llama", vocab=V), tie_embeddings=False)
+    m = random_model(cfg, seed=1)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(0.04)
+    return m
+
+
+def reference_greedy(engine, prompt, n, sp) -> list[int]:
+    out: list[int] = []
+    for _ in range(n):
+        row = reference_penalties(plain_next_logits(engine, list(prompt) + out), prompt, out, sp)
+        out.append(int(row.argmax()))
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_penalised_greedy_is_the_reference_in_every_mode(target, name):
+    """The penalties read each row's own history: vanilla, a chain and trees (a layer draft that
+    proposes the unpenalised tokens, so rows deep in the tree are read and rejected; prompt
+    lookup, whose proposals repeat the prompt) and a batch of two all give the plain loop's
+    tokens; without the penalty the answer differs."""
+    sp = CASES[name]
+    eng = TorchEngine(target)
+    want = reference_greedy(eng, PROMPT, N, sp)
+    assert want != reference_greedy(eng, PROMPT, N, SamplingParams()), "the penalty changes nothing here"
+    layer = ModelDraft(TorchEngine(truncated(target, 2)))
+    assert SpeculativeDecoder(eng, mode="vanilla", sampling=sp).generate(PROMPT, N).tokens == want
+    accepted = 0
+    for draft, tree in (
+        (layer, "chain:3"),
+        (layer, "full:3,2"),
+        (LookupDraft(V), "full:3,2"),
+        (layer, "dynamic:2,3,6"),
+    ):
+        res = SpeculativeDecoder(
+            eng, draft, mode="chain" if tree.startswith("chain") else "tree", tree=tree, sampling=sp
+        ).generate(PROMPT, N)
+        assert res.tokens == want, (name, tree)
+        accepted = max(accepted, res.stats.mean_accepted)
+    assert accepted > 1.3, "no tree path was accepted: the path-dependent rows went unchecked"
+    bd = BatchDecoder(eng, layer, tree="full:3,2", max_batch=2)
+    other = [4, 6, 8]
+    rows = bd.generate_many([PROMPT, other], N, sampling=[sp, sp])
+    assert rows[0].tokens == want and rows[1].tokens == reference_greedy(eng, other, N, sp)
+
+
+def test_greedy_with_penalties_equals_transformers_generate(tmp_path):
+    """transformers' generate(repetition_penalty=, sequence_bias=) on a Llama 3 checkpoint it
+    wrote, loaded by our HF loader: the same tokens from our vanilla and tree decoding."""
+    from test_families import make_family
+
+    hf, ours, cfg = make_family("llama3", tmp_path)
+    with torch.no_grad():  # logits a few units apart, as a trained model's
+        hf.lm_head.weight.mul_(0.2)
+        ours.lm_head.weight.mul_(0.2)
+    prompt = [int(x) for x in torch.randint(3, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(3))]
+    bias = {prompt[-1]: 2.5, 17: -3.0}
+    theirs = hf.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=N,
+        do_sample=False,
+        repetition_penalty=1.4,
+        sequence_bias={(t,): b for t, b in bias.items()},
+    )[0, len(prompt) :].tolist()
+    plain = hf.generate(torch.tensor([prompt]), max_new_tokens=N, do_sample=False)[0, len(prompt) :].tolist()
+    assert theirs != plain
+    sp = SamplingParams(repetition_penalty=1.4, logit_bias=bias)
+    eng = TorchEngine(ours)
+    assert SpeculativeDecoder(eng, mode="vanilla", sampling=sp).generate(prompt, N).tokens == theirs
+    draft = ModelDraft(TorchEngine(truncated(ours, 1)))
+    assert SpeculativeDecoder(eng, draft, tree="full:3,2", sampling=sp).generate(prompt, N).tokens == theirs
+
+
+def test_token_history_by_hand_counts_the_path_and_the_history():
+    """One row by hand: repetition over prompt + output + path, presence/frequency over output +
+    path (each occurrence), the bias, and the row it was given left as it was."""
+    sp = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25, logit_bias={4: 1.0})
+    h = TokenHistory([1, 2], 6, sp)
+    h.extend([3, 3])
+    row = torch.tensor([1.0, 2.0, -2.0, 4.0, 1.0, 8.0])
+    got = h.process(row, [5, 3])
+    # token 1, 2: prompt (repetition only); 3: output x2 + path x1; 5: path x1; 4: bias only
+    want = torch.tensor([1.0, 1.0, -4.0, 2.0 - (0.5 + 0.75), 2.0, 4.0 - (0.5 + 0.25)])  # 4: 1 + 1 (bias)
+    assert torch.equal(got, want)
+    assert torch.equal(row, torch.tensor([1.0, 2.0, -2.0, 4.0, 1.0, 8.0]))
+    assert torch.equal(h.process(row, []), torch.tensor([1.0, 1.0, -4.0, 2.0 - 1.0, 2.0, 8.0]))
+
+
+def test_generator_takes_penalties_and_says_what_is_wrong(target):
+    """The embedding API: penalties as keyword arguments, one decoder per kind of call (not one
+    per setting: each holds a KV cache), one-line errors for bad values and unknown keywords."""
+    eng = TorchEngine(target)
+    layer = ModelDraft(TorchEngine(truncated(target, 2)))
+    sp = CASES["all"]
+    with Generator(eng, layer, tree="full:3,2") as gen:
+        got = gen.generate(
+            PROMPT, N, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4, logit_bias={12: 3.0}
+        )
+        assert got.tokens == reference_greedy(eng, PROMPT, N, sp)
+        streamed = [t for chunk in gen.stream(PROMPT, N, ids=True, repetition_penalty=1.6) for t in chunk]
+        assert streamed == reference_greedy(eng, PROMPT, N, CASES["repetition"])
+        for t in (0.5, 0.7, 0.9):
+            gen.generate(PROMPT, 4, temperature=t, min_p=0.1, frequency_penalty=t)
+        assert len(gen._decoders) == 2
+        for kw, msg in (
+            ({"repetition_penalty": 0}, "repetition-penalty must be > 0"),
+            ({"presence_penalty": 3}, "presence-penalty must be in [-2, 2]"),
+            ({"min_p": 1.0}, "min-p must be in [0, 1)"),
+            ({"logit_bias": {"x": 1}}, "logit-bias keys must be token ids"),
+            ({"logit_bias": {5: 200}}, "logit-bias values must be in [-100, 100]"),
+            ({"logit_bias": {V: 1.0}}, f"logit_bias token id {V} is outside the vocabulary"),
+            ({"top_n": 3}, "unexpected keyword argument 'top_n'"),
+        ):
+            with pytest.raises(InputError, match=re.escape(msg)):
+                gen.generate(PROMPT, 4, **kw)
