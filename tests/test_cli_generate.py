@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -147,8 +148,51 @@ def test_json_logprobs_are_the_apis(ckpts, capsys):
         assert rc == 2 and msg in err
 
 
+def test_penalties_and_logit_bias_reach_the_decoder(ckpts, capsys):
+    """--repetition-penalty, --presence-penalty, --frequency-penalty and --logit-bias: vanilla and
+    tree give the decoder's penalised tokens (SamplingParams with the same values), which differ
+    from the unpenalised ones."""
+    from arborspec.runtime.decode import SpeculativeDecoder
+    from arborspec.runtime.sampling import SamplingParams
+    from arborspec.tools.engines import open_engines
+
+    a, _ = ckpts
+    base = ["generate", "--model", a, "--draft", "layers:1", "--prompt-ids", "1,2,3", "--max-new-tokens", "16"]
+    pen = ["--repetition-penalty", "1.5", "--frequency-penalty", "0.5", "--logit-bias", "5=3", "--logit-bias", "3=-100"]
+    got = {}
+    for mode in ("vanilla", "tree"):
+        rc, out, err = run_cli(base + pen + ["--mode", mode, "--json"], capsys)
+        assert rc == 0, err
+        got[mode] = json.loads(out)["tokens"]
+    rc, out, _ = run_cli(base + ["--mode", "vanilla", "--json"], capsys)
+    plain = json.loads(out)["tokens"]
+    sp = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5, logit_bias={5: 3.0, 3: -100.0})
+    with open_engines(model=a, draft="layers:1") as om:
+        want = SpeculativeDecoder(om.target, mode="vanilla", sampling=sp).generate([1, 2, 3], 16).tokens
+    assert got["vanilla"] == got["tree"] == want != plain and 3 not in want
+    # every flag lands in its field (this model's logits are too far apart for the penalties to
+    # change its tokens; the bias above does)
+    from arborspec.tools.commands.cli import build_parser, sampling_from_args
+
+    args = build_parser().parse_args(base + pen + ["--min-p", "0.1", "--presence-penalty", "-0.5"])
+    assert sampling_from_args(args) == dataclasses.replace(sp, min_p=0.1, presence_penalty=-0.5)
+
+
 @pytest.mark.parametrize(
-    "case", ["missing", "empty", "too_long", "vocab", "tree", "no_tokenizer", "bad_ids", "temperature"]
+    "case",
+    [
+        "missing",
+        "empty",
+        "too_long",
+        "vocab",
+        "tree",
+        "no_tokenizer",
+        "bad_ids",
+        "temperature",
+        "penalty",
+        "bias",
+        "bias_vocab",
+    ],
 )
 def test_bad_input_one_clear_line(ckpts, capsys, tmp_path, case):
     a, b = ckpts
@@ -162,6 +206,9 @@ def test_bad_input_one_clear_line(ckpts, capsys, tmp_path, case):
         "no_tokenizer": base + ["--prompt", "hello"],
         "bad_ids": base + ["--prompt-ids", "1,x"],
         "temperature": base + ["--temperature", "-1", "--prompt-ids", "1"],
+        "penalty": base + ["--presence-penalty", "3", "--prompt-ids", "1"],
+        "bias": base + ["--logit-bias", "5", "--prompt-ids", "1"],
+        "bias_vocab": base + ["--logit-bias", "9999=1", "--prompt-ids", "1"],
     }[case]
     rc, out, err = run_cli(args, capsys)
     assert rc == 2
@@ -177,6 +224,9 @@ def test_bad_input_one_clear_line(ckpts, capsys, tmp_path, case):
         "no_tokenizer": "--prompt-ids",
         "bad_ids": "integers",
         "temperature": "temperature",
+        "penalty": "presence-penalty must be in [-2, 2]",
+        "bias": "--logit-bias takes TOKEN=BIAS",
+        "bias_vocab": "outside the vocabulary",
     }[case]
     assert expect in lines[0]
 
