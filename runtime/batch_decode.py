@@ -453,7 +453,7 @@ class BatchDecoder:
         for i, (s, spec) in enumerate(zip(seqs, speculated)):
             if spec:
                 builders[i] = tree_builder(
-                    s.draft, self.policy, s.root, s.sampling, self.candidates, s.rng, False, s.ws, v
+                    s.draft, self.policy, s.root, s.sampling, self.candidates, s.rng, False, s.ws, v, s.history
                 )
                 calls[i] = None
         while calls:

@@ -303,6 +303,7 @@ class SpeculativeDecoder:
             self.keep_draft_probs,
             self._ws,
             self.target.info.vocab_size,
+            seq.history,
         )
 
     def _finish(self) -> None:

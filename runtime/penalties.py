@@ -3,10 +3,13 @@
 Role in one decoding step: step 4. Before the accept walk reads a verify row (the target's
 logits at the root or at a tree node), the row is processed as plain decoding would process
 the target's logits after that row's own history: the prompt, the tokens generated so far and
-the tokens on the tree path down to that node (`TokenHistory.process`). The walk then compares
+the tokens on the tree path down to that node (`TokenHistory.process`). Step 1 processes the
+draft's rows the same way along each frontier node's path (`process_draft`), so that the draft
+proposes what the penalised target will pick. The walk then compares
 the drafted tokens with those processed rows (greedy: their argmax; sampled: their warped
 distribution), so greedy speculation stays token for token the processed greedy decoding and
-sampling stays lossless with respect to the processed distribution. Only the rows the walk
+sampling stays lossless with respect to the processed distribution (the accept rule is exact
+for any draft: processing the draft's rows only raises its acceptance). Only the rows the walk
 reads are processed: a greedy step touches depth + 1 rows, never the whole tree.
 
 The rules, in this order (the conventions and the order of Hugging Face `generate` and vLLM):
@@ -15,9 +18,7 @@ The rules, in this order (the conventions and the order of Hugging Face `generat
     logit divided by r where positive, multiplied by r where negative;
   * presence_penalty a, frequency_penalty b (OpenAI): a token generated c > 0 times so far has
     a + b * c subtracted from its logit (the output only, not the prompt).
-Then temperature, top-k, top-p and min-p warp the processed row (runtime/sampling.py). The
-draft is never processed: its proposals stay what it drafted, which only the acceptance rate
-sees (the accept rule is exact for any draft distribution).
+Then temperature, top-k, top-p and min-p warp the processed row (runtime/sampling.py).
 """
 
 from __future__ import annotations
@@ -74,6 +75,21 @@ class TokenHistory:
             np.add.at(c, np.searchsorted(ids, p), 1)  # the path's own tokens, each occurrence
             x[ids] -= (sp.frequency_penalty * c + sp.presence_penalty * (c > 0)).astype(np.float32)
         return torch.from_numpy(x)
+
+    def process_draft(self, rows: torch.Tensor, paths: list, token_map: torch.Tensor | None) -> torch.Tensor:
+        """Step 1's counterpart: the draft's rows [F, Vd] processed as the target's will be, row f
+        along paths[f] (target ids), so that the draft proposes what the penalised target picks
+        (its acceptance; exactness never depends on it). token_map: the draft's ids -> target ids
+        where its vocabulary is reduced (the row is spread over the target's vocabulary for it)."""
+        out = []
+        for row, path in zip(rows.detach().float().cpu(), paths):
+            if token_map is None:
+                out.append(self.process(row, path))
+                continue
+            full = torch.full((self.vocab_size,), float("-inf"))
+            full[token_map] = row
+            out.append(self.process(full, path)[token_map])
+        return torch.stack(out).to(rows.device)
 
 
 def history_for(sp, prompt: Sequence[int], vocab_size: int) -> TokenHistory | None:

@@ -349,6 +349,13 @@ MUTANTS = [
         (PENALTIES_T, "-k", "every_mode or by_hand"),
     ),
     Mutant(
+        "the draft's rows below the root are not penalised along their path",
+        DRAFTING,
+        "out = history.process_draft(out, _paths(tokens, plan.anc, lv.frontier), tmap)",
+        "pass",
+        (PENALTIES_T, "-k", "draft_proposes"),
+    ),
+    Mutant(
         "min-p not applied after the nucleus on CPU rows",
         SAMPLING,
         "                keep = keep[z[keep] >= np.float32(math.log(sp.min_p))]",

@@ -89,6 +89,7 @@ MULTI = [
     # the request's penalties read each row's tree path (runtime/penalties.py), min-p cuts
     ("model", "full:3,2", SamplingParams(1.0, 3, repetition_penalty=1.8, presence_penalty=0.8, logit_bias={6: 1.5})),
     ("lookup", "full:3,2", SamplingParams(0.8, 0, 0.9, min_p=0.15, frequency_penalty=0.7, repetition_penalty=1.5)),
+    ("eagle3", "full:3,2", SamplingParams(1.0, 3, repetition_penalty=1.5, logit_bias={1: 1.0})),  # a token map
 ]
 
 

@@ -89,6 +89,19 @@ def test_penalised_greedy_is_the_reference_in_every_mode(target, name):
     assert rows[0].tokens == want and rows[1].tokens == reference_greedy(eng, other, N, sp)
 
 
+@pytest.mark.parametrize("tree", ["chain:3", "full:2,2"])
+def test_the_draft_proposes_what_the_penalised_target_picks(target, tree):
+    """The draft's rows are penalised along each node's path too (TokenHistory.process_draft):
+    with the target itself as the draft, a penalised chain is accepted whole at every step but
+    the last (without that, every penalised token it proposes unpenalised is rejected)."""
+    sp = CASES["all"]
+    eng = TorchEngine(target)
+    res = SpeculativeDecoder(eng, ModelDraft(TorchEngine(target)), tree=tree, sampling=sp).generate(PROMPT, N)
+    assert res.tokens == reference_greedy(eng, PROMPT, N, sp)
+    depth = {"chain:3": 3, "full:2,2": 2}[tree]
+    assert res.stats.target_calls - 1 <= -(-N // (depth + 1)), res.stats.target_calls  # (+1: the prefill)
+
+
 def test_greedy_with_penalties_equals_transformers_generate(tmp_path):
     """transformers' generate(repetition_penalty=, sequence_bias=) on a Llama 3 checkpoint it
     wrote, loaded by our HF loader: the same tokens from our vanilla and tree decoding."""

@@ -25,7 +25,7 @@ SETTINGS = {
 arborspec.enable_shared_pool()
 out = {"export": E, "prompts": len(PROMPTS), "max_new_tokens": 64, "rows": {}}
 with Generator.from_export(E, mode="vanilla", prefix_cache=False) as van, Generator.from_export(
-    E, tree="auto", prefix_cache=False
+    E, tree=os.environ.get("TREE", "auto"), prefix_cache=False
 ) as tree:
     for g in (van, tree):  # warm-up
         g.generate(PROMPTS[0], 8, chat=True)

@@ -86,13 +86,16 @@ def draft_tree(
     keep_q: bool = False,
     workspace: TreeWorkspace | None = None,
     out_vocab: int | None = None,
+    history=None,
 ) -> Tree:
     """Build one step's tree: D levels, one draft call per level over the frontier.
 
     keep_q: also keep the draft distributions for top-k candidates (analysis and tests; the
     sampled modes always keep them, the accept rule needs them). out_vocab: the target's
-    vocabulary, when the draft's rows are over a reduced one (`draft.token_map`)."""
-    builder = tree_builder(draft, policy, root, sp, candidates, rng, keep_q, workspace, out_vocab)
+    vocabulary, when the draft's rows are over a reduced one (`draft.token_map`). history: the
+    sequence's penalties.TokenHistory when its request has penalties: the draft's rows are
+    processed along each node's path before candidates are chosen (full rows, no fused top-k)."""
+    builder = tree_builder(draft, policy, root, sp, candidates, rng, keep_q, workspace, out_vocab, history)
     try:
         call = next(builder)
         while True:
@@ -111,6 +114,7 @@ def tree_builder(
     keep_q: bool = False,
     workspace: TreeWorkspace | None = None,
     out_vocab: int | None = None,
+    history=None,
 ):
     """draft_tree's level loop as a generator: yields DraftCalls, is sent their answers, and
     returns the Tree (StopIteration.value). Run it inside torch.inference_mode()."""
@@ -121,7 +125,7 @@ def tree_builder(
         raise InputError(f"tree policy {policy.kind} ranks candidates by score: use --candidates topk with it")
     out_vocab = out_vocab or draft.vocab_size
     if not sampled and policy.kind in PLANNED_KINDS and draft.finite_logits:
-        return (yield from _draft_planned(draft, policy, root, sp, keep_q, out_vocab))
+        return (yield from _draft_planned(draft, policy, root, sp, keep_q, out_vocab, history))
     return (
         yield from _draft_dynamic(
             draft,
@@ -133,11 +137,18 @@ def tree_builder(
             keep_q,
             TreeWorkspace.get(workspace, tree_capacity(policy, draft.vocab_size)),
             out_vocab,
+            history,
         )
     )
 
 
-def _draft_planned(draft, policy, root, sp, keep_q, out_vocab) -> Tree:
+def _paths(tokens: torch.Tensor, anc: torch.Tensor, frontier) -> list:
+    """The target-id tokens from the root's child down to each frontier node (its ancestors and
+    itself, in level order): the tree part of that node's history for the penalties."""
+    return [tokens[anc[int(f)]].tolist() for f in frontier]
+
+
+def _draft_planned(draft, policy, root, sp, keep_q, out_vocab, history=None) -> Tree:
     plan = plan_for(policy, draft.vocab_size)
     tmap = draft.token_map
     tokens = torch.zeros(plan.n, dtype=torch.long)
@@ -146,18 +157,22 @@ def _draft_planned(draft, policy, root, sp, keep_q, out_vocab) -> Tree:
     n_q = 0
     levels = plan.levels
     k0 = levels[0].k
-    out = yield DraftCall("start", root, k=None if keep_q else k0)
-    if keep_q:
+    rows = keep_q or history is not None  # full rows (else the source's top-k, maybe fused)
+    out = yield DraftCall("start", root, k=None if rows else k0)
+    if rows:
         out = out[None]
+        if history is not None:
+            out = history.process_draft(out, [[]], tmap)
     calls = 1
     last = len(levels) - 1
     for li, lv in enumerate(levels):
-        if keep_q:
+        if rows:
             toks = torch.topk(out, lv.k, dim=-1).indices
+        if keep_q:
             qs.append(full_vocab(torch.softmax(warp_logits(out.float(), sp), -1), tmap, out_vocab).cpu())
             qrow[lv.start : lv.end] = n_q + lv.rows
             n_q += out.shape[0]
-        else:
+        if not rows:
             toks = out.indices[:, : lv.k]
         tokens[lv.start : lv.end] = to_target(toks, tmap).cpu()[lv.rows, lv.ranks]
         if li == last or lv.frontier.numel() == 0:
@@ -165,7 +180,9 @@ def _draft_planned(draft, policy, root, sp, keep_q, out_vocab) -> Tree:
         e = lv.end
         nodes = NodeView(tokens[:e], plan.depth[:e], plan.parents[:e], plan.anc[:e, :e])
         nk = levels[li + 1].k
-        out = yield DraftCall("expand", nodes=nodes, frontier=lv.frontier, k=None if keep_q else nk)
+        out = yield DraftCall("expand", nodes=nodes, frontier=lv.frontier, k=None if rows else nk)
+        if history is not None:
+            out = history.process_draft(out, _paths(tokens, plan.anc, lv.frontier), tmap)
         calls += 1
     tree = Tree(
         tokens,
@@ -183,10 +200,11 @@ def _draft_planned(draft, policy, root, sp, keep_q, out_vocab) -> Tree:
     return tree
 
 
-def _draft_dynamic(draft, policy, root, sp, mode, rng, keep_q, ws: TreeWorkspace, out_vocab) -> Tree:
+def _draft_dynamic(draft, policy, root, sp, mode, rng, keep_q, ws: TreeWorkspace, out_vocab, history=None) -> Tree:
     vocab = draft.vocab_size
     tmap = draft.token_map
-    topk_only = mode == "topk" and not keep_q  # no full rows needed: the source may fuse top-k
+    # no full rows needed: the source may fuse top-k (not with penalties: they process the rows)
+    topk_only = mode == "topk" and not keep_q and history is None
     logprobs = policy.data_dependent
     qs: list[torch.Tensor] = []
     n_q = 0
@@ -195,6 +213,8 @@ def _draft_dynamic(draft, policy, root, sp, mode, rng, keep_q, ws: TreeWorkspace
     out = yield DraftCall("start", root, k=k if topk_only else None, logprobs=logprobs)
     if not topk_only:
         out = out[None].float()
+        if history is not None:
+            out = history.process_draft(out, [[]], tmap)
     calls = 1
     frontier = np.array([-1], dtype=np.int64)
     f_score = np.zeros(1, dtype=np.float32)
@@ -224,6 +244,8 @@ def _draft_dynamic(draft, policy, root, sp, mode, rng, keep_q, ws: TreeWorkspace
             )
         else:
             out = (yield DraftCall("expand", nodes=nodes, frontier=fr)).float()
+            if history is not None:
+                out = history.process_draft(out, _paths(nodes.tokens, nodes.anc, frontier), tmap)
         calls += 1
     return _final_tree(ws, policy, n, qs, mode, calls)
 
