@@ -47,7 +47,7 @@ from .drafts.tree_builder import TreeWorkspace, answer, tree_builder
 from .errors import InputError, NumericalError
 from .guards import root_reductions
 from .kvcache import KVCache, PrefixCache, release_row, sized_cache
-from .penalties import TokenHistory, history_for
+from .penalties import RowProcessing, history_for
 from .sampling import SamplingParams, probs
 from .stats import GenerationStats
 from .tree_plan import padded_call, write_tree
@@ -80,7 +80,7 @@ class BatchSequence:
     prompt_logprobs: list | None = None  # with prompt_logprobs=k: the prompt's (decode.prompt_scorer)
     kept_feats: list | None = None  # with prefix reuse and a draft that reads features: its committed rows'
     slot: int = 0  # the kept-conversation slot it joined from (BatchDecoder._slots), where it is kept again
-    history: TokenHistory | None = None  # the penalties' view of its tokens (None: no penalties)
+    history: RowProcessing | None = None  # its penalties / grammar along each row's path (None: none)
 
 
 class BatchDecoder:

@@ -32,7 +32,7 @@ from .drafts.tree_builder import CANDIDATE_MODES, TreeWorkspace, draft_tree
 from .errors import InputError
 from .guards import check_logits
 from .kvcache import KVCache, PrefixCache
-from .penalties import TokenHistory, history_for
+from .penalties import RowProcessing, history_for
 from .sampling import SamplingParams
 from .stats import GenerationStats, Timer
 from .tree_plan import VerifyBuffers, causal_prefill
@@ -332,7 +332,7 @@ class _Sequence:
     t_start: float = field(default_factory=time.perf_counter)
     logprobs: int | None = None  # top log-probs asked for (None: none)
     token_logprobs: list = field(default_factory=list)
-    history: TokenHistory | None = None  # the penalties' view of the tokens (None: no penalties)
+    history: RowProcessing | None = None  # its penalties / grammar along each row's path (None: none)
 
 
 # ---------------------------------------------------------------------- the steps both decoders share
@@ -442,8 +442,8 @@ def settle(
     them already (a batch's, in one call on its device). root: (argmax, finite) of the root row
     of a call without a tree, when the caller reduced it already (guards.root_reductions: a
     batch's rows at once); `logits` are read then only to name a non-finite row's fault.
-    history: the sequence's penalties.TokenHistory when its request has penalties or a logit
-    bias (each row read is processed along its path; the new tokens join it); the caller's
+    history: the sequence's penalties.RowProcessing when its request has penalties, a logit
+    bias or structured output (each row read is processed along its path; the new tokens join it); the caller's
     root_probs / root argmax are of unprocessed rows then, and not used."""
     process = None
     if history is not None:

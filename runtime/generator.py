@@ -30,12 +30,13 @@ from __future__ import annotations
 import re
 import threading
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
 from .decode import MODES, SpeculativeDecoder, check_logprobs
 from .errors import EmptyCompletionWarning, InputError, MissingFileError
+from .penalties import check_bias
 from .sampling import SamplingParams
 from .stats import GenerationStats
 from .stats import GenerationStats as _Stats
@@ -91,6 +92,7 @@ class Generator:
             eos_token_ids = list(getattr(tokenizer, "eos_token_ids", []) or [])
         self.eos_token_ids = [int(e) for e in eos_token_ids]
         self._owns = list(owns)
+        self._grammars = None  # structured.GrammarCompiler, made at the first response_format
         self._lock = threading.RLock()
         # two decoders at most: greedy calls' and sampled calls' (their trees may differ); each
         # call sets its own SamplingParams on the one it uses (under the lock)
@@ -226,6 +228,25 @@ class Generator:
             self._decoders[sp.greedy] = dec
         return dec
 
+    def _sampling(self, temperature, top_k, top_p, penalties: dict, response_format) -> SamplingParams:
+        sp = sampling_params(temperature, top_k, top_p, penalties, self.target.info.vocab_size)
+        grammar = self.grammar(response_format)
+        return replace(sp, grammar=grammar) if grammar is not None else sp
+
+    def grammar(self, response_format):
+        """The compiled grammar of an OpenAI `response_format` for this generator's tokenizer
+        (runtime/structured.py; cached per schema), None for text; one InputError line for a
+        malformed one, a schema that does not compile, no tokenizer or no llguidance."""
+        if response_format is None:
+            return None
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise InputError("structured output (response_format) needs a tokenizer: this generator has none")
+            from .structured import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.target.info.vocab_size, self.eos_token_ids)
+        return self._grammars.grammar(response_format)
+
     def encode_prompt(self, prompt) -> list[int]:
         """Token ids of a text or id prompt (one InputError line for anything else)."""
         return self._ids(prompt)
@@ -260,6 +281,7 @@ class Generator:
         stop=None,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        response_format: dict | None = None,
         **penalties,
     ) -> Completion:
         """One completion of a text or token-id prompt. chat=True: a text prompt is one user
@@ -273,8 +295,10 @@ class Generator:
         prefill's rows (the first token has none: None and []); what scoring a text needs.
         penalties: min_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias
         ({token id: bias}), as `SamplingParams` (runtime/penalties.py: greedy speculation stays
-        the penalised greedy decoding token for token, sampling lossless)."""
-        sp = sampling_params(temperature, top_k, top_p, penalties, self.target.info.vocab_size)
+        the penalised greedy decoding token for token, sampling lossless). response_format:
+        OpenAI's ({"type": "json_object"}, or "json_schema" with {"json_schema": {"schema":
+        {...}}}): the answer is JSON of that shape (runtime/structured.py; llguidance)."""
+        sp = self._sampling(temperature, top_k, top_p, penalties, response_format)
         if chat:
             if not isinstance(prompt, str):
                 raise InputError("chat=True takes a text prompt (for messages use chat())")
@@ -288,6 +312,7 @@ class Generator:
                 stop=stop,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                response_format=response_format,
                 **penalties,
             )
         ids = self._ids(prompt)
@@ -380,6 +405,7 @@ class Generator:
         ids: bool = False,
         stop=None,
         logprobs: int | None = None,
+        response_format: dict | None = None,
         **penalties,
     ) -> Iterator:
         """Text chunks as they become final (or lists of token ids with ids=True). Stats and stop
@@ -387,8 +413,8 @@ class Generator:
         chunk that might begin a stop string is held back until it cannot). logprobs=k: yields
         (chunk, entries) pairs instead, entries as generate's `Completion.logprobs` for the tokens
         read since the previous pair (a token whose text is held back comes with the chunk that
-        releases it; a last pair may carry an empty chunk). penalties: as generate's."""
-        sp = sampling_params(temperature, top_k, top_p, penalties, self.target.info.vocab_size)
+        releases it; a last pair may carry an empty chunk). penalties, response_format: as generate's."""
+        sp = self._sampling(temperature, top_k, top_p, penalties, response_format)
         prompt_ids = self._ids(prompt)
         stops = self._stops(stop, ids)
         logprobs = check_logprobs(logprobs)
@@ -470,8 +496,8 @@ def sampling_params(temperature, top_k, top_p, penalties: dict, vocab_size: int 
     if unknown:
         raise InputError(f"unexpected keyword argument {unknown[0]!r} (sampling takes {', '.join(PENALTIES)})")
     sp = SamplingParams(temperature, top_k, top_p, **{k: v for k, v in penalties.items() if v is not None})
-    if vocab_size is not None and sp.logit_bias and sp.logit_bias[-1][0] >= vocab_size:
-        raise InputError(f"logit_bias token id {sp.logit_bias[-1][0]} is outside the vocabulary [0, {vocab_size})")
+    if vocab_size is not None:
+        check_bias(sp, vocab_size)
     return sp
 
 

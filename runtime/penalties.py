@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .errors import InputError
+from .errors import InputError, NumericalError
 
 
 class TokenHistory:
@@ -38,11 +38,9 @@ class TokenHistory:
     def __init__(self, prompt: Sequence[int], vocab_size: int, sp):
         self.sp = sp
         self.vocab_size = vocab_size
-        if sp.logit_bias:
-            ids = np.array([t for t, _ in sp.logit_bias], dtype=np.int64)
-            if ids.max() >= vocab_size:
-                raise InputError(f"logit_bias token id {int(ids.max())} is outside the vocabulary [0, {vocab_size})")
-            self.bias_ids, self.bias = ids, np.array([b for _, b in sp.logit_bias], dtype=np.float32)
+        if check_bias(sp, vocab_size):
+            self.bias_ids = np.array([t for t, _ in sp.logit_bias], dtype=np.int64)
+            self.bias = np.array([b for _, b in sp.logit_bias], dtype=np.float32)
         self.seen = np.unique(np.asarray(list(prompt), dtype=np.int64))  # prompt and output (repetition)
         self.counts = np.zeros(vocab_size, dtype=np.int64)  # output tokens so far (presence, frequency)
         self.out = np.zeros(0, dtype=np.int64)  # the distinct output tokens
@@ -76,22 +74,60 @@ class TokenHistory:
             x[ids] -= (sp.frequency_penalty * c + sp.presence_penalty * (c > 0)).astype(np.float32)
         return torch.from_numpy(x)
 
+
+class RowProcessing:
+    """A sequence's row processors in order: its penalties (TokenHistory), then its structured
+    output's mask (runtime/structured.GrammarState); each has process(row, path) and extend(tokens)."""
+
+    def __init__(self, parts: list, vocab_size: int):
+        self.parts, self.vocab_size = parts, vocab_size
+
+    def _apply(self, row: torch.Tensor, path: Sequence[int]) -> torch.Tensor:
+        for p in self.parts:
+            row = p.process(row, path)
+        return row
+
+    def process(self, row: torch.Tensor, path: Sequence[int]) -> torch.Tensor:
+        """A verify row the accept walk reads (its path was accepted): some token must remain."""
+        out = self._apply(row, path)
+        if not bool(torch.isfinite(out).any()):
+            raise NumericalError("structured output: the grammar allows no next token here")
+        return out
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for p in self.parts:
+            p.extend(tokens)
+
     def process_draft(self, rows: torch.Tensor, paths: list, token_map: torch.Tensor | None) -> torch.Tensor:
         """Step 1's counterpart: the draft's rows [F, Vd] processed as the target's will be, row f
-        along paths[f] (target ids), so that the draft proposes what the penalised target picks
+        along paths[f] (target ids), so that the draft proposes what the processed target picks
         (its acceptance; exactness never depends on it). token_map: the draft's ids -> target ids
         where its vocabulary is reduced (the row is spread over the target's vocabulary for it)."""
         out = []
         for row, path in zip(rows.detach().float().cpu(), paths):
             if token_map is None:
-                out.append(self.process(row, path))
-                continue
-            full = torch.full((self.vocab_size,), float("-inf"))
-            full[token_map] = row
-            out.append(self.process(full, path)[token_map])
+                x = self._apply(row, path)
+            else:
+                full = torch.full((self.vocab_size,), float("-inf"))
+                full[token_map] = row
+                x = self._apply(full, path)[token_map]
+            # a path the grammar refuses (or no allowed token in the draft's vocabulary): the
+            # node is never accepted, whatever it proposes; its row stays as drafted
+            out.append(x if bool(torch.isfinite(x).any()) else row)
         return torch.stack(out).to(rows.device)
 
 
-def history_for(sp, prompt: Sequence[int], vocab_size: int) -> TokenHistory | None:
-    """A sequence's TokenHistory when its sampling parameters process logits, else None."""
-    return TokenHistory(prompt, vocab_size, sp) if sp.processes_logits else None
+def check_bias(sp, vocab_size: int) -> bool:
+    """Whether `sp` has a logit bias; one InputError line when it names a token outside the vocabulary."""
+    if sp.logit_bias and sp.logit_bias[-1][0] >= vocab_size:  # (sorted by token id)
+        raise InputError(f"logit-bias token id {sp.logit_bias[-1][0]} is outside the vocabulary [0, {vocab_size})")
+    return bool(sp.logit_bias)
+
+
+def history_for(sp, prompt: Sequence[int], vocab_size: int) -> RowProcessing | None:
+    """A sequence's row processing when its sampling parameters ask for any (penalties, logit
+    bias, a grammar), else None."""
+    parts = [TokenHistory(prompt, vocab_size, sp)] if sp.processes_logits else []
+    if sp.grammar is not None:
+        parts.append(sp.grammar.state(vocab_size))
+    return RowProcessing(parts, vocab_size) if parts else None

@@ -34,6 +34,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # 0: off (OpenAI: output tokens)
     frequency_penalty: float = 0.0  # 0: off (OpenAI: output tokens, per occurrence)
     logit_bias: tuple = ()  # ((token, bias), ...) sorted by token; a dict is taken too
+    grammar: object = None  # runtime/structured.Grammar: structured output (masks the target's rows)
 
     def __post_init__(self):
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):

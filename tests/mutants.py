@@ -19,6 +19,7 @@ DRAFTS = "runtime/drafts/model.py"
 EAGLE3 = "runtime/drafts/eagle3.py"
 DECODE = "runtime/decode.py"
 PENALTIES = "runtime/penalties.py"
+STRUCTURED = "runtime/structured.py"
 
 EXACT = "tests/test_exact_lossless.py"
 NEG = "tests/test_negative_controls.py"
@@ -31,6 +32,7 @@ EAGLE3_T = "tests/test_eagle3.py"
 PREFIX_T = "tests/test_prefix_cache.py"
 LOGPROBS_T = "tests/test_logprobs.py"
 PENALTIES_T = "tests/test_penalties.py"
+STRUCTURED_T = "tests/test_structured.py"
 
 
 @dataclass(frozen=True)
@@ -354,6 +356,13 @@ MUTANTS = [
         "out = history.process_draft(out, _paths(tokens, plan.anc, lv.frontier), tmap)",
         "pass",
         (PENALTIES_T, "-k", "draft_proposes"),
+    ),
+    Mutant(
+        "structured output: each row masked as the root's, whatever its tree path",
+        STRUCTURED,
+        "n = m.try_consume_tokens(path) if path else 0",
+        "n, path = 0, []",
+        (STRUCTURED_T, "-k", "greedy_under"),
     ),
     Mutant(
         "min-p not applied after the nucleus on CPU rows",

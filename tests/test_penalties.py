@@ -166,7 +166,7 @@ def test_generator_takes_penalties_and_says_what_is_wrong(target):
             ({"min_p": 1.0}, "min-p must be in [0, 1)"),
             ({"logit_bias": {"x": 1}}, "logit-bias keys must be token ids"),
             ({"logit_bias": {5: 200}}, "logit-bias values must be in [-100, 100]"),
-            ({"logit_bias": {V: 1.0}}, f"logit_bias token id {V} is outside the vocabulary"),
+            ({"logit_bias": {V: 1.0}}, f"logit-bias token id {V} is outside the vocabulary"),
             ({"top_n": 3}, "unexpected keyword argument 'top_n'"),
         ):
             with pytest.raises(InputError, match=re.escape(msg)):

@@ -191,7 +191,8 @@ def test_stream_concatenates_to_the_full_text(server):
         ({"messages": [{"role": "user", "content": "hi"}], "echo": True}, 400, "echo"),
         ({"prompt": "hi", "echo": 1}, 400, "echo"),
         ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
-        ({"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"prompt": "hi", "response_format": {"type": "xml"}}, 400, "response_format"),
+        ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {}}}, 400, "response_format"),
     ],
 )
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, body, status, param):
@@ -227,6 +228,33 @@ def test_penalties_and_logit_bias_are_the_generators(server, export_dir):
             assert got["logprobs"]["tokens"] == [g.tokenizer.decode([t]) for t in tokens]
         r = c.post("/v1/completions", json={"prompt": ids, "max_tokens": 12, "temperature": 0, "presence_penalty": 0})
         assert r.json()["choices"][0]["logprobs"] is None and r.status_code == 200
+
+
+def test_response_format_json_schema_is_followed(server, export_dir):
+    """OpenAI's structured output: a json_schema answer parses and follows the schema, plain and
+    streamed, completions and chat, and equals Generator.generate's with the same format."""
+    pytest.importorskip("llguidance")
+    from test_structured import RF, follows_schema
+
+    base, _ = server
+    with Generator.from_export(export_dir, tree="full:2,2") as g:
+        want = g.generate("hello", 40, response_format=RF).text
+    with client(base) as c:
+        r = c.post(
+            "/v1/completions", json={"prompt": "hello", "max_tokens": 40, "temperature": 0, "response_format": RF}
+        )
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["text"] == want and follows_schema(want) and choice["finish_reason"] == "stop"
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "response_format": RF}
+        r = c.post("/v1/chat/completions", json={**body, "temperature": 1.5, "seed": 3})
+        assert r.status_code == 200 and follows_schema(r.json()["choices"][0]["message"]["content"]), r.text
+        parts = []
+        with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True, "temperature": 0}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    parts += [ch["delta"].get("content", "") for ch in json.loads(line[6:])["choices"]]
+        assert follows_schema("".join(parts)), parts
 
 
 def test_stop_strings_end_the_answer(server):

@@ -55,7 +55,7 @@ def ray_server(export_dir, tmp_path_factory):
         "--tree",
         TREE,
     ]
-    cmd += ["--ray", "--replicas", "2", "--port", str(port)]
+    cmd += ["--ray", "--replicas", "2", "--port", str(port), "--max-queue", "1"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"
@@ -119,6 +119,9 @@ def test_two_replicas_serve_concurrent_streaming_and_plain_requests(ray_server, 
     # each replica runs its target and draft sessions on one shared ONNX Runtime pool
     metrics = httpx.get(base + "/metrics", timeout=60).text
     assert "arborspec_ort_shared_pool 1.0" in metrics, metrics[-400:]
+    # --max-queue reaches each replica: 8 slots + a queue of 1 never admit 10 sequences at once
+    r = httpx.post(base + "/v1/completions", json={"prompt": "hello", "max_tokens": 2, "n": 10}, timeout=120)
+    assert r.status_code == 400 and "more than this server admits (9)" in r.text, r.text
 
     proc.send_signal(signal.SIGTERM)  # shuts Serve and Ray down, exit 0
     assert proc.wait(timeout=300) == 0, log.read_text()  # a loaded machine stops Serve and Ray slowly too
@@ -130,6 +133,9 @@ def test_bad_replicas_is_one_line(export_dir, capsys):
     assert main(["serve", "--export-dir", str(export_dir), "--ray", "--replicas", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["arborspec: error: --replicas must be >= 1, got 0"]
+    assert main(["serve", "--export-dir", str(export_dir), "--ray", "--max-queue", "-2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["arborspec: error: --max-queue must be >= 0 (or -1: no limit), got -2"]
 
 
 def test_replicas_without_ray_and_a_missing_ray_are_one_line(export_dir, capsys, monkeypatch):

@@ -93,7 +93,7 @@ def draft_tree(
     keep_q: also keep the draft distributions for top-k candidates (analysis and tests; the
     sampled modes always keep them, the accept rule needs them). out_vocab: the target's
     vocabulary, when the draft's rows are over a reduced one (`draft.token_map`). history: the
-    sequence's penalties.TokenHistory when its request has penalties: the draft's rows are
+    sequence's penalties.RowProcessing when its request has penalties or a grammar: the draft's rows are
     processed along each node's path before candidates are chosen (full rows, no fused top-k)."""
     builder = tree_builder(draft, policy, root, sp, candidates, rng, keep_q, workspace, out_vocab, history)
     try:

@@ -13,7 +13,14 @@ import argparse
 import sys
 
 from arborspec.runtime.errors import InputError
-from arborspec.tools.commands.cli import PREFIX_CACHE, TREE_HELP, add_sampling_args, sampling_from_args, summary
+from arborspec.tools.commands.cli import (
+    PREFIX_CACHE,
+    TREE_HELP,
+    add_sampling_args,
+    response_format_from_args,
+    sampling_from_args,
+    summary,
+)
 from arborspec.tools.engines import add_model_args, open_models
 
 EXAMPLE = """examples:
@@ -66,12 +73,14 @@ def fit(tok, system: list, history: list, budget: int) -> tuple[list[int] | None
 
 
 def run(args) -> int:
+    from arborspec.runtime.structured import schema_of
     from arborspec.runtime.trees import parse_tree_spec
     from arborspec.tools.commands.generate import _stats_line, make_decoder, resolve_mode
 
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling_from_args(args)
+    schema_of(response_format_from_args(args))  # a malformed schema: one line before the models load
     if args.tree and args.tree.strip().lower() != "auto":
         parse_tree_spec(args.tree)
     models = open_models(args, need_draft=args.mode != "vanilla")

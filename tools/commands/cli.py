@@ -80,6 +80,42 @@ def add_sampling_args(g, seed_help: str = "sampling seed (default 0)") -> None:
         help="add BIAS (-100..100) to token id TOKEN's logit (repeatable)",
     )
     g.add_argument("--seed", type=int, default=0, help=seed_help)
+    g.add_argument(
+        "--json-object", action="store_true", help="answer with a JSON object (structured output; needs llguidance)"
+    )
+    g.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="SCHEMA",
+        help="answer with JSON that follows SCHEMA: a JSON Schema file, or the schema itself as JSON text",
+    )
+
+
+def response_format_from_args(args) -> dict | None:
+    """OpenAI's response_format of --json-object / --json-schema (None: plain text); one
+    InputError line for a schema that is not a readable JSON object."""
+    import json
+    from pathlib import Path
+
+    from arborspec.runtime.errors import InputError
+
+    if args.json_schema is None:
+        return {"type": "json_object"} if args.json_object else None
+    if args.json_object:
+        raise InputError("give --json-object or --json-schema, not both")
+    text = args.json_schema
+    if not text.lstrip().startswith(("{", "[")):
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise InputError(f"--json-schema: no such file {text} (give a schema file or the schema as JSON text)")
+        text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(f"--json-schema is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise InputError("--json-schema must be a JSON object (a JSON Schema)")
+    return {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
 
 
 def sampling_from_args(args):

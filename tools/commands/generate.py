@@ -17,6 +17,7 @@ from arborspec.tools.commands.cli import (
     PREFIX_CACHE,
     TREE_HELP,
     add_sampling_args,
+    response_format_from_args,
     sampling_from_args,
     summary,
 )
@@ -30,6 +31,7 @@ EXAMPLE = """examples:
   arborspec generate --export-dir E3Q --draft export+lookup --tree auto --chat --prompt 'Sort: pears, apples'
   arborspec generate --export-dir E3Q --chat --prompt 'List three fruits.' --stop $'\\n\\n' --stop '4.'
   arborspec generate --export-dir E3Q --chat --prompt 'Name ten animals.' --repetition-penalty 1.2 --logit-bias 198=-5
+  arborspec generate --export-dir E3Q --chat --prompt 'Maria, 34, lives in Porto. As JSON.' --json-schema person.json
   arborspec generate --model tiny.pt --draft bigram --prompt-ids 1,2,3 --json"""
 
 
@@ -167,6 +169,16 @@ def make_decoder(models, args, mode: str | None = None):
     if mode == "chain" and not tree.startswith("chain:"):
         tree = "chain:4" if args.tree is None else tree
     sp = sampling_from_args(args)
+    rf = response_format_from_args(args)
+    if rf is not None:  # structured output: the grammar compiled for this tokenizer
+        from dataclasses import replace
+
+        from arborspec.runtime.structured import GrammarCompiler
+
+        if models.tokenizer is None:
+            raise InputError("--json-object / --json-schema need a tokenizer: this model has none")
+        eos = list(models.tokenizer.meta.get("eos_token_ids") or [])
+        sp = replace(sp, grammar=GrammarCompiler(models.tokenizer, models.target.info.vocab_size, eos).grammar(rf))
     return SpeculativeDecoder(
         models.target,
         models.draft if mode != "vanilla" else None,
@@ -203,9 +215,11 @@ def run(args) -> int:
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     # validate the cheap things before loading models
+    from arborspec.runtime.structured import schema_of
     from arborspec.runtime.trees import parse_tree_spec
 
     sampling_from_args(args)
+    schema_of(response_format_from_args(args))  # a malformed schema: one line before the models load
     if args.tree and args.tree.strip().lower() != "auto":
         parse_tree_spec(args.tree)
     _check_one_prompt(args)  # before the models load

@@ -39,7 +39,6 @@ UNSUPPORTED = {
     "suffix": (None, ""),
     "tools": (None, []),
     "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -416,6 +415,13 @@ def create_app(
             msg = one_line(e)
             bad = next((k for k in pen if k.replace("_", "-") in msg or k in msg), None)
             return error(400, msg, param=bad)
+        rf = body.get("response_format")  # structured output (runtime/structured.py): compiled once per schema
+        if rf is not None:
+            try:
+                pool.all[0].grammar(rf)
+            except ArborspecError as e:
+                return error(400, one_line(e), param="response_format")
+            pen["response_format"] = rf
         out["penalties"] = pen
         for key, default in UNSUPPORTED.items():  # never a silently different answer
             if key in body and body[key] not in default:

@@ -64,6 +64,7 @@ class ArborspecReplica:
         api_key,
         max_batch=1,
         prefix_cache=None,
+        max_queue=None,
     ):
         from arborspec.runtime.backends.onnxruntime import enable_shared_pool
         from arborspec.runtime.generator import Generator
@@ -82,7 +83,9 @@ class ArborspecReplica:
             workers,
             slots=max_batch,
         )
-        _replica["app"] = create_app(self.pool, model_name, api_key=api_key, max_context=max_context)
+        _replica["app"] = create_app(
+            self.pool, model_name, api_key=api_key, max_context=max_context, max_queue=max_queue
+        )
 
     def __del__(self):
         self.pool.close()
@@ -101,9 +104,12 @@ def build(
     api_key: str | None = None,
     max_batch: int = 8,
     prefix_cache: bool | None = None,
+    max_queue: int | None = 256,
 ):
     """The Ray Serve application: `replicas` copies of ArborspecReplica, each given
-    min(1, cores / replicas) CPUs (so N replicas never wait for cores Ray does not see)."""
+    min(1, cores / replicas) CPUs (so N replicas never wait for cores Ray does not see).
+    max_queue: per replica, the sequences that may wait beyond its slots before a request gets
+    503 (`arborspec serve --max-queue`; None: no limit)."""
     from ray import serve
 
     from arborspec.runtime.contract import read_manifest
@@ -115,6 +121,8 @@ def build(
         raise InputError(f"--workers must be >= 1, got {workers}")
     if int(max_batch) < 1:
         raise InputError(f"--max-batch must be >= 1, got {max_batch}")
+    if max_queue is not None and int(max_queue) < 0:
+        raise InputError(f"--max-queue must be >= 0 (or -1: no limit), got {max_queue}")
     export_dir = Path(export_dir).expanduser().resolve()
     man = read_manifest(export_dir)  # a bad folder is one line here, not N failing replicas
     name = model_name or served_model_name(man.data, export_dir)
@@ -132,18 +140,22 @@ def build(
         api_key or os.environ.get("ARBORSPEC_API_KEY"),
         int(max_batch),
         prefix_cache,
+        None if max_queue is None else int(max_queue),
     )
 
 
 def app_builder(args: dict):
     """`serve run arborspec.tools.serve.ray_serve:app_builder export_dir=DIR [replicas=N] [backend=...]
-    [device=...] [draft=...] [tree=...] [workers=N] [max_batch=N] [model_name=...] [api_key=...]`."""
+    [device=...] [draft=...] [tree=...] [workers=N] [max_batch=N] [max_queue=N] [model_name=...] [api_key=...]`
+    (max_queue=-1: no limit)."""
     args = dict(args)
     if "export_dir" not in args:
         raise InputError("serve run arborspec.tools.serve.ray_serve:app_builder needs export_dir=DIR")
-    for key in ("replicas", "workers", "max_batch"):
+    for key in ("replicas", "workers", "max_batch", "max_queue"):
         if key in args:
             args[key] = int(args[key])
+    if args.get("max_queue", 0) < 0:
+        args["max_queue"] = None
     return build(args.pop("export_dir"), **args)
 
 
@@ -240,6 +252,8 @@ def run(args) -> int:
     """`arborspec serve --ray`: deploy, serve until SIGINT/SIGTERM, shut down."""
     if args.replicas < 1:
         raise InputError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.max_queue < -1:
+        raise InputError(f"--max-queue must be >= 0 (or -1: no limit), got {args.max_queue}")
     if not 1 <= args.port <= 65535:
         raise InputError(f"--port must be in 1..65535, got {args.port}")
     try:
@@ -259,6 +273,7 @@ def run(args) -> int:
         model_name=args.model_name,
         api_key=args.api_key,
         prefix_cache=PREFIX_CACHE[args.prefix_cache],
+        max_queue=None if args.max_queue < 0 else args.max_queue,
     )
     start_local_ray()
     done = threading.Event()  # after ray.init, which sets a SIGTERM handler of its own

@@ -1,0 +1,152 @@
+"""Structured output: a JSON object, or JSON that follows a schema, by masking the target's rows.
+
+Role in one decoding step: step 4 (and step 1 for the draft), beside the penalties
+(runtime/penalties.py). A request's `response_format` (OpenAI's: {"type": "json_object"} or
+{"type": "json_schema", "json_schema": {"schema": {...}}}) becomes a grammar that llguidance
+(the Rust matcher vLLM, SGLang and llama.cpp use) compiles against the target's tokenizer. Each
+sequence holds a matcher at its committed tokens; before the accept walk reads a verify row, the
+matcher is advanced along that row's tree path, asked which tokens may come next, and rolled
+back; every other token's logit becomes -inf. The walk then picks only tokens the grammar
+allows, so greedy speculation is the constrained greedy decoding token for token and sampling is
+lossless for the constrained distribution; the committed tokens advance the matcher (`extend`).
+A drafted path the grammar refuses is a row with no allowed token: its node is never accepted.
+
+llguidance is an optional dependency (`pip install 'arborspec[structured]'`): imported here
+only when a request asks for structured output.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .errors import InputError
+
+NEEDS_LLGUIDANCE = "structured output (response_format) needs llguidance: pip install 'arborspec[structured]'"
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError:
+        raise InputError(NEEDS_LLGUIDANCE) from None
+    return llguidance
+
+
+def schema_of(response_format) -> dict | None:
+    """OpenAI's `response_format` -> the JSON schema it asks for ({"type": "object"} for
+    json_object), or None for text; one InputError line for anything else."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
+        raise InputError('response_format must be an object with a "type": text, json_object or json_schema')
+    kind = response_format["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise InputError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
+        return schema
+    raise InputError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+
+
+class Grammar:
+    """A compiled grammar for one tokenizer (shared by the requests that ask for it; equal when
+    the grammar text and the tokenizer are). `state()` makes one sequence's matcher."""
+
+    def __init__(self, text: str, lltokenizer):
+        self.text, self._tok = text, lltokenizer
+        self.eos = frozenset(lltokenizer.eos_tokens)
+        lg = _llguidance()
+        is_error, messages = lg.LLMatcher.validate_grammar_with_warnings(text, lltokenizer)
+        if is_error:
+            raise InputError(f"response_format: the schema does not compile: {messages[0] if messages else ''}")
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Grammar) and other.text == self.text and other._tok is self._tok
+
+    def __hash__(self) -> int:
+        return hash(self.text)
+
+    def __repr__(self) -> str:
+        return f"Grammar({self.text[:60]!r})"
+
+    def state(self, vocab_size: int) -> "GrammarState":
+        return GrammarState(_llguidance().LLMatcher(self._tok, self.text, log_level=0), vocab_size, self.eos)
+
+
+class GrammarCompiler:
+    """A tokenizer's side of structured output: its llguidance tokenizer (built once: ~0.2 s for
+    a 49k vocabulary) and the grammars compiled for it, by schema."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
+        if not eos_token_ids:
+            raise InputError("structured output needs an end-of-sequence token (the tokenizer names none)")
+        self._src, self.vocab_size, self.eos = tokenizer, int(vocab_size), [int(e) for e in eos_token_ids]
+        self._tok = None
+        self._grammars: dict[str, Grammar] = {}
+
+    def grammar(self, response_format) -> Grammar | None:
+        """The Grammar of an OpenAI `response_format` (None for text)."""
+        schema = schema_of(response_format)
+        if schema is None:
+            return None
+        key = json.dumps(schema, sort_keys=True)
+        g = self._grammars.get(key)
+        if g is None:
+            lg = _llguidance()
+            if self._tok is None:
+                self._tok = lg.LLTokenizer(self._src.tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=self.eos)
+            try:
+                text = lg.LLMatcher.grammar_from_json_schema(schema)
+            except ValueError as e:
+                raise InputError(f"response_format: {e}") from None
+            g = self._grammars[key] = Grammar(text, self._tok)
+        return g
+
+
+class GrammarState:
+    """One sequence's matcher, at its committed tokens: `process` masks a row after a tree path,
+    `extend` commits a step's tokens (the penalties' TokenHistory interface)."""
+
+    def __init__(self, matcher, vocab_size: int, eos=frozenset()):
+        self.m, self.vocab_size, self.eos = matcher, vocab_size, eos
+        if matcher.is_error():
+            raise InputError(f"response_format: {matcher.get_error()}")
+
+    def allowed(self, path: Sequence[int]) -> np.ndarray | None:
+        """Bool [V]: the tokens the grammar allows after the committed tokens and `path`; None
+        when `path` itself leaves the grammar (a drafted path it refuses)."""
+        m, path = self.m, [int(t) for t in path]
+        n = m.try_consume_tokens(path) if path else 0
+        try:
+            if n < len(path):
+                return None
+            bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
+            return np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
+        finally:
+            if n:
+                m.rollback(n)
+
+    def process(self, row: torch.Tensor, path: Sequence[int]) -> torch.Tensor:
+        if any(int(t) in self.eos for t in path):  # a row past the end of sequence: cut away (decode.truncate)
+            return row
+        ok = self.allowed(path)
+        x = row.detach().float().clone()
+        if ok is None:
+            return x.fill_(float("-inf"))
+        return x.masked_fill_(torch.from_numpy(~ok[: x.shape[-1]]), float("-inf"))
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            if self.m.is_stopped():  # complete: what follows is the end of sequence, not the grammar's
+                return
+            if not self.m.consume_token(int(t)):
+                raise RuntimeError(f"structured output: the grammar refused a committed token ({self.m.get_error()})")

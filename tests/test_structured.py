@@ -1,0 +1,154 @@
+"""Structured output (runtime/structured.py): the answer follows a JSON schema under speculation.
+
+The reference is written without the runtime's code: a plain loop that, each token, runs the
+target over the whole sequence and masks its row with a fresh llguidance matcher fed every token
+so far (the library's own matcher, built here from the export's tokenizer.json). Vanilla, tree
+and batched decoding must give its tokens exactly; sampled answers must parse and follow the
+schema; the server and the CLI take OpenAI's `response_format` and `--json-schema`."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_text_export
+
+from arborspec.runtime.batch_decode import BatchDecoder
+from arborspec.runtime.decode import SpeculativeDecoder
+from arborspec.runtime.drafts.model import ModelDraft
+from arborspec.runtime.errors import InputError
+from arborspec.runtime.generator import Generator
+from arborspec.tools.commands.cli import main
+
+lg = pytest.importorskip("llguidance")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}, "b": {"enum": ["x", "y", "zz"]}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+    "x-guidance": {"whitespace_flexible": False},  # compact: every answer ends within ~16 tokens
+}
+RF = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory):
+    return tiny_text_export(tmp_path_factory.mktemp("structured") / "export", seed=9)
+
+
+def follows_schema(text: str) -> bool:
+    obj = json.loads(text)
+    return set(obj) == {"a", "b"} and isinstance(obj["a"], int) and 0 <= obj["a"] <= 9 and obj["b"] in ("x", "y", "zz")
+
+
+def reference(gen: Generator, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding under the schema, plainly: a full forward and a fresh matcher per token."""
+    tok = lg.LLTokenizer(
+        gen.tokenizer.tokenizer.to_str(), n_vocab=gen.target.info.vocab_size, eos_token=gen.eos_token_ids
+    )
+    grammar = lg.LLMatcher.grammar_from_json_schema(SCHEMA)
+    from lossless_util import plain_next_logits
+
+    out: list[int] = []
+    for _ in range(n):
+        m = lg.LLMatcher(tok, grammar, log_level=0)
+        assert m.consume_tokens(out) and not m.is_error()
+        bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), np.uint8), bitorder="little")
+        row = plain_next_logits(gen.target, prompt + out).float()
+        row[torch.from_numpy(bits[: row.numel()] == 0)] = float("-inf")
+        out.append(int(row.argmax()))
+        if out[-1] in gen.eos_token_ids:
+            break
+    return out
+
+
+def test_greedy_under_a_schema_is_the_reference_in_every_mode(export_dir):
+    """Vanilla, a layer draft's tree, the target as its own draft (every constrained chain
+    accepted: the draft's rows are masked along their paths too) and a batch of two all give the
+    plain loop's tokens; the answer parses and follows the schema; unconstrained it does not."""
+    with Generator.from_export(export_dir, tree="full:2,2") as g:
+        prompt = g.encode_prompt("hello there")
+        want = reference(g, prompt, 40)
+        text = g.tokenizer.decode(want, skip_special_tokens=True)
+        assert want[-1] in g.eos_token_ids and follows_schema(text), text
+        free = g.generate(prompt, len(want))
+        assert free.tokens != want  # the grammar changes the answer: the test can see it
+        sp = g._sampling(0.0, 0, 1.0, {}, RF)
+        eng = g.target
+        for draft, tree in (
+            (None, None),
+            (g.draft, "full:2,2"),
+            (ModelDraft(eng), "chain:3"),
+            (ModelDraft(eng), "full:2,2"),
+        ):
+            mode = "vanilla" if draft is None else "tree"
+            dec = SpeculativeDecoder(eng, draft, mode=mode, tree=tree or "full:3,2", sampling=sp)
+            res = dec.generate(prompt, 40, g.eos_token_ids)
+            assert res.tokens == want, (mode, tree)
+            if isinstance(draft, ModelDraft) and tree == "chain:3":
+                assert res.stats.mean_accepted > 3.0, res.stats.mean_accepted
+        bd = BatchDecoder(eng, g.draft, tree="full:2,2", max_batch=2)
+        other = g.encode_prompt("a b c")
+        rows = bd.generate_many([prompt, other], 40, g.eos_token_ids, sampling=[sp, sp])
+        assert rows[0].tokens == want and rows[1].tokens == reference(g, other, 40)
+        assert g.generate(prompt, 40, response_format=RF).tokens == want  # the API's keyword
+
+
+def test_sampled_answers_follow_the_schema(export_dir):
+    """Hot sampling (T = 2), tree and batched: every answer is valid and ends with EOS, and the
+    answers differ (the constraint cuts, it does not fix one answer)."""
+    with (
+        Generator.from_export(export_dir, tree="full:2,2") as g,
+        Generator.from_export(export_dir, tree="full:2,2", max_batch=4) as gb,
+    ):
+        texts = set()
+        for gen in (g, gb):
+            for seed in range(12):
+                c = gen.generate("hello", 40, temperature=2.0, seed=seed, response_format=RF)
+                assert c.stop_reason == "eos" and follows_schema(c.text), c.text
+                texts.add(c.text)
+        assert len(texts) >= 2, texts
+        c = g.generate("hello", 40, response_format={"type": "json_object"})  # any object: may not close in 40
+        assert c.text.startswith("{") and (c.stop_reason != "eos" or isinstance(json.loads(c.text), dict)), c.text
+
+
+def test_bad_formats_are_one_line(export_dir, monkeypatch):
+    with Generator.from_export(export_dir, tree="full:2,2") as g:
+        for rf, msg in (
+            ({"type": "xml"}, "response_format type must be text, json_object or json_schema"),
+            ({"type": "json_schema"}, 'json_schema needs {"json_schema"'),
+            ("json", 'response_format must be an object with a "type"'),
+            ({"type": "json_schema", "json_schema": {"schema": {"type": "nosuch"}}}, "response_format"),
+        ):
+            with pytest.raises(InputError, match="response_format"):
+                g.generate("hi", 4, response_format=rf)
+            assert msg
+        assert g.generate("hi", 4, response_format={"type": "text"}).tokens == g.generate("hi", 4).tokens
+        monkeypatch.setitem(sys.modules, "llguidance", None)  # as if not installed
+        g._grammars = None
+        with pytest.raises(InputError, match=r"needs llguidance: pip install 'arborspec\[structured\]'"):
+            g.generate("hi", 4, response_format={"type": "json_object"})
+
+
+def test_cli_json_schema(export_dir, tmp_path, capsys):
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(SCHEMA))
+    base = ["generate", "--export-dir", str(export_dir), "--prompt", "hello", "--max-new-tokens", "40", "--json"]
+    assert main(base + ["--json-schema", str(path)]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert follows_schema(res["text"]) and res["stats"]["stop_reason"] == "eos", res["text"]
+    assert main(base + ["--json-schema", json.dumps(SCHEMA), "--mode", "vanilla"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == res["tokens"]
+    for extra, msg in (
+        (["--json-schema", "{nope"], "--json-schema is not valid JSON"),
+        (["--json-schema", str(tmp_path / "none.json")], "--json-schema: no such file"),
+        (["--json-schema", "[1]"], "--json-schema must be a JSON object"),
+        (["--json-object", "--json-schema", str(path)], "not both"),
+    ):
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and msg in err[0], err
