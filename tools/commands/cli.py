@@ -125,13 +125,11 @@ def sampling_from_args(args):
 
     bias = {}
     for item in args.logit_bias or []:
-        token, sep, value = item.partition("=")
+        token, _, value = item.partition("=")
         try:
-            bias[int(token)] = float(value)
+            bias[int(token)] = float(value)  # (no "=": float("") fails too)
         except ValueError:
             raise InputError(f"--logit-bias takes TOKEN=BIAS (a token id and a number), got {item!r}") from None
-        if not sep:
-            raise InputError(f"--logit-bias takes TOKEN=BIAS (a token id and a number), got {item!r}")
     return SamplingParams(
         args.temperature,
         args.top_k,
