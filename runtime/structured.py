@@ -25,6 +25,7 @@ import torch
 
 from .errors import InputError
 
+MAX_GRAMMARS = 64  # compiled grammars a GrammarCompiler keeps (by schema)
 NEEDS_LLGUIDANCE = "structured output (response_format) needs llguidance: pip install 'arborspec[structured]'"
 
 
@@ -109,6 +110,8 @@ class GrammarCompiler:
             except ValueError as e:
                 raise InputError(f"response_format: {e}") from None
             g = self._grammars[key] = Grammar(text, self._tok)
+            if len(self._grammars) > MAX_GRAMMARS:  # a server's clients send any schema: the oldest goes
+                self._grammars.pop(next(iter(self._grammars)))
         return g
 
 

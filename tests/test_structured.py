@@ -134,6 +134,20 @@ def test_bad_formats_are_one_line(export_dir, monkeypatch):
             g.generate("hi", 4, response_format={"type": "json_object"})
 
 
+def test_the_compiled_grammars_are_bounded(export_dir, monkeypatch):
+    """A server compiles whatever schemas its clients send: one compiler keeps the newest
+    MAX_GRAMMARS, and one asked again is the same object (not compiled twice)."""
+    import arborspec.runtime.structured as st
+
+    monkeypatch.setattr(st, "MAX_GRAMMARS", 3)
+    with Generator.from_export(export_dir, tree="full:2,2") as g:
+        first = g.grammar(RF)
+        assert g.grammar(RF) is first
+        for i in range(4):
+            g.grammar({"type": "json_schema", "json_schema": {"schema": {"type": "object", "title": str(i)}}})
+        assert len(g._grammars._grammars) == 3 and g.grammar(RF) is not first
+
+
 def test_cli_json_schema(export_dir, tmp_path, capsys):
     path = tmp_path / "schema.json"
     path.write_text(json.dumps(SCHEMA))
