@@ -51,8 +51,9 @@ def accept_greedy(logits: torch.Tensor, tree: Tree, process=None) -> Acceptance:
     target's argmax picks the (unique) matching child. Only the rows on the accepted path are
     reduced (depth + 1 argmaxes, not T): on CPU that is most of the accept cost. On a GPU
     all T argmaxes are taken on the device and copied once (one host transfer).
-    process(row, path_tokens): the row after the request's penalties (runtime/penalties.py),
-    given the tokens accepted so far in this step; then each row read is processed on the host."""
+    process(row, path_tokens): the row after the request's penalties and grammar
+    (penalties.RowProcessing), given the tokens accepted so far in this step; then each row read
+    is processed on the host."""
     toks = tree.tokens.tolist() if tree.n else []
     if process is not None:
         path_tokens: list[int] = []  # the walk's accepted tokens so far (the row's own path)
@@ -157,7 +158,7 @@ def accept(
     check=None,
     process=None,
 ) -> Acceptance:
-    """process: the request's penalties (runtime/penalties.py), row by row; None: none."""
+    """process: the request's penalties and grammar (penalties.RowProcessing), row by row; None: none."""
     if sp.greedy:
         return accept_greedy(logits, tree, process)
     return accept_sampling(logits, tree, sp, rng, root_probs, check, process)

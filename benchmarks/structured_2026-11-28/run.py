@@ -4,7 +4,11 @@ vanilla and the tuned tree, constrained (response_format json_schema) and not, i
 process. Reports median tok/s, tokens per target call, whether the tree's tokens equal vanilla's,
 and how many answers parse and follow their schema.
 
-    .venv/bin/python benchmarks/structured_2026-11-28/run.py > benchmarks/structured_2026-11-28/result.json
+    .venv/bin/python benchmarks/structured_2026-11-28/run.py [EXPORT_DIR] [--llamacpp] > benchmarks/structured_2026-11-28/result.json
+
+--llamacpp: llama.cpp (llama-cpp-python, tools/bench/peers.LlamaCppRunner) on the same GGUF, fed
+the same prompt ids, greedy, with its own structured output (the GBNF grammar it makes of each
+schema), interleaved request by request with ours.
 """
 
 import json
@@ -15,7 +19,9 @@ import sys
 import arborspec
 from arborspec.runtime.generator import Generator
 
-E = sys.argv[1] if len(sys.argv) > 1 else os.path.expanduser("~/.cache/arborspec/exports/smollm2-135m-int4-eagle3-int8-v24")
+ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
+E = ARGS[0] if ARGS else os.path.expanduser("~/.cache/arborspec/exports/smollm2-135m-int4-eagle3-int8-v24")
+LLAMACPP = "--llamacpp" in sys.argv
 
 
 def obj(props: dict) -> dict:
@@ -48,6 +54,15 @@ def follows(text: str, schema: dict) -> bool:
 
 arborspec.enable_shared_pool()
 out = {"export": E, "requests": len(CASES), "max_new_tokens": 96, "rows": {}}
+peer = None
+if LLAMACPP:
+    from arborspec.tools.bench.peers import LlamaCppRunner, peer_threads
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "prefix_cache_2026-11-28"))
+    from chat_turns import gguf_path
+
+    peer = LlamaCppRunner(gguf_path(), peer_threads(), 2048, lookup=False)
+    out["llamacpp_gguf"] = gguf_path()
 with Generator.from_export(E, mode="vanilla", prefix_cache=False) as van, Generator.from_export(
     E, tree="auto", prefix_cache=False
 ) as tree:
@@ -56,8 +71,8 @@ with Generator.from_export(E, mode="vanilla", prefix_cache=False) as van, Genera
         for _, schema in CASES:
             g.grammar({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
     for constrained in (False, True):
-        sp = {"vanilla": [], "tree": []}
-        same = valid = 0
+        sp = {"vanilla": [], "tree": [], "llama.cpp": []}
+        same = valid = peer_valid = 0
         calls = []
         for prompt, schema in CASES:
             kw = {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}} if constrained else {}
@@ -68,6 +83,11 @@ with Generator.from_export(E, mode="vanilla", prefix_cache=False) as van, Genera
             same += a.tokens == b.tokens
             valid += follows(a.text, schema)
             calls.append(b.stats.mean_accepted)
+            if peer is not None:
+                ids = van.encode_prompt(van.tokenizer.apply_chat([{"role": "user", "content": prompt}]))
+                r = peer.run("llama.cpp", ids, 96, van.eos_token_ids, 0.0, 0, json_schema=schema if constrained else None)
+                sp["llama.cpp"].append(r["tokens_per_s"])
+                peer_valid += follows(van.tokenizer.decode(r["tokens"], skip_special_tokens=True), schema)
         row = {
             "vanilla_tok_s_median": round(statistics.median(sp["vanilla"]), 1),
             "tree_tok_s_median": round(statistics.median(sp["tree"]), 1),
@@ -76,6 +96,12 @@ with Generator.from_export(E, mode="vanilla", prefix_cache=False) as van, Genera
             "tree_equals_vanilla": f"{same}/{len(CASES)}",
             "answers_that_parse_and_follow_the_schema": f"{valid}/{len(CASES)}",
         }
+        if peer is not None:
+            row["llamacpp_tok_s_median"] = round(statistics.median(sp["llama.cpp"]), 1)
+            row["tree_vs_llamacpp_median_of_ratios"] = round(
+                statistics.median(t / p for t, p in zip(sp["tree"], sp["llama.cpp"])), 3
+            )
+            row["llamacpp_answers_that_parse_and_follow_the_schema"] = f"{peer_valid}/{len(CASES)}"
         out["rows"]["json_schema" if constrained else "unconstrained"] = row
         print(constrained, row, file=sys.stderr)
 print(json.dumps(out, indent=1))

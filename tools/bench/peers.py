@@ -410,8 +410,18 @@ class LlamaCppRunner:
         return d
 
     def run(
-        self, kind: str, prompt: list[int], n: int, eos: list[int], temperature: float, seed: int, top_k=0, top_p=1.0
+        self,
+        kind: str,
+        prompt: list[int],
+        n: int,
+        eos: list[int],
+        temperature: float,
+        seed: int,
+        top_k=0,
+        top_p=1.0,
+        json_schema: dict | None = None,
     ) -> dict:
+        """json_schema: llama.cpp's own structured output (its GBNF grammar of the schema)."""
         llm = self.llm
         llm.reset()  # no prefix reuse from the previous prompt: every run prefills its whole prompt
         self._calls = 0
@@ -424,6 +434,12 @@ class LlamaCppRunner:
             sampling = {"top_k": int(top_k), "top_p": float(top_p), "temp": float(temperature)}
         else:
             sampling = {"top_k": 1, "top_p": 1.0, "temp": 0.0}
+        if json_schema is not None:
+            import json
+
+            from llama_cpp import LlamaGrammar
+
+            sampling["grammar"] = LlamaGrammar.from_json_schema(json.dumps(json_schema), verbose=False)
         gen = llm.generate(list(prompt), min_p=0.0, typical_p=1.0, repeat_penalty=1.0, reset=True, **sampling)
         for t in gen:
             toks.append(int(t))
