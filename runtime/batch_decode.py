@@ -190,7 +190,7 @@ class BatchDecoder:
         sp = sampling or SamplingParams()
         tgt = self.target
         seq = BatchSequence(prompt, max_new_tokens, {int(e) for e in eos_token_ids}, sp, seeded_rng(seed))
-        seq.history = history_for(sp, prompt, tgt.info.vocab_size)
+        seq.history = history_for(sp, prompt, tgt.info.vocab_size, seq.eos)
         seq.logprobs = check_logprobs(logprobs)
         on_logits, seq.prompt_logprobs = prompt_scorer(prompt, check_logprobs(prompt_logprobs))
         seq.t_start = time.perf_counter()

@@ -204,7 +204,7 @@ class SpeculativeDecoder:
         self.last_stats, self.last_stop_reason = st, "length"
         rng = seeded_rng(seed)
         seq = self._seq = _Sequence(prompt[-1], max_new_tokens, {int(e) for e in eos_token_ids}, rng, st)
-        seq.history = history_for(self.sampling, prompt, tgt.info.vocab_size)
+        seq.history = history_for(self.sampling, prompt, tgt.info.vocab_size, seq.eos)
         seq.logprobs = check_logprobs(logprobs)
         self.last_logprobs = seq.token_logprobs
         seq.timer = Timer(st, self._timer_sync)

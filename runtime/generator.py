@@ -294,10 +294,11 @@ class Generator:
         prompt_logprobs=k: `Completion.prompt_logprobs`, the same for each prompt token from the
         prefill's rows (the first token has none: None and []); what scoring a text needs.
         penalties: min_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias
-        ({token id: bias}), as `SamplingParams` (runtime/penalties.py: greedy speculation stays
-        the penalised greedy decoding token for token, sampling lossless). response_format:
-        OpenAI's ({"type": "json_object"}, or "json_schema" with {"json_schema": {"schema":
-        {...}}}): the answer is JSON of that shape (runtime/structured.py; llguidance)."""
+        ({token id: bias}), min_tokens, stop_token_ids, ignore_eos, as `SamplingParams`
+        (runtime/penalties.py: greedy speculation stays the penalised greedy decoding token for
+        token, sampling lossless). response_format: OpenAI's ({"type": "json_object"}, or
+        "json_schema" with {"json_schema": {"schema": {...}}}; extensions "regex" and "choice"):
+        the answer is JSON of that shape (runtime/structured.py; llguidance)."""
         sp = self._sampling(temperature, top_k, top_p, penalties, response_format)
         if chat:
             if not isinstance(prompt, str):
@@ -364,7 +365,9 @@ class Generator:
         last_stats / last_stop_reason (and the log-probs asked for) when it ends."""
         if self._batch is not None:
             self._check_open()
-            s = self._batch.submit(ids, max_new_tokens, self.eos_token_ids, sp, seed, logprobs, prompt_logprobs)
+            s = self._batch.submit(
+                ids, max_new_tokens, sp.end_ids(self.eos_token_ids), sp, seed, logprobs, prompt_logprobs
+            )
             try:
                 for chunk in s:
                     self._last.logprobs = s.logprobs  # live: the chunk's entries are in it (stream(logprobs=k))
@@ -380,7 +383,7 @@ class Generator:
             dec = self._decoder(sp)
             dec.sampling = sp
             self._busy = 1
-            steps = dec.stream(ids, max_new_tokens, self.eos_token_ids, seed, logprobs, prompt_logprobs)
+            steps = dec.stream(ids, max_new_tokens, sp.end_ids(self.eos_token_ids), seed, logprobs, prompt_logprobs)
             try:
                 for chunk in steps:
                     self._last.logprobs = dec.last_logprobs  # live, as above
@@ -486,7 +489,16 @@ class Generator:
         self.close()
 
 
-PENALTIES = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")
+PENALTIES = (
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "min_tokens",
+    "stop_token_ids",
+    "ignore_eos",
+)
 
 
 def sampling_params(temperature, top_k, top_p, penalties: dict, vocab_size: int | None = None) -> SamplingParams:

@@ -118,16 +118,37 @@ class RowProcessing:
 
 
 def check_bias(sp, vocab_size: int) -> bool:
-    """Whether `sp` has a logit bias; one InputError line when it names a token outside the vocabulary."""
+    """Whether `sp` has a logit bias; one InputError line when it (or stop_token_ids) names a
+    token outside the vocabulary."""
     if sp.logit_bias and sp.logit_bias[-1][0] >= vocab_size:  # (sorted by token id)
         raise InputError(f"logit-bias token id {sp.logit_bias[-1][0]} is outside the vocabulary [0, {vocab_size})")
+    if sp.stop_token_ids and sp.stop_token_ids[-1] >= vocab_size:
+        raise InputError(f"stop-token-ids: {sp.stop_token_ids[-1]} is outside the vocabulary [0, {vocab_size})")
     return bool(sp.logit_bias)
 
 
-def history_for(sp, prompt: Sequence[int], vocab_size: int) -> RowProcessing | None:
+class MinTokens:
+    """No end of the answer before `n` tokens: the ending ids masked in every row whose path
+    would put them earlier (vLLM's min_tokens); the TokenHistory interface."""
+
+    def __init__(self, n: int, end_ids: Sequence[int]):
+        self.n, self.end, self.produced = n, torch.tensor(sorted(end_ids), dtype=torch.long), 0
+
+    def process(self, row: torch.Tensor, path: Sequence[int]) -> torch.Tensor:
+        if self.produced + len(path) >= self.n:
+            return row
+        return row.detach().float().index_fill(-1, self.end, float("-inf"))
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.produced += len(tokens)
+
+
+def history_for(sp, prompt: Sequence[int], vocab_size: int, end_ids: Sequence[int] = ()) -> RowProcessing | None:
     """A sequence's row processing when its sampling parameters ask for any (penalties, logit
-    bias, a grammar), else None."""
+    bias, min_tokens before the `end_ids`, a grammar), else None."""
     parts = [TokenHistory(prompt, vocab_size, sp)] if sp.processes_logits else []
+    if sp.min_tokens and end_ids:
+        parts.append(MinTokens(sp.min_tokens, end_ids))
     if sp.grammar is not None:
         parts.append(sp.grammar.state(vocab_size))
     return RowProcessing(parts, vocab_size) if parts else None

@@ -35,6 +35,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # 0: off (OpenAI: output tokens, per occurrence)
     logit_bias: tuple = ()  # ((token, bias), ...) sorted by token; a dict is taken too
     grammar: object = None  # runtime/structured.Grammar: structured output (masks the target's rows)
+    # the end of the answer (vLLM's fields): EOS masked until min_tokens are out (runtime/penalties.py),
+    # extra token ids that end it too, or EOS not an end at all (a fixed-length benchmark)
+    min_tokens: int = 0
+    stop_token_ids: tuple = ()
+    ignore_eos: bool = False
 
     def __post_init__(self):
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -55,10 +60,25 @@ class SamplingParams:
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InputError(f"{name.replace('_', '-')} must be in [-2, 2], got {getattr(self, name)}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise InputError(f"min-tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise InputError(f"ignore-eos must be a boolean, got {self.ignore_eos!r}")
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or any(
+            isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids
+        ):
+            raise InputError(f"stop-token-ids must be a list of token ids (integers >= 0), got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(sorted(set(ids))))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def end_ids(self, eos_token_ids) -> list[int]:
+        """The token ids that end this request's answer: the model's EOS (none with ignore_eos)
+        and its stop_token_ids."""
+        return sorted(({int(e) for e in eos_token_ids} if not self.ignore_eos else set()) | set(self.stop_token_ids))
 
     @property
     def processes_logits(self) -> bool:

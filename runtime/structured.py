@@ -37,25 +37,49 @@ def _llguidance():
     return llguidance
 
 
-def schema_of(response_format) -> dict | None:
-    """OpenAI's `response_format` -> the JSON schema it asks for ({"type": "object"} for
-    json_object), or None for text; one InputError line for anything else."""
+KINDS = "text, json_object, json_schema, regex or choice"
+
+
+def schema_of(response_format) -> tuple | None:
+    """A `response_format` -> what it constrains the answer to, as (kind, value): OpenAI's
+    json_object ("json", {"type": "object"}) and json_schema ("json", the schema), or this
+    runtime's extensions (vLLM's guided_regex and guided_choice): {"type": "regex", "regex":
+    PATTERN} -> ("regex", PATTERN), {"type": "choice", "choices": [TEXT, ...]} -> ("choice",
+    [...]); None for text. One InputError line for anything else."""
     if response_format is None:
         return None
     if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
-        raise InputError('response_format must be an object with a "type": text, json_object or json_schema')
+        raise InputError(f'response_format must be an object with a "type": {KINDS}')
     kind = response_format["type"]
     if kind == "text":
         return None
     if kind == "json_object":
-        return {"type": "object"}
+        return "json", {"type": "object"}
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise InputError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
-        return schema
-    raise InputError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+        return "json", schema
+    if kind == "regex":
+        if not isinstance(response_format.get("regex"), str) or not response_format["regex"]:
+            raise InputError('response_format regex needs {"regex": PATTERN}')
+        return "regex", response_format["regex"]
+    if kind == "choice":
+        choices = response_format.get("choices")
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+            raise InputError('response_format choice needs {"choices": [TEXT, ...]} (non-empty strings)')
+        return "choice", choices
+    raise InputError(f"response_format type must be {KINDS}, got {kind!r}")
+
+
+def grammar_text(lg, kind: str, value) -> str:
+    """llguidance's grammar for schema_of's (kind, value)."""
+    if kind == "regex":
+        return lg.LLMatcher.grammar_from_regex(value)
+    if kind == "choice":  # a Lark rule of JSON-quoted literals
+        return lg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
+    return lg.LLMatcher.grammar_from_json_schema(value)
 
 
 class Grammar:
@@ -68,7 +92,7 @@ class Grammar:
         lg = _llguidance()
         is_error, messages = lg.LLMatcher.validate_grammar_with_warnings(text, lltokenizer)
         if is_error:
-            raise InputError(f"response_format: the schema does not compile: {messages[0] if messages else ''}")
+            raise InputError(f"response_format: the grammar does not compile: {messages[0] if messages else ''}")
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Grammar) and other.text == self.text and other._tok is self._tok
@@ -96,17 +120,17 @@ class GrammarCompiler:
 
     def grammar(self, response_format) -> Grammar | None:
         """The Grammar of an OpenAI `response_format` (None for text)."""
-        schema = schema_of(response_format)
-        if schema is None:
+        target = schema_of(response_format)
+        if target is None:
             return None
-        key = json.dumps(schema, sort_keys=True)
+        key = json.dumps(target, sort_keys=True)
         g = self._grammars.get(key)
         if g is None:
             lg = _llguidance()
             if self._tok is None:
                 self._tok = lg.LLTokenizer(self._src.tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=self.eos)
             try:
-                text = lg.LLMatcher.grammar_from_json_schema(schema)
+                text = grammar_text(lg, *target)
             except ValueError as e:
                 raise InputError(f"response_format: {e}") from None
             g = self._grammars[key] = Grammar(text, self._tok)

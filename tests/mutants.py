@@ -365,6 +365,13 @@ MUTANTS = [
         (STRUCTURED_T, "-k", "greedy_under"),
     ),
     Mutant(
+        "min_tokens: a row's tree path not counted",
+        PENALTIES,
+        "if self.produced + len(path) >= self.n:",
+        "if self.produced >= self.n:",
+        (PENALTIES_T, "-k", "min_tokens"),
+    ),
+    Mutant(
         "min-p not applied after the nucleus on CPU rows",
         SAMPLING,
         "                keep = keep[z[keep] >= np.float32(math.log(sp.min_p))]",

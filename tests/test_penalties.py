@@ -171,3 +171,73 @@ def test_generator_takes_penalties_and_says_what_is_wrong(target):
         ):
             with pytest.raises(InputError, match=re.escape(msg)):
                 gen.generate(PROMPT, 4, **kw)
+
+
+EOS = 4
+
+
+def reference_with_end(engine, prompt, n, sp, eos) -> list[int]:
+    """The plain loop with the request's end: EOS (and stop_token_ids) masked before min_tokens,
+    the answer cut at the first ending id (none with ignore_eos)."""
+    end = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos))
+    out: list[int] = []
+    for _ in range(n):
+        row = reference_penalties(plain_next_logits(engine, list(prompt) + out), prompt, out, sp)
+        if len(out) < sp.min_tokens:
+            for t in end:
+                row[t] = float("-inf")
+        out.append(int(row.argmax()))
+        if out[-1] in end:
+            break
+    return out
+
+
+def test_min_tokens_stop_token_ids_and_ignore_eos_in_every_mode(target):
+    """vLLM's end-of-answer fields: an EOS the bias makes likely ends the answer at once; with
+    min_tokens it cannot come before them (masked along each row's tree path); stop_token_ids end
+    it too; ignore_eos runs to max tokens through EOS. Vanilla, tree and batched: the plain loop's."""
+    eng = TorchEngine(target)
+    layer = ModelDraft(TorchEngine(truncated(target, 2)))
+    base = {"logit_bias": {EOS: 2.5}}
+    plain = reference_with_end(eng, PROMPT, N, SamplingParams(**base), [EOS])
+    assert plain[-1] == EOS and len(plain) < 8, plain
+    unbiased = reference_with_end(eng, PROMPT, N, SamplingParams(), [EOS])
+    assert len(unbiased) == N and EOS not in unbiased
+    cases = [  # (the request, the answer it must differ from)
+        ({**base, "min_tokens": 10}, plain),
+        ({**base, "ignore_eos": True}, plain),
+        ({**base, "min_tokens": 6, "ignore_eos": True}, plain),
+        ({"stop_token_ids": [unbiased[5]]}, unbiased),
+    ]
+    for kw, other in cases:
+        sp = SamplingParams(**kw)
+        want = reference_with_end(eng, PROMPT, N, sp, [EOS])
+        assert want != other, kw
+        if sp.min_tokens and not sp.ignore_eos:
+            assert EOS not in want[:10] and len(want) > 10
+        if sp.ignore_eos:
+            assert len(want) == N and EOS in want
+        if sp.stop_token_ids:
+            assert want[-1] == unbiased[5] and len(want) <= 6
+        end = sp.end_ids([EOS])
+        for draft, tree in ((None, None), (layer, "full:3,2"), (layer, "chain:3")):
+            dec = SpeculativeDecoder(
+                eng, draft, mode="vanilla" if draft is None else "tree", tree=tree or "full:3,2", sampling=sp
+            )
+            assert dec.generate(PROMPT, N, end).tokens == want, (kw, tree)
+        bd = BatchDecoder(eng, layer, tree="full:3,2", max_batch=2)
+        rows = bd.generate_many([PROMPT, [4, 6, 8]], N, end, sampling=[sp, sp])
+        assert rows[0].tokens == want, kw
+    with Generator(eng, layer, tree="full:3,2", eos_token_ids=[EOS]) as gen:
+        c = gen.generate(PROMPT, N, min_tokens=10, **base)
+        assert c.tokens == reference_with_end(eng, PROMPT, N, SamplingParams(**base, min_tokens=10), [EOS])
+        assert c.stop_reason == "eos"
+        assert len(gen.generate(PROMPT, N, ignore_eos=True, **base).tokens) == N
+        for kw, msg in (
+            ({"min_tokens": -1}, "min-tokens must be an integer >= 0"),
+            ({"stop_token_ids": [V]}, f"stop-token-ids: {V} is outside the vocabulary"),
+            ({"stop_token_ids": "3"}, "stop-token-ids must be a list of token ids"),
+            ({"ignore_eos": "yes"}, "ignore-eos must be a boolean"),
+        ):
+            with pytest.raises(InputError, match=re.escape(msg)):
+                gen.generate(PROMPT, 4, **kw)

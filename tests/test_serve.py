@@ -257,6 +257,59 @@ def test_response_format_json_schema_is_followed(server, export_dir):
         assert follows_schema("".join(parts)), parts
 
 
+def test_vllm_fields_reach_the_generator(server, export_dir):
+    """vLLM's request fields clients and benchmarks send: guided_json / guided_regex /
+    guided_choice (structured output), min_tokens, stop_token_ids and ignore_eos (a fixed-length
+    benchmark): each answer is Generator.generate's with the same request; use_beam_search and
+    include_stop_str_in_output are refused, never ignored."""
+    pytest.importorskip("llguidance")
+    import re
+
+    from test_structured import SCHEMA, follows_schema
+
+    base, _ = server
+    with Generator.from_export(export_dir, tree="full:2,2") as g:
+        ids = g.encode_prompt("one two one two")
+        free = g.generate(ids, 24, ignore_eos=True).tokens
+        stop_id = free[3]
+        want = {
+            "stop_token_ids": g.generate(ids, 24, stop_token_ids=[stop_id]).tokens,
+            "min_tokens": g.generate(ids, 24, min_tokens=20, logit_bias={g.eos_token_ids[0]: 8}).tokens,
+        }
+    with client(base) as c:
+
+        def post(**kw):
+            r = c.post("/v1/completions", json={"prompt": ids, "max_tokens": 24, "temperature": 0, "logprobs": 0, **kw})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]
+
+        def tokens(choice):
+            return choice["logprobs"]["tokens"]
+
+        assert len(tokens(post(ignore_eos=True))) == 24
+        got = post(stop_token_ids=[stop_id])
+        assert (
+            tokens(got) == [g.tokenizer.decode([t]) for t in want["stop_token_ids"]] and got["finish_reason"] == "stop"
+        )
+        got = post(min_tokens=20, logit_bias={str(g.eos_token_ids[0]): 8})
+        assert tokens(got) == [g.tokenizer.decode([t]) for t in want["min_tokens"]] and len(tokens(got)) >= 20
+        assert follows_schema(post(guided_json=SCHEMA)["text"])
+        assert follows_schema(post(guided_json=json.dumps(SCHEMA))["text"])
+        assert re.fullmatch("[ab]{3}", post(guided_regex="[ab]{3}")["text"])
+        assert post(guided_choice=["left", "right"])["text"] in ("left", "right")
+        for body, param in (
+            ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+            ({"guided_json": "{nope"}, "guided_json"),
+            ({"guided_choice": []}, "guided_choice"),
+            ({"min_tokens": -1}, "min_tokens"),
+            ({"stop_token_ids": [10**7]}, "stop_token_ids"),
+            ({"use_beam_search": True}, "use_beam_search"),
+            ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        ):
+            r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
 def test_stop_strings_end_the_answer(server):
     base, _ = server
     req = {"prompt": "hello hello", "max_tokens": 24, "temperature": 0}

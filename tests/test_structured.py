@@ -116,17 +116,33 @@ def test_sampled_answers_follow_the_schema(export_dir):
         assert c.text.startswith("{") and (c.stop_reason != "eos" or isinstance(json.loads(c.text), dict)), c.text
 
 
+def test_regex_and_choice_formats(export_dir):
+    """The extensions vLLM calls guided_regex / guided_choice: the answer matches the pattern, or
+    is one of the choices, greedy and sampled, under the tree."""
+    import re
+
+    with Generator.from_export(export_dir, tree="full:2,2") as g:
+        for seed in range(6):
+            kw = {"temperature": 1.5, "seed": seed} if seed else {}
+            c = g.generate("hello", 30, response_format={"type": "regex", "regex": "[a-c]{2,4}-[0-9]"}, **kw)
+            assert re.fullmatch("[a-c]{2,4}-[0-9]", c.text) and c.stop_reason == "eos", c.text
+            c = g.generate("hello", 30, response_format={"type": "choice", "choices": ["yes", "no", "maybe so"]}, **kw)
+            assert c.text in ("yes", "no", "maybe so") and c.stop_reason == "eos", c.text
+
+
 def test_bad_formats_are_one_line(export_dir, monkeypatch):
     with Generator.from_export(export_dir, tree="full:2,2") as g:
         for rf, msg in (
-            ({"type": "xml"}, "response_format type must be text, json_object or json_schema"),
+            ({"type": "xml"}, "response_format type must be text, json_object, json_schema, regex or choice"),
+            ({"type": "regex", "regex": "("}, "does not compile"),
+            ({"type": "choice", "choices": []}, 'choice needs {"choices"'),
             ({"type": "json_schema"}, 'json_schema needs {"json_schema"'),
             ("json", 'response_format must be an object with a "type"'),
             ({"type": "json_schema", "json_schema": {"schema": {"type": "nosuch"}}}, "response_format"),
         ):
-            with pytest.raises(InputError, match="response_format"):
+            with pytest.raises(InputError, match="response_format") as e:
                 g.generate("hi", 4, response_format=rf)
-            assert msg
+            assert msg in str(e.value), (msg, str(e.value))
         assert g.generate("hi", 4, response_format={"type": "text"}).tokens == g.generate("hi", 4).tokens
         monkeypatch.setitem(sys.modules, "llguidance", None)  # as if not installed
         g._grammars = None

@@ -36,6 +36,11 @@ MAX_CHOICES = 64  # prompts x n of one completions request
 # values that mean "off": any other value is a 400 naming the field, never a silently other answer
 UNSUPPORTED = {
     "best_of": (None, 1),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1),
+    "include_stop_str_in_output": (None, False),
+    "guided_grammar": (None,),
+    "truncate_prompt_tokens": (None,),
     "suffix": (None, ""),
     "tools": (None, []),
     "functions": (None, []),
@@ -406,7 +411,8 @@ def create_app(
                 return error(
                     400, 'logit_bias must be an object mapping token ids to biases, e.g. {"198": -100}', param=key
                 )
-            if key != "logit_bias" and (not isinstance(v, (int, float)) or isinstance(v, bool)):
+            numeric = key not in ("logit_bias", "min_tokens", "stop_token_ids", "ignore_eos")  # (their own checks)
+            if numeric and (not isinstance(v, (int, float)) or isinstance(v, bool)):
                 return error(400, f"{key} must be a number", param=key)
             pen[key] = v
         try:
@@ -415,12 +421,29 @@ def create_app(
             msg = one_line(e)
             bad = next((k for k in pen if k.replace("_", "-") in msg or k in msg), None)
             return error(400, msg, param=bad)
-        rf = body.get("response_format")  # structured output (runtime/structured.py): compiled once per schema
-        if rf is not None:
+        # structured output (runtime/structured.py): compiled once per schema; vLLM's guided_* fields too
+        guided = [
+            k for k in ("response_format", "guided_json", "guided_regex", "guided_choice") if body.get(k) is not None
+        ]
+        if len(guided) > 1:
+            return error(400, f"give one of {', '.join(guided)}", param=guided[1])
+        if guided:
+            key, v = guided[0], body[guided[0]]
+            rf = {
+                "response_format": v,
+                "guided_json": {"type": "json_schema", "json_schema": {"name": "guided", "schema": v}},
+                "guided_regex": {"type": "regex", "regex": v},
+                "guided_choice": {"type": "choice", "choices": v},
+            }[key]
+            if key == "guided_json" and isinstance(v, str):  # vLLM takes the schema as JSON text too
+                try:
+                    rf["json_schema"]["schema"] = json.loads(v)
+                except json.JSONDecodeError:
+                    return error(400, "guided_json must be a JSON schema (an object, or its JSON text)", param=key)
             try:
                 pool.all[0].grammar(rf)
             except ArborspecError as e:
-                return error(400, one_line(e), param="response_format")
+                return error(400, one_line(e), param=key)
             pen["response_format"] = rf
         out["penalties"] = pen
         for key, default in UNSUPPORTED.items():  # never a silently different answer
