@@ -174,8 +174,10 @@ def test_penalties_and_logit_bias_reach_the_decoder(ckpts, capsys):
     # change its tokens; the bias above does)
     from arborspec.tools.commands.cli import build_parser, sampling_from_args
 
-    args = build_parser().parse_args(base + pen + ["--min-p", "0.1", "--presence-penalty", "-0.5"])
-    assert sampling_from_args(args) == dataclasses.replace(sp, min_p=0.1, presence_penalty=-0.5)
+    more = ["--min-p", "0.1", "--presence-penalty", "-0.5", "--min-tokens", "3", "--ignore-eos"]
+    args = build_parser().parse_args(base + pen + more)
+    want = dataclasses.replace(sp, min_p=0.1, presence_penalty=-0.5, min_tokens=3, ignore_eos=True)
+    assert sampling_from_args(args) == want
 
 
 @pytest.mark.parametrize(

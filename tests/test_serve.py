@@ -543,6 +543,23 @@ def test_loadtest_against_the_server(server, tmp_path, capsys):
     res = json.loads(out.read_text())
     assert rc == 0 and res["ok"] == 6 and res["errors"] == 0 and res["all_answered_once"]
     assert res["tokens"] > 0 and res["ttft_p50_s"] is not None and res["latency_p99_s"] >= res["latency_p50_s"]
+    # --ignore-eos: a fixed-length load, every answer max_tokens long
+    args = ["loadtest", "--url", base, "--requests", "4", "--max-tokens", "9", "--api-key", KEY, "--json-out", str(out)]
+    assert main(args + ["--ignore-eos", "--chat"]) == 0
+    res = json.loads(out.read_text())
+    assert res["ok"] == 4 and res["tokens"] == 4 * 9, res
+    sent = []  # the body loadtest sends (this tiny model rarely ends early: the field itself is checked)
+
+    class Capture:
+        def post(self, route, json):
+            sent.append(json)
+            raise OSError("captured")
+
+    from arborspec.tools.commands.loadtest import one_request
+
+    for extra in (None, {"ignore_eos": True}):
+        one_request(Capture(), 0, True, False, 9, 0.0, extra=extra)
+    assert "ignore_eos" not in sent[0] and sent[1]["ignore_eos"] is True
     rc = main(["loadtest", "--url", base, "--requests", "2", "--max-tokens", "2"])  # no key: 401s counted
     assert rc == 1
     assert main(["loadtest", "--url", "ftp://x", "--requests", "1"]) == 2

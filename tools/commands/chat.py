@@ -93,7 +93,7 @@ def run(args) -> int:
         ctx = models.limits.get("max_context") or models.target.info.max_position
         if args.max_new_tokens >= ctx:
             raise InputError(f"--max-new-tokens {args.max_new_tokens} leaves no room in the context of {ctx}")
-        eos = list(tok.eos_token_ids)
+        eos = dec.sampling.end_ids(tok.eos_token_ids)
         system = [{"role": "system", "content": args.system}] if args.system else []
         tty = sys.stdin.isatty()
         tree = f" {dec.policy.spec}" if dec.policy else ""

@@ -80,6 +80,10 @@ def add_sampling_args(g, seed_help: str = "sampling seed (default 0)") -> None:
         help="add BIAS (-100..100) to token id TOKEN's logit (repeatable)",
     )
     g.add_argument("--seed", type=int, default=0, help=seed_help)
+    g.add_argument("--min-tokens", type=int, default=0, help="no end of the answer before N tokens (default 0)")
+    g.add_argument(
+        "--ignore-eos", action="store_true", help="decode through end-of-sequence to --max-new-tokens (benchmarks)"
+    )
     g.add_argument(
         "--json-object", action="store_true", help="answer with a JSON object (structured output; needs llguidance)"
     )
@@ -139,6 +143,8 @@ def sampling_from_args(args):
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         logit_bias=bias,
+        min_tokens=args.min_tokens,
+        ignore_eos=args.ignore_eos,
     )
 
 

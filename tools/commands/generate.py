@@ -244,7 +244,7 @@ def run(args) -> int:
         ids = prompt_ids(args, tok)
         _check_limits(models, len(ids), args.max_new_tokens)
         dec = make_decoder(models, args)
-        eos = list(tok.meta.get("eos_token_ids") or []) if tok is not None else []
+        eos = dec.sampling.end_ids(tok.meta.get("eos_token_ids") or [] if tok is not None else [])
         vdec = None
         if args.vs_vanilla and args.mode != "vanilla":
             # a speed comparison: each decoder once untimed first, so that neither's figure holds

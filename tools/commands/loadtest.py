@@ -58,6 +58,11 @@ def register(sub) -> None:
         "conversation so far (its answers and a follow-up); time to first token reported per turn",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="sent with each request (default 0: greedy)")
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="send ignore_eos (vLLM's field): every answer runs to --max-tokens, a fixed-length load",
+    )
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", action="store_true", help=JSON_HELP + " (the summary line then goes to stderr)")
@@ -73,12 +78,20 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def one_request(
-    client, i: int, chat: bool, stream: bool, max_tokens: int, temperature: float, messages: list | None = None
+    client,
+    i: int,
+    chat: bool,
+    stream: bool,
+    max_tokens: int,
+    temperature: float,
+    messages: list | None = None,
+    extra: dict | None = None,
 ) -> dict:
     """One request tagged with its index (the nonce in the prompt lets the check tell answers
-    apart); `messages`: a conversation to send instead of request i's first message."""
+    apart); `messages`: a conversation to send instead of request i's first message; `extra`:
+    more fields for its body (ignore_eos)."""
     prompt = f"[{i}] {PROMPTS[i % len(PROMPTS)]}"
-    body = {"max_tokens": max_tokens, "temperature": temperature, "stream": stream}
+    body = {"max_tokens": max_tokens, "temperature": temperature, "stream": stream, **(extra or {})}
     if stream:
         body["stream_options"] = {"include_usage": True}  # exact token counts (a chunk may hold several)
     if chat:
@@ -132,13 +145,17 @@ def one_request(
     }
 
 
-def one_conversation(client, i: int, turns: int, stream: bool, max_tokens: int, temperature: float) -> list[dict]:
+def one_conversation(
+    client, i: int, turns: int, stream: bool, max_tokens: int, temperature: float, extra: dict | None = None
+) -> list[dict]:
     """Conversation i: `turns` chat requests, each the conversation so far (the answers and a
     follow-up appended), as a chat client sends them; stops at the first failed turn."""
     msgs = [{"role": "user", "content": f"[{i}] {PROMPTS[i % len(PROMPTS)]}"}]
     out = []
     for t in range(turns):
-        r = one_request(client, i, True, stream, max_tokens, temperature, messages=list(msgs)) | {"turn": t}
+        r = one_request(client, i, True, stream, max_tokens, temperature, messages=list(msgs), extra=extra) | {
+            "turn": t
+        }
         out.append(r)
         if not r["ok"]:
             break
@@ -161,9 +178,11 @@ def loadtest(
     api_key: str | None = None,
     timeout: float = 600.0,
     turns: int = 1,
+    ignore_eos: bool = False,
 ) -> dict:
     import httpx
 
+    extra = {"ignore_eos": True} if ignore_eos else None
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     local = threading.local()
 
@@ -171,8 +190,8 @@ def loadtest(
         if not hasattr(local, "c"):
             local.c = httpx.Client(base_url=url, headers=headers, timeout=timeout)
         if turns > 1:
-            return one_conversation(local.c, i, turns, stream, max_tokens, temperature)
-        return [one_request(local.c, i, chat, stream, max_tokens, temperature)]
+            return one_conversation(local.c, i, turns, stream, max_tokens, temperature, extra)
+        return [one_request(local.c, i, chat, stream, max_tokens, temperature, extra=extra)]
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as ex:
@@ -228,6 +247,7 @@ def run(args) -> int:
         api_key=args.api_key,
         timeout=args.timeout,
         turns=args.turns,
+        ignore_eos=args.ignore_eos,
     )
     f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     print(
