@@ -1,4 +1,4 @@
-"""Penalties and logit bias: the request's logit processing that depends on the tokens so far.
+"""Penalties, logit bias, min_tokens: the request's logit processing that depends on the tokens so far.
 
 Role in one decoding step: step 4. Before the accept walk reads a verify row (the target's
 logits at the root or at a tree node), the row is processed as plain decoding would process
@@ -18,6 +18,9 @@ The rules, in this order (the conventions and the order of Hugging Face `generat
     logit divided by r where positive, multiplied by r where negative;
   * presence_penalty a, frequency_penalty b (OpenAI): a token generated c > 0 times so far has
     a + b * c subtracted from its logit (the output only, not the prompt).
+  * min_tokens n (vLLM): the ids that end the answer masked while fewer than n tokens precede
+    the row (`MinTokens`).
+`RowProcessing` chains a sequence's processors (these, then a grammar's mask: runtime/structured.py).
 Then temperature, top-k, top-p and min-p warp the processed row (runtime/sampling.py).
 """
 
