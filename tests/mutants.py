@@ -365,6 +365,13 @@ MUTANTS = [
         (STRUCTURED_T, "-k", "greedy_under"),
     ),
     Mutant(
+        "batch without trees: a penalised row takes the unprocessed root argmax",
+        DECODE,
+        "            root = None  # a finite root row: the walk reads it, processed",
+        "            pass",
+        (PENALTIES_T, "-k", "every_mode"),
+    ),
+    Mutant(
         "min_tokens: a row's tree path not counted",
         PENALTIES,
         "if self.produced + len(path) >= self.n:",

@@ -87,6 +87,11 @@ def test_penalised_greedy_is_the_reference_in_every_mode(target, name):
     other = [4, 6, 8]
     rows = bd.generate_many([PROMPT, other], N, sampling=[sp, sp])
     assert rows[0].tokens == want and rows[1].tokens == reference_greedy(eng, other, N, sp)
+    # a batch without trees reduces every root row at once (guards.root_reductions): a penalised
+    # row is read on the host, processed; beside an unpenalised one that keeps the shortcut
+    bv = BatchDecoder(eng, None, mode="vanilla", max_batch=2)
+    rows = bv.generate_many([PROMPT, other], N, sampling=[sp, SamplingParams()])
+    assert rows[0].tokens == want and rows[1].tokens == reference_greedy(eng, other, N, SamplingParams())
 
 
 @pytest.mark.parametrize("tree", ["chain:3", "full:2,2"])
