@@ -182,3 +182,26 @@ def test_cli_json_schema(export_dir, tmp_path, capsys):
         assert main(base + extra) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and msg in err[0], err
+
+
+def test_bench_json_schema(export_dir, tmp_path):
+    """`bench --json-schema`: every configuration decodes under the schema (each answer follows
+    it, the tree's tokens are vanilla's), a baseline without structured output is skipped with its
+    reason, and the format is recorded in the results."""
+    from test_bench import PROMPTS
+
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(PROMPTS))
+    (tmp_path / "schema.json").write_text(json.dumps(SCHEMA))
+    out = tmp_path / "bench.json"
+    args = ["bench", "--export-dir", str(export_dir), "--modes", "vanilla,tree", "--tree", "full:2,2"]
+    args += ["--prompts", str(prompts), "--limit-prompts", "3", "--max-new-tokens", "40", "--warmup", "0"]
+    args += ["--no-progress", "--baselines", "hf-greedy", "--json-out", str(out)]
+    assert main(args + ["--json-schema", str(tmp_path / "schema.json")]) == 0
+    res = json.loads(out.read_text())
+    assert res["meta"]["response_format"]["json_schema"]["schema"] == SCHEMA
+    assert "hf-greedy" in res["meta"]["skipped"] and res["aggregate"]["greedy_match"] is True
+    tok = Generator.from_export(export_dir, mode="vanilla").tokenizer
+    for p in res["per_prompt"]:
+        for name, run in p["runs"].items():
+            assert follows_schema(tok.decode(run["tokens"], skip_special_tokens=True)), (name, p["id"])

@@ -225,6 +225,7 @@ def run_bench(
     warmup: int = 1,
     progress: bool = True,
     log=None,
+    json_schema: dict | None = None,
 ) -> tuple[list[dict], list[str]]:
     """Runs every config on every prompt -> (per_prompt list, warnings). `sampling`: a
     SamplingParams for ours, the baselines and the peers alike (None: greedy).
@@ -246,6 +247,8 @@ def run_bench(
     sp = sampling or SamplingParams()
     temperature = sp.temperature
     cut = {"top_k": sp.top_k, "top_p": sp.top_p}  # the baselines and peers sample with the same cut
+    # structured output (`bench --json-schema`): llama.cpp's own, the GBNF grammar it makes of the schema
+    grammar = {"json_schema": json_schema} if json_schema is not None else {}
     decs = make_decoders(models, configs, sp)
     runner = {c.name: (hf if c.kind == "hf" else peers.get(c.name)) for c in configs if c.kind != "ours"}
     run_cfgs = [c for c in configs if c.kind == "ours" or runner.get(c.name) is not None]
@@ -265,7 +268,7 @@ def run_bench(
                     decs[c.name].generate(w, min(8, max_new_tokens), [], seed)
                     continue
                 try:
-                    runner[c.name].run(c.name, w, min(4, max_new_tokens), [], temperature, seed, **cut)
+                    runner[c.name].run(c.name, w, min(4, max_new_tokens), [], temperature, seed, **cut, **grammar)
                 except Exception as e:  # noqa: BLE001 - a peer's failure must not stop the bench
                     if c.kind != "peer":
                         raise
@@ -291,7 +294,7 @@ def run_bench(
                 else:
                     try:
                         runs[c.name] = runner[c.name].run(
-                            c.name, p["ids"], max_new_tokens, eos, temperature, seed, **cut
+                            c.name, p["ids"], max_new_tokens, eos, temperature, seed, **cut, **grammar
                         )
                     except Exception as e:  # noqa: BLE001 - a peer's failure must not stop the bench
                         if c.kind != "peer":

@@ -17,7 +17,15 @@ from pathlib import Path
 
 from arborspec.runtime.errors import InputError
 from arborspec.runtime.fileio import atomic_write_json
-from arborspec.tools.commands.cli import JSON_HELP, JSON_OUT_HELP, QUIET_HELP, TREE_HELP, summary
+from arborspec.tools.commands.cli import (
+    JSON_HELP,
+    JSON_OUT_HELP,
+    QUIET_HELP,
+    TREE_HELP,
+    add_format_args,
+    response_format_from_args,
+    summary,
+)
 from arborspec.tools.engines import add_model_args, models_key, open_models
 
 EXAMPLE = """examples:
@@ -116,6 +124,7 @@ def register(sub) -> None:
     r.add_argument("--top-k", type=int, default=0, help="with --temperature: sample from the K most likely (0: all)")
     r.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus mass (1.0: off)")
     r.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    add_format_args(r)  # structured output: ours and llama.cpp's own (its grammar of the schema)
     r.add_argument(
         "--candidates",
         default=None,
@@ -219,6 +228,10 @@ def run(args) -> int:
     from arborspec.runtime.sampling import SamplingParams  # (torch: not at import, --help stays light)
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)  # one error line for a bad value
+    from arborspec.runtime.structured import schema_of
+
+    response_format = response_format_from_args(args)
+    target = schema_of(response_format)  # ("json", schema) or None: a malformed one before the models load
     if args.temperature == 0 and (args.top_k or args.top_p < 1.0):
         raise InputError("--top-k and --top-p need --temperature > 0 (greedy decoding takes the most likely token)")
     baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
@@ -286,6 +299,21 @@ def run(args) -> int:
         hf = None
         hf_names = [b for b in baselines if b in bench_baselines.BASELINES]
         skipped: dict[str, str] = {}
+        if target is not None:  # structured output: ours, and the peers that have their own
+            from arborspec.runtime.structured import GrammarCompiler
+
+            if models.tokenizer is None:
+                raise InputError("--json-object / --json-schema need a tokenizer: this model has none")
+            eos = list(models.tokenizer.meta.get("eos_token_ids") or [])
+            grammar = GrammarCompiler(models.tokenizer, models.target.info.vocab_size, eos).grammar(response_format)
+            sampling = dataclasses.replace(sampling, grammar=grammar)
+            without = [b for b in baselines if b in bench_baselines.BASELINES or b.startswith("ort-genai")]
+            for n in without:
+                skipped[n] = "no structured output in this baseline here (llama.cpp's runs with its own grammar)"
+                print(f"arborspec bench: note: {n} skipped: {skipped[n]}", file=sys.stderr)
+            hf_names = [b for b in hf_names if b not in without]
+            baselines = [b for b in baselines if b not in without]
+            configs = [c for c in configs if c.name not in without]
         if hf_names:
             mdir, gguf, why = bench_baselines.hf_source_path(source)
             if mdir is None:
@@ -340,6 +368,7 @@ def run(args) -> int:
             skipped=skipped,
             warmup=args.warmup,
             progress=not args.no_progress,
+            json_schema=target[1] if target is not None else None,
         )
         configs = [c for c in configs if c.kind == "ours" or c.name not in skipped]  # peers that failed mid-run
         skip_notes = [f"{n} skipped: {why}" for n, why in skipped.items()]  # printed once, when it happened
@@ -365,6 +394,7 @@ def run(args) -> int:
                 "top_p": args.top_p,
                 "max_new_tokens": args.max_new_tokens,
                 "seed": args.seed,
+                "response_format": response_format,
                 "prompts_file": prompts_path,
                 "notes": notes + skip_notes + warnings,
                 "peers": peer_info,

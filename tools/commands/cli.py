@@ -84,6 +84,11 @@ def add_sampling_args(g, seed_help: str = "sampling seed (default 0)") -> None:
     g.add_argument(
         "--ignore-eos", action="store_true", help="decode through end-of-sequence to --max-new-tokens (benchmarks)"
     )
+    add_format_args(g)
+
+
+def add_format_args(g) -> None:
+    """--json-object, --json-schema (generate, chat, bench); `response_format_from_args` reads them."""
     g.add_argument(
         "--json-object", action="store_true", help="answer with a JSON object (structured output; needs llguidance)"
     )
