@@ -231,6 +231,7 @@ def _probs_rows(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor | None
     rows = logits.detach().float().reshape(-1, v).numpy()
     out = np.zeros(rows.shape, dtype=np.float32)
     t = np.float32(max(sp.temperature, 1e-30))
+    floor = np.float32(math.log(sp.min_p)) if sp.min_p > 0.0 else None  # min-p: z >= log(min_p)
     for a, o in zip(rows, out):
         m = a.max()
         if not np.isfinite(m):
@@ -242,12 +243,12 @@ def _probs_rows(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor | None
         e = np.exp(z)
         if sp.top_p < 1.0:
             keep = _nucleus(z, e, sp.top_p)
-            if sp.min_p > 0.0:
-                keep = keep[z[keep] >= np.float32(math.log(sp.min_p))]
+            if floor is not None:  # after the nucleus (HF's order)
+                keep = keep[z[keep] >= floor]
             o[keep] = e[keep] / e[keep].sum(dtype=np.float64)
         else:
-            if sp.min_p > 0.0:
-                e[z < np.float32(math.log(sp.min_p))] = 0.0
+            if floor is not None:
+                e[z < floor] = 0.0
             o[:] = e / e.sum(dtype=np.float64)
     return torch.from_numpy(out).view(logits.shape)
 

@@ -381,7 +381,7 @@ MUTANTS = [
     Mutant(
         "min-p not applied after the nucleus on CPU rows",
         SAMPLING,
-        "                keep = keep[z[keep] >= np.float32(math.log(sp.min_p))]",
+        "                keep = keep[z[keep] >= floor]",
         "                pass",
         (WARP, "-k", "min_p"),
     ),

@@ -166,14 +166,11 @@ def _draft_planned(draft, policy, root, sp, keep_q, out_vocab, history=None) -> 
     calls = 1
     last = len(levels) - 1
     for li, lv in enumerate(levels):
-        if rows:
-            toks = torch.topk(out, lv.k, dim=-1).indices
+        toks = torch.topk(out, lv.k, dim=-1).indices if rows else out.indices[:, : lv.k]
         if keep_q:
             qs.append(full_vocab(torch.softmax(warp_logits(out.float(), sp), -1), tmap, out_vocab).cpu())
             qrow[lv.start : lv.end] = n_q + lv.rows
             n_q += out.shape[0]
-        if not rows:
-            toks = out.indices[:, : lv.k]
         tokens[lv.start : lv.end] = to_target(toks, tmap).cpu()[lv.rows, lv.ranks]
         if li == last or lv.frontier.numel() == 0:
             break

@@ -25,6 +25,7 @@ from arborspec.tools.commands.cli import (
     add_format_args,
     response_format_from_args,
     summary,
+    with_response_format,
 )
 from arborspec.tools.engines import add_model_args, models_key, open_models
 
@@ -300,13 +301,7 @@ def run(args) -> int:
         hf_names = [b for b in baselines if b in bench_baselines.BASELINES]
         skipped: dict[str, str] = {}
         if target is not None:  # structured output: ours, and the peers that have their own
-            from arborspec.runtime.structured import GrammarCompiler
-
-            if models.tokenizer is None:
-                raise InputError("--json-object / --json-schema need a tokenizer: this model has none")
-            eos = list(models.tokenizer.meta.get("eos_token_ids") or [])
-            grammar = GrammarCompiler(models.tokenizer, models.target.info.vocab_size, eos).grammar(response_format)
-            sampling = dataclasses.replace(sampling, grammar=grammar)
+            sampling = with_response_format(sampling, response_format, models)
             without = [b for b in baselines if b in bench_baselines.BASELINES or b.startswith("ort-genai")]
             for n in without:
                 skipped[n] = "no structured output in this baseline here (llama.cpp's runs with its own grammar)"

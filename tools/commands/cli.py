@@ -127,6 +127,22 @@ def response_format_from_args(args) -> dict | None:
     return {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
 
 
+def with_response_format(sp, rf, models):
+    """`sp` with the grammar of `rf` (response_format_from_args') compiled for these models'
+    tokenizer (runtime/structured.py); `sp` itself for None (generate, chat, bench)."""
+    from dataclasses import replace
+
+    from arborspec.runtime.errors import InputError
+    from arborspec.runtime.structured import GrammarCompiler
+
+    if rf is None:
+        return sp
+    if models.tokenizer is None:
+        raise InputError("--json-object / --json-schema need a tokenizer: this model has none")
+    compiler = GrammarCompiler(models.tokenizer, models.target.info.vocab_size, models.tokenizer.eos_token_ids)
+    return replace(sp, grammar=compiler.grammar(rf))
+
+
 def sampling_from_args(args):
     """The SamplingParams of add_sampling_args' flags (one InputError line for a bad value)."""
     from arborspec.runtime.errors import InputError

@@ -20,6 +20,7 @@ from arborspec.tools.commands.cli import (
     response_format_from_args,
     sampling_from_args,
     summary,
+    with_response_format,
 )
 from arborspec.tools.engines import add_model_args, models_key, open_models
 
@@ -168,17 +169,7 @@ def make_decoder(models, args, mode: str | None = None):
     )
     if mode == "chain" and not tree.startswith("chain:"):
         tree = "chain:4" if args.tree is None else tree
-    sp = sampling_from_args(args)
-    rf = response_format_from_args(args)
-    if rf is not None:  # structured output: the grammar compiled for this tokenizer
-        from dataclasses import replace
-
-        from arborspec.runtime.structured import GrammarCompiler
-
-        if models.tokenizer is None:
-            raise InputError("--json-object / --json-schema need a tokenizer: this model has none")
-        eos = list(models.tokenizer.meta.get("eos_token_ids") or [])
-        sp = replace(sp, grammar=GrammarCompiler(models.tokenizer, models.target.info.vocab_size, eos).grammar(rf))
+    sp = with_response_format(sampling_from_args(args), response_format_from_args(args), models)
     return SpeculativeDecoder(
         models.target,
         models.draft if mode != "vanilla" else None,
