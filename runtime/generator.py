@@ -56,6 +56,9 @@ class Completion:
     logprobs: list | None = field(repr=False, default=None)
     # with generate(prompt_logprobs=k): the prompt's, the same shape (the first token's log-prob None)
     prompt_logprobs: list | None = field(repr=False, default=None)
+    # with chat(tools=...): the answer's calls, OpenAI's tool_calls (runtime/chat.py); `text` is then
+    # the text before them
+    tool_calls: list | None = None
 
 
 class Generator:
@@ -454,19 +457,40 @@ class Generator:
             if rest:
                 yield rest
 
-    def chat(self, messages: list[dict], max_new_tokens: int = 256, **kw) -> Completion:
-        """A completion of a conversation [{"role", "content"}, ...] through the chat template."""
+    def chat(
+        self,
+        messages: list[dict],
+        max_new_tokens: int = 256,
+        *,
+        tools: list[dict] | None = None,
+        tool_choice=None,
+        parallel_tool_calls: bool | None = None,
+        **kw,
+    ) -> Completion:
+        """A completion of a conversation [{"role", "content"}, ...] through the chat template.
+        tools: OpenAI's function tools ([{"type": "function", "function": {"name", "description",
+        "parameters"}}]); tool_choice "auto" (the default with tools: the model decides), "none",
+        "required" or {"type": "function", "function": {"name"}} (the answer is then calls whose
+        arguments follow the functions' JSON schemas); the answer's calls come back as
+        `Completion.tool_calls` (runtime/chat.py). Assistant messages may carry `tool_calls`,
+        and "tool" messages give their results back."""
+        from .chat import chat_messages, render_chat, tool_spec
+
         if self.tokenizer is None:
             raise InputError("chat needs a tokenizer (this generator has none)")
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and "role" in m and "content" in m for m in messages
-        ):
-            raise InputError('messages must be a list of {"role": ..., "content": ...} objects')
-        try:
-            text = self.tokenizer.apply_chat(messages)
-        except ValueError as e:
-            raise InputError(str(e)) from None
-        return self.generate(text, max_new_tokens, **kw)
+        msgs = chat_messages(messages)
+        spec = tool_spec(tools, tool_choice, parallel_tool_calls)
+        rf = spec.response_format() if spec is not None else None
+        if rf is not None:
+            if kw.get("response_format") is not None:
+                raise InputError(f"tool_choice {spec.choice!r} and response_format both constrain the answer: give one")
+            kw["response_format"] = rf
+        out = self.generate(render_chat(self.tokenizer, msgs, spec), max_new_tokens, **kw)
+        if spec is not None:
+            content, calls = spec.parse(out.text)
+            if calls:
+                out.text, out.tool_calls = content or "", calls
+        return out
 
     # ------------------------------------------------------------------ lifecycle
     def _check_open(self) -> None:

@@ -37,7 +37,7 @@ def _llguidance():
     return llguidance
 
 
-KINDS = "text, json_object, json_schema, regex or choice"
+KINDS = "text, json_object, json_schema, regex, choice or grammar"
 
 
 def schema_of(response_format) -> tuple | None:
@@ -45,7 +45,9 @@ def schema_of(response_format) -> tuple | None:
     json_object ("json", {"type": "object"}) and json_schema ("json", the schema), or this
     runtime's extensions (vLLM's guided_regex and guided_choice): {"type": "regex", "regex":
     PATTERN} -> ("regex", PATTERN), {"type": "choice", "choices": [TEXT, ...]} -> ("choice",
-    [...]); None for text. One InputError line for anything else."""
+    [...]), {"type": "grammar", "grammar": TEXT} (Lark or GBNF; vLLM's guided_grammar, and tool
+    calls: runtime/chat.py) -> ("grammar", TEXT); None for text. One InputError line for
+    anything else."""
     if response_format is None:
         return None
     if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
@@ -70,11 +72,24 @@ def schema_of(response_format) -> tuple | None:
         if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
             raise InputError('response_format choice needs {"choices": [TEXT, ...]} (non-empty strings)')
         return "choice", choices
+    if kind == "grammar":
+        if not isinstance(response_format.get("grammar"), str) or not response_format["grammar"].strip():
+            raise InputError('response_format grammar needs {"grammar": TEXT} (Lark, or GBNF as llama.cpp writes it)')
+        return "grammar", response_format["grammar"]
     raise InputError(f"response_format type must be {KINDS}, got {kind!r}")
 
 
 def grammar_text(lg, kind: str, value) -> str:
     """llguidance's grammar for schema_of's (kind, value)."""
+    if kind == "grammar":  # GBNF (`root ::= ...`, llama.cpp's and vLLM's guided_grammar) becomes Lark
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        try:
+            return lg.LLMatcher.grammar_from_lark(any_to_lark(value))
+        except Exception as e:  # noqa: BLE001 - its converter raises its own error types
+            raise ValueError(
+                f"the grammar does not parse: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            ) from None
     if kind == "regex":
         return lg.LLMatcher.grammar_from_regex(value)
     if kind == "choice":  # a Lark rule of JSON-quoted literals

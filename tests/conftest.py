@@ -109,7 +109,9 @@ def externalize_target(d):
     (d / "manifest.json").write_text(json.dumps(man))
 
 
-def tiny_text_export(folder, seed: int = 0, scale: float = 3.0, draft: str = "layers:1", **export_kw):
+def tiny_text_export(
+    folder, seed: int = 0, scale: float = 3.0, draft: str = "layers:1", max_position: int = 512, **export_kw
+):
     """An export folder (target + a layers:1 draft (or `draft`) + a real byte-level BPE
     tokenizer) of a tiny random Llama: what the CLI, server and embedding-API tests run text through."""
     from types import SimpleNamespace
@@ -121,7 +123,9 @@ def tiny_text_export(folder, seed: int = 0, scale: float = 3.0, draft: str = "la
 
     tok = text_tokenizer_from_gguf_meta(synthetic_meta())
     m = random_model(
-        tiny_config("llama", vocab=tok.vocab_size, layers=2, hidden=64, heads=4, kv=2), seed=seed, scale=scale
+        tiny_config("llama", vocab=tok.vocab_size, layers=2, hidden=64, heads=4, kv=2, max_position=max_position),
+        seed=seed,
+        scale=scale,
     )
     export_folder(
         SimpleNamespace(module=m, config=m.config, tokenizer=tok, source={"kind": "test"}),

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from fastapi import Request  # module level: FastAPI resolves the (string) annotations here
 
+from arborspec.runtime.chat import ToolCallStream, ToolError, chat_messages, render_chat, tool_spec
 from arborspec.runtime.errors import ArborspecError, one_line
 from arborspec.runtime.generator import PENALTIES, sampling_params
 from arborspec.runtime.stop_strings import parse_stop
@@ -39,26 +40,11 @@ UNSUPPORTED = {
     "use_beam_search": (None, False),
     "length_penalty": (None, 1),
     "include_stop_str_in_output": (None, False),
-    "guided_grammar": (None,),
     "truncate_prompt_tokens": (None,),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "functions": (None, []),
+    "functions": (None, []),  # the legacy form of tools
+    "function_call": (None,),
 }
-
-
-def message_text(message) -> str | None:
-    """A chat message's content as text: a string, or OpenAI's list of content parts when every
-    part is text ({"type": "text", "text": ...}, joined); None for anything else (an image part)."""
-    if not isinstance(message, dict):
-        return None
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and content:
-        if all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str) for c in content):
-            return "".join(c["text"] for c in content)
-    return None
 
 
 def completion_prompts(prompt) -> list | None:
@@ -423,7 +409,9 @@ def create_app(
             return error(400, msg, param=bad)
         # structured output (runtime/structured.py): compiled once per schema; vLLM's guided_* fields too
         guided = [
-            k for k in ("response_format", "guided_json", "guided_regex", "guided_choice") if body.get(k) is not None
+            k
+            for k in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+            if body.get(k) is not None
         ]
         if len(guided) > 1:
             return error(400, f"give one of {', '.join(guided)}", param=guided[1])
@@ -434,6 +422,7 @@ def create_app(
                 "guided_json": {"type": "json_schema", "json_schema": {"name": "guided", "schema": v}},
                 "guided_regex": {"type": "regex", "regex": v},
                 "guided_choice": {"type": "choice", "choices": v},
+                "guided_grammar": {"type": "grammar", "grammar": v},
             }[key]
             if key == "guided_json" and isinstance(v, str):  # vLLM takes the schema as JSON text too
                 try:
@@ -457,9 +446,9 @@ def create_app(
         `logprobs`) when the request asked for them, else None."""
         first = pool.all[0]  # the generators share one tokenizer: the prompt's ids before choosing one
         if chat:
-            prompt = first.tokenizer.apply_chat(prompt) if first.tokenizer is not None else None
-            if prompt is None:
+            if first.tokenizer is None:
                 raise ArborspecError("this model has no tokenizer: chat needs one")
+            prompt = render_chat(first.tokenizer, prompt, params.get("tools"))
         ids = first.encode_prompt(prompt)
         g = pool.acquire(ids=ids)
         try:
@@ -522,12 +511,17 @@ def create_app(
         m_steps.inc(st.steps)
         m_decode_s.inc(st.decode_s)
         g_tps.set(st.tokens_per_s)
+        spec, calls = params.get("tools"), []
+        if spec is not None:  # a chat with tools: the answer's <tool_call> blocks are its calls
+            content, calls = spec.parse(text)
+            text = content if calls else text
         return {
             "text": text,
+            "tool_calls": calls,
             "prompt_tokens": n_prompt,
             "cached_tokens": st.cached_tokens,
             "completion_tokens": st.new_tokens if completion_tokens is None else completion_tokens,
-            "finish_reason": "stop" if stop_reason in ("eos", "stop") else "length",
+            "finish_reason": "tool_calls" if calls else "stop" if stop_reason in ("eos", "stop") else "length",
             "mean_accepted": st.mean_accepted,
             "seed": params["seed"],
             "logprobs": logprobs,
@@ -547,7 +541,8 @@ def create_app(
             choices = [
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": r["text"]},
+                    "message": {"role": "assistant", "content": r["text"]}
+                    | ({"tool_calls": r["tool_calls"]} if r["tool_calls"] else {}),
                     "finish_reason": r["finish_reason"],
                 }
                 for i, r in enumerate(runs)
@@ -587,17 +582,29 @@ def create_app(
         if chat and params["echo"]:
             return error(400, "echo is for /v1/completions (a chat answer is the assistant's message)", param="echo")
         if chat:
-            msgs = body.get("messages")
-            texts = [message_text(m) for m in msgs] if isinstance(msgs, list) else []
-            if not msgs or None in texts or not all(isinstance(m.get("role"), str) for m in msgs):
-                return error(
-                    400,
-                    'messages must be a non-empty list of {"role", "content"}: content a string or a list of '
-                    '{"type": "text", "text"} parts (only text is supported)',
-                    param="messages",
+            try:
+                prompts = [chat_messages(body.get("messages"))]
+            except ArborspecError as e:
+                return error(400, one_line(e), param="messages")
+            try:  # tools (runtime/chat.py): "required" / a named function constrain the answer
+                spec = params["tools"] = tool_spec(
+                    body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
                 )
-            prompts = [[{"role": m["role"], "content": t} for m, t in zip(msgs, texts)]]
+                rf = spec.response_format() if spec is not None else None
+                if rf is not None and params["penalties"].get("response_format") is not None:
+                    raise ToolError(
+                        f"tool_choice {spec.choice!r} and response_format both constrain the answer: give one",
+                        "tool_choice",
+                    )
+                if rf is not None:
+                    pool.all[0].grammar(rf)
+                    params["penalties"] = {**params["penalties"], "response_format": rf}
+            except ArborspecError as e:
+                return error(400, one_line(e), param=getattr(e, "param", "tools"))
         else:
+            for key in ("tools", "tool_choice"):
+                if body.get(key) is not None:
+                    return error(400, f"{key} is for /v1/chat/completions", param=key)
             prompts = completion_prompts(body.get("prompt"))
             if prompts is None:
                 return error(
@@ -658,6 +665,8 @@ def create_app(
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
         offset = [0] * len(jobs)  # completions: the text each choice has sent (its tokens' text_offset)
+        # a chat with tools: each choice's text is held back from <tool_call> on (runtime/chat.py)
+        held = [ToolCallStream(params["tools"]) if chat and params.get("tools") else None for _ in jobs]
 
         def event(delta: dict | None = None, finish=None, usage=None, index: int = 0, lps=None) -> str:
             if chat:
@@ -705,7 +714,9 @@ def create_app(
                     except queue.Empty:
                         continue
                     if kind == "chunk":
-                        yield event({"content": payload[0]}, index=i, lps=payload[1])
+                        text = held[i].push(payload[0]) if held[i] is not None else payload[0]
+                        if text or payload[1] is not None:
+                            yield event({"content": text}, index=i, lps=payload[1])
                     elif kind == "error":
                         m_errors.labels("stream").inc()
                         yield f"data: {json.dumps({'error': {'message': payload, 'type': 'invalid_request_error', 'param': None, 'code': None}})}\n\n"
@@ -713,6 +724,11 @@ def create_app(
                         return
                     else:
                         done[i] = payload
+                        if payload["tool_calls"]:  # each call whole, in one delta (OpenAI's shape)
+                            calls = [{"index": k} | c for k, c in enumerate(payload["tool_calls"])]
+                            yield event({"tool_calls": calls}, index=i)
+                        elif held[i] is not None and held[i].held:  # no call after all: it was text
+                            yield event({"content": held[i].held}, index=i)
                         yield event(finish=payload["finish_reason"], index=i)
                         if len(done) < len(jobs):
                             continue

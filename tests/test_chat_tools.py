@@ -1,0 +1,318 @@
+"""Tool calling (runtime/chat.py): OpenAI's tools rendered into the prompt, the answer's calls
+parsed, and tool_choice "required" / a named function as a grammar that holds under speculation.
+
+The grammar's reference is written here without the runtime's code: the Lark text of a call is
+spelled out in the test, and a plain loop (one causal call over the whole sequence per token, the
+row masked by a fresh llguidance matcher fed every token so far) gives the tokens that vanilla,
+tree and self-drafted decoding must give exactly."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_text_export
+
+from arborspec.runtime.chat import (
+    CLOSE,
+    OPEN,
+    ToolCallStream,
+    ToolError,
+    ToolSpec,
+    chat_messages,
+    render_chat,
+    tool_spec,
+)
+from arborspec.runtime.decode import SpeculativeDecoder
+from arborspec.runtime.drafts.model import ModelDraft
+from arborspec.runtime.errors import InputError
+from arborspec.runtime.generator import Generator
+from arborspec.runtime.tokenizer import TextTokenizer
+
+CITY = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+COUNT = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "weather", "description": "The weather in a city", "parameters": CITY}},
+    {"type": "function", "function": {"name": "count", "parameters": COUNT}},
+]
+ASK = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory):
+    return tiny_text_export(tmp_path_factory.mktemp("tools") / "export", seed=9, max_position=2048)  # the tools' text
+
+
+def follows(call: dict) -> bool:
+    """A returned call names a tool and its arguments follow that tool's schema."""
+    fn = call["function"]
+    args = json.loads(fn["arguments"])
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    if fn["name"] == "weather":
+        return args in ({"city": "Paris"}, {"city": "Oslo"})
+    return fn["name"] == "count" and set(args) == {"n"} and isinstance(args["n"], int) and 0 <= args["n"] <= 9
+
+
+# ------------------------------------------------------------------------------ checking the request
+@pytest.mark.parametrize(
+    "tools, choice, parallel, param",
+    [
+        ("weather", None, None, "tools"),
+        ([{"type": "function", "function": {"description": "no name"}}], None, None, "tools"),
+        ([{"type": "function", "function": {"name": "has space"}}], None, None, "tools"),
+        ([{"type": "function", "function": {"name": "f", "parameters": "{}"}}], None, None, "tools"),
+        ([{"type": "function", "function": {"name": "f"}}] * 2, None, None, "tools"),
+        ([{"type": "retrieval"}], None, None, "tools"),
+        (TOOLS, "sometimes", None, "tool_choice"),
+        (TOOLS, {"type": "function", "function": {"name": "nope"}}, None, "tool_choice"),
+        (TOOLS, None, "yes", "parallel_tool_calls"),
+        (None, "required", None, "tool_choice"),
+    ],
+)
+def test_tool_spec_names_the_bad_field(tools, choice, parallel, param):
+    with pytest.raises(ToolError) as e:
+        tool_spec(tools, choice, parallel)
+    assert e.value.param == param and "\n" not in str(e.value)
+
+
+def test_tool_spec_defaults():
+    assert tool_spec(None) is None and tool_spec([], "none") is None
+    spec = tool_spec(TOOLS)
+    assert (spec.choice, spec.name, spec.parallel, spec.names) == ("auto", None, True, ["weather", "count"])
+    named = tool_spec(TOOLS, {"type": "function", "function": {"name": "count"}}, False)
+    assert (named.choice, named.name, named.parallel) == ("function", "count", False)
+    assert tool_spec(TOOLS, "none").offered == () and spec.response_format() is None
+
+
+# ------------------------------------------------------------------------------ parsing an answer
+def test_parse_splits_text_and_calls():
+    spec = tool_spec(TOOLS)
+    call = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    text, calls = spec.parse("Let me look.\n" + call + "\n" + call.replace("Oslo", "Paris"))
+    assert text == "Let me look." and [json.loads(c["function"]["arguments"]) for c in calls] == [
+        {"city": "Oslo"},
+        {"city": "Paris"},
+    ]
+    assert len({c["id"] for c in calls}) == 2
+    # the answer ended inside its last block (EOS before the closing tag); arguments as JSON text
+    text, calls = spec.parse('<tool_call>{"name": "count", "arguments": "{\\"n\\": 3}"}')
+    assert text is None and calls[0]["function"] == {"name": "count", "arguments": '{"n": 3}'}
+    for bad in (
+        "no call at all",
+        '<tool_call>{"name": "weather", "arguments": {"city": "Ro',  # cut by max_tokens
+        '<tool_call>{"name": "launch", "arguments": {}}</tool_call>',  # not an offered tool
+        '<tool_call>{"name": "count", "arguments": [1]}</tool_call>',  # arguments not an object
+        call + '<tool_call>{"name": "count"',  # one good call, one broken: all text
+    ):
+        assert spec.parse(bad) == (bad, [])
+    assert tool_spec(TOOLS, "none").parse(call) == (call, [])  # "none": never a call
+    one = tool_spec(TOOLS, parallel_tool_calls=False)
+    assert len(one.parse(call + call)[1]) == 1
+    named = tool_spec(TOOLS, {"type": "function", "function": {"name": "count"}})
+    assert named.parse(call) == (call, [])  # a call of another function than the named one
+
+
+def test_stream_holds_back_from_the_tag():
+    s = ToolCallStream(tool_spec(TOOLS))
+    out = [s.push(p) for p in ("Sure", ", one moment <", "tool", "_call>\n{", '"name"')]
+    assert out == ["Sure", ", one moment ", "", "", ""] and s.held == '<tool_call>\n{"name"'
+    s = ToolCallStream(tool_spec(TOOLS))
+    assert [s.push(p) for p in ("a <to", "ast>", " b")] == ["a ", "<toast>", " b"] and s.held == ""
+    s = ToolCallStream(tool_spec(TOOLS, "required"))
+    assert s.push("anything") == "" and s.held == "anything"
+    assert ToolCallStream(tool_spec(TOOLS, "none")).push("<tool_call>") == "<tool_call>"
+
+
+# ------------------------------------------------------------------------------ rendering
+def test_a_conversation_with_calls_renders_in_the_hermes_form(export_dir):
+    """A template that knows no tools (ChatML): the tools as a system message, the assistant's
+    call as its <tool_call> text, the result as a <tool_response> user turn."""
+    with Generator.from_export(export_dir) as g:
+        msgs = chat_messages(
+            [
+                {"role": "system", "content": "Be brief."},
+                *ASK,
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "weather", "arguments": '{"city": "Oslo"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+            ]
+        )
+        text = render_chat(g.tokenizer, msgs, tool_spec(TOOLS))
+        system = text.split("<|im_end|>")[0]
+        assert system.startswith("<|im_start|>system\nBe brief.\n\n# Tools") and "<tools>" in system
+        listed = system.split("<tools>\n")[1].split("\n</tools>")[0].splitlines()
+        assert [json.loads(x) for x in listed] == [
+            {
+                "type": "function",
+                "function": {"name": "weather", "description": "The weather in a city", "parameters": CITY},
+            },
+            {"type": "function", "function": {"name": "count", "description": "", "parameters": COUNT}},
+        ]
+        assert (
+            '<|im_start|>assistant\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>'
+            in text
+        )
+        assert "<|im_start|>user\n<tool_response>\nrain\n</tool_response><|im_end|>" in text
+        assert text.endswith("<|im_start|>assistant\n")
+        plain = render_chat(g.tokenizer, msgs, tool_spec(TOOLS, "none"))  # "none": the tools not shown
+        assert "<tools>" not in plain and plain.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+
+
+def test_a_template_that_knows_tools_renders_them_itself(export_dir):
+    """Qwen2.5-style templates read `tools` and each message's `tool_calls` (arguments as an object)."""
+    template = (
+        "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}|{% endif %}"
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}[{{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}|"
+        "{% endfor %}"
+    )
+    with Generator.from_export(export_dir) as g:
+        tok = TextTokenizer(g.tokenizer.tokenizer, {**g.tokenizer.meta, "chat_template": template})
+        call = {"type": "function", "function": {"name": "count", "arguments": '{"n": 2}'}}
+        msgs = chat_messages([*ASK, {"role": "assistant", "content": "", "tool_calls": [call]}])
+        assert (
+            render_chat(tok, msgs, tool_spec(TOOLS))
+            == 'TOOLS:weather;count;|user:hello there|assistant:[count {"n": 2}]|'
+        )
+        assert render_chat(tok, msgs) == 'user:hello there|assistant:[count {"n": 2}]|'
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [],
+        [{"role": "user"}],
+        [{"role": "user", "content": None}],
+        [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{nope"}}]}],
+        [{"role": "assistant", "content": None, "tool_calls": "f()"}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+    ],
+)
+def test_bad_messages_are_one_line(messages):
+    with pytest.raises(InputError) as e:
+        chat_messages(messages)
+    assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------ the grammar
+lg = pytest.importorskip("llguidance")
+
+
+def reference(gen: Generator, prompt: list[int], grammar: str, n: int) -> list[int]:
+    """Greedy decoding under `grammar`, plainly: a full forward and a fresh matcher per token."""
+    from lossless_util import plain_next_logits
+
+    tok = lg.LLTokenizer(
+        gen.tokenizer.tokenizer.to_str(), n_vocab=gen.target.info.vocab_size, eos_token=gen.eos_token_ids
+    )
+    out: list[int] = []
+    for _ in range(n):
+        m = lg.LLMatcher(tok, grammar, log_level=0)
+        assert m.consume_tokens(out) and not m.is_error()
+        bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), np.uint8), bitorder="little")
+        row = plain_next_logits(gen.target, prompt + out).float()
+        row[torch.from_numpy(bits[: row.numel()] == 0)] = float("-inf")
+        out.append(int(row.argmax()))
+        if out[-1] in gen.eos_token_ids:
+            break
+    return out
+
+
+def count_call_grammar() -> str:
+    """The named function `count`'s answer, spelled out without runtime/chat.py."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"const": "count"}, "arguments": COUNT},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+        "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
+    }
+    return lg.LLMatcher.grammar_from_lark(f'start: "<tool_call>\\n" %json{json.dumps(schema)} "\\n</tool_call>"')
+
+
+def test_a_named_function_is_the_reference_in_every_mode(export_dir):
+    """tool_choice naming `count`: vanilla, a layer draft's tree and the target as its own draft
+    give the plain loop's tokens; the answer is one call of `count` whose arguments follow its
+    schema; without tools the same conversation is no call (the grammar is what made it one)."""
+    named = {"type": "function", "function": {"name": "count"}}
+    with Generator.from_export(export_dir, tree="full:2,2") as g:
+        c = g.chat(ASK, 120, tools=TOOLS, tool_choice=named)
+        assert c.text == "" and len(c.tool_calls) == 1 and c.tool_calls[0]["function"]["name"] == "count"
+        assert follows(c.tool_calls[0]) and c.stop_reason == "eos"
+        prompt = g.encode_prompt(render_chat(g.tokenizer, chat_messages(ASK), tool_spec(TOOLS, named)))
+        want = reference(g, prompt, count_call_grammar(), 120)
+        assert c.tokens == want
+        text = g.tokenizer.decode(want, skip_special_tokens=True)
+        assert text.startswith(OPEN) and text.endswith(CLOSE)
+        free = g.chat(ASK, 120, tools=TOOLS, tool_choice="auto")
+        assert free.tool_calls is None and free.tokens != want  # the test can see the grammar
+        sp = g._sampling(0.0, 0, 1.0, {}, tool_spec(TOOLS, named).response_format())
+        for draft, tree in ((None, None), (g.draft, "full:2,2"), (ModelDraft(g.target), "chain:4")):
+            dec = SpeculativeDecoder(
+                g.target, draft, mode="tree" if draft else "vanilla", tree=tree or "full:3,2", sampling=sp
+            )
+            res = dec.generate(prompt, 120, g.eos_token_ids)
+            assert res.tokens == want, tree
+            if tree == "chain:4":  # the constrained target as its own draft: its chains accepted whole
+                assert res.stats.mean_accepted > 3.0, res.stats.mean_accepted
+
+
+def test_required_calls_sampled_follow_their_schemas(export_dir):
+    """tool_choice "required", sampled hot (T = 2): every answer is one call (parallel calls off)
+    of an offered tool with valid arguments; "auto" at the same seeds makes no call (the random
+    model knows no tools: the grammar is what makes each answer a call)."""
+    with Generator.from_export(export_dir, tree="full:2,2") as g:
+        for seed in range(6):
+            kw = {"tools": TOOLS, "temperature": 2.0, "seed": seed}
+            c = g.chat(ASK, 160, tool_choice="required", parallel_tool_calls=False, **kw)
+            assert c.tool_calls and len(c.tool_calls) == 1 and follows(c.tool_calls[0]), c.text
+            assert g.chat(ASK, 40, **kw).tool_calls is None
+        with pytest.raises(InputError, match="give one"):
+            g.chat(ASK, 8, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
+
+
+def test_spec_grammar_is_the_spelled_out_one(export_dir):
+    """ToolSpec's grammar for a named function takes what the test's own spelling takes (so the
+    reference above checks what the runtime sends); a required choice takes every tool, and
+    several calls only with parallel calls."""
+    named = ToolSpec(tuple(t["function"] for t in TOOLS), "function", "count")
+    call = '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>'
+    good, oslo = call % ("count", '{"n": 4}'), call % ("weather", '{"city": "Oslo"}')
+    with Generator.from_export(export_dir) as g:
+        tok = lg.LLTokenizer(
+            g.tokenizer.tokenizer.to_str(), n_vocab=g.target.info.vocab_size, eos_token=g.eos_token_ids
+        )
+
+        def takes(grammar: str, text: str) -> bool:
+            m = lg.LLMatcher(tok, grammar, log_level=0)
+            ids = g.tokenizer.encode(text)
+            return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+
+        ours, spelled = named.response_format()["grammar"], count_call_grammar()
+        for text in (good, good.replace(": ", ":"), oslo, call % ("count", '{"n": 12}'), good + "\n" + good):
+            assert takes(ours, text) == takes(spelled, text), text
+        assert takes(ours, good) and not takes(ours, oslo)
+        both = tool_spec(TOOLS, "required").response_format()["grammar"]
+        assert takes(both, good) and takes(both, oslo) and takes(both, good + "\n" + oslo)
+        assert not takes(tool_spec(TOOLS, "required", False).response_format()["grammar"], good + "\n" + oslo)
