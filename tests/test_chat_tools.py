@@ -316,3 +316,105 @@ def test_spec_grammar_is_the_spelled_out_one(export_dir):
         both = tool_spec(TOOLS, "required").response_format()["grammar"]
         assert takes(both, good) and takes(both, oslo) and takes(both, good + "\n" + oslo)
         assert not takes(tool_spec(TOOLS, "required", False).response_format()["grammar"], good + "\n" + oslo)
+
+
+# ------------------------------------------------------------------------------ the server
+@pytest.fixture(scope="module")
+def served(export_dir):
+    pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("fastapi")
+    from test_serve import serving
+
+    from arborspec.tools.serve.app import GeneratorPool
+
+    pool = GeneratorPool(lambda: Generator.from_export(export_dir, tree="full:2,2"), 1)
+    with serving(pool, max_context=2048) as base:
+        yield base
+
+
+def post(base, body: dict, path: str = "/v1/chat/completions"):
+    import httpx
+
+    return httpx.post(base + path, json=body, timeout=120)
+
+
+def streamed(base, body: dict) -> list[dict]:
+    """The choice deltas of a streamed chat answer, and the finish reasons."""
+    import httpx
+
+    out = []
+    with httpx.stream("POST", base + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                out += json.loads(line[6:])["choices"]
+    return out
+
+
+FORCED = '"Checking.\\n<tool_call>\\n{\\"name\\": \\"count\\", \\"arguments\\": {\\"n\\": 3}}\\n</tool_call>"'
+
+
+def test_server_required_and_named_calls(served, export_dir):
+    """tool_choice "required" / named over HTTP: finish_reason tool_calls, content null, the calls
+    Generator.chat makes; streamed as one tool_calls delta and no content."""
+    named = {"type": "function", "function": {"name": "count"}}
+    with Generator.from_export(export_dir, tree="full:2,2") as g:
+        want = g.chat(ASK, 120, tools=TOOLS, tool_choice=named).tool_calls[0]["function"]
+    body = {"messages": ASK, "tools": TOOLS, "tool_choice": named, "max_tokens": 120, "temperature": 0}
+    r = post(served, body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [want]
+    chunks = streamed(served, body)
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == ""
+    calls = [tc for c in chunks for tc in c["delta"].get("tool_calls", [])]
+    assert [(tc["index"], tc["type"], tc["function"]) for tc in calls] == [(0, "function", want)]
+    assert calls[0]["id"].startswith("call_") and chunks[-1]["finish_reason"] == "tool_calls"
+    r = post(served, {**body, "tool_choice": "required", "parallel_tool_calls": False, "temperature": 2, "seed": 1})
+    assert r.status_code == 200 and all(follows(c) for c in r.json()["choices"][0]["message"]["tool_calls"]), r.text
+
+
+def test_server_auto_reads_the_calls_of_the_answer(served):
+    """tool_choice auto: an answer that writes text and then a <tool_call> block (forced here by a
+    grammar: the random model knows no tools) is content + tool_calls, streamed as the content
+    before the tag and then the call; an answer that only begins like the tag is all content."""
+    rf = {"type": "grammar", "grammar": f"start: {FORCED}"}
+    body = {"messages": ASK, "tools": TOOLS, "max_tokens": 200, "response_format": rf}
+    msg = post(served, body).json()["choices"][0]
+    assert msg["finish_reason"] == "tool_calls" and msg["message"]["content"] == "Checking."
+    assert [c["function"] for c in msg["message"]["tool_calls"]] == [{"name": "count", "arguments": '{"n": 3}'}]
+    chunks = streamed(served, body)
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == "Checking.\n"
+    assert [tc["function"]["name"] for c in chunks for tc in c["delta"].get("tool_calls", [])] == ["count"]
+    near = {"type": "grammar", "grammar": 'start: "Checking <tool_cat> done"'}
+    for chunks in (streamed(served, {**body, "response_format": near}),):
+        assert "".join(c["delta"].get("content") or "" for c in chunks) == "Checking <tool_cat> done"
+        assert chunks[-1]["finish_reason"] == "stop" and not any("tool_calls" in c["delta"] for c in chunks)
+    # the call and its result sent back: the next turn is served
+    turn = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": msg["message"]["tool_calls"]},
+        {"role": "tool", "tool_call_id": msg["message"]["tool_calls"][0]["id"], "content": "3 apples"},
+    ]
+    assert post(served, {"messages": turn, "tools": TOOLS, "max_tokens": 4}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"tools": "weather"}, "tools"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": TOOLS, "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"messages": [{"role": "tool"}]}, "messages"),
+    ],
+)
+def test_server_bad_tools_are_400s(served, body, param):
+    r = post(served, {"messages": ASK, "max_tokens": 4, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = post(served, {"prompt": "hi", "tools": TOOLS}, "/v1/completions")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"

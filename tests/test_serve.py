@@ -35,10 +35,10 @@ def export_dir(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def serving(pool, **app_kw):
+def serving(pool, max_context: int = 512, **app_kw):
     """The app over `pool` on a free 127.0.0.1 port, in a thread -> its base URL; stopped and the
     pool closed on exit."""
-    app = create_app(pool, "tiny", max_context=512, **app_kw)
+    app = create_app(pool, "tiny", max_context=max_context, **app_kw)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -117,8 +117,9 @@ def test_sampled_answers_follow_the_schema(export_dir):
 
 
 def test_regex_and_choice_formats(export_dir):
-    """The extensions vLLM calls guided_regex / guided_choice: the answer matches the pattern, or
-    is one of the choices, greedy and sampled, under the tree."""
+    """The extensions vLLM calls guided_regex / guided_choice / guided_grammar: the answer matches
+    the pattern, is one of the choices, or is in the grammar's language, greedy and sampled, under
+    the tree."""
     import re
 
     with Generator.from_export(export_dir, tree="full:2,2") as g:
@@ -128,12 +129,21 @@ def test_regex_and_choice_formats(export_dir):
             assert re.fullmatch("[a-c]{2,4}-[0-9]", c.text) and c.stop_reason == "eos", c.text
             c = g.generate("hello", 30, response_format={"type": "choice", "choices": ["yes", "no", "maybe so"]}, **kw)
             assert c.text in ("yes", "no", "maybe so") and c.stop_reason == "eos", c.text
+            # a grammar (vLLM's guided_grammar): Lark, or GBNF as llama.cpp writes it
+            for grammar in (
+                'start: "id-" DIGIT DIGIT ("!" | "?")\n%import common.DIGIT',
+                'root ::= "id-" [0-9] [0-9] ("!" | "?")',
+            ):
+                c = g.generate("hello", 30, response_format={"type": "grammar", "grammar": grammar}, **kw)
+                assert re.fullmatch(r"id-[0-9]{2}[!?]", c.text) and c.stop_reason == "eos", (grammar, c.text)
 
 
 def test_bad_formats_are_one_line(export_dir, monkeypatch):
     with Generator.from_export(export_dir, tree="full:2,2") as g:
         for rf, msg in (
-            ({"type": "xml"}, "response_format type must be text, json_object, json_schema, regex or choice"),
+            ({"type": "xml"}, "response_format type must be text, json_object, json_schema, regex, choice or grammar"),
+            ({"type": "grammar", "grammar": "start: ((("}, "does not compile"),
+            ({"type": "grammar", "grammar": " "}, 'grammar needs {"grammar"'),
             ({"type": "regex", "regex": "("}, "does not compile"),
             ({"type": "choice", "choices": []}, 'choice needs {"choices"'),
             ({"type": "json_schema"}, 'json_schema needs {"json_schema"'),
