@@ -285,13 +285,15 @@ class Generator:
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         response_format: dict | None = None,
+        include_stop_str_in_output: bool = False,
         **penalties,
     ) -> Completion:
         """One completion of a text or token-id prompt. chat=True: a text prompt is one user
         message through the model's chat template (what an instruct model expects; without it
         such a model often answers '' at once, and an EmptyCompletionWarning says so).
         stop: a string or a list of strings: the text ends before the first of them
-        (stop_reason "stop"; `tokens` then end with the one that completed it). logprobs=k (0..20):
+        (stop_reason "stop"; `tokens` then end with the one that completed it; the text ends with
+        the stop string itself with include_stop_str_in_output=True, vLLM's). logprobs=k (0..20):
         `Completion.logprobs`, each token's log-prob under the target (the verify call's row that
         predicted it, before temperature and top-k/p) and the k most likely tokens there.
         prompt_logprobs=k: `Completion.prompt_logprobs`, the same for each prompt token from the
@@ -317,6 +319,7 @@ class Generator:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 response_format=response_format,
+                include_stop_str_in_output=include_stop_str_in_output,
                 **penalties,
             )
         ids = self._ids(prompt)
@@ -325,7 +328,10 @@ class Generator:
         stops = self._stops(stop)
         out: list[int] = []
         if stops:
-            text = "".join(self._text_until_stop(ids, max_new_tokens, sp, seed, stops, out, logprobs, prompt_logprobs))
+            pieces = self._text_until_stop(
+                ids, max_new_tokens, sp, seed, stops, out, logprobs, prompt_logprobs, include_stop_str_in_output
+            )
+            text = "".join(pieces)
         else:
             for chunk in self._token_stream(ids, max_new_tokens, sp, seed, logprobs, prompt_logprobs):
                 out += chunk
@@ -352,10 +358,12 @@ class Generator:
         tokens,
         logprobs=None,
         prompt_logprobs=None,
+        include: bool = False,
     ):
         """Text pieces of one generation that ends at the first stop string (left out of the
-        text; stop_reason "stop"); `tokens` collects the ids read, up to the one that completed it."""
-        match = StopStrings(stops)
+        text but with `include`; stop_reason "stop"); `tokens` collects the ids read, up to the one
+        that completed it."""
+        match = StopStrings(stops, include)
         chunks = self._token_stream(ids, max_new_tokens, sp, seed, logprobs, prompt_logprobs)
         yield from decode_until_stop(chunks, self.tokenizer.stream_decoder(skip_special_tokens=True), match, tokens)
         if match.hit:
@@ -412,6 +420,7 @@ class Generator:
         stop=None,
         logprobs: int | None = None,
         response_format: dict | None = None,
+        include_stop_str_in_output: bool = False,
         **penalties,
     ) -> Iterator:
         """Text chunks as they become final (or lists of token ids with ids=True). Stats and stop
@@ -426,7 +435,9 @@ class Generator:
         logprobs = check_logprobs(logprobs)
         read: list[int] = []  # the tokens read so far
         if stops:
-            pieces = self._text_until_stop(prompt_ids, max_new_tokens, sp, seed, stops, read, logprobs)
+            pieces = self._text_until_stop(
+                prompt_ids, max_new_tokens, sp, seed, stops, read, logprobs, include=include_stop_str_in_output
+            )
         else:
             pieces = self._pieces(prompt_ids, max_new_tokens, sp, seed, ids, read, logprobs)
         if logprobs is None:

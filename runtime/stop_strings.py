@@ -3,7 +3,8 @@
 Role in one decode step: after step 5, on the text the step's committed tokens decode to (the
 Generator feeds it one token's text at a time): text that can no longer start a stop string
 is released, the tail that still might is held back, and the first complete stop string ends
-the generation. The stop string itself and everything after it are left out of the text.
+the generation. The stop string itself and everything after it are left out of the text (kept with
+`include=True`: vLLM's include_stop_str_in_output).
 
     stops = StopStrings(["\\n\\n", "User:"])
     stops.push("Hello\\n")   # -> "Hello" (the "\\n" is held: it may begin "\\n\\n")
@@ -35,11 +36,12 @@ def parse_stop(stop) -> list[str]:
 
 class StopStrings:
     """Feed text with `push`; it returns the text that is final. `hit` turns True at the first
-    stop string (the text before it has been returned by then); `finish()` returns what is
-    still held back when the generation ends without one."""
+    stop string (the text before it, and with `include` the stop string too, has been returned
+    by then); `finish()` returns what is still held back when the generation ends without one."""
 
-    def __init__(self, stops: Sequence[str]):
+    def __init__(self, stops: Sequence[str], include: bool = False):
         self.stops = parse_stop(stops)
+        self.include = bool(include)
         self.held = ""
         self.hit = False
 
@@ -47,10 +49,11 @@ class StopStrings:
         if self.hit:
             return ""
         buf = self.held + text
-        at = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        at = [(i, len(s)) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
         if at:
             self.hit, self.held = True, ""
-            return buf[: min(at)]
+            i, n = min(at, key=lambda a: a[0])  # the first to begin (the first listed among equals)
+            return buf[: i + n] if self.include else buf[:i]
         keep = max((n for s in self.stops for n in range(1, len(s)) if buf.endswith(s[:n])), default=0)
         self.held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep]

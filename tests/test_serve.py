@@ -260,8 +260,9 @@ def test_response_format_json_schema_is_followed(server, export_dir):
 def test_vllm_fields_reach_the_generator(server, export_dir):
     """vLLM's request fields clients and benchmarks send: guided_json / guided_regex /
     guided_choice (structured output), min_tokens, stop_token_ids and ignore_eos (a fixed-length
-    benchmark): each answer is Generator.generate's with the same request; use_beam_search and
-    include_stop_str_in_output are refused, never ignored."""
+    benchmark), include_stop_str_in_output, truncate_prompt_tokens: each answer is
+    Generator.generate's with the same request; use_beam_search and length_penalty are refused,
+    never ignored."""
     pytest.importorskip("llguidance")
     import re
 
@@ -275,6 +276,7 @@ def test_vllm_fields_reach_the_generator(server, export_dir):
         want = {
             "stop_token_ids": g.generate(ids, 24, stop_token_ids=[stop_id]).tokens,
             "min_tokens": g.generate(ids, 24, min_tokens=20, logit_bias={g.eos_token_ids[0]: 8}).tokens,
+            "truncated": g.generate(ids[-3:], 8).text,
         }
     with client(base) as c:
 
@@ -297,6 +299,15 @@ def test_vllm_fields_reach_the_generator(server, export_dir):
         assert follows_schema(post(guided_json=json.dumps(SCHEMA))["text"])
         assert re.fullmatch("[ab]{3}", post(guided_regex="[ab]{3}")["text"])
         assert post(guided_choice=["left", "right"])["text"] in ("left", "right")
+        # the prompt's last 3 tokens only: the answer of those 3 tokens, and 3 prompt tokens counted
+        r = c.post(
+            "/v1/completions", json={"prompt": ids, "max_tokens": 8, "temperature": 0, "truncate_prompt_tokens": 3}
+        )
+        assert r.json()["usage"]["prompt_tokens"] == 3 and r.json()["choices"][0]["text"] == want["truncated"]
+        full = post()["text"]
+        stop = full[3:5]
+        cut, kept = post(stop=stop)["text"], post(stop=stop, include_stop_str_in_output=True)["text"]
+        assert (cut, kept) == (full[: full.find(stop)], full[: full.find(stop) + 2]), (full, stop)
         for body, param in (
             ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
             ({"guided_json": "{nope"}, "guided_json"),
@@ -304,7 +315,9 @@ def test_vllm_fields_reach_the_generator(server, export_dir):
             ({"min_tokens": -1}, "min_tokens"),
             ({"stop_token_ids": [10**7]}, "stop_token_ids"),
             ({"use_beam_search": True}, "use_beam_search"),
-            ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+            ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+            ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+            ({"length_penalty": 2}, "length_penalty"),
         ):
             r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, **body})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)

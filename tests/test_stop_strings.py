@@ -16,14 +16,16 @@ from arborspec.runtime.generator import Generator
 from arborspec.runtime.stop_strings import StopStrings, parse_stop
 
 
-def reference_cut(text: str, stops: list[str], ends=None) -> tuple[str, bool]:
+def reference_cut(text: str, stops: list[str], ends=None, include: bool = False) -> tuple[str, bool]:
     """The text cut before the earliest stop string present at the first of `ends` (where the
-    pieces it arrived in end; default every character) whose prefix holds one; (text, False)
-    when none does."""
+    pieces it arrived in end; default every character) whose prefix holds one (after it with
+    `include`: the first listed of those that begin there); (text, False) when none does."""
     for e in sorted(set(ends or range(1, len(text) + 1))):
-        at = [text[:e].find(s) for s in stops if s in text[:e]]
+        at = [(text[:e].find(s), s) for s in stops if s in text[:e]]
         if at:
-            return text[: min(at)], True
+            i = min(a for a, _ in at)
+            first = next(s for a, s in at if a == i)
+            return text[: i + (len(first) if include else 0)], True
     return text, False
 
 
@@ -33,7 +35,8 @@ def test_matcher_equals_the_reference_on_random_pieces():
     for _ in range(3000):
         text = "".join(rng.choice("ab\nc") for _ in range(rng.randint(0, 24)))
         stops = ["".join(rng.choice("ab\n") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
-        m = StopStrings(stops)
+        include = rng.random() < 0.5  # vLLM's include_stop_str_in_output
+        m = StopStrings(stops, include)
         out, ends, i = [], [], 0
         while i < len(text) and not m.hit:
             j = min(i + rng.randint(0, 4), len(text))  # pieces of 0-4 characters, as tokens decode
@@ -41,7 +44,7 @@ def test_matcher_equals_the_reference_on_random_pieces():
             ends.append(j)
             i = j
         out.append(m.finish())
-        want, hit = reference_cut(text, stops, ends + [len(text)])
+        want, hit = reference_cut(text, stops, ends + [len(text)], include)
         assert ("".join(out), m.hit) == (want, hit), (text, stops)
         hits += hit
     assert 500 < hits < 2900  # both outcomes were exercised
@@ -84,6 +87,10 @@ def test_generate_and_stream_end_before_the_stop_string(export_dir, max_batch):
             assert any(read.startswith(want + s) for s in parse_stop(stop))
             assert not any(s in before for s in parse_stop(stop))
             assert "".join(g.stream("hello", 24, stop=stop)) == want and g.last_stop_reason == "stop"
+            kept, _ = reference_cut(full.text, parse_stop(stop), include=True)  # the stop string kept
+            assert kept != want and g.generate("hello", 24, stop=stop, include_stop_str_in_output=True).text == kept
+            kw = {"stop": stop, "include_stop_str_in_output": True}
+            assert "".join(g.stream("hello", 24, **kw)) == kept
         none = g.generate("hello", 24, stop="xyz")  # never met: the whole text, its own reason
         assert (none.text, none.tokens, none.stop_reason) == (full.text, full.tokens, "length")
         c = g.chat([{"role": "user", "content": "hello"}], 16, stop=["\n"])
@@ -112,3 +119,8 @@ def test_cli_generate_stop(export_dir, capsys):
     assert capsys.readouterr().err.startswith("arborspec: error: --stop matches text")
     assert main([*base, "--stop", ""]) == 2
     assert capsys.readouterr().err == "arborspec: error: stop strings must not be empty\n"
+    assert main([*base, "--stop", "oh", "--include-stop"]) == 0  # the stop string kept
+    kept = json.loads(capsys.readouterr().out)
+    assert kept["text"] == cut["text"] + "oh" and kept["tokens"] == cut["tokens"]
+    assert main([*base, "--include-stop"]) == 2
+    assert capsys.readouterr().err.startswith("arborspec: error: --include-stop keeps the stop string")

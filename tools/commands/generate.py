@@ -70,6 +70,11 @@ def register(sub) -> None:
         metavar="TEXT",
         help="end the text before the first TEXT (repeatable; stop reason 'stop'; needs a tokenizer)",
     )
+    g.add_argument(
+        "--include-stop",
+        action="store_true",
+        help="keep the stop string that ended the text at its end (vLLM's include_stop_str_in_output)",
+    )
     pr = p.add_argument_group("prompt (one of)")
     pr.add_argument("--prompt", help="the prompt text")
     pr.add_argument("--prompt-file", type=Path, help="a UTF-8 text file holding the prompt")
@@ -224,6 +229,8 @@ def run(args) -> int:
     from arborspec.runtime.stop_strings import StopStrings, decode_until_stop, parse_stop
 
     stops = parse_stop(args.stop)
+    if args.include_stop and not stops:
+        raise InputError("--include-stop keeps the stop string: give --stop TEXT too")
     if stops and args.prompt_ids is not None:
         raise InputError("--stop matches text: give a text prompt (--prompt or --prompt-file)")
     if args.prompt_file is not None:
@@ -253,7 +260,7 @@ def run(args) -> int:
             toks: list[int] = []
             chunks = dec.stream(ids, args.max_new_tokens, eos, seed, args.logprobs)
             if stops:  # the text, cut before the first stop string, token by token
-                match, pieces = StopStrings(stops), []
+                match, pieces = StopStrings(stops, args.include_stop), []
                 for text in decode_until_stop(chunks, tok.stream_decoder(skip_special_tokens=True), match, toks):
                     pieces.append(text)
                     if stream_text:

@@ -39,8 +39,6 @@ UNSUPPORTED = {
     "best_of": (None, 1),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1),
-    "include_stop_str_in_output": (None, False),
-    "truncate_prompt_tokens": (None,),
     "suffix": (None, ""),
     "functions": (None, []),  # the legacy form of tools
     "function_call": (None,),
@@ -378,6 +376,15 @@ def create_app(
             return error(400, one_line(e), param="stop")
         if len(out["stop"]) > MAX_STOP:
             return error(400, f"at most {MAX_STOP} stop strings, got {len(out['stop'])}", param="stop")
+        # vLLM's: the stop string kept at the end of the text; only the prompt's last k tokens read
+        include = body.get("include_stop_str_in_output")
+        if include is not None and not isinstance(include, bool):
+            return error(400, "include_stop_str_in_output must be a boolean", param="include_stop_str_in_output")
+        out["include_stop_str_in_output"] = bool(include)
+        k = body.get("truncate_prompt_tokens")
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            return error(400, "truncate_prompt_tokens must be an integer >= 1", param="truncate_prompt_tokens")
+        out["truncate_prompt_tokens"] = k
         lp = body.get("logprobs")  # completions: the number of alternatives; chat: a flag + top_logprobs
         top = body.get("top_logprobs")
         if lp is not None and (not isinstance(lp, (bool, int)) or (not isinstance(lp, bool) and not 0 <= lp <= 5)):
@@ -450,6 +457,10 @@ def create_app(
                 raise ArborspecError("this model has no tokenizer: chat needs one")
             prompt = render_chat(first.tokenizer, prompt, params.get("tools"))
         ids = first.encode_prompt(prompt)
+        k = params.get("truncate_prompt_tokens")
+        cut = k is not None and len(ids) > k
+        if cut:  # vLLM's truncate_prompt_tokens: the prompt's last k tokens
+            ids = ids[-k:]
         g = pool.acquire(ids=ids)
         try:
             if params["max_new_tokens"] is None:  # the rest of the context
@@ -461,9 +472,14 @@ def create_app(
                     f"the prompt ({len(ids)} tokens) plus max_tokens ({params['max_new_tokens']}) "
                     f"is beyond the model's context of {max_context}"
                 )
-            kw = {k: params[k] for k in ("temperature", "top_k", "top_p", "seed", "stop")} | params["penalties"]
+            keys = ("temperature", "top_k", "top_p", "seed", "stop", "include_stop_str_in_output")
+            kw = {k: params[k] for k in keys if k in params} | params["penalties"]
             lp, echo = params.get("logprobs"), params.get("echo")
-            head = (prompt if isinstance(prompt, str) else g.tokenizer.decode(ids)) if echo and g.tokenizer else ""
+            head = (
+                (prompt if isinstance(prompt, str) and not cut else g.tokenizer.decode(ids))
+                if echo and g.tokenizer
+                else ""
+            )
             # one call: the prompt alone, or log-probs not streamed or with the prompt's (echo) first
             if params["max_new_tokens"] == 0 or (lp is not None and (on_chunk is None or echo)):
                 only_prompt = params["max_new_tokens"] == 0  # echo of the prompt alone: its one token dropped
