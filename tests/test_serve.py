@@ -647,3 +647,32 @@ def test_a_chats_next_turn_goes_to_the_generator_that_keeps_its_start(tmp_path_f
         assert res["ok"] == res["requests"] == 6 and res["all_answered_once"] and res["turns"] == 3
         assert len(res["ttft_p50_s_by_turn"]) == 3 and res["cached_tokens"] > 20, res
         assert main(["loadtest", "--url", base, "--turns", "2"]) == 2  # conversations need --chat
+
+
+def test_tokenize_and_detokenize(server, export_dir):
+    """vLLM's /tokenize (a prompt, or messages through the chat template) and /detokenize: the
+    generator's own ids and text; bad bodies are 400s naming the field."""
+    base, _ = server
+    msgs = [{"role": "user", "content": "hello there"}]
+    with Generator.from_export(export_dir) as g:
+        ids = g.encode_prompt("hello there")
+        chat_ids = g.encode_prompt(g.tokenizer.apply_chat(msgs))
+        text = g.tokenizer.decode(chat_ids)
+    with client(base) as c:
+        assert c.post("/tokenize", json={"prompt": "hello there"}).json() == {
+            "count": len(ids),
+            "max_model_len": 512,
+            "tokens": ids,
+        }
+        assert c.post("/tokenize", json={"messages": msgs}).json()["tokens"] == chat_ids
+        assert c.post("/detokenize", json={"tokens": chat_ids}).json() == {"prompt": text}
+        for path, body, param in (
+            ("/tokenize", {"prompt": 3}, "prompt"),
+            ("/tokenize", {"messages": []}, "messages"),
+            ("/tokenize", {"messages": msgs, "tools": "x"}, "tools"),
+            ("/detokenize", {"tokens": [-1]}, "tokens"),
+            ("/detokenize", {"tokens": "1 2"}, "tokens"),
+        ):
+            r = c.post(path, json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+        assert httpx.post(base + "/tokenize", json={"prompt": "x"}).status_code == 401  # the key guards it

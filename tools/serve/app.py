@@ -757,6 +757,43 @@ def create_app(
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 
+    # vLLM's /tokenize and /detokenize: what a client counts a prompt with (the chat template and
+    # the tools applied as /v1/chat/completions applies them)
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await _body(request)
+        if not isinstance(body, dict):
+            return body
+        tok = pool.all[0].tokenizer
+        if tok is None:
+            return error(400, "this model has no tokenizer")
+        try:
+            if body.get("messages") is not None:
+                spec = tool_spec(body.get("tools"), body.get("tool_choice"))
+                prompt = render_chat(tok, chat_messages(body["messages"]), spec)
+            elif isinstance(body.get("prompt"), str):
+                prompt = body["prompt"]
+            else:
+                return error(400, "give prompt (text) or messages", param="prompt")
+        except ArborspecError as e:
+            return error(400, one_line(e), param=getattr(e, "param", "messages"))
+        ids = pool.all[0].encode_prompt(prompt) if prompt else []
+        return {"count": len(ids), "max_model_len": max_context, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await _body(request)
+        if not isinstance(body, dict):
+            return body
+        ids = body.get("tokens")
+        ok = isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+        if not ok or any(not 0 <= t < vocab_size for t in ids):
+            return error(400, f"tokens must be a list of token ids in [0, {vocab_size})", param="tokens")
+        tok = pool.all[0].tokenizer
+        if tok is None:
+            return error(400, "this model has no tokenizer")
+        return {"prompt": tok.decode(ids)}
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await _handle(request, chat=False)
