@@ -147,27 +147,39 @@ class ToolSpec:
         "function": {"name", "arguments": JSON text}}]). The calls are the `<tool_call>` blocks
         from the first one on (the last may lack its `</tool_call>`: the answer ended there), each a
         JSON object naming an offered function with object arguments; the text is what comes
-        before them (None when empty). Anything else, or any block that is not such a call (an
-        answer cut by max_tokens), is text: (text, [])."""
-        start = text.find(OPEN) if self.choice != "none" else -1
-        if start < 0:
+        before them (None when empty). An answer that is only such a JSON object, untagged (what
+        Llama 3.1's template asks for, with "parameters"), is one call too. Anything else, or any
+        block that is not such a call (an answer cut by max_tokens), is text: (text, [])."""
+        if self.choice == "none":
             return text, []
+        start = text.find(OPEN)
+        if start < 0:
+            call = self._call(text) if text.lstrip().startswith("{") else None
+            return (None, [call]) if call else (text, [])
         calls = []
         for block in text[start:].split(OPEN)[1:]:
             end = block.find(CLOSE)  # none: the answer ended inside this block
-            try:
-                obj = json.loads(block[: end if end >= 0 else len(block)].strip())
-            except json.JSONDecodeError:
+            call = self._call(block[: end if end >= 0 else len(block)])
+            if call is None:
                 return text, []
-            name = obj.get("name") if isinstance(obj, dict) else None
-            args = _arguments(obj.get("arguments", obj.get("parameters", {}))) if isinstance(obj, dict) else None
-            if name not in self.names or args is None or (self.choice == "function" and name != self.name):
-                return text, []
-            fn = {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}
-            calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": fn})
+            calls.append(call)
         if not self.parallel and len(calls) > 1:
             calls = calls[:1]
         return text[:start].strip() or None, calls
+
+    def _call(self, text: str) -> dict | None:
+        """One call's JSON text -> OpenAI's tool call, or None when it is not a call of an offered
+        (the named) function with object arguments."""
+        try:
+            obj = json.loads(text.strip())
+        except json.JSONDecodeError:
+            return None
+        name = obj.get("name") if isinstance(obj, dict) else None
+        args = _arguments(obj.get("arguments", obj.get("parameters", {}))) if isinstance(obj, dict) else None
+        if name not in self.names or args is None or (self.choice == "function" and name != self.name):
+            return None
+        fn = {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}
+        return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": fn}
 
 
 def tool_spec(tools, tool_choice=None, parallel_tool_calls=None) -> ToolSpec | None:
@@ -273,13 +285,14 @@ def render_chat(tokenizer, messages: list[dict], spec: ToolSpec | None = None) -
 # ------------------------------------------------------------------------------ streaming
 class ToolCallStream:
     """A streamed answer's text pieces -> the text that is surely content: from `<tool_call>` on
-    (or a tail that may begin it) it holds the text back; "required" / a named function holds
-    all of it (the answer is calls). `held` is what it kept: content after all when the answer
-    parses as no call."""
+    (or a tail that may begin it) it holds the text back, and all of an answer that begins with
+    "{" (an untagged call); "required" / a named function holds all of it (the answer is calls).
+    `held` is what it kept: content after all when the answer parses as no call."""
 
     def __init__(self, spec: ToolSpec):
         self.passing = spec.choice == "none"  # no calls to look for
         self.held, self.calling = "", spec.choice in ("required", "function")
+        self.sent = False  # whether any content went out (an answer's start is held until it tells)
 
     def push(self, piece: str) -> str:
         if self.passing:
@@ -288,6 +301,13 @@ class ToolCallStream:
             self.held += piece
             return ""
         s = self.held + piece
+        if not self.sent and not s.strip():  # the answer's start: nothing to tell yet
+            self.held = s
+            return ""
+        if not self.sent and s.lstrip().startswith("{"):  # it may be an untagged call: hold it all
+            self.calling, self.held = True, s
+            return ""
+        self.sent = True
         i = s.find(OPEN)
         if i >= 0:
             self.calling, self.held = True, s[i:]

@@ -118,6 +118,11 @@ def test_parse_splits_text_and_calls():
     ):
         assert spec.parse(bad) == (bad, [])
     assert tool_spec(TOOLS, "none").parse(call) == (call, [])  # "none": never a call
+    # an untagged call (Llama 3.1's template asks for bare JSON with "parameters"): the whole answer
+    text, calls = spec.parse(' {"name": "count", "parameters": {"n": 5}}')
+    assert text is None and calls[0]["function"] == {"name": "count", "arguments": '{"n": 5}'}
+    for answer in ('{"name": "count"', '{"answer": 5}', '{"name": "count", "parameters": {}} and more'):
+        assert spec.parse(answer) == (answer, [])
     one = tool_spec(TOOLS, parallel_tool_calls=False)
     assert len(one.parse(call + call)[1]) == 1
     named = tool_spec(TOOLS, {"type": "function", "function": {"name": "count"}})
@@ -133,6 +138,10 @@ def test_stream_holds_back_from_the_tag():
     s = ToolCallStream(tool_spec(TOOLS, "required"))
     assert s.push("anything") == "" and s.held == "anything"
     assert ToolCallStream(tool_spec(TOOLS, "none")).push("<tool_call>") == "<tool_call>"
+    s = ToolCallStream(tool_spec(TOOLS))  # an answer that begins with "{" may be an untagged call
+    assert [s.push(p) for p in (" ", '{"na', 'me"')] == ["", "", ""] and s.held == ' {"name"'
+    s = ToolCallStream(tool_spec(TOOLS))
+    assert [s.push(p) for p in ("\n", "Hi {x}")] == ["", "\nHi {x}"]
 
 
 # ------------------------------------------------------------------------------ rendering
