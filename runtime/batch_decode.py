@@ -33,10 +33,12 @@ from .decode import (
     SpeculativeDecoder,
     check_logprobs,
     check_prompt,
+    forced_chain,
     host_threads,
     prompt_scorer,
     seeded_rng,
     settle,
+    tell_draft,
     token_logprobs,
     tree_fits,
     verify,
@@ -428,8 +430,8 @@ class BatchDecoder:
             s.kept_feats.append(feats[b, keep])
         if spec and deferred:  # no tree was drafted: the draft queues the root for its next start
             s.draft.defer(s.root, feats[b, :1] if feats is not None else None)
-        elif spec:  # the draft keeps its accepted path
-            s.draft.commit(drafted_tree, path, feats[b, : tree.n + 1] if feats is not None else None)
+        elif spec:  # the draft keeps its accepted path (a forced chain's tokens: deferred to it)
+            tell_draft(s.draft, s.root, drafted_tree, path, keep, feats[b, : tree.n + 1] if feats is not None else None)
         s.length += len(keep)
         s.produced += len(new)
         s.tokens += new
@@ -451,7 +453,18 @@ class BatchDecoder:
         builders, calls = {}, {}
         v = self.target.info.vocab_size
         for i, (s, spec) in enumerate(zip(seqs, speculated)):
-            if spec:
+            # a grammar's forced tokens instead of a drafted tree (decode.forced_chain), no wider
+            # than the policy's trees: the call's width is every row's
+            forced = (
+                forced_chain(
+                    s.history, s.max_new_tokens - s.produced, s.length, self.target.info, self.policy.max_nodes
+                )
+                if spec
+                else None
+            )
+            if forced is not None:
+                trees[i] = forced
+            elif spec:
                 builders[i] = tree_builder(
                     s.draft, self.policy, s.root, s.sampling, self.candidates, s.rng, False, s.ws, v, s.history
                 )

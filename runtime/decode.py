@@ -1,7 +1,8 @@
 """The decode loop: vanilla, chain and tree speculative decoding around engine calls.
 
 Role: one step is (1) draft a tree level by level (runtime/drafts/tree_builder.py, through the
-draft source's interface, runtime/drafts/base.py), (2) flatten it into ids / positions / tree mask in the
+draft source's interface, runtime/drafts/base.py; where a request's grammar forces the next
+tokens, they are the tree instead: `forced_chain`), (2) flatten it into ids / positions / tree mask in the
 preallocated verify buffers (runtime/tree_plan.py), (3) verify it with ONE target call, (4)
 accept the longest valid path plus one target token (runtime/accept.py), (5) commit the
 accepted K/V with one gather in the target's cache, tell the draft source which path won,
@@ -60,6 +61,9 @@ def host_threads(engine):
 
 
 MODES = ("vanilla", "chain", "tree")
+# a grammar's forced tokens (structured output, tool calls) are verified as one chain in place of
+# the drafted tree when there are at least MIN_FORCED of them, at most MAX_FORCED a step
+MIN_FORCED, MAX_FORCED = 2, 16
 
 
 @dataclass
@@ -235,7 +239,9 @@ class SpeculativeDecoder:
             return []
         speculate = tree_fits(policy, past, tgt.info.max_position)  # the context's last tokens: none
         with timer("draft_s"):
-            tree = self._draft(seq) if speculate else Tree.empty()
+            room = seq.max_new_tokens - seq.produced
+            forced = forced_chain(seq.history, room, past, tgt.info, MAX_FORCED) if speculate else None
+            tree = forced or (self._draft(seq) if speculate else Tree.empty())
         # flattening lands in other_s (the runtime's own time), the call in verify_s
         ids, pos, mask = self._vbuf.fill(seq.root, tree, past)
         with timer("verify_s"):
@@ -254,7 +260,7 @@ class SpeculativeDecoder:
             if self.prefix_cache:  # root and accepted nodes committed: a next prompt that repeats them reuses them
                 self._prefix.extend([seq.root] + new[:-1], feats[0, keep] if feats is not None else None)
             if speculate:
-                self.draft.commit(tree, path, feats[0] if feats is not None else None)
+                tell_draft(self.draft, seq.root, tree, path, keep, feats[0] if feats is not None else None)
         seq.produced += len(new)
         seq.stats.record_step(tree.n, tree.draft_calls, len(new), time.perf_counter() - seq.t_start)
         if stop:
@@ -412,6 +418,33 @@ def check_prompt(info, prompt_ids, max_new_tokens) -> list[int]:
     if len(prompt) > info.max_position:
         raise InputError(f"prompt of {len(prompt)} tokens is beyond the model's max context of {info.max_position}")
     return prompt
+
+
+def forced_chain(history, room: int, past: int, info, cap: int) -> Tree | None:
+    """Step 1 where a grammar decides: the tokens the sequence's grammar forces next (a JSON
+    schema's keys and punctuation, a tool call's opening; `history`: its penalties.RowProcessing)
+    as a chain in place of the drafted tree, when there are at least MIN_FORCED; at most `cap`,
+    the answer's budget `room` - 1 and what the context and the engine's call hold. Every one is
+    accepted unless the constrained target tokenizes the same text otherwise: exact either way,
+    the verify call decides. None: draft as usual."""
+    if history is None:
+        return None
+    k = min(cap, room - 1, info.max_position - past - 2)
+    if info.max_tokens is not None:
+        k = min(k, info.max_tokens - 1)
+    forced = history.forced()[: max(k, 0)]
+    return Tree.chain(forced) if len(forced) >= MIN_FORCED else None
+
+
+def tell_draft(draft, root: int, tree: Tree, path, keep: list[int], feats) -> None:
+    """Step 5 for the draft: it keeps the accepted path of a tree it drafted (`commit`); a forced
+    chain it did not draft reaches it as committed tokens (`defer`: the root and the accepted
+    nodes, each with its verify row's features `feats[keep[j]]`), run at its next start."""
+    if not tree.forced:
+        draft.commit(tree, path, feats)
+        return
+    for j, t in enumerate([root] + tree.tokens[path].tolist()):
+        draft.defer(int(t), feats[keep[j] : keep[j] + 1] if feats is not None else None)
 
 
 def verify(engine, ids, pos, mask, cache, features: bool):

@@ -101,6 +101,13 @@ class RowProcessing:
         for p in self.parts:
             p.extend(tokens)
 
+    def forced(self) -> list[int]:
+        """The tokens a grammar forces next (structured.GrammarState.forced; [] without one)."""
+        for p in self.parts:
+            if hasattr(p, "forced"):
+                return p.forced()
+        return []
+
     def process_draft(self, rows: torch.Tensor, paths: list, token_map: torch.Tensor | None) -> torch.Tensor:
         """Step 1's counterpart: the draft's rows [F, Vd] processed as the target's will be, row f
         along paths[f] (target ids), so that the draft proposes what the processed target picks

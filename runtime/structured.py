@@ -186,6 +186,15 @@ class GrammarState:
             return x.fill_(float("-inf"))
         return x.masked_fill_(torch.from_numpy(~ok[: x.shape[-1]]), float("-inf"))
 
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces after the committed ones (llguidance's fast-forward
+        tokens: where the grammar allows one string only, its canonical tokens, short of any that
+        the text after it could merge with); [] where the next token is a choice. The decoder
+        verifies them as a chain in place of a drafted tree (runtime/decode.py)."""
+        if self.m.is_stopped():
+            return []
+        return [int(t) for t in self.m.compute_ff_tokens()]
+
     def extend(self, tokens: Sequence[int]) -> None:
         for t in tokens:
             if self.m.is_stopped():  # complete: what follows is the end of sequence, not the grammar's

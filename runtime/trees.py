@@ -294,6 +294,7 @@ class Tree:
     candidates: str = "topk"
     draft_calls: int = 0
     plan: object = None  # the TreePlan this tree follows (fixed-shape policies), else None
+    forced: bool = False  # a grammar's forced tokens (Tree.chain), not the draft's: it defers them
 
     def children(self) -> list[list[int]]:
         """Child node indices per parent; index 0 is the root, index i + 1 is node i."""
@@ -307,6 +308,17 @@ class Tree:
     @property
     def n(self) -> int:
         return int(self.tokens.numel())
+
+    @staticmethod
+    def chain(tokens, device="cpu") -> "Tree":
+        """A chain of given tokens (deterministic candidates, no draft call): a grammar's forced
+        tokens (runtime/decode.py)."""
+        k = len(tokens)
+        idx = torch.arange(k, device=device)
+        anc = torch.ones(k, k, dtype=torch.bool, device=device).tril()
+        toks = torch.as_tensor(list(tokens), dtype=torch.long, device=device)
+        z = torch.zeros(k, device=device)
+        return Tree(toks, idx - 1, idx + 1, z, anc, idx, torch.zeros_like(idx), forced=True)
 
     @staticmethod
     def empty(device="cpu") -> "Tree":

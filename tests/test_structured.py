@@ -215,3 +215,53 @@ def test_bench_json_schema(export_dir, tmp_path):
     for p in res["per_prompt"]:
         for name, run in p["runs"].items():
             assert follows_schema(tok.decode(run["tokens"], skip_special_tokens=True)), (name, p["id"])
+
+
+def test_forced_tokens_are_verified_as_one_chain(export_dir, monkeypatch):
+    """Where the schema allows one string only (`{"a":`, `,"b":"`), the grammar's forced tokens are
+    verified as one chain in place of the drafted tree: the same tokens as without, in fewer target
+    calls (the layer draft, a tree; the target as its own draft accepts them anyway)."""
+    import arborspec.runtime.decode as decode
+
+    with Generator.from_export(export_dir, tree="full:2,2") as g:
+        state = g.grammar(RF).state(g.target.info.vocab_size)
+        assert len(state.forced()) >= decode.MIN_FORCED  # the schema's opening is forced
+        on = [g.generate(p, 40, response_format=RF) for p in ("hello there", "a b c", "one two")]
+        monkeypatch.setattr(decode, "MIN_FORCED", 10**9)  # never a forced chain
+        off = [g.generate(p, 40, response_format=RF) for p in ("hello there", "a b c", "one two")]
+    assert [c.tokens for c in on] == [c.tokens for c in off]
+    assert sum(c.stats.steps for c in on) < sum(c.stats.steps for c in off), (
+        [c.stats.steps for c in on],
+        [c.stats.steps for c in off],
+    )
+
+
+def test_forced_chains_in_a_batch(export_dir, monkeypatch):
+    """The batched decoder takes a grammar's forced tokens as a chain too (PyTorch, whose engine
+    verifies a batch's trees in one call): each row's tokens are the reference's, in fewer steps
+    than without."""
+    from conftest import random_model, tiny_config, truncated
+    from test_tokenizer import synthetic_meta
+
+    import arborspec.runtime.decode as decode
+    from arborspec.models.tokenizer_build import text_tokenizer_from_gguf_meta
+    from arborspec.runtime.backends.torch_backend import TorchEngine
+
+    tok = text_tokenizer_from_gguf_meta(synthetic_meta())
+    m = random_model(tiny_config("llama", vocab=tok.vocab_size, layers=2, hidden=64, heads=4, kv=2), seed=9)
+    with Generator(TorchEngine(m), TorchEngine(truncated(m, 1)), tok, tree="full:2,2") as g:
+        assert g.target.caps.batched_trees
+        sp = g._sampling(0.0, 0, 1.0, {}, RF)
+        prompts = [g.encode_prompt(p) for p in ("hello there", "a b c")]
+        with torch.inference_mode():  # (the torch engine's cache tensors are inference tensors)
+            want = [reference(g, p, 40) for p in prompts]
+
+        def run():
+            bd = BatchDecoder(g.target, g.draft, tree="full:2,2", max_batch=2)
+            rows = bd.generate_many(prompts, 40, g.eos_token_ids, sampling=[sp, sp])
+            return [r.tokens for r in rows], sum(r.stats.steps for r in rows)
+
+        on, steps_on = run()
+        monkeypatch.setattr(decode, "MIN_FORCED", 10**9)
+        off, steps_off = run()
+    assert on == off == want and steps_on < steps_off, (steps_on, steps_off)
