@@ -1,7 +1,8 @@
 """A grammar's forced tokens verified as one chain (runtime/decode.forced_chain) on SmolLM2 (the
 int4 export v24 = `make demo`'s, the EAGLE-3 head, its tuned tree): the 8 extraction requests of
 benchmarks/structured_2026-11-28 with their JSON schemas (96 tokens) and the 8 tool-call requests
-of benchmarks/tool_calls_2026-11-29 with tool_choice "required" (128 tokens), greedy; per request,
+of benchmarks/tool_calls_2026-11-29 with tool_choice "required" (128 tokens), and the same schemas
+with llguidance's fixed separators ("x-guidance": no free whitespace), greedy; per request,
 interleaved in one process: vanilla, the tree without forced chains (decode.MIN_FORCED set out of
 reach: the decoder before this change) and the tree with them. Reports median tok/s, the median of
 per-request ratios to vanilla, target calls, and whether all three give the same tokens.
@@ -38,6 +39,7 @@ def cases_of(folder: str, name: str):
 structured = cases_of("structured_2026-11-28", "structured")
 tools = cases_of("tool_calls_2026-11-29", "tools")
 MIN = decode.MIN_FORCED
+FIXED = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
 
 arborspec.enable_shared_pool()
 out = {"export": E, "min_forced": MIN, "max_forced": decode.MAX_FORCED, "rows": {}}
@@ -47,10 +49,16 @@ with Generator.from_export(E, mode="vanilla", prefix_cache=False) as van, Genera
     for g in (van, tree):  # warm-up; every grammar compiled once before timing
         g.chat([{"role": "user", "content": "hi"}], 8, tools=tools.TOOLS, tool_choice="required")
         for _, schema in structured.CASES:
-            g.grammar({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+            for sc in (schema, schema | FIXED):
+                g.grammar({"type": "json_schema", "json_schema": {"name": "x", "schema": sc}})
     jobs = {
         "json_schema": [
             (lambda g, p=p, s=s: g.generate(p, 96, chat=True, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": s}}))
+            for p, s in structured.CASES
+        ],
+        # the same schemas with llguidance's fixed separators (", " and ": ", no free whitespace)
+        "json_schema_fixed_separators": [
+            (lambda g, p=p, s=s: g.generate(p, 96, chat=True, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": s | FIXED}}))
             for p, s in structured.CASES
         ],
         "tool_calls_required": [
