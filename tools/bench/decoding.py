@@ -226,6 +226,7 @@ def run_bench(
     progress: bool = True,
     log=None,
     json_schema: dict | None = None,
+    gbnf: str | None = None,
 ) -> tuple[list[dict], list[str]]:
     """Runs every config on every prompt -> (per_prompt list, warnings). `sampling`: a
     SamplingParams for ours, the baselines and the peers alike (None: greedy).
@@ -248,7 +249,7 @@ def run_bench(
     temperature = sp.temperature
     cut = {"top_k": sp.top_k, "top_p": sp.top_p}  # the baselines and peers sample with the same cut
     # structured output (`bench --json-schema`): llama.cpp's own, the GBNF grammar it makes of the schema
-    grammar = {"json_schema": json_schema} if json_schema is not None else {}
+    grammar = {"json_schema": json_schema} if json_schema is not None else {"gbnf": gbnf} if gbnf is not None else {}
     decs = make_decoders(models, configs, sp)
     runner = {c.name: (hf if c.kind == "hf" else peers.get(c.name)) for c in configs if c.kind != "ours"}
     run_cfgs = [c for c in configs if c.kind == "ours" or runner.get(c.name) is not None]

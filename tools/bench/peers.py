@@ -420,8 +420,10 @@ class LlamaCppRunner:
         top_k=0,
         top_p=1.0,
         json_schema: dict | None = None,
+        gbnf: str | None = None,
     ) -> dict:
-        """json_schema: llama.cpp's own structured output (its GBNF grammar of the schema)."""
+        """json_schema: llama.cpp's own structured output (its GBNF grammar of the schema); gbnf: a
+        GBNF grammar it reads as it is."""
         llm = self.llm
         llm.reset()  # no prefix reuse from the previous prompt: every run prefills its whole prompt
         self._calls = 0
@@ -440,6 +442,10 @@ class LlamaCppRunner:
             from llama_cpp import LlamaGrammar
 
             sampling["grammar"] = LlamaGrammar.from_json_schema(json.dumps(json_schema), verbose=False)
+        elif gbnf is not None:
+            from llama_cpp import LlamaGrammar
+
+            sampling["grammar"] = LlamaGrammar.from_string(gbnf, verbose=False)
         gen = llm.generate(list(prompt), min_p=0.0, typical_p=1.0, repeat_penalty=1.0, reset=True, **sampling)
         for t in gen:
             toks.append(int(t))

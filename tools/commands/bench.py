@@ -233,6 +233,7 @@ def run(args) -> int:
 
     response_format = response_format_from_args(args)
     target = schema_of(response_format)  # ("json", schema) or None: a malformed one before the models load
+    gbnf = target[1] if target is not None and target[0] == "grammar" and "::=" in target[1] else None
     if args.temperature == 0 and (args.top_k or args.top_p < 1.0):
         raise InputError("--top-k and --top-p need --temperature > 0 (greedy decoding takes the most likely token)")
     baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
@@ -306,6 +307,13 @@ def run(args) -> int:
             for n in without:
                 skipped[n] = "no structured output in this baseline here (llama.cpp's runs with its own grammar)"
                 print(f"arborspec bench: note: {n} skipped: {skipped[n]}", file=sys.stderr)
+            if target[0] not in ("json", "grammar") or (target[0] == "grammar" and gbnf is None):
+                # llama.cpp takes JSON schemas and GBNF grammars; a regex, a choice or a Lark grammar
+                # has no form it reads here
+                for n in [b for b in baselines if b.startswith("llama-cpp")]:
+                    skipped[n] = "llama.cpp reads JSON schemas and GBNF grammars, not this grammar"
+                    print(f"arborspec bench: note: {n} skipped: {skipped[n]}", file=sys.stderr)
+                    without.append(n)
             hf_names = [b for b in hf_names if b not in without]
             baselines = [b for b in baselines if b not in without]
             configs = [c for c in configs if c.name not in without]
@@ -363,7 +371,8 @@ def run(args) -> int:
             skipped=skipped,
             warmup=args.warmup,
             progress=not args.no_progress,
-            json_schema=target[1] if target is not None else None,
+            json_schema=target[1] if target is not None and target[0] == "json" else None,
+            gbnf=gbnf,
         )
         configs = [c for c in configs if c.kind == "ours" or c.name not in skipped]  # peers that failed mid-run
         skip_notes = [f"{n} skipped: {why}" for n, why in skipped.items()]  # printed once, when it happened

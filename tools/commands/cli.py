@@ -88,7 +88,8 @@ def add_sampling_args(g, seed_help: str = "sampling seed (default 0)") -> None:
 
 
 def add_format_args(g) -> None:
-    """--json-object, --json-schema (generate, chat, bench); `response_format_from_args` reads them."""
+    """--json-object, --json-schema, --grammar (generate, chat, bench); `response_format_from_args`
+    reads them."""
     g.add_argument(
         "--json-object", action="store_true", help="answer with a JSON object (structured output; needs llguidance)"
     )
@@ -98,16 +99,33 @@ def add_format_args(g) -> None:
         metavar="SCHEMA",
         help="answer with JSON that follows SCHEMA: a JSON Schema file, or the schema itself as JSON text",
     )
+    g.add_argument(
+        "--grammar",
+        default=None,
+        metavar="GRAMMAR",
+        help="answer in GRAMMAR's language: a grammar file, or the grammar itself (Lark, or GBNF as llama.cpp writes it)",
+    )
 
 
 def response_format_from_args(args) -> dict | None:
-    """OpenAI's response_format of --json-object / --json-schema (None: plain text); one
-    InputError line for a schema that is not a readable JSON object."""
+    """OpenAI's response_format of --json-object / --json-schema / --grammar (None: plain text);
+    one InputError line for a schema that is not a readable JSON object, or a grammar that is not
+    a file or grammar text."""
     import json
     from pathlib import Path
 
     from arborspec.runtime.errors import InputError
 
+    grammar = getattr(args, "grammar", None)
+    if grammar is not None:
+        if args.json_schema is not None or args.json_object:
+            raise InputError("give one of --grammar, --json-schema, --json-object")
+        path = Path(grammar).expanduser()
+        if "\n" not in grammar and path.is_file():
+            grammar = path.read_text(encoding="utf-8", errors="replace")
+        elif ":" not in grammar:  # every Lark rule (start: ...) and GBNF rule (root ::= ...) has one
+            raise InputError(f"--grammar: no such file {grammar} (give a grammar file or the grammar as text)")
+        return {"type": "grammar", "grammar": grammar}
     if args.json_schema is None:
         return {"type": "json_object"} if args.json_object else None
     if args.json_object:
