@@ -102,12 +102,14 @@ def _checked_call(c) -> dict:
 class ToolSpec:
     """A request's tools: `functions` ({"name", "description", "parameters"} each), `choice`
     ("none", "auto", "required" or "function": the one `name`d), `parallel` (several calls in
-    one answer)."""
+    one answer), `tagged`: the model's call format (`call_format`): Hermes' `<tool_call>` blocks
+    with "arguments" (True), or one bare JSON object with "parameters" (False: Llama 3.1-3.3)."""
 
     functions: tuple
     choice: str = "auto"
     name: str | None = None
     parallel: bool = True
+    tagged: bool = True
 
     @property
     def names(self) -> list[str]:
@@ -122,15 +124,17 @@ class ToolSpec:
         """tool_choice "required" / a named function: the answer's grammar (a Lark grammar for
         runtime/structured.py): `<tool_call>` + a JSON object {"name": one of the functions,
         "arguments": its parameters' schema} + `</tool_call>`, repeated when parallel calls are
-        allowed ("required"); None for "none" / "auto" (the model decides; `parse` reads it)."""
+        allowed ("required"); untagged, the object alone with "parameters" (one call); None for
+        "none" / "auto" (the model decides; `parse` reads it)."""
         if self.choice not in ("required", "function"):
             return None
         fns = [f for f in self.functions if self.choice == "required" or f["name"] == self.name]
+        key = "arguments" if self.tagged else "parameters"
         schemas = [
             {
                 "type": "object",
-                "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or EMPTY_PARAMETERS},
-                "required": ["name", "arguments"],
+                "properties": {"name": {"const": f["name"]}, key: f.get("parameters") or EMPTY_PARAMETERS},
+                "required": ["name", key],
                 "additionalProperties": False,
             }
             for f in fns
@@ -138,6 +142,8 @@ class ToolSpec:
         schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         # the separators models write ({"name": "f", "arguments": {...}}), fixed: no runs of whitespace
         schema = schema | {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+        if not self.tagged:
+            return {"type": "grammar", "grammar": f"start: %json{json.dumps(schema)}\n"}
         call = f"{json.dumps(OPEN + chr(10))} %json{json.dumps(schema)} {json.dumps(chr(10) + CLOSE)}"
         more = ' ("\\n" call)*' if self.parallel and self.choice == "required" else ""
         return {"type": "grammar", "grammar": f"start: call{more}\ncall: {call}\n"}
@@ -182,9 +188,10 @@ class ToolSpec:
         return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": fn}
 
 
-def tool_spec(tools, tool_choice=None, parallel_tool_calls=None) -> ToolSpec | None:
+def tool_spec(tools, tool_choice=None, parallel_tool_calls=None, tokenizer=None) -> ToolSpec | None:
     """A request's `tools`, `tool_choice` and `parallel_tool_calls` checked -> a ToolSpec (None
-    without tools). One ToolError line naming the field for anything malformed."""
+    without tools), in the call format of `tokenizer`'s chat template (`call_format`; Hermes
+    without one). One ToolError line naming the field for anything malformed."""
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
         raise ToolError("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     if tools is None or tools == []:
@@ -213,7 +220,7 @@ def tool_spec(tools, tool_choice=None, parallel_tool_calls=None) -> ToolSpec | N
         )
     parallel = True if parallel_tool_calls is None else parallel_tool_calls
     if tool_choice is None or tool_choice in CHOICES:
-        return ToolSpec(tuple(functions), tool_choice or "auto", None, parallel)
+        return ToolSpec(tuple(functions), tool_choice or "auto", None, parallel, call_format(tokenizer))
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
@@ -223,7 +230,7 @@ def tool_spec(tools, tool_choice=None, parallel_tool_calls=None) -> ToolSpec | N
         )
     if name not in (f["name"] for f in functions):
         raise ToolError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
-    return ToolSpec(tuple(functions), "function", name, parallel)
+    return ToolSpec(tuple(functions), "function", name, parallel, call_format(tokenizer))
 
 
 # ------------------------------------------------------------------------------ rendering
@@ -239,6 +246,14 @@ SYSTEM_TOOLS = (
 def knows_tools(tokenizer) -> bool:
     """Whether the model's chat template renders tools itself (it reads a `tools` variable)."""
     return "tools" in (getattr(tokenizer, "chat_template", None) or "")
+
+
+def call_format(tokenizer) -> bool:
+    """The call format a model writes (ToolSpec.tagged): Hermes' `<tool_call>` blocks where its
+    template asks for them (Qwen2.5, Qwen3, Hermes, SmolLM3) or renders no tools (we then ask for
+    them: `hermes_messages`); a bare JSON object with "parameters" where the template renders tools
+    without them (Llama 3.1-3.3's JSON tool calling)."""
+    return not knows_tools(tokenizer) or OPEN in (getattr(tokenizer, "chat_template", None) or "")
 
 
 def _call_text(call: dict) -> str:

@@ -490,7 +490,7 @@ class Generator:
         if self.tokenizer is None:
             raise InputError("chat needs a tokenizer (this generator has none)")
         msgs = chat_messages(messages)
-        spec = tool_spec(tools, tool_choice, parallel_tool_calls)
+        spec = tool_spec(tools, tool_choice, parallel_tool_calls, self.tokenizer)
         rf = spec.response_format() if spec is not None else None
         if rf is not None:
             if kw.get("response_format") is not None:

@@ -427,3 +427,24 @@ def test_server_bad_tools_are_400s(served, body, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     r = post(served, {"prompt": "hi", "tools": TOOLS}, "/v1/completions")
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
+def test_a_template_without_tags_gets_bare_json_calls(export_dir):
+    """A template that renders tools without Hermes tags (Llama 3.1-3.3's JSON tool calling): the
+    call format is one bare JSON object with "parameters"; a named function's answer is that
+    object, read back as the call; a Hermes template keeps the tags."""
+    llama = (
+        "{% if tools %}Use JSON with name and parameters. {% for t in tools %}{{ t.function.name }} {% endfor %}{% endif %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}|{% endfor %}assistant: "
+    )
+    with Generator.from_export(export_dir, tree="full:2,2") as g:
+        hermes_tok = TextTokenizer(g.tokenizer.tokenizer, {**g.tokenizer.meta, "chat_template": llama + OPEN})
+        assert tool_spec(TOOLS, tokenizer=hermes_tok).tagged and tool_spec(TOOLS, tokenizer=g.tokenizer).tagged
+        g.tokenizer = TextTokenizer(g.tokenizer.tokenizer, {**g.tokenizer.meta, "chat_template": llama})
+        named = {"type": "function", "function": {"name": "count"}}
+        spec = tool_spec(TOOLS, named, tokenizer=g.tokenizer)
+        assert not spec.tagged and '"parameters"' in spec.response_format()["grammar"]
+        c = g.chat(ASK, 120, tools=TOOLS, tool_choice=named)
+        text = g.tokenizer.decode(c.tokens, skip_special_tokens=True)
+        assert text.startswith('{"name": "count", "parameters": {') and OPEN not in text, text
+        assert c.text == "" and [x["function"]["name"] for x in c.tool_calls] == ["count"] and follows(c.tool_calls[0])

@@ -604,7 +604,7 @@ def create_app(
                 return error(400, one_line(e), param="messages")
             try:  # tools (runtime/chat.py): "required" / a named function constrain the answer
                 spec = params["tools"] = tool_spec(
-                    body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
+                    body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"), pool.all[0].tokenizer
                 )
                 rf = spec.response_format() if spec is not None else None
                 if rf is not None and params["penalties"].get("response_format") is not None:
@@ -769,7 +769,7 @@ def create_app(
             return error(400, "this model has no tokenizer")
         try:
             if body.get("messages") is not None:
-                spec = tool_spec(body.get("tools"), body.get("tool_choice"))
+                spec = tool_spec(body.get("tools"), body.get("tool_choice"), tokenizer=tok)
                 prompt = render_chat(tok, chat_messages(body["messages"]), spec)
             elif isinstance(body.get("prompt"), str):
                 prompt = body["prompt"]
