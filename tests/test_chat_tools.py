@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
-import torch
 from conftest import tiny_text_export
 
 from arborspec.runtime.chat import (
@@ -228,26 +226,6 @@ def test_bad_messages_are_one_line(messages):
 lg = pytest.importorskip("llguidance")
 
 
-def reference(gen: Generator, prompt: list[int], grammar: str, n: int) -> list[int]:
-    """Greedy decoding under `grammar`, plainly: a full forward and a fresh matcher per token."""
-    from lossless_util import plain_next_logits
-
-    tok = lg.LLTokenizer(
-        gen.tokenizer.tokenizer.to_str(), n_vocab=gen.target.info.vocab_size, eos_token=gen.eos_token_ids
-    )
-    out: list[int] = []
-    for _ in range(n):
-        m = lg.LLMatcher(tok, grammar, log_level=0)
-        assert m.consume_tokens(out) and not m.is_error()
-        bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), np.uint8), bitorder="little")
-        row = plain_next_logits(gen.target, prompt + out).float()
-        row[torch.from_numpy(bits[: row.numel()] == 0)] = float("-inf")
-        out.append(int(row.argmax()))
-        if out[-1] in gen.eos_token_ids:
-            break
-    return out
-
-
 def count_call_grammar() -> str:
     """The named function `count`'s answer, spelled out without runtime/chat.py."""
     schema = {
@@ -270,7 +248,9 @@ def test_a_named_function_is_the_reference_in_every_mode(export_dir):
         assert c.text == "" and len(c.tool_calls) == 1 and c.tool_calls[0]["function"]["name"] == "count"
         assert follows(c.tool_calls[0]) and c.stop_reason == "eos"
         prompt = g.encode_prompt(render_chat(g.tokenizer, chat_messages(ASK), tool_spec(TOOLS, named)))
-        want = reference(g, prompt, count_call_grammar(), 120)
+        from test_structured import reference  # (the plain constrained loop)
+
+        want = reference(g, prompt, 120, count_call_grammar())
         assert c.tokens == want
         text = g.tokenizer.decode(want, skip_special_tokens=True)
         assert text.startswith(OPEN) and text.endswith(CLOSE)

@@ -45,12 +45,13 @@ def follows_schema(text: str) -> bool:
     return set(obj) == {"a", "b"} and isinstance(obj["a"], int) and 0 <= obj["a"] <= 9 and obj["b"] in ("x", "y", "zz")
 
 
-def reference(gen: Generator, prompt: list[int], n: int) -> list[int]:
-    """Greedy decoding under the schema, plainly: a full forward and a fresh matcher per token."""
+def reference(gen: Generator, prompt: list[int], n: int, grammar: str | None = None) -> list[int]:
+    """Greedy decoding under `grammar` (llguidance's; default: SCHEMA's), plainly: a full forward
+    and a fresh matcher per token."""
     tok = lg.LLTokenizer(
         gen.tokenizer.tokenizer.to_str(), n_vocab=gen.target.info.vocab_size, eos_token=gen.eos_token_ids
     )
-    grammar = lg.LLMatcher.grammar_from_json_schema(SCHEMA)
+    grammar = grammar or lg.LLMatcher.grammar_from_json_schema(SCHEMA)
     from lossless_util import plain_next_logits
 
     out: list[int] = []
