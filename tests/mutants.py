@@ -392,4 +392,18 @@ MUTANTS = [
         "        return",
         (EXACT, "-k", "batched and topk"),
     ),
+    Mutant(
+        "a grammar's forced chain committed to the draft as if it had drafted it",
+        DECODE,
+        "    if not tree.forced:\n        draft.commit(tree, path, feats)",
+        "    if True:\n        draft.commit(tree, path, feats)",
+        (KV, "-k", "forced_chains"),
+    ),
+    Mutant(
+        "a forced chain's root not deferred to the draft",
+        DECODE,
+        "    for j, t in enumerate([root] + tree.tokens[path].tolist()):",
+        "    for j, t in enumerate(tree.tokens[path].tolist(), 1):",
+        (KV, "-k", "forced_chains"),
+    ),
 ]

@@ -145,3 +145,64 @@ def test_a_deferred_root_leaves_the_draft_as_a_root_call_would(tmp_path, kind):
         b.defer(r, f)
     got, want = b.start(roots[2]), a.start(roots[2])
     assert torch.allclose(got, want, atol=1e-5), float((got - want).abs().max())
+
+
+class ForcingHistory:
+    """A stand-in for a grammar (penalties.RowProcessing's interface) that forces the next
+    `k` tokens of `ref` on every other step and masks nothing: the decoder verifies them as a chain
+    (decode.forced_chain) instead of drafting."""
+
+    def __init__(self, ref: list[int], k: int = 3):
+        self.ref, self.k, self.done, self.asked = ref, k, 0, 0
+
+    def process(self, row, path):
+        return row
+
+    def process_draft(self, rows, paths, token_map):
+        return rows
+
+    def extend(self, tokens):
+        self.done += len(tokens)
+
+    def forced(self):
+        self.asked += 1
+        return self.ref[self.done : self.done + self.k] if self.asked % 2 else []
+
+
+@pytest.mark.parametrize("kind", ["model", "lookup", "eagle3", "mixed"])
+def test_forced_chains_leave_the_draft_as_drafting_would(tmp_path, kind):
+    """Steps whose tree is a grammar's forced chain (the draft makes no call; it takes the
+    committed tokens as deferred ones) between drafted steps: the output is vanilla's, the target's
+    cache a fresh prefill, and the draft's next start equals a fresh draft's reset on the committed
+    tokens (with the target's features of them)."""
+    m = varied_model("llama")
+    m.feature_layers = default_aux_layers(m.config.n_layers)
+    target = TorchEngine(m)
+    v = m.config.vocab_size
+    ref = SpeculativeDecoder(target, mode="vanilla").generate(PROMPT, N).tokens
+    draft = make_draft(kind, m, tmp_path, v)
+    dec = SpeculativeDecoder(target, draft, tree="full:2,2")
+    dec.start(PROMPT, N)
+    dec._seq.history = hist = ForcingHistory(ref)
+    out, forced_steps = [], 0
+    while True:
+        before = dec._seq.stats.steps
+        new = dec.step()
+        if not new:
+            break
+        forced_steps += dec._seq.stats.steps > before and hist.asked % 2 == 1 and len(new) > 1
+        out += new
+    assert out == ref and forced_steps >= 3, forced_steps
+    seq = PROMPT + out[:-1]
+    assert_cache_is_prefill(target, dec._cache, seq, "target cache")
+    # a fresh draft reset on the committed tokens, with the target's features of them
+    twin = make_draft(kind, m, tmp_path / "twin", v)
+    n = len(seq)
+    c = KVCache(target.info.cache, n, 1)
+    _, feats = target.forward_features(
+        torch.tensor([seq]), torch.arange(n)[None], torch.ones(n, n, dtype=torch.bool).tril()[None], c
+    )
+    twin.prepare(dec.policy, 128)
+    twin.reset(seq, feats[0] if draft.needs_target_features else None)
+    got, want = dec.draft.start(out[-1]), twin.start(out[-1])
+    assert torch.allclose(got.float(), want.float(), atol=1e-4), float((got.float() - want.float()).abs().max())
