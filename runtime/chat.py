@@ -153,9 +153,10 @@ class ToolSpec:
         "function": {"name", "arguments": JSON text}}]). The calls are the `<tool_call>` blocks
         from the first one on (the last may lack its `</tool_call>`: the answer ended there), each a
         JSON object naming an offered function with object arguments; the text is what comes
-        before them (None when empty). An answer that is only such a JSON object, untagged (what
-        Llama 3.1's template asks for, with "parameters"), is one call too. Anything else, or any
-        block that is not such a call (an answer cut by max_tokens), is text: (text, [])."""
+        before them (None when empty); a last block cut off (max_tokens) after whole calls is
+        dropped. An answer that is only such a JSON object, untagged (what Llama 3.1's template
+        asks for, with "parameters"), is one call too. Anything else, or any block that is not such
+        a call (a first call cut by max_tokens), is text: (text, [])."""
         if self.choice == "none":
             return text, []
         start = text.find(OPEN)
@@ -163,9 +164,12 @@ class ToolSpec:
             call = self._call(text) if text.lstrip().startswith("{") else None
             return (None, [call]) if call else (text, [])
         calls = []
-        for block in text[start:].split(OPEN)[1:]:
+        blocks = text[start:].split(OPEN)[1:]
+        for i, block in enumerate(blocks):
             end = block.find(CLOSE)  # none: the answer ended inside this block
             call = self._call(block[: end if end >= 0 else len(block)])
+            if call is None and calls and end < 0 and i == len(blocks) - 1:
+                break  # a last call cut off (max_tokens) after whole ones: the whole ones stand
             if call is None:
                 return text, []
             calls.append(call)

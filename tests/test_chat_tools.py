@@ -112,9 +112,12 @@ def test_parse_splits_text_and_calls():
         '<tool_call>{"name": "weather", "arguments": {"city": "Ro',  # cut by max_tokens
         '<tool_call>{"name": "launch", "arguments": {}}</tool_call>',  # not an offered tool
         '<tool_call>{"name": "count", "arguments": [1]}</tool_call>',  # arguments not an object
-        call + '<tool_call>{"name": "count"',  # one good call, one broken: all text
+        call + '<tool_call>{"name": "count"</tool_call>',  # one good call, one broken but closed: all text
     ):
         assert spec.parse(bad) == (bad, [])
+    # whole calls, then one cut off by max_tokens: the whole ones stand
+    text, calls = spec.parse(call + "\n" + call + '\n<tool_call>\n{"name": "count", "argu')
+    assert text is None and len(calls) == 2
     assert tool_spec(TOOLS, "none").parse(call) == (call, [])  # "none": never a call
     # an untagged call (Llama 3.1's template asks for bare JSON with "parameters"): the whole answer
     text, calls = spec.parse(' {"name": "count", "parameters": {"n": 5}}')

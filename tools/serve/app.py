@@ -537,7 +537,8 @@ def create_app(
             "prompt_tokens": n_prompt,
             "cached_tokens": st.cached_tokens,
             "completion_tokens": st.new_tokens if completion_tokens is None else completion_tokens,
-            "finish_reason": "tool_calls" if calls else "stop" if stop_reason in ("eos", "stop") else "length",
+            # calls: "tool_calls", unless max_tokens cut the answer (a last call cut off is dropped)
+            "finish_reason": "length" if stop_reason not in ("eos", "stop") else "tool_calls" if calls else "stop",
             "mean_accepted": st.mean_accepted,
             "seed": params["seed"],
             "logprobs": logprobs,
