@@ -155,14 +155,17 @@ class ToolSpec:
         JSON object naming an offered function with object arguments; the text is what comes
         before them (None when empty); a last block cut off (max_tokens) after whole calls is
         dropped. An answer that is only such a JSON object, untagged (what Llama 3.1's template
-        asks for, with "parameters"), is one call too. Anything else, or any block that is not such
-        a call (a first call cut by max_tokens), is text: (text, [])."""
+        asks for, with "parameters"), is one call too, and one that is only a JSON list of them
+        (Mistral's `[TOOL_CALLS]` list, its special token dropped from the text) is those calls.
+        Anything else, or any block that is not such a call (a first call cut by max_tokens), is
+        text: (text, [])."""
         if self.choice == "none":
             return text, []
         start = text.find(OPEN)
         if start < 0:
-            call = self._call(text) if text.lstrip().startswith("{") else None
-            return (None, [call]) if call else (text, [])
+            head = text.lstrip()[:1]
+            calls = [self._call(text)] if head == "{" else self._calls(text) if head == "[" else [None]
+            return (None, calls) if calls and None not in calls else (text, [])
         calls = []
         blocks = text[start:].split(OPEN)[1:]
         for i, block in enumerate(blocks):
@@ -176,6 +179,16 @@ class ToolSpec:
         if not self.parallel and len(calls) > 1:
             calls = calls[:1]
         return text[:start].strip() or None, calls
+
+    def _calls(self, text: str) -> list:
+        """A JSON list of calls -> OpenAI's tool calls ([None] when it is not one)."""
+        try:
+            items = json.loads(text.strip())
+        except json.JSONDecodeError:
+            return [None]
+        if not isinstance(items, list) or not items:
+            return [None]
+        return [self._call(json.dumps(x)) for x in items]
 
     def _call(self, text: str) -> dict | None:
         """One call's JSON text -> OpenAI's tool call, or None when it is not a call of an offered
@@ -323,8 +336,12 @@ class ToolCallStream:
         if not self.sent and not s.strip():  # the answer's start: nothing to tell yet
             self.held = s
             return ""
-        if not self.sent and s.lstrip().startswith("{"):  # it may be an untagged call: hold it all
-            self.calling, self.held = True, s
+        lead = s.lstrip()
+        # an untagged call ({...}) or a list of them ([{...}]) may be coming: hold it all
+        if not self.sent and (lead.startswith("{") or (lead.startswith("[") and lead[1:].lstrip()[:1] in ("", "{"))):
+            if lead.startswith("{") or lead[1:].strip():
+                self.calling = True
+            self.held = s
             return ""
         self.sent = True
         i = s.find(OPEN)

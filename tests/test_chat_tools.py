@@ -124,6 +124,13 @@ def test_parse_splits_text_and_calls():
     assert text is None and calls[0]["function"] == {"name": "count", "arguments": '{"n": 5}'}
     for answer in ('{"name": "count"', '{"answer": 5}', '{"name": "count", "parameters": {}} and more'):
         assert spec.parse(answer) == (answer, [])
+    # a JSON list of calls (Mistral's [TOOL_CALLS] list; the special token is not in the text)
+    text, calls = spec.parse(
+        '[{"name": "count", "arguments": {"n": 1}}, {"name": "weather", "arguments": {"city": "Oslo"}}]'
+    )
+    assert text is None and [c["function"]["name"] for c in calls] == ["count", "weather"]
+    for answer in ("[1] An answer", "[]", '[{"name": "count", "arguments": {}}, {"name": "nope"}]'):
+        assert spec.parse(answer) == (answer, [])
     one = tool_spec(TOOLS, parallel_tool_calls=False)
     assert len(one.parse(call + call)[1]) == 1
     named = tool_spec(TOOLS, {"type": "function", "function": {"name": "count"}})
@@ -143,6 +150,10 @@ def test_stream_holds_back_from_the_tag():
     assert [s.push(p) for p in (" ", '{"na', 'me"')] == ["", "", ""] and s.held == ' {"name"'
     s = ToolCallStream(tool_spec(TOOLS))
     assert [s.push(p) for p in ("\n", "Hi {x}")] == ["", "\nHi {x}"]
+    s = ToolCallStream(tool_spec(TOOLS))  # "[" then "{": a list of calls may be coming
+    assert [s.push(p) for p in ("[", ' {"name', '": 1}]')] == ["", "", ""] and s.held == '[ {"name": 1}]'
+    s = ToolCallStream(tool_spec(TOOLS))  # "[" then anything else: text
+    assert [s.push(p) for p in ("[", "1] Intro")] == ["", "[1] Intro"]
 
 
 # ------------------------------------------------------------------------------ rendering
