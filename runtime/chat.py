@@ -130,16 +130,20 @@ class ToolSpec:
             return None
         fns = [f for f in self.functions if self.choice == "required" or f["name"] == self.name]
         key = "arguments" if self.tagged else "parameters"
-        schemas = [
-            {
-                "type": "object",
-                "properties": {"name": {"const": f["name"]}, key: f.get("parameters") or EMPTY_PARAMETERS},
-                "required": ["name", key],
-                "additionalProperties": False,
-            }
-            for f in fns
-        ]
+        schemas, defs = [], {}
+        for i, f in enumerate(fns):
+            params = hoisted(f.get("parameters") or EMPTY_PARAMETERS, f"f{i}_", defs)
+            schemas.append(
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": f["name"]}, key: params},
+                    "required": ["name", key],
+                    "additionalProperties": False,
+                }
+            )
         schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        if defs:
+            schema = schema | {"$defs": defs}
         # the separators models write ({"name": "f", "arguments": {...}}), fixed: no runs of whitespace
         schema = schema | {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
         if not self.tagged:
@@ -203,6 +207,36 @@ class ToolSpec:
             return None
         fn = {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}
         return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": fn}
+
+
+def hoisted(params: dict, prefix: str, defs: dict) -> dict:
+    """A function's parameters schema placed inside the call's schema: its `$defs` /
+    `definitions` (pydantic's nested models) move into `defs` under `prefix` + name, and every
+    `$ref` to them, or into its root ("#", "#/properties/..."), is rewritten to point there (the
+    refs are relative to the parameters' root, which is no longer the document's)."""
+    local = {**(params.get("definitions") or {}), **(params.get("$defs") or {})}
+    root = f"#/$defs/{prefix}root"
+    to_root = []
+
+    def ref(r: str) -> str:
+        for kind in ("#/$defs/", "#/definitions/"):
+            if r.startswith(kind) and r[len(kind) :].split("/")[0] in local:
+                return "#/$defs/" + prefix + r[len(kind) :]
+        if r == "#" or r.startswith("#/"):
+            to_root.append(r)
+            return root + r[1:]
+        return r
+
+    def walk(x):
+        if isinstance(x, dict):
+            return {k: (ref(v) if k == "$ref" and isinstance(v, str) else walk(v)) for k, v in x.items()}
+        return [walk(v) for v in x] if isinstance(x, list) else x
+
+    body = walk({k: v for k, v in params.items() if k not in ("$defs", "definitions")})
+    defs.update({prefix + name: walk(d) for name, d in local.items()})
+    if to_root:  # a recursive schema: its root by name too
+        defs[prefix + "root"] = body
+    return body
 
 
 def tool_spec(tools, tool_choice=None, parallel_tool_calls=None, tokenizer=None) -> ToolSpec | None:

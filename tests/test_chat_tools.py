@@ -442,3 +442,63 @@ def test_a_template_without_tags_gets_bare_json_calls(export_dir):
         text = g.tokenizer.decode(c.tokens, skip_special_tokens=True)
         assert text.startswith('{"name": "count", "parameters": {') and OPEN not in text, text
         assert c.text == "" and [x["function"]["name"] for x in c.tool_calls] == ["count"] and follows(c.tool_calls[0])
+
+
+def test_nested_parameters_keep_their_refs(export_dir):
+    """Parameters with `$defs` (pydantic's nested models; two tools each with its own `Address`)
+    and a recursive one (`"$ref": "#"`): their refs still point where they did once the schemas
+    sit inside the call's grammar. The grammar compiles, takes calls that follow each schema and
+    refuses ones that follow the other tool's `Address`."""
+    addr = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Oslo"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    other = {
+        "type": "object",
+        "properties": {"zip": {"type": "integer"}},
+        "required": ["zip"],
+        "additionalProperties": False,
+    }
+    tree = {
+        "type": "object",
+        "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
+        "required": ["v"],
+        "additionalProperties": False,
+    }
+
+    def nested(name, a):
+        params = {
+            "type": "object",
+            "properties": {"to": {"$ref": "#/$defs/Address"}},
+            "required": ["to"],
+            "additionalProperties": False,
+            "$defs": {"Address": a},
+        }
+        return {"type": "function", "function": {"name": name, "parameters": params}}
+
+    tools = [
+        nested("ship", addr),
+        nested("mail", other),
+        {"type": "function", "function": {"name": "grow", "parameters": tree}},
+    ]
+    grammar = tool_spec(tools, "required", False).response_format()["grammar"]
+    call = '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>'
+    with Generator.from_export(export_dir) as g:
+        tok = lg.LLTokenizer(
+            g.tokenizer.tokenizer.to_str(), n_vocab=g.target.info.vocab_size, eos_token=g.eos_token_ids
+        )
+
+        def takes(text: str) -> bool:
+            m = lg.LLMatcher(tok, grammar, log_level=0)
+            assert not m.is_error(), m.get_error()
+            ids = g.tokenizer.encode(text)
+            return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+
+        assert takes(call % ("ship", '{"to": {"city": "Oslo"}}')) and takes(call % ("mail", '{"to": {"zip": 5}}'))
+        assert not takes(call % ("ship", '{"to": {"zip": 5}}')) and not takes(
+            call % ("mail", '{"to": {"city": "Oslo"}}')
+        )
+        assert takes(call % ("grow", '{"v": 1, "kids": [{"v": 2, "kids": [{"v": 3}]}]}'))
+        assert not takes(call % ("grow", '{"v": 1, "kids": [{"w": 2}]}'))
