@@ -120,3 +120,31 @@ def test_errors_are_the_clients_exceptions(client):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=str(client.base_url), api_key="wrong", max_retries=0).models.list()
     json.dumps(e.value.body)
+
+
+def test_pydantic_tools_through_the_clients_parse(client):
+    """`openai.pydantic_function_tool(Model)` (a strict tool whose parameters nest a model under
+    `$defs`) with `tool_choice` required: the client's `parse` validates the call's arguments into
+    the model (`parsed_arguments`)."""
+    from typing import Literal
+
+    class Address(pydantic.BaseModel):
+        city: Literal["Oslo", "Rome"]
+
+    class Ship(pydantic.BaseModel):
+        """Ship a parcel."""
+
+        to: Address
+        kg: int = pydantic.Field(ge=1, le=5)
+
+    r = client.chat.completions.parse(
+        model="tiny",
+        messages=ASK,
+        max_tokens=200,
+        temperature=0,
+        tools=[openai.pydantic_function_tool(Ship)],
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
+    (call,) = r.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, Ship) and call.function.name == "Ship"
