@@ -152,6 +152,19 @@ class ToolSpec:
         more = ' ("\\n" call)*' if self.parallel and self.choice == "required" else ""
         return {"type": "grammar", "grammar": f"start: call{more}\ncall: {call}\n"}
 
+    def answer_format(self, given: dict | None) -> dict | None:
+        """The response_format to decode with when the request also `given` one: this grammar for
+        "required" / a named function (one ToolError line when both would constrain the answer),
+        else the given one."""
+        rf = self.response_format()
+        if rf is None:
+            return given
+        if given is not None:
+            raise ToolError(
+                f"tool_choice {self.choice!r} and response_format both constrain the answer: give one", "tool_choice"
+            )
+        return rf
+
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
         """An answer -> (its text, its calls as OpenAI's tool_calls [{"id", "type": "function",
         "function": {"name", "arguments": JSON text}}]). The calls are the `<tool_call>` blocks

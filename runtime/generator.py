@@ -491,11 +491,8 @@ class Generator:
             raise InputError("chat needs a tokenizer (this generator has none)")
         msgs = chat_messages(messages)
         spec = tool_spec(tools, tool_choice, parallel_tool_calls, self.tokenizer)
-        rf = spec.response_format() if spec is not None else None
-        if rf is not None:
-            if kw.get("response_format") is not None:
-                raise InputError(f"tool_choice {spec.choice!r} and response_format both constrain the answer: give one")
-            kw["response_format"] = rf
+        if spec is not None:
+            kw["response_format"] = spec.answer_format(kw.get("response_format"))
         out = self.generate(render_chat(self.tokenizer, msgs, spec), max_new_tokens, **kw)
         if spec is not None:
             content, calls = spec.parse(out.text)

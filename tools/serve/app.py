@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from fastapi import Request  # module level: FastAPI resolves the (string) annotations here
 
-from arborspec.runtime.chat import ToolCallStream, ToolError, chat_messages, render_chat, tool_spec
+from arborspec.runtime.chat import ToolCallStream, chat_messages, render_chat, tool_spec
 from arborspec.runtime.errors import ArborspecError, one_line
 from arborspec.runtime.generator import PENALTIES, sampling_params
 from arborspec.runtime.stop_strings import parse_stop
@@ -607,13 +607,9 @@ def create_app(
                 spec = params["tools"] = tool_spec(
                     body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"), pool.all[0].tokenizer
                 )
-                rf = spec.response_format() if spec is not None else None
-                if rf is not None and params["penalties"].get("response_format") is not None:
-                    raise ToolError(
-                        f"tool_choice {spec.choice!r} and response_format both constrain the answer: give one",
-                        "tool_choice",
-                    )
-                if rf is not None:
+                given = params["penalties"].get("response_format")
+                rf = spec.answer_format(given) if spec is not None else given
+                if rf is not given:  # the tools' grammar
                     pool.all[0].grammar(rf)
                     params["penalties"] = {**params["penalties"], "response_format": rf}
             except ArborspecError as e:
