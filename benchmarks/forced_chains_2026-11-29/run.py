@@ -25,14 +25,10 @@ E = sys.argv[1] if len(sys.argv) > 1 else os.path.expanduser("~/.cache/arborspec
 
 
 def cases_of(folder: str, name: str):
-    """CASES / TOOLS of a sibling benchmark's run.py, read without running it."""
-    src = open(os.path.join(HERE, "..", folder, "run.py")).read()
-    head = src[: src.index("arborspec.enable_shared_pool()")]  # its definitions only
-    spec = importlib.util.spec_from_loader(name, loader=None)
+    """A sibling benchmark's run.py as a module (its CASES / TOOLS; its run is behind __main__)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, "..", folder, "run.py"))
     mod = importlib.util.module_from_spec(spec)
-    sys.argv, argv = [sys.argv[0], E], sys.argv
-    exec(compile(head, name, "exec"), mod.__dict__)
-    sys.argv = argv
+    spec.loader.exec_module(mod)
     return mod
 
 

@@ -52,56 +52,61 @@ def follows(text: str, schema: dict) -> bool:
     return isinstance(o, dict) and set(o) == set(schema["properties"])
 
 
-arborspec.enable_shared_pool()
-out = {"export": E, "requests": len(CASES), "max_new_tokens": 96, "rows": {}}
-peer = None
-if LLAMACPP:
-    from arborspec.tools.bench.peers import LlamaCppRunner, peer_threads
+def main() -> None:
+    arborspec.enable_shared_pool()
+    out = {"export": E, "requests": len(CASES), "max_new_tokens": 96, "rows": {}}
+    peer = None
+    if LLAMACPP:
+        from arborspec.tools.bench.peers import LlamaCppRunner, peer_threads
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "prefix_cache_2026-11-28"))
-    from chat_turns import gguf_path
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "prefix_cache_2026-11-28"))
+        from chat_turns import gguf_path
 
-    peer = LlamaCppRunner(gguf_path(), peer_threads(), 2048, lookup=False)
-    out["llamacpp_gguf"] = gguf_path()
-with Generator.from_export(E, mode="vanilla", prefix_cache=False) as van, Generator.from_export(
-    E, tree="auto", prefix_cache=False
-) as tree:
-    for g in (van, tree):  # warm-up, and each schema compiled once (llguidance) before timing
-        g.generate(CASES[0][0], 8, chat=True)
-        for _, schema in CASES:
-            g.grammar({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
-    for constrained in (False, True):
-        sp = {"vanilla": [], "tree": [], "llama.cpp": []}
-        same = valid = peer_valid = 0
-        calls = []
-        for prompt, schema in CASES:
-            kw = {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}} if constrained else {}
-            a = van.generate(prompt, 96, chat=True, **kw)
-            b = tree.generate(prompt, 96, chat=True, **kw)
-            sp["vanilla"].append(a.stats.tokens_per_s)
-            sp["tree"].append(b.stats.tokens_per_s)
-            same += a.tokens == b.tokens
-            valid += follows(a.text, schema)
-            calls.append(b.stats.mean_accepted)
+        peer = LlamaCppRunner(gguf_path(), peer_threads(), 2048, lookup=False)
+        out["llamacpp_gguf"] = gguf_path()
+    with Generator.from_export(E, mode="vanilla", prefix_cache=False) as van, Generator.from_export(
+        E, tree="auto", prefix_cache=False
+    ) as tree:
+        for g in (van, tree):  # warm-up, and each schema compiled once (llguidance) before timing
+            g.generate(CASES[0][0], 8, chat=True)
+            for _, schema in CASES:
+                g.grammar({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+        for constrained in (False, True):
+            sp = {"vanilla": [], "tree": [], "llama.cpp": []}
+            same = valid = peer_valid = 0
+            calls = []
+            for prompt, schema in CASES:
+                kw = {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}} if constrained else {}
+                a = van.generate(prompt, 96, chat=True, **kw)
+                b = tree.generate(prompt, 96, chat=True, **kw)
+                sp["vanilla"].append(a.stats.tokens_per_s)
+                sp["tree"].append(b.stats.tokens_per_s)
+                same += a.tokens == b.tokens
+                valid += follows(a.text, schema)
+                calls.append(b.stats.mean_accepted)
+                if peer is not None:
+                    ids = van.encode_prompt(van.tokenizer.apply_chat([{"role": "user", "content": prompt}]))
+                    r = peer.run("llama.cpp", ids, 96, van.eos_token_ids, 0.0, 0, json_schema=schema if constrained else None)
+                    sp["llama.cpp"].append(r["tokens_per_s"])
+                    peer_valid += follows(van.tokenizer.decode(r["tokens"], skip_special_tokens=True), schema)
+            row = {
+                "vanilla_tok_s_median": round(statistics.median(sp["vanilla"]), 1),
+                "tree_tok_s_median": round(statistics.median(sp["tree"]), 1),
+                "speedup_median_of_ratios": round(statistics.median(t / v for t, v in zip(sp["tree"], sp["vanilla"])), 3),
+                "tokens_per_target_call": round(statistics.mean(calls), 3),
+                "tree_equals_vanilla": f"{same}/{len(CASES)}",
+                "answers_that_parse_and_follow_the_schema": f"{valid}/{len(CASES)}",
+            }
             if peer is not None:
-                ids = van.encode_prompt(van.tokenizer.apply_chat([{"role": "user", "content": prompt}]))
-                r = peer.run("llama.cpp", ids, 96, van.eos_token_ids, 0.0, 0, json_schema=schema if constrained else None)
-                sp["llama.cpp"].append(r["tokens_per_s"])
-                peer_valid += follows(van.tokenizer.decode(r["tokens"], skip_special_tokens=True), schema)
-        row = {
-            "vanilla_tok_s_median": round(statistics.median(sp["vanilla"]), 1),
-            "tree_tok_s_median": round(statistics.median(sp["tree"]), 1),
-            "speedup_median_of_ratios": round(statistics.median(t / v for t, v in zip(sp["tree"], sp["vanilla"])), 3),
-            "tokens_per_target_call": round(statistics.mean(calls), 3),
-            "tree_equals_vanilla": f"{same}/{len(CASES)}",
-            "answers_that_parse_and_follow_the_schema": f"{valid}/{len(CASES)}",
-        }
-        if peer is not None:
-            row["llamacpp_tok_s_median"] = round(statistics.median(sp["llama.cpp"]), 1)
-            row["tree_vs_llamacpp_median_of_ratios"] = round(
-                statistics.median(t / p for t, p in zip(sp["tree"], sp["llama.cpp"])), 3
-            )
-            row["llamacpp_answers_that_parse_and_follow_the_schema"] = f"{peer_valid}/{len(CASES)}"
-        out["rows"]["json_schema" if constrained else "unconstrained"] = row
-        print(constrained, row, file=sys.stderr)
-print(json.dumps(out, indent=1))
+                row["llamacpp_tok_s_median"] = round(statistics.median(sp["llama.cpp"]), 1)
+                row["tree_vs_llamacpp_median_of_ratios"] = round(
+                    statistics.median(t / p for t, p in zip(sp["tree"], sp["llama.cpp"])), 3
+                )
+                row["llamacpp_answers_that_parse_and_follow_the_schema"] = f"{peer_valid}/{len(CASES)}"
+            out["rows"]["json_schema" if constrained else "unconstrained"] = row
+            print(constrained, row, file=sys.stderr)
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":  # (its CASES are read by other benchmarks)
+    main()
