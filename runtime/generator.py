@@ -304,7 +304,6 @@ class Generator:
         token, sampling lossless). response_format: OpenAI's ({"type": "json_object"}, or
         "json_schema" with {"json_schema": {"schema": {...}}}; extensions "regex" and "choice"):
         the answer is JSON of that shape (runtime/structured.py; llguidance)."""
-        sp = self._sampling(temperature, top_k, top_p, penalties, response_format)
         if chat:
             if not isinstance(prompt, str):
                 raise InputError("chat=True takes a text prompt (for messages use chat())")
@@ -322,6 +321,7 @@ class Generator:
                 include_stop_str_in_output=include_stop_str_in_output,
                 **penalties,
             )
+        sp = self._sampling(temperature, top_k, top_p, penalties, response_format)  # (chat: in its own call)
         ids = self._ids(prompt)
         logprobs, prompt_logprobs = check_logprobs(logprobs), check_logprobs(prompt_logprobs)
         self._last.prompt_logprobs = None
