@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from arborspec.runtime import settings
 from arborspec.runtime.errors import InputError, MissingFileError, OutputError
 from arborspec.runtime.fileio import PartialFolder, atomic_write_text
 
@@ -69,7 +70,7 @@ def smollm2_available() -> bool:
 
 # -- hashing and the cache -----------------------------------------------------------------
 def cache_dir() -> Path:
-    return Path(os.environ.get("ARBORSPEC_CACHE") or Path.home() / ".cache" / "arborspec")
+    return settings.path("ARBORSPEC_CACHE")
 
 
 def file_sha256(path: str | Path) -> str:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .. import contract as C
+from .. import settings
 from ..errors import DeviceError, EngineError, ExportDirError, InputError, MissingFileError, one_line
 from ..kvcache import CacheSpec, KVCache, resolve_device
 from . import row_layout
@@ -55,7 +56,7 @@ def qdq_exact_matmul(so) -> None:
     tiny model, vs 4e-7 at level 0) and makes them depend on how many tokens a call carries, so a
     tree would no longer reproduce vanilla greedy decoding. Level 0 computes in float32;
     ARBORSPEC_ORT_QDQ_ACCURACY_LEVEL=4 trades that for speed."""
-    so.add_session_config_entry(QDQ_ACCURACY_KEY, os.environ.get("ARBORSPEC_ORT_QDQ_ACCURACY_LEVEL", "0"))
+    so.add_session_config_entry(QDQ_ACCURACY_KEY, settings.text("ARBORSPEC_ORT_QDQ_ACCURACY_LEVEL"))
 
 
 SHARED_POOL_ENV = "ARBORSPEC_ORT_SHARED_POOL"
@@ -64,10 +65,8 @@ _asked = False  # enable_shared_pool was called (the CLI's commands call it): a 
 
 
 def _pool_env() -> str:
-    env = os.environ.get(SHARED_POOL_ENV, "").strip()
-    if env not in ("", "0", "1"):
-        raise InputError(f"{SHARED_POOL_ENV} must be 0 or 1, got {env!r}")
-    return env
+    on = settings.switch(SHARED_POOL_ENV)  # "" unset, else "0" / "1"
+    return "" if on is None else str(int(on))
 
 
 def enable_shared_pool() -> bool:
@@ -92,7 +91,7 @@ def enable_shared_pool() -> bool:
     _asked = True
     if _shared:
         return True
-    if _pool_env() == "0" or os.environ.get("ARBORSPEC_ORT_SPINNING"):
+    if _pool_env() == "0" or settings.switch("ARBORSPEC_ORT_SPINNING") is not None:
         return False
     _import_ort()
     try:
@@ -122,7 +121,7 @@ def pool_unchosen() -> bool:
     """Neither the shared pool nor a pool per session was chosen: no `enable_shared_pool` call and
     none of ARBORSPEC_ORT_SHARED_POOL / ARBORSPEC_ORT_SPINNING set (an application that never heard
     of them; open_export then warns where a model draft would pay for it)."""
-    return not _asked and not _pool_env() and not os.environ.get("ARBORSPEC_ORT_SPINNING")
+    return not _asked and not _pool_env() and settings.switch("ARBORSPEC_ORT_SPINNING") is None
 
 
 def new_session_options(ort, spinning: bool = False):
@@ -134,8 +133,8 @@ def new_session_options(ort, spinning: bool = False):
     if shared_pool():
         so.use_per_session_threads = False
     else:
-        env = os.environ.get("ARBORSPEC_ORT_SPINNING")
-        so.add_session_config_entry("session.intra_op.allow_spinning", env or ("1" if spinning else "0"))
+        env = settings.switch("ARBORSPEC_ORT_SPINNING")
+        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if (spinning if env is None else env) else "0")
     qdq_exact_matmul(so)
     return so
 
@@ -146,10 +145,7 @@ ROW_LAYOUT_ENV = "ARBORSPEC_ORT_ROW_LAYOUT"
 def row_layout_env() -> bool | None:
     """ARBORSPEC_ORT_ROW_LAYOUT: 1 lays every target call out row-invariantly (row_layout.py), 0
     never, unset (None) where the export needs it (int8 activations: export_dir.open_export)."""
-    env = os.environ.get(ROW_LAYOUT_ENV, "").strip()
-    if env not in ("", "0", "1"):
-        raise InputError(f"{ROW_LAYOUT_ENV} must be 0 or 1, got {env!r}")
-    return None if env == "" else env == "1"
+    return settings.switch(ROW_LAYOUT_ENV)
 
 
 def _int8_qdq(meta: dict) -> bool:
@@ -189,10 +185,8 @@ class OrtEngine(EngineBase):
         want_cuda = self.device.type == "cuda"
         # torch threads for the decoder's host work while this engine runs (decode.host_threads):
         # on CPU ONNX Runtime's pool owns the cores, so 1 (ARBORSPEC_HOST_THREADS overrides)
-        env = os.environ.get("ARBORSPEC_HOST_THREADS", "").strip()
-        if env and not env.isdigit():
-            raise InputError(f"ARBORSPEC_HOST_THREADS must be a whole number (0: leave torch alone), got {env!r}")
-        host_threads = None if want_cuda else (int(env) if env else 1)
+        env = settings.whole("ARBORSPEC_HOST_THREADS")
+        host_threads = None if want_cuda else (1 if env is None else env)
         if want_cuda and providers is None and "CUDAExecutionProvider" not in ort.get_available_providers():
             # said before loading (the CPU build would also print its own warning first)
             raise DeviceError(

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .. import contract as C
+from .. import settings
 from ..errors import DeviceError, EngineError, InputError, MissingFileError
 from ..fileio import atomic_write_bytes
 from ..kvcache import CacheSpec, KVCache, resolve_device
@@ -49,7 +50,7 @@ def import_trt(flavour: str | None = None, need: str = "Runtime"):
     """(module, name) of TensorRT: `tensorrt`, else `tensorrt_rtx` (flavour or
     ARBORSPEC_TRT_MODULE forces one). The one place that imports it (build and run); `need`
     is an attribute the module must have (PyPI's stub packages import without bindings)."""
-    env = os.environ.get(_ENV_MODULE, "").strip()
+    env = settings.text(_ENV_MODULE)
     flavour = (flavour or env or "auto").replace("-", "_").lower()
     if flavour not in ("auto",) + FLAVOURS:
         raise EngineError(
@@ -149,7 +150,7 @@ class TrtEngine(EngineBase):
             raise DeviceError("TrtEngine needs a CUDA GPU and none is visible to torch")
         self.entry = manifest_entry(self.path)
         recorded = (self.entry or {}).get("trt", {}).get("module")
-        trt, self.flavour = _import_trt(flavour or os.environ.get(_ENV_MODULE) or recorded)
+        trt, self.flavour = _import_trt(flavour or settings.text(_ENV_MODULE) or recorded)
         self.trt = trt
         self.clone_logits = clone_logits
         self._check_compatible()

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import sys
@@ -42,6 +41,8 @@ import traceback
 from pathlib import Path
 
 import torch
+
+from arborspec.runtime import settings
 
 BIG = dict(vocab=32000, hidden=2048, layers=22, heads=32, kv=4, inter=5632, max_position=4096)
 SMOL = dict(vocab=49152, hidden=576, layers=30, heads=9, kv=3, inter=1536, max_position=8192)
@@ -174,7 +175,7 @@ def part_cost(a, res: dict) -> None:
 
 def decode_model(a):
     """(module, tokenizer or None, description) of the decode benchmark's target."""
-    path = a.smollm2_gguf or os.environ.get("ARBORSPEC_SMOLLM2_GGUF")
+    path = a.smollm2_gguf or settings.raw("ARBORSPEC_SMOLLM2_GGUF")
     if not a.dry_run:
         try:
             from arborspec.models.registry import load_model, smollm2_available

@@ -18,6 +18,7 @@ import warnings
 COMMANDS = ["export", "build", "generate", "chat", "compare", "bench", "tune", "train-draft", "serve", "loadtest"]
 
 
+from arborspec.runtime import settings  # noqa: E402
 from arborspec.runtime.errors import ArborspecError, InputError, one_line  # noqa: E402
 
 
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None, shared_pool: bool = False) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    debug = bool(os.environ.get("ARBORSPEC_DEBUG"))
+    debug = settings.flag("ARBORSPEC_DEBUG")
     old = _install_signal_handlers()
     old_show, warnings.showwarning = warnings.showwarning, _show_warning
     try:

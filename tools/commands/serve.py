@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import argparse
 import errno
-import os
 import socket
 import sys
 from pathlib import Path
 
+from arborspec.runtime import settings
 from arborspec.runtime.errors import InputError
 from arborspec.tools.commands.cli import DRAFT_HELP_EXPORT, PREFIX_CACHE, TREE_HELP, summary
 
@@ -151,7 +151,7 @@ def _serve(args, man, sock, uvicorn) -> int:
         app = create_app(
             pool,
             str(name),
-            api_key=args.api_key or os.environ.get("ARBORSPEC_API_KEY"),
+            api_key=args.api_key or settings.text("ARBORSPEC_API_KEY"),
             max_context=int(man.limits.get("max_context", 2048)),
             access_log=None if args.quiet else _say,
             max_queue=None if args.max_queue < 0 else args.max_queue,
@@ -165,7 +165,7 @@ def _serve(args, man, sock, uvicorn) -> int:
             tree += f", at temperature > 0 {g.sampled_tree}"
         sock.listen(2048)
         if args.host not in ("127.0.0.1", "localhost", "::1") and not (
-            args.api_key or os.environ.get("ARBORSPEC_API_KEY")
+            args.api_key or settings.text("ARBORSPEC_API_KEY")
         ):
             _say(f"warning: listening on {args.host} without --api-key: anyone who can reach the port can use it")
         _say(

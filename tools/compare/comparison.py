@@ -42,6 +42,7 @@ from typing import Iterable
 
 import numpy as np
 
+from arborspec.runtime import settings
 from arborspec.runtime.errors import InputError
 from arborspec.tools.compare.feeds import (  # noqa: F401 - public API
     STATIC_PATHS,
@@ -487,7 +488,7 @@ def compare_export(
     bar = tqdm(total=total, desc="compare", unit="run", disable=None if progress else True, leave=False)
     TorchRunner, OrtRunner, TrtEngineRunner, OrtEngineRunner, Eagle3HeadRunner = _runner_classes()
     old_sev = G_LOGGER.module_severity
-    if not os.environ.get("ARBORSPEC_DEBUG"):
+    if not settings.flag("ARBORSPEC_DEBUG"):
         G_LOGGER.module_severity = G_LOGGER.ERROR
     from arborspec.runtime.contract import kv_layout
     from arborspec.runtime.onnx_meta import read_onnx_metadata

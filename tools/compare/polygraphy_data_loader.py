@@ -30,11 +30,12 @@ import os
 import sys
 from pathlib import Path
 
+from arborspec.runtime import settings
 from arborspec.runtime.errors import InputError, MissingFileError
 
 
 def _locate() -> tuple[Path, str | None]:
-    env = os.environ.get("ARBORSPEC_EXPORT_DIR")
+    env = settings.path("ARBORSPEC_EXPORT_DIR")
     onnx_arg = next((a for a in sys.argv[1:] if a.endswith(".onnx")), None)
     if env:
         root = Path(env)
@@ -59,7 +60,7 @@ def feeds(
     root, onnx_arg = _locate() if export_dir is None else (Path(export_dir), None)
     target, draft, _, man = load_export_dir(root, load_tokenizer=False)
     if graph is None:
-        graph = os.environ.get("ARBORSPEC_GRAPH")
+        graph = settings.text("ARBORSPEC_GRAPH")
     if graph is None and onnx_arg is not None:
         name = Path(onnx_arg).name
         graph = "draft" if name == man.draft.get("file") else "target"
@@ -78,8 +79,8 @@ def feeds(
         draft,
         max_tree_nodes=int(man.limits.get("max_tree_nodes", 64)),
         max_context=man.limits.get("max_context"),
-        trees=int(trees if trees is not None else os.environ.get("ARBORSPEC_TREES", 1)),
-        seed=int(seed if seed is not None else os.environ.get("ARBORSPEC_SEED", 0)),
+        trees=int(trees if trees is not None else settings.integer("ARBORSPEC_TREES")),
+        seed=int(seed if seed is not None else settings.integer("ARBORSPEC_SEED")),
         kv_dtype=kv,
     )
     from arborspec.runtime.contract import kv_layout

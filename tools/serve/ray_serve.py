@@ -23,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+from arborspec.runtime import settings
 from arborspec.runtime.errors import ArborspecError, InputError
 from arborspec.tools.commands.cli import PREFIX_CACHE
 
@@ -137,7 +138,7 @@ def build(
         int(workers),
         str(name),
         int(man.limits.get("max_context", 2048)),
-        api_key or os.environ.get("ARBORSPEC_API_KEY"),
+        api_key or settings.text("ARBORSPEC_API_KEY"),
         int(max_batch),
         prefix_cache,
         None if max_queue is None else int(max_queue),
@@ -164,12 +165,11 @@ def app_builder(args: dict):
 # `serve.start` waits a fixed 60 s for the first one: on 2 loaded cores the proxy's Python start-up
 # alone can take longer, so the driver's wait was cancelled with the actor (tests/test_serve_ray.py
 # errored at setup). The controller, a Ray actor, reads these variables from the environment it
-# inherits from `ray.init`; `start` then waits for the proxy itself, up to START_TIMEOUT_S.
+# inherits from `ray.init`; `start` then waits for the proxy itself, up to ARBORSPEC_RAY_START_TIMEOUT_S.
 RAY_SERVE_SLOW_START = {
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",  # Ray's default 5 (x restarts)
     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30",  # Ray's default 10 (3 misses restart the proxy)
 }
-START_TIMEOUT_S = 300.0  # ARBORSPEC_RAY_START_TIMEOUT_S overrides
 
 
 def start_local_ray() -> None:
@@ -196,7 +196,7 @@ def start(app, host: str = "127.0.0.1", port: int = 8000) -> None:
     import ray
     from ray import serve
 
-    deadline = time.monotonic() + float(os.environ.get("ARBORSPEC_RAY_START_TIMEOUT_S", START_TIMEOUT_S))
+    deadline = time.monotonic() + settings.number("ARBORSPEC_RAY_START_TIMEOUT_S")
     try:
         serve.start(http_options={"host": host, "port": port})
     except (TimeoutError, ray.exceptions.RayError):

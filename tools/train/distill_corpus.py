@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
 
+from arborspec.runtime import settings
 from arborspec.tools.prompts import SEEDS, encode_entry, random_seed_ids
 
 
 # ----------------------------------------------------------------------------- corpus
 def cache_root() -> Path:
-    return Path(os.environ.get("ARBORSPEC_CACHE") or Path.home() / ".cache" / "arborspec")
+    return settings.path("ARBORSPEC_CACHE")
 
 
 def generate_corpus(
