@@ -15,8 +15,11 @@ over the full vocabulary), step weights STEP_DECAY^k (train-draft --step-decay).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -65,8 +68,6 @@ def revocab_head(head: Eagle3Head, vocab: np.ndarray, target_module) -> Eagle3He
     weight carried over, lm_head rows of the tokens both vocabularies hold too (their logits are
     unchanged), the new tokens' rows from the target's LM head (init_head's starting point) through
     the map training took the kept ones' along."""
-    import dataclasses
-
     c = dataclasses.replace(head.config, draft_vocab_size=len(vocab))
     new = Eagle3Head(c)
     sd = {k: v for k, v in head.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
@@ -328,250 +329,336 @@ def save_checkpoint(path: Path, state: dict) -> None:
     atomic_write(path, lambda f: torch.save(state, f))
 
 
-def train(
-    head: Eagle3Head,
-    embed: torch.Tensor,
-    corpus: Path,
-    out: Path,
-    *,
-    steps: int = 4,
-    batch: int = 4,
-    lr: float | None = None,
-    minutes: float = 60.0,
-    batches: int | None = None,
-    schedule_batches: int | None = None,
-    seed: int = 0,
-    resume: bool = True,
-    evaluate=None,
-    better=None,
-    eval_every_s: float = 600.0,
-    progress: bool = True,
-    log_every: int = 20,
-    save_every_s: float = 180.0,
-    device: str = "cpu",
-    precision: str = "fp32",
-    template_share: float | None = None,
-    shards: range | None = None,
-    step_decay: float | None = None,
-) -> dict:
-    """Train in place for `minutes` of this run; checkpoints `out/train_state.pt` (head,
-    optimiser, step, epoch, the epoch's window order and the position in it, schedule, curve,
-    time spent) every `save_every_s` and at the end; a later run resumes from it with the same
-    state. The learning rate follows `lr_at` over `schedule_batches` (default: 2 passes over the
-    corpus as the first run finds it) up to the peak `lr` (default DEFAULT_LR); a resumed run keeps
-    its checkpoint's schedule, peak and `template_share` unless given (not None). Each
-    epoch draws a new order over all windows the corpus then has. `batches`: at most this many
-    in this run. `evaluate(head) -> dict` (the
-    held-out measure) runs every `eval_every_s` and at the end; its results go into the curve, and
-    with `better(new, old) -> bool` (train-draft passes the install rule, `eagle3_heldout.beats`)
-    the head of the best measure so far is kept in `out/best_head.pt`: the report's "best" names
-    its batch (the caller publishes that head). `device`: where the head trains ("cuda" on a
-    GPU); the held-out measure and the checkpoints' heads are CPU copies, and checkpoints load with
-    map_location="cpu", so a run resumes anywhere. `precision`: "bf16" runs the forward and
-    backward matmuls under bfloat16 autocast (weights, optimiser state and the loss stay fp32;
-    `training_precision` picks it where the hardware has native bf16), "fp32" everything in fp32.
-    `template_share`: each epoch's share of windows from template-prompt shards (epoch_order).
-    `shards`: train on these shard numbers only (the text a head has not seen, featurised on its
-    own); a resumed run keeps its checkpoint's range, and refuses another. `step_decay`: the
-    loss of training-time-test step k weighs step_decay**k (default STEP_DECAY; lower puts more
-    of it on depth 1); a resumed run keeps its checkpoint's unless given."""
-    from tqdm import tqdm
+@dataclass
+class TrainConfig:
+    """One training run's settings (train-draft's flags). `lr`, `schedule_batches`,
+    `template_share`, `step_decay` and `shards` at None: a resumed run keeps its checkpoint's, a
+    new one takes the default (DEFAULT_LR, 2 passes over the corpus, every window once,
+    STEP_DECAY, every shard)."""
 
-    from arborspec.runtime.errors import InputError
-    from arborspec.runtime.fileio import atomic_write_json
-    from arborspec.tools.train.eagle3_corpus import log, shards_text
+    steps: int = 4  # TTT steps per position
+    batch: int = 4  # windows per batch
+    lr: float | None = None  # the schedule's peak
+    minutes: float = 60.0  # this run's budget
+    batches: int | None = None  # at most this many batches in this run
+    schedule_batches: int | None = None  # the schedule's length
+    seed: int = 0  # the epochs' window orders
+    resume: bool = True  # from out/train_state.pt where it exists
+    evaluate: Callable[[Eagle3Head], dict] | None = None  # the held-out measure
+    better: Callable[[dict, dict], bool] | None = None  # new beats old: keep best_head.pt
+    eval_every_s: float = 600.0
+    progress: bool = True  # a tqdm bar; else a log line every `log_every` batches
+    log_every: int = 20  # batches per curve point
+    save_every_s: float = 180.0
+    device: str = "cpu"
+    precision: str = "fp32"  # or "bf16" (training_precision)
+    template_share: float | None = None  # epoch_order
+    shards: range | None = None  # these shard numbers only
+    step_decay: float | None = None  # the loss of TTT step k weighs step_decay**k
 
-    state_file = out / "train_state.pt"
-    st = torch.load(state_file, map_location="cpu", weights_only=False) if resume and state_file.is_file() else None
-    kept = st.get("shards") if st is not None else None  # [first, stop] or None (every shard)
-    if st is not None and shards is not None and kept != [shards.start, shards.stop]:
-        raise InputError(
-            f"{state_file} trained on {'shards ' + shards_text(range(*kept)) if kept else 'every shard'}, not "
-            f"--shards {shards_text(shards)}: resume it with the same range, or start over (--no-resume, or another --out)"
-        )
-    if shards is None and kept is not None:
-        shards = range(*kept)
-    data = ShardData(corpus, shards=shards)  # its top-K over the head's vocabulary: set after the state loads
-    if len(data) == 0:
-        raise InputError(
-            f"the corpus {corpus} has no training window {'in those shards' if shards is not None else 'yet'} (its "
-            "responses are shorter than one window): grow it (--corpus-minutes, --corpus-tokens), give a smaller "
-            "--window or other --shards"
-        )
-    dev = torch.device(device)
-    head.to(dev)
-    embed = embed.to(dev)
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=DEFAULT_LR, betas=(0.9, 0.95), weight_decay=0.0)  # lr set every batch
-    if st is not None:
-        try:
-            head.load_state_dict(st["head"])
-        except RuntimeError:
-            n = st["head"].get("lm_head.weight", torch.zeros(0)).shape[0]
+
+def train(head: Eagle3Head, embed: torch.Tensor, corpus: Path, out: Path,
+          config: TrainConfig | None = None, **options) -> dict:
+    """Train in place for `config.minutes` of this run (`options`: TrainConfig fields, over
+    `config`); checkpoints `out/train_state.pt` (head, optimiser, step, epoch, the epoch's window
+    order and the position in it, schedule, curve, time spent) every `save_every_s` and at the
+    end; a later run resumes from it with the same state. The learning rate follows `lr_at` over
+    `schedule_batches` (default: 2 passes over the corpus as the first run finds it) up to the
+    peak `lr`. Each epoch draws a new order over all windows the corpus then has.
+    `evaluate(head) -> dict` (the held-out measure) runs every `eval_every_s` and at the end; its
+    results go into the curve, and with `better(new, old) -> bool` (train-draft passes the install
+    rule, `eagle3_heldout.beats`) the head of the best measure so far is kept in
+    `out/best_head.pt`: the report's "best" names its batch (the caller publishes that head).
+    `device`: where the head trains ("cuda" on a GPU); the held-out measure and the checkpoints'
+    heads are CPU copies, and checkpoints load with map_location="cpu", so a run resumes
+    anywhere. `precision`: "bf16" runs the forward and backward matmuls under bfloat16 autocast
+    (weights, optimiser state and the loss stay fp32), "fp32" everything in fp32. `shards`: a
+    resumed run keeps its checkpoint's range, and refuses another."""
+    run = _TrainingRun(head, embed, corpus, out, dataclasses.replace(config or TrainConfig(), **options))
+    stopped = run.loop()
+    return run.finish(stopped)
+
+
+class _TrainingRun:
+    """One call of `train`: the checkpoint it resumes, the data, the head on its device with its
+    optimiser, the settings resolved against the checkpoint, and the progress it saves."""
+
+    def __init__(self, head: Eagle3Head, embed: torch.Tensor, corpus: Path, out: Path, cfg: TrainConfig):
+        self.cfg, self.out, self.head = cfg, out, head
+        self.state_file, self.best_file = out / "train_state.pt", out / "best_head.pt"
+        st = self.load_checkpoint()
+        self.data = self.load_data(corpus)
+        self.dev = torch.device(cfg.device)
+        self.embed = self.build_head(embed, st)
+        self.resolve_settings(st)
+        self.restore_progress(st)
+
+    # -- setting up ------------------------------------------------------------------------------
+
+    def load_checkpoint(self) -> dict | None:
+        """The checkpoint to resume (None: a new run); sets the shard range it trained on."""
+        from arborspec.runtime.errors import InputError
+        from arborspec.tools.train.eagle3_corpus import shards_text
+
+        cfg, state_file = self.cfg, self.state_file
+        st = torch.load(state_file, map_location="cpu", weights_only=False) if cfg.resume and state_file.is_file() else None
+        kept = st.get("shards") if st is not None else None  # [first, stop] or None (every shard)
+        if st is not None and cfg.shards is not None and kept != [cfg.shards.start, cfg.shards.stop]:
             raise InputError(
-                f"{state_file} holds a head of another shape (a draft vocabulary of {n}): resume it with the "
-                "same --revocab, or start over (--no-resume, or another --out)"
-            ) from None
-        opt.load_state_dict(st["opt"])
-    data.use_vocab(head.token_map().cpu().numpy())  # a head over another vocabulary (revocab_head) reads
-    vocab_t = data.vocab_t.to(dev)  # the corpus's top-K mapped onto its own
-    total = int(schedule_batches or (st["schedule"]["total"] if st else 2 * max(1, len(data) // batch)))
-    if lr is None:
-        lr = st["schedule"]["peak"] if st else DEFAULT_LR
-    if template_share is None and st is not None:
-        template_share = st.get("template_share")
-    if step_decay is None:
-        step_decay = st.get("step_decay", STEP_DECAY) if st else STEP_DECAY
-    sched = {"total": total, "warm": min(50, total // 10 + 1), "peak": lr}
-    if st is None:
-        st = {"step": 0, "epoch": 0, "order": None, "pos": 0, "curve": [], "evals": [], "spent_s": 0.0, "cpu_s": 0.0}
-    step, epoch, order, pos = st["step"], st["epoch"], st["order"], st["pos"]
-    best_file = out / "best_head.pt"
-    best = st.get("best") if best_file.is_file() else None  # an older checkpoint kept no best head
-    first = step
-    curve, evals = st["curve"], st["evals"]
-    weights = [step_decay**k for k in range(steps)]
+                f"{state_file} trained on {'shards ' + shards_text(range(*kept)) if kept else 'every shard'}, not "
+                f"--shards {shards_text(cfg.shards)}: resume it with the same range, or start over (--no-resume, or "
+                "another --out)"
+            )
+        self.shards = range(*kept) if cfg.shards is None and kept is not None else cfg.shards
+        return st
 
-    def next_batch():
-        nonlocal epoch, order, pos
-        if order is None or pos + batch > len(order):
-            if order is not None:
-                epoch += 1
-            order = epoch_order(data.sources, np.random.default_rng([seed, epoch]), template_share)
-            pos = 0
-        idx = order[pos : pos + batch]
-        pos += batch
+    def load_data(self, corpus: Path) -> ShardData:
+        """The corpus's windows in the run's shards (their top-K over the head's vocabulary: set in
+        build_head, once the checkpoint's head is in)."""
+        from arborspec.runtime.errors import InputError
+
+        data = ShardData(corpus, shards=self.shards)
+        if len(data) == 0:
+            raise InputError(
+                f"the corpus {corpus} has no training window {'in those shards' if self.shards is not None else 'yet'} "
+                "(its responses are shorter than one window): grow it (--corpus-minutes, --corpus-tokens), give a "
+                "smaller --window or other --shards"
+            )
+        return data
+
+    def build_head(self, embed: torch.Tensor, st: dict | None) -> torch.Tensor:
+        """The head and the embeddings on the device, the optimiser, both resumed from the
+        checkpoint; the data's top-K mapped onto the head's vocabulary. Returns the embeddings."""
+        from arborspec.runtime.errors import InputError
+
+        head = self.head
+        head.to(self.dev)
+        embed = embed.to(self.dev)
+        self.params = [p for p in head.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=DEFAULT_LR, betas=(0.9, 0.95), weight_decay=0.0)  # lr set every batch
+        if st is not None:
+            try:
+                head.load_state_dict(st["head"])
+            except RuntimeError:
+                n = st["head"].get("lm_head.weight", torch.zeros(0)).shape[0]
+                raise InputError(
+                    f"{self.state_file} holds a head of another shape (a draft vocabulary of {n}): resume it with the "
+                    "same --revocab, or start over (--no-resume, or another --out)"
+                ) from None
+            self.opt.load_state_dict(st["opt"])
+        self.data.use_vocab(head.token_map().cpu().numpy())  # a head over another vocabulary (revocab_head) reads
+        self.vocab_t = self.data.vocab_t.to(self.dev)  # the corpus's top-K mapped onto its own
+        return embed
+
+    def resolve_settings(self, st: dict | None) -> None:
+        """Schedule, template share and step decay: as given, else the checkpoint's, else the defaults."""
+        cfg = self.cfg
+        total = int(cfg.schedule_batches or (st["schedule"]["total"] if st else 2 * max(1, len(self.data) // cfg.batch)))
+        lr = cfg.lr if cfg.lr is not None else (st["schedule"]["peak"] if st else DEFAULT_LR)
+        self.template_share = cfg.template_share
+        if self.template_share is None and st is not None:
+            self.template_share = st.get("template_share")
+        self.step_decay = cfg.step_decay
+        if self.step_decay is None:
+            self.step_decay = st.get("step_decay", STEP_DECAY) if st else STEP_DECAY
+        self.sched = {"total": total, "warm": min(50, total // 10 + 1), "peak": lr}
+        self.weights = [self.step_decay**k for k in range(cfg.steps)]
+
+    def restore_progress(self, st: dict | None) -> None:
+        """Step, epoch, window order, curves, the best head so far and the clocks, from the checkpoint."""
+        if st is None:
+            st = {"step": 0, "epoch": 0, "order": None, "pos": 0, "curve": [], "evals": [], "spent_s": 0.0, "cpu_s": 0.0}
+        self.step, self.epoch, self.order, self.pos = st["step"], st["epoch"], st["order"], st["pos"]
+        self.best = st.get("best") if self.best_file.is_file() else None  # an older checkpoint kept no best head
+        self.first = self.step
+        self.curve, self.evals = st["curve"], st["evals"]
+        self.t0, self.c0 = time.perf_counter() - st["spent_s"], time.process_time() - st["cpu_s"]
+        self.run_start = time.perf_counter()
+
+    # -- training --------------------------------------------------------------------------------
+
+    def loop(self) -> str:
+        """Train batch after batch until the schedule, the budget or a signal ends it; evaluates
+        and checkpoints on their clocks. Returns why it stopped."""
+        from tqdm import tqdm
+
+        cfg, total = self.cfg, self.sched["total"]
+        self.head.train()
+        last_save = last_eval = time.perf_counter()
+        bar = tqdm(total=total, initial=self.step, desc="train-draft", unit="batch", disable=None if cfg.progress else True)
+        self.run_loss, self.run_acc = [], []
+        stop_reason = "schedule done"
+        with StopFlag() as stop:
+            while self.step < total:
+                reason = self.budget_spent(stop)
+                if reason is not None:
+                    stop_reason = reason
+                    break
+                self.train_batch()
+                if self.step % cfg.log_every == 0 or self.step == total:
+                    self.log_curve(bar)
+                bar.update(1)
+                if time.perf_counter() - last_eval > cfg.eval_every_s:
+                    self.evaluate()
+                    last_eval = time.perf_counter()
+                if time.perf_counter() - last_save > cfg.save_every_s:
+                    self.checkpoint()
+                    last_save = time.perf_counter()
+        bar.close()
+        return stop_reason
+
+    def budget_spent(self, stop: StopFlag) -> str | None:
+        """Why this run stops before the next batch (None: it goes on)."""
+        cfg = self.cfg
+        if stop.set:
+            return "stopped by a signal"
+        if (time.perf_counter() - self.run_start) / 60 >= cfg.minutes or (
+            cfg.batches is not None and self.step - self.first >= cfg.batches
+        ):
+            return f"this run's budget ({cfg.minutes:g} min)" if cfg.batches is None else f"{cfg.batches} batches"
+        return None
+
+    def next_batch(self) -> np.ndarray:
+        """The next batch's window indices; a new epoch (a new order) when this one is used up."""
+        batch = self.cfg.batch
+        if self.order is None or self.pos + batch > len(self.order):
+            if self.order is not None:
+                self.epoch += 1
+            rng = np.random.default_rng([self.cfg.seed, self.epoch])
+            self.order = epoch_order(self.data.sources, rng, self.template_share)
+            self.pos = 0
+        idx = self.order[self.pos : self.pos + batch]
+        self.pos += batch
         return idx
 
-    t0, c0 = time.perf_counter() - st["spent_s"], time.process_time() - st["cpu_s"]
-    run_start = time.perf_counter()
+    def train_batch(self) -> None:
+        """One optimiser step on the next batch: the TTT forward, the step-weighted loss, clipped
+        gradients."""
+        cfg, sched, opt = self.cfg, self.sched, self.opt
+        tk, fe, ti, tl, t1 = (x.to(self.dev, non_blocking=True) for x in self.data.batch_at(self.next_batch()))
+        for g in opt.param_groups:
+            g["lr"] = lr_at(self.step, sched["peak"], sched["total"], sched["warm"])
+        with torch.autocast(self.dev.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
+            outs = ttt_forward(self.head, self.embed, tk, fe, cfg.steps)
+            losses, accs = step_losses(outs, ti, tl, t1, self.vocab_t, cfg.steps)
+        loss = sum(w * lo for w, lo in zip(self.weights, losses)) / sum(self.weights)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 0.5)
+        opt.step()
+        self.step += 1
+        self.run_loss.append(float(loss.detach()))
+        self.run_acc.append([float(a.detach()) for a in accs])
 
-    def cpu_state(sd):
-        return {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in sd.items()}
-
-    def snapshot():
+    def clock(self) -> dict:
+        """Minutes of wall and CPU time over every run of this training so far."""
         return {
-            "head": cpu_state(head.state_dict()),
-            "opt": opt.state_dict(),
-            "step": step,
-            "epoch": epoch,
-            "order": order,
-            "pos": pos,
-            "schedule": sched,
-            "template_share": template_share,
-            "step_decay": step_decay,
-            "shards": None if shards is None else [shards.start, shards.stop],
-            "curve": curve,
-            "evals": evals,
-            "best": best,
-            "spent_s": time.perf_counter() - t0,
-            "cpu_s": time.process_time() - c0,
+            "minutes": round((time.perf_counter() - self.t0) / 60, 2),
+            "cpu_minutes": round((time.process_time() - self.c0) / 60, 2),
         }
 
-    def run_eval():
-        nonlocal best
-        if evaluate is None:
+    def log_curve(self, bar) -> None:
+        """A curve point: the mean loss and train top-1 per step since the last one."""
+        self.curve.append(
+            {
+                "batch": self.step,
+                **self.clock(),
+                "loss": round(float(np.mean(self.run_loss)), 4),
+                "acc_per_step": [round(float(x), 4) for x in np.mean(self.run_acc, 0)],
+            }
+        )
+        c = self.curve[-1]
+        if not self.cfg.progress:
+            from arborspec.tools.train.eagle3_corpus import log
+
+            log(
+                f"train-draft: batch {self.step}/{self.sched['total']} epoch {self.epoch} loss {c['loss']} "
+                f"train top-1 {c['acc_per_step']} lr {self.opt.param_groups[0]['lr']:.2e}"
+            )
+        bar.set_postfix(loss=c["loss"], acc0=c["acc_per_step"][0])
+        self.run_loss, self.run_acc = [], []
+
+    def evaluate(self) -> None:
+        """The held-out measure on a CPU copy of the head, into the curve; the best head so far kept."""
+        cfg, head = self.cfg, self.head
+        if cfg.evaluate is None:
             return
         import copy
 
-        res = evaluate(head if dev.type == "cpu" else copy.deepcopy(head).cpu())
-        head.train()
-        if better is not None and (best is None or better(res, best)):
-            save_checkpoint(best_file, cpu_state(head.state_dict()))
-            best = {"batch": step, **res}
-        evals.append(
-            {
-                "batch": step,
-                "minutes": round((time.perf_counter() - t0) / 60, 2),
-                "cpu_minutes": round((time.process_time() - c0) / 60, 2),
-                **res,
-            }
-        )
-        log(f"train-draft: held-out at batch {step}: {res['top1_agreement_per_depth']}")
+        from arborspec.tools.train.eagle3_corpus import log
 
-    head.train()
-    last_save = last_eval = time.perf_counter()
-    bar = tqdm(total=total, initial=step, desc="train-draft", unit="batch", disable=None if progress else True)
-    run_loss, run_acc = [], []
-    stop_reason = "schedule done"
-    with StopFlag() as stop:
-        while step < total:
-            if stop.set:
-                stop_reason = "stopped by a signal"
-                break
-            if (time.perf_counter() - run_start) / 60 >= minutes or (batches is not None and step - first >= batches):
-                stop_reason = f"this run's budget ({minutes:g} min)" if batches is None else f"{batches} batches"
-                break
-            tk, fe, ti, tl, t1 = (x.to(dev, non_blocking=True) for x in data.batch_at(next_batch()))
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step, sched["peak"], sched["total"], sched["warm"])
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-                outs = ttt_forward(head, embed, tk, fe, steps)
-                losses, accs = step_losses(outs, ti, tl, t1, vocab_t, steps)
-            loss = sum(w * lo for w, lo in zip(weights, losses)) / sum(weights)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 0.5)
-            opt.step()
-            step += 1
-            run_loss.append(float(loss.detach()))
-            run_acc.append([float(a.detach()) for a in accs])
-            if step % log_every == 0 or step == total:
-                curve.append(
-                    {
-                        "batch": step,
-                        "minutes": round((time.perf_counter() - t0) / 60, 2),
-                        "cpu_minutes": round((time.process_time() - c0) / 60, 2),
-                        "loss": round(float(np.mean(run_loss)), 4),
-                        "acc_per_step": [round(float(x), 4) for x in np.mean(run_acc, 0)],
-                    }
-                )
-                if not progress:
-                    c = curve[-1]
-                    log(
-                        f"train-draft: batch {step}/{total} epoch {epoch} loss {c['loss']} "
-                        f"train top-1 {c['acc_per_step']} lr {opt.param_groups[0]['lr']:.2e}"
-                    )
-                bar.set_postfix(loss=curve[-1]["loss"], acc0=curve[-1]["acc_per_step"][0])
-                run_loss, run_acc = [], []
-            bar.update(1)
-            if time.perf_counter() - last_eval > eval_every_s:
-                run_eval()
-                last_eval = time.perf_counter()
-            if time.perf_counter() - last_save > save_every_s:
-                save_checkpoint(state_file, snapshot())
-                last_save = time.perf_counter()
-    bar.close()
-    head.eval()
-    if evaluate is not None and (not evals or evals[-1]["batch"] != step):
-        run_eval()
-    head.eval()
-    save_checkpoint(state_file, snapshot())
-    report = {
-        "batches": step,
-        "schedule": sched,
-        "epoch": epoch,
-        "stopped": stop_reason,
-        "minutes": round((time.perf_counter() - t0) / 60, 2),
-        "cpu_minutes": round((time.process_time() - c0) / 60, 2),
-        "train_windows": len(data),
-        "shards": None if shards is None else [shards.start, min(shards.stop, data.last + 1)],
-        "ttt_steps": steps,
-        "step_decay": step_decay,
-        "batch_windows": batch,
-        "precision": precision,
-        "template_share": template_share,
-        "seed": seed,
-        "curve": curve,
-        "heldout_curve": evals,
-        "heldout": {k: v for k, v in evals[-1].items() if k not in ("batch", "minutes", "cpu_minutes")}
-        if evals
-        else None,
-        "best": best,
-    }
-    atomic_write_json(out / "training.json", report)
-    head.cpu()  # the caller saves and measures it on the CPU
-    return report
+        res = cfg.evaluate(head if self.dev.type == "cpu" else copy.deepcopy(head).cpu())
+        head.train()
+        if cfg.better is not None and (self.best is None or cfg.better(res, self.best)):
+            save_checkpoint(self.best_file, _cpu_state(head.state_dict()))
+            self.best = {"batch": self.step, **res}
+        self.evals.append({"batch": self.step, **self.clock(), **res})
+        log(f"train-draft: held-out at batch {self.step}: {res['top1_agreement_per_depth']}")
+
+    def checkpoint(self) -> None:
+        """out/train_state.pt: everything a later run resumes from (its keys are the format)."""
+        save_checkpoint(
+            self.state_file,
+            {
+                "head": _cpu_state(self.head.state_dict()),
+                "opt": self.opt.state_dict(),
+                "step": self.step,
+                "epoch": self.epoch,
+                "order": self.order,
+                "pos": self.pos,
+                "schedule": self.sched,
+                "template_share": self.template_share,
+                "step_decay": self.step_decay,
+                "shards": None if self.shards is None else [self.shards.start, self.shards.stop],
+                "curve": self.curve,
+                "evals": self.evals,
+                "best": self.best,
+                "spent_s": time.perf_counter() - self.t0,
+                "cpu_s": time.process_time() - self.c0,
+            },
+        )
+
+    # -- the end ---------------------------------------------------------------------------------
+
+    def finish(self, stopped: str) -> dict:
+        """The last held-out measure and checkpoint, and the report (also out/training.json); the
+        head back on the CPU, in eval mode."""
+        from arborspec.runtime.fileio import atomic_write_json
+
+        cfg, evals, shards = self.cfg, self.evals, self.shards
+        self.head.eval()
+        if cfg.evaluate is not None and (not evals or evals[-1]["batch"] != self.step):
+            self.evaluate()
+        self.head.eval()
+        self.checkpoint()
+        report = {
+            "batches": self.step,
+            "schedule": self.sched,
+            "epoch": self.epoch,
+            "stopped": stopped,
+            **self.clock(),
+            "train_windows": len(self.data),
+            "shards": None if shards is None else [shards.start, min(shards.stop, self.data.last + 1)],
+            "ttt_steps": cfg.steps,
+            "step_decay": self.step_decay,
+            "batch_windows": cfg.batch,
+            "precision": cfg.precision,
+            "template_share": self.template_share,
+            "seed": cfg.seed,
+            "curve": self.curve,
+            "heldout_curve": evals,
+            "heldout": {k: v for k, v in evals[-1].items() if k not in ("batch", "minutes", "cpu_minutes")}
+            if evals
+            else None,
+            "best": self.best,
+        }
+        atomic_write_json(self.out / "training.json", report)
+        self.head.cpu()  # the caller saves and measures it on the CPU
+        return report
+
+
+def _cpu_state(sd: dict) -> dict:
+    return {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in sd.items()}
 
 
 def save_public(head: Eagle3Head, folder: Path, extra: dict | None = None) -> list[str]:
