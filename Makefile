@@ -10,7 +10,7 @@ ARBOR := $(VENV)/bin/arborspec
 STAMP := $(VENV)/.installed
 CACHE ?= $(if $(ARBORSPEC_CACHE),$(ARBORSPEC_CACHE),$(HOME)/.cache/arborspec)
 # the demo decodes with the fastest configuration measured here whose output is exact (docs/int4.md,
-# benchmarks/RESULTS.md 2026-11-25 and 2026-11-26): the int4 export (the GGUF's own 4-bit blocks,
+# benchmarks/history/RESULTS-2026-11.md 2026-11-25 and 2026-11-26): the int4 export (the GGUF's own 4-bit blocks,
 # int8 activations, made exact under speculation by the engine's row layout) with the shipped
 # EAGLE-3 head (int8) alone (`--draft export`: ahead of the head mixed with prompt lookup in every
 # column of the v21-v24 sittings against llama.cpp, 2026-11-27/28, by 5-13 %; the demo's prompt

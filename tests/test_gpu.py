@@ -734,7 +734,7 @@ def test_a_decoder_keeps_its_cache_and_its_graphs_from_one_generation_to_the_nex
     """The decoder reuses its cache when it fits, so a second generate() of the same prompt
     captures no graph: on the H100 the engine's "cuda" was compared with the cache's cuda:0
     (unequal in torch), every generate() made a new cache, and the bench counted 6-16 captures
-    while timed (benchmarks/RESULTS.md, "GPU: the fourth session"). (Dry mode: the same static
+    while timed (benchmarks/history/RESULTS-2026-11.md, "GPU: the fourth session"). (Dry mode: the same static
     entries, eager.)"""
     from arborspec.runtime.backends.torch_backend import TorchEngine
     from arborspec.runtime.decode import SpeculativeDecoder

@@ -132,7 +132,7 @@ def test_a_bucket_may_reach_past_the_slab_end():
     """A call whose T fits the cache but whose padded bucket does not (a 65-row dynamic tree padded
     to 128 near the end of a sequence) stays static: padded rows never reach the slab. It used to
     fall back to the eager path (on the H100 the dynamic:8,6,64 tree then ran at eager speed under
-    CUDA graphs, benchmarks/RESULTS.md)."""
+    CUDA graphs, benchmarks/history/RESULTS-2026-11.md)."""
     m = random_model(tiny_config("llama"), seed=4)
     eager, static = TorchEngine(copy.deepcopy(m)), TorchEngine(copy.deepcopy(m), cuda_graphs="static")
     ca, cb = (KVCache(e.info.cache, 20, 1) for e in (eager, static))
@@ -206,7 +206,7 @@ def test_a_cuda_engine_keeps_its_cache_from_one_generation_to_the_next(monkeypat
     """An engine made with device="cuda" and the cache it made (on cuda:0) are on one device. The
     old check compared torch.device("cuda") with cuda:0 (unequal in torch), so on the H100 every
     generate() allocated a new cache and captured new CUDA graphs for it: 6 captures while timed
-    on vanilla (benchmarks/RESULTS.md, "GPU: the fourth session"). Checked here without a GPU."""
+    on vanilla (benchmarks/history/RESULTS-2026-11.md, "GPU: the fourth session"). Checked here without a GPU."""
     from arborspec.runtime.kvcache import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -54,7 +54,7 @@ class Eagle3Draft(DraftSource):
     CONTEXT = 1024
     # sampled candidates' q = softmax(SAMPLE_SCALE * logits / T) (DraftSource.sample_scale;
     # lossless at any value). Measured on the 3,676 held-out positions, teacher-forced
-    # (benchmarks/eagle3_revocab_2026-11-27/sampled_acceptance.py): the trained heads are
+    # (benchmarks/history/eagle3_revocab_2026-11-27/sampled_acceptance.py): the trained heads are
     # under-confident, sum_x min(p_T, q) is highest for logits sharpened by 1/0.7-1/0.75 at every
     # depth, at T = 0.8 and 1.0 alike (run 11's head, T = 0.8: depth 1 0.520 -> 0.528, chain-of-4
     # expectation 1.922 -> 1.950)

@@ -482,7 +482,7 @@ def part_profile(a, res: dict) -> None:
     """Where a static verify call's time goes, per T: torch.profiler over replays of the captured
     call (SmolLM2's shape, fp32 and fp16, P = 512), the top kernels by device time. On the H100
     a T = 8 call of SmolLM2 in fp32 cost 2x a T = 1 call, which flattened the speed-up of every
-    draft under CUDA graphs (benchmarks/RESULTS.md, "GPU ... H100"): this names the kernels (the
+    draft under CUDA graphs (benchmarks/history/RESULTS-2026-11.md, "GPU ... H100"): this names the kernels (the
     third H100 session: cuBLAS's fp32 kernel for 8 rows, 52 us a call; T = 32 cost less than 8)."""
     from torch.profiler import ProfilerActivity, profile
 

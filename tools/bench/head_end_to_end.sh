@@ -1,7 +1,7 @@
 #!/bin/bash
 # A newly installed EAGLE-3 head end to end on this CPU, against the head before it, one sitting
 # (docs/drafts-training.md "Resume a run": what follows an install):
-#   bash tools/bench/head_end_to_end.sh NEW OLD OUT     e.g. v19 v18 benchmarks/eagle3_run13_2026-11-27
+#   bash tools/bench/head_end_to_end.sh NEW OLD OUT     e.g. v19 v18 benchmarks/history/eagle3_run13_2026-11-27
 # NEW / OLD: the DEMO_EXPORT versions (Makefile) of the new and the previous head; NEW's int4 and
 # fp32 exports are made if missing (OLD's are the previous session's, in the user cache).
 # 1. tune the int4 export's tree (export+lookup and export), 2. bench 8 prompts x 64 tokens:
@@ -9,7 +9,7 @@
 # every packaged (30) and held-out (32) prompt x 128 tokens, int4 NEW/OLD (tokens a call is what
 # compares heads; 8 x 64 leaves it within noise). Logs and JSON in OUT.
 set -u
-[ $# -eq 3 ] || { echo "usage: head_end_to_end.sh NEW OLD OUT (e.g. v19 v18 benchmarks/eagle3_run13_2026-11-27)" >&2; exit 2; }
+[ $# -eq 3 ] || { echo "usage: head_end_to_end.sh NEW OLD OUT (e.g. v19 v18 benchmarks/history/eagle3_run13_2026-11-27)" >&2; exit 2; }
 NEW=$1 OLD=$2 O=$3
 cd "$(dirname "$0")/../.."
 A=.venv/bin/arborspec

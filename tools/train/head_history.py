@@ -7,7 +7,7 @@ the head's curve per CPU-hour (the draft-head issue asks for it); `--plot` draws
 
 Role in one decode step: none; it reports how step 1's draft head got where it is.
 
-    python -m arborspec.tools.train.head_history --model smollm2-135m --plot benchmarks/eagle3_head_history.png
+    python -m arborspec.tools.train.head_history --model smollm2-135m --plot benchmarks/history/eagle3_head_history.png
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ p_T(argmax q) and a first level of the two top candidates with p_T(x1) + p_T(x2)
 sampled_acceptance.txt beside this file (2026-11-27, ninth session; the top-k rows and
 sampled_acceptance_run11.txt, the head of run 11, eleventh session).
 
-    .venv/bin/python benchmarks/eagle3_revocab_2026-11-27/sampled_acceptance.py [HEAD_SPEC]
+    .venv/bin/python benchmarks/history/eagle3_revocab_2026-11-27/sampled_acceptance.py [HEAD_SPEC]
 
 HEAD_SPEC: `eagle3` (the shipped head, default) or `eagle3:FOLDER`. Needs the held-out folder a
 `train-draft` run builds in the user cache (~/.cache/arborspec/eagle3-heldout/<key>).

@@ -4,7 +4,7 @@ set -u
 cd /work/main
 A=.venv/bin/arborspec
 X=~/.cache/arborspec/exports
-O=benchmarks/eagle3_run10_2026-11-27; mkdir -p $O
+O=benchmarks/history/eagle3_run10_2026-11-27; mkdir -p $O
 E=$X/smollm2-135m-int4-eagle3-int8-v16
 [ -f $E/manifest.json ] || $A export --model smollm2-135m --draft eagle3 --quantize int4 --draft-quantize int8 --out $E --quiet
 echo "exported $(date +%T)"

@@ -2,10 +2,10 @@
 # eleventh session: head run 12 end to end. int4 export v18 (tuned) beside v17 (packaged and held-out
 # prompts), fp32 exports with the run-12 and run-11 heads at T = 0 and T = 0.8 (fixed trees), one sitting
 set -u
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 A=.venv/bin/arborspec
 X=~/.cache/arborspec/exports
-O=benchmarks/eagle3_run12_2026-11-27; mkdir -p $O
+O=benchmarks/history/eagle3_run12_2026-11-27; mkdir -p $O
 E=$X/smollm2-135m-int4-eagle3-int8-v18
 F=$X/smollm2-135m-fp32-eagle3-int8-v18
 [ -f $E/manifest.json ] || $A export --model smollm2-135m --draft eagle3 --quantize int4 --draft-quantize int8 --out $E --quiet

@@ -3,10 +3,10 @@
 # 128 tokens each, greedy chain:3 on the int4 exports v18 / v17 (tokens a call is what compares;
 # run.sh's 8 prompts x 64 tokens left it within noise)
 set -u
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 A=.venv/bin/arborspec
 X=~/.cache/arborspec/exports
-O=benchmarks/eagle3_run12_2026-11-27
+O=benchmarks/history/eagle3_run12_2026-11-27
 for P in packaged heldout; do
   args=(); [ $P = heldout ] && args=(--prompts tools/data/heldout_prompts.json)
   for v in v18 v17; do

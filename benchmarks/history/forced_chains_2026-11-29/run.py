@@ -1,13 +1,13 @@
 """A grammar's forced tokens verified as one chain (runtime/decode.forced_chain) on SmolLM2 (the
 int4 export v24 = `make demo`'s, the EAGLE-3 head, its tuned tree): the 8 extraction requests of
-benchmarks/structured_2026-11-28 with their JSON schemas (96 tokens) and the 8 tool-call requests
-of benchmarks/tool_calls_2026-11-29 with tool_choice "required" (128 tokens), and the same schemas
+benchmarks/history/structured_2026-11-28 with their JSON schemas (96 tokens) and the 8 tool-call requests
+of benchmarks/history/tool_calls_2026-11-29 with tool_choice "required" (128 tokens), and the same schemas
 with llguidance's fixed separators ("x-guidance": no free whitespace), greedy; per request,
 interleaved in one process: vanilla, the tree without forced chains (decode.MIN_FORCED set out of
 reach: the decoder before this change) and the tree with them. Reports median tok/s, the median of
 per-request ratios to vanilla, target calls, and whether all three give the same tokens.
 
-    .venv/bin/python benchmarks/forced_chains_2026-11-29/run.py [EXPORT_DIR] > benchmarks/forced_chains_2026-11-29/result.json
+    .venv/bin/python benchmarks/history/forced_chains_2026-11-29/run.py [EXPORT_DIR] > benchmarks/history/forced_chains_2026-11-29/result.json
 """
 
 import importlib.util

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # lm-evaluation-harness's loglikelihood requests against `arborspec serve` (echo + logprobs):
 # a 30-question multiple-choice task of our own (mini.jsonl), offline.
-#   bash benchmarks/lm_eval_2026-11-28/run.sh EXPORT_DIR PORT OUT
+#   bash benchmarks/history/lm_eval_2026-11-28/run.sh EXPORT_DIR PORT OUT
 # Needs lm-eval[api]==0.4.13 and transformers in the Python on PATH (a venv of its own: lm-eval
 # pins packages this project's venv does not want), and a server running:
 #   arborspec serve --export-dir EXPORT_DIR --port PORT

@@ -3,7 +3,7 @@ tuned tree): vanilla vs the tuned tree, without and with the request's penalties
 prompts x 64 tokens, greedy, interleaved in one process; median tok/s and whether the tree's
 tokens equal vanilla's under the same penalties.
 
-    .venv/bin/python benchmarks/penalties_2026-11-28/run.py [EXPORT_DIR] > benchmarks/penalties_2026-11-28/result.json
+    .venv/bin/python benchmarks/history/penalties_2026-11-28/run.py [EXPORT_DIR] > benchmarks/history/penalties_2026-11-28/result.json
 """
 
 import json

@@ -4,7 +4,7 @@ interleaved; prints each turn's time to first token and prefill tokens, and the 
 --llamacpp: llama.cpp (llama-cpp-python) on the same GGUF fed the same prompt ids each turn, beside
 ours (its `generate` keeps the KV of the longest common prefix with its previous call too).
 
-    python benchmarks/prefix_cache_2026-11-28/chat_turns.py EXPORT_DIR [--turns 4] [--reps 3] [--max-batch 1] [--llamacpp]
+    python benchmarks/history/prefix_cache_2026-11-28/chat_turns.py EXPORT_DIR [--turns 4] [--reps 3] [--max-batch 1] [--llamacpp]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 # working tree's, swapped in turn for each seed; the T = 0.8 top-p 0.95 bench with topk and
 # sample-unique candidates on the tuned tree and chain:2; writes {old,new}_s{SEED}.json beside
 # this script (TAG=x: x{old,new}_...).
-#   bash benchmarks/sampled_candidates_2026-11-28/run.sh ~/.cache/arborspec/exports/smollm2-135m-fp32-eagle3-int8-s18
+#   bash benchmarks/history/sampled_candidates_2026-11-28/run.sh ~/.cache/arborspec/exports/smollm2-135m-fp32-eagle3-int8-s18
 set -e
 E=${1:?usage: [OLD=rev] [SEEDS="0 1 2 3"] run.sh EXPORT_DIR}
 OLD=${OLD:-f316ef4}

@@ -4,7 +4,7 @@
 # swapped in turn, two rounds, the T = 0.8 top-p 0.95 bench on `make demo`'s export; writes
 # t08_{old,new}_{1,2}.json beside this script (TAG=x: t08x_...; the committed ones without their
 # per-prompt rows).
-#   bash benchmarks/sampled_rows_2026-11-28/run.sh ~/.cache/arborspec/exports/smollm2-135m-int4-eagle3-int8-v24
+#   bash benchmarks/history/sampled_rows_2026-11-28/run.sh ~/.cache/arborspec/exports/smollm2-135m-int4-eagle3-int8-v24
 set -e
 E=${1:?usage: [OLD=rev] run.sh EXPORT_DIR}
 OLD=${OLD:-031a941}

@@ -3,7 +3,7 @@
 # candidates it measured faster) against the greedy tune's tree with top-k candidates (the T = 0.8
 # configuration before it), side by side in each run, T = 0.8 top-p 0.95, 8 packaged prompts x 96
 # tokens, one run per seed; writes TAG_s{SEED}.json beside this script.
-#   bash benchmarks/sampled_tune_2026-11-28/run.sh EXPORT_DIR TAG ["0 1 2 3"]
+#   bash benchmarks/history/sampled_tune_2026-11-28/run.sh EXPORT_DIR TAG ["0 1 2 3"]
 set -e
 E=${1:?usage: run.sh EXPORT_DIR TAG [SEEDS]}
 TAG=${2:?usage: run.sh EXPORT_DIR TAG [SEEDS]}

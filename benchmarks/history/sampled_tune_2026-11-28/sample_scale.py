@@ -4,7 +4,7 @@ every packaged prompt (8 x 96 tokens) decoded with each s in turn, SEEDS times; 
 each seed is cumulative. Output of the nineteenth session (fp32 export, run 18's head):
 sample_scale.txt beside this file.
 
-    .venv/bin/python benchmarks/sampled_tune_2026-11-28/sample_scale.py EXPORT_DIR 6 1.0,1.3333333,1.6666667,2.0
+    .venv/bin/python benchmarks/history/sampled_tune_2026-11-28/sample_scale.py EXPORT_DIR 6 1.0,1.3333333,1.6666667,2.0
 """
 
 import sys

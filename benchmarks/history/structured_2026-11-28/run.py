@@ -4,7 +4,7 @@ vanilla and the tuned tree, constrained (response_format json_schema) and not, i
 process. Reports median tok/s, tokens per target call, whether the tree's tokens equal vanilla's,
 and how many answers parse and follow their schema.
 
-    .venv/bin/python benchmarks/structured_2026-11-28/run.py [EXPORT_DIR] [--llamacpp] > benchmarks/structured_2026-11-28/result.json
+    .venv/bin/python benchmarks/history/structured_2026-11-28/run.py [EXPORT_DIR] [--llamacpp] > benchmarks/history/structured_2026-11-28/result.json
 
 --llamacpp: llama.cpp (llama-cpp-python, tools/bench/peers.LlamaCppRunner) on the same GGUF, fed
 the same prompt ids, greedy, with its own structured output (the GBNF grammar it makes of each

@@ -5,7 +5,7 @@ runtime/chat.py) and "auto" (the model decides; its <tool_call> blocks parsed). 
 tok/s, tokens per target call, whether the tree's tokens equal vanilla's, how many answers are
 calls, and how many of those name the tool the request is about.
 
-    .venv/bin/python benchmarks/tool_calls_2026-11-29/run.py [EXPORT_DIR] > benchmarks/tool_calls_2026-11-29/result.json
+    .venv/bin/python benchmarks/history/tool_calls_2026-11-29/run.py [EXPORT_DIR] > benchmarks/history/tool_calls_2026-11-29/result.json
 """
 
 import json

@@ -1,7 +1,7 @@
 """top-p sampling speed, the nucleus search (runtime/sampling.py: top_p_filter) against the full
 sort it replaced, in one process, alternating, on the demo's int4 export (ONNX Runtime CPU):
 vanilla and the demo's tree (export+lookup, tuned), temperature 0.8, top-p 0.95, 5 prompts x
-96 tokens, 3 rounds; median decode tok/s. Usage: python benchmarks/top_p_2026-11-27/run.py EXPORT"""
+96 tokens, 3 rounds; median decode tok/s. Usage: python benchmarks/history/top_p_2026-11-27/run.py EXPORT"""
 
 import statistics
 import sys
