@@ -67,11 +67,12 @@ def register(sub) -> None:
     )
     c.add_argument(
         "--prompt-source",
-        choices=("self", "templates"),
+        choices=("self", "templates", "kinds"),
         default="self",
         help="prompts of the shards this run adds: self (default: requests the target writes itself from its chat "
         "template's user turn, new in every shard) or templates (the built-in template stream, which repeats itself: "
-        "2,643 distinct prompts in its first 7,232)",
+        "2,643 distinct prompts in its first 7,232) or kinds (translation, short QA, maths, long-document summaries, "
+        "grounded answers: tools/train/kinds.py)",
     )
     c.add_argument(
         "--defer-features",

@@ -231,7 +231,10 @@ def prompt_at(i: int, seed: int) -> str:
 
 # The prompt sources a shard may draw from (not a key setting: runs may differ; shard.json names
 # its source). "templates": prompt_at's stream. "self": requests the target writes itself.
-PROMPT_SOURCES = ("self", "templates")
+# "kinds": translation, short QA, maths, long-document summaries, grounded answers (kinds.py's
+# train_prompt stream, a function of the prompt index like prompt_at's).
+PROMPT_SOURCES = ("self", "templates", "kinds")
+PROMPT_ROOM = 1280  # prompt tokens a features graph holds besides a response (long documents)
 _MARK = "\u2063QUERY\u2063"  # a placeholder no template contains
 
 
@@ -735,9 +738,10 @@ def corpus_graph(loaded, folder: Path) -> Path:
 
 
 def graph_context(cfg, settings: dict) -> int:
-    """Positions the features graph holds: a window, or a chat prompt (up to 384 tokens; longer
-    prompts are skipped) plus a response, whichever is longer."""
-    return min(cfg.max_position, max(settings["window"], settings["gen_len"] + 384))
+    """Positions the features graph holds: a window, or a chat prompt (up to PROMPT_ROOM tokens,
+    a long document to summarise; longer prompts are skipped) plus a response, whichever is
+    longer (the graph's RoPE tables: a longer context costs no time on shorter rows)."""
+    return min(cfg.max_position, max(settings["window"], settings["gen_len"] + PROMPT_ROOM))
 
 
 class Corpus:
@@ -848,14 +852,20 @@ class Corpus:
                 texts += on_passages
                 random.Random(rseed).shuffle(texts)  # greedy and sampled halves both get some
         source = "self" if texts else "templates"
+        kinds_of = []
+        if self.prompt_source == "kinds":
+            from arborspec.tools.train.kinds import train_prompt
+
+            drawn = [train_prompt(i, s["seed"]) for i in range(first, first + n_prompts)]
+            source, texts, kinds_of = "kinds", [p["text"] for p in drawn], [p["kind"] for p in drawn]
         if not texts:
             texts = [prompt_at(i, s["seed"]) for i in range(first, first + n_prompts)]
         # the first half greedy, the rest sampled at T = 0.7 (row i's seed: seed + first + i),
         # decoded together
         half = len(texts) // 2
         rows = [(chat_ids(tok, t), 0.0 if i < half else 0.7) for i, t in enumerate(texts)]
-        rows = [(p, temp) for p, temp in rows if len(p) + s["gen_len"] <= limit]  # what the graph holds
-        ids, temps = [p for p, _ in rows], [temp for _, temp in rows]
+        fits = [len(p) + s["gen_len"] <= limit for p, _ in rows]  # what the graph holds
+        ids, temps = [p for (p, _), f in zip(rows, fits) if f], [t for (_, t), f in zip(rows, fits) if f]
         answers = []  # this shard's greedy responses: the next shard's passages
         outs = self.generator(ids, s["gen_len"], set(eos), temps, s["seed"] + first)
         for p_ids, temp, o in zip(ids, temps, outs):
@@ -879,6 +889,11 @@ class Corpus:
                 "prompts": [first, first + n_prompts],
                 "prompt_source": source,
                 **({"prompt_texts": texts, "passage_requests": n_passage} if source == "self" else {}),
+                **(
+                    {"prompt_texts": texts, "prompt_kinds": kinds_of, "prompts_too_long": fits.count(False)}
+                    if source == "kinds"
+                    else {}
+                ),
                 "passages": [t for t in answers if len(t.split()) >= PASSAGE_MIN_WORDS],
                 "windows": int(n),
                 "tokens": int(n * w),
@@ -966,7 +981,8 @@ def grow_corpus(
     prompt_source: where new shards' prompts come from (PROMPT_SOURCES): "templates", prompt_at's
     stream (index i -> prompt; its first 7,232 prompts hold 2,643 distinct ones, so half the greedy
     responses repeat one another), or "self", requests the target writes itself (self_prompts),
-    new in each shard; a corpus may hold shards of both. folder: grow THIS corpus (`train-draft
+    new in each shard, or "kinds", translation, short QA, maths, long-document summaries and
+    grounded answers (kinds.train_prompt, index i -> prompt); a corpus may hold shards of each. folder: grow THIS corpus (`train-draft
     --corpus`), whatever its settings (its settings.json and vocab.npy are used; the layer ids must
     be `aux_layers`), instead of the one these settings key: a head whose draft vocabulary was
     re-chosen (`--revocab`) keeps training on the corpus its predecessor made. features: False

@@ -31,6 +31,7 @@ from arborspec.tools.prompts import heldout_prompts_path
 PROMPTS_PATH = heldout_prompts_path()
 TREES = {"tuned [[0],[1],[0,0]]": [[0], [1], [0, 0]], "chain:4": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]}
 TUNED = "tuned [[0],[1],[0,0]]"
+SINGLE = "single [[0]]"  # the int4 export's tuned tree: one drafted node
 
 
 def heldout_prompts(path: Path = PROMPTS_PATH) -> list[dict]:
@@ -164,20 +165,12 @@ def copied_from_prompt(tokens: np.ndarray, start: int) -> np.ndarray:
 
 def evaluate_heldout(head, embed, folder: Path, steps: int = 4, k: int = 8) -> dict:
     """Top-1 agreement per depth over chains rooted in the responses, the chain acceptance it
-    implies (1 + sum of cumulative products), the tokens per verify step of `TREES`, and the
-    agreement per depth for each kind of prompt (instruction, code, summary, extraction) where the
-    set records its rows' kinds."""
-    from arborspec.tools.tune.acceptance_sim import simulated_tokens_per_step
-
+    implies (1 + sum of cumulative products), the tokens per verify step of `TREES` and the single
+    node (chain_measure), and, where the set records its rows' kinds (instruction, code, summary,
+    extraction; translation, qa, ... for kinds_heldout's sets), the same per kind (`per_kind`;
+    `top1_per_kind` its agreement per depth)."""
     rows = depth_ranks(head, embed, folder, steps, k)
-    acc, counts = per_depth_top1(rows, steps)
-    runs = [{"by_depth": r, "start": s, "end": e} for r, s, e in rows]
-    out = {
-        "top1_agreement_per_depth": [round(float(x), 4) for x in acc],
-        "expected_accepted_chain": round(1.0 + float(np.sum(np.cumprod(acc))), 3),
-        "tokens_per_step": {name: round(simulated_tokens_per_step(runs, p), 3) for name, p in TREES.items()},
-        "positions": int(counts[0]),
-    }
+    out = chain_measure(rows, steps)
     tokens = np.load(folder / "tokens.npy")
     greedy = np.load(folder / "top1.npy")
     held = np.concatenate([greedy[i, s - 1 : e - 1] for i, (_, s, e) in enumerate(rows)])  # row p predicts p + 1
@@ -191,11 +184,31 @@ def evaluate_heldout(head, embed, folder: Path, steps: int = 4, k: int = 8) -> d
     }
     kinds = json.loads((folder / "heldout.json").read_text()).get("row_kinds")  # absent in sets built before
     if kinds and len(kinds) == len(rows):
-        out["top1_per_kind"] = {
-            kind: per_depth_top1([r for r, k_ in zip(rows, kinds) if k_ == kind], steps)[0].round(4).tolist()
-            for kind in sorted(set(kinds))
-        }
+        out["per_kind"] = kind_breakdown(rows, kinds, steps)
+        out["top1_per_kind"] = {kind: m["top1_agreement_per_depth"] for kind, m in out["per_kind"].items()}
     return out
+
+
+def chain_measure(rows, steps: int) -> dict:
+    """What a run of `depth_ranks` rows gives decoding: top-1 agreement per depth, the chain
+    acceptance it implies, the tokens per verify step of `TREES` and of the single node [[0]]
+    (the int4 export's tree), and the positions counted."""
+    from arborspec.tools.tune.acceptance_sim import simulated_tokens_per_step
+
+    acc, counts = per_depth_top1(rows, steps)
+    runs = [{"by_depth": r, "start": s, "end": e} for r, s, e in rows]
+    trees = {**TREES, SINGLE: [[0]]}
+    return {
+        "top1_agreement_per_depth": [round(float(x), 4) for x in acc],
+        "expected_accepted_chain": round(1.0 + float(np.sum(np.cumprod(acc))), 3),
+        "tokens_per_step": {name: round(simulated_tokens_per_step(runs, p), 3) for name, p in trees.items()},
+        "positions": int(counts[0]),
+    }
+
+
+def kind_breakdown(rows, kinds: list[str], steps: int) -> dict:
+    """{kind: chain_measure over the rows of that kind}, kinds sorted."""
+    return {kind: chain_measure([r for r, k in zip(rows, kinds) if k == kind], steps) for kind in sorted(set(kinds))}
 
 
 def head_to_measure(arg: str, model: str, config):
@@ -206,33 +219,100 @@ def head_to_measure(arg: str, model: str, config):
     return load_eagle3(eagle3_folder("eagle3", model) if arg == "eagle3" else Path(arg), config).float()
 
 
+def heldout_graph(loaded, aux: list[int], root: Path, gen_len: int = 160) -> Path:
+    """The target's features graph for held-out sets with responses of `gen_len` (cached in
+    `root`, named by the target, the layers and the context it holds)."""
+    from arborspec.tools.train import eagle3_corpus
+
+    cfg = loaded.config
+    tid = hashlib.sha256(eagle3_corpus.target_id_of(loaded).encode()).hexdigest()[:16]
+    ctx = eagle3_corpus.graph_context(cfg, {"window": 0, "gen_len": gen_len})
+    graph = root / f"target-features-{tid}-{'-'.join(map(str, aux))}-c{ctx}.onnx"
+    if not graph.is_file():
+        graph.parent.mkdir(parents=True, exist_ok=True)
+        eagle3_corpus.target_graph(loaded.module.eval(), cfg, ctx, aux, graph)
+    return graph
+
+
 def heldout_measure(loaded, threads: int | None = None, steps: int = 4):
     """head -> its held-out measure (evaluate_heldout) for the target `loaded`, on the CPU, with
     the head's own feature layers (the target's features graph and the held-out set built once
     per layer set, in the user cache): how `--install-head` and `head_blend` measure heads."""
     from arborspec.models.registry import cache_dir
-    from arborspec.tools.train import eagle3_corpus
 
-    cfg = loaded.config
     embed = loaded.module.model.embed_tokens.weight.detach().float()
     root = cache_dir() / "eagle3-heldout"
-    tid = hashlib.sha256(eagle3_corpus.target_id_of(loaded).encode()).hexdigest()[:16]
 
     def measure(head) -> dict:
         aux = list(head.config.aux_layers)
-        graph = root / f"target-features-{tid}-{'-'.join(map(str, aux))}.onnx"
-
-        def target_source():
-            if not graph.is_file():
-                graph.parent.mkdir(parents=True, exist_ok=True)
-                ctx = eagle3_corpus.graph_context(cfg, {"window": 0, "gen_len": 160})
-                eagle3_corpus.target_graph(loaded.module.eval(), cfg, ctx, aux, graph)
-            return graph
-
-        heldout = build_heldout(loaded, aux, target_source, root, threads=threads)
+        heldout = build_heldout(loaded, aux, lambda: heldout_graph(loaded, aux, root), root, threads=threads)
         return evaluate_heldout(head, embed, heldout, steps)
 
     return measure
+
+
+def kinds_heldout(loaded, aux, source, root: Path, *, per_kind: int = 10, seed: int = 0, threads=None) -> dict:
+    """{kind: held-out folder} of kinds.heldout_set (translation, qa, math, long_summary,
+    retrieval; one folder a kind, each padded to its own longest row), built once each."""
+    from arborspec.tools.train.kinds import KINDS, heldout_set
+
+    prompts = heldout_set(per_kind, seed)
+    return {
+        kind: build_heldout(
+            loaded, aux, source, root, threads=threads, prompts=[p for p in prompts if p["kind"] == kind]
+        )
+        for kind in KINDS
+    }
+
+
+def kinds_report(loaded, heads: dict, *, threads=None, steps: int = 4, per_kind: int = 10, root: Path | None = None):
+    """{head name: {kind: chain_measure}} over the chat held-out set's kinds (instruction, code,
+    summary, extraction) and kinds_heldout's, and "all" (the chat set as a whole). heads: {name:
+    a loaded head}; all must read the same feature layers."""
+    from arborspec.models.registry import cache_dir
+
+    root = root or cache_dir() / "eagle3-heldout"
+    embed = loaded.module.model.embed_tokens.weight.detach().float()
+    aux = {tuple(h.config.aux_layers) for h in heads.values()}
+    if len(aux) != 1:
+        raise ValueError(f"the heads read different feature layers: {sorted(aux)}")
+    aux = list(aux.pop())
+
+    def source():
+        return heldout_graph(loaded, aux, root)
+
+    chat = build_heldout(loaded, aux, source, root, threads=threads)
+    kinds = kinds_heldout(loaded, aux, source, root, per_kind=per_kind, threads=threads)
+    out = {}
+    for name, head in heads.items():
+        whole = evaluate_heldout(head, embed, chat, steps)
+        row = {
+            "all": {
+                k: whole[k]
+                for k in ("top1_agreement_per_depth", "expected_accepted_chain", "tokens_per_step", "positions")
+            }
+        }
+        row.update(whole.get("per_kind", {}))
+        for kind, folder in kinds.items():
+            row[kind] = chain_measure(depth_ranks(head, embed, folder, steps), steps)
+        out[name] = row
+    return out
+
+
+def report_table(report: dict) -> str:
+    """kinds_report as a Markdown table: one row per head and kind."""
+    lines = [
+        "| head | kind | positions | top-1 depth 1 / 2 / 3 / 4 | chain | tok/step [[0]] | tuned | chain:4 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in report.items():
+        for kind, m in row.items():
+            t = m["tokens_per_step"]
+            lines.append(
+                f"| {name} | {kind} | {m['positions']} | {' / '.join(f'{x:.3f}' for x in m['top1_agreement_per_depth'])} "
+                f"| {m['expected_accepted_chain']:.3f} | {t.get(SINGLE, float('nan')):.3f} | {t[TUNED]:.3f} | {t['chain:4']:.3f} |"
+            )
+    return "\n".join(lines)
 
 
 def beats(new: dict, old: dict) -> bool:
@@ -297,3 +377,47 @@ def vocab_coverage(corpus: Path, folder: Path, sizes=(8192, 16384, 32768), vocab
     if vocab is not None:
         out["head_vocab"] = round(float(np.isin(held, np.asarray(vocab)).mean()), 4)
     return out
+
+
+def main(argv=None) -> int:
+    """`python -m arborspec.tools.train.eagle3_heldout`: the per-kind agreement of heads."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(
+        prog="python -m arborspec.tools.train.eagle3_heldout",
+        description="The held-out agreement of EAGLE-3 heads per kind of request: the chat held-out set's kinds "
+        "and kinds.py's (translation, qa, math, long_summary, retrieval); sets built once in the user cache.",
+        epilog="example:\n  python -m arborspec.tools.train.eagle3_heldout --model smollm2-135m --heads eagle3 "
+        "~/.cache/arborspec/train/h --threads 1 --out /tmp/kinds.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", required=True, help="the target (e.g. smollm2-135m)")
+    p.add_argument("--heads", nargs="+", required=True, help="eagle3 (the shipped head) or head folders")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (torch and ONNX Runtime; default: all)")
+    p.add_argument("--per-kind", type=int, default=10, help="held-out prompts per new kind (default 10)")
+    p.add_argument("--out", type=Path, default=None, help="also write the report here (JSON)")
+    a = p.parse_args(argv)
+    if (a.threads is not None and a.threads < 1) or a.per_kind < 1:
+        print("error: --threads and --per-kind must be >= 1", file=sys.stderr)
+        return 2
+    for h in a.heads:
+        if h != "eagle3" and not (Path(h) / "model.safetensors").is_file():
+            print(f"error: --heads {h}: no model.safetensors there (a public-layout EAGLE-3 head)", file=sys.stderr)
+            return 2
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from arborspec.models.registry import load_model
+
+    loaded = load_model(a.model)
+    heads = {h: head_to_measure(h, a.model, loaded.config) for h in a.heads}
+    report = kinds_report(loaded, heads, threads=a.threads, per_kind=a.per_kind)
+    print(report_table(report))
+    if a.out is not None:
+        atomic_write_json(a.out, report, indent=1)
+        print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
