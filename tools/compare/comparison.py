@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Iterable
 
 import numpy as np
+import torch
 
 from arborspec.runtime import settings
 from arborspec.runtime.errors import InputError
@@ -51,12 +52,6 @@ from arborspec.tools.compare.feeds import (  # noqa: F401 - public API
     default_policies,
     feed_in_layout,
     outputs_in_layout,
-)
-from arborspec.tools.compare.runners import (
-    _gpu_available,
-    _polygraphy,
-    _runner_classes,
-    _trt_available,
 )
 
 DEFAULT_TOLERANCES = {"fp32": (1e-4, 1e-3), "fp16": (2e-2, 2e-2)}
@@ -71,6 +66,30 @@ KV16_TOLERANCES = (1e-1, 2e-2)
 # float weights is what these bound.
 QUANT_TOLERANCES = {"int8": (0.95, 0.05), "int4": (0.85, 0.30)}
 RUNNERS = ("torch", "onnxruntime", "tensorrt")
+
+
+# ----------------------------------------------------------------------------- which runners run
+def _polygraphy() -> None:
+    """Import the runners, and with them Polygraphy: an ImportError that says how to install it."""
+    from arborspec.tools.compare import runners  # noqa: F401
+
+
+def _gpu_available() -> bool:
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _trt_available() -> str | None:
+    """None when a TensorRT module imports, else why not."""
+    try:
+        from arborspec.runtime.backends.tensorrt import _import_trt
+
+        _import_trt(None)
+        return None
+    except ImportError as e:
+        return str(e)
 
 
 # ----------------------------------------------------------------------------- reference
@@ -374,6 +393,13 @@ def compare_export(
     from arborspec.runtime.backends.torch_backend import TorchEngine
     from arborspec.runtime.drafts.bigram import load_bigram_table
     from arborspec.runtime.export_dir import read_manifest
+    from arborspec.tools.compare.runners import (
+        Eagle3HeadRunner,
+        OrtEngineRunner,
+        OrtRunner,
+        TorchRunner,
+        TrtEngineRunner,
+    )
 
     names, explicit = parse_runners(runners)
     man = read_manifest(export_dir, check_checksums=verify)
@@ -486,7 +512,6 @@ def compare_export(
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total, desc="compare", unit="run", disable=None if progress else True, leave=False)
-    TorchRunner, OrtRunner, TrtEngineRunner, OrtEngineRunner, Eagle3HeadRunner = _runner_classes()
     old_sev = G_LOGGER.module_severity
     if not settings.flag("ARBORSPEC_DEBUG"):
         G_LOGGER.module_severity = G_LOGGER.ERROR
@@ -612,6 +637,8 @@ __all__ = [
 
 
 def __getattr__(name):  # TorchRunner & co. import polygraphy lazily
-    from arborspec.tools.compare import runners as compare_runners
+    if name in ("TorchRunner", "OrtRunner", "TrtEngineRunner", "OrtEngineRunner", "Eagle3HeadRunner"):
+        from arborspec.tools.compare import runners as compare_runners
 
-    return getattr(compare_runners, name)
+        return getattr(compare_runners, name)
+    raise AttributeError(name)
