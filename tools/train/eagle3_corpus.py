@@ -868,8 +868,12 @@ class Corpus:
         ids, temps = [p for (p, _), f in zip(rows, fits) if f], [t for (_, t), f in zip(rows, fits) if f]
         answers = []  # this shard's greedy responses: the next shard's passages
         outs = self.generator(ids, s["gen_len"], set(eos), temps, s["seed"] + first)
-        for p_ids, temp, o in zip(ids, temps, outs):
+        row_kinds = [k for k, f in zip(kinds_of, fits) if f]  # the kinds of the rows asked
+        kind_tokens: dict = {}  # tokens (prompt, response, separator) a kind put in the stream
+        for r, (p_ids, temp, o) in enumerate(zip(ids, temps, outs)):
             stream += p_ids + o + [sep]
+            if row_kinds:
+                kind_tokens[row_kinds[r]] = kind_tokens.get(row_kinds[r], 0) + len(p_ids) + len(o) + 1
             gen_tokens += len(o)
             responses += 1
             if temp == 0.0 and o:  # an answer cut at gen_len ends at its last whole sentence
@@ -890,7 +894,12 @@ class Corpus:
                 "prompt_source": source,
                 **({"prompt_texts": texts, "passage_requests": n_passage} if source == "self" else {}),
                 **(
-                    {"prompt_texts": texts, "prompt_kinds": kinds_of, "prompts_too_long": fits.count(False)}
+                    {
+                        "prompt_texts": texts,
+                        "prompt_kinds": kinds_of,
+                        "prompts_too_long": fits.count(False),
+                        "kind_tokens": dict(sorted(kind_tokens.items())),
+                    }
                     if source == "kinds"
                     else {}
                 ),
