@@ -116,12 +116,8 @@ def test_a_kinds_shard_asks_the_stream_and_records_each_prompts_kind(tmp_path):
     assert shard["prompts_too_long"] == len(want) - len(fits)
     asked = {p["kind"] for p in fits}
     assert set(shard["kind_tokens"]) == asked  # each asked kind's prompt + response + separator
-    assert (
-        sum(shard["kind_tokens"].values())
-        == sum(len(ec.chat_ids(lm.tokenizer, p["text"])) for p in fits)
-        + sum(1 for _ in fits)
-        + shard["generated_tokens"]
-    )
+    prompt_tokens = sum(len(ec.chat_ids(lm.tokenizer, p["text"])) + 1 for p in fits)  # + its separator
+    assert sum(shard["kind_tokens"].values()) == prompt_tokens + shard["generated_tokens"]
     tokens = np.load(ec.shard_dirs(c)[0] / "tokens.npy").reshape(-1).tolist()
     first = ec.chat_ids(lm.tokenizer, fits[0]["text"])
     assert any(tokens[i : i + len(first)] == first for i in range(len(tokens)))
