@@ -120,263 +120,133 @@ def _prepare_out(out: Path, force: bool) -> PartialFolder:
     return PartialFolder(out)
 
 
-def export_folder(
-    model,
-    out: str | os.PathLike,
-    draft: str | None = "layers:2",
-    *,
-    dtype: str = "fp32",
-    opset: int = DEFAULT_OPSET,
-    max_context: int | None = None,
-    max_tree_nodes: int = DEFAULT_MAX_TREE_NODES,
-    tree_defaults: dict | None = None,
-    force: bool = False,
-    progress: bool = True,
-    verify: bool = True,
-    exporter: str = "auto",
-    draft_model=None,
-    draft_topk: int = DEFAULT_DRAFT_TOPK,
-    attention: str = "auto",
-    quantize: str | None = None,
-    block_size: int = 32,
-    accuracy_level: int | None = None,
-    qformat: str = "matmulnbits",
-    kv_dtype: str = "fp32",
-    draft_quantize: str | None = None,
-) -> ExportSummary:
+@dataclass
+class ExportOptions:
+    """The options of `arborspec export` (see export_folder)."""
+
+    dtype: str = "fp32"
+    opset: int = DEFAULT_OPSET
+    max_context: int | None = None
+    max_tree_nodes: int = DEFAULT_MAX_TREE_NODES
+    tree_defaults: dict | None = None
+    force: bool = False
+    progress: bool = True
+    verify: bool = True
+    exporter: str = "auto"
+    draft_model: Any = None
+    draft_topk: int = DEFAULT_DRAFT_TOPK
+    attention: str = "auto"
+    quantize: str | None = None
+    block_size: int = 32
+    accuracy_level: int | None = None
+    qformat: str = "matmulnbits"
+    kv_dtype: str = "fp32"
+    draft_quantize: str | None = None
+    stream: str = "auto"  # "auto" | "on" | "off": read the checkpoint a tensor at a time (export/weights.py)
+
+    def check(self, draft) -> None:
+        """Every option on its own and together; one line for the first that is wrong."""
+        if self.accuracy_level is None:  # int8 activations for int4 blocks: the fastest, and exact (row_layout.py)
+            self.accuracy_level = 4 if self.quantize == "int4" and self.qformat == "matmulnbits" else 0
+        for value, known, what in (
+            (self.dtype, DTYPES, "dtype"),
+            (self.attention, ATTENTIONS, "attention"),
+            (self.qformat, QFORMATS, "--format"),
+            (self.kv_dtype, KV_DTYPES, "--kv-dtype"),
+            (self.stream, STREAMS, "--stream"),
+        ):
+            if value not in known:
+                raise InputError(f"unknown {what} {value!r} (expected one of {', '.join(known)})")
+        self._check_kv_dtype()
+        self._check_draft_quantize(draft)
+        if self.qformat == "qdq":
+            if not self.quantize:
+                raise InputError("--format qdq describes quantised weights: give --quantize int4|int8 too")
+            if self.attention == "gqa":
+                raise InputError(
+                    "--format qdq is the portable form for TensorRT: use it with --attention onnx "
+                    "(ONNX Runtime's GroupQueryAttention graph takes --format matmulnbits)"
+                )
+            self.attention = "onnx"
+
+    def _check_kv_dtype(self) -> None:
+        if self.kv_dtype == "fp32":
+            return
+        if self.dtype != "fp32":
+            raise InputError(
+                f"--kv-dtype {self.kv_dtype} is for fp32 weights (--dtype {self.dtype} keeps the cache in {self.dtype} already)"
+            )
+        if self.attention == "onnx" or self.qformat == "qdq":
+            raise InputError(
+                f"--kv-dtype {self.kv_dtype} needs ONNX Runtime's graph (--attention gqa), "
+                "not the portable graph (--attention onnx or --format qdq)"
+            )
+
+    def _check_draft_quantize(self, draft) -> None:
+        if self.draft_quantize is None:
+            return
+        from .eagle3_graph import check_head_quantize
+
+        if not (isinstance(draft, str) and draft.strip().lower().split(":", 1)[0] == "eagle3"):
+            raise InputError("--draft-quantize quantises an EAGLE-3 head: use it with --draft eagle3[:FOLDER]")
+        check_head_quantize(self.draft_quantize, portable=self.attention == "onnx" or self.qformat == "qdq")
+
+
+STREAMS = ("auto", "on", "off")
+
+
+@dataclass
+class Source:
+    """The target as the export reads it: a loaded module, or a streamed weights source."""
+
+    config: Any
+    tokenizer: Any
+    source: dict
+    module: Any = None  # torch.nn.Module (the in-memory path)
+    weights: Any = None  # export/weights.py (the streamed path)
+    name: str | None = None
+
+    def embed(self) -> torch.Tensor:
+        if self.module is not None:
+            return self.module.model.embed_tokens.weight.detach().float()
+        return torch.from_numpy(self.weights.get("model.embed_tokens.weight"))
+
+
+def export_folder(model, out: str | os.PathLike, draft: str | None = "layers:2", **options) -> ExportSummary:
     """Export target (+ draft, tokenizer, manifest) into the folder `out`, atomically.
 
-    attention: "gqa" (ONNX Runtime's fast graph: GroupQueryAttention reading and writing the
-    cache in place, kv layout "bhsd"; Llama family, fp32), "onnx" (the portable graph from
-    torch.onnx.export that TensorRT builds, kv layout "sbhd"), or "auto" (gqa where it applies).
-    quantize (None, "int4", "int8") with qformat "matmulnbits" (ONNX Runtime's MatMulNBits, on
-    the gqa graph) or "qdq" (standard blockwise DequantizeLinear + MatMul on the portable graph,
-    which TensorRT parses; export/qdq.py). kv_dtype: "fp32" (default) or "fp16", the KV cache's
-    dtype in the gqa graphs of target and draft (fp32 weights and activations; fp16 needs the gqa
-    graph and fp32 weights: `--dtype fp16` keeps its cache in fp16 already). accuracy_level:
-    MatMulNBits compute, default 4 (int8 activations) for int4 MatMulNBits, else 0 (float):
-    exact under speculation on ONNX Runtime through its row-invariant layout (docs/int4.md).
+    Options (ExportOptions): attention "gqa" (ONNX Runtime's fast graph: GroupQueryAttention reading
+    and writing the cache in place, kv layout "bhsd"; Llama family, fp32 or fp16), "onnx" (the
+    portable graph from torch.onnx.export that TensorRT builds, kv layout "sbhd"), or "auto" (gqa
+    where it applies). quantize (None, "int4", "int8") with qformat "matmulnbits" (ONNX Runtime's
+    MatMulNBits, on the gqa graph) or "qdq" (standard blockwise DequantizeLinear + MatMul on the
+    portable graph, which TensorRT parses; export/qdq.py). kv_dtype: "fp32" (default) or "fp16",
+    the KV cache's dtype in the gqa graphs of an fp32 export. accuracy_level: MatMulNBits compute,
+    default 4 (int8 activations) for int4 MatMulNBits, else 0 (float): exact under speculation on
+    ONNX Runtime through its row-invariant layout (docs/int4.md). stream: "on" reads a HF folder or
+    GGUF a tensor at a time (peak memory: a few layers, docs/models.md), "off" loads the model
+    whole, "auto" streams models over 2 GB in fp32 where the graph and the draft allow it.
 
     model: a spec for load_model (registry name, HF folder, .gguf, nanoGPT .pt) or an
     already loaded object with .module/.config/.tokenizer/.source. draft_model: an already
     loaded draft for a model-spec draft (tests); otherwise the draft spec is loaded."""
     from tqdm.auto import tqdm
 
-    if accuracy_level is None:  # int8 activations for int4 blocks: the fastest, and exact (row_layout.py)
-        accuracy_level = 4 if quantize == "int4" and qformat == "matmulnbits" else 0
-    if dtype not in DTYPES:
-        raise InputError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
-    if attention not in ATTENTIONS:
-        raise InputError(f"unknown attention {attention!r} (expected one of {', '.join(ATTENTIONS)})")
-    if qformat not in QFORMATS:
-        raise InputError(f"unknown --format {qformat!r} (expected one of {', '.join(QFORMATS)})")
-    if kv_dtype not in KV_DTYPES:
-        raise InputError(f"unknown --kv-dtype {kv_dtype!r} (expected one of {', '.join(KV_DTYPES)})")
-    if kv_dtype != "fp32":
-        if dtype != "fp32":
-            raise InputError(
-                f"--kv-dtype {kv_dtype} is for fp32 weights (--dtype {dtype} keeps the cache in {dtype} already)"
-            )
-        if attention == "onnx" or qformat == "qdq":
-            raise InputError(
-                f"--kv-dtype {kv_dtype} needs ONNX Runtime's graph (--attention gqa), "
-                "not the portable graph (--attention onnx or --format qdq)"
-            )
-    if draft_quantize is not None:
-        from .eagle3_graph import check_head_quantize
-
-        if not (isinstance(draft, str) and draft.strip().lower().split(":", 1)[0] == "eagle3"):
-            raise InputError("--draft-quantize quantises an EAGLE-3 head: use it with --draft eagle3[:FOLDER]")
-        check_head_quantize(draft_quantize, portable=attention == "onnx" or qformat == "qdq")
-    if qformat == "qdq":
-        if not quantize:
-            raise InputError("--format qdq describes quantised weights: give --quantize int4|int8 too")
-        if attention == "gqa":
-            raise InputError(
-                "--format qdq is the portable form for TensorRT: use it with --attention onnx "
-                "(ONNX Runtime's GroupQueryAttention graph takes --format matmulnbits)"
-            )
-        attention = "onnx"
+    opts = ExportOptions(**options)
+    opts.check(draft)
     ds = parse_draft_spec(draft)
     if ds.kind in ("export", "lookup") or ds.mix:
         raise InputError(
             f"--draft {draft}: a lookup draft is chosen when decoding, not exported: export with a model "
             "draft (or none) and decode with --draft lookup or --draft export+lookup"
         )
-    kind, arg = ds.kind, ds.arg
     out = Path(out)
     stages = ["load model", "build draft", "tokenizer", "export target", "export draft", "manifest"]
-    bar = tqdm(total=len(stages), desc="export", unit="stage", disable=None if progress else True, leave=False)
-
-    def stage(name):
-        bar.set_description(f"export: {name}")
-
-    part = _prepare_out(out, force)
-    tmp = part.path
+    bar = tqdm(total=len(stages), desc="export", unit="stage", disable=None if opts.progress else True, leave=False)
+    part = _prepare_out(out, opts.force)
     try:
-        stage("load model")
-        lm = _load(model)
-        module, cfg = lm.module.float().eval(), lm.config
-        max_context = int(max_context or cfg.max_position)
-        if max_context < 1 or max_tree_nodes < 1:
-            raise InputError("--max-context and --max-tree-nodes must be >= 1")
-        if cfg.family == "gpt2" and max_context > cfg.max_position:
-            raise InputError(f"--max-context {max_context} exceeds the model's {cfg.max_position} learned positions")
-        if max_tree_nodes + 1 > max_context:
-            raise InputError(f"--max-tree-nodes {max_tree_nodes} does not fit in --max-context {max_context}")
-        bar.update(1)
-
-        stage("build draft")
-        draft_module, draft_entry, eagle3_head = None, None, None
-        if kind == "layers":
-            draft_module = truncated_draft(module, arg)
-        elif kind == "model":
-            dl = draft_model if draft_model is not None else _load(arg)
-            if dl.config.vocab_size != cfg.vocab_size:
-                raise InputError(
-                    f"draft vocabulary {dl.config.vocab_size} != target vocabulary "
-                    f"{cfg.vocab_size}: the draft must share the target's tokenizer"
-                )
-            draft_module = dl.module.float().eval()
-        elif kind == "bigram":
-            draft_entry = _save_bigram(module, tmp / BIGRAM_FILE)
-            draft_entry["spec"] = "bigram"
-        elif kind == "eagle3":
-            from arborspec.models.eagle3 import eagle3_folder, load_eagle3
-
-            eagle3_head = load_eagle3(eagle3_folder(arg, model if isinstance(model, str) else None), cfg)
-        bar.update(1)
-
-        stage("tokenizer")
-        tok_entry, tok_sha = None, None
-        if lm.tokenizer is not None:
-            lm.tokenizer.save(tmp)
-            files = sorted(p.name for p in tmp.iterdir() if p.name.startswith("tokenizer"))
-            if (tmp / "tokenizer.json").is_file():
-                tok_sha = sha256_file(tmp / "tokenizer.json")
-            tok_entry = {"files": files, "sha256": tok_sha}
-            tv = getattr(lm.tokenizer, "vocab_size", None)
-            if isinstance(tv, int) and tv > cfg.vocab_size:
-                log.warning("tokenizer has %d ids but the model only %d embeddings", tv, cfg.vocab_size)
-        bar.update(1)
-
-        stage("export target")
-        from .gqa_graph import gqa_unsupported
-
-        why_not = gqa_unsupported(cfg, dtype)
-        use_gqa = attention == "gqa" or (attention == "auto" and why_not is None)
-        if attention == "gqa" and why_not:
-            raise InputError(f"--attention gqa: {why_not} (use --attention onnx)")
-        if kv_dtype != "fp32" and not use_gqa:
-            raise InputError(f"--kv-dtype {kv_dtype} needs ONNX Runtime's graph (--attention gqa): {why_not}")
-
-        if eagle3_head is not None and not use_gqa and dtype != "fp32":
-            raise InputError(
-                f"--draft eagle3 exports fp32 graphs (the head and the target's features), not --dtype {dtype}"
-            )
-        if quantize and qformat == "matmulnbits" and not use_gqa:
-            raise InputError(
-                "--quantize --format matmulnbits needs ONNX Runtime's graph (--attention gqa): "
-                + (why_not or "--attention onnx was asked for")
-                + "; --format qdq quantises the portable graph"
-            )
-        src = getattr(lm, "source", {}) or {}
-        gguf_path = src.get("path") if src.get("kind") == "gguf" else None
-
-        def export_graph(m, path, role, topk=0):
-            if use_gqa:
-                return export_gqa_onnx(
-                    m,
-                    path,
-                    dtype,
-                    tokenizer_sha256=tok_sha,
-                    role=role,
-                    max_context=max_context,
-                    verify=verify,
-                    topk=topk,
-                    quantize=quantize,
-                    block_size=block_size,
-                    accuracy_level=accuracy_level,
-                    gguf_path=gguf_path if kind != "model" or role == "target" else None,
-                    feature_layers=eagle3_head.config.aux_layers
-                    if eagle3_head is not None and role == "target"
-                    else None,
-                    kv_dtype=kv_dtype,
-                )
-            return export_contract_onnx(
-                m,
-                path,
-                opset=opset,
-                dtype=dtype,
-                tokenizer_sha256=tok_sha,
-                role=role,
-                max_context=max_context,
-                exporter=exporter,
-                verify=verify,
-                topk=topk,
-                quantize=quantize,
-                block_size=block_size,
-                gguf_path=gguf_path if kind != "model" or role == "target" else None,
-                feature_layers=eagle3_head.config.aux_layers if eagle3_head is not None and role == "target" else None,
-            )
-
-        res_t = export_graph(module, tmp / TARGET_FILE, "target")
-        target_entry = graph_entry(tmp, res_t, cfg.to_dict())
-        bar.update(1)
-
-        stage("export draft")
-        if draft_module is not None:
-            if use_gqa and gqa_unsupported(draft_module.config, dtype):
-                raise InputError(
-                    f"--attention gqa: the draft: {gqa_unsupported(draft_module.config, dtype)} (use --attention onnx)"
-                )
-            res_d = export_graph(draft_module, tmp / DRAFT_FILE, "draft", draft_topk)
-            draft_entry = graph_entry(tmp, res_d, draft_module.config.to_dict(), spec=draft)
-            if draft_topk:
-                draft_entry["topk"] = min(int(draft_topk), draft_module.config.vocab_size)
-        elif eagle3_head is not None:
-            from .eagle3_graph import export_eagle3_head
-
-            embed = module.model.embed_tokens.weight.detach().float()
-            # the head's graph follows the target's: GroupQueryAttention ("bhsd", ONNX Runtime)
-            # or the portable one ("sbhd", standard ONNX: what `arborspec build` turns into engines)
-            draft_entry = export_eagle3_head(
-                eagle3_head,
-                embed,
-                tmp,
-                max_context,
-                tokenizer_sha256=tok_sha,
-                verify=verify,
-                portable=not use_gqa,
-                quantize=draft_quantize,
-                block_size=block_size,
-            )
-            draft_entry["spec"] = draft
-            for key, name in (("", draft_entry["file"]), ("fc_", draft_entry["fc_file"])):
-                draft_entry[f"{key}bytes"] = (tmp / name).stat().st_size
-                draft_entry[f"{key}sha256"] = sha256_file(tmp / name)
-        bar.update(1)
-
-        stage("manifest")
-        source = {"model": model if isinstance(model, (str, os.PathLike)) else getattr(lm, "name", None)}
-        source.update(_json_safe(getattr(lm, "source", {}) or {}))
-        if kind == "model":
-            source["draft"] = _json_safe(getattr(draft_model or {}, "source", {}) or {"model": arg})
-        man = build_manifest(
-            target=target_entry,
-            draft=draft_entry,
-            max_context=max_context,
-            max_tree_nodes=max_tree_nodes,
-            source=_json_safe(source),
-            tokenizer=tok_entry,
-            tree_defaults=tree_defaults,
-        )
-        write_manifest(tmp, man)
-        from arborspec.runtime.export_dir import read_manifest
-
-        read_manifest(tmp)  # the folder must read back before it is published
-        bar.update(1)
-        files = sorted(p.name for p in tmp.iterdir())
+        man = _export_stages(model, draft, ds, opts, part.path, bar)
+        files = sorted(p.name for p in part.path.iterdir())
         part.publish()
     except ArborspecError:  # its own one-line message (a MissingFileError is an OSError too)
         part.discard()
@@ -390,3 +260,231 @@ def export_folder(
     finally:
         bar.close()
     return ExportSummary(out=out, manifest=man, files=files)
+
+
+def _export_stages(model, draft, ds, opts: ExportOptions, tmp: Path, bar) -> dict:
+    """The export's stages in order, into the temporary folder `tmp`; returns the manifest."""
+
+    def done(next_stage: str | None):
+        bar.update(1)
+        if next_stage:
+            bar.set_description(f"export: {next_stage}")
+
+    bar.set_description("export: load model")
+    src = load_source(model, ds.kind, opts)
+    max_context = _check_limits(src.config, opts)
+    done("build draft")
+    draft_module, draft_entry, eagle3_head = build_draft(src, ds, opts, model, tmp)
+    done("tokenizer")
+    tok_entry, tok_sha = write_tokenizer(src, tmp)
+    done("export target")
+    use_gqa = _use_gqa(src.config, opts, eagle3_head, src.weights is not None)
+    graphs = _GraphExporter(src, opts, use_gqa, max_context, tok_sha, eagle3_head, ds.kind)
+    target_entry = graph_entry(tmp, graphs.export(src.weights or src.module, tmp / TARGET_FILE, "target"), src.config.to_dict())
+    done("export draft")
+    if draft_module is not None:
+        draft_entry = graphs.export_draft(draft_module, tmp, draft)
+    elif eagle3_head is not None:
+        draft_entry = graphs.export_head(tmp, draft)
+    done("manifest")
+    source = {"model": model if isinstance(model, (str, os.PathLike)) else src.name}
+    source.update(_json_safe(src.source or {}))
+    if ds.kind == "model":
+        source["draft"] = _json_safe(getattr(opts.draft_model or {}, "source", {}) or {"model": ds.arg})
+    man = build_manifest(
+        target=target_entry, draft=draft_entry, max_context=max_context, max_tree_nodes=opts.max_tree_nodes,
+        source=_json_safe(source), tokenizer=tok_entry, tree_defaults=opts.tree_defaults,
+    )  # fmt: skip
+    write_manifest(tmp, man)
+    from arborspec.runtime.export_dir import read_manifest
+
+    read_manifest(tmp)  # the folder must read back before it is published
+    done(None)
+    return man
+
+
+def load_source(model, draft_kind: str, opts: ExportOptions) -> Source:
+    """The target: streamed where the options allow it (export/weights.py), else loaded whole."""
+    weights = _streamed_weights(model, draft_kind, opts)
+    if weights is not None:
+        return _streamed_source(model, weights)
+    lm = _load(model)
+    return Source(lm.config, lm.tokenizer, getattr(lm, "source", {}) or {}, module=lm.module.float().eval(),
+                  name=getattr(lm, "name", None))  # fmt: skip
+
+
+def _streamed_weights(model, draft_kind: str, opts: ExportOptions):
+    if opts.stream == "off":
+        return None
+    why = None
+    if opts.attention == "onnx" or opts.qformat != "matmulnbits":
+        why = "the portable graph (--attention onnx / --format qdq) is exported from a loaded module"
+    elif draft_kind not in ("none", "eagle3"):
+        why = f"--draft {draft_kind} is built from the loaded target"
+    weights = None if why else _open_weights(model)
+    if weights is None and why is None:
+        why = "only Llama-family Hugging Face folders and GGUF files stream"
+    if weights is not None and opts.stream == "auto":
+        from .gqa_export import FULL_CHECK_BYTES, fp32_bytes
+
+        if fp32_bytes(weights.config) <= FULL_CHECK_BYTES:
+            return None  # a small model: loaded whole, checked whole
+    if weights is None and opts.stream == "on":
+        raise InputError(f"--stream on: {why} (use --stream auto or off)")
+    return weights
+
+
+def _open_weights(model):
+    from .gqa_graph import gqa_unsupported
+    from .weights import open_weights
+
+    weights = open_weights(model)
+    if weights is not None and gqa_unsupported(weights.config) is not None:
+        return None
+    return weights
+
+
+def _streamed_source(model, weights) -> Source:
+    from arborspec.models.registry import files_source, hf_folder_tokenizer
+
+    cfg = weights.config
+    if hasattr(weights, "folder"):
+        tok = hf_folder_tokenizer(weights.folder, cfg)
+        return Source(cfg, tok, files_source("hf", weights.folder, weights.files), weights=weights)
+    from arborspec.models.tokenizer_build import text_tokenizer_from_gguf_meta
+
+    meta = weights.meta
+    tok = text_tokenizer_from_gguf_meta(meta) if meta.get("tokenizer.ggml.model") == "gpt2" else None
+    source = files_source("gguf", weights.path, [weights.path])
+    if str(model) == "smollm2-135m":
+        source["name"] = "smollm2-135m"
+    return Source(cfg, tok, source, weights=weights)
+
+
+def _check_limits(cfg, opts: ExportOptions) -> int:
+    max_context = int(opts.max_context or cfg.max_position)
+    if max_context < 1 or opts.max_tree_nodes < 1:
+        raise InputError("--max-context and --max-tree-nodes must be >= 1")
+    if cfg.family == "gpt2" and max_context > cfg.max_position:
+        raise InputError(f"--max-context {max_context} exceeds the model's {cfg.max_position} learned positions")
+    if opts.max_tree_nodes + 1 > max_context:
+        raise InputError(f"--max-tree-nodes {opts.max_tree_nodes} does not fit in --max-context {max_context}")
+    return max_context
+
+
+def build_draft(src: Source, ds, opts: ExportOptions, model, tmp: Path):
+    """(draft module, draft manifest entry, EAGLE-3 head): what the draft spec asks for."""
+    kind, arg = ds.kind, ds.arg
+    if kind == "layers":
+        return truncated_draft(src.module, arg), None, None
+    if kind == "model":
+        dl = opts.draft_model if opts.draft_model is not None else _load(arg)
+        if dl.config.vocab_size != src.config.vocab_size:
+            raise InputError(
+                f"draft vocabulary {dl.config.vocab_size} != target vocabulary "
+                f"{src.config.vocab_size}: the draft must share the target's tokenizer"
+            )
+        return dl.module.float().eval(), None, None
+    if kind == "bigram":
+        entry = _save_bigram(src.module, tmp / BIGRAM_FILE)
+        entry["spec"] = "bigram"
+        return None, entry, None
+    if kind == "eagle3":
+        from arborspec.models.eagle3 import eagle3_folder, load_eagle3
+
+        return None, None, load_eagle3(eagle3_folder(arg, model if isinstance(model, str) else None), src.config)
+    return None, None, None
+
+
+def write_tokenizer(src: Source, tmp: Path):
+    """The tokenizer files into the export; (manifest entry, sha256 of tokenizer.json)."""
+    if src.tokenizer is None:
+        return None, None
+    src.tokenizer.save(tmp)
+    files = sorted(p.name for p in tmp.iterdir() if p.name.startswith("tokenizer"))
+    tok_sha = sha256_file(tmp / "tokenizer.json") if (tmp / "tokenizer.json").is_file() else None
+    tv = getattr(src.tokenizer, "vocab_size", None)
+    if isinstance(tv, int) and tv > src.config.vocab_size:
+        log.warning("tokenizer has %d ids but the model only %d embeddings", tv, src.config.vocab_size)
+    return {"files": files, "sha256": tok_sha}, tok_sha
+
+
+def _use_gqa(cfg, opts: ExportOptions, eagle3_head, streamed: bool) -> bool:
+    """Whether the target (and a model draft) take ONNX Runtime's graph; one line where the
+    options ask for what the model cannot have. `auto` gives an fp16 export the portable graph
+    unless it streams (the fp16 GroupQueryAttention graph is asked for with --attention gqa)."""
+    from .gqa_graph import gqa_unsupported
+
+    why_not = gqa_unsupported(cfg, opts.dtype)
+    auto_ok = why_not is None and (opts.dtype == "fp32" or streamed)
+    use_gqa = opts.attention == "gqa" or (opts.attention == "auto" and auto_ok)
+    if opts.attention == "gqa" and why_not:
+        raise InputError(f"--attention gqa: {why_not} (use --attention onnx)")
+    if opts.kv_dtype != "fp32" and not use_gqa:
+        raise InputError(f"--kv-dtype {opts.kv_dtype} needs ONNX Runtime's graph (--attention gqa): {why_not}")
+    if eagle3_head is not None and opts.dtype != "fp32":
+        raise InputError(f"--draft eagle3 exports fp32 graphs (the head and the target's features), not --dtype {opts.dtype}")
+    if opts.quantize and opts.qformat == "matmulnbits" and not use_gqa:
+        raise InputError(
+            "--quantize --format matmulnbits needs ONNX Runtime's graph (--attention gqa): "
+            + (why_not or "--attention onnx was asked for")
+            + "; --format qdq quantises the portable graph"
+        )
+    return use_gqa
+
+
+@dataclass
+class _GraphExporter:
+    """Exports the target, a model draft or an EAGLE-3 head with the export's options."""
+
+    src: Source
+    opts: ExportOptions
+    use_gqa: bool
+    max_context: int
+    tok_sha: str | None
+    eagle3_head: Any
+    draft_kind: str
+
+    def export(self, m, path: Path, role: str, topk: int = 0):
+        o = self.opts
+        src = self.src.source or {}
+        gguf_path = src.get("path") if src.get("kind") == "gguf" and (self.draft_kind != "model" or role == "target") else None
+        features = self.eagle3_head.config.aux_layers if self.eagle3_head is not None and role == "target" else None
+        common = dict(
+            dtype=o.dtype, tokenizer_sha256=self.tok_sha, role=role, max_context=self.max_context, verify=o.verify,
+            topk=topk, quantize=o.quantize, block_size=o.block_size, gguf_path=gguf_path, feature_layers=features,
+        )  # fmt: skip
+        if self.use_gqa:
+            return export_gqa_onnx(
+                m, path, **common, accuracy_level=o.accuracy_level, kv_dtype=o.kv_dtype,
+                progress=bool(o.progress and role == "target"),
+            )  # fmt: skip
+        return export_contract_onnx(m, path, opset=o.opset, exporter=o.exporter, **common)
+
+    def export_draft(self, draft_module, tmp: Path, draft: str) -> dict:
+        from .gqa_graph import gqa_unsupported
+
+        cfg = draft_module.config
+        if self.use_gqa and gqa_unsupported(cfg, self.opts.dtype):
+            raise InputError(f"--attention gqa: the draft: {gqa_unsupported(cfg, self.opts.dtype)} (use --attention onnx)")
+        res = self.export(draft_module, tmp / DRAFT_FILE, "draft", self.opts.draft_topk)
+        entry = graph_entry(tmp, res, cfg.to_dict(), spec=draft)
+        if self.opts.draft_topk:
+            entry["topk"] = min(int(self.opts.draft_topk), cfg.vocab_size)
+        return entry
+
+    def export_head(self, tmp: Path, draft: str) -> dict:
+        from .eagle3_graph import export_eagle3_head
+
+        o = self.opts
+        # the head's graph follows the target's: GroupQueryAttention ("bhsd", ONNX Runtime)
+        # or the portable one ("sbhd", standard ONNX: what `arborspec build` turns into engines)
+        entry = export_eagle3_head(
+            self.eagle3_head, self.src.embed(), tmp, self.max_context, tokenizer_sha256=self.tok_sha,
+            verify=o.verify, portable=not self.use_gqa, quantize=o.draft_quantize, block_size=o.block_size,
+        )  # fmt: skip
+        entry["spec"] = draft
+        for key, name in (("", entry["file"]), ("fc_", entry["fc_file"])):
+            entry[f"{key}bytes"] = (tmp / name).stat().st_size
+            entry[f"{key}sha256"] = sha256_file(tmp / name)
+        return entry

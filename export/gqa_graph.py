@@ -38,6 +38,7 @@ build this graph (GroupQueryAttention is an ONNX Runtime contrib op): export wit
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +66,7 @@ def rope_tables(head_dim: int, theta: float, max_position: int, rotary=None) -> 
 
 
 KV_DTYPES = ("fp32", "fp16")
+GQA_DTYPES = ("fp32", "fp16")  # weights and activations (fp16: for ONNX Runtime CUDA)
 # the attention bias of a masked column in an fp16 kernel: far below any score, and far enough from
 # fp16's -65504 that score + bias cannot round to -inf (a fully masked row stays finite)
 FP16_MASKED = -30000.0
@@ -74,8 +76,8 @@ def gqa_unsupported(cfg, dtype: str = "fp32") -> str | None:
     """Why this model cannot use the GroupQueryAttention graph, or None when it can."""
     if cfg.family not in ("llama", "gemma3"):
         return f"needs a Llama-family (or Gemma 3) model, not {cfg.family}"
-    if dtype != "fp32":
-        return f"exports fp32 only, not {dtype}"
+    if dtype not in GQA_DTYPES:
+        return f"exports {' or '.join(GQA_DTYPES)}, not {dtype}"
     if cfg.head_dim % 16:
         return f"ONNX Runtime's GroupQueryAttention needs a head size that is a multiple of 16 (this model: {cfg.head_dim})"
     from arborspec.models.rope import rope_dim
@@ -160,7 +162,7 @@ def window_bias(node, init, window: int) -> str:
     return node("Where", [both4, "c_zero_f", "c_min_f"], ["win_bias"])
 
 
-def qk_norm(node, init, qkv: str, layer: int, sd: dict, cfg, offset: float = 0.0) -> str:
+def qk_norm(node, init, qkv: str, layer: int, get, cfg, offset: float = 0.0) -> str:
     """Qwen3's (Gemma 3's: offset 1, weights 1 + w) RMSNorm over each head of q and k (before the
     kernel's RoPE), on the packed qkv."""
     nq, nkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -172,7 +174,7 @@ def qk_norm(node, init, qkv: str, layer: int, sd: dict, cfg, offset: float = 0.0
         heads_shape = init(f"l{layer}.{name}_heads", np.array([0, 0, heads, d], np.int64))
         flat_shape = init(f"l{layer}.{name}_flat", np.array([0, 0, heads * d], np.int64))
         xh = node("Reshape", [x, heads_shape], [f"l{layer}.{name}_h"])
-        w = init(f"l{layer}.{name}_norm", _np(sd[p + f"{name}_norm.weight"]) + np.float32(offset))
+        w = init(f"l{layer}.{name}_norm", get(p + f"{name}_norm.weight") + np.float32(offset))
         xn = node(
             "RMSNormalization", [xh, w], [f"l{layer}.{name}_hn"], axis=-1, epsilon=float(cfg.norm_eps), stash_type=1
         )
@@ -212,292 +214,439 @@ def gqa_node(
     )
 
 
+@dataclass
+class GraphOptions:
+    """What a GroupQueryAttention graph is built for (besides its weights).
+
+    dtype: "fp32" or "fp16", the weights' and activations' type (fp16: ONNX Runtime CUDA; the cache
+    is fp16 too, logits and features are cast back to float32). kv_dtype: "fp32" or "fp16", the
+    cache slabs' type of an fp32 graph (see the module docstring: GroupQueryAttention then runs in
+    fp16 between two Casts). n_layers: build only the first n layers (then the final norm and the
+    head): the bounded self-check of a large export. feature_layers: add the contract's
+    `hidden_states` output, the hidden states entering those layers concatenated [B, T, len * H]
+    (the features an EAGLE-3 draft reads)."""
+
+    max_context: int
+    topk: int = 0
+    accuracy_level: int = 0
+    feature_layers: list[int] | None = None
+    kv_dtype: str = "fp32"
+    dtype: str = "fp32"
+    n_layers: int | None = None
+
+
+class MemorySink:
+    """Initialisers kept in the ModelProto (a small model: one .onnx file)."""
+
+    def __init__(self):
+        self.tensors: list = []
+
+    def add(self, name: str, arr: np.ndarray) -> None:
+        from onnx import numpy_helper
+
+        self.tensors.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+
+
+class ExternalDataSink:
+    """Initialisers written straight to `<model>.data` as they are made (a large model): the
+    ModelProto holds only their names, shapes and offsets, and no array outlives its layer."""
+
+    ALIGN = 4096
+
+    def __init__(self, model_path: str | Path):
+        self.path = Path(str(model_path) + ".data")
+        self.location = self.path.name
+        self.file = open(self.path, "wb")
+        self.tensors: list = []
+
+    def add(self, name: str, arr: np.ndarray) -> None:
+        import onnx
+        from onnx import helper, numpy_helper
+
+        arr = np.ascontiguousarray(arr)
+        if arr.nbytes < 1024:  # scalars and shapes stay inline
+            self.tensors.append(numpy_helper.from_array(arr, name))
+            return
+        pad = -self.file.tell() % self.ALIGN
+        self.file.write(b"\0" * pad)
+        offset = self.file.tell()
+        self.file.write(arr.tobytes())
+        t = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(arr.dtype), dims=arr.shape)
+        t.data_location = t.EXTERNAL
+        for key, value in (("location", self.location), ("offset", offset), ("length", arr.nbytes)):
+            e = t.external_data.add()
+            e.key, e.value = key, str(value)
+        self.tensors.append(t)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _rotaries(weights):
+    """The rotary embeddings of a model: its module's own, or built from its config."""
+    module = getattr(weights, "module", None)
+    if module is not None:
+        return module.rotary, getattr(module, "rotary_local", None)
+    from arborspec.models.rope import Rotary
+
+    cfg = weights.config
+    return Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position), None
+
+
+class GQAGraph:
+    """Writes one Llama-family (or Gemma 3) model as ONNX Runtime's GroupQueryAttention graph,
+    reading each tensor from `weights` (export/weights.py) when its initialiser is written.
+
+    linears: None (float MatMuls) or a callable hf_name -> NBits | None giving a layer's
+    MatMulNBits blocks (export/quantize.py; None keeps that layer float)."""
+
+    def __init__(self, weights, opts: GraphOptions, linears=None, sink=None, progress: bool = False):
+        from onnx import TensorProto as TP
+
+        self.w, self.o, self.linears, self.progress = weights, opts, linears, progress
+        self.cfg = cfg = weights.config
+        self.sink = sink if sink is not None else MemorySink()
+        self.nodes: list = []
+        self.half = opts.dtype == "fp16"
+        kv_half = opts.kv_dtype == "fp16" or self.half
+        self.kv_elem = TP.FLOAT16 if kv_half else TP.FLOAT
+        self.attn_np = np.float16 if kv_half else np.float32  # the attention kernel's dtype
+        self.act_np = np.float16 if self.half else np.float32  # weights and activations
+        self.act_elem = TP.FLOAT16 if self.half else TP.FLOAT
+        self.n_layers = cfg.n_layers if opts.n_layers is None else min(int(opts.n_layers), cfg.n_layers)
+        self.gemma = cfg.family == "gemma3"
+        self.one = np.float32(1.0 if self.gemma else 0.0)
+        self.eps = float(cfg.norm_eps)
+
+    # -- the builder's two primitives
+    def init(self, name: str, arr: np.ndarray) -> str:
+        self.sink.add(name, arr)
+        return name
+
+    def node(self, op, ins, outs, domain="", **attrs):
+        from onnx import helper as h
+
+        self.nodes.append(h.make_node(op, ins, outs, domain=domain, **attrs))
+        return outs[0] if len(outs) == 1 else outs
+
+    def weight(self, name: str, arr: np.ndarray) -> str:
+        """A float weight in the graph's dtype."""
+        return self.init(name, arr.astype(self.act_np))
+
+    def gamma(self, hf_name: str, out: str) -> str:
+        return self.weight(out, self.w.get(hf_name) + self.one)
+
+    def rms(self, x: str, hf_name: str, out: str) -> str:
+        w = self.gamma(hf_name, out + ".w")
+        return self.node("RMSNormalization", [x, w], [out], axis=-1, epsilon=self.eps, stash_type=1)
+
+    # -- linear layers
+    def blocks(self, names: list[str]):
+        """The layers' MatMulNBits blocks as one product (concatenated along N), a list of
+        products of different formats, or None (float)."""
+        if self.linears is None:
+            return None
+        parts = [self.linears(n) for n in names]
+        if any(q is None for q in parts):
+            return None
+        if parts[0].bits == 8 and self.o.accuracy_level < 4 and parts[0].source.startswith("gguf"):
+            # ONNX Runtime 1.32 has no fast 8-bit kernel with float activations (benchmarks/RESULTS.md)
+            return None
+        if len({(q.bits, q.k, q.block, q.offsets is None) for q in parts}) != 1:
+            return parts  # e.g. Q4_K_M's q/k (Q4_K) beside its v (Q6_K): one product each
+        return concat_nbits(parts)
+
+    def matmul(self, x: str, hf_names: list[str], name: str) -> str:
+        """x @ W^T for the (concatenated) weights: MatMulNBits where blocks exist, else MatMul."""
+        q = self.blocks(hf_names)
+        if q is None:
+            w = np.concatenate([self.w.get(n).T for n in hf_names], axis=1)
+            return self.node("MatMul", [x, self.weight(name, w)], [name + "_out"])
+        if isinstance(q, list):
+            outs = [self.nbits_matmul(x, p, f"{name}.{j}") for j, p in enumerate(q)]
+            return self.node("Concat", outs, [name + "_out"], axis=-1)
+        return self.nbits_matmul(x, q, name)
+
+    def nbits_matmul(self, x: str, q, name: str) -> str:
+        ins = [x, self.init(name + ".blob", q.blob), self.init(name + ".scales", q.scales.astype(self.act_np))]
+        if q.zero_points is not None:
+            ins.append(self.init(name + ".zp", q.zero_points))
+        y = self.node(
+            "MatMulNBits", ins, [name + "_nbits"], domain="com.microsoft",
+            K=q.k, N=q.n, bits=q.bits, block_size=q.block, accuracy_level=self.o.accuracy_level,
+        )  # fmt: skip
+        if q.offsets is None:
+            return y
+        # per-block offsets (GGUF Q4_1's m, the K-quants' mins): + (sums of x over each block) @ M^T
+        nb = q.k // q.block
+        shape = self.init(name + ".blk_shape", np.array([0, 0, nb, q.block], np.int64))
+        xb = self.node("Reshape", [x, shape], [name + "_xb"])
+        sums = self.node("ReduceSum", [xb, "c_axes_m1"], [name + "_xsum"], keepdims=0)
+        offsets = self.init(name + ".offsets", np.ascontiguousarray(q.offsets.T).astype(self.act_np))
+        corr = self.node("MatMul", [sums, offsets], [name + "_corr"])
+        return self.node("Add", [y, corr], [name + "_out"])
+
+    # -- the graph, top to bottom
+    def build(self):
+        """The onnx.ModelProto of the whole graph (initialisers in the sink)."""
+        import onnx
+        from onnx import helper as h
+
+        inputs, outputs = self.io()
+        self.init("c_i1", np.array([1], np.int64))
+        self.init("c_axes_m1", np.array([-1], np.int64))
+        seqlens, total, bias = self.attention_shared()
+        x = self.embed()
+        normed, residual = self.rms(x, "model.layers.0.input_layernorm.weight", "l0.normed"), x
+        feats: dict[int, str] = {}
+        for i in self.layers():
+            feats[i] = residual  # the hidden state entering layer i
+            normed, residual = self.layer(i, normed, residual, seqlens, total, bias)
+            self.w.release()
+        logits = self.head(normed)
+        outputs += self.logits_outputs(logits)
+        outputs += self.features(feats)
+        graph = h.make_graph(
+            self.nodes, f"arborspec_{self.cfg.name or 'llama'}_gqa", inputs, outputs, self.sink.tensors
+        )
+        model = h.make_model(
+            graph, opset_imports=[h.make_opsetid("", OPSET), h.make_opsetid("com.microsoft", 1)], producer_name="arborspec"
+        )
+        model.ir_version = IR_VERSION
+        if not isinstance(self.sink, ExternalDataSink):
+            onnx.checker.check_model(model)  # structure (external data: checked on the saved file)
+        return model
+
+    def layers(self):
+        from tqdm.auto import tqdm
+
+        return tqdm(range(self.n_layers), desc="export: layers", unit="layer", disable=None if self.progress else True, leave=False)
+
+    def io(self):
+        from onnx import TensorProto as TP
+        from onnx import helper as h
+
+        cfg, nkv, d = self.cfg, self.cfg.n_kv_heads, self.cfg.head_dim
+        inputs = [
+            h.make_tensor_value_info(C.INPUT_IDS, TP.INT64, ["batch", "tokens"]),
+            h.make_tensor_value_info(C.POSITION_IDS, TP.INT64, ["batch", "tokens"]),
+            h.make_tensor_value_info(C.ATTENTION_MASK, TP.BOOL, ["batch", "tokens", "context"]),
+        ]
+        outputs = [h.make_tensor_value_info(C.LOGITS, TP.FLOAT, ["batch", "tokens", cfg.vocab_size])]
+        for i in range(self.n_layers):
+            for name in (C.past_key(i), C.past_value(i)):
+                inputs.append(h.make_tensor_value_info(name, self.kv_elem, ["batch", nkv, "max_seq", d]))
+            for name in (C.new_key(i), C.new_value(i)):
+                outputs.append(h.make_tensor_value_info(name, self.kv_elem, ["batch", nkv, "max_seq", d]))
+        return inputs, outputs
+
+    def attention_shared(self):
+        """seqlens, total length and the tree mask's bias every layer shares; the rotary tables."""
+        cfg, max_context = self.cfg, self.o.max_context
+        rotary, rotary_local = _rotaries(self.w)
+        masked = FP16_MASKED if self.attn_np == np.float16 else np.finfo(np.float32).min
+        seqlens, total, bias = attention_inputs(
+            self.node, self.init, cfg.head_dim, cfg.rope_theta, max_context, self.attn_np, masked, rotary=rotary
+        )
+        self.local = window_bias(self.node, self.init, cfg.sliding_window) if cfg.sliding_window > 0 else None
+        # Gemma 3 (models/gemma3.py): norms multiply by 1 + w, embeddings scaled by sqrt(H), a norm on
+        # the attention output and on the MLP output, tanh GELU, its own attention scale, and the
+        # sliding layers rotate with their own RoPE base (tables "cos_cache_local" / "sin_cache_local")
+        if self.gemma:
+            for kind, table in zip(("cos", "sin"), rope_tables(cfg.head_dim, 0.0, max(max_context, 1), rotary_local)):
+                self.init(f"{kind}_cache_local", table.astype(self.attn_np))
+        return seqlens, total, bias
+
+    def embed(self) -> str:
+        self.emb = self.weight("embed_tokens", self.w.get("model.embed_tokens.weight"))
+        x = self.node("Gather", [self.emb, C.INPUT_IDS], ["x0"], axis=0)
+        if self.gemma:  # the scale rounded to float32, as the module multiplies it
+            scale = np.array(self.cfg.hidden_size**0.5, np.float32).astype(self.act_np)
+            x = self.node("Mul", [x, self.init("embed_scale", scale)], ["x0_scaled"])
+        return x
+
+    def attention(self, i: int, normed: str, seqlens, total, bias) -> str:
+        """Layer i's attention output (before o_proj)."""
+        from onnx import TensorProto as TP
+
+        cfg, p = self.cfg, f"model.layers.{i}."
+        qkv = self.matmul(normed, [p + f"self_attn.{n}_proj.weight" for n in "qkv"], f"l{i}.qkv")
+        if cfg.attention_bias:
+            bqkv = np.concatenate([self.w.get(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            qkv = self.node("Add", [qkv, self.weight(f"l{i}.qkv_b", bqkv)], [f"l{i}.qkv_biased"])
+        if cfg.qk_norm:
+            qkv = qk_norm(self.node, self.weight, qkv, i, self.w.get, cfg, float(self.one))
+        cast = self.attn_np != self.act_np  # an fp16 cache beside fp32 activations
+        if cast:
+            qkv = self.node("Cast", [qkv], [f"l{i}.qkv_h"], to=TP.FLOAT16)
+        b_i = self.local if cfg.is_sliding(i) else bias
+        rope = "_local" if self.gemma and cfg.is_sliding(i) else ""
+        out = f"l{i}.attn_h" if cast else f"l{i}.attn"
+        attn = gqa_node(
+            self.node, qkv, i, out, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, seqlens, total, b_i, rope, cfg.attn_scale
+        )
+        return self.node("Cast", [attn[0]], [f"l{i}.attn"], to=TP.FLOAT) if cast else attn[0]
+
+    def mlp(self, i: int, x: str) -> str:
+        cfg, p = self.cfg, f"model.layers.{i}."
+        # gate and up in one product, as q/k/v: one MatMulNBits and one offset correction
+        gate_up = self.matmul(x, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], f"l{i}.gate_up")
+        split = self.init(f"l{i}.gate_up_split", np.array([cfg.intermediate_size] * 2, np.int64))
+        gate, up = self.node("Split", [gate_up, split], [f"l{i}.gate", f"l{i}.up"], axis=-1)
+        if cfg.mlp_bias:
+            gate = self.node("Add", [gate, self.weight(f"l{i}.gate_b", self.w.get(p + "mlp.gate_proj.bias"))], [f"l{i}.gate_b_out"])
+            up = self.node("Add", [up, self.weight(f"l{i}.up_b", self.w.get(p + "mlp.up_proj.bias"))], [f"l{i}.up_b_out"])
+        if self.gemma:
+            gated = self.node("Gelu", [gate], [f"l{i}.gelu"], approximate="tanh")
+        else:
+            gated = self.node("Mul", [gate, self.node("Sigmoid", [gate], [f"l{i}.sig"])], [f"l{i}.silu"])
+        act = self.node("Mul", [gated, up], [f"l{i}.act"])
+        down = self.matmul(act, [p + "mlp.down_proj.weight"], f"l{i}.down")
+        if cfg.mlp_bias:
+            down = self.node("Add", [down, self.weight(f"l{i}.down_b", self.w.get(p + "mlp.down_proj.bias"))], [f"l{i}.down_b_out"])
+        if self.gemma:
+            down = self.rms(down, p + "post_feedforward_layernorm.weight", f"l{i}.down_normed")
+        return down
+
+    def skip_norm(self, x: str, residual: str, hf_norm: str, out: str) -> tuple[str, str]:
+        """(RMSNorm(x + residual), x + residual) in one SkipSimplifiedLayerNormalization."""
+        res = self.node(
+            "SkipSimplifiedLayerNormalization",
+            [x, residual, self.gamma(hf_norm, out + "_w")],
+            [out + "ed", "", "", out + "_res"],
+            domain="com.microsoft",
+            epsilon=self.eps,
+        )
+        return res[0], res[3]
+
+    def layer(self, i: int, normed: str, residual: str, seqlens, total, bias) -> tuple[str, str]:
+        """One decoder layer: (the next layer's normed input, the residual stream)."""
+        p = f"model.layers.{i}."
+        o = self.matmul(self.attention(i, normed, seqlens, total, bias), [p + "self_attn.o_proj.weight"], f"l{i}.o")
+        mlp_norm = p + "post_attention_layernorm.weight"
+        if self.gemma:
+            o = self.rms(o, mlp_norm, f"l{i}.o_normed")
+            mlp_norm = p + "pre_feedforward_layernorm.weight"
+        normed2, residual = self.skip_norm(o, residual, mlp_norm, f"l{i}.post_norm")
+        down = self.mlp(i, normed2)
+        last = i == self.n_layers - 1
+        nxt = "model.norm.weight" if last else f"model.layers.{i + 1}.input_layernorm.weight"
+        return self.skip_norm(down, residual, nxt, f"l{i}.next_norm")
+
+    def head(self, normed: str) -> str:
+        """The logits [B, T, V] (the head's own blocks where it has them; a tied head is the embedding)."""
+        cfg = self.cfg
+        q = self.blocks(["lm_head.weight"])
+        if q is not None and not isinstance(q, list):
+            return self.nbits_matmul(normed, q, "lm_head")
+        # Gemm with transB over the [B*T, H] rows
+        head = self.emb if cfg.tie_embeddings else self.weight("lm_head", self.w.get("lm_head.weight"))
+        self.init("c_rows", np.array([-1, cfg.hidden_size], np.int64))
+        self.init("c_vocab", np.array([cfg.vocab_size], np.int64))
+        rows = self.node("Reshape", [normed, "c_rows"], ["final_rows"])
+        flat = self.node("Gemm", [rows, head], ["logits_rows"], transB=1)
+        bt = self.node("Shape", [C.INPUT_IDS], ["bt_shape"])
+        out_shape = self.node("Concat", [bt, "c_vocab"], ["logits_shape"], axis=0)
+        return self.node("Reshape", [flat, out_shape], ["logits_raw"])
+
+    def logits_outputs(self, logits: str) -> list:
+        """Softcapping, float32 logits and (for a draft) the fused top-k outputs."""
+        from onnx import TensorProto as TP
+        from onnx import helper as h
+
+        if self.half:
+            logits = self.node("Cast", [logits], ["logits_f32"], to=TP.FLOAT)
+        if self.cfg.final_softcap > 0:  # Gemma: tanh(logits / cap) * cap
+            cap = self.init("c_softcap", np.array(self.cfg.final_softcap, np.float32))
+            capped = self.node("Tanh", [self.node("Div", [logits, cap], ["logits_div"])], ["logits_tanh"])
+            logits = self.node("Mul", [capped, cap], ["logits_capped"])
+        self.node("Identity", [logits], [C.LOGITS])
+        topk = self.o.topk
+        if not topk:
+            return []
+        lse = self.node("ReduceLogSumExp", [logits, self.init("c_axes_last", np.array([-1], np.int64))], ["lse"], keepdims=1)
+        lp = self.node("Sub", [logits, lse], ["logprobs"])
+        self.init("c_k", np.array([topk], np.int64))
+        self.node("TopK", [lp, "c_k"], [C.TOPK_LOGPROBS, C.TOPK_IDS], axis=-1, largest=1, sorted=1)
+        return [
+            h.make_tensor_value_info(C.TOPK_LOGPROBS, TP.FLOAT, ["batch", "tokens", topk]),
+            h.make_tensor_value_info(C.TOPK_IDS, TP.INT64, ["batch", "tokens", topk]),
+        ]
+
+    def features(self, feats: dict[int, str]) -> list:
+        """The `hidden_states` output (the inputs of the feature layers, concatenated, float32)."""
+        from onnx import TensorProto as TP
+        from onnx import helper as h
+
+        layers = [int(i) for i in self.o.feature_layers or []]
+        if not layers:
+            return []
+        if any(not 0 <= i < self.n_layers for i in layers):
+            raise InputError(f"feature layers {layers} are outside the model's {self.n_layers} layers")
+        parts = [feats[i] for i in layers]
+        out = C.HIDDEN_STATES + "_h" if self.half else C.HIDDEN_STATES
+        self.node("Concat", parts, [out], axis=-1) if len(parts) > 1 else self.node("Identity", parts, [out])
+        if self.half:
+            self.node("Cast", [out], [C.HIDDEN_STATES], to=TP.FLOAT)
+        return [h.make_tensor_value_info(C.HIDDEN_STATES, TP.FLOAT, ["batch", "tokens", len(layers) * self.cfg.hidden_size])]
+
+
+def concat_nbits(parts: list):
+    """MatMulNBits blocks of several layers with one input as one product (concatenated along N)."""
+    from .quantize import NBits
+
+    q0 = parts[0]
+    if len(parts) == 1:
+        return q0
+    zps = [q.zero_points for q in parts]
+    offsets = None if q0.offsets is None else np.concatenate([q.offsets for q in parts])
+    return NBits(
+        np.concatenate([q.blob for q in parts]),
+        np.concatenate([q.scales for q in parts]),
+        None if all(z is None for z in zps) else np.concatenate([q.packed_zero_points() for q in parts]),
+        q0.bits, sum(q.n for q in parts), q0.k, q0.source, offsets, q0.block,
+    )  # fmt: skip
+
+
 def build_gqa_model(
-    module: torch.nn.Module,
+    module,
     max_context: int,
     topk: int = 0,
     linears=None,
     accuracy_level: int = 0,
     feature_layers: list[int] | None = None,
     kv_dtype: str = "fp32",
+    *,
+    dtype: str = "fp32",
+    n_layers: int | None = None,
+    sink=None,
 ):
-    """An onnx.ModelProto of the module (models/llama.LlamaDecoder) in the "bhsd" contract.
+    """An onnx.ModelProto of a module (models/llama.LlamaDecoder) or of a `Weights` source
+    (export/weights.py) in the "bhsd" contract; see GraphOptions and GQAGraph."""
+    from .weights import ModuleWeights
 
-    kv_dtype: "fp32" or "fp16", the element type of the past/new K/V slabs (see the module
-    docstring: with fp16, GroupQueryAttention runs in fp16 between two Casts).
-
-    feature_layers: add the contract's `hidden_states` output, the hidden states entering those
-    layers concatenated [B, T, len * H] (the features an EAGLE-3 draft reads).
-
-    linears: None (float MatMuls from the module's weights) or a callable hf_name -> NBits | None
-    giving a layer's MatMulNBits blocks (export/quantize.py; None keeps that layer float)."""
-    import onnx
-    from onnx import TensorProto as TP
-    from onnx import helper as h
-    from onnx import numpy_helper
-
-    cfg = module.config
-    why_not = gqa_unsupported(cfg)
+    weights = module if hasattr(module, "get") and hasattr(module, "release") else ModuleWeights(module)
+    cfg = weights.config
+    why_not = gqa_unsupported(cfg, dtype)
     if why_not:
         raise InputError(f"--attention gqa: {why_not} (use --attention onnx)")
     if kv_dtype not in KV_DTYPES:
         raise InputError(f"unknown --kv-dtype {kv_dtype!r} (expected one of {', '.join(KV_DTYPES)})")
-    half = kv_dtype == "fp16"
-    kv_elem = TP.FLOAT16 if half else TP.FLOAT
-    attn_np = np.float16 if half else np.float32  # the attention kernel's dtype
-    sd = {k: v for k, v in module.state_dict().items()}
-    nq, nkv, d, hs = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_size
-    inits: list = []
-    nodes: list = []
-
-    def init(name: str, arr: np.ndarray) -> str:
-        inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
-        return name
-
-    def node(op, ins, outs, domain="", **attrs):
-        nodes.append(h.make_node(op, ins, outs, domain=domain, **attrs))
-        return outs[0] if len(outs) == 1 else outs
-
-    def linear_t(w: torch.Tensor) -> np.ndarray:  # nn.Linear [out, in] -> MatMul [in, out]
-        return _np(w).T
-
-    memo: dict = {}
-
-    def blocks(names: list[str]):
-        """The layers' MatMulNBits blocks concatenated along N, or None (float)."""
-        if linears is None:
-            return None
-        if tuple(names) not in memo:
-            memo[tuple(names)] = _blocks(names)
-        return memo[tuple(names)]
-
-    def _blocks(names: list[str]):
-        parts = [linears(n) for n in names]
-        if any(q is None for q in parts):
-            return None
-        if len({(q.bits, q.k) for q in parts}) != 1:
-            return None
-        if parts[0].bits == 8 and accuracy_level < 4:
-            # ONNX Runtime 1.32 has no fast 8-bit kernel with float activations (measured on the
-            # 49152 x 576 head: 96 ms vs 3.4 ms for the float MatMul of the same, exact, weights)
-            return None
-        from .quantize import NBits
-
-        zps = [q.zero_points for q in parts]  # None: the default (8, or 128 for 8 bits)
-        offs = [q.offsets for q in parts]
-        if any(o is not None for o in offs):
-            offs = [o if o is not None else np.zeros((q.n, q.k // 32), np.float32) for o, q in zip(offs, parts)]
-            offsets = np.concatenate(offs)
-        else:
-            offsets = None
-        return NBits(
-            np.concatenate([q.blob for q in parts]),
-            np.concatenate([q.scales for q in parts]),
-            None if all(z is None for z in zps) else np.concatenate([q.packed_zero_points() for q in parts]),
-            parts[0].bits,
-            sum(q.n for q in parts),
-            parts[0].k,
-            parts[0].source,
-            offsets,
-        )
-
-    def matmul(x: str, hf_names: list[str], name: str) -> str:
-        """x @ W^T for the (concatenated) weights: MatMulNBits when blocks exist, else MatMul."""
-        q = blocks(hf_names)
-        if q is None:
-            w = np.concatenate([linear_t(sd[n]) for n in hf_names], axis=1)
-            return node("MatMul", [x, init(name, w)], [name + "_out"])
-        ins = [x, init(name + ".blob", q.blob), init(name + ".scales", q.scales.astype(np.float32))]
-        if q.zero_points is not None:
-            ins.append(init(name + ".zp", q.zero_points))
-        y = node(
-            "MatMulNBits",
-            ins,
-            [name + "_nbits"],
-            domain="com.microsoft",
-            K=q.k,
-            N=q.n,
-            bits=q.bits,
-            block_size=32,
-            accuracy_level=accuracy_level,
-        )
-        if q.offsets is None:
-            return y
-        # per-block offsets (GGUF Q4_1's m): + (sums of x over each block of 32) @ M^T
-        nb = q.k // 32
-        shape = init(name + ".blk_shape", np.array([0, 0, nb, 32], np.int64))
-        xb = node("Reshape", [x, shape], [name + "_xb"])
-        sums = node("ReduceSum", [xb, "c_axes_m1"], [name + "_xsum"], keepdims=0)
-        corr = node("MatMul", [sums, init(name + ".offsets", np.ascontiguousarray(q.offsets.T))], [name + "_corr"])
-        return node("Add", [y, corr], [name + "_out"])
-
-    # ---- inputs, scalars derived from shapes
-    inputs = [
-        h.make_tensor_value_info(C.INPUT_IDS, TP.INT64, ["batch", "tokens"]),
-        h.make_tensor_value_info(C.POSITION_IDS, TP.INT64, ["batch", "tokens"]),
-        h.make_tensor_value_info(C.ATTENTION_MASK, TP.BOOL, ["batch", "tokens", "context"]),
-    ]
-    outputs = [h.make_tensor_value_info(C.LOGITS, TP.FLOAT, ["batch", "tokens", cfg.vocab_size])]
-    for i in range(cfg.n_layers):
-        for name in (C.past_key(i), C.past_value(i)):
-            inputs.append(h.make_tensor_value_info(name, kv_elem, ["batch", nkv, "max_seq", d]))
-        for name in (C.new_key(i), C.new_value(i)):
-            outputs.append(h.make_tensor_value_info(name, kv_elem, ["batch", nkv, "max_seq", d]))
-
-    init("c_i1", np.array([1], np.int64))
-    init("c_axes_m1", np.array([-1], np.int64))
-    masked = FP16_MASKED if half else np.finfo(np.float32).min
-    seqlens, total, bias = attention_inputs(
-        node, init, d, cfg.rope_theta, max_context, attn_np, masked, rotary=module.rotary
-    )
-    local = window_bias(node, init, cfg.sliding_window) if cfg.sliding_window > 0 else None
-    # Gemma 3 (models/gemma3.py): norms multiply by 1 + w, embeddings scaled by sqrt(H), a norm on
-    # the attention output and on the MLP output, tanh GELU, its own attention scale, and the
-    # sliding layers rotate with their own RoPE base (tables "cos_cache_local" / "sin_cache_local")
-    gemma = cfg.family == "gemma3"
-    one = np.float32(1.0 if gemma else 0.0)
-
-    def gamma(name: str) -> np.ndarray:
-        return _np(sd[name]) + one
-
-    if gemma:
-        for kind, table in zip(("cos", "sin"), rope_tables(d, 0.0, max(max_context, 1), module.rotary_local)):
-            init(f"{kind}_cache_local", table.astype(attn_np))
-
-    def rms(x: str, name: str, out: str) -> str:
-        return node("RMSNormalization", [x, init(out + ".w", gamma(name))], [out], axis=-1, epsilon=eps, stash_type=1)
-
-    emb = init("embed_tokens", _np(sd["model.embed_tokens.weight"]))
-    x = node("Gather", [emb, C.INPUT_IDS], ["x0"], axis=0)
-    if gemma:  # the scale rounded to float32, as the module multiplies it
-        x = node("Mul", [x, init("embed_scale", np.array(cfg.hidden_size**0.5, np.float32))], ["x0_scaled"])
-    eps = float(cfg.norm_eps)
-    normed = rms(x, "model.layers.0.input_layernorm.weight", "l0.normed")
-    residual = x
-    feature_layers = [int(i) for i in feature_layers or []]
-    if any(not 0 <= i < cfg.n_layers for i in feature_layers):
-        raise InputError(f"feature layers {feature_layers} are outside the model's {cfg.n_layers} layers")
-    feats: dict[int, str] = {}
-    for i in range(cfg.n_layers):
-        p = f"model.layers.{i}."
-        feats[i] = residual  # the hidden state entering layer i
-        qkv = matmul(normed, [p + f"self_attn.{n}_proj.weight" for n in "qkv"], f"l{i}.qkv")
-        if cfg.attention_bias:
-            bqkv = np.concatenate([_np(sd[p + f"self_attn.{n}_proj.bias"]) for n in "qkv"])
-            qkv = node("Add", [qkv, init(f"l{i}.qkv_b", bqkv)], [f"l{i}.qkv_biased"])
-        if cfg.qk_norm:
-            qkv = qk_norm(node, init, qkv, i, sd, cfg, float(one))
-        if half:
-            qkv = node("Cast", [qkv], [f"l{i}.qkv_h"], to=TP.FLOAT16)
-        b_i = local if cfg.is_sliding(i) else bias
-        rope = "_local" if gemma and cfg.is_sliding(i) else ""
-        attn = gqa_node(
-            node,
-            qkv,
-            i,
-            f"l{i}.attn_h" if half else f"l{i}.attn",
-            nq,
-            nkv,
-            d,
-            seqlens,
-            total,
-            b_i,
-            rope,
-            cfg.attn_scale,
-        )
-        attn_out = node("Cast", [attn[0]], [f"l{i}.attn"], to=TP.FLOAT) if half else attn[0]
-        o = matmul(attn_out, [p + "self_attn.o_proj.weight"], f"l{i}.o")
-        mlp_norm = p + "post_attention_layernorm.weight"
-        if gemma:
-            o = rms(o, mlp_norm, f"l{i}.o_normed")
-            mlp_norm = p + "pre_feedforward_layernorm.weight"
-        post = node(
-            "SkipSimplifiedLayerNormalization",
-            [o, residual, init(f"l{i}.post_norm", gamma(mlp_norm))],
-            [f"l{i}.post_normed", "", "", f"l{i}.res1"],
-            domain="com.microsoft",
-            epsilon=eps,
-        )
-        normed2, residual = post[0], post[3]
-        # gate and up in one product, as q/k/v: one MatMulNBits and, for Q4_1 blocks, one offset
-        # correction instead of two (measured on SmolLM2 int4: -9 to -14 % per verify call)
-        gate_up = matmul(normed2, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], f"l{i}.gate_up")
-        split = init(f"l{i}.gate_up_split", np.array([cfg.intermediate_size] * 2, np.int64))
-        gate, up = node("Split", [gate_up, split], [f"l{i}.gate", f"l{i}.up"], axis=-1)
-        if cfg.mlp_bias:
-            gate = node("Add", [gate, init(f"l{i}.gate_b", _np(sd[p + "mlp.gate_proj.bias"]))], [f"l{i}.gate_b_out"])
-            up = node("Add", [up, init(f"l{i}.up_b", _np(sd[p + "mlp.up_proj.bias"]))], [f"l{i}.up_b_out"])
-        if gemma:
-            gated = node("Gelu", [gate], [f"l{i}.gelu"], approximate="tanh")
-        else:
-            gated = node("Mul", [gate, node("Sigmoid", [gate], [f"l{i}.sig"])], [f"l{i}.silu"])
-        act = node("Mul", [gated, up], [f"l{i}.act"])
-        down = matmul(act, [p + "mlp.down_proj.weight"], f"l{i}.down")
-        if cfg.mlp_bias:
-            down = node("Add", [down, init(f"l{i}.down_b", _np(sd[p + "mlp.down_proj.bias"]))], [f"l{i}.down_b_out"])
-        if gemma:
-            down = rms(down, p + "post_feedforward_layernorm.weight", f"l{i}.down_normed")
-        last_layer = i == cfg.n_layers - 1
-        nxt_norm = "model.norm.weight" if last_layer else f"model.layers.{i + 1}.input_layernorm.weight"
-        nxt = node(
-            "SkipSimplifiedLayerNormalization",
-            [down, residual, init(f"l{i}.next_norm", gamma(nxt_norm))],
-            [f"l{i}.next_normed", "", "", f"l{i}.res2"],
-            domain="com.microsoft",
-            epsilon=eps,
-        )
-        normed, residual = nxt[0], nxt[3]
-
-    if blocks(["lm_head.weight"]) is not None:  # the head's own blocks (a tied head: the embedding's)
-        logits = matmul(normed, ["lm_head.weight"], "lm_head")
-    else:  # Gemm with transB over the [B*T, H] rows (a tied head reuses the embedding)
-        head = emb if cfg.tie_embeddings else init("lm_head", _np(sd["lm_head.weight"]))
-        init("c_rows", np.array([-1, hs], np.int64))
-        init("c_vocab", np.array([cfg.vocab_size], np.int64))
-        rows = node("Reshape", [normed, "c_rows"], ["final_rows"])
-        flat = node("Gemm", [rows, head], ["logits_rows"], transB=1)
-        bt = node("Shape", [C.INPUT_IDS], ["bt_shape"])
-        out_shape = node("Concat", [bt, "c_vocab"], ["logits_shape"], axis=0)
-        logits = node("Reshape", [flat, out_shape], ["logits_raw"])
-    if cfg.final_softcap > 0:  # Gemma: tanh(logits / cap) * cap
-        cap = init("c_softcap", np.array(cfg.final_softcap, np.float32))
-        capped = node("Tanh", [node("Div", [logits, cap], ["logits_div"])], ["logits_tanh"])
-        logits = node("Mul", [capped, cap], ["logits_capped"])
-    if topk:
-        node("Identity", [logits], [C.LOGITS])
-        lse = node("ReduceLogSumExp", [logits, init("c_axes_last", np.array([-1], np.int64))], ["lse"], keepdims=1)
-        lp = node("Sub", [logits, lse], ["logprobs"])
-        init("c_k", np.array([topk], np.int64))
-        node("TopK", [lp, "c_k"], [C.TOPK_LOGPROBS, C.TOPK_IDS], axis=-1, largest=1, sorted=1)
-        outputs += [
-            h.make_tensor_value_info(C.TOPK_LOGPROBS, TP.FLOAT, ["batch", "tokens", topk]),
-            h.make_tensor_value_info(C.TOPK_IDS, TP.INT64, ["batch", "tokens", topk]),
-        ]
-    else:
-        node("Identity", [logits], [C.LOGITS])
-    if feature_layers:
-        parts = [feats[i] for i in feature_layers]
-        node("Concat", parts, [C.HIDDEN_STATES], axis=-1) if len(parts) > 1 else node(
-            "Identity", parts, [C.HIDDEN_STATES]
-        )
-        outputs.append(
-            h.make_tensor_value_info(C.HIDDEN_STATES, TP.FLOAT, ["batch", "tokens", len(feature_layers) * hs])
-        )
-    graph = h.make_graph(nodes, f"arborspec_{cfg.name or 'llama'}_gqa", inputs, outputs, inits)
-    model = h.make_model(
-        graph, opset_imports=[h.make_opsetid("", OPSET), h.make_opsetid("com.microsoft", 1)], producer_name="arborspec"
-    )
-    model.ir_version = IR_VERSION
-    onnx.checker.check_model(model)  # structure (the contrib ops are checked by ONNX Runtime)
-    return model
+    opts = GraphOptions(max_context, topk, accuracy_level, feature_layers, kv_dtype, dtype, n_layers)
+    return GQAGraph(weights, opts, linears, sink).build()
 
 
 def save_model(model, path: str | Path) -> list[str]:
     """Write the model; weights go to `<name>.data` when the protobuf would pass 2 GiB.
     Returns the external-data file names."""
     import onnx
+    from onnx.external_data_helper import uses_external_data
 
     path = Path(path)
+    written = sorted({e.value for t in model.graph.initializer if uses_external_data(t) for e in t.external_data if e.key == "location"})
+    if written:  # an ExternalDataSink wrote the weights already
+        onnx.save(model, str(path))
+        return written
     size = sum(t.ByteSize() for t in model.graph.initializer)
     if size > 2 * 1024**3 - 64 * 1024**2:
         onnx.save(

@@ -533,7 +533,7 @@ def _quantize_qdq(path: Path, module, quantize: str, block_size: int, gguf_path:
 
 
 def export_gqa_onnx(
-    module: torch.nn.Module,
+    module,
     path: str | os.PathLike,
     dtype: str = "fp32",
     *,
@@ -549,110 +549,23 @@ def export_gqa_onnx(
     gguf_path: str | None = None,
     feature_layers: list[int] | None = None,
     kv_dtype: str = "fp32",
+    progress: bool = False,
 ) -> ExportResult:
-    """Export a Llama-family module as ONNX Runtime's fast graph (export/gqa_graph.py: cache read
-    and written in place, kv layout "bhsd"). fp32 activations; kv_dtype "fp32" or "fp16" (the
-    cache slabs' dtype: fp16 halves the cache, GroupQueryAttention then runs in fp16 between
-    Casts, and the self-check compares relative errors); quantize: None, "int4" or "int8"
-    weight-only MatMulNBits (export/quantize.py): with `gguf_path` (a GGUF whose tensors are
-    Q4_0/Q4_1/Q8_0) its blocks are carried over as they are for "int4" (the GGUF's own weights);
-    otherwise ONNX Runtime's blockwise round-to-nearest of the float weights."""
+    """Export a Llama-family module, or a streamed weights source (export/weights.py), as ONNX
+    Runtime's fast graph (export/gqa_graph.py: cache read and written in place, kv layout "bhsd");
+    the steps are export/gqa_export.py's. dtype "fp32" or "fp16" (weights and activations);
+    kv_dtype "fp32" or "fp16" (an fp32 graph's cache slabs); quantize: None, "int4" or "int8"
+    weight-only MatMulNBits (export/quantize.py): a GGUF's own blocks (`gguf_path` for a module,
+    or a GGUF source) are carried over as they are for "int4"; otherwise ONNX Runtime's blockwise
+    round-to-nearest of the float weights."""
+    from .gqa_export import GQAExport, export_gqa
 
-    from . import gqa_graph
-
-    if dtype != "fp32":
-        raise InputError(f"--attention gqa exports fp32 only (got {dtype}); use --attention onnx for {dtype}")
-    if kv_dtype not in gqa_graph.KV_DTYPES:
-        raise InputError(f"unknown --kv-dtype {kv_dtype!r} (expected one of {', '.join(gqa_graph.KV_DTYPES)})")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    cfg = module.config
-    module = module.float().eval()
-    max_context = int(max_context or cfg.max_position)
-    topk = min(int(topk or 0), cfg.vocab_size)
-    qinfo = None
-    if quantize not in (None, "int4", "int8"):
-        raise InputError(f"unknown --quantize {quantize!r} (expected int4 or int8)")
-    if block_size not in (16, 32, 64, 128, 256):
-        raise InputError(f"--block-size must be 16, 32, 64, 128 or 256, got {block_size}")
-    if accuracy_level not in (0, 1, 2, 3, 4):
-        raise InputError(f"--accuracy-level must be 0..4, got {accuracy_level}")
-    linears = None
-    if quantize == "int4" and gguf_path:
-        from .quantize import GGUFBlocks
-
-        src = GGUFBlocks(gguf_path, cfg.n_heads, cfg.n_kv_heads)
-        sources: dict = {}
-
-        def linears(name):
-            q = src.linear(name)
-            if q is not None:
-                sources[q.source] = sources.get(q.source, 0) + 1
-            return q
-
-        if block_size != 32:
-            raise InputError("a GGUF's blocks are 32 wide: --block-size 32 (or quantise from float weights)")
-    model = gqa_graph.build_gqa_model(
-        module, max_context, topk, linears, accuracy_level, feature_layers, kv_dtype=kv_dtype
-    )
-    if linears is not None:
-        qinfo = {
-            "scheme": quantize,
-            "format": "matmulnbits",
-            "block_size": 32,
-            "accuracy_level": accuracy_level,
-            "source": "gguf-blocks",
-            "layers_by_source": sources,
-        }
-    elif quantize:
-        from .quantize import quantize_float_model
-
-        model = quantize_float_model(
-            model, bits=4 if quantize == "int4" else 8, block_size=block_size, accuracy_level=accuracy_level
-        )
-        qinfo = {
-            "scheme": quantize,
-            "format": "matmulnbits",
-            "block_size": block_size,
-            "accuracy_level": accuracy_level,
-            "source": "onnxruntime-rtn",
-        }
-    ext = gqa_graph.save_model(model, path)
-    meta = contract_metadata(
-        cfg, dtype, tokenizer_sha256, role, f"gqa:opset{gqa_graph.OPSET}", "bhsd", topk, kv_dtype=kv_dtype
-    )
-    if feature_layers:
-        meta[META_FEATURE_LAYERS] = json.dumps([int(i) for i in feature_layers])
-    meta[META_RAGGED_ROWS] = "1"  # seqlens_k from the mask (gqa_graph.attention_inputs)
-    ir, nodes = _finalize(path, meta, bool(ext))
-    res = ExportResult(
-        path=path,
-        opset=gqa_graph.OPSET,
-        exporter="gqa",
-        dtype=dtype,
-        ir_version=ir,
-        n_nodes=nodes,
-        external_data=ext,
-        quantization=qinfo,
-        kv_dtype=kv_dtype if kv_dtype != dtype else None,
-    )
-    if verify:
-        half = kv_dtype == "fp16"
-        diff = gqa_graph.verify_gqa_against_torch(module, path, relative=half)
-        res.max_abs_diff = diff
-        # the GGUF's own blocks compute the module's (dequantised) weights: fp32 tolerance;
-        # round-to-nearest from floats changes the weights: a loose sanity bound only
-        tol = (
-            tolerance
-            if tolerance is not None
-            else (1e-2 if qinfo is None or qinfo["source"] == "gguf-blocks" and accuracy_level == 0 else 5.0)
-        )
-        if not diff <= tol:
-            what = "relative to the largest value, " if half else ""
-            raise RuntimeError(
-                f"{path.name}: ONNX Runtime differs from PyTorch by {diff:.3g} ({what}> {tol:g}) on random steps"
-            )
-    return res
+    spec = GQAExport(
+        dtype=dtype, quantize=quantize, block_size=block_size, accuracy_level=accuracy_level, kv_dtype=kv_dtype,
+        topk=topk, feature_layers=feature_layers, max_context=max_context, verify=verify, tolerance=tolerance,
+        tokenizer_sha256=tokenizer_sha256, role=role, gguf_path=gguf_path, progress=progress,
+    )  # fmt: skip
+    return export_gqa(module, path, spec)
 
 
 def tokenizer_identity(tokenizer_json: str | os.PathLike | None) -> str | None:

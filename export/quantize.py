@@ -57,11 +57,12 @@ class NBits:
     k: int
     source: str
     offsets: np.ndarray | None = None  # [N, K/block] float32 added per block (Q4_1's m), or None
+    block: int = BLOCK  # elements per block along K (GGUF: 32; Q6_K's sub-blocks: 16)
 
     def packed_zero_points(self) -> np.ndarray:
         """The zero points as MatMulNBits stores them, the default (2^(bits-1)) written out where
         the layer has none."""
-        nb = self.k // BLOCK
+        nb = self.k // self.block
         if self.zero_points is not None:
             return self.zero_points
         if self.bits == 8:
@@ -70,7 +71,7 @@ class NBits:
 
     def zero_point_values(self) -> np.ndarray:
         """Zero points [N, K/block] as numbers."""
-        nb = self.k // BLOCK
+        nb = self.k // self.block
         if self.zero_points is None:
             return np.full((self.n, nb), 2 ** (self.bits - 1), np.float32)
         if self.bits == 8:
@@ -80,12 +81,12 @@ class NBits:
 
     def dequantize(self) -> np.ndarray:
         """The float weight [N, K] these blocks compute with."""
-        nb = self.k // BLOCK
+        nb, bs = self.k // self.block, self.block
         if self.bits == 4:
             lo, hi = self.blob & 0x0F, self.blob >> 4
-            q = np.stack([lo, hi], -1).reshape(self.n, nb, BLOCK).astype(np.float32)
+            q = np.stack([lo, hi], -1).reshape(self.n, nb, bs).astype(np.float32)
         else:
-            q = self.blob.reshape(self.n, nb, BLOCK).astype(np.float32)
+            q = self.blob.reshape(self.n, nb, bs).astype(np.float32)
         zp = self.zero_point_values()[..., None]
         w = self.scales.reshape(self.n, nb, 1) * (q - zp)
         if self.offsets is not None:
@@ -139,7 +140,73 @@ def nbits_from_gguf(raw: np.ndarray, qtype: str, n: int, k: int) -> NBits:
         q = blocks[..., 2:].copy().view(np.int8).astype(np.int16) + 128
         # 8-bit MatMulNBits: q + 128 as uint8 with its default zero point 128 (none stored)
         return NBits(q.astype(np.uint8), d.reshape(-1), None, 8, n, k, "gguf-q8_0")
-    raise InputError(f"GGUF tensor type {qtype} cannot be carried over as blocks (Q4_0, Q4_1, Q8_0 can)")
+    if qtype in KQUANTS:
+        return nbits_from_kquant(raw, qtype, n, k)
+    raise InputError(f"GGUF tensor type {qtype} cannot be carried over as blocks ({', '.join(CARRIED)} can)")
+
+
+QK_K = 256  # a K-quant super-block
+KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
+CARRIED = ("Q4_0", "Q4_1", "Q8_0") + KQUANTS
+
+
+def _kquant_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: the 12 bytes of 6-bit scales and mins of a super-block's 8 sub-blocks ->
+    (sc, m) [..., 8] (the `gguf` package's unpacking)."""
+    from gguf.quants import Q4_K
+
+    lead = scales.shape[:-1]
+    sc, m = Q4_K.get_scale_min(scales.reshape(-1, 12))
+    return sc.reshape(*lead, 8), m.reshape(*lead, 8)
+
+
+def _centred(scale: np.ndarray, minus: np.ndarray, zp: int) -> tuple[np.ndarray, int]:
+    """w = scale * q - minus as scale * (q - zp) + offset, offset = zp * scale - minus, where float32
+    holds the offset exactly (else zero point 0, offset -minus): see q4_1_offsets."""
+    shifted = zp * scale.astype(np.float64) - minus.astype(np.float64)
+    if np.array_equal(shifted.astype(np.float32).astype(np.float64), shifted):
+        return shifted.astype(np.float32), zp
+    return (-minus).astype(np.float32), 0
+
+
+def nbits_from_kquant(raw: np.ndarray, qtype: str, n: int, k: int) -> NBits:
+    """GGUF rows [N, bytes] of a Q4_K / Q5_K / Q6_K tensor -> MatMulNBits blocks with exactly its
+    weights. Q4_K (w = d sc q - dmin m per 32-element sub-block, q 4 bits) is Q4_1's form: 4-bit
+    blocks of 32 with offsets. Q5_K (q 5 bits) goes into 8-bit blocks of 32 with offsets. Q6_K
+    (w = d sc (q - 32), q 6 bits, int8 scales per 16 elements) is 8-bit blocks of 16 with zero
+    point 32: no offsets. (8 bits for 5- and 6-bit weights: MatMulNBits has no 5- or 6-bit form.)"""
+    if k % QK_K:
+        raise InputError(f"input size {k} is not a multiple of the K-quant super-block size {QK_K}")
+    ns = k // QK_K
+    if qtype == "Q6_K":
+        blocks = raw.reshape(n, ns, 210)
+        ql, qh = blocks[..., :128].reshape(n, ns, 2, 64), blocks[..., 128:192].reshape(n, ns, 2, 32)
+        sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)  # [n, ns, 16]
+        d = _f16(blocks, 208)[..., None]
+        lo = np.stack([ql & 0x0F, ql >> 4], 3).reshape(n, ns, 2, 4, 32)  # [.., half, quarter, 32]
+        hi = np.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], 3)  # [n, ns, half, 4, 32]
+        q = (lo | (hi << 4)).reshape(n, k // 16, 16).astype(np.uint8)
+        zp = np.full(n * (k // 16), 32, np.uint8)
+        return NBits(q, (d * sc).reshape(-1).astype(np.float32), zp, 8, n, k, "gguf-q6_k", None, 16)
+    size = 144 if qtype == "Q4_K" else 176
+    blocks = raw.reshape(n, ns, size)
+    d, dmin = _f16(blocks, 0)[..., None], _f16(blocks, 2)[..., None]
+    sc, m = _kquant_scales(blocks[..., 4:16])
+    scale = (d * sc.astype(np.float32)).astype(np.float32)  # [n, ns, 8]: as ggml computes it
+    minus = (dmin * m.astype(np.float32)).astype(np.float32)
+    qs = blocks[..., size - 128 :].reshape(n, ns, 4, 32)
+    q = np.stack([qs & 0x0F, qs >> 4], 3).reshape(n, ns, 8, 32)  # sub-block 2c: low nibbles, 2c+1: high
+    if qtype == "Q5_K":
+        qh = blocks[..., 16:48]  # bit j of byte l: the fifth bit of sub-block j's element l
+        q = q | (np.stack([(qh >> j) & 1 for j in range(8)], 2) << 4)
+        offsets, zp = _centred(scale, minus, 16)
+        zps = np.full(n * (k // BLOCK), zp, np.uint8)
+        return NBits(q.reshape(n, k // BLOCK, BLOCK).astype(np.uint8), scale.reshape(-1), zps, 8, n, k, "gguf-q5_k",
+                     offsets.reshape(n, -1))
+    offsets, zp = _centred(scale, minus, 8)
+    zps = None if zp == 8 else np.full(n * ((k // BLOCK + 1) // 2), zp | (zp << 4), np.uint8)
+    return NBits(_pack4(q.reshape(n, k // BLOCK, BLOCK)), scale.reshape(-1), zps, 4, n, k, "gguf-q4_k",
+                 offsets.reshape(n, -1))
 
 
 def _row_permutation(n_rows: int, n_head: int) -> np.ndarray:
@@ -152,12 +219,13 @@ def _row_permutation(n_rows: int, n_head: int) -> np.ndarray:
 class GGUFBlocks:
     """The block-quantised linear weights of a Llama-family GGUF, by Hugging Face name."""
 
-    def __init__(self, path: str, n_heads: int, n_kv_heads: int):
+    def __init__(self, source, n_heads: int, n_kv_heads: int):
         from gguf import GGUFReader
 
-        self.path = str(path)
-        self.reader = GGUFReader(self.path)
+        self.reader = source if isinstance(source, GGUFReader) else GGUFReader(str(source))
+        self.path = str(getattr(self.reader.data, "filename", None) or source)
         self.tensors = {t.name: t for t in self.reader.tensors}
+        self.fused = "blk.0.attn_qkv.weight" in self.tensors  # Phi-3's fused q/k/v
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         from arborspec.models.gguf_loader import PERMUTED_ARCHS
 
@@ -174,6 +242,10 @@ class GGUFBlocks:
         if parts[:2] != ["model", "layers"] or rest not in GGUF_LAYER_NAMES:
             raise KeyError(hf_name)
         return f"blk.{parts[2]}.{GGUF_LAYER_NAMES[rest]}"
+
+    def tensor(self, hf_name: str):
+        """The GGUF tensor of a Hugging Face name, or None; KeyError for a name with no GGUF twin."""
+        return self.tensors.get(self._gguf_name(hf_name))
 
     def linear(self, hf_name: str) -> NBits | None:
         """MatMulNBits blocks of one weight ([out, in] in Hugging Face orientation), or None when

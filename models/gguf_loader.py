@@ -153,10 +153,36 @@ def config_from_gguf(meta: dict[str, Any], name: str = "") -> ModelConfig:
     )
 
 
-def gguf_state_dict(reader, cfg: ModelConfig, permuted: bool = True) -> dict[str, torch.Tensor]:
-    """Dequantised tensors under HF names, q/k rows un-permuted (`permuted`: the llama arch)."""
+def gguf_name(hf_name: str) -> str:
+    """The GGUF tensor name of a Hugging Face name (llama layout; `lm_head.weight` is `output.weight`)."""
+    for g, h in GLOBAL_NAMES.items():
+        if h == hf_name:
+            return g
+    parts = hf_name.split(".", 3)  # model, layers, i, rest
+    inverse = {h: g for g, h in LAYER_NAMES.items()}
+    if parts[:2] != ["model", "layers"] or len(parts) < 4 or parts[3] not in inverse:
+        raise KeyError(hf_name)
+    return f"blk.{parts[2]}.{inverse[parts[3]]}"
+
+
+def dequantized_tensor(t, cfg: ModelConfig, permuted: bool) -> np.ndarray:
+    """One GGUF tensor as float32 [out, in] (a copy: the reader is a read-only mmap), q/k rows
+    un-permuted where `permuted` (the llama arch), Gemma's stored 1 + w turned back into w."""
     from gguf.quants import dequantize
 
+    w = dequantize(t.data, t.tensor_type)
+    w = np.array(w, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+    if cfg.family == "gemma3" and t.name.endswith("norm.weight"):
+        w = w - np.float32(1.0)  # the converter stored 1 + w
+    if permuted and ".attn_q." in t.name:
+        w = reverse_permute(w, cfg.n_heads)
+    elif permuted and ".attn_k." in t.name:
+        w = reverse_permute(w, cfg.n_kv_heads)
+    return np.ascontiguousarray(w)
+
+
+def gguf_state_dict(reader, cfg: ModelConfig, permuted: bool = True) -> dict[str, torch.Tensor]:
+    """Dequantised tensors under HF names, q/k rows un-permuted (`permuted`: the llama arch)."""
     gemma = cfg.family == "gemma3"
     phi3 = "blk.0.attn_qkv.weight" in {t.name for t in reader.tensors}
     layer_names = GEMMA3_LAYER_NAMES if gemma else PHI3_LAYER_NAMES if phi3 else LAYER_NAMES
@@ -166,44 +192,22 @@ def gguf_state_dict(reader, cfg: ModelConfig, permuted: bool = True) -> dict[str
             name = GLOBAL_NAMES[t.name]
         else:
             parts = t.name.split(".", 2)  # blk, i, rest
-            if t.name in ROPE_FACTOR_TENSORS:  # read by load_gguf (scaled RoPE)
+            if t.name in ROPE_FACTOR_TENSORS:  # read by gguf_config (scaled RoPE)
                 continue
             if parts[0] != "blk" or parts[2] not in layer_names:
                 raise InputError(f"unsupported GGUF tensor {t.name!r}")
             name = f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
-        w = dequantize(t.data, t.tensor_type)
-        w = np.array(w, dtype=np.float32).reshape(
-            [int(d) for d in reversed(t.shape)]
-        )  # copy: reader is a read-only mmap
-        if gemma and t.name.endswith("norm.weight"):
-            w = w - np.float32(1.0)  # the converter stored 1 + w
-        if not permuted:
-            pass
-        elif ".attn_q." in t.name:
-            w = reverse_permute(w, cfg.n_heads)
-        elif ".attn_k." in t.name:
-            w = reverse_permute(w, cfg.n_kv_heads)
-        sd[name] = torch.from_numpy(np.ascontiguousarray(w))
+        sd[name] = torch.from_numpy(dequantized_tensor(t, cfg, permuted))
     return sd
 
 
-def load_gguf(
-    path: str | Path, dtype: torch.dtype = torch.float32
-) -> tuple[torch.nn.Module, ModelConfig, dict[str, Any]]:
-    """A .gguf file -> (contract module in eval mode, ModelConfig, GGUF metadata dict)."""
-    import dataclasses
-
-    from gguf import GGUFReader
-
-    path = Path(path)
-    if not path.is_file():
-        raise MissingFileError(f"{path}: no such GGUF file")
-    reader = GGUFReader(str(path))
-    meta = read_metadata(reader)
-    cfg = config_from_gguf(meta)
-    sd = gguf_state_dict(reader, cfg, meta.get("general.architecture") in PERMUTED_ARCHS)
-    extra = {t.name: [float(f) for f in np.array(t.data, np.float32).reshape(-1)] for t in reader.tensors}
-    extra = {k: v for k, v in extra.items() if k in ROPE_FACTOR_TENSORS}
+def _rope_scaling(reader, meta: dict[str, Any], cfg: ModelConfig, path: Path) -> dict | None:
+    """Scaled RoPE from the factor tensors llama.cpp's converter writes (or None)."""
+    extra = {
+        t.name: [float(f) for f in np.array(t.data, np.float32).reshape(-1)]
+        for t in reader.tensors
+        if t.name in ROPE_FACTOR_TENSORS
+    }
     scaling = None
     if "rope_freqs.weight" in extra:  # llama.cpp's converter writes Llama 3.x's llama3 scaling as divisors
         factors = extra["rope_freqs.weight"]
@@ -220,14 +224,40 @@ def load_gguf(
             "original_max_position_embeddings": int(meta[f"{arch}.rope.scaling.original_context_length"]),
             "attention_factor": float(meta.get(f"{arch}.rope.scaling.attn_factor", 1.0)),
         }
+    return scaling
+
+
+def gguf_config(reader, path: str | Path = "") -> tuple[ModelConfig, dict[str, Any]]:
+    """The ModelConfig of an open GGUFReader (from its metadata and which tensors it holds), and
+    the metadata dict; reads no weights."""
+    import dataclasses
+
+    meta = read_metadata(reader)
+    cfg = config_from_gguf(meta)
+    names = {t.name for t in reader.tensors}
+    cfg = dataclasses.replace(
+        cfg,
+        tie_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names or "blk.0.attn_qkv.bias" in names,
+        rope_scaling=_rope_scaling(reader, meta, cfg, Path(path)) or cfg.rope_scaling,
+    )
+    return cfg, meta
+
+
+def load_gguf(
+    path: str | Path, dtype: torch.dtype = torch.float32
+) -> tuple[torch.nn.Module, ModelConfig, dict[str, Any]]:
+    """A .gguf file -> (contract module in eval mode, ModelConfig, GGUF metadata dict)."""
+    from gguf import GGUFReader
+
+    path = Path(path)
+    if not path.is_file():
+        raise MissingFileError(f"{path}: no such GGUF file")
+    reader = GGUFReader(str(path))
+    cfg, meta = gguf_config(reader, path)
+    sd = gguf_state_dict(reader, cfg, meta.get("general.architecture") in PERMUTED_ARCHS)
     if "model.layers.0.self_attn.qkv_proj.weight" in sd:
         from .hf_loader import phi3_hf_to_ours
 
         sd = phi3_hf_to_ours(sd, cfg)
-    cfg = dataclasses.replace(
-        cfg,
-        tie_embeddings="lm_head.weight" not in sd,
-        attention_bias="model.layers.0.self_attn.q_proj.bias" in sd,
-        rope_scaling=scaling or cfg.rope_scaling,
-    )
     return build_from_state(cfg, sd, dtype, str(path)), cfg, meta

@@ -50,7 +50,7 @@ _ALL = (
             "embedding-api.md"),
     Setting("ARBORSPEC_ORT_SPINNING", SWITCH, None,
             "with a pool per session, 1/0 forces its threads to spin-wait (or sleep) between runs; "
-            "set, it also keeps the shared pool off", "measurements.md"),
+            "set, it also keeps the shared pool off", "embedding-api.md"),
     Setting("ARBORSPEC_ORT_ROW_LAYOUT", SWITCH, None,
             "1: lay every target call out row-invariantly (exact trees on int8-activation exports); "
             "0: never (faster one-token calls, inexact trees); unset: where the export needs it",
@@ -60,7 +60,7 @@ _ALL = (
             "activations (faster, logits no longer exact)", "tensorrt.md"),
     Setting("ARBORSPEC_HOST_THREADS", WHOLE, None,
             "torch threads for the decoder's host work next to an ONNX Runtime CPU session "
-            "(unset: 1; 0: leave torch alone)", "measurements.md"),
+            "(unset: 1; 0: leave torch alone)", "embedding-api.md"),
     # TensorRT (runtime/backends/tensorrt.py, export/trt_build.py)
     Setting("ARBORSPEC_TRT_MODULE", TEXT, None,
             "which TensorRT Python module builds and runs engines: auto, tensorrt or tensorrt_rtx "
@@ -76,6 +76,9 @@ _ALL = (
     Setting("ARBORSPEC_API_KEY", TEXT, None,
             "`arborspec serve` requires 'Authorization: Bearer KEY' when set (like --api-key)",
             "serving.md"),
+    Setting("ARBORSPEC_EXPORT_MEMORY_GB", NUMBER, None,
+            "the memory (GB) `arborspec export` may use; unset: MemAvailable of /proc/meminfo "
+            "(an export estimated above it is refused before it starts)", "models.md"),
     Setting("ARBORSPEC_RAY_START_TIMEOUT_S", NUMBER, "300",
             "seconds `arborspec serve --ray` waits for its replicas to come up", "serving.md"),
     # the command line (tools/commands/cli.py, tools/compare/comparison.py)

@@ -20,6 +20,7 @@ EXAMPLE = """examples:
   arborspec export --model smollm2-135m --draft none --kv-dtype fp16 --out out/kv16  # fp32 weights, fp16 KV cache
   arborspec export --model smollm2-135m --draft layers:4 --quantize int4 --format qdq --out out/qdq  # for TensorRT
   arborspec export --model smollm2-135m --draft eagle3 --draft-quantize int8 --out out/e3  # int8 EAGLE-3 head
+  arborspec export --model ./Llama-3.1-8B-Instruct --draft none --quantize int4 --max-context 4096 --out out/8b
 """
 
 
@@ -123,6 +124,13 @@ def register(sub) -> None:
         metavar="N",
         help="largest tree (T of one verify call) the runtime will use (default 64)",
     )
+    p.add_argument(
+        "--stream",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="read a Hugging Face folder or GGUF a tensor at a time, writing each layer as it is read "
+        "(peak memory: a few layers, not the model); auto (default): for models over 2 GB in fp32",
+    )
     p.add_argument("--force", action="store_true", help="replace DIR if it exists")
     p.add_argument(
         "--no-verify", action="store_true", help="skip the ONNX Runtime vs PyTorch self-check after each export"
@@ -155,6 +163,7 @@ def run(args) -> int:
         qformat=args.qformat,
         kv_dtype=args.kv_dtype,
         draft_quantize=args.draft_quantize,
+        stream=args.stream,
     )
     t = s.manifest["target"]
     d = s.manifest["draft"]
