@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from arborspec.tools.commands.cli import DRAFT_HELP, UserError
+from arborspec.tools.options import DRAFT_HELP, UserError
 
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # --dtype: torch's names

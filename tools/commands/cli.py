@@ -19,178 +19,28 @@ COMMANDS = ["export", "build", "generate", "chat", "compare", "bench", "tune", "
 
 
 from arborspec.runtime import settings  # noqa: E402
-from arborspec.runtime.errors import ArborspecError, InputError, one_line  # noqa: E402
+from arborspec.runtime.errors import ArborspecError, one_line  # noqa: E402
 
-
-class UserError(InputError):
-    """A mistake in the user's command-line input: reported as one line, exit status 2."""
-
-
-# one vocabulary for the same idea in every command's help
-# --prefix-cache's choices -> Generator(prefix_cache=...): None = where exact (row-invariant targets)
-PREFIX_CACHE = {"auto": None, "on": True, "off": False}
-TREE_HELP = (
-    "tree policy: chain:K | full:D,W | beam:n1,n2,... | dynamic:K,D,N[,P] | static:FILE.json | "
-    "auto (the tree `arborspec tune` chose) (default: the export's tree, else full:3,2)"
+# the shared vocabulary (tools/options.py) and option groups (tools/commands/options.py), re-exported:
+# the commands and callers import them from here too
+from arborspec.tools.commands.options import (  # noqa: E402, F401
+    add_format_args,
+    add_sampling_args,
+    response_format_from_args,
+    sampling_from_args,
+    summary,
+    with_response_format,
 )
-DRAFT_HELP = (
-    "draft: layers:K (the target's first K layers), bigram (a table from the target), "
-    "lookup[:N] (n-gram prompt lookup; any backend), eagle3[:DIR] (an EAGLE-3 head; torch backend), "
-    "none, a model NAME|PATH with the same vocabulary (torch backend), or BASE+lookup[:N] (a model "
-    "draft mixed with lookup: eagle3+lookup; export+lookup for an export folder's own draft). "
-    "With --export-dir: export (its own draft; default), none, lookup[:N] or export+lookup[:N]"
+from arborspec.tools.options import (  # noqa: E402, F401
+    DRAFT_HELP,
+    DRAFT_HELP_EXPORT,
+    JSON_HELP,
+    JSON_OUT_HELP,
+    PREFIX_CACHE,
+    QUIET_HELP,
+    TREE_HELP,
+    UserError,
 )
-DRAFT_HELP_EXPORT = (
-    "draft: export (the folder's own draft; default), none, lookup[:N] (n-gram prompt lookup), "
-    "or export+lookup[:N] (the folder's draft mixed with lookup)"
-)
-QUIET_HELP = "no progress bars (they are drawn only when stderr is a terminal anyway)"
-JSON_HELP = "print the result as one JSON object on stdout (instead of text)"
-JSON_OUT_HELP = "also write the results to this JSON file"
-
-
-def add_sampling_args(g, seed_help: str = "sampling seed (default 0)") -> None:
-    """--temperature, --top-k, --top-p, --min-p, the penalties, --logit-bias, --seed (generate,
-    chat); `sampling_from_args` reads them."""
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0, help="sample from the K most likely tokens (0: all; default)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
-    g.add_argument(
-        "--min-p", type=float, default=0.0, help="keep tokens at least MIN_P times as likely as the top one (0: off)"
-    )
-    g.add_argument(
-        "--repetition-penalty",
-        type=float,
-        default=1.0,
-        help="divide the logits of prompt and output tokens by it (HF's rule; 1: off; greedy too)",
-    )
-    g.add_argument(
-        "--presence-penalty", type=float, default=0.0, help="subtract it from generated tokens' logits (-2..2)"
-    )
-    g.add_argument(
-        "--frequency-penalty",
-        type=float,
-        default=0.0,
-        help="subtract it per occurrence from generated tokens' logits (-2..2)",
-    )
-    g.add_argument(
-        "--logit-bias",
-        action="append",
-        default=None,
-        metavar="TOKEN=BIAS",
-        help="add BIAS (-100..100) to token id TOKEN's logit (repeatable)",
-    )
-    g.add_argument("--seed", type=int, default=0, help=seed_help)
-    g.add_argument("--min-tokens", type=int, default=0, help="no end of the answer before N tokens (default 0)")
-    g.add_argument(
-        "--ignore-eos", action="store_true", help="decode through end-of-sequence to --max-new-tokens (benchmarks)"
-    )
-    add_format_args(g)
-
-
-def add_format_args(g) -> None:
-    """--json-object, --json-schema, --grammar (generate, chat, bench); `response_format_from_args`
-    reads them."""
-    g.add_argument(
-        "--json-object", action="store_true", help="answer with a JSON object (structured output; needs llguidance)"
-    )
-    g.add_argument(
-        "--json-schema",
-        default=None,
-        metavar="SCHEMA",
-        help="answer with JSON that follows SCHEMA: a JSON Schema file, or the schema itself as JSON text",
-    )
-    g.add_argument(
-        "--grammar",
-        default=None,
-        metavar="GRAMMAR",
-        help="answer in GRAMMAR's language: a grammar file, or the grammar itself (Lark, or GBNF as llama.cpp writes it)",
-    )
-
-
-def response_format_from_args(args) -> dict | None:
-    """OpenAI's response_format of --json-object / --json-schema / --grammar (None: plain text);
-    one InputError line for a schema that is not a readable JSON object, or a grammar that is not
-    a file or grammar text."""
-    import json
-    from pathlib import Path
-
-    from arborspec.runtime.errors import InputError
-
-    grammar = getattr(args, "grammar", None)
-    if grammar is not None:
-        if args.json_schema is not None or args.json_object:
-            raise InputError("give one of --grammar, --json-schema, --json-object")
-        path = Path(grammar).expanduser()
-        if "\n" not in grammar and path.is_file():
-            grammar = path.read_text(encoding="utf-8", errors="replace")
-        elif ":" not in grammar:  # every Lark rule (start: ...) and GBNF rule (root ::= ...) has one
-            raise InputError(f"--grammar: no such file {grammar} (give a grammar file or the grammar as text)")
-        return {"type": "grammar", "grammar": grammar}
-    if args.json_schema is None:
-        return {"type": "json_object"} if args.json_object else None
-    if args.json_object:
-        raise InputError("give --json-object or --json-schema, not both")
-    text = args.json_schema
-    if not text.lstrip().startswith(("{", "[")):
-        path = Path(text).expanduser()
-        if not path.is_file():
-            raise InputError(f"--json-schema: no such file {text} (give a schema file or the schema as JSON text)")
-        text = path.read_text(encoding="utf-8", errors="replace")
-    try:
-        schema = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InputError(f"--json-schema is not valid JSON: {e}") from None
-    if not isinstance(schema, dict):
-        raise InputError("--json-schema must be a JSON object (a JSON Schema)")
-    return {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
-
-
-def with_response_format(sp, rf, models):
-    """`sp` with the grammar of `rf` (response_format_from_args') compiled for these models'
-    tokenizer (runtime/structured.py); `sp` itself for None (generate, chat, bench)."""
-    from dataclasses import replace
-
-    from arborspec.runtime.errors import InputError
-    from arborspec.runtime.structured import GrammarCompiler
-
-    if rf is None:
-        return sp
-    if models.tokenizer is None:
-        raise InputError("--json-object / --json-schema need a tokenizer: this model has none")
-    compiler = GrammarCompiler(models.tokenizer, models.target.info.vocab_size, models.tokenizer.eos_token_ids)
-    return replace(sp, grammar=compiler.grammar(rf))
-
-
-def sampling_from_args(args):
-    """The SamplingParams of add_sampling_args' flags (one InputError line for a bad value)."""
-    from arborspec.runtime.errors import InputError
-    from arborspec.runtime.sampling import SamplingParams
-
-    bias = {}
-    for item in args.logit_bias or []:
-        token, _, value = item.partition("=")
-        try:
-            bias[int(token)] = float(value)  # (no "=": float("") fails too)
-        except ValueError:
-            raise InputError(f"--logit-bias takes TOKEN=BIAS (a token id and a number), got {item!r}") from None
-    return SamplingParams(
-        args.temperature,
-        args.top_k,
-        args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        logit_bias=bias,
-        min_tokens=args.min_tokens,
-        ignore_eos=args.ignore_eos,
-    )
-
-
-def summary(doc: str) -> str:
-    """A module docstring's first paragraph as one line: the description a command's --help shows."""
-    return " ".join(doc.strip().split("\n\n")[0].split())
 
 
 class _Parser(argparse.ArgumentParser):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from arborspec.runtime import settings
 from arborspec.runtime.errors import ArborspecError, InputError
-from arborspec.tools.commands.cli import PREFIX_CACHE
+from arborspec.tools.options import PREFIX_CACHE
 
 REPLICA_HEADER = "x-arborspec-replica"
 NEEDS_RAY = "arborspec serve --ray needs Ray Serve: pip install 'arborspec[ray]'"
