@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError, MissingFileError
-from arborspec.tools.commands.cli import summary
+from arborspec.tools.commands.options import add_export_dir_arg, command_parser
 
 EXAMPLE = """example:
   arborspec build --export-dir exports/smollm2 --max-tree-nodes 32 --max-context 2048
@@ -30,21 +30,8 @@ DEFAULT_MAX_CONTEXT = 2048
 
 
 def register(subparsers) -> None:
-    import argparse
-
-    p = subparsers.add_parser(
-        "build",
-        help="build TensorRT engines from an export folder",
-        description=summary(__doc__),
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "--export-dir",
-        required=True,
-        type=Path,
-        help="folder written by `arborspec export` (target.onnx, draft.onnx, manifest.json)",
-    )
+    p = command_parser(subparsers, "build", "build TensorRT engines from an export folder", __doc__, EXAMPLE)
+    add_export_dir_arg(p, "folder written by `arborspec export` (target.onnx, draft.onnx, manifest.json)")
     p.add_argument("--max-batch", type=int, default=1, help="largest batch B (default 1)")
     p.add_argument(
         "--max-tree-nodes",

@@ -7,12 +7,11 @@ Exit status: 0 all outputs within tolerance, 1 some output beyond it (named in t
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError, MissingFileError
-from arborspec.tools.commands.cli import QUIET_HELP, summary
+from arborspec.tools.commands.options import add_export_dir_arg, add_quiet_progress_args, command_parser
 
 EXAMPLE = """examples:
   arborspec compare --export-dir ~/.cache/arborspec/exports/smollm2-135m-layers4 --atol 1e-2
@@ -31,14 +30,10 @@ JSON for the target graph at F and for the draft graph at F with .draft before t
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
-        "compare",
-        help="compare PyTorch / ONNX Runtime / TensorRT on runtime-made feeds",
-        description=summary(__doc__),
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = command_parser(
+        sub, "compare", "compare PyTorch / ONNX Runtime / TensorRT on runtime-made feeds", __doc__, EXAMPLE
     )
-    p.add_argument("--export-dir", type=Path, required=True, help="export folder from `arborspec export`")
+    add_export_dir_arg(p)
     p.add_argument(
         "--runners",
         default=None,
@@ -72,8 +67,7 @@ def register(sub) -> None:
     p.add_argument("--save-inputs", type=Path, default=None, help="Polygraphy JSON of the feeds")
     p.add_argument("--save-outputs", type=Path, default=None, help="Polygraphy RunResults JSON")
     p.add_argument("--all-outputs", action="store_true", help="one row per K/V output (default: folded per kind)")
-    p.add_argument("--quiet", dest="no_progress", action="store_true", help=QUIET_HELP)
-    p.add_argument("--no-progress", action="store_true", help=argparse.SUPPRESS)  # the old name
+    add_quiet_progress_args(p)
     p.add_argument("--verify", action="store_true", help="check every file's sha256 against the manifest first")
     p.set_defaults(run=run)
 

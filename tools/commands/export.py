@@ -6,10 +6,10 @@ Role in one decoding step: none at run time; it produces the folder every step r
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from arborspec.runtime.errors import InputError
+from arborspec.tools.commands.options import command_parser
 
 EXAMPLE = """examples:
   arborspec export --model smollm2-135m --draft layers:4 --out out/smollm2
@@ -25,15 +25,16 @@ EXAMPLE = """examples:
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
+    p = command_parser(
+        sub,
         "export",
-        help="export target + draft to ONNX with a manifest",
+        "export target + draft to ONNX with a manifest",
+        __doc__,
+        EXAMPLE,
         description="Export a target model and its draft to ONNX (engine contract: "
         "input_ids, position_ids, tree attention_mask, per-layer KV) "
         "into one self-describing folder. The folder is written "
         "atomically: a failed export leaves nothing behind.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=EXAMPLE,
     )
     p.add_argument(
         "--model",

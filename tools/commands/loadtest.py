@@ -7,18 +7,16 @@ response came back to the request that asked for it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 from arborspec.runtime.errors import InputError
 from arborspec.runtime.fileio import atomic_write_json
-from arborspec.tools.commands.cli import JSON_HELP, JSON_OUT_HELP, summary
+from arborspec.tools.commands.options import add_json_output_args, command_parser
 
 EXAMPLE = """examples:
   arborspec loadtest --url http://127.0.0.1:8000 --concurrency 4 --requests 40 --stream --max-tokens 64
@@ -37,13 +35,7 @@ PROMPTS = [
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
-        "loadtest",
-        help="concurrent clients against an OpenAI-compatible server",
-        description=summary(__doc__),
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = command_parser(sub, "loadtest", "concurrent clients against an OpenAI-compatible server", __doc__, EXAMPLE)
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--concurrency", type=int, default=4, help="clients sending at once (default 4)")
     p.add_argument("--requests", type=int, default=20, help="requests in all (default 20)")
@@ -65,8 +57,7 @@ def register(sub) -> None:
     )
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument("--json", action="store_true", help=JSON_HELP + " (the summary line then goes to stderr)")
-    p.add_argument("--json-out", type=Path, default=None, metavar="OUT.json", help=JSON_OUT_HELP)
+    add_json_output_args(p, " (the summary line then goes to stderr)")
     p.set_defaults(run=run)
 
 

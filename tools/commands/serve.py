@@ -5,15 +5,14 @@ Role in one decode step: none of its own; each request is one generation (tools/
 
 from __future__ import annotations
 
-import argparse
 import errno
 import socket
 import sys
-from pathlib import Path
 
 from arborspec.runtime import settings
 from arborspec.runtime.errors import InputError
-from arborspec.tools.commands.cli import DRAFT_HELP_EXPORT, PREFIX_CACHE, TREE_HELP, summary
+from arborspec.tools.commands.options import add_export_dir_arg, add_prefix_cache_arg, command_parser
+from arborspec.tools.options import DRAFT_HELP_EXPORT, PREFIX_CACHE, TREE_HELP
 
 EXAMPLE = """examples:
   arborspec serve --export-dir ~/.cache/arborspec/exports/smollm2-135m-layers4-v2 --draft lookup --port 8000
@@ -29,14 +28,10 @@ The server prints one line when it listens (URL, model id, draft, tree, batch), 
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
-        "serve",
-        help="OpenAI-compatible HTTP server (completions, chat, SSE, metrics)",
-        description=summary(__doc__),
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = command_parser(
+        sub, "serve", "OpenAI-compatible HTTP server (completions, chat, SSE, metrics)", __doc__, EXAMPLE
     )
-    p.add_argument("--export-dir", type=Path, required=True, help="export folder from `arborspec export`")
+    add_export_dir_arg(p)
     p.add_argument("--backend", choices=["onnxruntime", "tensorrt"], default="onnxruntime", help="default onnxruntime")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--draft", default=None, help=DRAFT_HELP_EXPORT)
@@ -55,11 +50,9 @@ def register(sub) -> None:
         default=1,
         help="generators (each with its engines and --max-batch sequences; default 1; more requests queue)",
     )
-    p.add_argument(
-        "--prefix-cache",
-        choices=list(PREFIX_CACHE),
-        default="auto",
-        help="reuse the K/V of a prompt's start that the previous prompt shared (a chat's earlier turns, a "
+    add_prefix_cache_arg(
+        p,
+        "reuse the K/V of a prompt's start that the previous prompt shared (a chat's earlier turns, a "
         "system prompt): auto (default) = where that is exact (a row-invariant target, the int4 export), on, off",
     )
     p.add_argument(

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError, OutputError
-from arborspec.tools.commands.cli import summary
+from arborspec.tools.commands.options import command_parser
 
 EXAMPLE = """examples:
   arborspec train-draft --model smollm2-135m --out heads/smollm2-eagle3
@@ -41,14 +41,8 @@ EXAMPLE = """examples:
 
 
 def register(sub) -> None:
-    import argparse
-
-    p = sub.add_parser(
-        "train-draft",
-        help="train an EAGLE-3 draft head for a target on this machine (resumable)",
-        description=summary(__doc__),
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = command_parser(
+        sub, "train-draft", "train an EAGLE-3 draft head for a target on this machine (resumable)", __doc__, EXAMPLE
     )
     p.add_argument(
         "--model", required=True, help="target: a registered name (smollm2-135m), a GGUF file or a HF folder"

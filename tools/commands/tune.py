@@ -14,8 +14,9 @@ import json
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError, MissingFileError
-from arborspec.tools.commands.cli import QUIET_HELP, summary
+from arborspec.tools.commands.options import command_parser
 from arborspec.tools.engines import add_model_args, models_key, open_models
+from arborspec.tools.options import QUIET_HELP
 
 EXAMPLE = """examples:
   arborspec tune --model smollm2-135m --draft layers:2 --plot tune.png
@@ -26,13 +27,7 @@ EXAMPLE = """examples:
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
-        "tune",
-        help="choose the fastest static tree for this backend (Sequoia DP)",
-        description=summary(__doc__),
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = command_parser(sub, "tune", "choose the fastest static tree for this backend (Sequoia DP)", __doc__, EXAMPLE)
     add_model_args(p)
     g = p.add_argument_group("tuning")
     g.add_argument(
