@@ -10,8 +10,8 @@ step multiply with. Two sources:
     Q4_0  w = d * (q - 8)      -> scale d, zero point 8 (4 bits)
     Q4_1  w = d * q + m        -> scale d, zero point 8, and the block offsets m + 8 d added as
                                   x_block_sums @ M (M [N, K/32]: one small MatMul). Exact, and
-                                  MatMulNBits' fast kernels need integer zero points (measured,
-                                  576x1536 at T = 1: 42 us with uint8 zero points, 811 us float);
+                                  MatMulNBits' fast kernels need integer zero points (float
+                                  ones take a path many times slower: docs/int4.md);
                                   zero point 8 rather than 0: see q4_1_offsets
     Q8_0  w = d * q, q int8    -> q + 128 as uint8, scale d, zero point 128 (8 bits)
   The nibble order differs: a GGUF Q4 block stores element j in the low nibble and element

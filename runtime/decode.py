@@ -45,9 +45,10 @@ def host_threads(engine):
     """torch's intra-op threads for the decoder's host-side work (sampling, accept, tree
     building) while `engine` runs: its `host_threads` (ONNX Runtime on CPU: 1, as its own
     thread pool owns the cores; ARBORSPEC_HOST_THREADS overrides, 0 leaves torch alone), the
-    caller's setting restored afterwards. Measured on 2 cores, SmolLM2 vanilla sampling at
-    T = 0.8: softmax + multinomial over 49,152 logits between ONNX Runtime calls took 10-14 ms
-    per token with torch's 2 threads, 1.9 ms with 1 (25.9 -> 38.8 tok/s)."""
+    caller's setting restored afterwards. Why one: torch's own threads, woken between ONNX
+    Runtime calls, compete with ONNX Runtime's pool for the same cores, and the host work
+    (sampling over the vocabulary) runs several times slower than on one thread (figures:
+    benchmarks/history/measurements.md, "Figures moved out of docstrings")."""
     n = engine.caps.host_threads
     old = torch.get_num_threads()
     if not n or n == old:

@@ -1,9 +1,9 @@
 """Static-shape calls of the PyTorch backend, replayed as CUDA graphs on a GPU.
 
 Role in one decode step: the torch backend's verify call (and each call of a torch draft, and
-each call of a torch EAGLE-3 head: step 1, drafting) on a GPU. Eager PyTorch spends its time launching kernels there: on an H200 a call of a 1B Llama
-took ~15 ms at every T from 1 to 128, and the same call captured once and replayed 3.2-4.6 ms
-(benchmarks/history/RESULTS-2026-11.md, "GPU"). A graph replays fixed shapes and addresses, so each call is made
+each call of a torch EAGLE-3 head: step 1, drafting) on a GPU. Eager PyTorch spends its time launching kernels there: a call of a 1B Llama
+costs about the same at every T from 1 to 128, and the same call captured once and replayed costs
+a fraction of that (benchmarks/history/RESULTS-2026-11.md, "GPU"). A graph replays fixed shapes and addresses, so each call is made
 static before it runs:
 
 * the past is the cache's whole slab [0, S) (S = the cache's capacity, its addresses fixed), and
@@ -20,8 +20,8 @@ static before it runs:
 One entry per (cache slab, batch rows, T bucket), captured at its first use (a few eager
 warm-up calls, then the capture) and its replay timed. Calls the buckets do not cover (long
 prefills) run eagerly. A call goes to the cheapest captured bucket that holds it, not always the
-smallest: cuBLAS's fp32 kernel for 8 rows made SmolLM2's replay cost 7.69 ms at T = 8 against
-5.54 ms at T = 32 on the H100 (benchmarks/history/RESULTS-2026-11.md, "GPU: the third session").
+smallest: cuBLAS's fp32 kernel for 8 rows made SmolLM2's replay slower at T = 8 than at T = 32
+on the H100 (benchmarks/history/RESULTS-2026-11.md, "GPU: the third session").
 `capture=False` runs the same static calls eagerly: that is what the CPU tests check, the graph
 only replays it. Exactness is the eager path's: in fp32 a row's logits can differ in the last
 bits between T buckets (other matrix kernels), as they can between eager calls of other T.

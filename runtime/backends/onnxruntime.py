@@ -75,11 +75,10 @@ def enable_shared_pool() -> bool:
 
     A decode step alternates sessions (the draft's level calls, the target's verify). With a
     pool per session, each pool's threads either spin-wait after a run (and steal the cores the
-    other session needs next: on 2 cores a layers:4 tree ran 9.3 instead of 16.3 tok/s) or
-    sleep (and every run pays the wake-up: vanilla about 10 % slower). One shared pool spins and
-    is the pool the next session runs on. Measured, SmolLM2 fp32 + int8 EAGLE-3 head, 2 cores,
-    4 prompts x 64 tokens (total tok/s): vanilla 41.4 -> 46.4, EAGLE-3 full:2,2 50.3 -> 54.2,
-    lookup full:3,2 58.0 -> 62.8, layers:4 full:3,2 15.0 -> 15.6; the tokens are the same.
+    other session needs next) or sleep (and every run pays the wake-up). One shared pool spins
+    and is the pool the next session runs on: every configuration measured faster with it, the
+    tokens the same (figures: benchmarks/history/measurements.md, "Figures moved out of
+    docstrings").
 
     Process-wide and irreversible in ONNX Runtime: afterwards every session of the process must
     be created with `use_per_session_threads = False` (a default session, Polygraphy's or your

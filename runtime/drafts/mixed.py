@@ -7,7 +7,7 @@ finds one, the node's distribution is the mixture q = w * p_L + (1 - w) * p_M; w
 none, q = p_M. So a continuation the text has seen before ranks first, and the model's best
 guesses follow as siblings and fill every node lookup has no opinion on: the tree gets
 lookup's long copies in copy-heavy text and the model's guesses elsewhere, for the cost of
-the model's calls (the lookup costs ~0.3 ms per token). Step 5 (`commit`) tells both.
+the model's calls (the lookup's own cost is small next to a model call). Step 5 (`commit`) tells both.
 
 Candidates are target ids (the model's `token_map` is applied here), so the mixture's rows
 span the target vocabulary. The accept rules stay lossless: deterministic (top-k) candidates
