@@ -8,7 +8,6 @@ a figure. Tree specs contain commas, so `--tree` is given once per spec and/or a
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shlex
@@ -18,15 +17,12 @@ from pathlib import Path
 from arborspec.runtime.errors import InputError
 from arborspec.runtime.fileio import atomic_write_json
 from arborspec.tools.commands.cli import (
-    JSON_HELP,
-    JSON_OUT_HELP,
-    QUIET_HELP,
     TREE_HELP,
     add_format_args,
     response_format_from_args,
-    summary,
     with_response_format,
 )
+from arborspec.tools.commands.options import add_json_output_args, add_quiet_progress_args, command_parser
 from arborspec.tools.engines import add_model_args, models_key, open_models
 
 EXAMPLE = """examples:
@@ -58,12 +54,8 @@ round-robin over the categories)."""
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
-        "bench",
-        help="benchmark vanilla / chain / tree decoding, HF, GenAI and llama.cpp baselines",
-        description=summary(__doc__),
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = command_parser(
+        sub, "bench", "benchmark vanilla / chain / tree decoding, HF, GenAI and llama.cpp baselines", __doc__, EXAMPLE
     )
     add_model_args(p)  # --draft default: layers:4 with --model; the export's with --export-dir
     g = p.add_argument_group("configurations")
@@ -136,8 +128,7 @@ def register(sub) -> None:
     )
     r.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     r.add_argument("--warmup", type=int, default=1, help="warm-up generations per config before timing (1)")
-    r.add_argument("--quiet", dest="no_progress", action="store_true", help=QUIET_HELP)
-    r.add_argument("--no-progress", action="store_true", help=argparse.SUPPRESS)  # the old name
+    add_quiet_progress_args(r)
     qa = p.add_argument_group("quality (instead of speed)")
     qa.add_argument(
         "--quality",
@@ -175,8 +166,7 @@ def register(sub) -> None:
         help="--quality: tokens per engine call inside a window (default 64)",
     )
     o = p.add_argument_group("output")
-    o.add_argument("--json", action="store_true", help=JSON_HELP + " (the table then goes to stderr)")
-    o.add_argument("--json-out", type=Path, default=None, metavar="OUT.json", help=JSON_OUT_HELP)
+    add_json_output_args(o, " (the table then goes to stderr)")
     o.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="write the figure (PNG)")
     p.set_defaults(run=run)
 

@@ -13,15 +13,15 @@ import argparse
 import sys
 
 from arborspec.runtime.errors import InputError
-from arborspec.tools.commands.cli import (
-    PREFIX_CACHE,
-    TREE_HELP,
+from arborspec.tools.commands.options import (
+    add_prefix_cache_arg,
     add_sampling_args,
+    command_parser,
     response_format_from_args,
     sampling_from_args,
-    summary,
 )
 from arborspec.tools.engines import add_model_args, open_models
+from arborspec.tools.options import TREE_HELP
 
 EXAMPLE = """examples:
   arborspec chat --export-dir ~/.cache/arborspec/exports/smollm2-135m-int4-eagle3-int8-v24
@@ -32,12 +32,8 @@ In the conversation: /reset clears it, /exit (or Ctrl-D) ends it, Ctrl-C stops a
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
-        "chat",
-        help="talk to a model in the terminal (the chat template, answers streamed)",
-        description=summary(__doc__),
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = command_parser(
+        sub, "chat", "talk to a model in the terminal (the chat template, answers streamed)", __doc__, EXAMPLE
     )
     add_model_args(p)
     g = p.add_argument_group("decoding")
@@ -46,11 +42,9 @@ def register(sub) -> None:
     g.add_argument("--candidates", choices=["topk", "sample", "sample-unique"], default=None, help=argparse.SUPPRESS)
     add_sampling_args(g, "sampling seed of the first answer (then +1 a turn)")
     g.add_argument("--max-new-tokens", type=int, default=512, help="tokens per answer at most (default 512)")
-    g.add_argument(
-        "--prefix-cache",
-        choices=list(PREFIX_CACHE),
-        default="auto",
-        help="prefill only a turn's new tokens: auto (default) = where exact (the int4 export), on, off",
+    add_prefix_cache_arg(
+        g,
+        "prefill only a turn's new tokens: auto (default) = where exact (the int4 export), on, off",
     )
     c = p.add_argument_group("conversation")
     c.add_argument("--system", default=None, help="a system message first")

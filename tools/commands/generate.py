@@ -12,17 +12,15 @@ import sys
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError
-from arborspec.tools.commands.cli import (
-    JSON_HELP,
-    PREFIX_CACHE,
-    TREE_HELP,
+from arborspec.tools.commands.options import (
     add_sampling_args,
+    command_parser,
     response_format_from_args,
     sampling_from_args,
-    summary,
     with_response_format,
 )
 from arborspec.tools.engines import add_model_args, models_key, open_models
+from arborspec.tools.options import JSON_HELP, PREFIX_CACHE, TREE_HELP
 
 EXAMPLE = """examples:
   arborspec generate --model smollm2-135m --draft layers:4 --mode tree --tree full:3,2 \\
@@ -37,13 +35,7 @@ EXAMPLE = """examples:
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
-        "generate",
-        help="generate text with vanilla / chain / tree decoding",
-        description=summary(__doc__),
-        epilog=EXAMPLE,
-        formatter_class=__import__("argparse").RawDescriptionHelpFormatter,
-    )
+    p = command_parser(sub, "generate", "generate text with vanilla / chain / tree decoding", __doc__, EXAMPLE)
     add_model_args(p)
     g = p.add_argument_group("decoding")
     g.add_argument(
