@@ -88,22 +88,36 @@ def write_random_checkpoint(shape: Shape, out: str | Path, tokenizer_dir: str | 
     bos, eos = tc.get("bos_token_id", 1), tc.get("eos_token_id", 2)
     (out / "config.json").write_text(json.dumps(shape.hf_config(vocab, bos, eos), indent=2))
     g = torch.Generator().manual_seed(seed)
-    shards, current, size = [], {}, 0
-    for name, dims in tqdm(list(shape.tensors(vocab)), desc=f"{shape.name}: tensors", leave=False):
-        if len(dims) == 1:
-            t = torch.ones(dims, dtype=torch.bfloat16)
-        else:
-            t = torch.empty(dims, dtype=torch.float32).normal_(0.0, 0.02, generator=g).to(torch.bfloat16)
-        if size and size + t.numel() * 2 > shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = t
-        size += t.numel() * 2
-    shards.append(current)
-    index, total = {}, len(shards)
-    for k, sd in enumerate(shards, 1):
+    plan = _shard_plan(list(shape.tensors(vocab)), shard_bytes)
+    index, total = {}, len(plan)
+    bar = tqdm(total=sum(len(p) for p in plan), desc=f"{shape.name}: tensors", leave=False)
+    for k, names in enumerate(plan, 1):  # one shard in memory at a time
+        sd = {}
+        for name, dims in names:
+            if len(dims) == 1:
+                sd[name] = torch.ones(dims, dtype=torch.bfloat16)
+            else:
+                sd[name] = torch.empty(dims, dtype=torch.float32).normal_(0.0, 0.02, generator=g).to(torch.bfloat16)
+            bar.update(1)
         fname = f"model-{k:05d}-of-{total:05d}.safetensors"
         save_file(sd, str(out / fname), metadata={"format": "pt"})
         index.update({n: fname for n in sd})
+        del sd
+    bar.close()
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}, indent=2))
     return out
+
+
+def _shard_plan(tensors: list, shard_bytes: int) -> list[list]:
+    """The tensors of each shard, in order, each shard at most `shard_bytes` of bf16 (or one tensor)."""
+    plan, size = [[]], 0
+    for name, dims in tensors:
+        n = 2
+        for d in dims:
+            n *= d
+        if plan[-1] and size + n > shard_bytes:
+            plan.append([])
+            size = 0
+        plan[-1].append((name, dims))
+        size += n
+    return plan

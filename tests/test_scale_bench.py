@@ -1,0 +1,62 @@
+"""The model-size benchmark's pieces (tools/bench/scale_shapes.py, tools/bench/scale.py) on tiny
+shapes: the random checkpoints read back as the shape says, and the tree pick follows the cost
+curve (a flat curve buys a tree, a steep one a short chain)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from arborspec.tools.bench import scale
+from arborspec.tools.bench.scale_shapes import SHAPES, Shape, _shard_plan, write_random_checkpoint
+
+
+def test_the_shapes_are_the_public_models():
+    s = SHAPES["llama-3.1-8b"]
+    assert (s.hidden, s.layers, s.heads, s.kv_heads, s.intermediate, s.tied) == (4096, 32, 32, 8, 14336, False)
+    n = sum(math.prod(dims) for _, dims in s.tensors(128256))
+    assert abs(n / 1e9 - 8.03) < 0.01  # Llama-3.1-8B with its own vocabulary: 8.03B parameters
+
+
+def test_random_checkpoint_is_sharded_and_reads_back(tmp_path):
+    pytest.importorskip("safetensors")
+    from arborspec.export.weights import SafetensorsWeights
+
+    tiny = Shape("tiny", 64, 2, 4, 2, 16, 128, False, 8.0)
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    out = write_random_checkpoint(tiny, tmp_path / "ck", tok, vocab=96, shard_bytes=40_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 2 and set(index) == {n for n, _ in tiny.tensors(96)}
+    w = SafetensorsWeights(out)
+    assert (w.config.n_layers, w.config.hidden_size, w.config.tie_embeddings) == (2, 64, False)
+    assert w.config.rope_scaling["rope_type"] == "llama3"
+    assert w.get("model.layers.1.mlp.down_proj.weight").shape == (64, 128)
+    assert (w.get("model.norm.weight") == 1).all()
+
+
+def test_shard_plan_respects_the_size():
+    plan = _shard_plan([("a", (10,)), ("b", (10,)), ("c", (30,)), ("d", (5,))], shard_bytes=40)
+    assert [[n for n, _ in s] for s in plan] == [["a", "b"], ["c"], ["d"]]
+
+
+def test_the_tree_pick_follows_the_cost_curve():
+    q = [[0.7, 0.15, 0.05, 0.03]] * 6  # an acceptance profile: rank 0 accepted 70 % at every depth
+    flat = {t: 10.0 + 0.01 * t for t in (1, 2, 4, 8, 16, 32, 64)}  # a large model: T rows ~ one row
+    steep = {t: 10.0 * t for t in (1, 2, 4, 8, 16, 32, 64)}  # every row costs a full call
+    cheap_draft = {f: 0.2 for f in (1, 2, 4, 8, 16, 32, 64)}
+    wide = scale.pick_tree(q, flat, cheap_draft)
+    narrow = scale.pick_tree(q, steep, cheap_draft)
+    assert wide["nodes"] > wide["depth"] and wide["speedup"] > wide["best_chain_speedup"] > 1
+    assert narrow["speedup"] <= 1.05  # nothing pays when a verify row costs a call
+
+
+def test_markdown_table_one_line_a_size():
+    r = scale.SizeRow("8b", 7.5, export={"int4": {"peak_gb": 6.1}}, ours={"tokens_per_s": 2.0},
+                      llama={"tokens_per_s": 2.5}, curves={"512": {1: 1.0, 16: 1.2, 64: 2.0}},
+                      tree={"512": {"nodes": 12, "depth": 4, "speedup": 2.1, "best_chain_speedup": 1.8}})  # fmt: skip
+    lines = scale.markdown_table([r], "a machine").splitlines()
+    assert lines[2].startswith("| 8b (7.50B) | 6.10 GB / - | 2.0 tok/s | 2.5 tok/s | 1.20, 2.00 | 12, 4 | 2.10x")
