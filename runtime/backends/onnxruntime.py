@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -156,6 +158,162 @@ def _int8_qdq(meta: dict) -> bool:
     return q.get("format") == "qdq" and bool((q.get("layers_by_type") or {}).get("int8"))
 
 
+# ---------------------------------------------------------------------------- loading
+@dataclass(frozen=True)
+class OrtLoad:
+    """How an OrtEngine loads its graph (its keyword arguments; Polygraphy's loader half, the
+    engine is the runner): the device, the providers (None: CUDA then CPU on a CUDA device,
+    else CPU), the session options (None: `new_session_options(spinning)`, 8-bit QDQ weights
+    dequantised at load) and the row layout (None: ARBORSPEC_ORT_ROW_LAYOUT)."""
+
+    device: torch.device
+    providers: list | None = None
+    session_options: Any = None
+    spinning: bool = False
+    row_invariant: bool | None = None
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def _engine_device(device: str | torch.device) -> torch.device:
+    dev = resolve_device(device)
+    if dev.type not in ("cpu", "cuda"):
+        raise InputError(f"onnxruntime backend supports cpu or cuda devices, not {device!r}")
+    return dev
+
+
+def _host_threads(load: OrtLoad) -> int | None:
+    """torch threads for the decoder's host work while this engine runs (decode.host_threads):
+    on CPU ONNX Runtime's pool owns the cores, so 1 (ARBORSPEC_HOST_THREADS overrides)."""
+    env = settings.whole("ARBORSPEC_HOST_THREADS")
+    return None if load.cuda else (1 if env is None else env)
+
+
+def session_providers(ort, load: OrtLoad) -> list:
+    """The providers asked for, or the default ones; a CUDA device on an onnxruntime without a
+    CUDA provider is refused before loading (the CPU build would also print its own warning)."""
+    if load.cuda and load.providers is None and "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise DeviceError(
+            f"CUDA was requested but this onnxruntime {ort.__version__} has no CUDA provider "
+            f"({ort.get_available_providers()}): install onnxruntime-gpu with matching CUDA/cuDNN libraries"
+        )
+    if load.providers is not None:
+        return load.providers
+    if load.cuda:
+        return [("CUDAExecutionProvider", {"device_id": load.device.index or 0}), "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+def load_session(ort, path: Path, load: OrtLoad):
+    """-> (InferenceSession, its SessionOptions). ONNX Runtime's load errors become one line;
+    a CUDA device the session silently left for the CPU is refused."""
+    providers = session_providers(ort, load)
+    so = load.session_options if load.session_options is not None else new_session_options(ort, load.spinning)
+    try:
+        session = ort.InferenceSession(str(path), so, providers=providers)
+        if load.session_options is None and _int8_qdq(session.get_modelmeta().custom_metadata_map):
+            # 8-bit QDQ weights: ONNX Runtime's fused 8-bit MatMulNBits is slow with float
+            # activations (measured, SmolLM2 int8: 293 ms per token vs 36 ms); dequantise them
+            # once at load instead (exact, float32 weights in memory)
+            so.add_session_config_entry("session.disable_quant_qdq", "1")
+            session = ort.InferenceSession(str(path), so, providers=providers)
+    except Exception as e:  # ORT raises its own exception types (Fail, InvalidGraph...)
+        msg = one_line(e)
+        if "external" in msg.lower() or "No such file" in msg or "open file" in msg.lower():
+            raise MissingFileError(
+                f"{path}: cannot load the model, an external-data file is missing or unreadable ({msg})"
+            ) from None
+        raise ExportDirError(f"{path}: ONNX Runtime cannot load the model: {msg}") from None
+    active = session.get_providers()
+    if load.cuda and "CUDAExecutionProvider" not in active:
+        # onnxruntime-gpu silently falls back to CPU when CUDA libraries are missing
+        raise DeviceError(
+            f"CUDA was requested but ONNX Runtime runs on {active} "
+            "(install onnxruntime-gpu with matching CUDA/cuDNN libraries)"
+        )
+    return session, so
+
+
+@dataclass(frozen=True)
+class OrtGraph:
+    """What a loaded contract graph is, from its session: the metadata and config, the
+    contract's input/output names, the optional extras (a draft's fused top-k up to `max_topk`,
+    `n_features` target features, an EAGLE-3 head's hidden input) and its KV cache."""
+
+    metadata: dict
+    config: dict
+    input_names: list
+    output_names: list
+    max_topk: int
+    n_features: int
+    has_hidden_in: bool
+    kv_dtype: torch.dtype
+    kv_layout: str
+
+
+def read_graph(session, path: Path) -> OrtGraph:
+    """The graph's signature checked against the contract (names, KV and logits types, the
+    metadata's KV dtype)."""
+    meta = session.get_modelmeta().custom_metadata_map
+    cfg = C.check_metadata(meta, path)
+    n = int(cfg["n_layers"])
+    input_names, output_names = C.input_names(n), C.output_names(n)
+    got_in = [x.name for x in session.get_inputs()]
+    got_out = [x.name for x in session.get_outputs()]
+    # optional outputs after the K/V ones: a draft graph's own top-k (contract TOPK_OUTPUTS,
+    # K in the metadata), then the target features / an EAGLE-3 head's output hidden state
+    # (HIDDEN_STATES); an EAGLE-3 head graph has one more input (HIDDEN_IN)
+    extra_out = got_out[len(output_names) :]
+    max_topk = 0
+    if extra_out[:2] == list(C.TOPK_OUTPUTS) and C.META_TOPK in meta:
+        max_topk = int(meta[C.META_TOPK])
+        extra_out = extra_out[2:]
+    n_features = 0
+    if extra_out == [C.HIDDEN_STATES]:
+        dims = session.get_outputs()[-1].shape
+        n_features = int(dims[-1]) if isinstance(dims[-1], int) else 0
+        extra_out = []
+    extra_in = got_in[len(input_names) :]
+    has_hidden_in = extra_in == [C.HIDDEN_IN]
+    if has_hidden_in:
+        extra_in = []
+    if got_in[: len(input_names)] != input_names or extra_in or got_out[: len(output_names)] != output_names or extra_out:
+        raise ExportDirError(
+            f"{path}: graph inputs/outputs {got_in} -> {got_out} do not follow the contract for {n} layers"
+        )
+    kv_type = session.get_inputs()[3].type if n else "tensor(float)"
+    if kv_type not in _ORT_TYPES:
+        raise ExportDirError(f"{path}: unsupported KV element type {kv_type}")
+    kv_dtype = _ORT_TYPES[kv_type]
+    # the cache dtype is the graph's own input type (an fp32 graph may keep an fp16 cache:
+    # `export --kv-dtype fp16`); the metadata, when present, must say the same
+    declared = C.kv_dtype_name(meta, path)
+    if declared is not None and C.DTYPES[declared] != kv_dtype:
+        raise ExportDirError(
+            f"{path}: metadata declares a {declared} KV cache but past_key.0 is {kv_type}: re-export the model"
+        )
+    logits_type = session.get_outputs()[0].type
+    if logits_type != "tensor(float)":
+        raise ExportDirError(f"{path}: logits are {logits_type}, the contract wants float32")
+    return OrtGraph(dict(meta), cfg, input_names, output_names, max_topk, n_features, has_hidden_in, kv_dtype,
+                    C.kv_layout(meta, path))
+
+
+def _check_runs_on(graph: OrtGraph, load: OrtLoad, path: Path) -> None:
+    if load.cuda and graph.kv_layout == "bhsd" and graph.kv_dtype == torch.float32:
+        # measured on an H200 (ONNX Runtime 1.31.1): the CUDA EP has no fp32 GroupQueryAttention,
+        # the node falls back to the CPU, and the in-place cache it shares with its output
+        # breaks there: wrong tokens, no error. Refuse rather than answer wrongly.
+        raise ExportDirError(
+            f"{path}: this GroupQueryAttention export keeps an fp32 KV cache, which ONNX Runtime's CUDA "
+            "provider cannot run on the GPU (its kernel is fp16/bf16 only); re-export for CUDA with "
+            "`arborspec export --attention onnx` (or `--kv-dtype fp16`)"
+        )
+
+
+# ---------------------------------------------------------------------------- the engine
 class OrtEngine(EngineBase):
     """Engine protocol over an ONNX Runtime session of an arborspec contract graph."""
 
@@ -178,118 +336,19 @@ class OrtEngine(EngineBase):
         path = Path(path)
         if not path.is_file():
             raise MissingFileError(f"{path}: no such ONNX file")
-        self.device = resolve_device(device)
-        if self.device.type not in ("cpu", "cuda"):
-            raise InputError(f"onnxruntime backend supports cpu or cuda devices, not {device!r}")
-        want_cuda = self.device.type == "cuda"
-        # torch threads for the decoder's host work while this engine runs (decode.host_threads):
-        # on CPU ONNX Runtime's pool owns the cores, so 1 (ARBORSPEC_HOST_THREADS overrides)
-        env = settings.whole("ARBORSPEC_HOST_THREADS")
-        host_threads = None if want_cuda else (1 if env is None else env)
-        if want_cuda and providers is None and "CUDAExecutionProvider" not in ort.get_available_providers():
-            # said before loading (the CPU build would also print its own warning first)
-            raise DeviceError(
-                f"CUDA was requested but this onnxruntime {ort.__version__} has no CUDA provider "
-                f"({ort.get_available_providers()}): install onnxruntime-gpu with matching CUDA/cuDNN libraries"
-            )
-        if providers is None:
-            if want_cuda:
-                providers = [("CUDAExecutionProvider", {"device_id": self.device.index or 0}), "CPUExecutionProvider"]
-            else:
-                providers = ["CPUExecutionProvider"]
-        so = session_options if session_options is not None else new_session_options(ort, spinning)
-        try:
-            self.session = ort.InferenceSession(str(path), so, providers=providers)
-            if session_options is None and _int8_qdq(self.session.get_modelmeta().custom_metadata_map):
-                # 8-bit QDQ weights: ONNX Runtime's fused 8-bit MatMulNBits is slow with float
-                # activations (measured, SmolLM2 int8: 293 ms per token vs 36 ms); dequantise them
-                # once at load instead (exact, float32 weights in memory)
-                so.add_session_config_entry("session.disable_quant_qdq", "1")
-                self.session = ort.InferenceSession(str(path), so, providers=providers)
-        except Exception as e:  # ORT raises its own exception types (Fail, InvalidGraph...)
-            msg = one_line(e)
-            if "external" in msg.lower() or "No such file" in msg or "open file" in msg.lower():
-                raise MissingFileError(
-                    f"{path}: cannot load the model, an external-data file is missing or unreadable ({msg})"
-                ) from None
-            raise ExportDirError(f"{path}: ONNX Runtime cannot load the model: {msg}") from None
+        self.device = _engine_device(device)
+        load = OrtLoad(self.device, providers, session_options, spinning, row_invariant)
+        host_threads = _host_threads(load)
+        self.session, so = load_session(ort, path, load)
         # "shared": the process-wide pool every arborspec session runs on; "session": its own
         self.thread_pool = "session" if so.use_per_session_threads else "shared"
-        active = self.session.get_providers()
-        if want_cuda and "CUDAExecutionProvider" not in active:
-            # onnxruntime-gpu silently falls back to CPU when CUDA libraries are missing
-            raise DeviceError(
-                f"CUDA was requested but ONNX Runtime runs on {active} "
-                "(install onnxruntime-gpu with matching CUDA/cuDNN libraries)"
-            )
         self.path = path
-        self.providers = active
-        self._device_type = "cuda" if want_cuda else "cpu"
-        self._device_id = (self.device.index or 0) if want_cuda else 0
-
-        meta = self.session.get_modelmeta().custom_metadata_map
-        cfg = C.check_metadata(meta, path)
-        self.metadata = dict(meta)
-        self.config = cfg
-        n = int(cfg["n_layers"])
-        self.input_names = C.input_names(n)
-        self.output_names = C.output_names(n)
-        got_in = [x.name for x in self.session.get_inputs()]
-        got_out = [x.name for x in self.session.get_outputs()]
-        # optional outputs after the K/V ones: a draft graph's own top-k (contract TOPK_OUTPUTS,
-        # K in the metadata), then the target features / an EAGLE-3 head's output hidden state
-        # (HIDDEN_STATES); an EAGLE-3 head graph has one more input (HIDDEN_IN)
-        extra_out = got_out[len(self.output_names) :]
-        max_topk = 0
-        if extra_out[:2] == list(C.TOPK_OUTPUTS) and C.META_TOPK in meta:
-            max_topk = int(meta[C.META_TOPK])
-            extra_out = extra_out[2:]
-        n_features = 0
-        if extra_out == [C.HIDDEN_STATES]:
-            dims = self.session.get_outputs()[-1].shape
-            n_features = int(dims[-1]) if isinstance(dims[-1], int) else 0
-            extra_out = []
-        extra_in = got_in[len(self.input_names) :]
-        self.has_hidden_in = extra_in == [C.HIDDEN_IN]
-        if self.has_hidden_in:
-            extra_in = []
-        self._logits_scratch: torch.Tensor | None = None
-        # bhsd caches: the IOBinding with a cache's K/V slabs bound (in and out), per cache slab
-        # address; a call rebinds only ids, positions, mask and outputs (`_binding`)
-        self._bindings: dict = {}
-        if (
-            got_in[: len(self.input_names)] != self.input_names
-            or extra_in
-            or got_out[: len(self.output_names)] != self.output_names
-            or extra_out
-        ):
-            raise ExportDirError(
-                f"{path}: graph inputs/outputs {got_in} -> {got_out} do not follow the contract for {n} layers"
-            )
-        kv_type = self.session.get_inputs()[3].type if n else "tensor(float)"
-        if kv_type not in _ORT_TYPES:
-            raise ExportDirError(f"{path}: unsupported KV element type {kv_type}")
-        self.kv_dtype = _ORT_TYPES[kv_type]
-        # the cache dtype is the graph's own input type (an fp32 graph may keep an fp16 cache:
-        # `export --kv-dtype fp16`); the metadata, when present, must say the same
-        declared = C.kv_dtype_name(meta, path)
-        if declared is not None and C.DTYPES[declared] != self.kv_dtype:
-            raise ExportDirError(
-                f"{path}: metadata declares a {declared} KV cache but past_key.0 is {kv_type}: re-export the model"
-            )
-        logits_type = self.session.get_outputs()[0].type
-        if logits_type != "tensor(float)":
-            raise ExportDirError(f"{path}: logits are {logits_type}, the contract wants float32")
-        self.kv_layout = C.kv_layout(meta, path)
-        if want_cuda and self.kv_layout == "bhsd" and self.kv_dtype == torch.float32:
-            # measured on an H200 (ONNX Runtime 1.31.1): the CUDA EP has no fp32 GroupQueryAttention,
-            # the node falls back to the CPU, and the in-place cache it shares with its output
-            # breaks there: wrong tokens, no error. Refuse rather than answer wrongly.
-            raise ExportDirError(
-                f"{path}: this GroupQueryAttention export keeps an fp32 KV cache, which ONNX Runtime's CUDA "
-                "provider cannot run on the GPU (its kernel is fp16/bf16 only); re-export for CUDA with "
-                "`arborspec export --attention onnx` (or `--kv-dtype fp16`)"
-            )
+        self.providers = self.session.get_providers()
+        self._device_type = "cuda" if load.cuda else "cpu"
+        self._device_id = (self.device.index or 0) if load.cuda else 0
+        graph = read_graph(self.session, path)
+        _check_runs_on(graph, load, path)
+        self._take_graph(graph)
         # row_invariant: lay every call out so that a row's logits and K/V do not depend on the
         # call that carries it (row_layout.py; in-place graphs only); None: ARBORSPEC_ORT_ROW_LAYOUT=1
         self.row_invariant = (
@@ -297,25 +356,41 @@ class OrtEngine(EngineBase):
             and self.kv_layout == "bhsd"
             and not self.has_hidden_in
         )
-        self.caps = EngineCapabilities(
+        self.caps = self._capabilities(graph, host_threads)
+        # how a tree is laid out: "auto" (row_layout.prefer_paths), "bands" (one padded call), "paths"
+        self.tree_layout = "auto"
+        self._logits_scratch: torch.Tensor | None = None
+        # bhsd caches: the IOBinding with a cache's K/V slabs bound (in and out), per cache slab
+        # address; a call rebinds only ids, positions, mask and outputs (`_binding`)
+        self._bindings: dict = {}
+
+    def _take_graph(self, graph: OrtGraph) -> None:
+        """The graph's signature as the engine's attributes and EngineInfo."""
+        cfg = graph.config
+        self.metadata, self.config = graph.metadata, cfg
+        self.input_names, self.output_names = graph.input_names, graph.output_names
+        self.has_hidden_in = graph.has_hidden_in
+        self.kv_dtype, self.kv_layout = graph.kv_dtype, graph.kv_layout
+        self.info = EngineInfo(
+            vocab_size=int(cfg["vocab_size"]),
+            max_position=int(cfg["max_position"]),
+            cache=CacheSpec(int(cfg["n_layers"]), int(cfg["n_kv_heads"]), int(cfg["head_dim"]), self.kv_dtype,
+                            self.kv_layout),
+            name=cfg.get("name", "") or self.path.stem,
+            n_features=graph.n_features,
+        )
+
+    def _capabilities(self, graph: OrtGraph, host_threads: int | None) -> EngineCapabilities:
+        return EngineCapabilities(
             # GroupQueryAttention's CPU kernel rejects B > 1 with T > 1 after a prefix: batched
             # decoding verifies roots only (T = 1) while several sequences are active
             batched_trees=self.kv_layout != "bhsd",
             row_views=self.kv_layout == "bhsd",  # runs n rows of a larger batch cache (KVCache.rows)
             # one-token rows of a batch may each attend over their own length (C.META_RAGGED_ROWS)
-            ragged_rows=meta.get(C.META_RAGGED_ROWS) == "1",
-            max_topk=max_topk,
+            ragged_rows=graph.metadata.get(C.META_RAGGED_ROWS) == "1",
+            max_topk=graph.max_topk,
             host_threads=host_threads,
             row_invariant=self.row_invariant,
-        )
-        # how a tree is laid out: "auto" (row_layout.prefer_paths), "bands" (one padded call), "paths"
-        self.tree_layout = "auto"
-        self.info = EngineInfo(
-            vocab_size=int(cfg["vocab_size"]),
-            max_position=int(cfg["max_position"]),
-            cache=CacheSpec(n, int(cfg["n_kv_heads"]), int(cfg["head_dim"]), self.kv_dtype, self.kv_layout),
-            name=cfg.get("name", "") or path.stem,
-            n_features=n_features,
         )
 
     # ------------------------------------------------------------------ checks
