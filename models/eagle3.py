@@ -66,7 +66,11 @@ class Eagle3Config:
         try:
             h = int(d["hidden_size"])
             heads = int(d["num_attention_heads"])
-            aux = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or d.get("aux_layers")
+            aux = (
+                (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+                or d.get("eagle_aux_hidden_state_layer_ids")  # vLLM's and llama.cpp's place for it
+                or d.get("aux_layers")
+            )
             if not aux and target_layers:
                 aux = default_aux_layers(target_layers)
             return cls(
@@ -105,6 +109,16 @@ class Eagle3Config:
             **({"rope_scaling": dict(self.rope_scaling)} if self.rope_scaling else {}),
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layers)},
             "architectures": ["LlamaForCausalLMEagle3"],
+            # what other engines read as they are: llama.cpp's converter (num_hidden_layers == 1 with
+            # draft_vocab_size: an EAGLE-3 head; eagle_aux_hidden_state_layer_ids at the top level),
+            # vLLM / SGLang (a transformers "llama" config; eagle_aux_hidden_state_layer_ids and
+            # norm_before_residual on it). Layer ids name the layers whose INPUT is read, as here.
+            "model_type": "llama",
+            "num_hidden_layers": 1,
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+            "norm_before_residual": False,
+            "eagle_aux_hidden_state_layer_ids": list(self.aux_layers),
         }
 
 

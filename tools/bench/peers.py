@@ -20,6 +20,9 @@ Role in one decode step: none; these are what a CPU user would run instead of ar
   sampler chain cuts before it scales by T (top-k, top-p, then temp: llama-cpp-python 0.3.36),
   ours and transformers' after, so at T != 1 with a top-p cut its nucleus is another set of tokens
   (the same cost); its seed set to --seed; GenAI runs greedy only and is skipped there.
+- llama-server, llama-server-ngram-mod / -ngram-simple / -ngram-map-k, llama-server-eagle3 (-n2):
+  llama.cpp's own server and speculative modes, built from llama-cpp-python's sdist
+  (tools/bench/llama_server.py).
 
 Fairness: the prompt token ids are ours, fed as ids (no text, no chat template in the peer).
 Generation stops where ours stops: the same eos ids (GenAI: the model config's eos list is
@@ -50,7 +53,23 @@ from pathlib import Path
 from arborspec.runtime.fileio import PartialFolder
 from arborspec.tools.bench.baselines import hf_source_path
 
-PEERS = ("ort-genai", "ort-genai-int4", "ort-genai-ngram", "ort-genai-int4-ngram", "llama-cpp", "llama-cpp-lookup")
+# llama.cpp's own server, plain and with its speculative modes (tools/bench/llama_server.py: SERVER_SPECS)
+LLAMA_SERVER_PEERS = (
+    "llama-server",
+    "llama-server-ngram-mod",
+    "llama-server-ngram-simple",
+    "llama-server-ngram-map-k",
+    "llama-server-eagle3",
+    "llama-server-eagle3-n2",
+)
+PEERS = (
+    "ort-genai",
+    "ort-genai-int4",
+    "ort-genai-ngram",
+    "ort-genai-int4-ngram",
+    "llama-cpp",
+    "llama-cpp-lookup",
+) + LLAMA_SERVER_PEERS
 GENAI_PKG = "onnxruntime-genai"
 LLAMA_PKG = "llama-cpp-python"
 BUILD_FORMAT = 1  # bump when the way a GenAI model is built here changes
@@ -467,14 +486,32 @@ class LlamaCppRunner:
 
 # ---------------------------------------------------------------------------------- opening
 def open_peers(
-    names: list[str], source: dict, *, eos: list[int], n_ctx: int, lookup_tokens: int, temperature: float, log=None
+    names: list[str],
+    source: dict,
+    *,
+    eos: list[int],
+    n_ctx: int,
+    lookup_tokens: int,
+    temperature: float,
+    log=None,
+    head_dir: Path | None = None,
 ) -> tuple[dict, dict, dict]:
-    """-> (runners {name: runner}, info {name: description}, skipped {name: one-line reason})."""
+    """-> (runners {name: runner}, info {name: description}, skipped {name: one-line reason}).
+    head_dir: the export's EAGLE-3 checkpoint folder (llama-server-eagle3). Runners with a
+    `close()` (llama-server) are to be closed by the caller."""
     log = log or (lambda s: print(s, file=sys.stderr))
     runners: dict = {}
     info: dict = {}
     skipped: dict[str, str] = {}
     threads = peer_threads()
+    servers = [n for n in names if n in LLAMA_SERVER_PEERS]
+    if servers:
+        from arborspec.tools.bench.llama_server import open_servers
+
+        r, i, s = open_servers(servers, source, head_dir=head_dir, n_ctx=n_ctx, threads=threads, log=log)
+        runners.update(r)
+        info.update(i)
+        skipped.update(s)
     genai = [n for n in names if n.startswith("ort-genai")]
     if genai and temperature > 0:
         skipped.update({n: "ONNX Runtime GenAI runs greedy only in bench (use --temperature 0)" for n in genai})

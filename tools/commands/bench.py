@@ -40,11 +40,18 @@ EXAMPLE = """examples:
       --baselines llama-cpp
   arborspec bench --export-dir ~/.cache/arborspec/exports/smollm2 --backend onnxruntime --modes vanilla \\
       --baselines ort-genai,ort-genai-int4,llama-cpp,llama-cpp-lookup --limit-prompts 8 --max-new-tokens 64
+  arborspec bench --export-dir ~/.cache/arborspec/exports/smollm2-int4 --modes vanilla,tree --tree auto \\
+      --baselines llama-server,llama-server-ngram-mod,llama-server-eagle3 --max-new-tokens 128
 baselines: hf-greedy, hf-assisted, hf-lookup (transformers; pip install 'arborspec[bench]');
 ort-genai, ort-genai-int4 (ONNX Runtime GenAI, a model its builder makes from the export's source,
 cached in ~/.cache/arborspec/peers), ort-genai-ngram, ort-genai-int4-ngram (the same with GenAI's
 n-gram speculation), llama-cpp, llama-cpp-lookup (llama-cpp-python on the source GGUF, plain and
-with its prompt-lookup draft): pip install 'arborspec[peers]'. At --temperature T > 0 llama.cpp and
+with its prompt-lookup draft): pip install 'arborspec[peers]'. llama-server, llama-server-ngram-mod,
+llama-server-ngram-simple, llama-server-ngram-map-k (llama.cpp's own server and n-gram speculation),
+llama-server-eagle3, llama-server-eagle3-n2 (its draft-eagle3 with the export's head, converted by
+llama.cpp's converter; 3 / 2 drafted tokens): built once from llama-cpp-python's sdist into
+~/.cache/arborspec/llama.cpp (or $ARBORSPEC_LLAMA_CPP: a llama.cpp tree built into build/bin).
+At --temperature T > 0 llama.cpp and
 transformers sample at T with the same --top-k / --top-p cut as ours (no min-p); GenAI runs greedy only. With --quality, --baselines llama-cpp
 adds llama.cpp's perplexity and greedy agreement on the same GGUF and token ids. A baseline that is not installed
 or cannot run is skipped with one line saying why (and its reason in the JSON's meta.skipped).
@@ -94,7 +101,9 @@ def register(sub) -> None:
         help="comma-separated baselines on the same model file (torch backend, or an export whose "
         "manifest names the source): hf-greedy,hf-assisted,hf-lookup (transformers), "
         "ort-genai,ort-genai-int4,ort-genai-ngram,ort-genai-int4-ngram (ONNX Runtime GenAI), "
-        "llama-cpp,llama-cpp-lookup (llama-cpp-python; needs a GGUF source)",
+        "llama-cpp,llama-cpp-lookup (llama-cpp-python; needs a GGUF source), "
+        "llama-server,llama-server-ngram-mod,llama-server-ngram-simple,llama-server-ngram-map-k,"
+        "llama-server-eagle3,llama-server-eagle3-n2 (llama.cpp's own server; GGUF source)",
     )
     g.add_argument(
         "--hf-assistant-layers",
@@ -342,6 +351,7 @@ def run(args) -> int:
                 n_ctx=n_ctx,
                 lookup_tokens=args.hf_lookup_tokens,
                 temperature=args.temperature,
+                head_dir=_eagle3_head_dir(args, source),
             )
             for n, why in peer_skips.items():  # one line each, and the bench goes on without it
                 print(f"arborspec bench: note: {n} skipped: {why}", file=sys.stderr)
@@ -349,21 +359,26 @@ def run(args) -> int:
             configs = [c for c in configs if c.kind != "peer" or c.name in peers]
 
         load_before = bench_report.machine(args.device).get("loadavg_1_5_15")
-        per_prompt, warnings = bench.run_bench(
-            models,
-            configs,
-            prompts,
-            max_new_tokens=args.max_new_tokens,
-            sampling=sampling,
-            seed=args.seed,
-            hf=hf,
-            peers=peers,
-            skipped=skipped,
-            warmup=args.warmup,
-            progress=not args.no_progress,
-            json_schema=target[1] if target is not None and target[0] == "json" else None,
-            gbnf=gbnf,
-        )
+        try:
+            per_prompt, warnings = bench.run_bench(
+                models,
+                configs,
+                prompts,
+                max_new_tokens=args.max_new_tokens,
+                sampling=sampling,
+                seed=args.seed,
+                hf=hf,
+                peers=peers,
+                skipped=skipped,
+                warmup=args.warmup,
+                progress=not args.no_progress,
+                json_schema=target[1] if target is not None and target[0] == "json" else None,
+                gbnf=gbnf,
+            )
+        finally:  # the peers' own processes (llama-server) stop here
+            for r in peers.values():
+                if hasattr(r, "close"):
+                    r.close()
         configs = [c for c in configs if c.kind == "ours" or c.name not in skipped]  # peers that failed mid-run
         skip_notes = [f"{n} skipped: {why}" for n, why in skipped.items()]  # printed once, when it happened
         agg = bench_report.aggregate(per_prompt, configs)
@@ -421,6 +436,27 @@ def _write_json(args, results: dict) -> None:
     if args.json_out is not None:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(args.json_out, results, indent=1)
+
+
+def _eagle3_head_dir(args, source: dict) -> Path | None:
+    """The draft's EAGLE-3 checkpoint folder (llama-server-eagle3 converts it), else None."""
+    from arborspec.models.eagle3 import eagle3_folder
+
+    spec = args.draft
+    if args.export_dir is not None:
+        try:
+            from arborspec.runtime.export_dir import read_manifest
+
+            d = read_manifest(args.export_dir).draft or {}
+        except Exception:  # noqa: BLE001 - no head: llama-server-eagle3 is skipped with its line
+            return None
+        spec = (d.get("spec") or "eagle3") if d.get("kind") == "eagle3" else None
+    if not spec or not str(spec).startswith("eagle3") or "+" in str(spec):
+        return None
+    try:
+        return eagle3_folder(str(spec), source.get("name") or source.get("model") or args.model)
+    except InputError:
+        return None
 
 
 def _draft_name(args, models) -> str | None:
