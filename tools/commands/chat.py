@@ -16,9 +16,8 @@ from arborspec.runtime.errors import InputError
 from arborspec.tools.commands.options import (
     add_prefix_cache_arg,
     add_sampling_args,
+    check_decoding_args,
     command_parser,
-    response_format_from_args,
-    sampling_from_args,
 )
 from arborspec.tools.engines import add_model_args, open_models
 from arborspec.tools.options import TREE_HELP
@@ -67,16 +66,9 @@ def fit(tok, system: list, history: list, budget: int) -> tuple[list[int] | None
 
 
 def run(args) -> int:
-    from arborspec.runtime.structured import schema_of
-    from arborspec.runtime.trees import parse_tree_spec
     from arborspec.tools.commands.generate import _stats_line, make_decoder, resolve_mode
 
-    if args.max_new_tokens < 1:
-        raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    sampling_from_args(args)
-    schema_of(response_format_from_args(args))  # a malformed schema: one line before the models load
-    if args.tree and args.tree.strip().lower() != "auto":
-        parse_tree_spec(args.tree)
+    check_decoding_args(args)
     models = open_models(args, need_draft=args.mode != "vanilla")
     with models:
         resolve_mode(models, args)

@@ -14,6 +14,7 @@ from pathlib import Path
 from arborspec.runtime.errors import InputError
 from arborspec.tools.commands.options import (
     add_sampling_args,
+    check_decoding_args,
     command_parser,
     response_format_from_args,
     sampling_from_args,
@@ -200,16 +201,7 @@ def _stats_line(st) -> str:
 def run(args) -> int:
     if args.n < 1:
         raise InputError(f"--n must be >= 1, got {args.n}")
-    if args.max_new_tokens < 1:
-        raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    # validate the cheap things before loading models
-    from arborspec.runtime.structured import schema_of
-    from arborspec.runtime.trees import parse_tree_spec
-
-    sampling_from_args(args)
-    schema_of(response_format_from_args(args))  # a malformed schema: one line before the models load
-    if args.tree and args.tree.strip().lower() != "auto":
-        parse_tree_spec(args.tree)
+    check_decoding_args(args)  # the cheap things before loading models
     _check_one_prompt(args)  # before the models load
     if args.logprobs is not None:
         from arborspec.runtime.decode import MAX_LOGPROBS

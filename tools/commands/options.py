@@ -50,6 +50,22 @@ def add_json_output_args(g, json_note: str) -> None:
     g.add_argument("--json-out", type=Path, default=None, metavar="OUT.json", help=JSON_OUT_HELP)
 
 
+def check_decoding_args(args) -> None:
+    """The cheap checks of generate's and chat's decoding flags, before any model loads: one
+    InputError line for --max-new-tokens below 1, a bad sampling flag, a malformed --json-schema
+    or --grammar, or a --tree that does not parse (auto is resolved once the models are open)."""
+    from arborspec.runtime.errors import InputError
+    from arborspec.runtime.structured import schema_of
+    from arborspec.runtime.trees import parse_tree_spec
+
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    sampling_from_args(args)
+    schema_of(response_format_from_args(args))  # a malformed schema: one line before the models load
+    if args.tree and args.tree.strip().lower() != "auto":
+        parse_tree_spec(args.tree)
+
+
 def add_sampling_args(g, seed_help: str = "sampling seed (default 0)") -> None:
     """--temperature, --top-k, --top-p, --min-p, the penalties, --logit-bias, --seed (generate,
     chat); `sampling_from_args` reads them."""
