@@ -447,20 +447,9 @@ class LlamaServerRunner:
     def describe(self, name: str) -> dict:
         return dict(self.info)
 
-    def run(
-        self,
-        kind: str,
-        prompt: list[int],
-        n: int,
-        eos: list[int],
-        temperature: float,
-        seed: int,
-        top_k=0,
-        top_p=1.0,
-        json_schema: dict | None = None,
-        gbnf: str | None = None,
-    ) -> dict:
-        body = completion_body(prompt, n, eos, temperature, seed, top_k, top_p, json_schema, gbnf)
+    def run(self, kind: str, prompt: list[int], n: int, eos: list[int], temperature: float, seed: int, **cut) -> dict:
+        """cut: top_k, top_p, json_schema, gbnf (completion_body's)."""
+        body = completion_body(prompt, n, eos, temperature, seed, **cut)
         return run_from_response(self.server.post("/completion", body, self.request_timeout_s), n, eos)
 
     def close(self) -> None:
