@@ -175,3 +175,34 @@ def test_a_heldout_set_with_kinds_reports_each_kind(tmp_path):
         assert res["per_kind"][kind] == eh.chain_measure([r for r, k in zip(rows, kinds_of) if k == kind], 4)
         assert res["top1_per_kind"][kind] == res["per_kind"][kind]["top1_agreement_per_depth"]
     assert sum(m["positions"] for m in res["per_kind"].values()) == res["positions"]
+
+
+def test_the_kinds_report_measures_every_head_on_each_kind_that_fits(tmp_path, monkeypatch, capsys):
+    """kinds_report over a tiny target: the chat set's kinds and "all", and each new kind whose
+    prompts fit its 512 positions (the long documents do not: left out); the CLI prints the table,
+    writes the JSON, and a head folder that is not one is one error line."""
+    from test_eagle3_train import _tiny_loaded
+
+    from arborspec.models.eagle3 import default_aux_layers
+    from arborspec.tools.train import eagle3_train
+
+    lm = _tiny_loaded(6)
+    aux = default_aux_layers(lm.config.n_layers)
+    few = [p for p in kinds.heldout_set(2) if p["kind"] in ("qa", "math", "long_summary")]
+    monkeypatch.setattr(kinds, "heldout_set", lambda per_kind=10, seed=0: few)
+    monkeypatch.setattr(
+        eh, "heldout_prompts", lambda path=None: eh.json.loads(eh.PROMPTS_PATH.read_text())["prompts"][:3]
+    )
+    vocab = np.arange(64, dtype=np.int64)
+    heads = {f"h{s}": eagle3_train.init_head(lm.config, lm.module, aux, vocab, s).eval() for s in (0, 1)}
+    rep = eh.kinds_report(lm, heads, per_kind=2, root=tmp_path / "h")
+    assert list(rep) == ["h0", "h1"]
+    for row in rep.values():
+        assert {"all", "qa", "math"} <= set(row) and "long_summary" not in row
+        assert row["qa"]["positions"] > 0 and len(row["qa"]["top1_agreement_per_depth"]) == 4
+    folders = eh.kinds_heldout(lm, aux, None, tmp_path / "h", per_kind=2)  # cached: built by the report
+    embed = lm.module.model.embed_tokens.weight.detach().float()
+    for name, head in heads.items():  # each head measured on its own
+        assert rep[name]["math"] == eh.chain_measure(eh.depth_ranks(head, embed, folders["math"]), 4)
+    assert eh.main(["--model", "smollm2-135m", "--heads", str(tmp_path)]) == 2
+    assert "no model.safetensors there" in capsys.readouterr().err

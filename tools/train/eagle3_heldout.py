@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from arborspec.runtime.errors import InputError
 from arborspec.runtime.fileio import PartialFolder, atomic_write_bytes, atomic_write_json
 from arborspec.tools.prompts import heldout_prompts_path
 
@@ -71,6 +72,8 @@ def build_heldout(loaded, aux_layers, source, root: Path, *, gen_len=160, steps=
             if len(p_ids) <= limit:
                 ids.append(p_ids)
                 kinds.append(p.get("kind", ""))
+        if not ids:
+            raise InputError(f"none of the {len(prompts)} held-out prompts fits the target's context with a response")
         t0 = time.perf_counter()
         source = source() if callable(source) else source
         gen = ResponseGenerator(source, min(16, len(ids)), threads)
@@ -253,16 +256,19 @@ def heldout_measure(loaded, threads: int | None = None, steps: int = 4):
 
 def kinds_heldout(loaded, aux, source, root: Path, *, per_kind: int = 10, seed: int = 0, threads=None) -> dict:
     """{kind: held-out folder} of kinds.heldout_set (translation, qa, math, long_summary,
-    retrieval; one folder a kind, each padded to its own longest row), built once each."""
-    from arborspec.tools.train.kinds import KINDS, heldout_set
+    retrieval; one folder a kind, each padded to its own longest row), built once each; a kind
+    none of whose prompts fits the target's context is left out."""
+    from arborspec.tools.train import kinds
 
-    prompts = heldout_set(per_kind, seed)
-    return {
-        kind: build_heldout(
-            loaded, aux, source, root, threads=threads, prompts=[p for p in prompts if p["kind"] == kind]
-        )
-        for kind in KINDS
-    }
+    prompts = kinds.heldout_set(per_kind, seed)
+    out = {}
+    for kind in kinds.KINDS:
+        try:
+            mine = [p for p in prompts if p["kind"] == kind]
+            out[kind] = build_heldout(loaded, aux, source, root, threads=threads, prompts=mine)
+        except InputError:
+            continue
+    return out
 
 
 def kinds_report(loaded, heads: dict, *, threads=None, steps: int = 4, per_kind: int = 10, root: Path | None = None):
