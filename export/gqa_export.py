@@ -27,6 +27,7 @@ import numpy as np
 from arborspec.runtime.errors import InputError
 
 from . import gqa_graph
+from .onnx_files import ExportResult
 from .weights import ModuleWeights
 
 GIB = 1024**3
@@ -188,8 +189,6 @@ def _carried_blocks(weights, spec: GQAExport):
 # -- 3.-5. the export ----------------------------------------------------------------------------
 def export_gqa(weights, path: str | os.PathLike, spec: GQAExport):
     """Export `weights` (export/weights.py, or a module) to `path`; returns an ExportResult."""
-    from .onnx_export import ExportResult
-
     spec.validate()
     weights = weights if hasattr(weights, "release") else ModuleWeights(weights.float().eval())
     cfg = weights.config
@@ -233,7 +232,9 @@ def _build(weights, spec: GQAExport, linears, max_context: int, sink, n_layers):
 
 
 def _write_metadata(path: Path, cfg, spec: GQAExport, ext: list[str]) -> tuple[int, int]:
-    from .onnx_export import META_FEATURE_LAYERS, META_RAGGED_ROWS, _finalize, contract_metadata
+    from arborspec.runtime.contract import META_FEATURE_LAYERS, META_RAGGED_ROWS
+
+    from .onnx_files import contract_metadata, finalize
 
     kv = spec.kv_dtype if spec.dtype == "fp32" else spec.dtype
     meta = contract_metadata(
@@ -242,7 +243,7 @@ def _write_metadata(path: Path, cfg, spec: GQAExport, ext: list[str]) -> tuple[i
     if spec.feature_layers:
         meta[META_FEATURE_LAYERS] = json.dumps([int(i) for i in spec.feature_layers])
     meta[META_RAGGED_ROWS] = "1"  # seqlens_k from the mask (gqa_graph.attention_inputs)
-    return _finalize(path, meta, bool(ext))
+    return finalize(path, meta, bool(ext))
 
 
 def _self_check(weights, path: Path, spec: GQAExport, linears, max_context: int, qinfo) -> float:
@@ -261,7 +262,13 @@ def _self_check(weights, path: Path, spec: GQAExport, linears, max_context: int,
         with tempfile.TemporaryDirectory(prefix="arborspec-check-") as tmp:
             sub = Path(tmp) / "prefix.onnx"
             prefix_spec = GQAExport(**{**spec.__dict__, "info": {}})
-            gqa_graph.save_model(_build(weights, prefix_spec, linears, max_context, None, k), sub)
+            sink = gqa_graph.ExternalDataSink(sub)
+            try:
+                model = _build(weights, prefix_spec, linears, max_context, sink, k)
+            finally:
+                sink.close()
+            gqa_graph.save_model(model, sub)
+            del model
             _write_metadata(sub, module.config, prefix_spec, [])
             diff = gqa_graph.verify_gqa_against_torch(module, sub, relative=relative)
     tol = spec.tolerance if spec.tolerance is not None else _tolerance(spec, qinfo)
@@ -281,21 +288,25 @@ def _tolerance(spec: GQAExport, qinfo) -> float:
 
 def reference_module(weights, n_layers: int, linears=None):
     """A PyTorch module of the first n_layers layers (final norm and head kept) from `weights`,
-    its linear layers holding the weights the graph's blocks compute with (`linears`)."""
+    its linear layers holding the weights the graph's blocks compute with (`linears`); filled a
+    tensor at a time (one transient copy beside the module, never a second model)."""
     import torch
 
     from arborspec.models import build_model
 
     cfg = weights.config if n_layers == weights.config.n_layers else weights.config.truncated(n_layers)
     module = build_model(cfg)
+
     def tensor(name):
-        q = linears(name) if linears is not None and name.endswith("_proj.weight") or name == "lm_head.weight" and linears else None
+        q = linears(name) if linears is not None and (name.endswith("_proj.weight") or name == "lm_head.weight") else None
         if q is not None:
-            return torch.from_numpy(q.dequantize())
+            return q.dequantize()
         if name == "lm_head.weight" and cfg.tie_embeddings and not weights.has(name):
             name = "model.embed_tokens.weight"
-        return torch.from_numpy(weights.get(name))
+        return weights.get(name)
 
-    sd = {name: tensor(name) for name in module.state_dict()}
-    module.load_state_dict(sd, strict=True)
+    with torch.no_grad():
+        for name, p in module.state_dict(keep_vars=True).items():
+            p.copy_(torch.from_numpy(tensor(name)))
+        weights.release()
     return module.float().eval()

@@ -330,7 +330,7 @@ class GQAGraph:
 
     def weight(self, name: str, arr: np.ndarray) -> str:
         """A float weight in the graph's dtype."""
-        return self.init(name, arr.astype(self.act_np))
+        return self.init(name, arr.astype(self.act_np, copy=False))
 
     def gamma(self, hf_name: str, out: str) -> str:
         return self.weight(out, self.w.get(hf_name) + self.one)

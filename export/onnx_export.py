@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,7 +31,6 @@ from arborspec.runtime.errors import InputError
 log = logging.getLogger("arborspec.export")
 
 DEFAULT_OPSET = 23
-MAX_IR_VERSION = 13  # onnxruntime 1.31 loads IR <= 13 (onnx 1.23 may write 14)
 EXTERNAL_DATA_THRESHOLD = 2 * 1024**3 - 64 * 1024**2  # protobuf limit 2 GiB, minus headroom
 
 from arborspec.runtime.contract import (  # noqa: F401,E402
@@ -58,20 +56,8 @@ from arborspec.runtime.contract import (  # noqa: F401,E402
 )
 from arborspec.runtime.fileio import sha256_file  # noqa: F401,E402
 
-
-@dataclass
-class ExportResult:
-    path: Path
-    opset: int
-    exporter: str  # "dynamo" or "legacy"
-    dtype: str
-    ir_version: int
-    n_nodes: int
-    external_data: list[str] = field(default_factory=list)  # file names beside path
-    fallback_reason: str | None = None
-    max_abs_diff: float | None = None  # self-check vs PyTorch (None: not run)
-    quantization: dict | None = None  # weight-only quantisation scheme (None: float weights)
-    kv_dtype: str | None = None  # the cache's dtype when it differs from `dtype` (--kv-dtype fp16)
+from .onnx_files import MAX_IR_VERSION, ExportResult, contract_metadata  # noqa: F401,E402
+from .onnx_files import finalize as _finalize
 
 
 def example_inputs(
@@ -199,22 +185,6 @@ def check_symbolic_inputs(model, n_layers: int) -> None:
         raise AssertionError(f"dynamic dims not shared: batch {batch}, past {pasts}, tokens {tokens}")
 
 
-def _finalize(path: Path, metadata: dict[str, str], big: bool) -> tuple[int, int]:
-    """Write metadata_props, clamp the IR version, run the full checker. Returns (ir, nodes)."""
-    import onnx
-
-    model = onnx.load(str(path), load_external_data=False)
-    del model.metadata_props[:]
-    for k, v in metadata.items():
-        e = model.metadata_props.add()
-        e.key, e.value = k, v
-    if model.ir_version > MAX_IR_VERSION:
-        model.ir_version = MAX_IR_VERSION
-    onnx.save(model, str(path))  # external data references are kept as they are
-    onnx.checker.check_model(str(path), full_check=True)
-    return model.ir_version, len(model.graph.node)
-
-
 def _external_files(path: Path) -> list[str]:
     import onnx
     from onnx.external_data_helper import _get_all_tensors, uses_external_data
@@ -279,36 +249,6 @@ def verify_against_torch(
                 d /= max(float(r.float().abs().max()), 1e-12)
             worst = max(worst, d)
     return worst
-
-
-def contract_metadata(
-    cfg,
-    dtype: str,
-    tokenizer_sha256: str | None,
-    role: str,
-    exporter: str,
-    kv_layout: str,
-    topk: int = 0,
-    kv_dtype: str | None = None,
-) -> dict[str, str]:
-    """The metadata_props every exported graph carries (runtime/contract.py names them);
-    kv_dtype: the cache's dtype (default: the graph's dtype)."""
-    import arborspec
-
-    meta = {
-        META_CONTRACT: str(CONTRACT_VERSION),
-        META_CONFIG: cfg.to_json(),
-        META_DTYPE: dtype,
-        META_TOKENIZER: tokenizer_sha256 or "",
-        META_ROLE: role,
-        META_EXPORTER: exporter,
-        META_VERSION: arborspec.__version__,
-        META_KV_LAYOUT: kv_layout,
-        META_KV_DTYPE: kv_dtype or dtype,
-    }
-    if topk > 0:
-        meta[META_TOPK] = str(topk)
-    return meta
 
 
 def export_contract_onnx(

@@ -156,8 +156,8 @@ def markdown_table(rows: list[SizeRow], machine: str) -> str:
         t = r.tree.get("512", {})
         tree = f"{t['nodes']}, {t['depth']}" if t else "-"
         sp = f"{t['speedup']:.2f}x (chain {t['best_chain_speedup']:.2f}x)" if t else "-"
-        ours = f"{r.ours['tokens_per_s']:.1f} tok/s" if r.ours else "-"
-        ll = f"{r.llama['tokens_per_s']:.1f} tok/s" if r.llama else "-"
+        ours = f"{r.ours['tokens_per_s']:.1f} tok/s" if r.ours.get("tokens_per_s") else "-"
+        ll = f"{r.llama['tokens_per_s']:.1f} tok/s" if r.llama.get("tokens_per_s") else "-"
         lines.append(f"| {r.size} ({r.params_b:.2f}B) | {rss} | {ours} | {ll} | {ratio} | {tree} | {sp} |")
     lines.append(f"\n{machine}")
     return "\n".join(lines)

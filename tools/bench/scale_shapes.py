@@ -121,3 +121,30 @@ def _shard_plan(tensors: list, shard_bytes: int) -> list[list]:
         plan[-1].append((name, dims))
         size += n
     return plan
+
+
+def write_random_eagle3_head(shape: Shape, out: str | Path, vocab: int, draft_vocab: int = 32000, seed: int = 0) -> Path:
+    """An EAGLE-3 head with the layout of the public heads for `shape` (yuhuili/EAGLE3-LLaMA3.1-
+    Instruct-8B for the 8B: one decoder layer of the target's width over [embedding, hidden], fc
+    3H -> H, a 32,000-token draft vocabulary mapped to the first target ids), random weights, in
+    the public checkpoint format (config.json + model.safetensors)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from arborspec.models.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers
+
+    cfg = shape.hf_config(vocab, 1, 2)
+    c = Eagle3Config(
+        hidden_size=shape.hidden, intermediate_size=shape.intermediate, n_heads=shape.heads,
+        n_kv_heads=shape.kv_heads, head_dim=shape.head_dim, vocab_size=vocab, draft_vocab_size=draft_vocab,
+        target_hidden_size=shape.hidden, aux_layers=default_aux_layers(shape.layers), rope_theta=cfg["rope_theta"],
+        max_position=cfg["max_position_embeddings"], rope_scaling=cfg["rope_scaling"],
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    head = Eagle3Head(c)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(c.to_json(), indent=2))
+    sd = {k: v.contiguous() for k, v in head.state_dict().items()}
+    save_file(sd, str(out / "model.safetensors"))
+    return out
