@@ -28,7 +28,7 @@ from arborspec.tools.bench import scale
 from arborspec.tools.bench.scale_shapes import SHAPES, write_random_checkpoint
 
 SIZES = {"135m": None, "1b": "llama-3.2-1b", "3b": "llama-3.2-3b", "8b": "llama-3.1-8b"}
-STEPS = ("export", "decode", "curve", "tree")
+STEPS = ("export", "decode", "curve", "tree", "head")
 ARB = [sys.executable, "-m", "arborspec.tools.commands.cli"]
 
 
@@ -52,8 +52,8 @@ def params_b(size: str) -> float:
     return (s.layers * layer + 49152 * h * (1 if s.tied else 2)) / 1e9
 
 
-def export_cmd(model, out: Path, *flags) -> list:
-    return [*ARB, "export", "--model", str(model), "--draft", "none", "--max-context", "4096", "-q",
+def export_cmd(model, out: Path, *flags, draft: str = "none") -> list:
+    return [*ARB, "export", "--model", str(model), "--draft", draft, "--max-context", "4096", "-q",
             "--force", "--out", str(out), *flags]  # fmt: skip
 
 
@@ -117,6 +117,27 @@ def step_tree(size: str, work: Path, row: scale.SizeRow, profile: dict) -> None:
         row.tree[past] = {**scale.pick_tree(profile["q"], {int(k): v for k, v in curve.items()}, dcost), "head_cost_ratio": ratio}
 
 
+def step_head(size: str, work: Path, row: scale.SizeRow) -> None:
+    """A random EAGLE-3 head with the public head's layout for this shape (yuhuili/EAGLE3-LLaMA3.1-
+    Instruct-8B for the 8B) exported with the target (streamed; peak memory measured), then greedy
+    tree decoding against vanilla on the same export: the same tokens."""
+    from arborspec.tools.bench.scale_shapes import write_random_eagle3_head
+
+    head = work / f"eagle3-{size}-layout"
+    if not (head / "model.safetensors").is_file():
+        write_random_eagle3_head(SHAPES[SIZES[size]], head, 49152)
+    out = work / f"{size}-int4-eagle3"
+    log(f"{size}: export int4 + EAGLE-3 head (int8)")
+    flags = ("--quantize", "int4", "--draft-quantize", "int8")
+    cmd = export_cmd(row.llama["gguf"], out, *flags, draft=f"eagle3:{head}")
+    m = scale.timed(cmd, work / f"{size}-eagle3-export.log")
+    row.export["int4+eagle3"] = m.__dict__
+    if m.rc:
+        raise SystemExit(f"{size}: export with the head failed: {m.tail}")
+    log(f"{size}: greedy tree vs vanilla with the head")
+    row.tree["head_exact"] = scale.tree_equals_vanilla(out, "full:2,2", new_tokens=16)
+
+
 def head_profile(work: Path) -> dict:
     """The shipped head's acceptance profile and cost, from `arborspec tune` on the SmolLM2 int4 export."""
     doc = work / "smollm2-tune.json"
@@ -152,6 +173,8 @@ def main(argv=None) -> int:
             step_curve(size, a.work, row)
         if "tree" in steps:
             step_tree(size, a.work, row, head_profile(a.work))
+        if "head" in steps and SIZES[size] is not None:
+            step_head(size, a.work, row)
         doc[size] = row.to_json()
         results.write_text(json.dumps(doc, indent=1))
     machine = f"{platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d')}"

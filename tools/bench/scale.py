@@ -106,6 +106,22 @@ def verify_curve(export_dir: Path, past: int, sizes=SIZES_T, reps: int = 3) -> d
         e.close()
 
 
+def tree_equals_vanilla(export_dir: Path, tree: str, new_tokens: int = 16, prompt_len: int = 32) -> dict:
+    """Greedy decoding with the export's own draft on `tree` against vanilla: the same tokens?"""
+    import arborspec
+
+    arborspec.enable_shared_pool()
+    ids = [(31 * i + 7) % 40000 + 100 for i in range(prompt_len)]
+    out = {}
+    for mode, kw in (("vanilla", {"draft": "none", "mode": "vanilla"}), ("tree", {"tree": tree, "mode": "tree"})):
+        with arborspec.Generator.from_export(str(export_dir), **kw) as gen:
+            c = gen.generate(ids, max_new_tokens=new_tokens, ignore_eos=True)
+            out[mode] = {"tokens": list(c.tokens), "tokens_per_s": c.stats.tokens_per_s,
+                         "mean_accepted": c.stats.mean_accepted}  # fmt: skip
+    out["identical"] = out["vanilla"]["tokens"] == out["tree"]["tokens"]
+    return out
+
+
 # -- where trees pay --------------------------------------------------------------------------
 def head_bytes(hidden: int, intermediate: int, heads: int, kv: int, head_dim: int, draft_vocab: int) -> int:
     """fp32 bytes of an EAGLE-3 head (one layer over [embedding, fc(features)], fc 3H -> H, head)."""

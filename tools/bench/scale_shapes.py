@@ -145,6 +145,6 @@ def write_random_eagle3_head(shape: Shape, out: str | Path, vocab: int, draft_vo
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(c.to_json(), indent=2))
-    sd = {k: v.contiguous() for k, v in head.state_dict().items()}
+    sd = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in head.state_dict().items()}
     save_file(sd, str(out / "model.safetensors"))
     return out
