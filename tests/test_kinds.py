@@ -206,3 +206,30 @@ def test_the_kinds_report_measures_every_head_on_each_kind_that_fits(tmp_path, m
         assert rep[name]["math"] == eh.chain_measure(eh.depth_ranks(head, embed, folders["math"]), 4)
     assert eh.main(["--model", "smollm2-135m", "--heads", str(tmp_path)]) == 2
     assert "no model.safetensors there" in capsys.readouterr().err
+
+
+def test_corpus_stats_count_each_source_and_kind(tmp_path, capsys):
+    from arborspec.tools.train import corpus_ids
+
+    records = [
+        {"prompts": [0, 4], "prompt_source": "self", "tokens": 100},
+        {"prompts": [4, 7], "prompt_source": "kinds", "tokens": 64, "prompt_kinds": ["qa", "math", "qa"],
+         "kind_tokens": {"qa": 40, "math": 30}},
+        {"prompts": [7, 9], "prompt_source": "kinds", "tokens": 32, "prompt_kinds": ["math", "retrieval"],
+         "kind_tokens": {"math": 20}},
+    ]  # fmt: skip
+    for i, r in enumerate(records):
+        d = tmp_path / "shards" / f"{i:05d}"
+        d.mkdir(parents=True)
+        (d / "shard.json").write_text(json.dumps(r))
+    got = corpus_ids.corpus_stats(tmp_path)
+    assert got["sources"]["self"] == {"shards": 1, "prompts": 4, "tokens": 100, "featurised": 0}
+    assert got["sources"]["kinds"] == {"shards": 2, "prompts": 5, "tokens": 96, "featurised": 0}
+    assert got["kinds"] == {
+        "math": {"prompts": 2, "tokens": 50},
+        "qa": {"prompts": 2, "tokens": 40},
+        "retrieval": {"prompts": 1, "tokens": 0},
+    }
+    assert list(corpus_ids.corpus_stats(tmp_path, range(2, 3))["sources"]) == ["kinds"]
+    with pytest.raises(Exception, match="not a train-draft corpus"):
+        corpus_ids.main(["stats", "--corpus", str(tmp_path)])  # no settings.json: the CLI's one line

@@ -21,6 +21,7 @@ Role in one decode step: none; it keeps the data that step 1's draft head is tra
     python -m arborspec.tools.train.corpus_ids featurise --model smollm2-135m --corpus ~/.cache/arborspec/eagle3-corpus/KEY
     python -m arborspec.tools.train.corpus_ids featurise --model smollm2-135m --corpus ~/.cache/arborspec/eagle3-corpus/KEY \\
         --shards 480:508     # those shards only (train-draft --shards 480:508 trains on them)
+    python -m arborspec.tools.train.corpus_ids stats --corpus ~/.cache/arborspec/eagle3-corpus/KEY --shards 566:
 """
 
 from __future__ import annotations
@@ -221,6 +222,32 @@ def unpack(
 
 
 @reports_mistakes("corpus_ids")
+def corpus_stats(folder: Path, shards: range | None = None) -> dict:
+    """What a corpus (its shards in `shards`, None: all) holds, from the shard records: per prompt
+    source the shards, prompts, tokens and how many shards are featurised; per kind of the kinds
+    stream (kinds.py) the prompts asked and the tokens (prompt + response) each put in."""
+    from arborspec.tools.train.eagle3_corpus import featurised, in_shards, shard_dirs
+
+    sources: dict = {}
+    by_kind: dict = {}
+    for d in shard_dirs(folder):
+        if not in_shards(d, shards):
+            continue
+        info = json.loads((d / "shard.json").read_text())
+        src = sources.setdefault(
+            info.get("prompt_source", "templates"), dict.fromkeys(("shards", "prompts", "tokens", "featurised"), 0)
+        )
+        src["shards"] += 1
+        src["prompts"] += info["prompts"][1] - info["prompts"][0]
+        src["tokens"] += info.get("tokens", 0)
+        src["featurised"] += featurised(d)
+        for kind in info.get("prompt_kinds", []):
+            by_kind.setdefault(kind, {"prompts": 0, "tokens": 0})["prompts"] += 1
+        for kind, n in info.get("kind_tokens", {}).items():
+            by_kind.setdefault(kind, {"prompts": 0, "tokens": 0})["tokens"] += n
+    return {"sources": sources, "kinds": dict(sorted(by_kind.items()))}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m arborspec.tools.train.corpus_ids",
@@ -281,12 +308,25 @@ def main(argv=None) -> int:
         metavar="N:M",
         help="only shards N..M-1 (N: to the end): the text a head has not seen yet, for train-draft --shards N:M",
     )
+    g = sub.add_parser("stats", help="what a corpus holds: shards, prompts and tokens per prompt source and per kind")
+    g.add_argument(
+        "--corpus", type=Path, required=True, help="the corpus folder (~/.cache/arborspec/eagle3-corpus/KEY)"
+    )
+    g.add_argument("--shards", default=None, metavar="N:M", help="only shards N..M-1 (N: to the end)")
     args = p.parse_args(argv)
-    if args.cmd in ("pack", "featurise") and not args.corpus.is_dir():
+    if args.cmd in ("pack", "featurise", "stats") and not args.corpus.is_dir():
         raise InputError(f"--corpus {args.corpus}: no such folder")
     for ids in args.ids if args.cmd == "unpack" else ():
         if not ids.is_file():
             raise InputError(f"--ids {ids}: no such file")
+    if args.cmd == "stats":
+        from arborspec.tools.train.eagle3_corpus import corpus_settings, shard_range
+
+        corpus_settings(args.corpus)  # one line if it is not a corpus
+        print(
+            json.dumps(corpus_stats(args.corpus, None if args.shards is None else shard_range(args.shards)), indent=1)
+        )
+        return 0
     from arborspec.models.registry import cache_dir, load_model
 
     loaded = load_model(args.model)
