@@ -158,14 +158,25 @@ def pick_linears(weights, spec: GQAExport):
         if spec.block_size != 32:
             raise InputError("a GGUF's blocks are 32 wide: --block-size 32 (or quantise from float weights)")
         counts: dict = {}
+        errors: dict = {}  # requantised layers: max |w' - w| / max |w|
+        seen: set = set()
 
         def linears(name):
-            q = carried(name)
-            if q is not None:
+            try:
+                q = carried(name)
+            except InputError:  # a type MatMulNBits cannot hold (Q5_0, Q2_K, IQ4_XS ...): requantised
+                w = weights.get(name)
+                q = rtn_nbits(w, 4, 32)
+                q.source = "requantised-from-gguf"
+                err = float(np.abs(q.dequantize() - w).max() / max(float(np.abs(w).max()), 1e-30))
+                errors[name] = err
+            if q is not None and name not in seen:  # once per layer (the self-check asks again)
+                seen.add(name)
                 counts[q.source] = counts.get(q.source, 0) + 1
             return q
 
-        return linears, {**info, "block_size": 32, "source": "gguf-blocks", "layers_by_source": counts}
+        return linears, {**info, "block_size": 32, "source": "gguf-blocks", "layers_by_source": counts,
+                         "requantised_max_rel_error": errors}  # fmt: skip
 
     def rtn(name):
         if name == "lm_head.weight":
