@@ -195,17 +195,24 @@ PASSAGE_TEMPLATES = [
 
 
 @lru_cache(maxsize=1)
+def pydoc_topics() -> dict:
+    """Python's documentation topics on this machine ({topic: text}; {} without pydoc_data)."""
+    path = Path(sysconfig.get_paths()["stdlib"]) / "pydoc_data" / "topics.py"
+    if not path.is_file():
+        return {}
+    ns: dict = {}
+    exec(compile(path.read_text(), str(path), "exec"), ns)  # a dict literal: {topic: text}
+    return ns.get("topics", {})
+
+
+@lru_cache(maxsize=1)
 def passages() -> tuple[str, ...]:
     """Prose paragraphs already on this machine (Python's documentation topics), 250-700
     characters, for the summarisation and extraction prompts."""
-    path = Path(sysconfig.get_paths()["stdlib"]) / "pydoc_data" / "topics.py"
-    if not path.is_file():
-        return ()
-    ns: dict = {}
-    exec(compile(path.read_text(), str(path), "exec"), ns)  # a dict literal: {topic: text}
+    topics = pydoc_topics()
     out = []
-    for key in sorted(ns.get("topics", {})):
-        for para in re.split(r"\n\s*\n", ns["topics"][key]):
+    for key in sorted(topics):
+        for para in re.split(r"\n\s*\n", topics[key]):
             s = " ".join(para.split())
             letters = sum(c.isalpha() or c == " " for c in s)
             if 250 <= len(s) <= 700 and "::=" not in s and letters > 0.9 * len(s):

@@ -31,6 +31,8 @@ import sysconfig
 from functools import lru_cache
 from pathlib import Path
 
+from arborspec.tools.train.eagle3_corpus import pydoc_topics, shingles
+
 KINDS = ("translation", "qa", "math", "long_summary", "retrieval")
 HELDOUT_SHARE = 6  # one source item in HELDOUT_SHARE is held out
 
@@ -325,15 +327,6 @@ def _stdlib_paths() -> list[tuple[str, Path]]:
     return out
 
 
-def _pydoc_topics() -> dict:
-    path = Path(sysconfig.get_paths()["stdlib"]) / "pydoc_data" / "topics.py"
-    if not path.is_file():
-        return {}
-    ns: dict = {}
-    exec(compile(path.read_text(), str(path), "exec"), ns)  # a dict literal: {topic: text}
-    return ns.get("topics", {})
-
-
 def _man_text(path: Path) -> str:
     """A man page's prose, troff requests and font escapes dropped (crude, for training only)."""
     try:
@@ -378,7 +371,7 @@ def document_sources(split: str) -> dict:
     and installed packages'), package READMEs and man pages."""
     fams = {"stdlib": [(i, lambda p=p: stdlib_doc(p)) for i, p in _stdlib_paths()]}
     if split == "train":
-        topics = _pydoc_topics()
+        topics = pydoc_topics()
         fams["pydoc"] = [(f"pydoc:{k}", lambda k=k: _clean(topics[k])) for k in sorted(topics)]
         fams["license"] = [
             (f"license:{p.name}", lambda p=p: _clean(p.read_text(errors="replace")))
@@ -522,11 +515,6 @@ MAKERS = {
     "long_summary": long_summary_prompt,
     "retrieval": retrieval_prompt,
 }
-
-
-def shingles(text: str, n: int = 6) -> set:
-    words = text.lower().split()
-    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
 def make_prompt(kind: str, rnd: random.Random, split: str) -> dict:
