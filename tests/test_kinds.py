@@ -233,3 +233,17 @@ def test_corpus_stats_count_each_source_and_kind(tmp_path, capsys):
     assert list(corpus_ids.corpus_stats(tmp_path, range(2, 3))["sources"]) == ["kinds"]
     with pytest.raises(Exception, match="not a train-draft corpus"):
         corpus_ids.main(["stats", "--corpus", str(tmp_path)])  # no settings.json: the CLI's one line
+
+
+def test_prose_drops_markup_paragraphs():
+    text = (
+        "A library for parsing things, with a small and friendly interface.\n\n"
+        '<div align="center"><img src="x.svg"></div>\n\n'
+        "|PyPi|_ |Conda|_\n\n"
+        "![badge](https://example.org/b.svg)\n\n"
+        "Install it with pip and import it in your program to get started."
+    )
+    assert kinds.prose(text).split("\n\n") == [
+        "A library for parsing things, with a small and friendly interface.",
+        "Install it with pip and import it in your program to get started.",
+    ]

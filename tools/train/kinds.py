@@ -299,6 +299,17 @@ def _clean(text: str) -> str:
     return "\n\n".join(p for p in paras if p)
 
 
+def prose(text: str, share: float = 0.8) -> str:
+    """The paragraphs of `text` that read as prose: letters and spaces at least `share` of them
+    and not markup (a README's badges, HTML and link lists are dropped)."""
+    keep = []
+    for p in text.split("\n\n"):
+        letters = sum(c.isalpha() or c == " " for c in p)
+        if p and letters >= share * len(p) and not p.startswith(("<", "..", "|", "[!", "![")):
+            keep.append(p)
+    return "\n\n".join(keep)
+
+
 def stdlib_doc(path: Path) -> str:
     """A stdlib module as a document: its docstring, then each public top-level class or
     function's docstring under its name (parsed, not imported)."""
@@ -379,7 +390,7 @@ def document_sources(split: str) -> dict:
             if p.is_file() and not p.is_symlink()
         ]
         pkg = _package_texts()
-        fams["readme"] = [(i, lambda f=f: _clean(f())) for i, f in pkg if i.startswith("readme:")]
+        fams["readme"] = [(i, lambda f=f: prose(_clean(f()))) for i, f in pkg if i.startswith("readme:")]
         fams["license"] += [(i, lambda f=f: _clean(f())) for i, f in pkg if i.startswith("pkglicense:")]
         fams["man"] = [
             (f"man:{p.name}", lambda p=p: _man_text(p))
