@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable
 
@@ -354,27 +354,35 @@ def _suffixed(path: str | os.PathLike, graph: str) -> Path:
     return p if graph == "target" else p.with_name(f"{p.stem}.{graph}{p.suffix or '.json'}")
 
 
+@dataclass
+class CompareOptions:
+    """What `compare_export` does besides the folder and the runners (the `compare` flags)."""
+
+    trees: int = 1  # trees per policy in the feeds
+    atol: float | None = None  # None: the manifest dtype's DEFAULT_TOLERANCES (KV16_TOLERANCES)
+    rtol: float | None = None
+    seed: int = 0
+    model: str | None = None  # the PyTorch reference's source (None: the manifest's)
+    save_inputs: str | os.PathLike | None = None  # Polygraphy JSON of the feeds
+    save_outputs: str | os.PathLike | None = None  # Polygraphy JSON of the results
+    progress: bool = True
+    engine_dir: str | os.PathLike | None = None  # TensorRT engines (None: DIR/engines)
+    target_module: object = None  # PyTorch references given directly (tests, embedding apps)
+    draft_module: object = None
+    policies: list[str] | None = None  # tree policies of the feeds (None: default_policies)
+    verify: bool = False  # check the manifest's checksums
+    min_top1: float | None = None  # quantised exports (None: QUANT_TOLERANCES)
+    max_rel: float | None = None
+
+
 def compare_export(
     export_dir: str | os.PathLike,
     runners: str | Iterable[str] | None = None,
-    *,
-    trees: int = 1,
-    atol: float | None = None,
-    rtol: float | None = None,
-    seed: int = 0,
-    model: str | None = None,
-    save_inputs: str | os.PathLike | None = None,
-    save_outputs: str | os.PathLike | None = None,
-    progress: bool = True,
-    engine_dir: str | os.PathLike | None = None,
-    target_module=None,
-    draft_module=None,
-    policies: list[str] | None = None,
-    verify: bool = False,
-    min_top1: float | None = None,
-    max_rel: float | None = None,
+    options: CompareOptions | None = None,
+    **kw,
 ) -> CompareReport:
-    """Compare every graph of an export folder across runners on runtime-made feeds.
+    """Compare every graph of an export folder across runners on runtime-made feeds
+    (`kw`: CompareOptions fields, over `options`).
 
     A quantised export (the manifest's target.quantization) is judged against the fp32 PyTorch
     reference on the original weights by top-1 agreement and relative logit error
@@ -383,68 +391,72 @@ def compare_export(
     target_module/draft_module: PyTorch references given directly (tests, embedding apps);
     otherwise rebuilt from the manifest's source (or `model`)."""
     _polygraphy()
-    from polygraphy.backend.onnxrt import SessionFromOnnx
-    from polygraphy.comparator import Comparator
-    from polygraphy.comparator.compare import SimpleCompareFunc
-    from polygraphy.exception import PolygraphyException
-    from polygraphy.json import save_json
-    from polygraphy.logger import G_LOGGER
-
-    from arborspec.runtime.backends.torch_backend import TorchEngine
-    from arborspec.runtime.drafts.bigram import load_bigram_table
     from arborspec.runtime.export_dir import read_manifest
-    from arborspec.tools.compare.runners import (
-        Eagle3HeadRunner,
-        OrtEngineRunner,
-        OrtRunner,
-        TorchRunner,
-        TrtEngineRunner,
-    )
 
+    o = replace(options or CompareOptions(), **kw)
     names, explicit = parse_runners(runners)
-    man = read_manifest(export_dir, check_checksums=verify)
+    man = read_manifest(export_dir, check_checksums=o.verify)
+    report, kv_dtype = _new_report(man, o)
+    names = _judge_quantised(man, names, o, report)
+    edir = Path(o.engine_dir) if o.engine_dir else Path(man.root) / "engines"
+    active = _runnable(names, explicit, edir, man, report)
+    target_module, draft_module = _reference_pair(man, o)
+    feeds, graphs = _feeds_and_graphs(man, target_module, draft_module, o, kv_dtype, report)
+    _run_graphs(man, feeds, graphs, active, edir, kv_dtype, target_module, o, report)
+    return report
+
+
+def _new_report(man, o: CompareOptions) -> tuple[CompareReport, type]:
+    """An empty report with the tolerances (given, else the export's dtype's), and the K/V dtype
+    of the feeds."""
     dtype = man.target.get("dtype", "fp32")
     if dtype not in DEFAULT_TOLERANCES:
         raise InputError(f"compare supports fp32 and fp16 exports, not {dtype} (numpy has no bfloat16)")
     # an fp32 export with an fp16 cache (`export --kv-dtype fp16`): fp16 feeds and fp16 tolerances
     kv_name = man.target.get("kv_dtype") or dtype
     d_atol, d_rtol = KV16_TOLERANCES if kv_name == "fp16" and dtype == "fp32" else DEFAULT_TOLERANCES[dtype]
-    atol = d_atol if atol is None else float(atol)
-    rtol = d_rtol if rtol is None else float(rtol)
+    atol = d_atol if o.atol is None else float(o.atol)
+    rtol = d_rtol if o.rtol is None else float(o.rtol)
     if atol < 0 or rtol < 0:
         raise InputError("--atol and --rtol must be >= 0")
-    kv_dtype = np.float16 if kv_name == "fp16" else np.float32
     report = CompareReport(atol=atol, rtol=rtol)
     if kv_name != dtype:
         report.notes.append(f"{dtype} weights with a {kv_name} KV cache: {kv_name} feeds and tolerances")
-    qinfo = man.target.get("quantization")
-    if qinfo:
-        scheme = qinfo.get("scheme", "int4")
-        d_top1, d_rel = QUANT_TOLERANCES.get(scheme, QUANT_TOLERANCES["int4"])
-        min_top1 = d_top1 if min_top1 is None else float(min_top1)
-        max_rel = d_rel if max_rel is None else float(max_rel)
-        if not (0 <= min_top1 <= 1) or max_rel < 0:
-            raise InputError("--min-top1 must be in [0, 1] and --max-logit-rel >= 0")
-        if "torch" not in names:
-            raise InputError(
-                "a quantised export is compared against the fp32 PyTorch reference: include torch in --runners"
-            )
-        names = ["torch"] + [n for n in names if n != "torch"]
-        report.quant = {
-            "scheme": scheme,
-            "format": qinfo.get("format", "matmulnbits"),
-            "min_top1": min_top1,
-            "max_rel": max_rel,
-        }
-        report.notes.append(
-            f"{scheme} weights ({qinfo.get('format', 'matmulnbits')}, {qinfo.get('source')}) "
-            "vs PyTorch fp32 on the original weights: logits judged, K/V not (quantised "
-            "weights change them by design)"
-        )
+    return report, (np.float16 if kv_name == "fp16" else np.float32)
 
-    # which runners can run here
+
+def _judge_quantised(man, names: list[str], o: CompareOptions, report: CompareReport) -> list[str]:
+    """A quantised export: report.quant (its scheme and tolerances), torch first among the
+    runners (the reference). Returns the runner names."""
+    qinfo = man.target.get("quantization")
+    if not qinfo:
+        return names
+    scheme = qinfo.get("scheme", "int4")
+    d_top1, d_rel = QUANT_TOLERANCES.get(scheme, QUANT_TOLERANCES["int4"])
+    min_top1 = d_top1 if o.min_top1 is None else float(o.min_top1)
+    max_rel = d_rel if o.max_rel is None else float(o.max_rel)
+    if not (0 <= min_top1 <= 1) or max_rel < 0:
+        raise InputError("--min-top1 must be in [0, 1] and --max-logit-rel >= 0")
+    if "torch" not in names:
+        raise InputError("a quantised export is compared against the fp32 PyTorch reference: include torch in --runners")
+    report.quant = {
+        "scheme": scheme,
+        "format": qinfo.get("format", "matmulnbits"),
+        "min_top1": min_top1,
+        "max_rel": max_rel,
+    }
+    report.notes.append(
+        f"{scheme} weights ({qinfo.get('format', 'matmulnbits')}, {qinfo.get('source')}) "
+        "vs PyTorch fp32 on the original weights: logits judged, K/V not (quantised "
+        "weights change them by design)"
+    )
+    return ["torch"] + [n for n in names if n != "torch"]
+
+
+def _runnable(names: list[str], explicit: bool, edir: Path, man, report: CompareReport) -> list[str]:
+    """The runners that can run here: TensorRT needs a GPU, the module and built engines (a
+    runner asked for by name that cannot run is an error; else it is skipped, with why)."""
     active = []
-    edir = Path(engine_dir) if engine_dir else Path(man.root) / "engines"
     for n in names:
         if n == "tensorrt":
             why = None
@@ -462,12 +474,24 @@ def compare_export(
         active.append(n)
     if len(active) < 2:
         raise InputError(f"need at least two runners, only {', '.join(active)} can run here")
+    return active
 
-    # PyTorch reference (also the source of the feeds, whichever runners run)
+
+def _reference_pair(man, o: CompareOptions):
+    """(target module, draft module or None): as given, else rebuilt from the export's source."""
+    target_module, draft_module = o.target_module, o.draft_module
     if target_module is None:
-        target_module, ref_draft, _ = reference_modules(man, model)
+        target_module, ref_draft, _ = reference_modules(man, o.model)
         draft_module = draft_module if draft_module is not None else ref_draft
-    target_module = target_module.float().eval()
+    return target_module.float().eval(), draft_module
+
+
+def _feeds_and_graphs(man, target_module, draft_module, o: CompareOptions, kv_dtype, report: CompareReport):
+    """The feeds per graph, made by the PyTorch reference (whichever runners run), and the graphs
+    to compare: [(graph, file, module, engine file or None for an EAGLE-3 head)]."""
+    from arborspec.runtime.backends.torch_backend import TorchEngine
+    from arborspec.runtime.drafts.bigram import load_bigram_table
+
     feed_target = TorchEngine(target_module)
     dkind = man.draft.get("kind", "none")
     if dkind == "onnx":
@@ -492,135 +516,156 @@ def compare_export(
         feed_draft,
         max_tree_nodes=int(man.limits.get("max_tree_nodes", 64)),
         max_context=man.limits.get("max_context"),
-        trees=trees,
-        seed=seed,
-        policies=policies,
+        trees=o.trees,
+        seed=o.seed,
+        policies=o.policies,
         kv_dtype=kv_dtype,
     )
     report.n_feeds = {g: len(f) for g, f in feeds.items()}
-
     graphs = [("target", man.target["file"], target_module, "target.engine")]
     if "draft" in feeds:
         graphs.append(("draft", man.draft["file"], draft_module, "draft.engine"))
     if dkind == "eagle3":
         from arborspec.tools.compare.feeds import eagle3_head_feeds
 
-        feeds["draft"] = eagle3_head_feeds(draft_module.config, seed)
+        feeds["draft"] = eagle3_head_feeds(draft_module.config, o.seed)
         report.n_feeds["draft"] = len(feeds["draft"])
         graphs.append(("draft", man.draft["file"], draft_module, None))
-    total = sum(len(feeds[g]) for g, *_ in graphs) * len(active)
+    return feeds, graphs
+
+
+def _run_graphs(man, feeds, graphs, active, edir: Path, kv_dtype, target_module, o: CompareOptions, report):
+    """Every graph through every active runner on its feeds: rows into the report, the feeds and
+    results saved where asked (Polygraphy's logging quiet unless ARBORSPEC_DEBUG)."""
+    from polygraphy.logger import G_LOGGER
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=total, desc="compare", unit="run", disable=None if progress else True, leave=False)
-    old_sev = G_LOGGER.module_severity
-    if not settings.flag("ARBORSPEC_DEBUG"):
-        G_LOGGER.module_severity = G_LOGGER.ERROR
     from arborspec.runtime.contract import kv_layout
     from arborspec.runtime.onnx_meta import read_onnx_metadata
 
+    total = sum(len(feeds[g]) for g, *_ in graphs) * len(active)
+    bar = tqdm(total=total, desc="compare", unit="run", disable=None if o.progress else True, leave=False)
+    old_sev = G_LOGGER.module_severity
+    if not settings.flag("ARBORSPEC_DEBUG"):
+        G_LOGGER.module_severity = G_LOGGER.ERROR
     layouts = {g: kv_layout(read_onnx_metadata(man.path(f))["metadata"]) for g, f, _, _ in graphs}
     try:
         for graph, fname, module, engine_name in graphs:
             bar.set_description(f"compare {graph}")
-            rs = []
-            for n in active:
-                tick = lambda: bar.update(1)  # noqa: E731
-                if engine_name is None:  # the EAGLE-3 head: torch vs ONNX Runtime
-                    if n == "torch":
-                        from arborspec.runtime.backends.torch_backend import TorchEagle3Head
-
-                        emb = target_module.model.embed_tokens.weight.detach().float()
-                        rs.append(Eagle3HeadRunner(lambda: TorchEagle3Head(module, emb), name="torch", on_infer=tick))
-                    elif n == "onnxruntime":
-                        from arborspec.runtime.drafts.eagle3 import OrtEagle3Head
-
-                        fc = man.path(man.draft["fc_file"])
-                        rs.append(
-                            Eagle3HeadRunner(
-                                lambda: OrtEagle3Head(man.path(fname), fc), name="onnxruntime", on_infer=tick
-                            )
-                        )
-                    else:  # TensorRT: the engines `arborspec build` made from the portable head
-                        from arborspec.runtime.drafts.eagle3 import TrtEagle3Head
-
-                        rs.append(
-                            Eagle3HeadRunner(
-                                lambda: TrtEagle3Head(edir / "draft.engine", edir / "draft_fc.engine"),
-                                name="tensorrt",
-                                on_infer=tick,
-                            )
-                        )
-                    continue
-                if n == "torch":
-                    rs.append(TorchRunner(module, kv_dtype, name="torch", on_infer=tick))
-                elif n == "onnxruntime" and (layouts.get(graph) == "bhsd" or report.quant is not None):
-                    # the runtime's own session (QDQ MatMuls kept exact, see OrtEngine)
-                    rs.append(OrtEngineRunner(man.path(fname), kv_dtype, name="onnxruntime", on_infer=tick))
-                elif n == "onnxruntime":
-                    rs.append(
-                        OrtRunner(
-                            SessionFromOnnx(str(man.path(fname)), providers=["CPUExecutionProvider"]),
-                            name="onnxruntime",
-                            on_infer=tick,
-                        )
-                    )
-                else:
-                    rs.append(TrtEngineRunner(edir / engine_name, kv_dtype, name="tensorrt", on_infer=tick))
+            tick = lambda: bar.update(1)  # noqa: E731
+            if engine_name is None:  # the EAGLE-3 head: torch vs ONNX Runtime (vs TensorRT)
+                rs = [_head_runner(n, man, fname, module, target_module, edir, tick) for n in active]
+            else:
+                graph_runner = _graph_runner(man, fname, module, engine_name, edir, kv_dtype, tick,
+                                             in_place=layouts.get(graph) == "bhsd" or report.quant is not None)
+                rs = [graph_runner(n) for n in active]
             data = [f.data for f in feeds[graph]]
-            try:
-                results = Comparator.run(rs, data_loader=data)
-                ref = 0
-                comps = [(i, ref) for i in range(len(rs)) if i != ref]
-                acc = (
-                    [{}]
-                    if report.quant is not None
-                    else Comparator.compare_accuracy(
-                        results, comparisons=comps, compare_func=SimpleCompareFunc(atol=atol, rtol=rtol)
-                    )
-                )
-            except PolygraphyException as e:
-                msg = str(e).strip().splitlines()[0] if str(e).strip() else "Polygraphy failed"
-                raise InputError(f"{graph}: {msg}") from None
-            if report.quant is not None:
-                report.rows += _quant_rows(graph, feeds[graph], results, rs[0].name, min_top1, max_rel)
-            for pair, iters in acc[0].items():
-                label = f"{pair[0]} vs {pair[1]}"
-                for feed, outs in zip(feeds[graph], iters):
-                    for out_name, res in outs.items():
-                        report.rows.append(
-                            Row(
-                                graph,
-                                feed.name,
-                                out_name,
-                                label,
-                                float(res.max_absdiff),
-                                float(res.max_reldiff),
-                                bool(res),
-                            )
-                        )
-            # saved files replay with `polygraphy run` on the graph itself: its own I/O layout
-            layout = layouts[graph]
-            if save_inputs:
-                p = _suffixed(save_inputs, graph)
-                save_json([feed_in_layout(d, layout) for d in data], str(p), description=f"{graph} inputs")
-                report.saved.append(str(p))
-            if save_outputs:
-                p = _suffixed(save_outputs, graph)
-                for _, iters in results.items():
-                    for it, d in zip(iters, data):
-                        conv = outputs_in_layout(dict(it), d, layout)
-                        for k, v in conv.items():
-                            it[k] = v
-                results.save(str(p))
-                report.saved.append(str(p))
+            results = _compare_graph(graph, rs, data, feeds[graph], report)
+            _save_graph(graph, data, results, layouts[graph], o, report)
     finally:
         G_LOGGER.module_severity = old_sev
         bar.close()
-    return report
+
+
+def _head_runner(n: str, man, fname, module, target_module, edir: Path, tick):
+    """An EAGLE-3 head's runner: PyTorch, the portable head in ONNX Runtime, or the TensorRT
+    engines `arborspec build` made from it."""
+    from arborspec.tools.compare.runners import Eagle3HeadRunner
+
+    if n == "torch":
+        from arborspec.runtime.backends.torch_backend import TorchEagle3Head
+
+        emb = target_module.model.embed_tokens.weight.detach().float()
+        return Eagle3HeadRunner(lambda: TorchEagle3Head(module, emb), name="torch", on_infer=tick)
+    if n == "onnxruntime":
+        from arborspec.runtime.drafts.eagle3 import OrtEagle3Head
+
+        fc = man.path(man.draft["fc_file"])
+        return Eagle3HeadRunner(lambda: OrtEagle3Head(man.path(fname), fc), name="onnxruntime", on_infer=tick)
+    from arborspec.runtime.drafts.eagle3 import TrtEagle3Head
+
+    return Eagle3HeadRunner(
+        lambda: TrtEagle3Head(edir / "draft.engine", edir / "draft_fc.engine"), name="tensorrt", on_infer=tick
+    )
+
+
+def _graph_runner(man, fname, module, engine_name: str, edir: Path, kv_dtype, tick, in_place: bool):
+    """runner name -> a contract graph's runner. in_place: ONNX Runtime through the runtime's own
+    session ("bhsd" graphs, and quantised ones: QDQ MatMuls kept exact, see OrtEngine)."""
+    from polygraphy.backend.onnxrt import SessionFromOnnx
+
+    from arborspec.tools.compare.runners import OrtEngineRunner, OrtRunner, TorchRunner, TrtEngineRunner
+
+    def runner(n: str):
+        if n == "torch":
+            return TorchRunner(module, kv_dtype, name="torch", on_infer=tick)
+        if n == "onnxruntime" and in_place:
+            return OrtEngineRunner(man.path(fname), kv_dtype, name="onnxruntime", on_infer=tick)
+        if n == "onnxruntime":
+            session = SessionFromOnnx(str(man.path(fname)), providers=["CPUExecutionProvider"])
+            return OrtRunner(session, name="onnxruntime", on_infer=tick)
+        return TrtEngineRunner(edir / engine_name, kv_dtype, name="tensorrt", on_infer=tick)
+
+    return runner
+
+
+def _compare_graph(graph: str, rs: list, data: list, feeds, report: CompareReport):
+    """Polygraphy's Comparator over the runners (the first is the reference): a row per output
+    and feed (quantised: the logit rows of _quant_rows). Returns the run results."""
+    from polygraphy.comparator import Comparator
+    from polygraphy.comparator.compare import SimpleCompareFunc
+    from polygraphy.exception import PolygraphyException
+
+    try:
+        results = Comparator.run(rs, data_loader=data)
+        ref = 0
+        comps = [(i, ref) for i in range(len(rs)) if i != ref]
+        acc = (
+            [{}]
+            if report.quant is not None
+            else Comparator.compare_accuracy(
+                results, comparisons=comps, compare_func=SimpleCompareFunc(atol=report.atol, rtol=report.rtol)
+            )
+        )
+    except PolygraphyException as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else "Polygraphy failed"
+        raise InputError(f"{graph}: {msg}") from None
+    if report.quant is not None:
+        q = report.quant
+        report.rows += _quant_rows(graph, feeds, results, rs[0].name, q["min_top1"], q["max_rel"])
+    for pair, iters in acc[0].items():
+        label = f"{pair[0]} vs {pair[1]}"
+        for feed, outs in zip(feeds, iters):
+            for out_name, res in outs.items():
+                report.rows.append(
+                    Row(graph, feed.name, out_name, label, float(res.max_absdiff), float(res.max_reldiff), bool(res))
+                )
+    return results
+
+
+def _save_graph(graph: str, data: list, results, layout: str, o: CompareOptions, report: CompareReport) -> None:
+    """--save-inputs / --save-outputs: Polygraphy JSON that replays with `polygraphy run` on the
+    graph itself, so in its own I/O layout."""
+    from polygraphy.json import save_json
+
+    if o.save_inputs:
+        p = _suffixed(o.save_inputs, graph)
+        save_json([feed_in_layout(d, layout) for d in data], str(p), description=f"{graph} inputs")
+        report.saved.append(str(p))
+    if o.save_outputs:
+        p = _suffixed(o.save_outputs, graph)
+        for _, iters in results.items():
+            for it, d in zip(iters, data):
+                conv = outputs_in_layout(dict(it), d, layout)
+                for k, v in conv.items():
+                    it[k] = v
+        results.save(str(p))
+        report.saved.append(str(p))
 
 
 __all__ = [
     "compare_export",
+    "CompareOptions",
     "build_feeds",
     "reference_modules",
     "default_policies",
