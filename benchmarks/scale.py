@@ -92,10 +92,11 @@ def step_decode(size: str, work: Path, tools, row: scale.SizeRow) -> None:
     ours, theirs = [], []
     for _ in range(3):
         ours.append(scale.our_vanilla(out, 64, 32, reps=1)["tokens_per_s"])
-        theirs.append(scale.llama_bench(tools, Path(row.llama["gguf"]), 0, 32, depth=64, reps=1)["tokens_per_s"])
+        lb = scale.llama_bench(tools, Path(row.llama["gguf"]), 0, 32, depth=64, reps=1)
+        theirs.append(lb["tokens_per_s"])
     med = sorted(ours)[1], sorted(theirs)[1]
     row.ours = {"tokens_per_s": med[0], "samples": ours}
-    row.llama.update({"tokens_per_s": med[1], "samples": theirs})
+    row.llama.update({"tokens_per_s": med[1], "samples": theirs, "repack": lb["repack"]})
 
 
 def step_curve(size: str, work: Path, row: scale.SizeRow) -> None:
