@@ -390,10 +390,26 @@ def build_draft(src: Source, ds, opts: ExportOptions, model, tmp: Path):
         entry["spec"] = "bigram"
         return None, entry, None
     if kind == "eagle3":
-        from arborspec.models.eagle3 import eagle3_folder, load_eagle3
+        from arborspec.models.eagle3 import eagle3_config, eagle3_folder
 
-        return None, None, load_eagle3(eagle3_folder(arg, model if isinstance(model, str) else None), src.config)
+        folder = eagle3_folder(arg, model if isinstance(model, str) else None)
+        return None, None, HeadPlan(folder, eagle3_config(folder, src.config), src.config)
     return None, None, None
+
+
+@dataclass
+class HeadPlan:
+    """An EAGLE-3 head checked against the target; its weights are read only when the head is
+    exported (after the target: a large target's export never holds both)."""
+
+    folder: Path
+    config: Any
+    target_config: Any
+
+    def load(self):
+        from arborspec.models.eagle3 import load_eagle3
+
+        return load_eagle3(self.folder, self.target_config)
 
 
 def write_tokenizer(src: Source, tmp: Path):
@@ -480,7 +496,7 @@ class _GraphExporter:
         # the head's graph follows the target's: GroupQueryAttention ("bhsd", ONNX Runtime)
         # or the portable one ("sbhd", standard ONNX: what `arborspec build` turns into engines)
         entry = export_eagle3_head(
-            self.eagle3_head, self.src.embed(), tmp, self.max_context, tokenizer_sha256=self.tok_sha,
+            self.eagle3_head.load(), self.src.embed(), tmp, self.max_context, tokenizer_sha256=self.tok_sha,
             verify=o.verify, portable=not self.use_gqa, quantize=o.draft_quantize, block_size=o.block_size,
         )  # fmt: skip
         entry["spec"] = draft

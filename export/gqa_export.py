@@ -272,7 +272,8 @@ def _self_check(weights, path: Path, spec: GQAExport, linears, max_context: int,
         module = reference_module(weights, k, linears)
         with tempfile.TemporaryDirectory(prefix="arborspec-check-") as tmp:
             sub = Path(tmp) / "prefix.onnx"
-            prefix_spec = GQAExport(**{**spec.__dict__, "info": {}})
+            inside = [i for i in spec.feature_layers or [] if i < k]  # the prefix's own features
+            prefix_spec = GQAExport(**{**spec.__dict__, "info": {}, "feature_layers": inside or None})
             sink = gqa_graph.ExternalDataSink(sub)
             try:
                 model = _build(weights, prefix_spec, linears, max_context, sink, k)

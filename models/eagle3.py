@@ -227,9 +227,9 @@ def eagle3_folder(spec: str, model: str | None = None) -> Path:
     return Path(__file__).parent / "data" / SHIPPED_HEADS[name]
 
 
-def load_eagle3(folder: str | Path, target_config=None) -> Eagle3Head:
-    """An EAGLE-3 head from a public-layout checkpoint folder; checks that it fits the target
-    (hidden size, vocabulary, layer ids) with one-line errors."""
+def eagle3_config(folder: str | Path, target_config=None) -> Eagle3Config:
+    """The config of an EAGLE-3 checkpoint folder, checked against the target (hidden size,
+    vocabulary, layer ids) with one-line errors; reads no weights."""
     folder = Path(folder)
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
@@ -255,6 +255,14 @@ def load_eagle3(folder: str | Path, target_config=None) -> Eagle3Head:
             raise InputError(
                 f"{folder}: EAGLE-3 aux layer ids {bad} are outside the target's {target_config.n_layers} layers"
             )
+    return c
+
+
+def load_eagle3(folder: str | Path, target_config=None) -> Eagle3Head:
+    """An EAGLE-3 head from a public-layout checkpoint folder; checks that it fits the target
+    (hidden size, vocabulary, layer ids) with one-line errors."""
+    folder = Path(folder)
+    c = eagle3_config(folder, target_config)
     st = folder / "model.safetensors"
     bn = folder / "pytorch_model.bin"
     try:

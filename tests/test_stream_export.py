@@ -213,6 +213,20 @@ def test_prefix_self_check_runs_and_catches_a_wrong_graph(folder, tmp_path, monk
         gqa_export.export_gqa(SafetensorsWeights(folder), tmp_path / "b.onnx", gqa_export.GQAExport(max_context=128))
 
 
+def test_prefix_self_check_with_feature_layers_beyond_the_prefix(folder, tmp_path, monkeypatch):
+    monkeypatch.setattr(gqa_export, "FULL_CHECK_BYTES", 0)
+    spec = gqa_export.GQAExport(max_context=128, feature_layers=[0, 1])
+    r = gqa_export.export_gqa(SafetensorsWeights(folder), tmp_path / "f.onnx", spec)
+    assert r.max_abs_diff < 1e-3
+    monkeypatch.setattr(gqa_export, "PREFIX_LAYERS", 1)  # layer 1's features lie past the checked prefix
+    spec = gqa_export.GQAExport(max_context=128, feature_layers=[0, 1])
+    gqa_export.export_gqa(SafetensorsWeights(folder), tmp_path / "g.onnx", spec)
+    import onnx
+
+    outs = {o.name: o for o in onnx.load(str(tmp_path / "g.onnx"), load_external_data=False).graph.output}
+    assert outs["hidden_states"].type.tensor_type.shape.dim[2].dim_value == 2 * 64  # the exported graph keeps both
+
+
 def test_fp16_gqa_graph_runs_and_matches(folder, tmp_path):
     s = export_folder(str(folder), tmp_path / "h", draft=None, dtype="fp16", max_context=128, progress=False, stream="on")
     t = s.manifest["target"]
