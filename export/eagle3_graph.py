@@ -57,21 +57,36 @@ def head_config_json(head, max_context: int, name: str = "eagle3") -> dict:
     }
 
 
-def build_head_model(head, embed: torch.Tensor, max_context: int):
-    """The layer graph (see the module docstring) from an models/eagle3.Eagle3Head."""
+def build_head_model(head, embed: torch.Tensor, max_context: int, sink=None, bits: int = 0, block_size: int = 32):
+    """The layer graph (see the module docstring) from an models/eagle3.Eagle3Head.
+    sink: where initialisers go (export/gqa_graph.MemorySink, or ExternalDataSink for a head over
+    the protobuf's 2 GB); bits 4 / 8: every MatMul's weight as MatMulNBits blocks with int8
+    activations (ONNX Runtime's round-to-nearest, weight by weight: export/gqa_export.rtn_nbits)."""
     import onnx
     from onnx import TensorProto as TP
     from onnx import helper as h
-    from onnx import numpy_helper
+
+    from .gqa_graph import ExternalDataSink, MemorySink
 
     c = head.config
     sd = head.state_dict()
     nq, nkv, d, hs = c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_size
-    inits, nodes = [], []
+    sink = sink if sink is not None else MemorySink()
+    nodes = []
 
     def init(name, arr):
-        inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+        sink.add(name, np.ascontiguousarray(arr))
         return name
+
+    def matmul(x, w_in_out, name, out):
+        if not bits:
+            return node("MatMul", [x, init(name, w_in_out)], [out])
+        from .gqa_export import rtn_nbits
+
+        q = rtn_nbits(w_in_out.T, bits, block_size)
+        ins = [x, init(name + "_Q", q.blob), init(name + "_scales", q.scales), init(name + "_zero_points", q.zero_points)]
+        return node("MatMulNBits", ins, [out], domain="com.microsoft", K=q.k, N=q.n, bits=bits, block_size=block_size,
+                    accuracy_level=4)  # fmt: skip
 
     def node(op, ins, outs, domain="", **attrs):
         nodes.append(h.make_node(op, ins, outs, domain=domain, **attrs))
@@ -108,9 +123,9 @@ def build_head_model(head, embed: torch.Tensor, max_context: int):
     hn = rms(C.HIDDEN_IN, "midlayer.hidden_norm.weight", "hidden_norm")
     x = node("Concat", [en, hn], ["x2h"], axis=-1)
     wqkv = np.concatenate([_np(sd[f"midlayer.self_attn.{n}_proj.weight"]).T for n in "qkv"], axis=1)
-    qkv = node("MatMul", [x, init("qkv", wqkv)], ["qkv_out"])
+    qkv = matmul(x, wqkv, "qkv", "qkv_out")
     attn = gqa_node(node, qkv, 0, "attn", nq, nkv, d, seqlens, total, bias)
-    o = node("MatMul", [attn[0], init("o", _np(sd["midlayer.self_attn.o_proj.weight"]).T)], ["o_out"])
+    o = matmul(attn[0], _np(sd["midlayer.self_attn.o_proj.weight"]).T, "o", "o_out")
     post = node(
         "SkipSimplifiedLayerNormalization",
         [o, C.HIDDEN_IN, init("post_norm", _np(sd["midlayer.post_attention_layernorm.weight"]))],
@@ -118,10 +133,10 @@ def build_head_model(head, embed: torch.Tensor, max_context: int):
         domain="com.microsoft",
         epsilon=float(c.rms_eps),
     )
-    gate = node("MatMul", [post[0], init("gate", _np(sd["midlayer.mlp.gate_proj.weight"]).T)], ["gate_out"])
-    up = node("MatMul", [post[0], init("up", _np(sd["midlayer.mlp.up_proj.weight"]).T)], ["up_out"])
+    gate = matmul(post[0], _np(sd["midlayer.mlp.gate_proj.weight"]).T, "gate", "gate_out")
+    up = matmul(post[0], _np(sd["midlayer.mlp.up_proj.weight"]).T, "up", "up_out")
     act = node("Mul", [node("Mul", [gate, node("Sigmoid", [gate], ["sig"])], ["silu"]), up], ["act"])
-    down = node("MatMul", [act, init("down", _np(sd["midlayer.mlp.down_proj.weight"]).T)], ["down_out"])
+    down = matmul(act, _np(sd["midlayer.mlp.down_proj.weight"]).T, "down", "down_out")
     fin = node(
         "SkipSimplifiedLayerNormalization",
         [down, post[3], init("final_norm", _np(sd["norm.weight"]))],
@@ -129,13 +144,14 @@ def build_head_model(head, embed: torch.Tensor, max_context: int):
         domain="com.microsoft",
         epsilon=float(c.rms_eps),
     )
-    node("MatMul", [fin[0], init("lm_head", _np(sd["lm_head.weight"]).T)], [C.LOGITS])
-    graph = h.make_graph(nodes, "arborspec_eagle3_head", inputs, outputs, inits)
+    matmul(fin[0], _np(sd["lm_head.weight"]).T, "lm_head", C.LOGITS)
+    graph = h.make_graph(nodes, "arborspec_eagle3_head", inputs, outputs, sink.tensors)
     model = h.make_model(
         graph, opset_imports=[h.make_opsetid("", OPSET), h.make_opsetid("com.microsoft", 1)], producer_name="arborspec"
     )
     model.ir_version = IR_VERSION
-    onnx.checker.check_model(model)
+    if not isinstance(sink, ExternalDataSink):
+        onnx.checker.check_model(model)  # external data: checked on the saved file
     return model
 
 
@@ -228,6 +244,22 @@ def check_head_quantize(quantize: str | None, portable: bool) -> None:
         raise InputError("--draft-quantize needs ONNX Runtime's graph (--attention gqa), not the portable head")
 
 
+def save_head_model(head, embed, path: Path, max_context: int, qinfo, block_size: int) -> None:
+    """The layer graph written to `path`; its weights straight to `<path>.data` when the head is
+    over 1 GiB in fp32 (a head of an 8B target's width)."""
+    from .gqa_graph import ExternalDataSink
+
+    big = sum(t.numel() for t in head.state_dict().values()) * 4 + embed.numel() * 4 > 1024**3
+    sink = ExternalDataSink(path) if big else None
+    bits = 0 if not qinfo else 4 if qinfo["scheme"] == "int4" else 8
+    try:
+        model = build_head_model(head, embed, max_context, sink, bits, block_size)
+    finally:
+        if sink is not None:
+            sink.close()
+    save_model(model, path)
+
+
 def export_eagle3_head(
     head,
     embed: torch.Tensor,
@@ -276,7 +308,7 @@ def export_eagle3_head(
         exporter = export_portable_head(head, embed, folder / layer_file, max_context)
     else:
         exporter = f"eagle3:opset{OPSET}"
-        save_model(quantized(build_head_model(head, embed, max_context)), folder / layer_file)
+        save_head_model(head, embed, folder / layer_file, max_context, qinfo, block_size)
     meta = contract_metadata(_Cfg(), "fp32", tokenizer_sha256, C.ROLE_EAGLE3, exporter, layout)
     meta[C.META_D2T] = d2t_metadata(head)
     if qinfo:

@@ -500,6 +500,8 @@ class _GraphExporter:
             verify=o.verify, portable=not self.use_gqa, quantize=o.draft_quantize, block_size=o.block_size,
         )  # fmt: skip
         entry["spec"] = draft
+        if (tmp / (entry["file"] + ".data")).is_file():  # a large head's weights (export/eagle3_graph.save_head_model)
+            entry["external_data"] = [entry["file"] + ".data"]
         for key, name in (("", entry["file"]), ("fc_", entry["fc_file"])):
             entry[f"{key}bytes"] = (tmp / name).stat().st_size
             entry[f"{key}sha256"] = sha256_file(tmp / name)

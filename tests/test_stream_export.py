@@ -252,3 +252,32 @@ def test_refusal_line_before_any_work(folder, tmp_path):
 def test_stream_on_refuses_what_cannot_stream(folder, tmp_path):
     with pytest.raises(InputError, match="--stream on"):
         export_folder(str(folder), tmp_path / "x", draft="layers:1", progress=False, stream="on")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_head_blocks_made_weight_by_weight_equal_the_quantizer_s(tmp_path, bits):
+    """The EAGLE-3 head's MatMuls quantised one weight at a time (as a large head must be) give the
+    outputs ONNX Runtime's MatMulNBitsQuantizer gives on the float graph, bit for bit."""
+    import onnxruntime as ort
+
+    from arborspec.export.eagle3_graph import build_head_model
+    from arborspec.export.quantize import quantize_float_model
+    from arborspec.models.eagle3 import load_eagle3
+    from arborspec.tools.bench.scale_shapes import Shape, write_random_eagle3_head
+
+    shape = Shape("tiny", 64, 4, 4, 2, 16, 128, False, 8.0)
+    head = load_eagle3(write_random_eagle3_head(shape, tmp_path / "h", vocab=96, draft_vocab=48))
+    embed = torch.randn(96, 64)
+    ref = quantize_float_model(build_head_model(head, embed, 64), bits=bits, block_size=32, accuracy_level=4)
+    ours = build_head_model(head, embed, 64, bits=bits, block_size=32)
+    g = np.random.default_rng(0)
+    t = 3
+    feed = {
+        "input_ids": g.integers(0, 96, (1, t)), "position_ids": np.arange(t)[None],
+        "attention_mask": np.tril(np.ones((t, t), bool))[None], "hidden_in": g.standard_normal((1, t, 64)).astype(np.float32),
+        "past_key.0": np.zeros((1, 2, 16, 16), np.float32), "past_value.0": np.zeros((1, 2, 16, 16), np.float32),
+    }  # fmt: skip
+    outs = [ort.InferenceSession(m.SerializeToString()).run(None, feed) for m in (ref, ours)]
+    assert any(n.op_type == "MatMulNBits" for n in ours.graph.node)
+    for a, b in zip(*outs):
+        assert np.array_equal(a, b)
