@@ -136,17 +136,10 @@ def build_feeds(
     or None (the target itself shapes the trees). `trees` trees per policy, each over a cache
     of P > 0 random past tokens (P differs from tree to tree)."""
     from arborspec.runtime.drafts.bigram import BigramDraft
-    from arborspec.runtime.drafts.model import ModelDraft
-    from arborspec.runtime.drafts.tree_builder import draft_tree
-    from arborspec.runtime.kvcache import KVCache
-    from arborspec.runtime.sampling import SamplingParams
-    from arborspec.runtime.tree_plan import causal_prefill, verify_inputs
-    from arborspec.runtime.trees import Tree, parse_tree_spec
 
     if trees < 1:
         raise InputError(f"--trees must be >= 1, got {trees}")
     g = torch.Generator().manual_seed(int(seed))
-    vocab = target.info.vocab_size
     limit = min(target.info.max_position, max_context or target.info.max_position)
     rec_t = _Recorder(target, kv_dtype)
     rec_d = None
@@ -157,59 +150,92 @@ def build_feeds(
     else:
         rec_d = _Recorder(draft, kv_dtype)
         dsrc_engine = rec_d
-    tmp = tempfile.TemporaryDirectory(prefix="arborspec-compare-")
-    try:
-        static = Path(tmp.name) / "static_tree.json"
-        static.write_text(json.dumps(STATIC_PATHS))
-        specs = policies if policies is not None else default_policies(max_tree_nodes, static)
-        pols = [parse_tree_spec(s) for s in specs]
-        biggest = max([p.max_nodes for p in pols] + [1]) + 1
-        p0 = 9
-        if p0 + 3 * (trees - 1) + biggest + 2 > limit:
-            raise InputError(
-                f"the feeds need a context of {p0 + 3 * (trees - 1) + biggest + 2} positions, the export allows {limit}"
-            )
-        sp = SamplingParams()
+    with tempfile.TemporaryDirectory(prefix="arborspec-compare-") as tmp:
+        pols, biggest = _feed_policies(policies, max_tree_nodes, Path(tmp), trees, limit)
+        maker = _TreeFeeds(rec_t, rec_d, draft, dsrc_engine, pols, biggest, seed)
         for i in range(trees):
-            p = p0 + 3 * i
-            past = torch.randint(0, vocab, (p,), generator=g).tolist()
-            root = int(torch.randint(0, vocab, (1,), generator=g))
-            cap = p + biggest + 1
-            cache = KVCache(target.info.cache, cap, 1, target.device)
-            # prefill: a prompt chain over an empty cache (P = 0)
-            rec_t.enabled, rec_t.label = i == 0, "prefill (chain)"
-            causal_prefill(rec_t, past, cache, chunk=p)
-            rec_t.enabled = True
-            if i == 0:  # vanilla's step: the root alone over the cache
-                rec_t.label = "decode (vanilla)"
-                ids, pos, mask = verify_inputs(root, Tree.empty(), p, target.device)
-                rec_t.forward(ids, pos, mask, cache)
-            for pol in pols:
-                if dsrc_engine is None:
-                    src = draft
-                else:
-                    src = ModelDraft(dsrc_engine, cap)
-                src.prepare(pol, cap)
-                src.reset(past)
-                name = pol.spec if pol.kind != "static" else "static:file"
-                if rec_d is not None:
-                    rec_d.label = f"draft for {name}"
-                prev = rec_t.enabled
-                rec_t.enabled = dsrc_engine is not target
-                tree = draft_tree(src, pol, root, sp, "topk", torch.Generator().manual_seed(seed))
-                rec_t.enabled = prev
-                ids, pos, mask = verify_inputs(root, tree, p, target.device)
-                rec_t.label = f"verify {name} ({tree.n} nodes)"
-                # record only: the verify call itself need not run here
-                rec_t.feeds.append(
-                    Feed(f"{rec_t.label} T={ids.shape[1]} P={p}", _feed(ids, pos, mask, cache, kv_dtype))
-                )
-    finally:
-        tmp.cleanup()
+            maker.record(i, g)
     out = {"target": rec_t.feeds}
     if rec_d is not None:
         out["draft"] = rec_d.feeds
     return out
+
+
+_FIRST_PAST = 9  # past tokens under the first tree (3 more under each next one)
+
+
+def _feed_policies(policies, max_tree_nodes: int, tmp: Path, trees: int, limit: int):
+    """-> (parsed tree policies, the largest tree's nodes + 1); the static policy's file written
+    in `tmp`; the context the feeds need checked against the export's `limit`."""
+    from arborspec.runtime.trees import parse_tree_spec
+
+    static = tmp / "static_tree.json"
+    static.write_text(json.dumps(STATIC_PATHS))
+    specs = policies if policies is not None else default_policies(max_tree_nodes, static)
+    pols = [parse_tree_spec(s) for s in specs]
+    biggest = max([p.max_nodes for p in pols] + [1]) + 1
+    need = _FIRST_PAST + 3 * (trees - 1) + biggest + 2
+    if need > limit:
+        raise InputError(f"the feeds need a context of {need} positions, the export allows {limit}")
+    return pols, biggest
+
+
+class _TreeFeeds:
+    """The recorders and draft source of one build_feeds call; `record(i, g)` adds tree i's feeds."""
+
+    def __init__(self, rec_t, rec_d, draft, dsrc_engine, pols, biggest: int, seed: int):
+        self.rec_t, self.rec_d, self.draft, self.dsrc_engine = rec_t, rec_d, draft, dsrc_engine
+        self.pols, self.biggest, self.seed = pols, biggest, seed
+
+    def record(self, i: int, g: torch.Generator) -> None:
+        """Tree `i`: P random past tokens prefilled (recorded for the first tree only), vanilla's
+        one-token step (first tree), then per policy the draft's calls while drafting and the
+        target's verify call (recorded, not run)."""
+        from arborspec.runtime.kvcache import KVCache
+        from arborspec.runtime.tree_plan import causal_prefill, verify_inputs
+        from arborspec.runtime.trees import Tree
+
+        rec_t = self.rec_t
+        target = rec_t.engine
+        vocab = target.info.vocab_size
+        p = _FIRST_PAST + 3 * i
+        past = torch.randint(0, vocab, (p,), generator=g).tolist()
+        root = int(torch.randint(0, vocab, (1,), generator=g))
+        cap = p + self.biggest + 1
+        cache = KVCache(target.info.cache, cap, 1, target.device)
+        # prefill: a prompt chain over an empty cache (P = 0)
+        rec_t.enabled, rec_t.label = i == 0, "prefill (chain)"
+        causal_prefill(rec_t, past, cache, chunk=p)
+        rec_t.enabled = True
+        if i == 0:  # vanilla's step: the root alone over the cache
+            rec_t.label = "decode (vanilla)"
+            ids, pos, mask = verify_inputs(root, Tree.empty(), p, target.device)
+            rec_t.forward(ids, pos, mask, cache)
+        for pol in self.pols:
+            self._verify_feed(pol, past, root, cache, cap)
+
+    def _verify_feed(self, pol, past: list, root: int, cache, cap: int) -> None:
+        """The draft's calls while it drafts a tree of `pol` after `past`, and the target's verify
+        call for that tree (recorded only: it need not run here)."""
+        from arborspec.runtime.drafts.model import ModelDraft
+        from arborspec.runtime.drafts.tree_builder import draft_tree
+        from arborspec.runtime.sampling import SamplingParams
+        from arborspec.runtime.tree_plan import verify_inputs
+
+        rec_t, target, p = self.rec_t, self.rec_t.engine, len(past)
+        src = self.draft if self.dsrc_engine is None else ModelDraft(self.dsrc_engine, cap)
+        src.prepare(pol, cap)
+        src.reset(past)
+        name = pol.spec if pol.kind != "static" else "static:file"
+        if self.rec_d is not None:
+            self.rec_d.label = f"draft for {name}"
+        prev = rec_t.enabled
+        rec_t.enabled = self.dsrc_engine is not target
+        tree = draft_tree(src, pol, root, SamplingParams(), "topk", torch.Generator().manual_seed(self.seed))
+        rec_t.enabled = prev
+        ids, pos, mask = verify_inputs(root, tree, p, target.device)
+        rec_t.label = f"verify {name} ({tree.n} nodes)"
+        rec_t.feeds.append(Feed(f"{rec_t.label} T={ids.shape[1]} P={p}", _feed(ids, pos, mask, cache, rec_t.kv_dtype)))
 
 
 def eagle3_head_feeds(cfg, seed: int = 0) -> list[Feed]:
