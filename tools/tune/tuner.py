@@ -275,14 +275,7 @@ def tune(models, key: ModelsKey, opts: TuneOptions | None = None, progress: bool
     target, draft = models.target, models.draft
     if draft is None:
         raise InputError("tune needs a draft: give --draft layers:K|bigram|MODEL (or an export with a draft)")
-    max_nodes = int(opts.max_nodes)
-    lim = models.limits.get("max_tree_nodes")
-    if lim and max_nodes > lim:
-        max_nodes = int(lim)
-    if target.info.max_tokens is not None:
-        max_nodes = min(max_nodes, target.info.max_tokens - 1)
-    if max_nodes < 1 or opts.max_depth < 1 or opts.max_width < 1:
-        raise InputError("--max-nodes, --max-depth and --max-width must be >= 1")
+    max_nodes = _node_budget(models, opts)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -327,9 +320,33 @@ def tune(models, key: ModelsKey, opts: TuneOptions | None = None, progress: bool
         layout_calls if target.caps.row_invariant else None,
     )
     loop = price_in_loop(target, draft, choice, prompts, eos, opts.loop_candidates, opts.loop_tokens, bar, sp)
+    measured = {"verify": verify, "dcost": dcost, "acc": acc, "loop": loop, "max_nodes": max_nodes}
+    doc = _tuned_doc(choice, measured, key, opts, sp)
+    doc["tune_s"] = round(time.perf_counter() - t0, 2)
+    doc["created"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    doc["written"] = _write_tuned(doc, key, opts, sampled=sp is not None)
+    if opts.plot:
+        plot_tuning(doc, opts.plot)
+    return doc
+
+
+def _node_budget(models, opts: TuneOptions) -> int:
+    """--max-nodes within the export's max_tree_nodes and the target's largest call."""
+    max_nodes = int(opts.max_nodes)
+    lim = models.limits.get("max_tree_nodes")
+    if lim and max_nodes > lim:
+        max_nodes = int(lim)
+    if models.target.info.max_tokens is not None:
+        max_nodes = min(max_nodes, models.target.info.max_tokens - 1)
+    if max_nodes < 1 or opts.max_depth < 1 or opts.max_width < 1:
+        raise InputError("--max-nodes, --max-depth and --max-width must be >= 1")
+    return max_nodes
+
+
+def _tuned_doc(choice: dict, measured: dict, key: ModelsKey, opts: TuneOptions, sp) -> dict:
+    """The tuned tree file's document (without tune_s, created, written)."""
     best = choice["best"]
-    backend = key.resolved_backend
-    doc = {
+    return {
         "format": FORMAT,
         "paths": best["paths"],
         "nodes": best["nodes"],
@@ -340,29 +357,32 @@ def tune(models, key: ModelsKey, opts: TuneOptions | None = None, progress: bool
         "predicted_step_ms": best["step_ms"],
         "predicted_tokens_per_s": best["tokens_per_s"],
         "vanilla_tokens_per_s": choice["vanilla_tokens_per_s"],
-        "in_loop": loop,  # the candidates' step times measured in the decoding loop (price_in_loop)
+        "in_loop": measured["loop"],  # the candidates' step times measured in the decoding loop (price_in_loop)
         "predicted_speedup": best["tokens_per_s"] / choice["vanilla_tokens_per_s"],
         # None: tuned on greedy text, for temperature 0; else the sampling it was tuned for
         "sampling": None if sp is None else {"temperature": sp.temperature, "top_k": sp.top_k, "top_p": sp.top_p},
         # sampled: the candidates that made the most tokens a second in the loop (price_in_loop);
         # decoding with this file takes them unless --candidates says otherwise
         "candidates": best.get("candidates") if sp is not None else None,
-        "backend": backend,
+        "backend": key.resolved_backend,
         "device": key.device,
         "model": str(key.model) if key.model else None,
         "draft": str(key.draft) if key.draft else None,
         "export_dir": str(key.export_dir) if key.export_dir else None,
         "past": opts.past,
-        "cost_curve_ms": {str(k): v for k, v in verify.items()},
-        "draft_cost_ms": {str(k): v for k, v in dcost.items()},
-        "acceptance": acc,
-        "max_nodes": max_nodes,
+        "cost_curve_ms": {str(k): v for k, v in measured["verify"].items()},
+        "draft_cost_ms": {str(k): v for k, v in measured["dcost"].items()},
+        "acceptance": measured["acc"],
+        "max_nodes": measured["max_nodes"],
         "max_depth": opts.max_depth,
         "budget_curve": [{k: v for k, v in g.items() if k != "paths"} for g in choice["grid"]],
-        "tune_s": round(time.perf_counter() - t0, 2),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    targets = [auto_tree_path(key, sampled=sp is not None)]
+
+
+def _write_tuned(doc: dict, key: ModelsKey, opts: TuneOptions, sampled: bool) -> list[str]:
+    """The document at the models' auto tree path and at --out: the paths written (a note for
+    each that could not be; an error when none could)."""
+    targets = [auto_tree_path(key, sampled=sampled)]
     if opts.out:
         targets.append(Path(opts.out))
     written = []
@@ -374,10 +394,7 @@ def tune(models, key: ModelsKey, opts: TuneOptions | None = None, progress: bool
             print(f"arborspec: note: could not write {path}: {e}", file=sys.stderr)
     if not written:
         raise OutputError(f"could not write the tuned tree to {targets[0]} (give --out FILE)")
-    doc["written"] = written
-    if opts.plot:
-        plot_tuning(doc, opts.plot)
-    return doc
+    return written
 
 
 def _atomic_json(path: Path, doc: dict) -> None:
