@@ -236,49 +236,21 @@ def run_bench(
     (its reason goes into `skipped`), and the others go on."""
     from tqdm import tqdm
 
-    from arborspec.tools.bench.peers import _one_line
-
-    log = log or (lambda s: print(s, file=sys.stderr))
-    peers = dict(peers or {})
-    skipped = skipped if skipped is not None else {}
-    tok = models.tokenizer
-    eos = list(tok.meta.get("eos_token_ids") or []) if tok is not None else []
     from arborspec.runtime.sampling import SamplingParams
 
     sp = sampling or SamplingParams()
-    temperature = sp.temperature
-    cut = {"top_k": sp.top_k, "top_p": sp.top_p}  # the baselines and peers sample with the same cut
     # structured output (`bench --json-schema`): llama.cpp's own, the GBNF grammar it makes of the schema
     grammar = {"json_schema": json_schema} if json_schema is not None else {"gbnf": gbnf} if gbnf is not None else {}
-    decs = make_decoders(models, configs, sp)
-    runner = {c.name: (hf if c.kind == "hf" else peers.get(c.name)) for c in configs if c.kind != "ours"}
-    run_cfgs = [c for c in configs if c.kind == "ours" or runner.get(c.name) is not None]
-    exact = getattr(models.owner, "exact_speculation", True)  # False: int8-activation target
-
-    def peer_failed(c, e):
-        reason = f"failed while running ({_one_line(e)})"
-        skipped[c.name] = reason
-        log(f"arborspec bench: note: {c.name} skipped: {reason}")
-        run_cfgs.remove(c)
-
+    bench = _BenchRun(models, configs, sp, seed, hf, dict(peers or {}), skipped if skipped is not None else {},
+                      log or (lambda s: print(s, file=sys.stderr)), grammar)
     if warmup and prompts:
-        w = prompts[0]["ids"][-32:]
-        for c in list(run_cfgs):
-            for _ in range(warmup):
-                if c.kind == "ours":
-                    decs[c.name].generate(w, min(8, max_new_tokens), [], seed)
-                    continue
-                try:
-                    runner[c.name].run(c.name, w, min(4, max_new_tokens), [], temperature, seed, **cut, **grammar)
-                except Exception as e:  # noqa: BLE001 - a peer's failure must not stop the bench
-                    if c.kind != "peer":
-                        raise
-                    peer_failed(c, e)
-                    break
+        bench.warm_up(prompts[0]["ids"][-32:], warmup, max_new_tokens)
+    tok = models.tokenizer
+    eos = list(tok.meta.get("eos_token_ids") or []) if tok is not None else []
     warnings: list[str] = []
     per_prompt = []
     bar = tqdm(
-        total=len(prompts) * len(run_cfgs),
+        total=len(prompts) * len(bench.run_cfgs),
         desc="bench",
         unit="run",
         disable=None if progress else True,
@@ -286,49 +258,99 @@ def run_bench(
     )
     try:
         for p in prompts:
-            runs: dict[str, dict] = {}
-            for c in list(run_cfgs):
-                bar.set_postfix_str(f"{p['id']} | {c.name}", refresh=False)
-                if c.kind == "ours":
-                    res = decs[c.name].generate(p["ids"], max_new_tokens, eos, seed)
-                    runs[c.name] = _our_run(res.stats, res.tokens, res.stop_reason)
-                else:
-                    try:
-                        runs[c.name] = runner[c.name].run(
-                            c.name, p["ids"], max_new_tokens, eos, temperature, seed, **cut, **grammar
-                        )
-                    except Exception as e:  # noqa: BLE001 - a peer's failure must not stop the bench
-                        if c.kind != "peer":
-                            raise
-                        peer_failed(c, e)
-                        for done in per_prompt:
-                            done["runs"].pop(c.name, None)
-                bar.update(1)
-            van = runs["vanilla"]
-            hfg = runs.get("hf-greedy")
-            for c in run_cfgs:
-                r = runs[c.name]
-                r["speedup_vs_vanilla"] = _ratio(r["tokens_per_s"], van["tokens_per_s"])
-                r["speedup_vs_hf_greedy"] = _ratio(r["tokens_per_s"], hfg["tokens_per_s"]) if hfg else None
-                if temperature > 0:
-                    r["greedy_match"] = None
-                    r["agree_prefix"] = None
-                    continue
-                r["greedy_match"] = r["tokens"] == van["tokens"]
-                # output quality: how many leading tokens equal our vanilla's
-                r["agree_prefix"] = next(
-                    (j for j, (a, b) in enumerate(zip(r["tokens"], van["tokens"])) if a != b),
-                    min(len(r["tokens"]), len(van["tokens"])),
-                )
-                if not r["greedy_match"]:
-                    msg = mismatch_message(c, p["id"], r["agree_prefix"], exact)
-                    if c.kind == "ours":
-                        log(msg)
-                    warnings.append(msg)
+            runs = bench.run_prompt(p, max_new_tokens, eos, per_prompt, bar)
+            warnings += bench.score(p, runs)
             entry = {"id": p["id"], "category": p["category"], "prompt_tokens": len(p["ids"]), "runs": runs}
             if tok is not None:
-                entry["text"] = tok.decode(van["tokens"], skip_special_tokens=True)
+                entry["text"] = tok.decode(runs["vanilla"]["tokens"], skip_special_tokens=True)
             per_prompt.append(entry)
     finally:
         bar.close()
     return per_prompt, warnings
+
+
+class _BenchRun:
+    """One run_bench call: our decoders, the baselines' and peers' runners, the configs still
+    running (a peer that fails leaves them), and how every run samples."""
+
+    def __init__(self, models, configs, sp, seed: int, hf, peers: dict, skipped: dict, log, grammar: dict):
+        self.sp, self.seed, self.skipped, self.log, self.grammar = sp, seed, skipped, log, grammar
+        self.cut = {"top_k": sp.top_k, "top_p": sp.top_p}  # the baselines and peers sample with the same cut
+        self.decs = make_decoders(models, configs, sp)
+        self.runner = {c.name: (hf if c.kind == "hf" else peers.get(c.name)) for c in configs if c.kind != "ours"}
+        self.run_cfgs = [c for c in configs if c.kind == "ours" or self.runner.get(c.name) is not None]
+        self.exact = getattr(models.owner, "exact_speculation", True)  # False: int8-activation target
+
+    def _peer_failed(self, c, e) -> None:
+        from arborspec.tools.bench.peers import _one_line
+
+        reason = f"failed while running ({_one_line(e)})"
+        self.skipped[c.name] = reason
+        self.log(f"arborspec bench: note: {c.name} skipped: {reason}")
+        self.run_cfgs.remove(c)
+
+    def _run_other(self, c, ids, max_new_tokens: int, eos) -> dict | None:
+        """A baseline's or peer's run; None where a peer failed (and left the bench)."""
+        try:
+            return self.runner[c.name].run(
+                c.name, ids, max_new_tokens, eos, self.sp.temperature, self.seed, **self.cut, **self.grammar
+            )
+        except Exception as e:  # noqa: BLE001 - a peer's failure must not stop the bench
+            if c.kind != "peer":
+                raise
+            self._peer_failed(c, e)
+            return None
+
+    def warm_up(self, w: list[int], times: int, max_new_tokens: int) -> None:
+        for c in list(self.run_cfgs):
+            for _ in range(times):
+                if c.kind == "ours":
+                    self.decs[c.name].generate(w, min(8, max_new_tokens), [], self.seed)
+                elif self._run_other(c, w, min(4, max_new_tokens), []) is None:
+                    break
+
+    def run_prompt(self, p: dict, max_new_tokens: int, eos, per_prompt: list, bar) -> dict[str, dict]:
+        """Every running config on prompt `p`: {config name: run}. A peer that fails here is
+        dropped from the earlier prompts' runs too."""
+        runs: dict[str, dict] = {}
+        for c in list(self.run_cfgs):
+            bar.set_postfix_str(f"{p['id']} | {c.name}", refresh=False)
+            if c.kind == "ours":
+                res = self.decs[c.name].generate(p["ids"], max_new_tokens, eos, self.seed)
+                runs[c.name] = _our_run(res.stats, res.tokens, res.stop_reason)
+            else:
+                r = self._run_other(c, p["ids"], max_new_tokens, eos)
+                if r is None:
+                    for done in per_prompt:
+                        done["runs"].pop(c.name, None)
+                else:
+                    runs[c.name] = r
+            bar.update(1)
+        return runs
+
+    def score(self, p: dict, runs: dict[str, dict]) -> list[str]:
+        """Speed-ups against vanilla and HF greedy; greedy: agreement with our vanilla's tokens
+        (a mismatch is a warning, logged for ours)."""
+        warnings = []
+        van = runs["vanilla"]
+        hfg = runs.get("hf-greedy")
+        for c in self.run_cfgs:
+            r = runs[c.name]
+            r["speedup_vs_vanilla"] = _ratio(r["tokens_per_s"], van["tokens_per_s"])
+            r["speedup_vs_hf_greedy"] = _ratio(r["tokens_per_s"], hfg["tokens_per_s"]) if hfg else None
+            if self.sp.temperature > 0:
+                r["greedy_match"] = None
+                r["agree_prefix"] = None
+                continue
+            r["greedy_match"] = r["tokens"] == van["tokens"]
+            # output quality: how many leading tokens equal our vanilla's
+            r["agree_prefix"] = next(
+                (j for j, (a, b) in enumerate(zip(r["tokens"], van["tokens"])) if a != b),
+                min(len(r["tokens"]), len(van["tokens"])),
+            )
+            if not r["greedy_match"]:
+                msg = mismatch_message(c, p["id"], r["agree_prefix"], self.exact)
+                if c.kind == "ours":
+                    self.log(msg)
+                warnings.append(msg)
+        return warnings
