@@ -184,7 +184,6 @@ def distill(opts: DistillOptions) -> dict:
     if opts.threads:
         torch.set_num_threads(opts.threads)
     t0 = time.perf_counter()
-    budget_s = opts.time_budget_min * 60.0
     loaded = load_model(opts.model)
     target = loaded.module.float().eval()
     for p in target.parameters():
@@ -193,8 +192,47 @@ def distill(opts: DistillOptions) -> dict:
     entries = load_prompt_entries(opts.prompts)
     train_entries, _ = split_prompts(entries, opts.n_eval)
     progress = not opts.quiet
+    seqs = _teacher_corpus(opts, loaded, target, train_entries, t0, progress)
+    ids, lmask = windows(seqs, opts.seq_len)
+    t_idx, t_lp = teacher_topk(target, ids, opts.topk, batch=opts.batch, progress=progress)
+    _log(
+        opts,
+        f"teacher top-{opts.topk} log-probs for {ids.shape[0]} windows x {opts.seq_len} "
+        f"({time.perf_counter() - t0:.0f} s so far)",
+    )
+    draft = make_draft(target, opts.layers, opts.init, opts.seed)
+    hist = _train_steps(opts, draft, (ids, lmask, t_idx, t_lp), t0, progress)
+    last = hist[-min(20, len(hist)) :] if hist else [{}]
+    summary = {
+        "target": opts.model,
+        "target_sha256": loaded.source.get("sha256"),
+        "layers": opts.layers,
+        "init": opts.init,
+        "steps": len(hist),
+        "seq_len": opts.seq_len,
+        "batch": opts.batch,
+        "lr": opts.lr,
+        "topk": opts.topk,
+        "ce_weight": opts.ce_weight,
+        "seed": opts.seed,
+        "corpus_tokens": sum(map(len, seqs)),
+        "windows": int(ids.shape[0]),
+        "final_kl": sum(h.get("kl", 0) for h in last) / len(last),
+        "final_top1": sum(h.get("top1", 0) for h in last) / len(last),
+        "first_kl": hist[0]["kl"] if hist else None,
+        "first_top1": hist[0]["top1"] if hist else None,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    out = Path(opts.out).expanduser() if opts.out else default_out(opts.model, opts.layers)
+    save_hf_folder(draft, out, tok, extra={"distilled": summary})
+    _log(opts, f"saved {out}: {json.dumps(summary)}")
+    summary["out"] = str(out)
+    return summary
 
-    # corpus: cached by target, prompts, and generation settings
+
+def _teacher_corpus(opts: DistillOptions, loaded, target, train_entries, t0: float, progress: bool) -> list:
+    """The target's own continuations of the training prompts: cached by target, prompts and
+    generation settings (--corpus names the file)."""
     key = corpus_key(
         loaded.source,
         opts.model,
@@ -208,25 +246,24 @@ def distill(opts: DistillOptions) -> dict:
     if corpus_file.is_file():
         seqs = json.loads(corpus_file.read_text())["sequences"]
         _log(opts, f"corpus: {sum(map(len, seqs))} tokens in {len(seqs)} sequences (cached {corpus_file})")
-    else:
-        seqs = generate_corpus(
-            target, tok, train_entries, opts.corpus_tokens, opts.gen_len, opts.seed, opts.temperature, progress=progress
-        )
-        atomic_write_text(corpus_file, json.dumps({"model": opts.model, "sequences": seqs}))
-        _log(
-            opts,
-            f"corpus: generated {sum(map(len, seqs))} tokens in {len(seqs)} sequences "
-            f"({time.perf_counter() - t0:.0f} s) -> {corpus_file}",
-        )
-    ids, lmask = windows(seqs, opts.seq_len)
-    t_idx, t_lp = teacher_topk(target, ids, opts.topk, batch=opts.batch, progress=progress)
+        return seqs
+    seqs = generate_corpus(
+        target, loaded.tokenizer, train_entries, opts.corpus_tokens, opts.gen_len, opts.seed, opts.temperature,
+        progress=progress,
+    )
+    atomic_write_text(corpus_file, json.dumps({"model": opts.model, "sequences": seqs}))
     _log(
         opts,
-        f"teacher top-{opts.topk} log-probs for {ids.shape[0]} windows x {opts.seq_len} "
-        f"({time.perf_counter() - t0:.0f} s so far)",
+        f"corpus: generated {sum(map(len, seqs))} tokens in {len(seqs)} sequences "
+        f"({time.perf_counter() - t0:.0f} s) -> {corpus_file}",
     )
+    return seqs
 
-    draft = make_draft(target, opts.layers, opts.init, opts.seed)
+
+def _train_steps(opts: DistillOptions, draft, data, t0: float, progress: bool) -> list[dict]:
+    """opts.steps AdamW steps (warm-up, then cosine to a tenth) on the distillation loss over
+    shuffled windows, or fewer where the time budget ends first: each step's loss parts."""
+    ids, lmask, t_idx, t_lp = data
     params = trainable_parameters(draft)
     opt = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0, betas=(0.9, 0.98))
     warm = max(1, min(20, opts.steps // 10))
@@ -246,7 +283,6 @@ def distill(opts: DistillOptions) -> dict:
 
         bar = tqdm(bar, desc=f"distil L{opts.layers}", unit="step", disable=None)
     hist = []
-    steps_done = 0
     draft.train()
     for step in bar:
         if pos + opts.batch > n:
@@ -260,40 +296,14 @@ def distill(opts: DistillOptions) -> dict:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
-        steps_done = step + 1
         hist.append(parts)
         if progress:
             bar.set_postfix(kl=f"{parts['kl']:.3f}", top1=f"{parts['top1']:.3f}")
-        if time.perf_counter() - t0 > budget_s:
-            _log(opts, f"time budget of {opts.time_budget_min} min reached after {steps_done} steps")
+        if time.perf_counter() - t0 > opts.time_budget_min * 60.0:
+            _log(opts, f"time budget of {opts.time_budget_min} min reached after {step + 1} steps")
             break
     draft.eval()
-    last = hist[-min(20, len(hist)) :] if hist else [{}]
-    summary = {
-        "target": opts.model,
-        "target_sha256": loaded.source.get("sha256"),
-        "layers": opts.layers,
-        "init": opts.init,
-        "steps": steps_done,
-        "seq_len": opts.seq_len,
-        "batch": opts.batch,
-        "lr": opts.lr,
-        "topk": opts.topk,
-        "ce_weight": opts.ce_weight,
-        "seed": opts.seed,
-        "corpus_tokens": sum(map(len, seqs)),
-        "windows": int(n),
-        "final_kl": sum(h.get("kl", 0) for h in last) / len(last),
-        "final_top1": sum(h.get("top1", 0) for h in last) / len(last),
-        "first_kl": hist[0]["kl"] if hist else None,
-        "first_top1": hist[0]["top1"] if hist else None,
-        "wall_s": round(time.perf_counter() - t0, 1),
-    }
-    out = Path(opts.out).expanduser() if opts.out else default_out(opts.model, opts.layers)
-    save_hf_folder(draft, out, tok, extra={"distilled": summary})
-    _log(opts, f"saved {out}: {json.dumps(summary)}")
-    summary["out"] = str(out)
-    return summary
+    return hist
 
 
 def default_out(model: str, layers: int) -> Path:
