@@ -203,7 +203,15 @@ def test_the_kinds_report_measures_every_head_on_each_kind_that_fits(tmp_path, m
     folders = eh.kinds_heldout(lm, aux, None, tmp_path / "h", per_kind=2)  # cached: built by the report
     embed = lm.module.model.embed_tokens.weight.detach().float()
     for name, head in heads.items():  # each head measured on its own
-        assert rep[name]["math"] == eh.chain_measure(eh.depth_ranks(head, embed, folders["math"]), 4)
+        got = dict(rep[name]["math"])
+        assert 0.0 <= got.pop("greedy_in_vocab") <= 1.0
+        assert got == eh.chain_measure(eh.depth_ranks(head, embed, folders["math"]), 4)
+    # the vocabulary ceiling: a draft vocabulary of every token holds every greedy token, none holds none
+    every = np.arange(lm.config.vocab_size)
+    assert eh.in_vocab_by_kind(folders["qa"], every) == {"qa": 1.0}
+    assert eh.in_vocab_by_kind(folders["qa"], np.array([-1])) == {"qa": 0.0}
+    chat = eh.in_vocab_by_kind(eh.build_heldout(lm, aux, None, tmp_path / "h"), vocab)
+    assert set(chat) == {p["kind"] for p in eh.heldout_prompts()} and rep["h0"]["all"]["greedy_in_vocab"] <= 1.0
     assert eh.main(["--model", "smollm2-135m", "--heads", str(tmp_path)]) == 2
     assert "no model.safetensors there" in capsys.readouterr().err
 

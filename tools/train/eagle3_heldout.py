@@ -176,8 +176,8 @@ def evaluate_heldout(head, embed, folder: Path, steps: int = 4, k: int = 8) -> d
     out = chain_measure(rows, steps)
     tokens = np.load(folder / "tokens.npy")
     greedy = np.load(folder / "top1.npy")
-    held = np.concatenate([greedy[i, s - 1 : e - 1] for i, (_, s, e) in enumerate(rows)])  # row p predicts p + 1
-    out["greedy_in_vocab"] = round(float(np.isin(held, head.token_map().cpu().numpy()).mean()), 4)  # the ceiling
+    spans = [(s, e) for _, s, e in rows]
+    out["greedy_in_vocab"] = in_vocab_share(greedy, spans, head.token_map().cpu().numpy())  # the ceiling
     copied = [copied_from_prompt(tokens[i], s) for i, (_, s, _) in enumerate(rows)]
     share = sum(c[s:e].sum() for c, (_, s, e) in zip(copied, rows)) / max(sum(e - s for _, s, e in rows), 1)
     out["top1_copied"] = {  # answer tokens copied from the prompt vs the rest
@@ -292,31 +292,60 @@ def kinds_report(loaded, heads: dict, *, threads=None, steps: int = 4, per_kind:
     out = {}
     for name, head in heads.items():
         whole = evaluate_heldout(head, embed, chat, steps)
-        row = {
-            "all": {
-                k: whole[k]
-                for k in ("top1_agreement_per_depth", "expected_accepted_chain", "tokens_per_step", "positions")
-            }
-        }
+        keep = (
+            "top1_agreement_per_depth",
+            "expected_accepted_chain",
+            "tokens_per_step",
+            "positions",
+            "greedy_in_vocab",
+        )
+        row = {"all": {k: whole[k] for k in keep}}
         row.update(whole.get("per_kind", {}))
         for kind, folder in kinds.items():
             row[kind] = chain_measure(depth_ranks(head, embed, folder, steps), steps)
+        vocab = head.token_map().cpu().numpy()
+        for folder in (chat, *kinds.values()):
+            for kind, share in in_vocab_by_kind(folder, vocab).items():
+                row[kind]["greedy_in_vocab"] = share
         out[name] = row
     return out
+
+
+def in_vocab_by_kind(folder: Path, vocab: np.ndarray) -> dict:
+    """{kind: the share of the target's greedy answer tokens that `vocab` (a head's draft
+    vocabulary, target ids) holds}: the ceiling of that kind's agreement, over a held-out
+    folder's rows by their recorded kinds (none recorded: {})."""
+    kinds = json.loads((folder / "heldout.json").read_text()).get("row_kinds") or []
+    greedy, spans = np.load(folder / "top1.npy"), np.load(folder / "spans.npy")
+    if len(kinds) != len(spans):
+        return {}
+    out = {}
+    for kind in sorted(set(kinds)):
+        out[kind] = in_vocab_share(greedy, spans, vocab, [k == kind for k in kinds])
+    return out
+
+
+def in_vocab_share(greedy: np.ndarray, spans, vocab: np.ndarray, keep=None) -> float:
+    """The share of the greedy answer tokens (rows' spans; keep: which rows) that `vocab` holds."""
+    held = np.concatenate(
+        [greedy[i, s - 1 : e - 1] for i, (s, e) in enumerate(spans) if keep is None or keep[i]]
+    )  # row p predicts p + 1
+    return round(float(np.isin(held, vocab).mean()), 4)
 
 
 def report_table(report: dict) -> str:
     """kinds_report as a Markdown table: one row per head and kind."""
     lines = [
-        "| head | kind | positions | top-1 depth 1 / 2 / 3 / 4 | chain | tok/step [[0]] | tuned | chain:4 |",
-        "|---|---|---|---|---|---|---|---|",
+        "| head | kind | positions | top-1 depth 1 / 2 / 3 / 4 | chain | tok/step [[0]] | tuned | chain:4 | in vocab |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in report.items():
         for kind, m in row.items():
             t = m["tokens_per_step"]
             lines.append(
                 f"| {name} | {kind} | {m['positions']} | {' / '.join(f'{x:.3f}' for x in m['top1_agreement_per_depth'])} "
-                f"| {m['expected_accepted_chain']:.3f} | {t.get(SINGLE, float('nan')):.3f} | {t[TUNED]:.3f} | {t['chain:4']:.3f} |"
+                f"| {m['expected_accepted_chain']:.3f} | {t.get(SINGLE, float('nan')):.3f} | {t[TUNED]:.3f} | {t['chain:4']:.3f} "
+                f"| {m.get('greedy_in_vocab', float('nan')):.3f} |"
             )
     return "\n".join(lines)
 
