@@ -1,7 +1,7 @@
 """Ours against llama.cpp's own server, one sitting, on 24 requests of six kinds that no training
 corpus of this project contains (written for this benchmark): conversation, translation,
 summarisation of long articles, short factual QA, maths word problems, answers from retrieved
-passages (four each; the summaries and the retrieval answers have 600-1,000-token prompts).
+passages (four each; the summaries and the retrieval answers have 400-700-token prompts).
 
     python benchmarks/vs_llamacpp.py --export-dir /work/cache/exports/smollm2-int4 \
         --out benchmarks/vs_llamacpp_2026-12-01

@@ -315,12 +315,14 @@ def test_bench_runs_llama_server_on_a_tiny_gguf(tmp_path, monkeypatch, capsys):
     real_start = ls.LlamaServer.start
     monkeypatch.setattr(ls.LlamaServer, "start", lambda self: started.append(self) or real_start(self))
     out = tmp_path / "server.json"
-    assert _peer_bench(gguf_path, prompts, out, "llama-server,llama-server-ngram-simple") == 0
+    assert _peer_bench(gguf_path, prompts, out, "llama-server,llama-server-ngram-simple", ("--peer-threads", "1")) == 0
     err = capsys.readouterr().err
     assert "Traceback" not in err and "note: llama-server: " in err  # the repacking decision, once
     res = json.loads(out.read_text())
     assert res["meta"]["skipped"] == {}
     assert "repack" in res["meta"]["peers"]["llama-server"]
+    cmd = res["meta"]["peers"]["llama-server"]["command"]
+    assert cmd[cmd.index("-t") + 1] == "1"  # --peer-threads
     for p in res["per_prompt"]:
         for name in ("llama-server", "llama-server-ngram-simple"):
             run = p["runs"][name]

@@ -495,15 +495,17 @@ def open_peers(
     temperature: float,
     log=None,
     head_dir: Path | None = None,
+    threads: int | None = None,
 ) -> tuple[dict, dict, dict]:
     """-> (runners {name: runner}, info {name: description}, skipped {name: one-line reason}).
     head_dir: the export's EAGLE-3 checkpoint folder (llama-server-eagle3). Runners with a
-    `close()` (llama-server) are to be closed by the caller."""
+    `close()` (llama-server) are to be closed by the caller. threads: the peers' threads (None:
+    the cores this process may use)."""
     log = log or (lambda s: print(s, file=sys.stderr))
     runners: dict = {}
     info: dict = {}
     skipped: dict[str, str] = {}
-    threads = peer_threads()
+    threads = threads or peer_threads()
     servers = [n for n in names if n in LLAMA_SERVER_PEERS]
     if servers:
         from arborspec.tools.bench.llama_server import open_servers

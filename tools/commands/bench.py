@@ -136,6 +136,13 @@ def register(sub) -> None:
         "(default: what `tune --temperature` chose for --tree auto, else topk)",
     )
     r.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    r.add_argument(
+        "--peer-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="threads of the GenAI / llama.cpp / llama-server baselines (default: the cores this process may use)",
+    )
     r.add_argument("--warmup", type=int, default=1, help="warm-up generations per config before timing (1)")
     add_quiet_progress_args(r)
     qa = p.add_argument_group("quality (instead of speed)")
@@ -214,6 +221,8 @@ def run(args) -> int:
         raise InputError(f"--temperature must be >= 0, got {args.temperature}")
     if args.threads < 1:
         raise InputError(f"--threads must be >= 1, got {args.threads}")
+    if args.peer_threads is not None and args.peer_threads < 1:
+        raise InputError(f"--peer-threads must be >= 1, got {args.peer_threads}")
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         raise InputError(f"--plot writes a PNG: give a .png path, got {args.plot}")
     if args.quality:
@@ -352,6 +361,7 @@ def run(args) -> int:
                 lookup_tokens=args.hf_lookup_tokens,
                 temperature=args.temperature,
                 head_dir=_eagle3_head_dir(args, source),
+                threads=args.peer_threads,
             )
             for n, why in peer_skips.items():  # one line each, and the bench goes on without it
                 print(f"arborspec bench: note: {n} skipped: {why}", file=sys.stderr)
