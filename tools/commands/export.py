@@ -173,6 +173,10 @@ def run(args) -> int:
     qs = f", {q['scheme']} weights ({q['source']}, {q.get('format', 'matmulnbits')})" if q else ""
     kv = f", {t['kv_dtype']} KV cache" if t.get("kv_dtype", t["dtype"]) != t["dtype"] else ""
     print(f"  target: {t['nodes']} nodes, opset {t['opset']} ({t['exporter']}), {t['dtype']}{qs}{kv}")
+    requantised = (q or {}).get("requantised_max_rel_error") or {}
+    if requantised:  # GGUF types MatMulNBits cannot hold: rounded again, error relative to the layer's largest weight
+        worst = max(requantised, key=requantised.get)
+        print(f"  requantised {len(requantised)} GGUF layers to int4 (max error {requantised[worst]:.3g} of the largest weight, {worst})")
     if d.get("kind") == "onnx":
         print(f"  draft ({d.get('spec')}): {d['nodes']} nodes")
     elif d.get("kind") == "bigram":
