@@ -204,26 +204,12 @@ def open_export(
     too when it is an EAGLE-3 head), "none", "lookup[:N]" (prompt lookup, no model), or
     "export+lookup[:N]" (the export's model draft mixed with lookup, runtime/drafts/mixed.py);
     parsed by runtime/drafts/spec.py. verify: check every file's sha256 too."""
-    from .drafts.bigram import load_bigram_table
     from .drafts.lookup import LookupDraft
     from .drafts.mixed import LookupMixDraft
-    from .drafts.model import ModelDraft
     from .drafts.spec import parse_draft_spec
 
-    if backend not in BACKENDS:
-        raise InputError(
-            f"backend {backend!r} cannot open an export folder (expected one of "
-            f"{', '.join(BACKENDS)}; the torch backend loads models with --model)"
-        )
+    _check_backend(backend)
     man = read_manifest(dir, check_checksums=verify)
-    if backend == "tensorrt":
-        import torch
-
-        if not torch.cuda.is_available():  # before pointing at `arborspec build`: engines need a GPU to run
-            raise DeviceError(
-                "--backend tensorrt runs on an NVIDIA GPU with CUDA and none is visible here: "
-                "use --backend onnxruntime (CPU)"
-            )
     engine_dir = Path(engine_dir) if engine_dir else None
     opened = OpenedExport(None, None, None, man, backend, device)
     try:
@@ -234,30 +220,7 @@ def open_export(
         target = _engine(backend, man, "target", device, providers, engine_dir, spinning=model_free)
         opened.target = target
         opened.engines.append(target)
-        if ds.kind == "lookup":
-            opened.draft = LookupDraft(target.info.vocab_size, max_ngram=ds.arg)
-        elif ds.kind == "none":
-            opened.draft = None
-        elif ds.kind != "export" and not (ds.text.lower() == "eagle3" == kind):  # "eagle3": the export's own
-            raise InputError(
-                f"--draft {ds.text!r} cannot be used with an export folder: its draft is "
-                "fixed at export time (use `export`, `none` or `lookup[:N]`, or re-export)"
-            )
-        elif kind == "onnx":
-            d = _engine(backend, man, "draft", device, providers, engine_dir)
-            opened.engines.append(d)
-            if d.info.vocab_size != target.info.vocab_size:
-                raise ExportDirError(
-                    f"draft vocabulary {d.info.vocab_size} != target vocabulary {target.info.vocab_size}"
-                )
-            opened.draft = ModelDraft(d)
-        elif kind == "bigram":
-            opened.draft = load_bigram_table(man.path(man.draft["file"]))
-        elif kind == "eagle3":
-            opened.draft = _eagle3_draft(backend, man, target, device, engine_dir)
-            opened.engines.append(opened.draft.engine)
-        elif kind != "none":
-            raise ExportDirError(f"unknown draft kind {kind!r} in {man.root / MANIFEST_NAME}")
+        opened.draft = _open_draft(opened, ds, providers, engine_dir)
         if ds.mix:
             if opened.draft is None or kind in ("none", "bigram"):
                 raise InputError(
@@ -266,25 +229,83 @@ def open_export(
                 )
             opened.draft = LookupMixDraft(opened.draft, LookupDraft(target.info.vocab_size, max_ngram=ds.mix))
         opened.tokenizer = load_tokenizer(man) if load_tok else None
-        reason = inexact_speculation_reason(man, target.caps.row_invariant) if opened.draft is not None else None
-        if reason:
-            warnings.warn(reason, InexactSpeculationWarning, stacklevel=2)
-        if backend == "onnxruntime" and str(device) == "cpu" and not model_free:
-            from .backends.onnxruntime import pool_unchosen
-
-            if pool_unchosen():  # unchosen: the shared pool is off too
-                warnings.warn(
-                    "the draft model and the target run on ONNX Runtime thread pools of their own, and every call "
-                    "pays a wake-up (measured on 2 cores, int4 SmolLM2 + EAGLE-3: a verify call 9.5 instead of 7.6 ms, "
-                    "speculation slower than vanilla): call arborspec.enable_shared_pool() before opening, or set "
-                    "ARBORSPEC_ORT_SHARED_POOL=1",
-                    ThreadPoolWarning,
-                    stacklevel=2,
-                )
+        _warn_on_open(opened, model_free)
     except BaseException:
         opened.close()
         raise
     return opened
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise InputError(
+            f"backend {backend!r} cannot open an export folder (expected one of "
+            f"{', '.join(BACKENDS)}; the torch backend loads models with --model)"
+        )
+    if backend == "tensorrt":
+        import torch
+
+        if not torch.cuda.is_available():  # before pointing at `arborspec build`: engines need a GPU to run
+            raise DeviceError(
+                "--backend tensorrt runs on an NVIDIA GPU with CUDA and none is visible here: "
+                "use --backend onnxruntime (CPU)"
+            )
+
+
+def _open_draft(opened: OpenedExport, ds, providers: list | None, engine_dir: Path | None):
+    """The draft `ds` asks for over the opened target (its engines join opened.engines, so a
+    failure closes them): lookup, none, or the export's own (model, bigram, EAGLE-3)."""
+    from .drafts.bigram import load_bigram_table
+    from .drafts.lookup import LookupDraft
+    from .drafts.model import ModelDraft
+
+    man, backend, device, target = opened.manifest, opened.backend, opened.device, opened.target
+    kind = man.draft.get("kind", "none")
+    if ds.kind == "lookup":
+        return LookupDraft(target.info.vocab_size, max_ngram=ds.arg)
+    if ds.kind == "none":
+        return None
+    if ds.kind != "export" and not (ds.text.lower() == "eagle3" == kind):  # "eagle3": the export's own
+        raise InputError(
+            f"--draft {ds.text!r} cannot be used with an export folder: its draft is "
+            "fixed at export time (use `export`, `none` or `lookup[:N]`, or re-export)"
+        )
+    if kind == "onnx":
+        d = _engine(backend, man, "draft", device, providers, engine_dir)
+        opened.engines.append(d)
+        if d.info.vocab_size != target.info.vocab_size:
+            raise ExportDirError(f"draft vocabulary {d.info.vocab_size} != target vocabulary {target.info.vocab_size}")
+        return ModelDraft(d)
+    if kind == "bigram":
+        return load_bigram_table(man.path(man.draft["file"]))
+    if kind == "eagle3":
+        draft = _eagle3_draft(backend, man, target, device, engine_dir)
+        opened.engines.append(draft.engine)
+        return draft
+    if kind != "none":
+        raise ExportDirError(f"unknown draft kind {kind!r} in {man.root / MANIFEST_NAME}")
+    return None
+
+
+def _warn_on_open(opened: OpenedExport, model_free: bool) -> None:
+    """Warnings at open_export's caller: speculation that is not exact on this export, and a
+    draft model and target on thread pools of their own (ONNX Runtime on CPU, no pool chosen)."""
+    man, target = opened.manifest, opened.target
+    reason = inexact_speculation_reason(man, target.caps.row_invariant) if opened.draft is not None else None
+    if reason:
+        warnings.warn(reason, InexactSpeculationWarning, stacklevel=3)
+    if opened.backend == "onnxruntime" and str(opened.device) == "cpu" and not model_free:
+        from .backends.onnxruntime import pool_unchosen
+
+        if pool_unchosen():  # unchosen: the shared pool is off too
+            warnings.warn(
+                "the draft model and the target run on ONNX Runtime thread pools of their own, and every call "
+                "pays a wake-up (measured on 2 cores, int4 SmolLM2 + EAGLE-3: a verify call 9.5 instead of 7.6 ms, "
+                "speculation slower than vanilla): call arborspec.enable_shared_pool() before opening, or set "
+                "ARBORSPEC_ORT_SHARED_POOL=1",
+                ThreadPoolWarning,
+                stacklevel=3,
+            )
 
 
 def load_export_dir(
