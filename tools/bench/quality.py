@@ -186,6 +186,38 @@ def quality_table(rows: list[dict]) -> str:
     return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*b) for b in body])
 
 
+def _heldout_ids(exports: list, text: str) -> list[int]:
+    """The held-out text's token ids; the reference (first of two exports) must tokenize it
+    alike and have the same vocabulary."""
+    toks = [ex.tokenizer for ex in exports]
+    if any(t is None for t in toks):
+        raise InputError("perplexity of text needs the export's tokenizer (this export has none)")
+    ids = toks[-1].encode(text)
+    if len(exports) == 2:
+        if toks[0].encode(text) != ids:
+            raise InputError(
+                "the reference export tokenizes the held-out text differently: "
+                "it must be an export of the same model"
+            )
+        if exports[0].target.info.vocab_size != exports[1].target.info.vocab_size:
+            raise InputError("the reference export has another vocabulary size")
+    return ids
+
+
+def _quality_row(export: str, weights: str, ppl, reference: bool) -> dict:
+    return {
+        "export": export,
+        "weights": weights,
+        "perplexity": ppl.perplexity,
+        "nll": ppl.nll,
+        "tokens": ppl.tokens,
+        "windows": ppl.windows,
+        "reference": reference,
+        "delta_pct": None,
+        "agreement": None,
+    }
+
+
 def run_quality(
     export_dir,
     reference_dir=None,
@@ -209,33 +241,12 @@ def run_quality(
     try:
         for d, is_ref in dirs:
             opened.append((open_export(d, backend, draft="none"), d, is_ref))
-        toks = [ex.tokenizer for ex, _, _ in opened]
-        if any(t is None for t in toks):
-            raise InputError("perplexity of text needs the export's tokenizer (this export has none)")
-        ids = toks[-1].encode(text)
-        if len(opened) == 2:
-            if toks[0].encode(text) != ids:
-                raise InputError(
-                    "the reference export tokenizes the held-out text differently: "
-                    "it must be an export of the same model"
-                )
-            if opened[0][0].target.info.vocab_size != opened[1][0].target.info.vocab_size:
-                raise InputError("the reference export has another vocabulary size")
+        ids = _heldout_ids([ex for ex, _, _ in opened], text)
         rows, ref_ppl, ref_tokens = [], None, None
-        eos = tuple(getattr(toks[-1], "eos_token_ids", ()) or ())
+        eos = tuple(getattr(opened[-1][0].tokenizer, "eos_token_ids", ()) or ())
         for ex, d, is_ref in opened:
             ppl = perplexity(ex.target, ids, window, chunk)
-            row = {
-                "export": str(d),
-                "weights": weights_label(ex.manifest),
-                "perplexity": ppl.perplexity,
-                "nll": ppl.nll,
-                "tokens": ppl.tokens,
-                "windows": ppl.windows,
-                "reference": is_ref,
-                "delta_pct": None,
-                "agreement": None,
-            }
+            row = _quality_row(str(d), weights_label(ex.manifest), ppl, is_ref)
             if is_ref:
                 ref_ppl = ppl.perplexity
                 ref_tokens = greedy_tokens(ex.target, prompts, max_new_tokens, eos) if prompts else None
@@ -249,17 +260,7 @@ def run_quality(
             rows.append(row)
         if llama_cpp_gguf is not None:
             ppl, ltoks = llama_cpp_quality(llama_cpp_gguf, ids, window, prompts, max_new_tokens, eos)
-            row = {
-                "export": f"llama.cpp {Path(llama_cpp_gguf).name}",
-                "weights": "GGUF (llama.cpp's own kernels)",
-                "perplexity": ppl.perplexity,
-                "nll": ppl.nll,
-                "tokens": ppl.tokens,
-                "windows": ppl.windows,
-                "reference": False,
-                "delta_pct": None,
-                "agreement": None,
-            }
+            row = _quality_row(f"llama.cpp {Path(llama_cpp_gguf).name}", "GGUF (llama.cpp's own kernels)", ppl, False)
             if ref_ppl is not None:
                 _compare(row, ref_ppl, ref_tokens, ltoks if prompts else None)
             rows.append(row)
