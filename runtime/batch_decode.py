@@ -30,16 +30,13 @@ import torch
 
 from .decode import (
     MODES,
+    SequenceState,
     SpeculativeDecoder,
-    check_logprobs,
-    check_prompt,
     forced_chain,
     host_threads,
-    prompt_scorer,
-    seeded_rng,
+    open_sequence,
     settle,
     tell_draft,
-    token_logprobs,
     tree_fits,
     verify,
 )
@@ -49,40 +46,40 @@ from .drafts.tree_builder import TreeWorkspace, answer, tree_builder
 from .errors import InputError, NumericalError
 from .guards import root_reductions
 from .kvcache import KVCache, PrefixCache, release_row, sized_cache
-from .penalties import RowProcessing, history_for
+from .request import GenerationRequest, as_request
 from .sampling import SamplingParams, probs
-from .stats import GenerationStats
 from .tree_plan import padded_call, write_tree
 from .trees import Tree
 
 
 @dataclass(eq=False)
-class BatchSequence:
-    """One sequence of a batch: its request, its draft source, where it stands."""
+class BatchSequence(SequenceState):
+    """One sequence of a batch: its request and where it stands (decode.SequenceState), its
+    draft source, its cache row."""
 
-    prompt: list[int]
-    max_new_tokens: int
-    eos: set
-    sampling: SamplingParams
-    rng: torch.Generator
     draft: object = None
     row: int = -1
     length: int = 0  # committed positions in its cache row
-    root: int = 0
-    produced: int = 0
-    done: bool = False
-    stop_reason: str = "length"
-    stats: GenerationStats = field(default_factory=GenerationStats)
-    tokens: list = field(default_factory=list)
-    t_start: float = 0.0
     ws: TreeWorkspace | None = None
     error: BaseException | None = None  # set when its row's logits were not finite
-    logprobs: int | None = None  # top log-probs asked for (None: none)
-    token_logprobs: list = field(default_factory=list)
-    prompt_logprobs: list | None = None  # with prompt_logprobs=k: the prompt's (decode.prompt_scorer)
     kept_feats: list | None = None  # with prefix reuse and a draft that reads features: its committed rows'
     slot: int = 0  # the kept-conversation slot it joined from (BatchDecoder._slots), where it is kept again
-    history: RowProcessing | None = None  # its penalties / grammar along each row's path (None: none)
+
+
+@dataclass(eq=False)
+class VerifiedCall:
+    """One batched verify call as each row's steps 4-5 read it (BatchDecoder._settle)."""
+
+    logits: torch.Tensor  # [n_rows, T, V]
+    feats: torch.Tensor | None  # the target's features [n_rows, T, F] when the draft reads them
+    past: int  # P: where the rows were written (but ragged)
+    ragged: bool  # each one-token row written at its own length
+    roots_only: bool  # no tree was drafted: the drafts defer the root
+    share: tuple  # (draft s, verify s): each sequence's share of the step's time
+    root_probs: dict  # {id(sequence): its root row's warped probabilities} (BatchDecoder._root_probs)
+    best: torch.Tensor | None = None  # a call without trees: every row's argmax ...
+    finite: torch.Tensor | None = None  # ... and finiteness (guards.root_reductions)
+    moves: list = field(default_factory=list)  # (row, dst0, src positions): one gather for all rows
 
 
 class BatchDecoder:
@@ -173,34 +170,18 @@ class BatchDecoder:
     # every method that touches the cache runs in inference mode (a cache made in one must
     # only be updated in one)
     @torch.inference_mode()
-    def add(
-        self,
-        prompt_ids: Seq[int],
-        max_new_tokens: int = 64,
-        eos_token_ids: Seq[int] = (),
-        sampling: SamplingParams | None = None,
-        seed: int = 0,
-        logprobs: int | None = None,
-        prompt_logprobs: int | None = None,
-    ) -> BatchSequence:
-        """Prefill a new sequence into a free row (between steps). Raises InputError when the
-        batch is full or the request is invalid. logprobs, prompt_logprobs: as
+    def add(self, request, *args, **kw) -> BatchSequence:
+        """Prefill a new sequence into a free row (between steps): a GenerationRequest (its
+        `sampling` None: greedy) or its fields (runtime/request.py; the short form
+        add(prompt_ids, max_new_tokens, eos_token_ids, seed, sampling=...)). Raises InputError
+        when the batch is full or the request is invalid. logprobs, prompt_logprobs: as
         SpeculativeDecoder.stream's (`token_logprobs`, `prompt_logprobs` of the returned sequence)."""
         if len(self.seqs) >= self.max_batch:
             raise InputError(f"batch full ({self.max_batch} sequences)")
-        prompt = check_prompt(self.target.info, prompt_ids, max_new_tokens)
-        sp = sampling or SamplingParams()
-        tgt = self.target
-        seq = BatchSequence(prompt, max_new_tokens, {int(e) for e in eos_token_ids}, sp, seeded_rng(seed))
-        seq.history = history_for(sp, prompt, tgt.info.vocab_size, seq.eos)
-        seq.logprobs = check_logprobs(logprobs)
-        on_logits, seq.prompt_logprobs = prompt_scorer(prompt, check_logprobs(prompt_logprobs))
-        seq.t_start = time.perf_counter()
-        st = seq.stats = GenerationStats(
-            mode=self.mode, tree=self.policy.spec if self.policy else "", prompt_tokens=len(prompt)
-        )
+        seq, on_logits = open_sequence(BatchSequence, as_request(request, *args, **kw), self, SamplingParams())
+        tgt, prompt, st = self.target, seq.prompt, seq.stats
         top = tgt.info.max_position + self._extra
-        cap = min(len(prompt) + max_new_tokens + self._extra, top)
+        cap = min(len(prompt) + seq.max_new_tokens + self._extra, top)
         seq.slot, src, share = self._pick_slot(prompt)
         kept = self._slots[seq.slot]
         scratch = kept.room(kept.cache, tgt.info.cache, cap, tgt.device, top)
@@ -216,7 +197,7 @@ class BatchDecoder:
                 seq.draft = self._spare_drafts.pop()
             else:
                 seq.draft = self.draft_batch.handle() if self.draft_batch else self.draft.fork()
-            seq.draft.prepare(self.policy, min(len(prompt) + max_new_tokens, tgt.info.max_position))
+            seq.draft.prepare(self.policy, min(len(prompt) + seq.max_new_tokens, tgt.info.max_position))
             if self._solo.cold:
                 seq.draft.forget()
             seq.draft.reset(prompt[:-1], feats)
@@ -224,7 +205,7 @@ class BatchDecoder:
         seq.row = len(self.seqs)
         self._ensure(max(self._cache.length if self._cache else 0, scratch.length) + self._extra)
         self._cache.load_row(seq.row, scratch, scratch.length)
-        seq.length, seq.root = scratch.length, prompt[-1]
+        seq.length = scratch.length
         self.seqs.append(seq)
         self._cache.length = max(s.length for s in self.seqs)
         st.prefill_s = time.perf_counter() - seq.t_start
@@ -328,22 +309,14 @@ class BatchDecoder:
         dev = tgt.device
         logits, feats = verify(tgt, ids.to(dev), pos.to(dev), mask.to(dev), view, self.needs_features)
         root_probs = self._root_probs(seqs, logits) if self.batched_root_probs else {}
-        # a call without trees (every vanilla step): every row's argmax and finiteness at once,
-        # where the logits are (a 128-row step on an H100 spent ~0.2 ms a row on the host)
-        best, finite = root_reductions(logits) if ids.shape[1] == 1 else (None, None)
         share = (t_draft / len(seqs), (time.perf_counter() - t1) / len(seqs))
-        moves = []  # (row, dst0, src positions): one gather for all rows after the loop
-        p = self._cache.length
-        out = []
-        for s, tree, drafted_tree, spec in zip(seqs, trees, drafted, speculated):
-            # where this step's rows were written: at P, or at the row's own length (ragged)
-            base = s.length if ragged else p
-            rp = root_probs.get(id(s))
-            root = (best[s.row], finite[s.row]) if best is not None else None
-            out.append(
-                (s, self._settle(s, logits, feats, tree, drafted_tree, spec, roots_only, base, moves, share, rp, root))
-            )
-        self._cache.commit_rows(moves)
+        call = VerifiedCall(logits, feats, self._cache.length, ragged, roots_only, share, root_probs)
+        if ids.shape[1] == 1:
+            # a call without trees (every vanilla step): every row's argmax and finiteness at once,
+            # where the logits are (a 128-row step on an H100 spent ~0.2 ms a row on the host)
+            call.best, call.finite = root_reductions(logits)
+        out = [(s, self._settle(s, call, *row)) for s, row in zip(seqs, zip(trees, drafted, speculated))]
+        self._cache.commit_rows(call.moves)
         self._cache.length = max(s.length for s in self.seqs)
         return out
 
@@ -394,56 +367,39 @@ class BatchDecoder:
             out.update((id(s), p[i]) for i, s in enumerate(group))
         return out
 
-    def _settle(
-        self,
-        s: BatchSequence,
-        logits,
-        feats,
-        tree,
-        drafted_tree,
-        spec: bool,
-        deferred: bool,
-        base: int,
-        moves,
-        share,
-        root_probs=None,
-        root=None,
-    ):
-        """Steps 4-5 for one sequence (its row of the verify call, written at `base`): accept,
-        queue its cache gather in `moves`, tell its draft, record its stats. -> its new tokens
+    def _settle(self, s: BatchSequence, call: VerifiedCall, tree: Tree, drafted_tree: Tree, spec: bool):
+        """Steps 4-5 for one sequence (its row of the verify call): accept (decode.settle), queue
+        its cache gather in `call.moves`, tell its draft, record its stats. -> its new tokens
         ([] with `error` set when its logits were not finite: the rest of the batch goes on).
-        root: its row's (argmax, finite) when the step reduced every row at once (settle)."""
+        spec: whether its draft follows it (a tree fits its context); drafted_tree: the tree its
+        draft drafted (`tree`, or the empty one of a roots-only call)."""
         b, st = s.row, s.stats
-        room = s.max_new_tokens - s.produced
+        # where this step's rows were written: at P, or at the row's own length (ragged)
+        base = s.length if call.ragged else call.past
+        root = (call.best[b], call.finite[b]) if call.best is not None else None
         try:
-            new, path, stop = settle(
-                logits[b], tree, s.sampling, s.rng, s.eos, room, st, self.target.info.name, root_probs, root, s.history
+            step = settle(
+                call.logits[b], tree, s, self.target.info.name, root_probs=call.root_probs.get(id(s)), root=root
             )
         except NumericalError as e:
             s.done, s.stop_reason, s.error = True, "error", e
             return []
-        keep = [0] + [i + 1 for i in path.tolist()]
-        if s.logprobs is not None:
-            s.token_logprobs += token_logprobs(logits[b][keep], new, s.logprobs)
-        moves.append((b, s.length, [base + j for j in keep]))
+        keep, feats = step.keep, call.feats
+        call.moves.append((b, s.length, [base + j for j in keep]))
         if s.kept_feats is not None and feats is not None:
             s.kept_feats.append(feats[b, keep])
-        if spec and deferred:  # no tree was drafted: the draft queues the root for its next start
+        if spec and call.roots_only:  # no tree was drafted: the draft queues the root for its next start
             s.draft.defer(s.root, feats[b, :1] if feats is not None else None)
         elif spec:  # the draft keeps its accepted path (a forced chain's tokens: deferred to it)
-            tell_draft(s.draft, s.root, drafted_tree, path, keep, feats[b, : tree.n + 1] if feats is not None else None)
+            rows = feats[b, : tree.n + 1] if feats is not None else None
+            tell_draft(s.draft, s.root, drafted_tree, step.path, keep, rows)
         s.length += len(keep)
-        s.produced += len(new)
-        s.tokens += new
-        s.root = new[-1]
-        st.draft_s += share[0]
-        st.verify_s += share[1]
-        st.record_step(tree.n, tree.draft_calls, len(new), time.perf_counter() - s.t_start)
-        if stop:
-            s.done, s.stop_reason = True, stop
-        elif s.length >= self.target.info.max_position:
+        st.draft_s += call.share[0]
+        st.verify_s += call.share[1]
+        s.advance(step, tree)
+        if not s.done and s.length >= self.target.info.max_position:
             s.done, s.stop_reason = True, "context"
-        return new
+        return step.tokens
 
     def _draft_trees(self, seqs: list[BatchSequence], speculated: list[bool]) -> list[Tree]:
         """Every sequence's tree, its level loop driven in lockstep with the others': per level
@@ -506,7 +462,8 @@ class BatchDecoder:
         while todo or self.seqs:
             while todo and len(self.seqs) < self.max_batch:
                 i = todo.pop(0)
-                owner[id(self.add(prompts[i], max_new_tokens, eos_token_ids, per_row[i], seeds[i]))] = i
+                req = GenerationRequest(prompts[i], max_new_tokens, eos_token_ids, seeds[i], sampling=per_row[i])
+                owner[id(self.add(req))] = i
             for s, _ in self.step():
                 if s.done:
                     self.remove(s)

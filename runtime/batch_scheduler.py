@@ -12,27 +12,30 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from typing import Sequence
 
 from .batch_decode import BatchDecoder, BatchSequence
 from .errors import ArborspecError, InputError
-from .sampling import SamplingParams
+from .request import GenerationRequest, GenerationResult, as_request
 from .stats import GenerationStats
 
 
 class BatchStream:
-    """One request's token chunks (lists of ids), in order. `stats` and `stop_reason` are set
-    once the iterator is exhausted; `cancel()` (or `close()`) frees the row at the next step."""
+    """One request's token chunks (lists of ids), in order. `result`: its GenerationResult so far
+    (live once it joined the batch: its tokens, stats, log-probs grow with it), final once the
+    iterator is exhausted; `cancel()` (or `close()`) frees the row at the next step."""
 
-    def __init__(self, request: tuple):
+    def __init__(self, request: GenerationRequest):
         self.request = request
-        self.stats = GenerationStats()
-        self.logprobs: list = []
-        self.prompt_logprobs: list | None = None
-        self.stop_reason = "length"
         self.cancelled = threading.Event()
+        self._seq: BatchSequence | None = None  # set when it joins the batch
         self._q: queue.Queue = queue.Queue()
         self._finished = False
+
+    @property
+    def result(self) -> GenerationResult:
+        if self._seq is None:  # not (yet) in the batch: refused, cancelled or waiting
+            return GenerationResult([], GenerationStats())
+        return self._seq.result()
 
     def __iter__(self):
         return self
@@ -57,9 +60,7 @@ class BatchStream:
     def _put(self, tokens: list[int]) -> None:
         self._q.put(("tokens", tokens))
 
-    def _end(self, seq: BatchSequence | None, error: BaseException | None = None) -> None:
-        if seq is not None:
-            self.stats, self.stop_reason = seq.stats, seq.stop_reason
+    def _end(self, error: BaseException | None = None) -> None:
         self._q.put(("error", error) if error is not None else ("done", None))
 
 
@@ -83,21 +84,11 @@ class BatchScheduler:
     def waiting(self) -> int:
         return len(self._waiting)
 
-    def submit(
-        self,
-        prompt_ids: Sequence[int],
-        max_new_tokens: int = 64,
-        eos_token_ids: Sequence[int] = (),
-        sampling: SamplingParams | None = None,
-        seed: int = 0,
-        logprobs: int | None = None,
-        prompt_logprobs: int | None = None,
-    ) -> BatchStream:
-        """Queue a request; its stream yields token chunks as the batch decodes it (and, with
-        logprobs / prompt_logprobs, fills `stream.logprobs` / `stream.prompt_logprobs` as
-        BatchDecoder.add says)."""
-        request = (list(prompt_ids), max_new_tokens, list(eos_token_ids), sampling, seed, logprobs, prompt_logprobs)
-        stream = BatchStream(request)
+    def submit(self, request, *args, **kw) -> BatchStream:
+        """Queue a request (a GenerationRequest, or its fields as BatchDecoder.add takes them); its
+        stream yields token chunks as the batch decodes it (its `result` with the log-probs asked
+        for, as BatchDecoder.add says)."""
+        stream = BatchStream(as_request(request, *args, **kw))
         with self._cv:
             if self._closed:
                 raise InputError("this generator is closed")
@@ -118,17 +109,16 @@ class BatchScheduler:
                     joining.append(self._waiting.popleft())
             for stream in joining:
                 if stream.cancelled.is_set():
-                    stream._end(None)
+                    stream._end()
                     continue
                 try:
-                    seq = dec.add(*stream.request)
+                    seq = dec.add(stream.request)
                     self._owner[id(seq)] = stream
-                    stream.stats = seq.stats  # live: a caller that stops early still sees its stats
-                    stream.logprobs, stream.prompt_logprobs = seq.token_logprobs, seq.prompt_logprobs
+                    stream._seq = seq  # live: a caller that stops early still sees its stats
                 except ArborspecError as e:
-                    stream._end(None, e)
+                    stream._end(e)
                 except Exception as e:  # a bug: its caller sees it, the other sequences go on
-                    stream._end(None, e)
+                    stream._end(e)
             for seq in list(dec.seqs):
                 stream = self._owner[id(seq)]
                 if stream.cancelled.is_set():
@@ -155,13 +145,13 @@ class BatchScheduler:
         for seq in list(dec.seqs):  # closing: end every stream
             self._finish(seq, self._owner[id(seq)], InputError("the generator was closed"))
         for stream in self._waiting:
-            stream._end(None, InputError("the generator was closed"))
+            stream._end(InputError("the generator was closed"))
         self._waiting.clear()
 
     def _finish(self, seq: BatchSequence, stream: BatchStream, error: BaseException | None = None) -> None:
         self.decoder.remove(seq)
         self._owner.pop(id(seq), None)
-        stream._end(seq, error)
+        stream._end(error)
 
     def close(self) -> None:
         with self._cv:

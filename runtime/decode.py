@@ -22,7 +22,7 @@ import operator
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import torch
 
@@ -34,6 +34,7 @@ from .errors import InputError
 from .guards import check_logits
 from .kvcache import KVCache, PrefixCache
 from .penalties import RowProcessing, history_for
+from .request import GenerationRequest, GenerationResult, StepResult, as_request
 from .sampling import SamplingParams
 from .stats import GenerationStats, Timer
 from .tree_plan import VerifyBuffers, causal_prefill
@@ -65,13 +66,6 @@ MODES = ("vanilla", "chain", "tree")
 # a grammar's forced tokens (structured output, tool calls) are verified as one chain in place of
 # the drafted tree when there are at least MIN_FORCED of them, at most MAX_FORCED a step
 MIN_FORCED, MAX_FORCED = 2, 16
-
-
-@dataclass
-class GenerationResult:
-    tokens: list[int]
-    stats: GenerationStats
-    stop_reason: str = "length"  # "eos", "length" or "context"
 
 
 class SpeculativeDecoder:
@@ -154,94 +148,59 @@ class SpeculativeDecoder:
         return self.policy is not None and self.draft.needs_target_features
 
     # ------------------------------------------------------------------ public API
-    def generate(
-        self,
-        prompt_ids: Sequence[int],
-        max_new_tokens: int = 64,
-        eos_token_ids: Sequence[int] = (),
-        seed: int = 0,
-        logprobs: int | None = None,
-        prompt_logprobs: int | None = None,
-    ) -> GenerationResult:
-        out: list[int] = []
-        for chunk in self.stream(prompt_ids, max_new_tokens, eos_token_ids, seed, logprobs, prompt_logprobs):
-            out += chunk
-        return GenerationResult(out, self.last_stats, self.last_stop_reason)
+    # each takes a GenerationRequest (runtime/request.py) or its fields: the short form
+    # generate(prompt_ids, max_new_tokens=64, eos_token_ids=(), seed=0, logprobs=None, ...)
+    def generate(self, request, *args, **kw) -> GenerationResult:
+        """One whole generation -> its GenerationResult (tokens, stats, stop reason, log-probs)."""
+        chunks = self.stream(request, *args, **kw)
+        for _ in chunks:
+            pass
+        return chunks.result
 
-    def stream(
-        self,
-        prompt_ids: Sequence[int],
-        max_new_tokens: int = 64,
-        eos_token_ids: Sequence[int] = (),
-        seed: int = 0,
-        logprobs: int | None = None,
-        prompt_logprobs: int | None = None,
-    ) -> Iterator[list[int]]:
-        """Yields the tokens committed by each step; stats in `self.last_stats` at the end;
-        logprobs (k >= 0): each token's log-prob and the k most likely there in `self.last_logprobs`;
-        prompt_logprobs (k >= 0): the prompt's, from the prefill, in `self.last_prompt_logprobs`."""
-        with host_threads(self.target):
-            self.start(prompt_ids, max_new_tokens, eos_token_ids, seed, logprobs, prompt_logprobs)
-            try:
-                while True:
-                    new = self.step()
-                    if not new:
-                        break
-                    yield new
-            finally:
-                self._finish()
+    def stream(self, request, *args, **kw) -> "DecodeStream":
+        """The tokens committed by each step, as an iterator; its `result` is the generation's
+        GenerationResult (final once the iterator is exhausted or closed). With logprobs=k (>= 0)
+        the result's `logprobs` list each token's log-prob and the k most likely there; with
+        prompt_logprobs=k its `prompt_logprobs` the prompt's, from the prefill."""
+        return DecodeStream(self, as_request(request, *args, **kw))
 
-    def start(
-        self,
-        prompt_ids: Sequence[int],
-        max_new_tokens: int = 64,
-        eos_token_ids: Sequence[int] = (),
-        seed: int = 0,
-        logprobs: int | None = None,
-        prompt_logprobs: int | None = None,
-    ) -> None:
-        """Begin a sequence: check the prompt, prefill all of it but its last token (the first
-        root) into the target's cache, reset the draft. Then call `step()` until it returns []."""
-        prompt = check_prompt(self.target.info, prompt_ids, max_new_tokens)
-        on_logits, self.last_prompt_logprobs = prompt_scorer(prompt, check_logprobs(prompt_logprobs))
+    def start(self, request, *args, **kw) -> "_Sequence":
+        """Begin a sequence: check the request, prefill all of the prompt but its last token (the
+        first root) into the target's cache, reset the draft. Then call `step()` until it returns
+        no tokens; `stream()` does both."""
+        seq, on_logits = open_sequence(_Sequence, as_request(request, *args, **kw), self, self.sampling)
+        self._seq, prompt, st = seq, seq.prompt, seq.stats
         tgt, draft, policy = self.target, self.draft, self.policy
-        st = GenerationStats(mode=self.mode, tree=policy.spec if policy else "", prompt_tokens=len(prompt))
-        self.last_stats, self.last_stop_reason = st, "length"
-        rng = seeded_rng(seed)
-        seq = self._seq = _Sequence(prompt[-1], max_new_tokens, {int(e) for e in eos_token_ids}, rng, st)
-        seq.history = history_for(self.sampling, prompt, tgt.info.vocab_size, seq.eos)
-        seq.logprobs = check_logprobs(logprobs)
-        self.last_logprobs = seq.token_logprobs
         seq.timer = Timer(st, self._timer_sync)
         seq.model_s0 = draft.model_s if draft is not None else 0.0
         extra = (policy.max_nodes if policy else 0) + 2
         top = tgt.info.max_position + extra
-        cap = min(len(prompt) + max_new_tokens + extra, top)
+        cap = min(len(prompt) + seq.max_new_tokens + extra, top)
         with seq.timer("prefill_s"):
             cache = self._cache = self._prefix.room(self._cache, tgt.info.cache, cap, tgt.device, top)
             feats, calls, st.cached_tokens = self.prefill_prompt(prompt, cache, on_logits)
             st.target_calls += calls
             if policy is not None:
-                draft.prepare(policy, min(len(prompt) + max_new_tokens, tgt.info.max_position))
+                draft.prepare(policy, min(len(prompt) + seq.max_new_tokens, tgt.info.max_position))
                 if self.cold:
                     draft.forget()
                 draft.reset(prompt[:-1], feats)
+        return seq
 
-    def step(self) -> list[int]:
+    def step(self) -> StepResult:
         """One decode step of the started sequence: (1) draft a tree, (2) flatten it, (3) verify
         it with one target call, (4) accept, (5) commit the target's and the draft's caches.
-        -> the tokens it commits; [] once the sequence is over (`last_stop_reason` says why)."""
+        -> its StepResult; no tokens once the sequence is over (`stop_reason` says why)."""
         seq, tgt, policy, cache = self._seq, self.target, self.policy, self._cache
         if seq is None or seq.done:
-            return []
+            return StepResult([], NO_PATH, seq.stop_reason if seq is not None else None)
         past, timer = cache.length, seq.timer
         if past >= tgt.info.max_position:
-            seq.done, self.last_stop_reason = True, "context"
-            return []
+            seq.done, seq.stop_reason = True, "context"
+            return StepResult([], NO_PATH, "context")
         speculate = tree_fits(policy, past, tgt.info.max_position)  # the context's last tokens: none
         with timer("draft_s"):
-            room = seq.max_new_tokens - seq.produced
-            forced = forced_chain(seq.history, room, past, tgt.info, MAX_FORCED) if speculate else None
+            forced = forced_chain(seq.history, seq.room, past, tgt.info, MAX_FORCED) if speculate else None
             tree = forced or (self._draft(seq) if speculate else Tree.empty())
         # flattening lands in other_s (the runtime's own time), the call in verify_s
         ids, pos, mask = self._vbuf.fill(seq.root, tree, past)
@@ -249,25 +208,16 @@ class SpeculativeDecoder:
             logits, feats = verify(tgt, ids, pos, mask, cache, self.needs_features)
         with timer("accept_kv_s"):
             self._vbuf.release()
-            room = seq.max_new_tokens - seq.produced
-            new, path, stop = settle(
-                logits[0], tree, self.sampling, seq.rng, seq.eos, room, seq.stats, tgt.info.name, history=seq.history
-            )
-            keep = [0] + [i + 1 for i in path.tolist()]  # the rows that predicted the new tokens
-            if seq.logprobs is not None:
-                seq.token_logprobs += token_logprobs(logits[0, keep], new, seq.logprobs)
+            step = settle(logits[0], tree, seq, tgt.info.name)
+            keep = step.keep  # the rows that predicted the new tokens
             # the caches keep every committed token but the last (the next root)
             cache.commit(keep, tree.n + 1)
             if self.prefix_cache:  # root and accepted nodes committed: a next prompt that repeats them reuses them
-                self._prefix.extend([seq.root] + new[:-1], feats[0, keep] if feats is not None else None)
+                self._prefix.extend([seq.root] + step.tokens[:-1], feats[0, keep] if feats is not None else None)
             if speculate:
-                tell_draft(self.draft, seq.root, tree, path, keep, feats[0] if feats is not None else None)
-        seq.produced += len(new)
-        seq.stats.record_step(tree.n, tree.draft_calls, len(new), time.perf_counter() - seq.t_start)
-        if stop:
-            seq.done, self.last_stop_reason = True, stop
-        seq.root = new[-1]
-        return new
+                tell_draft(self.draft, seq.root, tree, step.path, keep, feats[0] if feats is not None else None)
+        seq.advance(step, tree)
+        return step
 
     def cached_prefix(self, ids: list[int]) -> int:
         """How many of `ids`' first tokens (but its last) the cache holds for a next prompt."""
@@ -304,7 +254,7 @@ class SpeculativeDecoder:
             self.draft,
             self.policy,
             seq.root,
-            self.sampling,
+            seq.sampling,
             self.candidates,
             seq.rng,
             self.keep_draft_probs,
@@ -313,9 +263,8 @@ class SpeculativeDecoder:
             seq.history,
         )
 
-    def _finish(self) -> None:
-        """The sequence's closing stats: total time, time inside draft engines, the rest."""
-        seq = self._seq
+    def _finish(self, seq: "_Sequence") -> None:
+        """A sequence's closing stats: total time, time inside draft engines, the rest."""
         st = seq.stats
         st.total_s = time.perf_counter() - seq.t_start
         if self.draft is not None:
@@ -323,23 +272,114 @@ class SpeculativeDecoder:
         st.other_s = max(0.0, st.total_s - st.prefill_s - st.draft_s - st.verify_s - st.accept_kv_s)
 
 
-@dataclass(eq=False)
-class _Sequence:
-    """Where the decoder's current sequence stands between steps."""
+class DecodeStream:
+    """One generation's token chunks (lists of ids) as SpeculativeDecoder.stream's steps commit
+    them; `result`: its GenerationResult so far (None before the first chunk is asked for), final
+    once the iterator is exhausted or closed. The decoder's sequence starts at the first chunk."""
 
-    root: int
-    max_new_tokens: int
-    eos: set
+    def __init__(self, decoder: SpeculativeDecoder, request: GenerationRequest):
+        self.request = request
+        self._seq: SequenceState | None = None
+        self._chunks = self._run(decoder)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> list[int]:
+        return next(self._chunks)
+
+    def close(self) -> None:
+        """End the generation here (a caller that stops early)."""
+        self._chunks.close()
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self._seq.result() if self._seq is not None else None
+
+    def _run(self, dec: SpeculativeDecoder) -> Iterator[list[int]]:
+        with host_threads(dec.target):
+            self._seq = dec.start(self.request)
+            try:
+                while True:
+                    new = dec.step().tokens
+                    if not new:
+                        break
+                    yield new
+            finally:
+                dec._finish(self._seq)
+
+
+@dataclass(eq=False)
+class SequenceState:
+    """Where one sequence of either decoder stands between steps: its request as the steps read
+    it (sampling, random generator, the ids that end it, its penalties / grammar) and what it has
+    produced. Made by `open_sequence`, advanced by each step's StepResult (`advance`)."""
+
+    request: GenerationRequest
+    prompt: list[int]
+    sampling: SamplingParams
     rng: torch.Generator
+    eos: set
     stats: GenerationStats
+    root: int = 0  # the last committed token, not yet in the target's cache
     produced: int = 0
     done: bool = False
-    timer: Timer | None = None
-    model_s0: float = 0.0
-    t_start: float = field(default_factory=time.perf_counter)
+    stop_reason: str = "length"
+    tokens: list = field(default_factory=list)
     logprobs: int | None = None  # top log-probs asked for (None: none)
     token_logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None  # with prompt_logprobs=k: the prompt's (prompt_scorer)
     history: RowProcessing | None = None  # its penalties / grammar along each row's path (None: none)
+    t_start: float = field(default_factory=time.perf_counter)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.request.max_new_tokens
+
+    @property
+    def room(self) -> int:
+        """Tokens the answer may still take."""
+        return self.request.max_new_tokens - self.produced
+
+    def advance(self, step: StepResult, tree: Tree) -> None:
+        """Step 5's bookkeeping: the step's tokens (and log-probs) appended, its stats recorded."""
+        self.tokens += step.tokens
+        self.token_logprobs += step.logprobs
+        self.produced += len(step.tokens)
+        self.root = step.tokens[-1]
+        self.stats.record_step(tree.n, tree.draft_calls, len(step.tokens), time.perf_counter() - self.t_start)
+        if step.stop_reason:
+            self.done, self.stop_reason = True, step.stop_reason
+
+    def result(self) -> GenerationResult:
+        """The generation so far (its lists are the sequence's own: they grow with it)."""
+        lps = self.token_logprobs if self.logprobs is not None else None
+        return GenerationResult(self.tokens, self.stats, self.stop_reason, lps, self.prompt_logprobs)
+
+
+@dataclass(eq=False)
+class _Sequence(SequenceState):
+    """The unbatched decoder's sequence: with its step timer."""
+
+    timer: Timer | None = None
+    model_s0: float = 0.0  # the draft's model time when it started
+
+
+def open_sequence(cls, request: GenerationRequest, decoder, sampling: SamplingParams):
+    """Step 0 of either decoder: a request checked (one-line errors) and made a sequence of `cls`
+    (a SequenceState) for `decoder` (its target's info, mode and tree policy); `sampling`: the
+    decoder's default where the request has none -> (the sequence; the prefill's on_logits
+    callback for the prompt's log-probs, or None)."""
+    info, policy = decoder.target.info, decoder.policy
+    prompt = check_prompt(info, request.prompt, request.max_new_tokens)
+    on_logits, prompt_lps = prompt_scorer(prompt, check_logprobs(request.prompt_logprobs))
+    sp = request.sampling or sampling
+    eos = {int(e) for e in request.eos_token_ids or ()}
+    st = GenerationStats(mode=decoder.mode, tree=policy.spec if policy else "", prompt_tokens=len(prompt))
+    seq = cls(request, prompt, sp, seeded_rng(request.seed), eos, st, root=prompt[-1])
+    seq.history = history_for(sp, prompt, info.vocab_size, eos)
+    seq.logprobs, seq.prompt_logprobs = check_logprobs(request.logprobs), prompt_lps
+    return seq, on_logits
 
 
 # ---------------------------------------------------------------------- the steps both decoders share
@@ -456,29 +496,20 @@ def verify(engine, ids, pos, mask, cache, features: bool):
     return engine.forward(ids, pos, mask, cache), None
 
 
-def settle(
-    logits,
-    tree: Tree,
-    sampling,
-    rng,
-    eos: set,
-    room: int,
-    stats: GenerationStats,
-    name: str,
-    root_probs=None,
-    root=None,
-    history=None,
-):
+def settle(logits, tree: Tree, seq: SequenceState, name: str, root_probs=None, root=None) -> StepResult:
     """Step 4 for one sequence: accept over its rows `logits` [>= tree.n + 1, V] (checked
-    finite where read), cut at EOS / the token budget `room` -> (new tokens, the accepted path
-    to commit: node indices, root excluded, the last token left out as the next root, stop
-    reason or None). root_probs: the root row's warped probabilities when the caller computed
-    them already (a batch's, in one call on its device). root: (argmax, finite) of the root row
-    of a call without a tree, when the caller reduced it already (guards.root_reductions: a
-    batch's rows at once); `logits` are read then only to name a non-finite row's fault.
-    history: the sequence's penalties.RowProcessing when its request has penalties, a logit
-    bias or structured output (each row read is processed along its path; the new tokens join it); the caller's
-    root_probs / root argmax are of unprocessed rows then, and not used."""
+    finite where read) with the sequence's sampling, random generator and history, cut at its
+    end ids / token budget -> StepResult (new tokens, the accepted path to commit: node indices,
+    root excluded, the last token left out as the next root, stop reason or None; the tokens'
+    log-probs when the request asked). name: the engine's, for a non-finite row's error.
+    root_probs: the root row's warped probabilities when the caller computed them already (a
+    batch's, in one call on its device). root: (argmax, finite) of the root row of a call
+    without a tree, when the caller reduced it already (guards.root_reductions: a batch's rows at
+    once); `logits` are read then only to name a non-finite row's fault. With a history (the
+    request has penalties, a logit bias or structured output: each row read is processed along
+    its path; the new tokens join it) the caller's root_probs / root argmax are of unprocessed
+    rows, and not used."""
+    sampling, history, step_no = seq.sampling, seq.history, seq.stats.steps + 1
     process = None
     if history is not None:
         process, root_probs = history.process, None
@@ -488,20 +519,28 @@ def settle(
         if tree.n:
             raise ValueError("settle: root reductions are for calls without a tree")
         if not root[1]:
-            check_logits(logits[:1], None, stats.steps + 1, name)  # raises, naming NaN or Inf
+            check_logits(logits[:1], None, step_no, name)  # raises, naming NaN or Inf
         if sampling.greedy:
-            new, stop = truncate([root[0]], eos, room)
-            return new, NO_PATH, stop
+            new, stop = truncate([root[0]], seq.eos, seq.room)
+            return step_result(logits, new, NO_PATH, stop, seq.logprobs)
     check = None
     if not sampling.greedy and root is None:  # the sampled walk checks each row as it reads it
-        check = lambda row: check_logits(row[None], None, stats.steps + 1, name)  # noqa: E731
-    acc = accept(logits[: tree.n + 1], tree, sampling, rng, root_probs, check, process)
+        check = lambda row: check_logits(row[None], None, step_no, name)  # noqa: E731
+    acc = accept(logits[: tree.n + 1], tree, sampling, seq.rng, root_probs, check, process)
     if sampling.greedy:  # the rows the greedy walk read: the accepted path's and the next token's
-        check_logits(logits, [0] + [i + 1 for i in acc.path.tolist()], stats.steps + 1, name)
-    new, stop = truncate(acc.tokens, eos, room)
+        check_logits(logits, [0] + [i + 1 for i in acc.path.tolist()], step_no, name)
+    new, stop = truncate(acc.tokens, seq.eos, seq.room)
     if history is not None:
         history.extend(new)
-    return new, acc.path[: len(new) - 1], stop
+    return step_result(logits, new, acc.path[: len(new) - 1], stop, seq.logprobs)
+
+
+def step_result(logits, tokens: list[int], path, stop: str | None, k: int | None) -> StepResult:
+    """A step's StepResult, with its tokens' log-probs from their rows of `logits` when k is set."""
+    step = StepResult(tokens, path, stop)
+    if k is not None:
+        step.logprobs = token_logprobs(logits[step.keep], tokens, k)
+    return step
 
 
 NO_PATH = torch.zeros(0, dtype=torch.long)  # the accepted path of a call without a tree

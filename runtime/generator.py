@@ -37,6 +37,7 @@ from typing import Iterator, Sequence
 from .decode import MODES, SpeculativeDecoder, check_logprobs
 from .errors import EmptyCompletionWarning, InputError, MissingFileError
 from .penalties import check_bias
+from .request import GenerationRequest, GenerationResult
 from .sampling import SamplingParams
 from .stats import GenerationStats
 from .stats import GenerationStats as _Stats
@@ -103,7 +104,7 @@ class Generator:
         self._decoder(SamplingParams())  # validates mode / tree / draft now, not at the first call
         if sampled_tree:
             self._decoder(SamplingParams(temperature=1.0))  # and the sampled calls' tree
-        self._last = threading.local()
+        self._last = _LastCall()
         self._busy = 0
         self._batch = None
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
@@ -130,7 +131,7 @@ class Generator:
     @property
     def last_stats(self) -> _Stats | None:
         """Statistics of this thread's last generation."""
-        return getattr(self._last, "stats", None)
+        return self._last.result.stats if self._last.result is not None else None
 
     @property
     def reuses_prefix(self) -> bool:
@@ -146,7 +147,7 @@ class Generator:
 
     @property
     def last_stop_reason(self) -> str | None:
-        return getattr(self._last, "stop_reason", None)
+        return self._last.result.stop_reason if self._last.result is not None else None
 
     @property
     def active(self) -> int:
@@ -212,8 +213,8 @@ class Generator:
     # ------------------------------------------------------------------ calls
     def _decoder(self, sp: SamplingParams) -> SpeculativeDecoder:
         """The decoder for `sp`'s kind of call (greedy or sampled; one each, whatever the
-        temperature or penalties: each holds a KV cache); a call sets its own `sampling` on it
-        under the lock (`_token_stream`)."""
+        temperature or penalties: each holds a KV cache); each call's request carries its own
+        SamplingParams."""
         dec = self._decoders.get(sp.greedy)
         if dec is None:
             dec = SpeculativeDecoder(
@@ -231,10 +232,42 @@ class Generator:
             self._decoders[sp.greedy] = dec
         return dec
 
-    def _sampling(self, temperature, top_k, top_p, penalties: dict, response_format) -> SamplingParams:
-        sp = sampling_params(temperature, top_k, top_p, penalties, self.target.info.vocab_size)
-        grammar = self.grammar(response_format)
-        return replace(sp, grammar=grammar) if grammar is not None else sp
+    def request(self, prompt, max_new_tokens: int = 64, **options) -> GenerationRequest:
+        """The GenerationRequest of generate()'s and stream()'s keyword form (runtime/request.py):
+        temperature, top_k, top_p and the PENALTIES keywords make its SamplingParams; seed, stop,
+        logprobs, prompt_logprobs, response_format and include_stop_str_in_output are its own
+        fields. One InputError line for a keyword that is none of them or a value out of range."""
+        fields = {k: options.pop(k) for k in REQUEST_KEYWORDS if k in options}
+        warp = {k: options.pop(k) for k in ("temperature", "top_k", "top_p") if k in options}
+        sp = sampling_params(**warp, penalties=options)
+        return GenerationRequest(prompt, max_new_tokens, sampling=sp, **fields)
+
+    def _request(self, prompt, max_new_tokens: int, options: dict) -> GenerationRequest:
+        """A call's request: `prompt` itself when it is one (nothing else given), else `request()`'s."""
+        if not isinstance(prompt, GenerationRequest):
+            return self.request(prompt, max_new_tokens, **options)
+        if options or max_new_tokens != 64:
+            raise InputError("a GenerationRequest takes no other arguments: set them in the request")
+        return prompt
+
+    def _decoding(self, req: GenerationRequest) -> GenerationRequest:
+        """The request as a decoder takes it: token ids, its response_format's grammar in its
+        sampling, the ids that end it (its own or the tokenizer's EOS: SamplingParams.end_ids),
+        its log-probs checked."""
+        sp = req.sampling or SamplingParams()
+        check_bias(sp, self.target.info.vocab_size)
+        grammar = self.grammar(req.response_format)
+        if grammar is not None:
+            sp = replace(sp, grammar=grammar)
+        eos = self.eos_token_ids if req.eos_token_ids is None else req.eos_token_ids
+        return replace(
+            req,
+            prompt=self._ids(req.prompt),
+            sampling=sp,
+            eos_token_ids=sp.end_ids(eos),
+            logprobs=check_logprobs(req.logprobs),
+            prompt_logprobs=check_logprobs(req.prompt_logprobs),
+        )
 
     def grammar(self, response_format):
         """The compiled grammar of an OpenAI `response_format` for this generator's tokenizer
@@ -271,31 +304,17 @@ class Generator:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def generate(
-        self,
-        prompt,
-        max_new_tokens: int = 64,
-        *,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int = 0,
-        chat: bool = False,
-        stop=None,
-        logprobs: int | None = None,
-        prompt_logprobs: int | None = None,
-        response_format: dict | None = None,
-        include_stop_str_in_output: bool = False,
-        **penalties,
-    ) -> Completion:
-        """One completion of a text or token-id prompt. chat=True: a text prompt is one user
+    def generate(self, prompt, max_new_tokens: int = 64, *, chat: bool = False, **options) -> Completion:
+        """One completion of a text or token-id prompt, or of a GenerationRequest (runtime/request.py;
+        then nothing else: the request says all). chat=True: a text prompt is one user
         message through the model's chat template (what an instruct model expects; without it
         such a model often answers '' at once, and an EmptyCompletionWarning says so).
-        stop: a string or a list of strings: the text ends before the first of them
-        (stop_reason "stop"; `tokens` then end with the one that completed it; the text ends with
-        the stop string itself with include_stop_str_in_output=True, vLLM's). logprobs=k (0..20):
-        `Completion.logprobs`, each token's log-prob under the target (the verify call's row that
-        predicted it, before temperature and top-k/p) and the k most likely tokens there.
+        options (keywords; `request()` makes them a GenerationRequest): temperature=0, top_k=0,
+        top_p=1, seed=0; stop: a string or a list of strings: the text ends before the first of
+        them (stop_reason "stop"; `tokens` then end with the one that completed it; the text ends
+        with the stop string itself with include_stop_str_in_output=True, vLLM's). logprobs=k
+        (0..20): `Completion.logprobs`, each token's log-prob under the target (the verify call's
+        row that predicted it, before temperature and top-k/p) and the k most likely tokens there.
         prompt_logprobs=k: `Completion.prompt_logprobs`, the same for each prompt token from the
         prefill's rows (the first token has none: None and []); what scoring a text needs.
         penalties: min_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias
@@ -307,40 +326,23 @@ class Generator:
         if chat:
             if not isinstance(prompt, str):
                 raise InputError("chat=True takes a text prompt (for messages use chat())")
-            return self.chat(
-                [{"role": "user", "content": prompt}],
-                max_new_tokens,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                seed=seed,
-                stop=stop,
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-                response_format=response_format,
-                include_stop_str_in_output=include_stop_str_in_output,
-                **penalties,
-            )
-        sp = self._sampling(temperature, top_k, top_p, penalties, response_format)  # (chat: in its own call)
-        ids = self._ids(prompt)
-        logprobs, prompt_logprobs = check_logprobs(logprobs), check_logprobs(prompt_logprobs)
-        self._last.prompt_logprobs = None
-        stops = self._stops(stop)
+            return self.chat([{"role": "user", "content": prompt}], max_new_tokens, **options)
+        req = self._request(prompt, max_new_tokens, options)  # (chat: in the call chat() makes)
+        dreq = self._decoding(req)
+        stops = self._stops(req.stop)
         out: list[int] = []
         if stops:
-            pieces = self._text_until_stop(
-                ids, max_new_tokens, sp, seed, stops, out, logprobs, prompt_logprobs, include_stop_str_in_output
-            )
-            text = "".join(pieces)
+            text = "".join(self._text_until_stop(dreq, stops, out))
         else:
-            for chunk in self._token_stream(ids, max_new_tokens, sp, seed, logprobs, prompt_logprobs):
+            for chunk in self._token_stream(dreq):
                 out += chunk
             text = self._text(out)
-        if isinstance(prompt, str):
+        if isinstance(req.prompt, str):
             warn_if_empty_answer(self.tokenizer, len(out), self.last_stop_reason, "generate(prompt, chat=True)")
-        lps = None if logprobs is None else list(getattr(self._last, "logprobs", []))[: len(out)]
-        plps = None if prompt_logprobs is None else list(self._last.prompt_logprobs or [])
-        return Completion(text, out, len(ids), self.last_stop_reason, self.last_stats, lps, plps)
+        res = self._last.result
+        lps = None if dreq.logprobs is None else list(res.logprobs or [])[: len(out)]
+        plps = None if dreq.prompt_logprobs is None else list(res.prompt_logprobs or [])
+        return Completion(text, out, len(dreq.prompt), res.stop_reason, res.stats, lps, plps)
 
     def _stops(self, stop, ids: bool = False) -> list[str]:
         stops = parse_stop(stop)
@@ -348,114 +350,76 @@ class Generator:
             raise InputError("stop strings need text output (a tokenizer, and ids=False)")
         return stops
 
-    def _text_until_stop(
-        self,
-        ids: list[int],
-        max_new_tokens: int,
-        sp: SamplingParams,
-        seed: int,
-        stops,
-        tokens,
-        logprobs=None,
-        prompt_logprobs=None,
-        include: bool = False,
-    ):
+    def _text_until_stop(self, req: GenerationRequest, stops: list[str], tokens: list):
         """Text pieces of one generation that ends at the first stop string (left out of the
-        text but with `include`; stop_reason "stop"); `tokens` collects the ids read, up to the one
-        that completed it."""
-        match = StopStrings(stops, include)
-        chunks = self._token_stream(ids, max_new_tokens, sp, seed, logprobs, prompt_logprobs)
+        text but with the request's include_stop_str_in_output; stop_reason "stop"); `tokens`
+        collects the ids read, up to the one that completed it."""
+        match = StopStrings(stops, req.include_stop_str_in_output)
+        chunks = self._token_stream(req)
         yield from decode_until_stop(chunks, self.tokenizer.stream_decoder(skip_special_tokens=True), match, tokens)
         if match.hit:
-            self._last.stop_reason = "stop"
+            self._last.result.stop_reason = "stop"
 
-    def _token_stream(
-        self, ids: list[int], max_new_tokens: int, sp: SamplingParams, seed: int, logprobs=None, prompt_logprobs=None
-    ):
-        """Token-id chunks of one generation, batched or under the lock; sets this thread's
-        last_stats / last_stop_reason (and the log-probs asked for) when it ends."""
+    def _token_stream(self, req: GenerationRequest):
+        """Token-id chunks of one generation (a decoder's request: `_decoding`), batched or under
+        the lock; this thread's `_last.result` is its GenerationResult (live: the log-probs grow
+        with it; final when it ends)."""
+        self._last.result = None
         if self._batch is not None:
             self._check_open()
-            s = self._batch.submit(
-                ids, max_new_tokens, sp.end_ids(self.eos_token_ids), sp, seed, logprobs, prompt_logprobs
-            )
+            s = self._batch.submit(req)
             try:
                 for chunk in s:
-                    self._last.logprobs = s.logprobs  # live: the chunk's entries are in it (stream(logprobs=k))
+                    self._last.result = s.result  # live: the chunk's log-probs are in it (stream(logprobs=k))
                     yield chunk
             finally:
                 s.cancel()  # a caller that stops early frees its row
-                # its stats so far (live until the scheduler drops the row)
-                self._last.stats, self._last.stop_reason = s.stats, s.stop_reason
-                self._last.logprobs, self._last.prompt_logprobs = s.logprobs, s.prompt_logprobs
+                self._last.result = s.result  # its stats so far (live until the scheduler drops the row)
             return
         with self._lock:
             self._check_open()
-            dec = self._decoder(sp)
-            dec.sampling = sp
             self._busy = 1
-            steps = dec.stream(ids, max_new_tokens, sp.end_ids(self.eos_token_ids), seed, logprobs, prompt_logprobs)
+            steps = self._decoder(req.sampling).stream(req)
             try:
                 for chunk in steps:
-                    self._last.logprobs = dec.last_logprobs  # live, as above
+                    self._last.result = steps.result  # live, as above
                     yield chunk
             finally:
                 steps.close()  # a caller that stops early ends the decoder's sequence here
                 self._busy = 0
-                self._last.logprobs = getattr(dec, "last_logprobs", [])
-                self._last.prompt_logprobs = getattr(dec, "last_prompt_logprobs", None)
-                self._last.stats = getattr(dec, "last_stats", None)
-                self._last.stop_reason = getattr(dec, "last_stop_reason", None)
+                self._last.result = steps.result
 
-    def stream(
-        self,
-        prompt,
-        max_new_tokens: int = 64,
-        *,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int = 0,
-        ids: bool = False,
-        stop=None,
-        logprobs: int | None = None,
-        response_format: dict | None = None,
-        include_stop_str_in_output: bool = False,
-        **penalties,
-    ) -> Iterator:
-        """Text chunks as they become final (or lists of token ids with ids=True). Stats and stop
-        reason of the last stream: `last_stats`, `last_stop_reason`. stop: as in generate (a
-        chunk that might begin a stop string is held back until it cannot). logprobs=k: yields
-        (chunk, entries) pairs instead, entries as generate's `Completion.logprobs` for the tokens
-        read since the previous pair (a token whose text is held back comes with the chunk that
-        releases it; a last pair may carry an empty chunk). penalties, response_format: as generate's."""
-        sp = self._sampling(temperature, top_k, top_p, penalties, response_format)
-        prompt_ids = self._ids(prompt)
-        stops = self._stops(stop, ids)
-        logprobs = check_logprobs(logprobs)
+    def stream(self, prompt, max_new_tokens: int = 64, *, ids: bool = False, **options) -> Iterator:
+        """Text chunks as they become final (or lists of token ids with ids=True) of a prompt
+        with generate()'s options, or of a GenerationRequest. Stats and stop reason of the last
+        stream: `last_stats`, `last_stop_reason`. stop: as in generate (a chunk that might begin
+        a stop string is held back until it cannot). logprobs=k: yields (chunk, entries) pairs
+        instead, entries as generate's `Completion.logprobs` for the tokens read since the
+        previous pair (a token whose text is held back comes with the chunk that releases it; a
+        last pair may carry an empty chunk). prompt_logprobs: generate's only."""
+        req = self._request(prompt, max_new_tokens, options)
+        if req.prompt_logprobs is not None:
+            raise InputError("prompt_logprobs are generate()'s (a Completion), not stream()'s")
+        dreq = self._decoding(req)
+        stops = self._stops(req.stop, ids)
         read: list[int] = []  # the tokens read so far
-        if stops:
-            pieces = self._text_until_stop(
-                prompt_ids, max_new_tokens, sp, seed, stops, read, logprobs, include=include_stop_str_in_output
-            )
-        else:
-            pieces = self._pieces(prompt_ids, max_new_tokens, sp, seed, ids, read, logprobs)
-        if logprobs is None:
+        pieces = self._text_until_stop(dreq, stops, read) if stops else self._pieces(dreq, ids, read)
+        if dreq.logprobs is None:
             yield from pieces
             return
         sent = 0
         for piece in pieces:
-            entries, sent = self._last.logprobs[sent : len(read)], len(read)
+            entries, sent = self._last.result.logprobs[sent : len(read)], len(read)
             yield piece, entries
-        rest = self._last.logprobs[sent : len(read)]
+        rest = self._last.result.logprobs[sent : len(read)] if self._last.result is not None else []
         if rest:
             yield ([] if ids else ""), rest
 
-    def _pieces(self, prompt_ids, max_new_tokens: int, sp: SamplingParams, seed: int, ids: bool, read, logprobs):
+    def _pieces(self, req: GenerationRequest, ids: bool, read: list):
         """stream's chunks without stop strings: text as it becomes final (ids: the token lists);
         `read` collects the ids."""
         sd = self.tokenizer.stream_decoder(skip_special_tokens=True) if (self.tokenizer and not ids) else None
-        for chunk in self._token_stream(prompt_ids, max_new_tokens, sp, seed, logprobs):
+        for chunk in self._token_stream(req):
             read += chunk
             if sd is None:
                 yield chunk
@@ -521,6 +485,15 @@ class Generator:
         self.close()
 
 
+class _LastCall(threading.local):
+    """This thread's last generation (Generator.last_stats / last_stop_reason)."""
+
+    result: GenerationResult | None = None
+
+
+# generate()'s / stream()'s keywords that are GenerationRequest fields (the others make its sampling)
+REQUEST_KEYWORDS = ("seed", "stop", "logprobs", "prompt_logprobs", "response_format", "include_stop_str_in_output")
+
 PENALTIES = (
     "min_p",
     "repetition_penalty",
@@ -533,9 +506,12 @@ PENALTIES = (
 )
 
 
-def sampling_params(temperature, top_k, top_p, penalties: dict, vocab_size: int | None = None) -> SamplingParams:
+def sampling_params(
+    temperature=0.0, top_k=0, top_p=1.0, penalties: dict | None = None, vocab_size: int | None = None
+) -> SamplingParams:
     """A call's SamplingParams from its keyword arguments (one InputError line for a keyword
     that is none of them, a value out of range, or a biased token outside `vocab_size`)."""
+    penalties = penalties or {}
     unknown = sorted(set(penalties) - set(PENALTIES))
     if unknown:
         raise InputError(f"unexpected keyword argument {unknown[0]!r} (sampling takes {', '.join(PENALTIES)})")

@@ -260,8 +260,8 @@ MUTANTS = [
     Mutant(
         "batch: every row accepts with row 0's logits",
         BATCH,
-        "logits[b], tree, s.sampling, s.rng,",
-        "logits[0], tree, s.sampling, s.rng,",
+        "call.logits[b], tree, s, self.target.info.name,",
+        "call.logits[0], tree, s, self.target.info.name,",
         (EXACT, "-k", "batched and topk"),
     ),
     Mutant(

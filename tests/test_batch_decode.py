@@ -458,7 +458,7 @@ def test_a_batchs_root_probabilities_in_one_call_draw_what_each_row_alone_draws(
         dec = BatchDecoder(target, _draft(kind, draft_engine, v), mode=mode, max_batch=len(prompts))
         assert dec.batched_root_probs is False  # the CPU's default
         dec.batched_root_probs = batched
-        seqs = [dec.add(p, 12, (), sp, 10 + i) for i, (p, sp) in enumerate(zip(prompts, sps))]
+        seqs = [dec.add(p, 12, (), 10 + i, sampling=sp) for i, (p, sp) in enumerate(zip(prompts, sps))]
         steps = 0
         while any(not s.done for s in dec.seqs):
             dec.step()

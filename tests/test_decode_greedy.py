@@ -69,10 +69,11 @@ def test_single_token_prompt_and_eos(llama_pair):
 def test_stream_yields_the_same_tokens(llama_pair):
     target, draft = llama_pair
     dec = SpeculativeDecoder(target, draft, mode="tree", tree="full:3,2")
-    chunks = list(dec.stream(PROMPT, 30))
-    assert sum(chunks, []) == dec.generate(PROMPT, 30).tokens
+    stream = dec.stream(PROMPT, 30)
+    chunks = list(stream)
+    assert sum(chunks, []) == dec.generate(PROMPT, 30).tokens == stream.result.tokens
     assert all(1 <= len(c) <= 4 for c in chunks)  # at most depth + 1 per step
-    st = dec.last_stats
+    st = stream.result.stats
     assert st.new_tokens == 30 and st.steps == len(chunks)
     assert st.target_calls == st.steps + 1  # + the prefill
     assert abs(st.mean_accepted - 30 / st.steps) < 1e-9

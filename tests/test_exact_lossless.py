@@ -185,7 +185,7 @@ def batch_tv(target_module, folder, cand, stop_above=None) -> float:
     m = M if cand == "topk" else bd.policy.depth + 1
 
     def first_steps():
-        seqs = [bd.add(p, m, (), sp, seed) for seed, p in enumerate(prompts)]
+        seqs = [bd.add(p, m, (), seed, sampling=sp) for seed, p in enumerate(prompts)]
         out = dict(bd.step())
         for s in seqs:
             bd.remove(s)

@@ -33,15 +33,15 @@ def test_nan_logits_stop_decoding_at_that_step(llama_pair, value, mode, tree):
     target, draft = llama_pair
     broken = BreaksAtCall(target, n=4, value=value)  # the prefill is call 1: decode step 3 breaks
     dec = SpeculativeDecoder(broken, draft if mode == "tree" else None, mode=mode, tree=tree)
-    got = []
+    got, stream = [], dec.stream([1, 5, 7, 9], 20)
     with pytest.raises(NumericalError) as e:
-        for chunk in dec.stream([1, 5, 7, 9], 20):
+        for chunk in stream:
             got += chunk
     msg = str(e.value)
     assert ("NaN" if value != value else "Inf") in msg and "decode step 3" in msg and target.info.name in msg
     assert "\n" not in msg and isinstance(e.value, ArborspecError)
     ref = SpeculativeDecoder(target, draft if mode == "tree" else None, mode=mode, tree=tree).generate([1, 5, 7, 9], 20)
-    assert got == ref.tokens[: len(got)] and dec.last_stats.steps == 2  # two good steps, then the error
+    assert got == ref.tokens[: len(got)] and stream.result.stats.steps == 2  # two good steps, then the error
 
 
 def test_check_logits_reads_only_the_rows_it_is_given():

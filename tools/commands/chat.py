@@ -117,22 +117,22 @@ def run(args) -> int:
                 history = history[dropped:]
                 say(f"dropped the {dropped // 2} oldest turn(s): the conversation passed the context of {ctx}")
             answer, sd = [], tok.stream_decoder(skip_special_tokens=True)
-            stop = None
+            stop, chunks = None, dec.stream(ids, args.max_new_tokens, eos, args.seed + turn)
             try:
-                for chunk in dec.stream(ids, args.max_new_tokens, eos, args.seed + turn):
+                for chunk in chunks:
                     answer.append(sd.push(chunk))
                     sys.stdout.write(answer[-1])
                     sys.stdout.flush()
                 answer.append(sd.finish())
                 sys.stdout.write(answer[-1])
-                stop = dec.last_stop_reason
+                stop = chunks.result.stop_reason
             except KeyboardInterrupt:  # Ctrl-C stops this answer; what it said so far is kept
                 stop = "interrupted"
             sys.stdout.write("\n")
             sys.stdout.flush()
             history.append({"role": "assistant", "content": "".join(answer)})
-            if args.stats and dec.last_stats is not None:
-                st = dec.last_stats
+            if args.stats and chunks.result is not None:
+                st = chunks.result.stats
                 say(f"{_stats_line(st)} | prompt {st.prompt_tokens} tokens, {st.cached_tokens} reused | stop: {stop}")
             turn += 1
     return 0

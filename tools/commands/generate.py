@@ -253,8 +253,9 @@ def run(args) -> int:
                 if stream_text:
                     sys.stdout.write("\n")
                 texts.append("".join(pieces))
-                runs.append((toks, dec.last_stats, "stop" if match.hit else dec.last_stop_reason))
-                lps.append(dec.last_logprobs[: len(toks)] if args.logprobs is not None else None)
+                res = chunks.result
+                runs.append((toks, res.stats, "stop" if match.hit else res.stop_reason))
+                lps.append(res.logprobs[: len(toks)] if args.logprobs is not None else None)
                 continue
             sd = tok.stream_decoder(skip_special_tokens=True) if stream_text else None
             for chunk in chunks:
@@ -265,8 +266,9 @@ def run(args) -> int:
             if sd is not None:
                 sys.stdout.write(sd.finish() + "\n")
             texts.append(tok.decode(toks, skip_special_tokens=True) if tok is not None else None)
-            runs.append((toks, dec.last_stats, dec.last_stop_reason))
-            lps.append(dec.last_logprobs[: len(toks)] if args.logprobs is not None else None)
+            res = chunks.result
+            runs.append((toks, res.stats, res.stop_reason))
+            lps.append(res.logprobs[: len(toks)] if args.logprobs is not None else None)
         if args.prompt_ids is None and not args.chat:
             from arborspec.runtime.generator import warn_if_empty_answer
 
