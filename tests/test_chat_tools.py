@@ -27,6 +27,7 @@ from arborspec.runtime.decode import SpeculativeDecoder
 from arborspec.runtime.drafts.model import ModelDraft
 from arborspec.runtime.errors import InputError
 from arborspec.runtime.generator import Generator
+from arborspec.runtime.sampling import SamplingParams
 from arborspec.runtime.tokenizer import TextTokenizer
 
 CITY = {
@@ -270,7 +271,7 @@ def test_a_named_function_is_the_reference_in_every_mode(export_dir):
         assert text.startswith(OPEN) and text.endswith(CLOSE)
         free = g.chat(ASK, 120, tools=TOOLS, tool_choice="auto")
         assert free.tool_calls is None and free.tokens != want  # the test can see the grammar
-        sp = g._sampling(0.0, 0, 1.0, {}, tool_spec(TOOLS, named).response_format())
+        sp = SamplingParams(grammar=g.grammar(tool_spec(TOOLS, named).response_format()))
         for draft, tree in ((None, None), (g.draft, "full:2,2"), (ModelDraft(g.target), "chain:4")):
             dec = SpeculativeDecoder(
                 g.target, draft, mode="tree" if draft else "vanilla", tree=tree or "full:3,2", sampling=sp

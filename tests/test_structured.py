@@ -21,6 +21,7 @@ from arborspec.runtime.decode import SpeculativeDecoder
 from arborspec.runtime.drafts.model import ModelDraft
 from arborspec.runtime.errors import InputError
 from arborspec.runtime.generator import Generator
+from arborspec.runtime.sampling import SamplingParams
 from arborspec.tools.commands.cli import main
 
 lg = pytest.importorskip("llguidance")
@@ -78,7 +79,7 @@ def test_greedy_under_a_schema_is_the_reference_in_every_mode(export_dir):
         assert want[-1] in g.eos_token_ids and follows_schema(text), text
         free = g.generate(prompt, len(want))
         assert free.tokens != want  # the grammar changes the answer: the test can see it
-        sp = g._sampling(0.0, 0, 1.0, {}, RF)
+        sp = SamplingParams(grammar=g.grammar(RF))
         eng = g.target
         for draft, tree in (
             (None, None),
@@ -274,7 +275,7 @@ def test_forced_chains_in_a_batch(export_dir, monkeypatch):
     m = random_model(tiny_config("llama", vocab=tok.vocab_size, layers=2, hidden=64, heads=4, kv=2), seed=9)
     with Generator(TorchEngine(m), TorchEngine(truncated(m, 1)), tok, tree="full:2,2") as g:
         assert g.target.caps.batched_trees
-        sp = g._sampling(0.0, 0, 1.0, {}, RF)
+        sp = SamplingParams(grammar=g.grammar(RF))
         prompts = [g.encode_prompt(p) for p in ("hello there", "a b c")]
         with torch.inference_mode():  # (the torch engine's cache tensors are inference tensors)
             want = [reference(g, p, 40) for p in prompts]
