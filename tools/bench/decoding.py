@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from arborspec.runtime.errors import InputError
 from arborspec.tools.bench.baselines import BASELINES, HFBaselines
@@ -241,8 +242,20 @@ def run_bench(
     sp = sampling or SamplingParams()
     # structured output (`bench --json-schema`): llama.cpp's own, the GBNF grammar it makes of the schema
     grammar = {"json_schema": json_schema} if json_schema is not None else {"gbnf": gbnf} if gbnf is not None else {}
-    bench = _BenchRun(models, configs, sp, seed, hf, dict(peers or {}), skipped if skipped is not None else {},
-                      log or (lambda s: print(s, file=sys.stderr)), grammar)
+    peers = dict(peers or {})
+    runner = {c.name: (hf if c.kind == "hf" else peers.get(c.name)) for c in configs if c.kind != "ours"}
+    bench = _BenchRun(
+        decs=make_decoders(models, configs, sp),
+        runner=runner,
+        run_cfgs=[c for c in configs if c.kind == "ours" or runner.get(c.name) is not None],
+        sp=sp,
+        seed=seed,
+        # the baselines and peers sample with the same cut
+        peer_kw={"top_k": sp.top_k, "top_p": sp.top_p, **grammar},
+        skipped=skipped if skipped is not None else {},
+        log=log or (lambda s: print(s, file=sys.stderr)),
+        exact=getattr(models.owner, "exact_speculation", True),  # False: int8-activation target
+    )
     if warmup and prompts:
         bench.warm_up(prompts[0]["ids"][-32:], warmup, max_new_tokens)
     tok = models.tokenizer
@@ -269,17 +282,20 @@ def run_bench(
     return per_prompt, warnings
 
 
+@dataclass
 class _BenchRun:
     """One run_bench call: our decoders, the baselines' and peers' runners, the configs still
     running (a peer that fails leaves them), and how every run samples."""
 
-    def __init__(self, models, configs, sp, seed: int, hf, peers: dict, skipped: dict, log, grammar: dict):
-        self.sp, self.seed, self.skipped, self.log, self.grammar = sp, seed, skipped, log, grammar
-        self.cut = {"top_k": sp.top_k, "top_p": sp.top_p}  # the baselines and peers sample with the same cut
-        self.decs = make_decoders(models, configs, sp)
-        self.runner = {c.name: (hf if c.kind == "hf" else peers.get(c.name)) for c in configs if c.kind != "ours"}
-        self.run_cfgs = [c for c in configs if c.kind == "ours" or self.runner.get(c.name) is not None]
-        self.exact = getattr(models.owner, "exact_speculation", True)  # False: int8-activation target
+    decs: dict  # config name -> our decoder
+    runner: dict  # config name -> a baseline's or peer's runner
+    run_cfgs: list  # the configs still running
+    sp: Any  # SamplingParams
+    seed: int
+    peer_kw: dict  # what a baseline or peer runs with besides the sampling (top-k/p cut, grammar)
+    skipped: dict  # config name -> why it left
+    log: Callable
+    exact: bool  # speculation reproduces vanilla (False: an int8-activation target)
 
     def _peer_failed(self, c, e) -> None:
         from arborspec.tools.bench.peers import _one_line
@@ -293,7 +309,7 @@ class _BenchRun:
         """A baseline's or peer's run; None where a peer failed (and left the bench)."""
         try:
             return self.runner[c.name].run(
-                c.name, ids, max_new_tokens, eos, self.sp.temperature, self.seed, **self.cut, **self.grammar
+                c.name, ids, max_new_tokens, eos, self.sp.temperature, self.seed, **self.peer_kw
             )
         except Exception as e:  # noqa: BLE001 - a peer's failure must not stop the bench
             if c.kind != "peer":
