@@ -161,7 +161,7 @@ def window_bias(node, init, window: int) -> str:
     return node("Where", [both4, "c_zero_f", "c_min_f"], ["win_bias"])
 
 
-def qk_norm(node, init, qkv: str, layer: int, get, cfg, offset: float = 0.0) -> str:
+def qk_norm(node, init, qkv: str, layer: int, get, cfg, offset: float = 0.0, wdtype=np.float32) -> str:
     """Qwen3's (Gemma 3's: offset 1, weights 1 + w) RMSNorm over each head of q and k (before the
     kernel's RoPE), on the packed qkv."""
     nq, nkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -173,7 +173,7 @@ def qk_norm(node, init, qkv: str, layer: int, get, cfg, offset: float = 0.0) -> 
         heads_shape = init(f"l{layer}.{name}_heads", np.array([0, 0, heads, d], np.int64))
         flat_shape = init(f"l{layer}.{name}_flat", np.array([0, 0, heads * d], np.int64))
         xh = node("Reshape", [x, heads_shape], [f"l{layer}.{name}_h"])
-        w = init(f"l{layer}.{name}_norm", get(p + f"{name}_norm.weight") + np.float32(offset))
+        w = init(f"l{layer}.{name}_norm", (get(p + f"{name}_norm.weight") + np.float32(offset)).astype(wdtype))
         xn = node(
             "RMSNormalization", [xh, w], [f"l{layer}.{name}_hn"], axis=-1, epsilon=float(cfg.norm_eps), stash_type=1
         )
@@ -474,7 +474,7 @@ class GQAGraph:
             bqkv = np.concatenate([self.w.get(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
             qkv = self.node("Add", [qkv, self.weight(f"l{i}.qkv_b", bqkv)], [f"l{i}.qkv_biased"])
         if cfg.qk_norm:
-            qkv = qk_norm(self.node, self.weight, qkv, i, self.w.get, cfg, float(self.one))
+            qkv = qk_norm(self.node, self.init, qkv, i, self.w.get, cfg, float(self.one), self.act_np)
         cast = self.attn_np != self.act_np  # an fp16 cache beside fp32 activations
         if cast:
             qkv = self.node("Cast", [qkv], [f"l{i}.qkv_h"], to=TP.FLOAT16)
