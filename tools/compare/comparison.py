@@ -402,8 +402,22 @@ def compare_export(
     active = _runnable(names, explicit, edir, man, report)
     target_module, draft_module = _reference_pair(man, o)
     feeds, graphs = _feeds_and_graphs(man, target_module, draft_module, o, kv_dtype, report)
-    _run_graphs(man, feeds, graphs, active, edir, kv_dtype, target_module, o, report)
+    _run_graphs(_Comparison(man, o, report, edir, kv_dtype, target_module), feeds, graphs, active)
     return report
+
+
+@dataclass
+class _Comparison:
+    """What every graph's comparison shares: the export, the options and the report, the
+    TensorRT engines' folder, the feeds' K/V dtype and the PyTorch target (the EAGLE-3 head's
+    embeddings)."""
+
+    man: object
+    o: CompareOptions
+    report: CompareReport
+    edir: Path
+    kv_dtype: type
+    target_module: object
 
 
 def _new_report(man, o: CompareOptions) -> tuple[CompareReport, type]:
@@ -534,7 +548,7 @@ def _feeds_and_graphs(man, target_module, draft_module, o: CompareOptions, kv_dt
     return feeds, graphs
 
 
-def _run_graphs(man, feeds, graphs, active, edir: Path, kv_dtype, target_module, o: CompareOptions, report):
+def _run_graphs(c: _Comparison, feeds: dict, graphs: list, active: list[str]) -> None:
     """Every graph through every active runner on its feeds: rows into the report, the feeds and
     results saved where asked (Polygraphy's logging quiet unless ARBORSPEC_DEBUG)."""
     from polygraphy.logger import G_LOGGER
@@ -543,8 +557,9 @@ def _run_graphs(man, feeds, graphs, active, edir: Path, kv_dtype, target_module,
     from arborspec.runtime.contract import kv_layout
     from arborspec.runtime.onnx_meta import read_onnx_metadata
 
+    man, report = c.man, c.report
     total = sum(len(feeds[g]) for g, *_ in graphs) * len(active)
-    bar = tqdm(total=total, desc="compare", unit="run", disable=None if o.progress else True, leave=False)
+    bar = tqdm(total=total, desc="compare", unit="run", disable=None if c.o.progress else True, leave=False)
     old_sev = G_LOGGER.module_severity
     if not settings.flag("ARBORSPEC_DEBUG"):
         G_LOGGER.module_severity = G_LOGGER.ERROR
@@ -554,24 +569,24 @@ def _run_graphs(man, feeds, graphs, active, edir: Path, kv_dtype, target_module,
             bar.set_description(f"compare {graph}")
             tick = lambda: bar.update(1)  # noqa: E731
             if engine_name is None:  # the EAGLE-3 head: torch vs ONNX Runtime (vs TensorRT)
-                rs = [_head_runner(n, man, fname, module, target_module, edir, tick) for n in active]
+                rs = [_head_runner(c, n, fname, module, tick) for n in active]
             else:
-                graph_runner = _graph_runner(man, fname, module, engine_name, edir, kv_dtype, tick,
-                                             in_place=layouts.get(graph) == "bhsd" or report.quant is not None)
-                rs = [graph_runner(n) for n in active]
+                in_place = layouts.get(graph) == "bhsd" or report.quant is not None
+                rs = [_graph_runner(c, n, (fname, module, engine_name), tick, in_place) for n in active]
             data = [f.data for f in feeds[graph]]
             results = _compare_graph(graph, rs, data, feeds[graph], report)
-            _save_graph(graph, data, results, layouts[graph], o, report)
+            _save_graph(graph, data, results, layouts[graph], c.o, report)
     finally:
         G_LOGGER.module_severity = old_sev
         bar.close()
 
 
-def _head_runner(n: str, man, fname, module, target_module, edir: Path, tick):
+def _head_runner(c: _Comparison, n: str, fname, module, tick):
     """An EAGLE-3 head's runner: PyTorch, the portable head in ONNX Runtime, or the TensorRT
     engines `arborspec build` made from it."""
     from arborspec.tools.compare.runners import Eagle3HeadRunner
 
+    man, edir, target_module = c.man, c.edir, c.target_module
     if n == "torch":
         from arborspec.runtime.backends.torch_backend import TorchEagle3Head
 
@@ -589,24 +604,23 @@ def _head_runner(n: str, man, fname, module, target_module, edir: Path, tick):
     )
 
 
-def _graph_runner(man, fname, module, engine_name: str, edir: Path, kv_dtype, tick, in_place: bool):
-    """runner name -> a contract graph's runner. in_place: ONNX Runtime through the runtime's own
-    session ("bhsd" graphs, and quantised ones: QDQ MatMuls kept exact, see OrtEngine)."""
+def _graph_runner(c: _Comparison, n: str, graph: tuple, tick, in_place: bool):
+    """Runner `n` of a contract graph (file, PyTorch module, engine file). in_place: ONNX Runtime
+    through the runtime's own session ("bhsd" graphs, and quantised ones: QDQ MatMuls kept exact,
+    see OrtEngine)."""
     from polygraphy.backend.onnxrt import SessionFromOnnx
 
     from arborspec.tools.compare.runners import OrtEngineRunner, OrtRunner, TorchRunner, TrtEngineRunner
 
-    def runner(n: str):
-        if n == "torch":
-            return TorchRunner(module, kv_dtype, name="torch", on_infer=tick)
-        if n == "onnxruntime" and in_place:
-            return OrtEngineRunner(man.path(fname), kv_dtype, name="onnxruntime", on_infer=tick)
-        if n == "onnxruntime":
-            session = SessionFromOnnx(str(man.path(fname)), providers=["CPUExecutionProvider"])
-            return OrtRunner(session, name="onnxruntime", on_infer=tick)
-        return TrtEngineRunner(edir / engine_name, kv_dtype, name="tensorrt", on_infer=tick)
-
-    return runner
+    fname, module, engine_name = graph
+    if n == "torch":
+        return TorchRunner(module, c.kv_dtype, name="torch", on_infer=tick)
+    if n == "onnxruntime" and in_place:
+        return OrtEngineRunner(c.man.path(fname), c.kv_dtype, name="onnxruntime", on_infer=tick)
+    if n == "onnxruntime":
+        session = SessionFromOnnx(str(c.man.path(fname)), providers=["CPUExecutionProvider"])
+        return OrtRunner(session, name="onnxruntime", on_infer=tick)
+    return TrtEngineRunner(c.edir / engine_name, c.kv_dtype, name="tensorrt", on_infer=tick)
 
 
 def _compare_graph(graph: str, rs: list, data: list, feeds, report: CompareReport):
