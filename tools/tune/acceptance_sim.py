@@ -191,6 +191,36 @@ def source_depth_ranks(target, draft, seq: list[int], start: int, k: int, max_de
     return ranks
 
 
+def _count_ranks(rank_at, start: int, end: int, k: int, hits: list, counts: list) -> None:
+    """Add one text's positions start..end-1 (the generated ones) to the per-depth counts and
+    per-rank hits, for every depth their path allows."""
+    max_depth = len(counts)
+    for j in range(start, end):
+        # depth d: the node is seq[j], the step's root seq[j-d]; the d-1 path tokens
+        # seq[j-d+1..j-1] must be generated tokens, each matched within the draft's top-k
+        # at its own depth
+        for d in range(1, max_depth + 1):
+            r = j - d
+            if r < start - 1 or any(rank_at(r + m, m) >= k for m in range(1, d)):
+                break
+            counts[d - 1] += 1
+            if rank_at(j, d) < k:
+                hits[d - 1][rank_at(j, d)] += 1
+
+
+def _acceptance_vector(hits: list, counts: list, min_count: int) -> list[list[float]]:
+    """q[d][r] = hits / count at depth d; a depth with fewer than min_count samples reuses the
+    shallower row."""
+    q = []
+    for d in range(len(counts)):
+        if counts[d] >= min_count or not q:
+            c = max(1, counts[d])
+            q.append([h / c for h in hits[d]])
+        else:
+            q.append(list(q[-1]))  # too few samples at this depth: reuse the shallower row
+    return q
+
+
 def measure_acceptance(
     target,
     draft,
@@ -244,27 +274,9 @@ def measure_acceptance(
             rank = draft_topk_ranks(draft, seq, k).tolist()
             rank_at = lambda j, d: rank[j]  # noqa: E731
             runs.append({"rank": rank, "start": len(p), "end": len(seq)})
-        start = len(p)  # the first generated position
-        for j in range(start, len(seq)):
-            # depth d: the node is seq[j], the step's root seq[j-d]; the d-1 path tokens
-            # seq[j-d+1..j-1] must be generated tokens, each matched within the draft's top-k
-            # at its own depth
-            for d in range(1, max_depth + 1):
-                r = j - d
-                if r < start - 1 or any(rank_at(r + m, m) >= k for m in range(1, d)):
-                    break
-                counts[d - 1] += 1
-                if rank_at(j, d) < k:
-                    hits[d - 1][rank_at(j, d)] += 1
-    q = []
-    for d in range(max_depth):
-        if counts[d] >= min_count or not q:
-            c = max(1, counts[d])
-            q.append([h / c for h in hits[d]])
-        else:
-            q.append(list(q[-1]))  # too few samples at this depth: reuse the shallower row
+        _count_ranks(rank_at, len(p), len(seq), k, hits, counts)
     return {
-        "q": q,
+        "q": _acceptance_vector(hits, counts, min_count),
         "counts": counts,
         "k": k,
         "prompts": len(prompts),
