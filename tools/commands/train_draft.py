@@ -256,9 +256,7 @@ def run(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    import numpy as np
-
-    from arborspec.models.eagle3 import default_aux_layers, eagle3_folder, load_eagle3
+    from arborspec.models.eagle3 import eagle3_folder
     from arborspec.models.registry import cache_dir, load_model
     from arborspec.tools.train import eagle3_corpus, eagle3_heldout, eagle3_train
     from arborspec.tools.train.eagle3_corpus import log
@@ -274,37 +272,8 @@ def run(args) -> int:
     )
     if args.install_head is not None:
         return install_head(args, loaded, shipped)
-    aux, init, fixed_vocab, draft_vocab = default_aux_layers(cfg.n_layers), None, None, args.draft_vocab
-    if args.init is not None:
-        folder = shipped if str(args.init) == "eagle3" else args.init
-        init = load_eagle3(folder, cfg)
-        if args.revocab is not None and args.revocab > cfg.vocab_size:
-            raise InputError(f"--revocab {args.revocab} exceeds the target's vocabulary ({cfg.vocab_size})")
-        aux = list(init.config.aux_layers)
-        fixed_vocab = (torch.arange(init.config.draft_vocab_size) + init.d2t.long()).numpy()
-        draft_vocab = len(fixed_vocab)
-    corpus = eagle3_corpus.grow_corpus(
-        loaded,
-        aux,
-        root=cache_dir() / "eagle3-corpus",
-        total_tokens=args.corpus_tokens,
-        minutes=args.corpus_minutes,
-        shard_prompts=args.shard_prompts,
-        gen_len=args.gen_len,
-        batch=args.gen_batch,
-        window=args.window,
-        draft_vocab=draft_vocab,
-        topk=args.topk,
-        seed=args.seed,
-        vocab=fixed_vocab,
-        threads=args.threads,
-        device=args.device,
-        first_prompt=args.first_prompt,
-        cuda_graphs=args.cuda_graphs,
-        prompt_source=args.prompt_source,
-        folder=args.corpus,
-        features=not args.defer_features,
-    )
+    start = _starting_point(args, cfg, shipped)
+    corpus = _grow_corpus(args, loaded, start)
     info = eagle3_corpus.read_progress(corpus)
     log(
         f"corpus: {info['tokens']} tokens in {info['windows']} windows, {info['shards']} shards "
@@ -316,10 +285,10 @@ def run(args) -> int:
         return 0
 
     def target_source():  # what runs the target for the held-out set, built only if it is not cached
-        return eagle3_corpus.corpus_source(loaded, corpus, aux, args.device)
+        return eagle3_corpus.corpus_source(loaded, corpus, start["aux"], args.device)
 
     heldout = eagle3_heldout.build_heldout(
-        loaded, aux, target_source, cache_dir() / "eagle3-heldout", threads=args.threads
+        loaded, start["aux"], target_source, cache_dir() / "eagle3-heldout", threads=args.threads
     )
     embed = loaded.module.model.embed_tokens.weight.detach().float()
 
@@ -332,20 +301,7 @@ def run(args) -> int:
         if args.no_resume:
             for f in ("train_state.pt", "training.json", "before.json"):
                 (work / f).unlink(missing_ok=True)
-        if init is not None:
-            head = init.float()
-            if args.revocab is not None:
-                counts = eagle3_corpus.token_counts(corpus, cfg.vocab_size)  # grow_corpus required a tokenizer
-                vocab = eagle3_corpus.revocabulary(counts, args.revocab, loaded.tokenizer)
-                head = eagle3_train.revocab_head(head, vocab, loaded.module)
-                log(
-                    f"train-draft: draft vocabulary re-chosen: {args.revocab} tokens, "
-                    f"{int((~np.isin(vocab, fixed_vocab)).sum())} new to the head (their rows mapped from the target's LM head)"
-                )
-            for p in head.parameters():
-                p.requires_grad_(True)
-        else:
-            head = eagle3_train.init_head(cfg, loaded.module, aux, np.load(corpus / "vocab.npy"), args.seed)
+        head = _head_to_train(args, loaded, start, corpus)
         before_file = work / "before.json"  # the starting point on the held-out set, measured once
         if not before_file.is_file():
             from arborspec.runtime.fileio import atomic_write_json
@@ -353,55 +309,9 @@ def run(args) -> int:
             atomic_write_json(before_file, measure(head))
         before = json.loads(before_file.read_text())
         torch.manual_seed(args.seed)
-        report = eagle3_train.train(
-            head,
-            embed,
-            corpus,
-            work,
-            eagle3_train.TrainConfig(
-                steps=args.ttt_steps,
-                batch=args.batch,
-                lr=args.lr,
-                minutes=args.minutes,
-                schedule_batches=args.schedule_batches,
-                seed=args.seed,
-                resume=not args.no_resume,
-                evaluate=measure,
-                better=lambda new, old: eagle3_heldout.ranks_above(new, old, before),
-                eval_every_s=args.eval_minutes * 60,
-                progress=progress,
-                device=args.device,
-                precision=eagle3_train.training_precision(args.precision, args.device),
-                template_share=args.template_share,
-                shards=args.shards,
-                step_decay=args.step_decay,
-            ),
-        )
-        cmd = "arborspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        history = [] if args.no_resume else commands_of(args.out)
-        report.update(
-            {
-                "corpus": info,
-                "heldout_set": json.loads((heldout / "heldout.json").read_text()),
-                "heldout_before": before,
-                "init": str(args.init) if args.init is not None else None,
-                "command": cmd,
-                "commands": history + [cmd],
-                "total_minutes_this_run": round((time.perf_counter() - t0) / 60, 1),
-            }
-        )
-        best = report.get("best")
-        if best is not None and best["batch"] != report["batches"]:  # publish the best head, not the last
-            head.load_state_dict(torch.load(work / "best_head.pt", map_location="cpu"))
-            report["heldout_last"] = report["heldout"]
-            report["heldout"] = {k: v for k, v in best.items() if k not in ("batch", "minutes", "cpu_minutes")}
-            log(f"train-draft: the head of batch {best['batch']} measured best on the held-out set: publishing it")
-        meta = {"heldout": report["heldout"], "corpus_tokens": info["tokens"], "minutes": report["minutes"]}
-        if report.get("shards"):
-            meta["shards"] = report["shards"]  # trained on these shards of the corpus only
-        eagle3_train.save_public(head, args.out, {"arborspec_training": meta})
-        (args.out / "training.json").write_text(json.dumps(report, indent=1))
-        print(f"wrote {args.out} ({eagle3_train.head_bytes(head) / 1e6:.1f} MB): {eagle3_train.describe(report)}")
+        report = eagle3_train.train(head, embed, corpus, work, _train_config(args, measure, before, progress))
+        report.update(_run_record(args, info, heldout, before, t0))
+        _publish(args, head, report, info, work)
         if args.install:
             install(args, shipped, report, measure, cfg)
     except OSError as e:
@@ -415,6 +325,144 @@ def run(args) -> int:
             raise  # a file it reads is gone (the CLI's line names it), not OUT unwritable
         raise OutputError(describe_os_error(e, e.filename or args.out)) from e
     return 0
+
+
+def _starting_point(args, cfg, shipped) -> dict:
+    """The head training starts from (--init: a trained one, its aux layers and draft vocabulary
+    fixed; else None: a new head on the default aux layers and --draft-vocab tokens)."""
+    import torch
+
+    from arborspec.models.eagle3 import default_aux_layers, load_eagle3
+
+    start = {"aux": default_aux_layers(cfg.n_layers), "init": None, "fixed_vocab": None,
+             "draft_vocab": args.draft_vocab}
+    if args.init is not None:
+        folder = shipped if str(args.init) == "eagle3" else args.init
+        init = load_eagle3(folder, cfg)
+        if args.revocab is not None and args.revocab > cfg.vocab_size:
+            raise InputError(f"--revocab {args.revocab} exceeds the target's vocabulary ({cfg.vocab_size})")
+        fixed_vocab = (torch.arange(init.config.draft_vocab_size) + init.d2t.long()).numpy()
+        start.update(aux=list(init.config.aux_layers), init=init, fixed_vocab=fixed_vocab,
+                     draft_vocab=len(fixed_vocab))
+    return start
+
+
+def _grow_corpus(args, loaded, start: dict) -> Path:
+    """The corpus folder, grown by this run's budget (--corpus-tokens, --corpus-minutes)."""
+    from arborspec.models.registry import cache_dir
+    from arborspec.tools.train import eagle3_corpus
+
+    return eagle3_corpus.grow_corpus(
+        loaded,
+        start["aux"],
+        root=cache_dir() / "eagle3-corpus",
+        total_tokens=args.corpus_tokens,
+        minutes=args.corpus_minutes,
+        shard_prompts=args.shard_prompts,
+        gen_len=args.gen_len,
+        batch=args.gen_batch,
+        window=args.window,
+        draft_vocab=start["draft_vocab"],
+        topk=args.topk,
+        seed=args.seed,
+        vocab=start["fixed_vocab"],
+        threads=args.threads,
+        device=args.device,
+        first_prompt=args.first_prompt,
+        cuda_graphs=args.cuda_graphs,
+        prompt_source=args.prompt_source,
+        folder=args.corpus,
+        features=not args.defer_features,
+    )
+
+
+def _head_to_train(args, loaded, start: dict, corpus: Path):
+    """--init's head (over a re-chosen vocabulary with --revocab), trainable; else a new one
+    over the corpus's draft vocabulary."""
+    import numpy as np
+
+    from arborspec.tools.train import eagle3_corpus, eagle3_train
+    from arborspec.tools.train.eagle3_corpus import log
+
+    cfg = loaded.config
+    if start["init"] is None:
+        return eagle3_train.init_head(cfg, loaded.module, start["aux"], np.load(corpus / "vocab.npy"), args.seed)
+    head = start["init"].float()
+    if args.revocab is not None:
+        counts = eagle3_corpus.token_counts(corpus, cfg.vocab_size)  # grow_corpus required a tokenizer
+        vocab = eagle3_corpus.revocabulary(counts, args.revocab, loaded.tokenizer)
+        head = eagle3_train.revocab_head(head, vocab, loaded.module)
+        log(
+            f"train-draft: draft vocabulary re-chosen: {args.revocab} tokens, "
+            f"{int((~np.isin(vocab, start['fixed_vocab'])).sum())} new to the head (their rows mapped from the "
+            "target's LM head)"
+        )
+    for p in head.parameters():
+        p.requires_grad_(True)
+    return head
+
+
+def _train_config(args, measure, before: dict, progress: bool):
+    """The flags as eagle3_train's TrainConfig; a head is kept as best when it ranks above the
+    best so far (eagle3_heldout.ranks_above, against the starting point `before`)."""
+    from arborspec.tools.train import eagle3_heldout, eagle3_train
+
+    return eagle3_train.TrainConfig(
+        steps=args.ttt_steps,
+        batch=args.batch,
+        lr=args.lr,
+        minutes=args.minutes,
+        schedule_batches=args.schedule_batches,
+        seed=args.seed,
+        resume=not args.no_resume,
+        evaluate=measure,
+        better=lambda new, old: eagle3_heldout.ranks_above(new, old, before),
+        eval_every_s=args.eval_minutes * 60,
+        progress=progress,
+        device=args.device,
+        precision=eagle3_train.training_precision(args.precision, args.device),
+        template_share=args.template_share,
+        shards=args.shards,
+        step_decay=args.step_decay,
+    )
+
+
+def _run_record(args, info: dict, heldout: Path, before: dict, t0: float) -> dict:
+    """What training.json adds to the trainer's report: the corpus, the held-out set and the
+    starting point, the commands that made the head, this run's minutes."""
+    cmd = "arborspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    history = [] if args.no_resume else commands_of(args.out)
+    return {
+        "corpus": info,
+        "heldout_set": json.loads((heldout / "heldout.json").read_text()),
+        "heldout_before": before,
+        "init": str(args.init) if args.init is not None else None,
+        "command": cmd,
+        "commands": history + [cmd],
+        "total_minutes_this_run": round((time.perf_counter() - t0) / 60, 1),
+    }
+
+
+def _publish(args, head, report: dict, info: dict, work: Path) -> None:
+    """OUT: the best head measured (not the last, where an earlier one ranked above it) in the
+    public layout, and training.json."""
+    import torch
+
+    from arborspec.tools.train import eagle3_train
+    from arborspec.tools.train.eagle3_corpus import log
+
+    best = report.get("best")
+    if best is not None and best["batch"] != report["batches"]:  # publish the best head, not the last
+        head.load_state_dict(torch.load(work / "best_head.pt", map_location="cpu"))
+        report["heldout_last"] = report["heldout"]
+        report["heldout"] = {k: v for k, v in best.items() if k not in ("batch", "minutes", "cpu_minutes")}
+        log(f"train-draft: the head of batch {best['batch']} measured best on the held-out set: publishing it")
+    meta = {"heldout": report["heldout"], "corpus_tokens": info["tokens"], "minutes": report["minutes"]}
+    if report.get("shards"):
+        meta["shards"] = report["shards"]  # trained on these shards of the corpus only
+    eagle3_train.save_public(head, args.out, {"arborspec_training": meta})
+    (args.out / "training.json").write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out} ({eagle3_train.head_bytes(head) / 1e6:.1f} MB): {eagle3_train.describe(report)}")
 
 
 def say_verdict(done: bool, new: dict, old: dict, shipped: Path) -> None:
