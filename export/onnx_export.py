@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -284,33 +285,71 @@ def export_contract_onnx(
     `hidden_states` output (the hidden states entering those layers, concatenated [B, T, len*H]:
     what an EAGLE-3 head reads; models/llama.py `feature_layers`), recorded in the metadata.
     """
-    if feature_layers:
-        if not hasattr(module, "feature_layers"):
-            raise InputError(f"{type(module).__name__} has no feature output (an EAGLE-3 draft needs a Llama target)")
-        bad = [i for i in feature_layers if not 0 <= int(i) < module.config.n_layers]
-        if bad:
-            raise InputError(f"feature layers {bad} are outside the model's {module.config.n_layers} layers")
-        saved = module.feature_layers
-        module.feature_layers = [int(i) for i in feature_layers]
-        try:
-            return export_contract_onnx(
-                module,
-                path,
-                opset,
-                dtype,
-                tokenizer_sha256=tokenizer_sha256,
-                role=role,
-                max_context=max_context,
-                exporter=exporter,
-                verify=verify,
-                tolerance=tolerance,
-                topk=topk,
-                quantize=quantize,
-                block_size=block_size,
-                gguf_path=gguf_path,
-            )
-        finally:
-            module.feature_layers = saved
+    with _feature_layers_set(module, feature_layers):
+        _check_options(dtype, exporter, quantize, block_size, gguf_path, opset)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        plan = _plan_export(module, dtype, max_context, topk)
+        for f in [path, *path.parent.glob(path.name + "*.data")]:
+            if f.exists():
+                f.unlink()
+        used, opset, reason = _export_graph(plan, path, opset, exporter)
+        qinfo, big = None, plan.big
+        if quantize:
+            if used != "dynamo":
+                raise RuntimeError(
+                    f"--format qdq: {reason or 'the dynamo export failed'} (the legacy exporter "
+                    "writes opset <= 17, too old for blocked DequantizeLinear)"
+                )
+            qinfo = _quantize_qdq(path, plan.module, quantize, block_size, gguf_path, dtype)
+            big = bool(qinfo.pop("external_data"))
+        meta = contract_metadata(plan.cfg, dtype, tokenizer_sha256, role, f"{used}:opset{opset}", "sbhd", plan.topk)
+        if qinfo:
+            meta[META_QUANTIZATION] = json.dumps(qinfo, sort_keys=True)
+        if plan.features:
+            meta[META_FEATURE_LAYERS] = json.dumps(plan.features)
+        ir, nodes = _finalize(path, meta, big)
+        import onnx
+
+        check_symbolic_inputs(onnx.load(str(path), load_external_data=False), plan.cfg.n_layers)
+        res = ExportResult(
+            path=path,
+            opset=opset,
+            exporter=used,
+            dtype=dtype,
+            ir_version=ir,
+            n_nodes=nodes,
+            external_data=_external_files(path),
+            fallback_reason=reason,
+            quantization=qinfo,
+        )
+        if verify and dtype != "bf16":
+            res.max_abs_diff = _self_check(plan, path, dtype, tolerance, quantize, qinfo)
+        return res
+
+
+@contextlib.contextmanager
+def _feature_layers_set(module: torch.nn.Module, feature_layers: list[int] | None):
+    """With `feature_layers` (checked), the module's `feature_layers` are these for the export,
+    then restored; without, nothing changes."""
+    if not feature_layers:
+        yield
+        return
+    if not hasattr(module, "feature_layers"):
+        raise InputError(f"{type(module).__name__} has no feature output (an EAGLE-3 draft needs a Llama target)")
+    bad = [i for i in feature_layers if not 0 <= int(i) < module.config.n_layers]
+    if bad:
+        raise InputError(f"feature layers {bad} are outside the model's {module.config.n_layers} layers")
+    saved = module.feature_layers
+    module.feature_layers = [int(i) for i in feature_layers]
+    try:
+        yield
+    finally:
+        module.feature_layers = saved
+
+
+def _check_options(dtype: str, exporter: str, quantize: str | None, block_size: int, gguf_path, opset: int) -> None:
+    """One clear InputError for an option export_contract_onnx cannot honour."""
     if dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
     if exporter not in ("auto", "dynamo", "legacy"):
@@ -329,8 +368,27 @@ def export_contract_onnx(
             raise InputError(f"--format qdq needs opset >= 21 (blocked DequantizeLinear), not {opset}")
         if exporter == "legacy":
             raise InputError("--format qdq needs the dynamo exporter (the legacy one writes opset <= 17)")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+
+
+@dataclass
+class _ExportPlan:
+    """What one contract export traces: the cast (maybe top-k wrapped) module, its example
+    inputs, the graph's input/output names and the extra outputs it carries."""
+
+    module: torch.nn.Module
+    cfg: object
+    tdtype: torch.dtype
+    max_context: int
+    names_in: list[str]
+    names_out: list[str]
+    topk: int
+    features: list[int]
+    args: tuple
+    big: bool
+
+
+def _plan_export(module: torch.nn.Module, dtype: str, max_context: int | None, topk: int) -> _ExportPlan:
+    """Cast the module to `dtype` (in place), add the top-k head if asked, name the outputs."""
     tdtype = DTYPES[dtype]
     cfg = module.config
     module = module.to(dtype=tdtype).eval()
@@ -348,15 +406,19 @@ def export_contract_onnx(
     ids, pos, mask, past = example_inputs(cfg, tdtype)
     args = (ids, pos, mask, *past)
     big = _param_bytes(module) > EXTERNAL_DATA_THRESHOLD
-    for f in [path, *path.parent.glob(path.name + "*.data")]:
-        if f.exists():
-            f.unlink()
+    return _ExportPlan(module, cfg, tdtype, max_context, names_in, names_out, topk, features, args, big)
 
+
+def _export_graph(plan: _ExportPlan, path: Path, opset: int, exporter: str) -> tuple[str, int, str | None]:
+    """Write the graph with the dynamo exporter, or the legacy one (asked for, or the fallback
+    of "auto" when dynamo raises). Returns (exporter used, opset written, fallback reason)."""
     used, reason = exporter, None
     if exporter in ("auto", "dynamo"):
         try:
-            prog = _export_dynamo(module, args, names_in, names_out, cfg, opset, max_context)
-            prog.save(str(path), external_data=big)
+            prog = _export_dynamo(
+                plan.module, plan.args, plan.names_in, plan.names_out, plan.cfg, opset, plan.max_context
+            )
+            prog.save(str(path), external_data=plan.big)
             used = "dynamo"
         except Exception as e:  # noqa: BLE001 - reported, then fallback or re-raise
             if exporter == "dynamo":
@@ -366,8 +428,8 @@ def export_contract_onnx(
             used = "legacy"
     if used == "legacy":
         opset = min(opset, 17) if exporter == "auto" else opset
-        _export_legacy(module, args, names_in, names_out, path, opset)
-        if big:
+        _export_legacy(plan.module, plan.args, plan.names_in, plan.names_out, path, opset)
+        if plan.big:
             import onnx
 
             m = onnx.load(str(path))
@@ -379,59 +441,35 @@ def export_contract_onnx(
                 location=path.name + ".data",
                 size_threshold=1024,
             )
+    return used, opset, reason
 
-    qinfo = None
-    if quantize:
-        if used != "dynamo":
-            raise RuntimeError(
-                f"--format qdq: {reason or 'the dynamo export failed'} (the legacy exporter "
-                "writes opset <= 17, too old for blocked DequantizeLinear)"
-            )
-        qinfo = _quantize_qdq(path, module, quantize, block_size, gguf_path, dtype)
-        big = bool(qinfo.pop("external_data"))
-    meta = contract_metadata(cfg, dtype, tokenizer_sha256, role, f"{used}:opset{opset}", "sbhd", topk)
-    if qinfo:
-        meta[META_QUANTIZATION] = json.dumps(qinfo, sort_keys=True)
-    if features:
-        meta[META_FEATURE_LAYERS] = json.dumps(features)
-    ir, nodes = _finalize(path, meta, big)
-    import onnx
 
-    check_symbolic_inputs(onnx.load(str(path), load_external_data=False), cfg.n_layers)
-    res = ExportResult(
-        path=path,
-        opset=opset,
-        exporter=used,
-        dtype=dtype,
-        ir_version=ir,
-        n_nodes=nodes,
-        external_data=_external_files(path),
-        fallback_reason=reason,
-        quantization=qinfo,
-    )
-    if verify and dtype != "bf16":
-        rtn = qinfo is not None and qinfo["source"] != "gguf-blocks"
-        diff = verify_against_torch(module, path, cfg, tdtype, relative=rtn)
-        res.max_abs_diff = diff
-        tol = tolerance if tolerance is not None else (1e-2 if dtype == "fp32" else 1e-1)
-        if rtn and tolerance is None:
-            # round-to-nearest changes the weights: no bound here (NaN still raises above); the
-            # relative difference is recorded and `arborspec compare` / `bench --quality` judge it
-            qinfo["self_check_max_rel_diff"] = diff
-            if diff > 0.5:
-                log.warning(
-                    "%s: %s round-to-nearest weights move the outputs by %.3g of their size on random "
-                    "steps: check it with `arborspec compare` and `arborspec bench --quality`",
-                    path.name,
-                    quantize,
-                    diff,
-                )
-            tol = float("inf")
-        if not diff <= tol:
-            raise RuntimeError(
-                f"{path.name}: ONNX Runtime differs from PyTorch by {diff:.3g} (> {tol:g}) on random tree steps"
+def _self_check(
+    plan: _ExportPlan, path: Path, dtype: str, tolerance: float | None, quantize: str | None, qinfo: dict | None
+) -> float:
+    """Compare ONNX Runtime with PyTorch on random tree steps; raise past the tolerance.
+    Round-to-nearest QDQ has no bound: its relative difference is recorded in `qinfo`."""
+    rtn = qinfo is not None and qinfo["source"] != "gguf-blocks"
+    diff = verify_against_torch(plan.module, path, plan.cfg, plan.tdtype, relative=rtn)
+    tol = tolerance if tolerance is not None else (1e-2 if dtype == "fp32" else 1e-1)
+    if rtn and tolerance is None:
+        # round-to-nearest changes the weights: no bound here (NaN still raises above); the
+        # relative difference is recorded and `arborspec compare` / `bench --quality` judge it
+        qinfo["self_check_max_rel_diff"] = diff
+        if diff > 0.5:
+            log.warning(
+                "%s: %s round-to-nearest weights move the outputs by %.3g of their size on random "
+                "steps: check it with `arborspec compare` and `arborspec bench --quality`",
+                path.name,
+                quantize,
+                diff,
             )
-    return res
+        tol = float("inf")
+    if not diff <= tol:
+        raise RuntimeError(
+            f"{path.name}: ONNX Runtime differs from PyTorch by {diff:.3g} (> {tol:g}) on random tree steps"
+        )
+    return diff
 
 
 def _quantize_qdq(path: Path, module, quantize: str, block_size: int, gguf_path: str | None, dtype: str) -> dict:
