@@ -431,20 +431,90 @@ def build_engine(
     t_start = time.perf_counter()
     say = log or (lambda s: None)
     onnx_path, out_path = Path(onnx_path), Path(out_path)
+    meta, cc = _check_request(onnx_path, max_batch, max_tree_nodes, max_context, compute_capability)
+    trt, flav = import_tensorrt(flavour)
+    is_rtx = flav == "tensorrt_rtx"
+    logger = _logger(trt)
+    logger.echo, logger.verbose = (log if verbose else None), verbose
+    cc_enum, target_cc = _resolve_compute_capability(trt, flav, cc)
+
+    say(f"{onnx_path.name}: parsing with {flav} {trt.__version__}")
+    builder = trt.Builder(logger)
+    network, parser = _parse(trt, builder, logger, onnx_path)
+    io = network_io(trt, network)
+    profiles = _contract_profiles(io, max_batch, max_tree_nodes, max_context)
+    config = _builder_config(trt, builder, workspace_bytes, cc_enum)
+    prof_desc = _add_profiles(builder, config, logger, io, profiles)
+    cache_path = out_path.with_name(out_path.name + (".runtime.cache" if is_rtx else ".timing.cache"))
+    timing_cache = _use_timing_cache(config, cache_path, is_rtx)
+
+    monitor = _progress_monitor(trt, say) if log else None
+    if monitor is not None:
+        config.progress_monitor = monitor
+    say(
+        f"{onnx_path.name}: building for compute capability {target_cc or 'local'} "
+        f"({', '.join(p['name'] for p in prof_desc)} profiles; B<={max_batch}, "
+        f"tree<={max_tree_nodes}, context<={max_context})"
+    )
+    serialized, build_s = _build_serialized(builder, network, config, logger, onnx_path.name)
+    _write_engine(out_path, serialized, cache_path, timing_cache)
+    entry = {
+        "file": out_path.name,
+        "bytes": out_path.stat().st_size,
+        "onnx": str(onnx_path.resolve()),
+        "onnx_sha256": sha256_file(onnx_path),
+        "onnx_metadata": _onnx_metadata(onnx_path),
+        "limits": {"max_batch": max_batch, "max_tree_nodes": max_tree_nodes, "max_context": max_context},
+        "profiles": prof_desc,
+        "inputs": io["inputs"],
+        "outputs": io["outputs"],
+        "n_layers": sum(1 for d in io["inputs"] if d["name"].startswith("past_key.")),
+        "role": meta.get(C.META_ROLE, ""),
+        "trt": {"module": flav, "version": trt.__version__},
+        "compute_capability": target_cc,
+        "cache": {"kind": "runtime" if is_rtx else "timing", "file": cache_path.name},
+        "build_seconds": round(build_s, 3),
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    manifest_path = update_manifest(out_path.parent, out_path.stem, entry)
+    total = time.perf_counter() - t_start
+    say(f"{onnx_path.name}: wrote {out_path} ({entry['bytes'] / 2**20:.1f} MiB) in {total:.1f}s")
+    return BuildResult(out_path, manifest_path, entry, total)
+
+
+def _check_request(onnx_path: Path, max_batch: int, max_tree_nodes: int, max_context: int, compute_capability):
+    """Refuse a missing file, a "bhsd" graph or bad limits before TensorRT is imported;
+    returns the ONNX metadata and the normalized compute capability ('X.Y' or None)."""
     if not onnx_path.is_file():
         raise MissingFileError(f"ONNX file not found: {onnx_path}")
     meta = _onnx_metadata(onnx_path)
     if meta.get(C.META_KV_LAYOUT) == "bhsd":
         raise EngineBuildError(gqa_graph_message(onnx_path.name, meta))
     plan_profiles(max_batch, max_tree_nodes, max_context)  # bad limits: one line before any parsing
-    cc = normalize_compute_capability(compute_capability)
+    return meta, normalize_compute_capability(compute_capability)
 
-    trt, flav = import_tensorrt(flavour)
-    is_rtx = flav == "tensorrt_rtx"
-    logger = _logger(trt)
-    logger.echo, logger.verbose = (log if verbose else None), verbose
+
+def _contract_profiles(io: dict, max_batch: int, max_tree_nodes: int, max_context: int):
+    """The parsed network's profiles: a contract forward's, or a projection graph's (checked first)."""
+    check_contract(io)
+    if is_projection(io):
+        return plan_projection_profiles(max_batch, max_tree_nodes, max_context)
+    return plan_profiles(max_batch, max_tree_nodes, max_context)
+
+
+def _write_engine(out_path: Path, serialized, cache_path: Path, timing_cache) -> None:
+    """Write the engine (and the timing cache, when there is one) atomically."""
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out_path, memoryview(serialized))
+    if timing_cache is not None:
+        atomic_write_bytes(cache_path, bytes(memoryview(timing_cache.serialize())))
+
+
+def _resolve_compute_capability(trt, flav: str, cc: str | None):
+    """The GPU the engine is built for: (TensorRT-RTX's compute-capability enum or None for a
+    local build, its 'X.Y' or None). Standard TensorRT builds only for the local GPU."""
     local_cc = _local_gpu_cc()
-    if is_rtx:
+    if flav == "tensorrt_rtx":
         if cc is None and local_cc is None:
             raise EngineBuildError(
                 "no CUDA GPU here: name the target GPU's compute capability "
@@ -467,25 +537,22 @@ def build_engine(
                 f"builds"
             )
         cc_enum = None
-    target_cc = cc or local_cc
+    return cc_enum, cc or local_cc
 
-    say(f"{onnx_path.name}: parsing with {flav} {trt.__version__}")
-    builder = trt.Builder(logger)
-    network, parser = _parse(trt, builder, logger, onnx_path)
-    io = network_io(trt, network)
-    check_contract(io)
-    if is_projection(io):
-        profiles = plan_projection_profiles(max_batch, max_tree_nodes, max_context)
-    else:
-        profiles = plan_profiles(max_batch, max_tree_nodes, max_context)
 
+def _builder_config(trt, builder, workspace_bytes: int | None, cc_enum):
+    """The builder config: the workspace limit and, ahead of time, the one target GPU."""
     config = builder.create_builder_config()
     if workspace_bytes:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_bytes))
     if cc_enum is not None:
         config.num_compute_capabilities = 1
         config.set_compute_capability(cc_enum, 0)
+    return config
 
+
+def _add_profiles(builder, config, logger, io: dict, profiles) -> list[dict]:
+    """Add one optimization profile per planned range; returns their manifest descriptions."""
     prof_desc = []
     for prof in profiles:
         op = builder.create_optimization_profile()
@@ -509,22 +576,23 @@ def build_engine(
                 "shapes": shapes,
             }
         )
+    return prof_desc
 
-    cache_path = out_path.with_name(out_path.name + (".runtime.cache" if is_rtx else ".timing.cache"))
+
+def _use_timing_cache(config, cache_path: Path, is_rtx: bool):
+    """Standard TensorRT: seed the config's timing cache from `cache_path` (if any); the cache
+    object to save after the build, or None (TensorRT-RTX keeps a runtime cache instead)."""
     timing_cache = None
     if not is_rtx and hasattr(config, "create_timing_cache"):
         blob = cache_path.read_bytes() if cache_path.is_file() else b""
         timing_cache = config.create_timing_cache(blob)
         config.set_timing_cache(timing_cache, True)
+    return timing_cache
 
-    monitor = _progress_monitor(trt, say) if log else None
-    if monitor is not None:
-        config.progress_monitor = monitor
-    say(
-        f"{onnx_path.name}: building for compute capability {target_cc or 'local'} "
-        f"({', '.join(p['name'] for p in prof_desc)} profiles; B<={max_batch}, "
-        f"tree<={max_tree_nodes}, context<={max_context})"
-    )
+
+def _build_serialized(builder, network, config, logger, name: str):
+    """Build the serialized engine: (host memory, seconds); EngineBuildError with TensorRT's
+    own errors when it returns nothing."""
     logger.take()
     t0 = time.perf_counter()
     serialized = builder.build_serialized_network(network, config)
@@ -532,37 +600,11 @@ def build_engine(
     errors = [e for e in logger.take() if not _cuda_noise(e)]
     if serialized is None or serialized.nbytes == 0:
         raise EngineBuildError(
-            f"{onnx_path.name}: TensorRT build failed: "
+            f"{name}: TensorRT build failed: "
             + ("; ".join(e.splitlines()[0] for e in errors[:4]) or "no reason given")
             + ("\n" + "\n".join(errors) if errors else "")
         )
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out_path, memoryview(serialized))
-    if timing_cache is not None:
-        atomic_write_bytes(cache_path, bytes(memoryview(timing_cache.serialize())))
-
-    entry = {
-        "file": out_path.name,
-        "bytes": out_path.stat().st_size,
-        "onnx": str(onnx_path.resolve()),
-        "onnx_sha256": sha256_file(onnx_path),
-        "onnx_metadata": _onnx_metadata(onnx_path),
-        "limits": {"max_batch": max_batch, "max_tree_nodes": max_tree_nodes, "max_context": max_context},
-        "profiles": prof_desc,
-        "inputs": io["inputs"],
-        "outputs": io["outputs"],
-        "n_layers": sum(1 for d in io["inputs"] if d["name"].startswith("past_key.")),
-        "role": meta.get(C.META_ROLE, ""),
-        "trt": {"module": flav, "version": trt.__version__},
-        "compute_capability": target_cc,
-        "cache": {"kind": "runtime" if is_rtx else "timing", "file": cache_path.name},
-        "build_seconds": round(build_s, 3),
-        "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    manifest_path = update_manifest(out_path.parent, out_path.stem, entry)
-    total = time.perf_counter() - t_start
-    say(f"{onnx_path.name}: wrote {out_path} ({entry['bytes'] / 2**20:.1f} MiB) in {total:.1f}s")
-    return BuildResult(out_path, manifest_path, entry, total)
+    return serialized, build_s
 
 
 def gqa_graph_message(name: str, meta: dict[str, str]) -> str:
