@@ -160,26 +160,12 @@ def apply_qdq(model, layer_for, block: int, shared_heads: bool = False) -> dict:
     8-bit head slowly (measured: 134 ms of a 171 ms SmolLM2 step, vs about 3 ms in float).
     Returns counts {"layers_by_source": {...}, "layers_by_type": {...}, "kept_float": n,
     "kept_float_shared": n}."""
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, numpy_helper
 
     g = model.graph
-    for op in model.opset_import:
-        if op.domain in ("", "ai.onnx") and op.version < QDQ_MIN_OPSET:
-            raise InputError(
-                f"--format qdq needs opset >= {QDQ_MIN_OPSET} (blocked DequantizeLinear); "
-                f"this graph is opset {op.version}"
-            )
+    _check_qdq_opset(model)
     inits = {t.name: t for t in g.initializer}
-    # a weight also read elsewhere (a tied LM head: the embedding's Gather) reaches its MatMul
-    # through Transpose(perm=[1, 0]) of the shared initializer
-    transposed = {
-        nd.output[0]: nd.input[0]
-        for nd in g.node
-        if nd.op_type == "Transpose"
-        and nd.input[0] in inits
-        and len(inits[nd.input[0]].dims) == 2
-        and [list(a.ints) for a in nd.attribute if a.name == "perm"] in ([[1, 0]], [])
-    }
+    transposed = _transposed_initializers(g, inits)
     readers: dict[str, int] = {}
     for nd in g.node:
         for i in nd.input:
@@ -217,47 +203,85 @@ def apply_qdq(model, layer_for, block: int, shared_heads: bool = False) -> dict:
         if q.q.shape != (w.shape[1], w.shape[0]):
             raise InputError(f"{w_name}: blocks of shape {q.q.shape} for a weight {w.shape}")
         base = f"{w_name}_qdq"
-        q_kn = np.ascontiguousarray(q.q.T)
-        if q.bits == 4:
-            g.initializer.append(_int4_tensor(base + ".q", q_kn))
-        else:
-            g.initializer.append(numpy_helper.from_array(q_kn.astype(np.int8), base + ".q"))
-        g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(q.scales.T.astype(w.dtype)), base + ".scale"))
+        new_nodes.append(_dequantize_node(g, base, q, w.dtype))
         deq = base + ".w"
-        new_nodes.append(
-            helper.make_node(
-                "DequantizeLinear", [base + ".q", base + ".scale"], [deq], name=base + ".dq", axis=0, block_size=q.block
-            )
-        )
         done[w_name] = deq
         by_source[q.source] = by_source.get(q.source, 0) + 1
         by_type[f"int{q.bits}"] = by_type.get(f"int{q.bits}", 0) + 1
+        nd.input[1] = deq
         if q.offsets is None:
-            nd.input[1] = deq
             new_nodes.append(nd)
             continue
-        # per-block offsets (GGUF Q4_1): y = x @ DQ(q) + (block sums of x) @ C, C [K/block, N]
-        x, y = nd.input[0], nd.output[0]
-        nblk = q.k // q.block
-        g.initializer.append(
-            numpy_helper.from_array(np.ascontiguousarray(q.offsets.T.astype(w.dtype)), base + ".offset")
-        )
-        g.initializer.append(numpy_helper.from_array(np.array([nblk, q.block], np.int64), base + ".blk"))
-        g.initializer.append(numpy_helper.from_array(np.array([-1], np.int64), base + ".axes"))
-        nd.input[1] = deq
-        nd.output[0] = base + ".main"
-        new_nodes.append(nd)
-        new_nodes += [
-            helper.make_node("Shape", [x], [base + ".xs"], name=base + ".shape", end=-1),
-            helper.make_node("Concat", [base + ".xs", base + ".blk"], [base + ".bs"], name=base + ".concat", axis=0),
-            helper.make_node("Reshape", [x, base + ".bs"], [base + ".xb"], name=base + ".reshape"),
-            helper.make_node(
-                "ReduceSum", [base + ".xb", base + ".axes"], [base + ".xsum"], name=base + ".sum", keepdims=0
-            ),
-            helper.make_node("MatMul", [base + ".xsum", base + ".offset"], [base + ".corr"], name=base + ".corr_mm"),
-            helper.make_node("Add", [base + ".main", base + ".corr"], [y], name=base + ".add"),
-        ]
-    # drop the Transposes and float weights nothing reads any more
+        new_nodes += _with_block_offsets(g, nd, base, q, w.dtype)
+    _drop_unread(g, new_nodes, transposed)
+    return {"layers_by_source": by_source, "layers_by_type": by_type, "kept_float": kept, "kept_float_shared": shared}
+
+
+def _check_qdq_opset(model) -> None:
+    """Blocked DequantizeLinear is opset 21: refuse an older graph in one line."""
+    for op in model.opset_import:
+        if op.domain in ("", "ai.onnx") and op.version < QDQ_MIN_OPSET:
+            raise InputError(
+                f"--format qdq needs opset >= {QDQ_MIN_OPSET} (blocked DequantizeLinear); "
+                f"this graph is opset {op.version}"
+            )
+
+
+def _transposed_initializers(g, inits: dict) -> dict[str, str]:
+    """{Transpose output: initializer} for each Transpose(perm=[1, 0]) of a 2-D initializer."""
+    # a weight also read elsewhere (a tied LM head: the embedding's Gather) reaches its MatMul
+    # through Transpose(perm=[1, 0]) of the shared initializer
+    return {
+        nd.output[0]: nd.input[0]
+        for nd in g.node
+        if nd.op_type == "Transpose"
+        and nd.input[0] in inits
+        and len(inits[nd.input[0]].dims) == 2
+        and [list(a.ints) for a in nd.attribute if a.name == "perm"] in ([[1, 0]], [])
+    }
+
+
+def _dequantize_node(g, base: str, q, dtype):
+    """Add the blocks `q` as initializers `<base>.q` / `<base>.scale`; the DequantizeLinear
+    node that rebuilds the [K, N] weight as `<base>.w`."""
+    from onnx import helper, numpy_helper
+
+    q_kn = np.ascontiguousarray(q.q.T)
+    if q.bits == 4:
+        g.initializer.append(_int4_tensor(base + ".q", q_kn))
+    else:
+        g.initializer.append(numpy_helper.from_array(q_kn.astype(np.int8), base + ".q"))
+    g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(q.scales.T.astype(dtype)), base + ".scale"))
+    return helper.make_node(
+        "DequantizeLinear", [base + ".q", base + ".scale"], [base + ".w"], name=base + ".dq", axis=0, block_size=q.block
+    )
+
+
+def _with_block_offsets(g, nd, base: str, q, dtype) -> list:
+    """The MatMul `nd` (already reading the dequantised weight) plus the nodes that add its
+    per-block offsets; returns them in graph order."""
+    from onnx import helper, numpy_helper
+
+    # per-block offsets (GGUF Q4_1): y = x @ DQ(q) + (block sums of x) @ C, C [K/block, N]
+    x, y = nd.input[0], nd.output[0]
+    nblk = q.k // q.block
+    g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(q.offsets.T.astype(dtype)), base + ".offset"))
+    g.initializer.append(numpy_helper.from_array(np.array([nblk, q.block], np.int64), base + ".blk"))
+    g.initializer.append(numpy_helper.from_array(np.array([-1], np.int64), base + ".axes"))
+    nd.output[0] = base + ".main"
+    return [
+        nd,
+        helper.make_node("Shape", [x], [base + ".xs"], name=base + ".shape", end=-1),
+        helper.make_node("Concat", [base + ".xs", base + ".blk"], [base + ".bs"], name=base + ".concat", axis=0),
+        helper.make_node("Reshape", [x, base + ".bs"], [base + ".xb"], name=base + ".reshape"),
+        helper.make_node("ReduceSum", [base + ".xb", base + ".axes"], [base + ".xsum"], name=base + ".sum", keepdims=0),
+        helper.make_node("MatMul", [base + ".xsum", base + ".offset"], [base + ".corr"], name=base + ".corr_mm"),
+        helper.make_node("Add", [base + ".main", base + ".corr"], [y], name=base + ".add"),
+    ]
+
+
+def _drop_unread(g, new_nodes: list, transposed: dict) -> None:
+    """Set the graph's nodes to `new_nodes`, less the Transposes and float weights nothing reads any more."""
     read = {i for nd in new_nodes for i in nd.input} | {o.name for o in g.output}
     new_nodes = [nd for nd in new_nodes if not (nd.output[0] in transposed and nd.output[0] not in read)]
     del g.node[:]
@@ -266,7 +290,6 @@ def apply_qdq(model, layer_for, block: int, shared_heads: bool = False) -> dict:
     keep = [t for t in g.initializer if t.name in still]
     del g.initializer[:]
     g.initializer.extend(keep)
-    return {"layers_by_source": by_source, "layers_by_type": by_type, "kept_float": kept, "kept_float_shared": shared}
 
 
 def gguf_layer_lookup(module, gguf_path: str, bits: int, dtype=np.float32):
