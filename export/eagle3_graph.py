@@ -62,15 +62,13 @@ def build_head_model(head, embed: torch.Tensor, max_context: int, sink=None, bit
     sink: where initialisers go (export/gqa_graph.MemorySink, or ExternalDataSink for a head over
     the protobuf's 2 GB); bits 4 / 8: every MatMul's weight as MatMulNBits blocks with int8
     activations (ONNX Runtime's round-to-nearest, weight by weight: export/gqa_export.rtn_nbits)."""
-    import onnx
-    from onnx import TensorProto as TP
     from onnx import helper as h
 
-    from .gqa_graph import ExternalDataSink, MemorySink
+    from .gqa_graph import MemorySink
 
     c = head.config
     sd = head.state_dict()
-    nq, nkv, d, hs = c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_size
+    nq, nkv, d = c.n_heads, c.n_kv_heads, c.head_dim
     sink = sink if sink is not None else MemorySink()
     nodes = []
 
@@ -102,20 +100,7 @@ def build_head_model(head, embed: torch.Tensor, max_context: int, sink=None, bit
             stash_type=1,
         )
 
-    inputs = [
-        h.make_tensor_value_info(C.INPUT_IDS, TP.INT64, ["batch", "tokens"]),
-        h.make_tensor_value_info(C.POSITION_IDS, TP.INT64, ["batch", "tokens"]),
-        h.make_tensor_value_info(C.ATTENTION_MASK, TP.BOOL, ["batch", "tokens", "context"]),
-        h.make_tensor_value_info(C.past_key(0), TP.FLOAT, ["batch", nkv, "max_seq", d]),
-        h.make_tensor_value_info(C.past_value(0), TP.FLOAT, ["batch", nkv, "max_seq", d]),
-        h.make_tensor_value_info(C.HIDDEN_IN, TP.FLOAT, ["batch", "tokens", hs]),
-    ]
-    outputs = [
-        h.make_tensor_value_info(C.LOGITS, TP.FLOAT, ["batch", "tokens", c.draft_vocab_size]),
-        h.make_tensor_value_info(C.new_key(0), TP.FLOAT, ["batch", nkv, "max_seq", d]),
-        h.make_tensor_value_info(C.new_value(0), TP.FLOAT, ["batch", nkv, "max_seq", d]),
-        h.make_tensor_value_info(C.HIDDEN_STATES, TP.FLOAT, ["batch", "tokens", hs]),
-    ]
+    inputs, outputs = _head_io(c)
     seqlens, total, bias = attention_inputs(node, init, d, c.rope_theta, max_context, rotary=head.rotary)
 
     e = node("Gather", [init("embed_tokens", _np(embed)), C.INPUT_IDS], ["embeds"], axis=0)
@@ -145,6 +130,40 @@ def build_head_model(head, embed: torch.Tensor, max_context: int, sink=None, bit
         epsilon=float(c.rms_eps),
     )
     matmul(fin[0], _np(sd["lm_head.weight"]).T, "lm_head", C.LOGITS)
+    return _head_onnx_model(nodes, inputs, outputs, sink)
+
+
+def _head_io(c):
+    """The head graph's declared inputs and outputs (the contract's names; K/V [B, Hkv, S, D])."""
+    from onnx import TensorProto as TP
+    from onnx import helper as h
+
+    nkv, d, hs = c.n_kv_heads, c.head_dim, c.hidden_size
+    inputs = [
+        h.make_tensor_value_info(C.INPUT_IDS, TP.INT64, ["batch", "tokens"]),
+        h.make_tensor_value_info(C.POSITION_IDS, TP.INT64, ["batch", "tokens"]),
+        h.make_tensor_value_info(C.ATTENTION_MASK, TP.BOOL, ["batch", "tokens", "context"]),
+        h.make_tensor_value_info(C.past_key(0), TP.FLOAT, ["batch", nkv, "max_seq", d]),
+        h.make_tensor_value_info(C.past_value(0), TP.FLOAT, ["batch", nkv, "max_seq", d]),
+        h.make_tensor_value_info(C.HIDDEN_IN, TP.FLOAT, ["batch", "tokens", hs]),
+    ]
+    outputs = [
+        h.make_tensor_value_info(C.LOGITS, TP.FLOAT, ["batch", "tokens", c.draft_vocab_size]),
+        h.make_tensor_value_info(C.new_key(0), TP.FLOAT, ["batch", nkv, "max_seq", d]),
+        h.make_tensor_value_info(C.new_value(0), TP.FLOAT, ["batch", nkv, "max_seq", d]),
+        h.make_tensor_value_info(C.HIDDEN_STATES, TP.FLOAT, ["batch", "tokens", hs]),
+    ]
+    return inputs, outputs
+
+
+def _head_onnx_model(nodes, inputs, outputs, sink):
+    """The head graph as an ONNX model (opset OPSET + com.microsoft), checked unless its
+    initialisers go to external data (checked on the saved file then)."""
+    import onnx
+    from onnx import helper as h
+
+    from .gqa_graph import ExternalDataSink
+
     graph = h.make_graph(nodes, "arborspec_eagle3_head", inputs, outputs, sink.tensors)
     model = h.make_model(
         graph, opset_imports=[h.make_opsetid("", OPSET), h.make_opsetid("com.microsoft", 1)], producer_name="arborspec"
