@@ -221,7 +221,6 @@ def unpack(
     return folder
 
 
-@reports_mistakes("corpus_ids")
 def corpus_stats(folder: Path, shards: range | None = None) -> dict:
     """What a corpus (its shards in `shards`, None: all) holds, from the shard records: per prompt
     source the shards, prompts, tokens and how many shards are featurised; per kind of the kinds
@@ -248,6 +247,7 @@ def corpus_stats(folder: Path, shards: range | None = None) -> dict:
     return {"sources": sources, "kinds": dict(sorted(by_kind.items()))}
 
 
+@reports_mistakes("corpus_ids")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m arborspec.tools.train.corpus_ids",
