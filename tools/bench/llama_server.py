@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from arborspec.runtime import settings
-from arborspec.tools.bench.peers import PeerUnavailable, _cut_at_eos, _one_line, _run_dict, pkg_version
+from arborspec.tools.bench.peer_base import PeerUnavailable, _cut_at_eos, _one_line, _run_dict, pkg_version
 
 LLAMA_PKG = "llama-cpp-python"
 DEFAULT_LLAMA_VERSION = "0.3.36"  # the sdist fetched when llama-cpp-python is not installed

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import importlib.metadata as md
 import json
 import os
 import shutil
@@ -52,6 +51,7 @@ from pathlib import Path
 
 from arborspec.runtime.fileio import PartialFolder
 from arborspec.tools.bench.baselines import hf_source_path
+from arborspec.tools.bench.peer_base import PeerUnavailable, _cut_at_eos, _one_line, _run_dict, pkg_version  # noqa: F401
 
 # llama.cpp's own server, plain and with its speculative modes (tools/bench/llama_server.py: SERVER_SPECS)
 LLAMA_SERVER_PEERS = (
@@ -75,28 +75,11 @@ LLAMA_PKG = "llama-cpp-python"
 BUILD_FORMAT = 1  # bump when the way a GenAI model is built here changes
 
 
-class PeerUnavailable(Exception):
-    """A peer that is not installed or cannot run here: its message is the one-line reason."""
-
-
 def peer_threads() -> int:
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
-
-
-def pkg_version(pkg: str) -> str | None:
-    try:
-        return md.version(pkg)
-    except md.PackageNotFoundError:
-        return None
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip()
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return f"{type(e).__name__}: {lines[-1] if lines else ''}".rstrip(": ")
 
 
 def _import(module: str, pkg: str, extra: str = "peers"):
@@ -106,40 +89,6 @@ def _import(module: str, pkg: str, extra: str = "peers"):
         if pkg_version(pkg) is None:
             raise PeerUnavailable(f"{pkg} is not installed (pip install 'arborspec[{extra}]')") from None
         raise PeerUnavailable(f"{pkg} {pkg_version(pkg)} is installed but does not import ({_one_line(e)})") from None
-
-
-def _run_dict(toks: list[int], prefill_s: float, decode_s: float, calls: int, stats: dict | None = None) -> dict:
-    new = len(toks)
-    decode_s = max(decode_s, 1e-9)
-    d = {
-        "new_tokens": new,
-        "tokens_per_s": (new - 1) / decode_s if new > 1 else 0.0,
-        "mean_accepted": new / calls if calls else None,
-        "target_calls": calls,
-        "draft_calls": 0,
-        "steps": calls,
-        "tree_nodes": None,
-        "decode_s": decode_s,
-        "prefill_s": prefill_s,
-        "ttft_s": prefill_s,
-        # a peer's time is not split into draft / verify: all of it is reported as "other"
-        "time_split": {"draft_s": 0.0, "verify_s": 0.0, "accept_kv_s": 0.0, "other_s": decode_s},
-        "draft_model_s": 0.0,
-        "overhead_per_step_ms": None,
-        "accepted_hist": {},
-        "stop_reason": "length",
-        "tokens": toks,
-    }
-    if stats is not None:
-        d["peer_stats"] = stats
-    return d
-
-
-def _cut_at_eos(toks: list[int], eos: list[int]) -> tuple[list[int], str]:
-    for i, t in enumerate(toks):
-        if t in eos:
-            return toks[: i + 1], "eos"
-    return toks, "length"
 
 
 # ---------------------------------------------------------------------------------- GenAI

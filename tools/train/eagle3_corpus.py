@@ -32,7 +32,6 @@ import random
 import re
 import shutil
 import sys
-import sysconfig
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -42,6 +41,7 @@ import torch
 
 from arborspec.runtime.errors import InputError
 from arborspec.runtime.fileio import PartialFolder, atomic_write, atomic_write_json
+from arborspec.tools.train.text_sources import pydoc_topics, shingles  # noqa: F401
 
 # ------------------------------------------------------------------------ prompt mix
 # Kept apart from the packaged benchmark prompts (tools/data/prompts.json) and from the held-out
@@ -195,17 +195,6 @@ PASSAGE_TEMPLATES = [
 
 
 @lru_cache(maxsize=1)
-def pydoc_topics() -> dict:
-    """Python's documentation topics on this machine ({topic: text}; {} without pydoc_data)."""
-    path = Path(sysconfig.get_paths()["stdlib"]) / "pydoc_data" / "topics.py"
-    if not path.is_file():
-        return {}
-    ns: dict = {}
-    exec(compile(path.read_text(), str(path), "exec"), ns)  # a dict literal: {topic: text}
-    return ns.get("topics", {})
-
-
-@lru_cache(maxsize=1)
 def passages() -> tuple[str, ...]:
     """Prose paragraphs already on this machine (Python's documentation topics), 250-700
     characters, for the summarisation and extraction prompts."""
@@ -265,11 +254,6 @@ def kept_apart_shingles() -> frozenset:
 
     texts = [e.get("text", "") for path in (heldout_prompts_path(), None) for e in read_prompts_file(path)[0]]
     return frozenset().union(*(shingles(t) for t in texts))
-
-
-def shingles(text: str, n: int = 6) -> set:
-    words = text.lower().split()
-    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
 # What half of the self-written requests start with (the target continues each, Magpie-style):

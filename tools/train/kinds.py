@@ -31,7 +31,7 @@ import sysconfig
 from functools import lru_cache
 from pathlib import Path
 
-from arborspec.tools.train.eagle3_corpus import pydoc_topics, shingles
+from arborspec.tools.train.text_sources import pydoc_topics, shingles
 
 KINDS = ("translation", "qa", "math", "long_summary", "retrieval")
 HELDOUT_SHARE = 6  # one source item in HELDOUT_SHARE is held out
