@@ -72,12 +72,24 @@ def test_ctrl_c_stops_an_answer_not_the_conversation(monkeypatch, capsys, export
 
     real, calls = SpeculativeDecoder.stream, []
 
+    class Interrupted:
+        """The real stream (its `result` too), with Ctrl-C after its first chunk."""
+
+        def __init__(self, stream):
+            self.stream = stream
+
+        @property
+        def result(self):
+            return self.stream.result
+
+        def __iter__(self):
+            yield next(self.stream)
+            raise KeyboardInterrupt
+
     def interrupted_once(self, *a, **kw):
         calls.append(1)
-        for chunk in real(self, *a, **kw):
-            yield chunk
-            if len(calls) == 1:  # Ctrl-C after the first answer's first chunk
-                raise KeyboardInterrupt
+        stream = real(self, *a, **kw)
+        return Interrupted(stream) if len(calls) == 1 else stream
 
     monkeypatch.setattr(SpeculativeDecoder, "stream", interrupted_once)
     rc, out, err = chat(monkeypatch, capsys, export_dir, "hello\nthe hell\n", "--stats")
