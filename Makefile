@@ -54,8 +54,8 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -q -ra --durations=15
-	# the GPU tests' logic on the CPU (tests/test_gpu.py dry mode; on a GPU they ran above)
-	ARBORSPEC_GPU_DRY=1 $(PY) -m pytest -q -ra tests/test_gpu.py
+	# the GPU tests' logic on the CPU (tests/tools/test_gpu.py dry mode; on a GPU they ran above)
+	ARBORSPEC_GPU_DRY=1 $(PY) -m pytest -q -ra tests/tools/test_gpu.py
 
 # every named mutant of the exactness-carrying code (tests/mutants.py) must be killed by its
 # tests, each run in a temporary copy of the tree (docs/testing.md: about 15 min on 2 cores)

@@ -2,7 +2,7 @@
 
 Role in one decode step: none directly; the pieces that open sessions, pick thread pools, lay
 out verify calls, cache downloads or start a server ask here instead of reading os.environ
-themselves (tests/test_settings.py fails when any module of runtime/, models/, export/ or tools/
+themselves (tests/runtime/test_settings.py fails when any module of runtime/, models/, export/ or tools/
 reads an `ARBORSPEC_*` variable elsewhere). Values are read at call time, so a test that sets
 os.environ (monkeypatch) sees its value; a bad value is one line (InputError), not a traceback.
 

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+
+# tests/<package>/ mirror the package (tests/runtime/test_trees.py tests runtime/trees.py); the shared
+# helpers here (this file's fixtures, lossless_util) and the helpers one test file takes from another
+# are imported by module name from any of those folders
+_TESTS = Path(__file__).resolve().parent
+for _folder in (_TESTS, *(_TESTS / name for name in ("runtime", "export", "models", "tools"))):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 import torch
 
 from arborspec.models import ModelConfig, build_model

@@ -1,7 +1,7 @@
 """Named mutants of the code that carries the exactness promise: accept rules, warping, tree
 masks and positions, KV commit, batched rows. Each is (name, file, exact source snippet,
 replacement, the fast tests that must kill it). `tests/mutation.py` applies them one at a time
-in a temporary copy of the tree; tests/test_negative_controls.py applies the accept-rule ones
+in a temporary copy of the tree; tests/runtime/test_negative_controls.py applies the accept-rule ones
 in process. File paths are relative to the repository root: where a module moves, change its
 path here (and only here)."""
 
@@ -21,18 +21,18 @@ DECODE = "runtime/decode.py"
 PENALTIES = "runtime/penalties.py"
 STRUCTURED = "runtime/structured.py"
 
-EXACT = "tests/test_exact_lossless.py"
-NEG = "tests/test_negative_controls.py"
-WARP = "tests/test_warping.py"
-GREEDY = "tests/test_decode_greedy.py"
-KV = "tests/test_kv_exact.py"
-PRIMS = "tests/test_random_primitives.py"  # the exact tests enumerate the primitives: checked here
-BATCH_T = "tests/test_batch_decode.py"
-EAGLE3_T = "tests/test_eagle3.py"
-PREFIX_T = "tests/test_prefix_cache.py"
-LOGPROBS_T = "tests/test_logprobs.py"
-PENALTIES_T = "tests/test_penalties.py"
-STRUCTURED_T = "tests/test_structured.py"
+EXACT = "tests/runtime/test_exact_lossless.py"
+NEG = "tests/runtime/test_negative_controls.py"
+WARP = "tests/runtime/test_warping.py"
+GREEDY = "tests/runtime/test_decode_greedy.py"
+KV = "tests/runtime/test_kv_exact.py"
+PRIMS = "tests/runtime/test_random_primitives.py"  # the exact tests enumerate the primitives: checked here
+BATCH_T = "tests/runtime/test_batch_decode.py"
+EAGLE3_T = "tests/models/test_eagle3.py"
+PREFIX_T = "tests/runtime/test_prefix_cache.py"
+LOGPROBS_T = "tests/runtime/test_logprobs.py"
+PENALTIES_T = "tests/runtime/test_penalties.py"
+STRUCTURED_T = "tests/runtime/test_structured.py"
 
 
 @dataclass(frozen=True)
@@ -202,7 +202,7 @@ MUTANTS = [
         DRAFTING,
         "x = out * scale if scale != 1.0 else out",
         "x = out",
-        ("tests/test_trees.py", "-k", "sample_scale"),
+        ("tests/runtime/test_trees.py", "-k", "sample_scale"),
     ),
     Mutant(
         "sampled candidates point at the wrong q row",

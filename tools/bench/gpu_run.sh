@@ -8,7 +8,7 @@
 #   wheels   carried wheels: .carry/load*/ from ../shared/gpu/pack-wheels.sh (unpacked into
 #            /tmp/site by the earlier calls; see below) and/or a folder of wheels in $WHEELS
 #            (default .whl), installed offline: pip install --no-index --no-deps --target /tmp/site
-#   tests    pytest -m gpu tests/test_gpu.py tests/test_trt_build.py (JUnit XML + log);
+#   tests    pytest -m gpu tests/tools/test_gpu.py tests/export/test_trt_build.py (JUnit XML + log);
 #            $ARBORSPEC_GPU_OUT=$OUT makes the tests write what they saw to gpu_tests.json
 #   bench    tools/bench/gpu.py: cost curves (1.1B random Llama, T = 1..128, P = 512/2048),
 #            CUDA graphs vs eager, vanilla/chain/tree tokens/s + runtime overhead, ORT CUDA (if any)
@@ -112,7 +112,7 @@ do_wheels() {
 do_tests() {
   timeout -s INT -k 20 "${TESTS_TIMEOUT:-200}" "$PY" -P -m pytest -m gpu -ra -v -p no:cacheprovider \
     --continue-on-collection-errors --junitxml "$OUT/pytest_gpu.xml" \
-    tests/test_gpu.py tests/test_trt_build.py ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log"
+    tests/tools/test_gpu.py tests/export/test_trt_build.py ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log"
   return "${PIPESTATUS[0]}"
 }
 

@@ -4,7 +4,7 @@ parser (or argument group), its `*_from_args` reads them back.
 Role in one decode step: none; the flags become a `SamplingParams` (runtime/sampling.py), a
 response_format's grammar (runtime/structured.py) or a `Generator`'s settings. A command's
 --help shows them with the same names, defaults and help texts wherever they appear
-(tests/test_cli_options.py checks that).
+(tests/tools/test_cli_options.py checks that).
 """
 
 from __future__ import annotations

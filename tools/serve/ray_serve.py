@@ -163,7 +163,7 @@ def app_builder(args: dict):
 # Ray Serve's start-up waits, sized for a machine whose cores are busy with other work. Serve's
 # controller gives its HTTP proxy actor 5 s to report ready, then kills and restarts it, and
 # `serve.start` waits a fixed 60 s for the first one: on 2 loaded cores the proxy's Python start-up
-# alone can take longer, so the driver's wait was cancelled with the actor (tests/test_serve_ray.py
+# alone can take longer, so the driver's wait was cancelled with the actor (tests/tools/test_serve_ray.py
 # errored at setup). The controller, a Ray actor, reads these variables from the environment it
 # inherits from `ray.init`; `start` then waits for the proxy itself, up to ARBORSPEC_RAY_START_TIMEOUT_S.
 RAY_SERVE_SLOW_START = {

@@ -80,7 +80,7 @@ def simulate_drafts(
     loop: the target's greedy text once per prompt (vanilla runtime decoding), then each
     draft teacher-forced over it once; `tune.simulate_greedy_steps` counts the steps each
     static-shaped tree (chain, full, static) would take. Equal to real decoding's steps
-    (tests/test_tune.py checks it)."""
+    (tests/tools/test_tune.py checks it)."""
     from arborspec.runtime.decode import SpeculativeDecoder
     from arborspec.tools.engines import open_engines
     from arborspec.tools.tune.acceptance_sim import draft_topk_ranks, simulate_greedy_steps, spec_paths

@@ -45,7 +45,7 @@ from arborspec.tools.train.text_sources import pydoc_topics, shingles  # noqa: F
 
 # ------------------------------------------------------------------------ prompt mix
 # Kept apart from the packaged benchmark prompts (tools/data/prompts.json) and from the held-out
-# prompts (tools/data/heldout_prompts.json; tests/test_eagle3_train.py checks both).
+# prompts (tools/data/heldout_prompts.json; tests/tools/test_eagle3_train.py checks both).
 TOPICS = [
     "photosynthesis",
     "the water cycle",

@@ -1,4 +1,4 @@
-"""Negative controls: the exact lossless checks of tests/test_exact_lossless.py, run on a
+"""Negative controls: the exact lossless checks of tests/runtime/test_exact_lossless.py, run on a
 deliberately wrong accept rule, must fail, for every rule (top-k, sample, sample-unique, the
 seed write-up's) and every draft kind (model, lookup, EAGLE-3, mixed, batched). The wrong rules
 are the planted bugs of tests/mutants.py, swapped into the running code (the function's code
@@ -113,7 +113,7 @@ def test_every_mutant_names_code_that_exists():
     must move the mutant too (tests/mutation.py would report it `stale`, not `killed`)."""
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     for m in MUTANTS:
         src = (root / m.file).read_text()
         assert src.count(m.snippet) == 1, f"mutant {m.name!r}: snippet found {src.count(m.snippet)} times in {m.file}"

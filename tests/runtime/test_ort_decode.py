@@ -381,7 +381,7 @@ def test_host_work_runs_on_one_torch_thread_while_onnxruntime_decodes(tmp_path, 
 def test_a_model_draft_on_per_session_pools_warns_once_the_fix(cli_export, monkeypatch):
     """Opening an export whose draft is a model on ONNX Runtime's CPU without the shared thread
     pool says how to fix the wake-up cost (arborspec.enable_shared_pool); with no model draft
-    nothing is said (with the pool neither: the CLI's runs, tests/test_quantize.py)."""
+    nothing is said (with the pool neither: the CLI's runs, tests/export/test_quantize.py)."""
     import warnings
 
     import arborspec

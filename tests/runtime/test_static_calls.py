@@ -1,6 +1,6 @@
 """The torch backend's static-shape calls (runtime/backends/cuda_graphs.py), run eagerly on the CPU
 (`cuda_graphs="static"`): the computation a CUDA graph captures and replays on a GPU
-(tests/test_gpu.py replays it there). Each call pads T to a bucket and attends over the cache's
+(tests/tools/test_gpu.py replays it there). Each call pads T to a bucket and attends over the cache's
 whole slab with the unused part hidden; these tests pin that this changes nothing a decoder sees."""
 
 from __future__ import annotations

@@ -364,7 +364,7 @@ def test_export_folder_with_an_eagle3_draft_decodes_like_vanilla(tmp_path, capsy
         <= seen
     ), seen
 
-    with pytest.raises(InputError, match="exports fp32 graphs"):  # --attention onnx: tests/test_eagle3_portable.py
+    with pytest.raises(InputError, match="exports fp32 graphs"):  # --attention onnx: tests/export/test_eagle3_portable.py
         export_folder(
             lm, tmp_path / "onnx", f"eagle3:{tmp_path / 'ckpt'}", attention="onnx", dtype="fp16", progress=False
         )

@@ -13,7 +13,7 @@ import pytest
 
 from arborspec.tools.commands.cli import COMMANDS, build_parser
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 from arborspec.runtime import settings
 from arborspec.runtime.errors import InputError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("runtime", "models", "export", "tools")
 SETTINGS_FILE = ROOT / "runtime" / "settings.py"
 _READERS = {"get", "getenv", "pop", "setdefault", "__getitem__"}
@@ -106,7 +106,7 @@ def test_every_declared_setting_is_read_and_every_read_is_declared():
     cannot outlive its use), each tests-scope one in tests/, and every ARBORSPEC_* string the code
     passes to the accessors is declared."""
     code = "\n".join(p.read_text() for p in _product_files())
-    tests = "\n".join(p.read_text() for p in (ROOT / "tests").glob("*.py") if p.name != "test_settings.py")
+    tests = "\n".join(p.read_text() for p in (ROOT / "tests").rglob("*.py") if p.name != "test_settings.py")
     for s in settings.SETTINGS.values():
         where = code if s.scope == "arborspec" else tests
         assert f'"{s.name}"' in where, f"{s.name} is declared but nothing reads it"

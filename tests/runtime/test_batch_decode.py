@@ -96,7 +96,7 @@ def test_a_sequence_at_the_end_of_the_context_pauses_the_trees_of_its_batch(kind
     """A batched call's columns run to the longest row's length + the tree rows: while that would
     pass max_position only the roots are verified and the other rows' drafts defer, then they
     speculate again once the long row has ended; every output equals vanilla decoding alone. (The
-    limit is GroupQueryAttention's, pinned in tests/test_ort_decode.py; torch has none, so this pins
+    limit is GroupQueryAttention's, pinned in tests/runtime/test_ort_decode.py; torch has none, so this pins
     that the pause and the drafts' deferral keep every row exact.)"""
     m = random_model(tiny_config("llama", max_position=64))
     target, d_eng = TorchEngine(m), TorchEngine(truncated(m, 1))

@@ -4,7 +4,7 @@ whole sequence per token, the penalties applied token by token from their defini
 lossless_util.reference_penalties) and transformers' own `generate` (RepetitionPenalty,
 SequenceBias processors) on a checkpoint it wrote. Vanilla, chain and tree decoding, single and
 batched, must give the penalised greedy tokens exactly; the lossless cases (exact enumeration,
-tests/test_exact_lossless.py) carry penalised SamplingParams too. Each case is a negative
+tests/runtime/test_exact_lossless.py) carry penalised SamplingParams too. Each case is a negative
 control of its own: the penalty must change the unpenalised answer."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Stop strings (OpenAI's `stop`): the matcher against an independent reference (the text cut at
 the first occurrence of any stop string, fed in random pieces), then through the embedding API
 (generate, stream, chat, batched), the CLI (`generate --stop`) and their one-line mistakes. The
-server's `stop` is tested in tests/test_serve.py."""
+server's `stop` is tested in tests/tools/test_serve.py."""
 
 from __future__ import annotations
 
