@@ -212,7 +212,7 @@ def export_gqa(weights, path: str | os.PathLike, spec: GQAExport):
     spec.topk = min(int(spec.topk or 0), cfg.vocab_size)
     spec.info["memory"] = check_memory(cfg, spec, cfg.name or path.name)
     linears, qinfo = pick_linears(weights, spec)
-    model, ext = _build_and_save(weights, path, spec, linears, max_context)
+    ext = _build_and_save(weights, path, spec, linears, max_context)
     ir, nodes = _write_metadata(path, cfg, spec, ext)
     res = ExportResult(
         path=path, opset=gqa_graph.OPSET, exporter="gqa", dtype=spec.dtype, ir_version=ir, n_nodes=nodes,
@@ -232,7 +232,7 @@ def _build_and_save(weights, path: Path, spec: GQAExport, linears, max_context: 
         if sink is not None:
             sink.close()
     ext = gqa_graph.save_model(model, path)
-    return model, ext
+    return ext
 
 
 def _build(weights, spec: GQAExport, linears, max_context: int, sink, n_layers):

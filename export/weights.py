@@ -126,20 +126,17 @@ class GGUFWeights:
         self.blocks = GGUFBlocks(self.reader, self.config.n_heads, self.config.n_kv_heads)
 
     def has(self, name: str) -> bool:
-        try:
-            return self.blocks.tensor(name) is not None
-        except KeyError:
-            return name in ("model.norm.weight",) or self._norm_name(name) in self.blocks.tensors
-
-    def _norm_name(self, name: str) -> str:
         from arborspec.models.gguf_loader import gguf_name
 
-        return gguf_name(name)
+        try:
+            return gguf_name(name) in self.blocks.tensors  # a tied head has no output.weight
+        except KeyError:
+            return False
 
     def get(self, name: str) -> np.ndarray:
-        from arborspec.models.gguf_loader import dequantized_tensor
+        from arborspec.models.gguf_loader import dequantized_tensor, gguf_name
 
-        t = self.blocks.tensors.get(self._norm_name(name))
+        t = self.blocks.tensors.get(gguf_name(name))
         if t is None:
             raise InputError(f"{self.path}: no tensor for {name}")
         return dequantized_tensor(t, self.config, self.blocks.permuted)
