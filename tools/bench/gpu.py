@@ -245,11 +245,125 @@ def eagle3_head(module, desc: dict, dry: bool, folder: str | None = None):
     return None
 
 
+def _decode_drafts(a, target, draft_module, head, k: int, dtype, graphs) -> dict:
+    """The drafts of one (dtype, CUDA graphs) variant, by name, on `target`."""
+    import copy
+
+    from arborspec.runtime.backends.torch_backend import TorchEngine
+    from arborspec.runtime.drafts.lookup import LookupDraft
+
+    drafts = {}
+    if "lookup" in a.drafts:
+        drafts["lookup"] = LookupDraft(target.info.vocab_size)
+    if "layers" in a.drafts:
+        drafts[f"layers:{k}"] = TorchEngine(
+            copy.deepcopy(draft_module), device=a.device, dtype=dtype, cuda_graphs=graphs
+        )
+    if head is not None:  # the head runs in fp32 (on an fp16 target: its features cast up)
+        from arborspec.runtime.drafts.eagle3 import Eagle3Draft
+        from arborspec.runtime.drafts.mixed import LookupMixDraft
+
+        embed = target.module.model.embed_tokens.weight.detach().float()
+        if "eagle3" in a.drafts:
+            drafts["eagle3"] = Eagle3Draft(copy.deepcopy(head), embed, device=a.device, cuda_graphs=graphs)
+        if "eagle3+lookup" in a.drafts:
+            drafts["eagle3+lookup"] = LookupMixDraft(
+                Eagle3Draft(copy.deepcopy(head), embed, device=a.device, cuda_graphs=graphs),
+                LookupDraft(target.info.vocab_size),
+            )
+    return drafts
+
+
+def _decode_configs(drafts: dict, chain: str, trees: list[str]) -> list[tuple]:
+    """(label, draft, mode, tree spec) for vanilla, then each draft's chain and trees."""
+    configs = [("vanilla", None, "vanilla", None)]
+    for name, dr in drafts.items():
+        configs.append((f"chain {name}", dr, "chain", chain))
+        configs += [(f"tree {name} {t}", dr, "tree", t) for t in trees]
+    return configs
+
+
+def _static_counts(st, *fields: str) -> tuple:
+    """The named counters of a static (graph-captured) engine's record; zeros where it has none."""
+    return tuple(getattr(st, f) for f in fields) if st is not None else (0,) * len(fields)
+
+
+def _timed_config(dec, prompts, new: int, mode: str, vanilla_tokens: dict) -> dict:
+    """Decode every prompt with `dec`: its totals, and whether greedy tokens equal vanilla's (which
+    a vanilla configuration records into `vanilla_tokens`)."""
+    tot_new = tot_dec = tot_steps = tot_own = 0.0
+    equal = True
+    for i, ids in enumerate(prompts):
+        r = dec.generate(ids, new)
+        s = r.stats
+        tot_new += s.new_tokens
+        tot_dec += s.decode_s
+        tot_steps += s.steps
+        tot_own += s.overhead_per_step_ms * s.steps / 1e3
+        if mode == "vanilla":
+            vanilla_tokens[i] = r.tokens
+        else:
+            equal &= r.tokens == vanilla_tokens[i]
+    return {"new": tot_new, "decode_s": tot_dec, "steps": tot_steps, "own_s": tot_own, "equal": equal}
+
+
+def _decode_row(target, dr, label: str, mode: str, spec, prompts, new: int, dtype, graphs, vanilla_tokens) -> dict:
+    """One configuration's row: tokens/s, acceptance, step and runtime time, and the graph captures,
+    eager calls and routed calls of the target (and an EAGLE-3 head) while timed."""
+    from arborspec.runtime.decode import SpeculativeDecoder
+
+    kw = {} if mode == "vanilla" else {"tree": spec, "max_tree_nodes": 128}
+    dec = SpeculativeDecoder(target, dr, mode=mode, **kw)
+    if graphs:  # capture this configuration's T buckets before timing it, on the longest prompt:
+        # its cache slab holds every prompt, so no slab (and no capture) is new while timed
+        dec.generate(max(prompts, key=len), new)
+    st = target.static  # graph captures and eager fallbacks while timed: both should be 0
+    cap0, eag0, rou0 = _static_counts(st, "captured", "eager", "routed")
+    hs = getattr(getattr(getattr(dr, "base", dr), "engine", None), "static", None)  # an EAGLE-3 head's
+    hcap0, heag0, hrep0 = _static_counts(hs, "captured", "eager", "replays")
+    t = _timed_config(dec, prompts, new, mode, vanilla_tokens)
+    tot_new, tot_dec, tot_steps = t["new"], t["decode_s"], t["steps"]
+    step_ms = 1e3 * tot_dec / tot_steps if tot_steps else 0.0
+    own_ms = 1e3 * t["own_s"] / tot_steps if tot_steps else 0.0
+    return {
+        "dtype": str(dtype).split(".")[-1],
+        "cuda_graphs": bool(graphs),
+        "config": label,
+        "tokens_per_s": tot_new / tot_dec if tot_dec else 0.0,
+        "mean_accepted": tot_new / tot_steps if tot_steps else 0.0,
+        "step_ms": step_ms,
+        "overhead_per_step_ms": own_ms,
+        "overhead_share": own_ms / step_ms if step_ms else 0.0,
+        "greedy_equals_vanilla": t["equal"],
+        "captures_while_timed": st.captured - cap0 if st is not None else 0,
+        "eager_calls_while_timed": st.eager - eag0 if st is not None else 0,
+        "routed_calls_while_timed": st.routed - rou0 if st is not None else 0,  # to a larger bucket
+        # the EAGLE-3 head's calls: replayed, captured, eager (a prompt's long chain) while timed
+        "head_replays_while_timed": hs.replays - hrep0 if hs is not None else 0,
+        "head_captures_while_timed": hs.captured - hcap0 if hs is not None else 0,
+        "head_eager_calls_while_timed": hs.eager - heag0 if hs is not None else 0,
+    }
+
+
+def _add_speedups(rows: list[dict]) -> None:
+    """Each row's speed-up against vanilla of its own variant and against eager fp32 vanilla."""
+    base = next(x for x in rows if x["dtype"] == "float32" and not x["cuda_graphs"] and x["config"] == "vanilla")
+    for r in rows:
+        v = next(
+            x
+            for x in rows
+            if x["dtype"] == r["dtype"] and x["cuda_graphs"] == r["cuda_graphs"] and x["config"] == "vanilla"
+        )
+        r["speedup_vs_vanilla"] = r["tokens_per_s"] / v["tokens_per_s"] if v["tokens_per_s"] else 0.0
+        r["speedup_vs_eager_fp32_vanilla"] = r["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else 0.0
+
+
 def part_decode(a, res: dict) -> None:
+    import copy
+
     from arborspec.export.export_folder import truncated_draft
     from arborspec.runtime.backends.torch_backend import TorchEngine
     from arborspec.runtime.decode import SpeculativeDecoder
-    from arborspec.runtime.drafts.lookup import LookupDraft
 
     module, tok, desc = decode_model(a)
     k = 1 if a.dry_run else 4
@@ -268,90 +382,15 @@ def part_decode(a, res: dict) -> None:
     # filled in as rows are measured, so that an interrupted run still reports them
     res["decode"] = {**desc, "prompts": len(prompts), "max_new_tokens": new, "draft_layers": k, "rows": rows}
     for dtype, graphs in variants:
-        import copy
-
         target = TorchEngine(copy.deepcopy(module), device=a.device, dtype=dtype, cuda_graphs=graphs)
-        drafts = {}
-        if "lookup" in a.drafts:
-            drafts["lookup"] = LookupDraft(target.info.vocab_size)
-        if "layers" in a.drafts:
-            drafts[f"layers:{k}"] = TorchEngine(
-                copy.deepcopy(draft_module), device=a.device, dtype=dtype, cuda_graphs=graphs
-            )
-        if head is not None:  # the head runs in fp32 (on an fp16 target: its features cast up)
-            from arborspec.runtime.drafts.eagle3 import Eagle3Draft
-            from arborspec.runtime.drafts.mixed import LookupMixDraft
-
-            embed = target.module.model.embed_tokens.weight.detach().float()
-            if "eagle3" in a.drafts:
-                drafts["eagle3"] = Eagle3Draft(copy.deepcopy(head), embed, device=a.device, cuda_graphs=graphs)
-            if "eagle3+lookup" in a.drafts:
-                drafts["eagle3+lookup"] = LookupMixDraft(
-                    Eagle3Draft(copy.deepcopy(head), embed, device=a.device, cuda_graphs=graphs),
-                    LookupDraft(target.info.vocab_size),
-                )
-        configs = [("vanilla", None, "vanilla", None)]
-        for name, dr in drafts.items():
-            configs.append((f"chain {name}", dr, "chain", a.chain))
-            configs += [(f"tree {name} {t}", dr, "tree", t) for t in trees]
+        drafts = _decode_drafts(a, target, draft_module, head, k, dtype, graphs)
         SpeculativeDecoder(target, mode="vanilla").generate(prompts[0], 4)  # warm-up (kernels, allocator)
         vanilla_tokens = {}
-        for label, dr, mode, spec in configs:
-            kw = {} if mode == "vanilla" else {"tree": spec, "max_tree_nodes": 128}
-            dec = SpeculativeDecoder(target, dr, mode=mode, **kw)
-            if graphs:  # capture this configuration's T buckets before timing it, on the longest prompt:
-                # its cache slab holds every prompt, so no slab (and no capture) is new while timed
-                dec.generate(max(prompts, key=len), new)
-            st = target.static  # graph captures and eager fallbacks while timed: both should be 0
-            cap0, eag0, rou0 = (st.captured, st.eager, st.routed) if st is not None else (0, 0, 0)
-            hs = getattr(getattr(getattr(dr, "base", dr), "engine", None), "static", None)  # an EAGLE-3 head's
-            hcap0, heag0, hrep0 = (hs.captured, hs.eager, hs.replays) if hs is not None else (0, 0, 0)
-            tot_new = tot_dec = tot_steps = tot_own = 0.0
-            equal = True
-            for i, ids in enumerate(prompts):
-                r = dec.generate(ids, new)
-                s = r.stats
-                tot_new += s.new_tokens
-                tot_dec += s.decode_s
-                tot_steps += s.steps
-                tot_own += s.overhead_per_step_ms * s.steps / 1e3
-                if mode == "vanilla":
-                    vanilla_tokens[i] = r.tokens
-                else:
-                    equal &= r.tokens == vanilla_tokens[i]
-            step_ms = 1e3 * tot_dec / tot_steps if tot_steps else 0.0
-            own_ms = 1e3 * tot_own / tot_steps if tot_steps else 0.0
-            rows.append(
-                {
-                    "dtype": str(dtype).split(".")[-1],
-                    "cuda_graphs": bool(graphs),
-                    "config": label,
-                    "tokens_per_s": tot_new / tot_dec if tot_dec else 0.0,
-                    "mean_accepted": tot_new / tot_steps if tot_steps else 0.0,
-                    "step_ms": step_ms,
-                    "overhead_per_step_ms": own_ms,
-                    "overhead_share": own_ms / step_ms if step_ms else 0.0,
-                    "greedy_equals_vanilla": equal,
-                    "captures_while_timed": st.captured - cap0 if st is not None else 0,
-                    "eager_calls_while_timed": st.eager - eag0 if st is not None else 0,
-                    "routed_calls_while_timed": st.routed - rou0 if st is not None else 0,  # to a larger bucket
-                    # the EAGLE-3 head's calls: replayed, captured, eager (a prompt's long chain) while timed
-                    "head_replays_while_timed": hs.replays - hrep0 if hs is not None else 0,
-                    "head_captures_while_timed": hs.captured - hcap0 if hs is not None else 0,
-                    "head_eager_calls_while_timed": hs.eager - heag0 if hs is not None else 0,
-                }
-            )
+        for label, dr, mode, spec in _decode_configs(drafts, a.chain, trees):
+            rows.append(_decode_row(target, dr, label, mode, spec, prompts, new, dtype, graphs, vanilla_tokens))
             print(f"bench_gpu: decode {rows[-1]}", file=sys.stderr)
         del target, drafts
-    base = next(x for x in rows if x["dtype"] == "float32" and not x["cuda_graphs"] and x["config"] == "vanilla")
-    for r in rows:
-        v = next(
-            x
-            for x in rows
-            if x["dtype"] == r["dtype"] and x["cuda_graphs"] == r["cuda_graphs"] and x["config"] == "vanilla"
-        )
-        r["speedup_vs_vanilla"] = r["tokens_per_s"] / v["tokens_per_s"] if v["tokens_per_s"] else 0.0
-        r["speedup_vs_eager_fp32_vanilla"] = r["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else 0.0
+    _add_speedups(rows)
     res["decode"] = {
         **desc,
         "prompts": len(prompts),
