@@ -204,15 +204,8 @@ def _command_line(args) -> str:
     return shlex.join(parts)
 
 
-def run(args) -> int:
-    import torch
-
-    from arborspec.tools import prompts as prompt_sets
-    from arborspec.tools.bench import baselines as bench_baselines
-    from arborspec.tools.bench import decoding as bench
-    from arborspec.tools.bench import peers as bench_peers
-    from arborspec.tools.bench import report as bench_report
-
+def _check_args(args) -> None:
+    """One line for a bad number or --plot path, before anything loads."""
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.limit_prompts is not None and args.limit_prompts < 1:
@@ -225,20 +218,43 @@ def run(args) -> int:
         raise InputError(f"--peer-threads must be >= 1, got {args.peer_threads}")
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         raise InputError(f"--plot writes a PNG: give a .png path, got {args.plot}")
-    if args.quality:
-        return _run_quality(args)
-    if args.reference_export_dir is not None:
-        raise InputError("--reference-export-dir is for --quality")
+
+
+@dataclasses.dataclass
+class BenchPlan:
+    """What a speed bench's flags ask for, checked before the models load (`_plan`)."""
+
+    modes: list[str]
+    candidates: list  # None: each tree's own (what `tune --temperature` chose for --tree auto), else topk
+    sampling: object  # SamplingParams (with the response format's grammar once the models are open)
+    response_format: dict | None
+    target: tuple | None  # schema_of(response_format): ("json", schema), ("grammar", text), ... or None
+    gbnf: str | None  # a GBNF grammar llama.cpp reads, else None
+    baselines: list[str]
+    trees: list[str]
+    lookup_trees: list[str]
+    mix_trees: list[str]
+    entries: list
+    prompts_path: str | None
+
+    @property
+    def need_draft(self) -> bool:
+        return any(m != "vanilla" for m in self.modes) or bool(self.mix_trees)
+
+
+def _plan(args) -> BenchPlan:
+    """The flags as a BenchPlan: one line for a bad mode, tree, sampling flag, schema or prompts
+    file before the models load (`auto` trees stand for the tuned tree, resolved once they are)."""
+    from arborspec.runtime.sampling import SamplingParams  # (torch: not at import, --help stays light)
+    from arborspec.runtime.structured import schema_of
+    from arborspec.tools import prompts as prompt_sets
+    from arborspec.tools.bench import decoding as bench
+
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    # None: each tree's own (what `tune --temperature` chose for --tree auto), else topk
     candidates = [m.strip() for m in args.candidates.split(",") if m.strip()] if args.candidates else [None]
     if args.temperature == 0 and candidates not in (["topk"], [None]):
         raise InputError("--candidates needs --temperature > 0 (greedy decoding takes each draft's top candidates)")
-    from arborspec.runtime.sampling import SamplingParams  # (torch: not at import, --help stays light)
-
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)  # one error line for a bad value
-    from arborspec.runtime.structured import schema_of
-
     response_format = response_format_from_args(args)
     target = schema_of(response_format)  # ("json", schema) or None: a malformed one before the models load
     gbnf = target[1] if target is not None and target[0] == "grammar" and "::=" in target[1] else None
@@ -247,127 +263,65 @@ def run(args) -> int:
     baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
     trees = bench.split_tree_specs(args.tree)
     entries, prompts_path = prompt_sets.read_prompts_file(args.prompts)  # cheap checks before loading models
-    # validate specs before loading models (the export default tree is filled in below)
-    # (`auto` stands for the tuned tree, resolved once the models are open)
     lookup_trees = bench.split_tree_specs(args.lookup_tree)
     mix_trees = bench.split_tree_specs(args.mix_tree)
+    untuned = lambda specs: [("full:3,2" if t.lower() == "auto" else t) for t in specs]  # noqa: E731
+    # the specs checked now (the export default tree is filled in once the models are open)
     bench.build_configs(
         modes,
-        [("full:3,2" if t.lower() == "auto" else t) for t in trees] or ["full:3,2"],
+        untuned(trees) or ["full:3,2"],
         args.chain,
         baselines,
-        [("full:3,2" if t.lower() == "auto" else t) for t in lookup_trees],
-        [("full:3,2" if t.lower() == "auto" else t) for t in mix_trees],
+        untuned(lookup_trees),
+        untuned(mix_trees),
         candidates,
     )
-    torch.set_num_threads(args.threads)
+    return BenchPlan(
+        modes,
+        candidates,
+        sampling,
+        response_format,
+        target,
+        gbnf,
+        baselines,
+        trees,
+        lookup_trees,
+        mix_trees,
+        entries,
+        prompts_path,
+    )
 
-    need_draft = any(m != "vanilla" for m in modes) or bool(mix_trees)
+
+def run(args) -> int:
+    import torch
+
+    from arborspec.tools.bench import decoding as bench
+    from arborspec.tools.bench import report as bench_report
+
+    _check_args(args)
+    if args.quality:
+        return _run_quality(args)
+    if args.reference_export_dir is not None:
+        raise InputError("--reference-export-dir is for --quality")
+    plan = _plan(args)
+    torch.set_num_threads(args.threads)
     if args.draft is None and args.export_dir is None:
         args.draft = "layers:4"
-    models = open_models(args, need_draft=need_draft)
+    models = open_models(args, need_draft=plan.need_draft)
     with models:  # closes the engines it opened
-        if need_draft and models.draft is None:
+        if plan.need_draft and models.draft is None:
             raise InputError("modes chain/tree need a draft: give --draft layers:K|bigram|MODEL (or --modes vanilla)")
-        from arborspec.tools.tune.tuner import auto_tree_path, resolve_tree
-
-        if not trees:  # as generate and serve: the tree `tune` chose for these models, else the export's
-            trees = ["auto" if auto_tree_path(models_key(args)).is_file() else (models.tree_default or "full:3,2")]
-
-        T = args.temperature  # above 0: the trees tuned for sampling, where `tune --temperature` wrote them
-        trees = [resolve_tree(t, models_key(args), T) for t in trees]
-        # `auto` for the mixed draft: the tree tuned for it (tune --draft BASE+lookup)
-        mix_key = dataclasses.replace(models_key(args), draft=f"{args.draft or 'export'}+lookup")
-        mix_trees = [resolve_tree(t, mix_key, T) for t in mix_trees]
-        lookup_trees = [resolve_tree(t, dataclasses.replace(models_key(args), draft="lookup"), T) for t in lookup_trees]
-        configs = bench.build_configs(modes, trees, args.chain, baselines, lookup_trees, mix_trees, candidates)
-        prompts = prompt_sets.encode_prompts(prompt_sets.select_prompts(entries, args.limit_prompts), models.tokenizer)
+        configs = _configs(args, plan, models)
         notes: list[str] = []
-        limit = min(x for x in (models.limits.get("max_context"), models.target.info.max_position) if x)
-        kept = [p for p in prompts if len(p["ids"]) + args.max_new_tokens <= limit]
-        for p in prompts:
-            if p not in kept:
-                notes.append(
-                    f"prompt {p['id']} skipped: {len(p['ids'])} tokens + {args.max_new_tokens} new exceed "
-                    f"the context limit of {limit}"
-                )
-        if not kept:
-            raise InputError(
-                f"no prompt fits the context limit of {limit} tokens with --max-new-tokens {args.max_new_tokens}"
-            )
-        prompts = kept
-
-        backend = args.backend or ("torch" if args.model else "onnxruntime")
-        source = dict(models.source or {})
-        if args.export_dir is not None:
-            try:
-                from arborspec.runtime.export_dir import read_manifest
-
-                source = dict(read_manifest(args.export_dir).data.get("source") or {})
-            except (KeyError, ValueError, FileNotFoundError, TypeError):
-                source = {}
-        hf = None
-        hf_names = [b for b in baselines if b in bench_baselines.BASELINES]
+        prompts = _fitting_prompts(args, plan.entries, models, notes)
+        source = _source_of(args, models)
         skipped: dict[str, str] = {}
-        if target is not None:  # structured output: ours, and the peers that have their own
-            sampling = with_response_format(sampling, response_format, models)
-            without = [b for b in baselines if b in bench_baselines.BASELINES or b.startswith("ort-genai")]
-            for n in without:
-                skipped[n] = "no structured output in this baseline here (llama.cpp's runs with its own grammar)"
-                print(f"arborspec bench: note: {n} skipped: {skipped[n]}", file=sys.stderr)
-            if target[0] not in ("json", "grammar") or (target[0] == "grammar" and gbnf is None):
-                # llama.cpp takes JSON schemas and GBNF grammars; a regex, a choice or a Lark grammar
-                # has no form it reads here
-                for n in [b for b in baselines if b.startswith("llama-cpp")]:
-                    skipped[n] = "llama.cpp reads JSON schemas and GBNF grammars, not this grammar"
-                    print(f"arborspec bench: note: {n} skipped: {skipped[n]}", file=sys.stderr)
-                    without.append(n)
-            hf_names = [b for b in hf_names if b not in without]
-            baselines = [b for b in baselines if b not in without]
-            configs = [c for c in configs if c.name not in without]
-        if hf_names:
-            mdir, gguf, why = bench_baselines.hf_source_path(source)
-            if mdir is None:
-                skipped.update({n: why for n in hf_names})
-                print(f"arborspec bench: note: HF baselines skipped: {why}", file=sys.stderr)
-                configs = [c for c in configs if c.kind != "hf"]
-            else:
-                k = args.hf_assistant_layers
-                if k is None:
-                    from arborspec.runtime.drafts.spec import parse_draft_spec
-
-                    ds = parse_draft_spec(args.draft)
-                    k = ds.arg if ds.kind == "layers" else 4
-                if not args.no_progress:
-                    print(
-                        f"loading the transformers baselines from {mdir / gguf if gguf else mdir} ...", file=sys.stderr
-                    )
-                hf = bench_baselines.HFBaselines(mdir, gguf, k, "hf-assisted" in baselines, args.hf_lookup_tokens)
-                notes.append(
-                    f"transformers model loaded in {hf.load_s:.1f} s"
-                    + (f"; hf-assisted assistant = its first {k} layers" if "hf-assisted" in baselines else "")
-                )
-        peer_names = [b for b in baselines if b in bench_peers.PEERS]
-        peers: dict = {}
-        peer_info: dict = {}
-        if peer_names:
-            eos = list(models.tokenizer.meta.get("eos_token_ids") or []) if models.tokenizer is not None else []
-            n_ctx = max(len(p["ids"]) for p in prompts) + args.max_new_tokens + 16
-            peers, peer_info, peer_skips = bench_peers.open_peers(
-                peer_names,
-                source,
-                eos=eos,
-                n_ctx=n_ctx,
-                lookup_tokens=args.hf_lookup_tokens,
-                temperature=args.temperature,
-                head_dir=_eagle3_head_dir(args, source),
-                threads=args.peer_threads,
-            )
-            for n, why in peer_skips.items():  # one line each, and the bench goes on without it
-                print(f"arborspec bench: note: {n} skipped: {why}", file=sys.stderr)
-            skipped.update(peer_skips)
-            configs = [c for c in configs if c.kind != "peer" or c.name in peers]
-
+        if plan.target is not None:  # structured output: ours, and the peers that have their own
+            configs = _without_structured_output(plan, models, configs, skipped)
+        hf, configs = _open_hf_baselines(args, plan.baselines, source, configs, skipped, notes)
+        peers, peer_info, configs = _open_peer_baselines(
+            args, plan.baselines, source, models, prompts, configs, skipped
+        )
         load_before = bench_report.machine(args.device).get("loadavg_1_5_15")
         try:
             per_prompt, warnings = bench.run_bench(
@@ -375,15 +329,15 @@ def run(args) -> int:
                 configs,
                 prompts,
                 max_new_tokens=args.max_new_tokens,
-                sampling=sampling,
+                sampling=plan.sampling,
                 seed=args.seed,
                 hf=hf,
                 peers=peers,
                 skipped=skipped,
                 warmup=args.warmup,
                 progress=not args.no_progress,
-                json_schema=target[1] if target is not None and target[0] == "json" else None,
-                gbnf=gbnf,
+                json_schema=plan.target[1] if plan.target is not None and plan.target[0] == "json" else None,
+                gbnf=plan.gbnf,
             )
         finally:  # the peers' own processes (llama-server) stop here
             for r in peers.values():
@@ -391,52 +345,193 @@ def run(args) -> int:
                     r.close()
         configs = [c for c in configs if c.kind == "ours" or c.name not in skipped]  # peers that failed mid-run
         skip_notes = [f"{n} skipped: {why}" for n, why in skipped.items()]  # printed once, when it happened
-        agg = bench_report.aggregate(per_prompt, configs)
+        meta = _meta(args, plan, models, source, load_before)
+        meta.update(notes=notes + skip_notes + warnings, peers=peer_info, skipped=skipped)
         results = {
             "schema_version": bench_report.SCHEMA_VERSION,
-            "meta": {
-                "machine": bench_report.machine(args.device) | {"loadavg_before": load_before},
-                "backend": backend,
-                "model": str(args.model or args.export_dir),
-                "draft": _draft_name(args, models),
-                "describe": models.describe,
-                # ONNX Runtime threads: "shared" (one pool for every session), "session" (a pool each)
-                "ort_thread_pool": getattr(models.target, "thread_pool", None),
-                "exact_speculation": getattr(models.owner, "exact_speculation", True),
-                "source": {k: v for k, v in source.items() if k != "files"},
-                "versions": bench_report.versions(),
-                "command": _command_line(args),
-                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("run",)},
-                "date": bench_report.now_iso(),
-                "temperature": args.temperature,
-                "top_k": args.top_k,
-                "top_p": args.top_p,
-                "max_new_tokens": args.max_new_tokens,
-                "seed": args.seed,
-                "response_format": response_format,
-                "prompts_file": prompts_path,
-                "notes": notes + skip_notes + warnings,
-                "peers": peer_info,
-                "skipped": skipped,
-            },
+            "meta": meta,
             "configs": [c.to_dict() for c in configs],
             "per_prompt": per_prompt,
-            "aggregate": agg,
+            "aggregate": bench_report.aggregate(per_prompt, configs),
         }
-        table = bench_report.format_table(results)
-        print(table, file=sys.stderr if args.json else sys.stdout)
-        if agg["greedy_match"] is False:
-            print(
-                "WARNING: greedy_match is FALSE: some configuration's tokens differ from vanilla's "
-                "(see the warnings above)",
-                file=sys.stderr,
-            )
-        for n in notes:
-            print(f"note: {n}", file=sys.stderr)
-        _write_json(args, results)
-        if args.plot is not None:
-            bench_report.plot(results, args.plot)
+        _report(args, results, notes)
         return 0
+
+
+def _configs(args, plan: BenchPlan, models) -> list:
+    """The configurations to run, their `auto` trees resolved for these models (and no --tree:
+    as generate and serve, the tree `tune` chose for them, else the export's)."""
+    from arborspec.tools.bench import decoding as bench
+    from arborspec.tools.tune.tuner import auto_tree_path, resolve_tree
+
+    key = models_key(args)
+    trees = plan.trees or ["auto" if auto_tree_path(key).is_file() else (models.tree_default or "full:3,2")]
+    T = args.temperature  # above 0: the trees tuned for sampling, where `tune --temperature` wrote them
+    trees = [resolve_tree(t, key, T) for t in trees]
+    # `auto` for the mixed draft: the tree tuned for it (tune --draft BASE+lookup)
+    mix_key = dataclasses.replace(key, draft=f"{args.draft or 'export'}+lookup")
+    mix_trees = [resolve_tree(t, mix_key, T) for t in plan.mix_trees]
+    lookup_trees = [resolve_tree(t, dataclasses.replace(key, draft="lookup"), T) for t in plan.lookup_trees]
+    return bench.build_configs(plan.modes, trees, args.chain, plan.baselines, lookup_trees, mix_trees, plan.candidates)
+
+
+def _fitting_prompts(args, entries, models, notes: list[str]) -> list[dict]:
+    """The selected prompts, encoded, that fit the context with --max-new-tokens (a note for each
+    one that does not; one line when none does)."""
+    from arborspec.tools import prompts as prompt_sets
+
+    prompts = prompt_sets.encode_prompts(prompt_sets.select_prompts(entries, args.limit_prompts), models.tokenizer)
+    limit = min(x for x in (models.limits.get("max_context"), models.target.info.max_position) if x)
+    kept = [p for p in prompts if len(p["ids"]) + args.max_new_tokens <= limit]
+    for p in prompts:
+        if p not in kept:
+            notes.append(
+                f"prompt {p['id']} skipped: {len(p['ids'])} tokens + {args.max_new_tokens} new exceed "
+                f"the context limit of {limit}"
+            )
+    if not kept:
+        raise InputError(
+            f"no prompt fits the context limit of {limit} tokens with --max-new-tokens {args.max_new_tokens}"
+        )
+    return kept
+
+
+def _source_of(args, models) -> dict:
+    """The model file the baselines run on: an export manifest's `source`, else the models' own."""
+    source = dict(models.source or {})
+    if args.export_dir is not None:
+        try:
+            from arborspec.runtime.export_dir import read_manifest
+
+            source = dict(read_manifest(args.export_dir).data.get("source") or {})
+        except (KeyError, ValueError, FileNotFoundError, TypeError):
+            source = {}
+    return source
+
+
+def _skip(skipped: dict[str, str], name: str, why: str) -> None:
+    skipped[name] = why
+    print(f"arborspec bench: note: {name} skipped: {why}", file=sys.stderr)
+
+
+def _without_structured_output(plan: BenchPlan, models, configs: list, skipped: dict[str, str]) -> list:
+    """With a response format: the grammar in plan.sampling, and the baselines that have no
+    structured output here (transformers', GenAI's; llama.cpp's for what it does not read)
+    skipped, out of plan.baselines and the configurations returned."""
+    from arborspec.tools.bench import baselines as bench_baselines
+
+    plan.sampling = with_response_format(plan.sampling, plan.response_format, models)
+    without = [b for b in plan.baselines if b in bench_baselines.BASELINES or b.startswith("ort-genai")]
+    for n in without:
+        _skip(skipped, n, "no structured output in this baseline here (llama.cpp's runs with its own grammar)")
+    if plan.target[0] not in ("json", "grammar") or (plan.target[0] == "grammar" and plan.gbnf is None):
+        # llama.cpp takes JSON schemas and GBNF grammars; a regex, a choice or a Lark grammar
+        # has no form it reads here
+        for n in [b for b in plan.baselines if b.startswith("llama-cpp")]:
+            _skip(skipped, n, "llama.cpp reads JSON schemas and GBNF grammars, not this grammar")
+            without.append(n)
+    plan.baselines = [b for b in plan.baselines if b not in without]
+    return [c for c in configs if c.name not in without]
+
+
+def _open_hf_baselines(args, baselines: list[str], source: dict, configs: list, skipped: dict, notes: list):
+    """(the transformers baselines or None, the configurations left): skipped with one line when
+    the source has no transformers model."""
+    from arborspec.tools.bench import baselines as bench_baselines
+
+    hf_names = [b for b in baselines if b in bench_baselines.BASELINES]
+    if not hf_names:
+        return None, configs
+    mdir, gguf, why = bench_baselines.hf_source_path(source)
+    if mdir is None:
+        skipped.update({n: why for n in hf_names})
+        print(f"arborspec bench: note: HF baselines skipped: {why}", file=sys.stderr)
+        return None, [c for c in configs if c.kind != "hf"]
+    k = args.hf_assistant_layers
+    if k is None:
+        from arborspec.runtime.drafts.spec import parse_draft_spec
+
+        ds = parse_draft_spec(args.draft)
+        k = ds.arg if ds.kind == "layers" else 4
+    if not args.no_progress:
+        print(f"loading the transformers baselines from {mdir / gguf if gguf else mdir} ...", file=sys.stderr)
+    hf = bench_baselines.HFBaselines(mdir, gguf, k, "hf-assisted" in baselines, args.hf_lookup_tokens)
+    notes.append(
+        f"transformers model loaded in {hf.load_s:.1f} s"
+        + (f"; hf-assisted assistant = its first {k} layers" if "hf-assisted" in baselines else "")
+    )
+    return hf, configs
+
+
+def _open_peer_baselines(args, baselines: list[str], source: dict, models, prompts, configs: list, skipped: dict):
+    """(the GenAI / llama.cpp runners, their info, the configurations left): one that cannot
+    open is skipped with one line, and the bench goes on without it."""
+    from arborspec.tools.bench import peers as bench_peers
+
+    peer_names = [b for b in baselines if b in bench_peers.PEERS]
+    if not peer_names:
+        return {}, {}, configs
+    eos = list(models.tokenizer.meta.get("eos_token_ids") or []) if models.tokenizer is not None else []
+    n_ctx = max(len(p["ids"]) for p in prompts) + args.max_new_tokens + 16
+    peers, peer_info, peer_skips = bench_peers.open_peers(
+        peer_names,
+        source,
+        eos=eos,
+        n_ctx=n_ctx,
+        lookup_tokens=args.hf_lookup_tokens,
+        temperature=args.temperature,
+        head_dir=_eagle3_head_dir(args, source),
+        threads=args.peer_threads,
+    )
+    for n, why in peer_skips.items():  # one line each, and the bench goes on without it
+        _skip(skipped, n, why)
+    return peers, peer_info, [c for c in configs if c.kind != "peer" or c.name in peers]
+
+
+def _meta(args, plan: BenchPlan, models, source: dict, load_before) -> dict:
+    """The results' `meta` up to its notes: machine, models, versions, the command and its sampling."""
+    from arborspec.tools.bench import report as bench_report
+
+    return {
+        "machine": bench_report.machine(args.device) | {"loadavg_before": load_before},
+        "backend": args.backend or ("torch" if args.model else "onnxruntime"),
+        "model": str(args.model or args.export_dir),
+        "draft": _draft_name(args, models),
+        "describe": models.describe,
+        # ONNX Runtime threads: "shared" (one pool for every session), "session" (a pool each)
+        "ort_thread_pool": getattr(models.target, "thread_pool", None),
+        "exact_speculation": getattr(models.owner, "exact_speculation", True),
+        "source": {k: v for k, v in source.items() if k != "files"},
+        "versions": bench_report.versions(),
+        "command": _command_line(args),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("run",)},
+        "date": bench_report.now_iso(),
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "max_new_tokens": args.max_new_tokens,
+        "seed": args.seed,
+        "response_format": plan.response_format,
+        "prompts_file": plan.prompts_path,
+    }
+
+
+def _report(args, results: dict, notes: list[str]) -> None:
+    """The table (stderr with --json), the greedy-mismatch warning, the notes, the JSON and the figure."""
+    from arborspec.tools.bench import report as bench_report
+
+    print(bench_report.format_table(results), file=sys.stderr if args.json else sys.stdout)
+    if results["aggregate"]["greedy_match"] is False:
+        print(
+            "WARNING: greedy_match is FALSE: some configuration's tokens differ from vanilla's "
+            "(see the warnings above)",
+            file=sys.stderr,
+        )
+    for n in notes:
+        print(f"note: {n}", file=sys.stderr)
+    _write_json(args, results)
+    if args.plot is not None:
+        bench_report.plot(results, args.plot)
 
 
 def _write_json(args, results: dict) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError
@@ -198,7 +199,9 @@ def _stats_line(st) -> str:
     )
 
 
-def run(args) -> int:
+def _check_output_args(args) -> list[str]:
+    """The cheap checks of --n, --logprobs, --stop and the prompt flags, before any model loads;
+    returns --stop's strings."""
     if args.n < 1:
         raise InputError(f"--n must be >= 1, got {args.n}")
     check_decoding_args(args)  # the cheap things before loading models
@@ -210,7 +213,7 @@ def run(args) -> int:
             raise InputError(f"--logprobs must be in [0, {MAX_LOGPROBS}], got {args.logprobs}")
         if not args.json:
             raise InputError("--logprobs is printed with --json")
-    from arborspec.runtime.stop_strings import StopStrings, decode_until_stop, parse_stop
+    from arborspec.runtime.stop_strings import parse_stop
 
     stops = parse_stop(args.stop)
     if args.include_stop and not stops:
@@ -219,6 +222,20 @@ def run(args) -> int:
         raise InputError("--stop matches text: give a text prompt (--prompt or --prompt-file)")
     if args.prompt_file is not None:
         _read(args.prompt_file)  # missing or not UTF-8: one line before the models load
+    return stops
+
+
+@dataclass
+class _Completions:
+    """The --n completions of one prompt: (tokens, stats, stop reason), text and log-probs each."""
+
+    runs: list = field(default_factory=list)
+    texts: list = field(default_factory=list)
+    lps: list = field(default_factory=list)
+
+
+def run(args) -> int:
+    stops = _check_output_args(args)
     models = open_models(args, need_draft=args.mode != "vanilla")
     with models:  # closes the engines it opened (TensorRT-RTX saves its runtime cache)
         resolve_mode(models, args)
@@ -234,91 +251,113 @@ def run(args) -> int:
             vdec = make_decoder(models, args, mode="vanilla")
             for d in (dec, vdec):
                 d.generate(ids, args.max_new_tokens, eos, args.seed)
-        runs = []
         stream_text = not args.json and args.n == 1 and tok is not None
         if stops and tok is None:
             raise InputError("--stop matches text: this model has no tokenizer")
-        texts, lps = [], []
+        done = _Completions()
         for i in range(args.n):
-            seed = args.seed + i
-            toks: list[int] = []
-            chunks = dec.stream(ids, args.max_new_tokens, eos, seed, args.logprobs)
-            if stops:  # the text, cut before the first stop string, token by token
-                match, pieces = StopStrings(stops, args.include_stop), []
-                for text in decode_until_stop(chunks, tok.stream_decoder(skip_special_tokens=True), match, toks):
-                    pieces.append(text)
-                    if stream_text:
-                        sys.stdout.write(text)
-                        sys.stdout.flush()
-                if stream_text:
-                    sys.stdout.write("\n")
-                texts.append("".join(pieces))
-                res = chunks.result
-                runs.append((toks, res.stats, "stop" if match.hit else res.stop_reason))
-                lps.append(res.logprobs[: len(toks)] if args.logprobs is not None else None)
-                continue
-            sd = tok.stream_decoder(skip_special_tokens=True) if stream_text else None
-            for chunk in chunks:
-                toks += chunk
-                if sd is not None:
-                    sys.stdout.write(sd.push(chunk))
-                    sys.stdout.flush()
-            if sd is not None:
-                sys.stdout.write(sd.finish() + "\n")
-            texts.append(tok.decode(toks, skip_special_tokens=True) if tok is not None else None)
-            res = chunks.result
-            runs.append((toks, res.stats, res.stop_reason))
-            lps.append(res.logprobs[: len(toks)] if args.logprobs is not None else None)
+            chunks = dec.stream(ids, args.max_new_tokens, eos, args.seed + i, args.logprobs)
+            if stops:
+                _collect_until_stop(args, chunks, tok, stops, stream_text, done)
+            else:
+                _collect(args, chunks, tok, stream_text, done)
         if args.prompt_ids is None and not args.chat:
             from arborspec.runtime.generator import warn_if_empty_answer
 
-            warn_if_empty_answer(tok, len(runs[0][0]), runs[0][2], "--chat")
+            warn_if_empty_answer(tok, len(done.runs[0][0]), done.runs[0][2], "--chat")
         vanilla = vdec.generate(ids, args.max_new_tokens, eos, args.seed) if vdec is not None else None
         if args.json:
-            stats = [s.to_dict() | {"stop_reason": r} for _, s, r in runs]
-            out = {
-                "prompt_tokens": len(ids),
-                "text": texts[0] if args.n == 1 else texts,
-                "tokens": runs[0][0] if args.n == 1 else [t for t, _, _ in runs],
-                "stats": stats[0] if args.n == 1 else _aggregate(stats),
-                "model": models.describe,
-            }
-            if args.n > 1:
-                out["stats_per_run"] = stats
-            if args.logprobs is not None:  # per token: its id, text, log-prob, and the K most likely
-                word = (lambda t: tok.decode([t])) if tok is not None else str  # noqa: E731
-                rows = [
-                    [
-                        {"token": t, "text": word(t), "logprob": lp, "top": [[a, word(a), v] for a, v in top]}
-                        for t, lp, top in run
-                    ]
-                    for run in lps
-                ]
-                out["logprobs"] = rows[0] if args.n == 1 else rows
-            if vanilla is not None:
-                out["vanilla"] = {
-                    "text": tok.decode(vanilla.tokens, skip_special_tokens=True) if tok else None,
-                    "tokens": vanilla.tokens,
-                    "stats": vanilla.stats.to_dict(),
-                    "speedup": (
-                        runs[0][1].tokens_per_s / vanilla.stats.tokens_per_s if vanilla.stats.tokens_per_s else None
-                    ),
-                }
-            print(json.dumps(out))
+            print(json.dumps(_json_result(args, ids, done, vanilla, models)))
             return 0
-        for i, (toks, st, reason) in enumerate(runs):
-            if not stream_text:
-                if args.n > 1:
-                    print(f"--- completion {i + 1} (seed {args.seed + i})")
-                print(texts[i] if texts[i] is not None else ",".join(map(str, toks)))
-            print(_stats_line(st) + f" | stop: {reason}", file=sys.stderr)
-        if vanilla is not None:
-            st = runs[0][1]
-            print(_stats_line(vanilla.stats), file=sys.stderr)
-            same = (vanilla.tokens[: len(runs[0][0])] if stops else vanilla.tokens) == runs[0][0]
-            sp = st.tokens_per_s / vanilla.stats.tokens_per_s if vanilla.stats.tokens_per_s else float("nan")
-            print(f"speed-up {sp:.2f}x vs vanilla" + (" | identical tokens" if same else ""), file=sys.stderr)
+        _print_text(args, done, stream_text, vanilla, stops)
         return 0
+
+
+def _collect_until_stop(args, chunks, tok, stops, stream_text: bool, done: _Completions) -> None:
+    """One completion's text, cut before the first stop string, token by token (streamed to
+    stdout when stream_text)."""
+    from arborspec.runtime.stop_strings import StopStrings, decode_until_stop
+
+    toks: list[int] = []
+    match, pieces = StopStrings(stops, args.include_stop), []
+    for text in decode_until_stop(chunks, tok.stream_decoder(skip_special_tokens=True), match, toks):
+        pieces.append(text)
+        if stream_text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+    if stream_text:
+        sys.stdout.write("\n")
+    done.texts.append("".join(pieces))
+    res = chunks.result
+    done.runs.append((toks, res.stats, "stop" if match.hit else res.stop_reason))
+    done.lps.append(res.logprobs[: len(toks)] if args.logprobs is not None else None)
+
+
+def _collect(args, chunks, tok, stream_text: bool, done: _Completions) -> None:
+    """One completion to its end (streamed to stdout when stream_text)."""
+    toks: list[int] = []
+    sd = tok.stream_decoder(skip_special_tokens=True) if stream_text else None
+    for chunk in chunks:
+        toks += chunk
+        if sd is not None:
+            sys.stdout.write(sd.push(chunk))
+            sys.stdout.flush()
+    if sd is not None:
+        sys.stdout.write(sd.finish() + "\n")
+    done.texts.append(tok.decode(toks, skip_special_tokens=True) if tok is not None else None)
+    res = chunks.result
+    done.runs.append((toks, res.stats, res.stop_reason))
+    done.lps.append(res.logprobs[: len(toks)] if args.logprobs is not None else None)
+
+
+def _json_result(args, ids: list[int], done: _Completions, vanilla, models) -> dict:
+    """--json's one object: text, tokens, stats (aggregated over --n), log-probs, vanilla's run."""
+    tok, runs = models.tokenizer, done.runs
+    stats = [s.to_dict() | {"stop_reason": r} for _, s, r in runs]
+    out = {
+        "prompt_tokens": len(ids),
+        "text": done.texts[0] if args.n == 1 else done.texts,
+        "tokens": runs[0][0] if args.n == 1 else [t for t, _, _ in runs],
+        "stats": stats[0] if args.n == 1 else _aggregate(stats),
+        "model": models.describe,
+    }
+    if args.n > 1:
+        out["stats_per_run"] = stats
+    if args.logprobs is not None:  # per token: its id, text, log-prob, and the K most likely
+        word = (lambda t: tok.decode([t])) if tok is not None else str  # noqa: E731
+        rows = [
+            [
+                {"token": t, "text": word(t), "logprob": lp, "top": [[a, word(a), v] for a, v in top]}
+                for t, lp, top in run
+            ]
+            for run in done.lps
+        ]
+        out["logprobs"] = rows[0] if args.n == 1 else rows
+    if vanilla is not None:
+        out["vanilla"] = {
+            "text": tok.decode(vanilla.tokens, skip_special_tokens=True) if tok else None,
+            "tokens": vanilla.tokens,
+            "stats": vanilla.stats.to_dict(),
+            "speedup": (runs[0][1].tokens_per_s / vanilla.stats.tokens_per_s if vanilla.stats.tokens_per_s else None),
+        }
+    return out
+
+
+def _print_text(args, done: _Completions, stream_text: bool, vanilla, stops) -> None:
+    """The texts not streamed already on stdout, each run's stats line (and vanilla's) on stderr."""
+    runs = done.runs
+    for i, (toks, st, reason) in enumerate(runs):
+        if not stream_text:
+            if args.n > 1:
+                print(f"--- completion {i + 1} (seed {args.seed + i})")
+            print(done.texts[i] if done.texts[i] is not None else ",".join(map(str, toks)))
+        print(_stats_line(st) + f" | stop: {reason}", file=sys.stderr)
+    if vanilla is not None:
+        st = runs[0][1]
+        print(_stats_line(vanilla.stats), file=sys.stderr)
+        same = (vanilla.tokens[: len(runs[0][0])] if stops else vanilla.tokens) == runs[0][0]
+        sp = st.tokens_per_s / vanilla.stats.tokens_per_s if vanilla.stats.tokens_per_s else float("nan")
+        print(f"speed-up {sp:.2f}x vs vanilla" + (" | identical tokens" if same else ""), file=sys.stderr)
 
 
 def _draft_hint(args) -> str:
