@@ -247,8 +247,17 @@ def corpus_stats(folder: Path, shards: range | None = None) -> dict:
     return {"sources": sources, "kinds": dict(sorted(by_kind.items()))}
 
 
-@reports_mistakes("corpus_ids")
-def main(argv=None) -> int:
+CORPUS_HELP = "the corpus folder (~/.cache/arborspec/eagle3-corpus/KEY)"
+MODEL_HELP = "the corpus's target (e.g. smollm2-135m)"
+
+
+def _add_device_threads(parser) -> None:
+    """--device and --threads: where the target computes the features."""
+    parser.add_argument("--device", default="cpu", help="cpu (ONNX Runtime) or cuda[:N] (PyTorch on the GPU)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m arborspec.tools.train.corpus_ids",
         description=__doc__.split("\n\n")[0],
@@ -257,10 +266,8 @@ def main(argv=None) -> int:
     )
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("pack", help="write a corpus's ids, records and settings to one file")
-    a.add_argument("--model", required=True, help="the corpus's target (e.g. smollm2-135m)")
-    a.add_argument(
-        "--corpus", type=Path, required=True, help="the corpus folder (~/.cache/arborspec/eagle3-corpus/KEY)"
-    )
+    a.add_argument("--model", required=True, help=MODEL_HELP)
+    a.add_argument("--corpus", type=Path, required=True, help=CORPUS_HELP)
     a.add_argument("--out", type=Path, required=True, help="the file to write (.npz)")
     a.add_argument(
         "--from",
@@ -272,15 +279,14 @@ def main(argv=None) -> int:
         "so a grown corpus adds a small file instead of rewriting the whole pack",
     )
     b = sub.add_parser("unpack", help="rebuild the corpus folder from such a file (features computed again)")
-    b.add_argument("--model", required=True, help="the corpus's target (e.g. smollm2-135m)")
+    b.add_argument("--model", required=True, help=MODEL_HELP)
     b.add_argument(
         "--ids", type=Path, nargs="+", required=True, help="the file pack wrote, or a pack and its continuations"
     )
     b.add_argument(
         "--root", type=Path, default=None, help="where corpora live (default: the user cache's eagle3-corpus)"
     )
-    b.add_argument("--device", default="cpu", help="cpu (ONNX Runtime) or cuda[:N] (PyTorch on the GPU)")
-    b.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+    _add_device_threads(b)
     b.add_argument(
         "--ids-only",
         action="store_true",
@@ -296,12 +302,9 @@ def main(argv=None) -> int:
         "vocabulary: another corpus folder, for a head trained with train-draft --revocab N",
     )
     f = sub.add_parser("featurise", help="compute the features of a corpus's shards that hold token ids only")
-    f.add_argument("--model", required=True, help="the corpus's target (e.g. smollm2-135m)")
-    f.add_argument(
-        "--corpus", type=Path, required=True, help="the corpus folder (~/.cache/arborspec/eagle3-corpus/KEY)"
-    )
-    f.add_argument("--device", default="cpu", help="cpu (ONNX Runtime) or cuda[:N] (PyTorch on the GPU)")
-    f.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+    f.add_argument("--model", required=True, help=MODEL_HELP)
+    f.add_argument("--corpus", type=Path, required=True, help=CORPUS_HELP)
+    _add_device_threads(f)
     f.add_argument(
         "--shards",
         default=None,
@@ -309,16 +312,24 @@ def main(argv=None) -> int:
         help="only shards N..M-1 (N: to the end): the text a head has not seen yet, for train-draft --shards N:M",
     )
     g = sub.add_parser("stats", help="what a corpus holds: shards, prompts and tokens per prompt source and per kind")
-    g.add_argument(
-        "--corpus", type=Path, required=True, help="the corpus folder (~/.cache/arborspec/eagle3-corpus/KEY)"
-    )
+    g.add_argument("--corpus", type=Path, required=True, help=CORPUS_HELP)
     g.add_argument("--shards", default=None, metavar="N:M", help="only shards N..M-1 (N: to the end)")
-    args = p.parse_args(argv)
+    return p
+
+
+def _check_paths(args) -> None:
+    """One line for a --corpus folder or an --ids file that is not there."""
     if args.cmd in ("pack", "featurise", "stats") and not args.corpus.is_dir():
         raise InputError(f"--corpus {args.corpus}: no such folder")
     for ids in args.ids if args.cmd == "unpack" else ():
         if not ids.is_file():
             raise InputError(f"--ids {ids}: no such file")
+
+
+@reports_mistakes("corpus_ids")
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    _check_paths(args)
     if args.cmd == "stats":
         from arborspec.tools.train.eagle3_corpus import corpus_settings, shard_range
 
