@@ -66,6 +66,19 @@ def register(sub) -> None:
     )
     add_model_args(p)  # --draft default: layers:4 with --model; the export's with --export-dir
     g = p.add_argument_group("configurations")
+    _add_configuration_args(g)
+    r = p.add_argument_group("run")
+    _add_run_args(r)
+    qa = p.add_argument_group("quality (instead of speed)")
+    _add_quality_args(qa)
+    o = p.add_argument_group("output")
+    add_json_output_args(o, " (the table then goes to stderr)")
+    o.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="write the figure (PNG)")
+    p.set_defaults(run=run)
+
+
+def _add_configuration_args(g) -> None:
+    """What runs: the modes, their trees, the lookup and mixed drafts, the baselines."""
     g.add_argument(
         "--modes",
         default="vanilla,chain,tree",
@@ -118,7 +131,10 @@ def register(sub) -> None:
         help="draft length of the lookup baselines: hf-lookup's prompt_lookup_num_tokens, "
         "llama-cpp-lookup's num_pred_tokens, *-ngram's max_draft_tokens (at most 16) (10)",
     )
-    r = p.add_argument_group("run")
+
+
+def _add_run_args(r) -> None:
+    """How each configuration runs: prompts, tokens, sampling, structured output, threads, warm-up."""
     r.add_argument("--prompts", type=Path, default=None, help="prompts JSON file (default: the packaged set)")
     r.add_argument("--limit-prompts", type=int, default=None, help="use N prompts (round-robin over categories)")
     r.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
@@ -145,7 +161,10 @@ def register(sub) -> None:
     )
     r.add_argument("--warmup", type=int, default=1, help="warm-up generations per config before timing (1)")
     add_quiet_progress_args(r)
-    qa = p.add_argument_group("quality (instead of speed)")
+
+
+def _add_quality_args(qa) -> None:
+    """--quality: perplexity and greedy agreement instead of speed."""
     qa.add_argument(
         "--quality",
         action="store_true",
@@ -181,10 +200,6 @@ def register(sub) -> None:
         metavar="N",
         help="--quality: tokens per engine call inside a window (default 64)",
     )
-    o = p.add_argument_group("output")
-    add_json_output_args(o, " (the table then goes to stderr)")
-    o.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="write the figure (PNG)")
-    p.set_defaults(run=run)
 
 
 def _command_line(args) -> str:

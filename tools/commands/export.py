@@ -36,6 +36,16 @@ def register(sub) -> None:
         "into one self-describing folder. The folder is written "
         "atomically: a failed export leaves nothing behind.",
     )
+    _add_source_args(p)
+    _add_graph_args(p)
+    _add_quantisation_args(p)
+    _add_limit_args(p)
+    _add_run_args(p)
+    p.set_defaults(run=run)
+
+
+def _add_source_args(p) -> None:
+    """What is exported and where: --model, --draft, --out."""
     p.add_argument(
         "--model",
         required=True,
@@ -51,6 +61,10 @@ def register(sub) -> None:
         "same vocabulary (default: layers:2); lookup needs no export: give it to generate/serve/bench",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
+
+
+def _add_graph_args(p) -> None:
+    """The graph's dtypes and attention: --dtype, --attention, --kv-dtype."""
     p.add_argument(
         "--dtype",
         choices=["fp32", "fp16", "bf16"],
@@ -72,6 +86,10 @@ def register(sub) -> None:
         help="KV cache dtype of ONNX Runtime's graph (--attention gqa, fp32 weights): fp16 halves the "
         "cache; GroupQueryAttention then runs in fp16 between two Casts (default fp32)",
     )
+
+
+def _add_quantisation_args(p) -> None:
+    """Weight-only quantisation of the target and the EAGLE-3 draft."""
     p.add_argument(
         "--quantize",
         choices=["int4", "int8"],
@@ -104,6 +122,10 @@ def register(sub) -> None:
         help="MatMulNBits compute: 4 int8 activations (the default for --quantize int4: fastest, and exact under "
         "speculation through ONNX Runtime's row-invariant layout, docs/int4.md), 0 fp32 (the default otherwise)",
     )
+
+
+def _add_limit_args(p) -> None:
+    """The opset and the limits the runtime will use (context, tree size)."""
     p.add_argument(
         "--opset",
         type=int,
@@ -125,6 +147,10 @@ def register(sub) -> None:
         metavar="N",
         help="largest tree (T of one verify call) the runtime will use (default 64)",
     )
+
+
+def _add_run_args(p) -> None:
+    """How the export runs: streamed reading, --force, the self-check, the progress bar."""
     p.add_argument(
         "--stream",
         choices=("auto", "on", "off"),
@@ -137,7 +163,6 @@ def register(sub) -> None:
         "--no-verify", action="store_true", help="skip the ONNX Runtime vs PyTorch self-check after each export"
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(run=run)
 
 
 def run(args) -> int:

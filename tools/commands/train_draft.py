@@ -49,6 +49,17 @@ def register(sub) -> None:
     )
     p.add_argument("--out", type=Path, required=True, help="folder for the head (public EAGLE-3 layout)")
     c = p.add_argument_group("corpus (appended in shards; a later run continues it)")
+    _add_corpus_args(c)
+    t = p.add_argument_group("training (resumes from OUT/.train/train_state.pt)")
+    _add_training_args(t)
+    _add_corpus_dir_arg(c)  # (after the training flags in the usage line, as it always was)
+    _add_precision_args(t)
+    _add_install_and_machine_args(p)
+    p.set_defaults(run=run)
+
+
+def _add_corpus_args(c) -> None:
+    """How the corpus grows: its size, time, prompts and the features kept per token."""
     c.add_argument("--corpus-tokens", type=int, default=500_000, help="grow the corpus to this many tokens (500000)")
     c.add_argument("--corpus-minutes", type=float, default=60.0, help="time this run may add shards (60; 0: none)")
     c.add_argument("--shard-prompts", type=int, default=64, help="responses generated per shard (default 64)")
@@ -80,7 +91,10 @@ def register(sub) -> None:
     c.add_argument("--window", type=int, default=512, help="training window in tokens (default 512)")
     c.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size, FR-Spec (default 8192)")
     c.add_argument("--topk", type=int, default=8, help="target distribution kept per row, top-K (default 8)")
-    t = p.add_argument_group("training (resumes from OUT/.train/train_state.pt)")
+
+
+def _add_training_args(t) -> None:
+    """The training-time test's steps, batch, schedule, loss and the head it starts from."""
     t.add_argument("--ttt-steps", type=int, default=4, help="unrolled draft steps per position (default 4)")
     t.add_argument("--batch", type=int, default=4, help="windows per batch (default 4)")
     t.add_argument(
@@ -141,6 +155,10 @@ def register(sub) -> None:
         "(FR-Spec; every weight kept, new tokens' rows from the target's LM head); the corpus's stored top-K is "
         "mapped onto it. A resumed run keeps its checkpoint's vocabulary",
     )
+
+
+def _add_corpus_dir_arg(c) -> None:
+    """--corpus DIR: this corpus folder, whatever the settings' key."""
     c.add_argument(
         "--corpus",
         type=Path,
@@ -149,6 +167,10 @@ def register(sub) -> None:
         help="grow and train on this corpus folder (~/.cache/arborspec/eagle3-corpus/<key>) whatever its settings, "
         "not the one the settings and the --init head's vocabulary key: e.g. after --revocab",
     )
+
+
+def _add_precision_args(t) -> None:
+    """--precision of the training matmuls and --no-resume."""
     t.add_argument(
         "--precision",
         choices=("auto", "fp32", "bf16"),
@@ -157,6 +179,10 @@ def register(sub) -> None:
         "fp32; auto (default): bf16 where the device has native bf16, else fp32. The held-out measure is fp32",
     )
     t.add_argument("--no-resume", action="store_true", help="start training over (default: resume from OUT)")
+
+
+def _add_install_and_machine_args(p) -> None:
+    """--install / --install-head (the shipped head replaced only by a better one), threads, device."""
     p.add_argument(
         "--install",
         action="store_true",
@@ -183,7 +209,6 @@ def register(sub) -> None:
         "launch-bound there: 5.4x on one-sequence decoding measured on an H100)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bars (also off when stderr is not a terminal)")
-    p.set_defaults(run=run)
 
 
 def check_args(args) -> None:
