@@ -818,23 +818,14 @@ class Corpus:
             return []
         return [t for t in info.get("passages", []) if isinstance(t, str)]
 
-    def add_shard(self) -> dict:
+    def _prompt_texts(self, index: int, first: int, n_prompts: int) -> tuple[str, list[str], list[str], int]:
+        """Shard `index`'s prompts, prompt indices first.. (first + n_prompts): (their source, the
+        texts, their kinds (kinds only), how many ask about the previous shard's passages (self only))."""
         s, tok = self.settings, self.loaded.tokenizer
-        prog = self.progress()
-        first, n_prompts = prog["next_prompt"], self.shard_prompts
-        if self.generator is None:
-            self.generator = ResponseGenerator(self._source(), self.batch, self.threads)
-        eos = list(tok.meta.get("eos_token_ids") or [])
-        sep = eos[0] if eos else 0
-        limit = graph_context(self.loaded.config, s)
-        t0 = time.perf_counter()
-        stream, gen_tokens, responses = [], 0, 0
         texts, n_passage = [], 0
         if self.prompt_source == "self":
             rseed = s["seed"] * 1_000_003 + first
-            on_passages = passage_requests(
-                self.previous_passages(prog["shards"]), int(n_prompts * PASSAGE_SHARE), rseed
-            )
+            on_passages = passage_requests(self.previous_passages(index), int(n_prompts * PASSAGE_SHARE), rseed)
             texts = self_prompts(self.generator, tok, n_prompts - len(on_passages), rseed)
             if not texts:
                 log("corpus: the target wrote no usable request (no chat template?): this shard uses the templates")
@@ -851,12 +842,23 @@ class Corpus:
             source, texts, kinds_of = "kinds", [p["text"] for p in drawn], [p["kind"] for p in drawn]
         if not texts:
             texts = [prompt_at(i, s["seed"]) for i in range(first, first + n_prompts)]
-        # the first half greedy, the rest sampled at T = 0.7 (row i's seed: seed + first + i),
-        # decoded together
+        return source, texts, kinds_of, n_passage
+
+    def _responses(self, texts: list[str], kinds_of: list[str], first: int) -> dict:
+        """The target's responses to `texts`, the first half greedy, the rest sampled at T = 0.7
+        (row i's seed: seed + first + i), decoded together; prompts the graph cannot hold with
+        gen_len more tokens are left out. Returns the token stream (prompt, response, separator per
+        row), which prompts fitted, the greedy answers (the next shard's passages), the tokens each
+        kind put in the stream, and the generated tokens and responses."""
+        s, tok = self.settings, self.loaded.tokenizer
+        eos = list(tok.meta.get("eos_token_ids") or [])
+        sep = eos[0] if eos else 0
+        limit = graph_context(self.loaded.config, s)
         half = len(texts) // 2
         rows = [(chat_ids(tok, t), 0.0 if i < half else 0.7) for i, t in enumerate(texts)]
         fits = [len(p) + s["gen_len"] <= limit for p, _ in rows]  # what the graph holds
         ids, temps = [p for (p, _), f in zip(rows, fits) if f], [t for (_, t), f in zip(rows, fits) if f]
+        stream, gen_tokens, responses = [], 0, 0
         answers = []  # this shard's greedy responses: the next shard's passages
         outs = self.generator(ids, s["gen_len"], set(eos), temps, s["seed"] + first)
         row_kinds = [k for k, f in zip(kinds_of, fits) if f]  # the kinds of the rows asked
@@ -870,8 +872,27 @@ class Corpus:
             if temp == 0.0 and o:  # an answer cut at gen_len ends at its last whole sentence
                 done = o[-1] in eos
                 answers.append(whole_sentences(tok.decode(o[:-1] if done else o, skip_special_tokens=True), done))
+        return {
+            "stream": stream,
+            "fits": fits,
+            "answers": answers,
+            "kind_tokens": kind_tokens,
+            "generated_tokens": gen_tokens,
+            "responses": responses,
+        }
+
+    def add_shard(self) -> dict:
+        s = self.settings
+        prog = self.progress()
+        first, n_prompts = prog["next_prompt"], self.shard_prompts
+        if self.generator is None:
+            self.generator = ResponseGenerator(self._source(), self.batch, self.threads)
+        t0 = time.perf_counter()
+        source, texts, kinds_of, n_passage = self._prompt_texts(prog["shards"], first, n_prompts)
+        got = self._responses(texts, kinds_of, first)
+        gen_tokens, fits, answers = got["generated_tokens"], got["fits"], got["answers"]
         gen_s = time.perf_counter() - t0
-        arr = np.asarray(stream, dtype=np.int64)
+        arr = np.asarray(got["stream"], dtype=np.int64)
         vocab = self.vocab(arr)
         w = s["window"]
         n = len(arr) // w
@@ -889,7 +910,7 @@ class Corpus:
                         "prompt_texts": texts,
                         "prompt_kinds": kinds_of,
                         "prompts_too_long": fits.count(False),
-                        "kind_tokens": dict(sorted(kind_tokens.items())),
+                        "kind_tokens": dict(sorted(got["kind_tokens"].items())),
                     }
                     if source == "kinds"
                     else {}
@@ -907,7 +928,7 @@ class Corpus:
             windows=prog["windows"] + int(n),
             tokens=prog["tokens"] + int(n * w),
             generated_tokens=prog["generated_tokens"] + gen_tokens,
-            generated_responses=prog["generated_responses"] + responses,
+            generated_responses=prog["generated_responses"] + got["responses"],
             next_prompt=first + n_prompts,
             generation_s=round(prog["generation_s"] + gen_s, 1),
             features_s=round(prog.get("features_s", 0.0) + feat.get("features_s", 0.0), 1),
@@ -944,6 +965,59 @@ def new_corpus_settings(cfg, aux_layers, gen_len, window, draft_vocab, topk, see
             raise InputError(f"the fixed draft vocabulary has {len(vocab)} ids, expected {draft_vocab}")
         settings["vocab_sha256"] = hashlib.sha256(np.asarray(vocab, dtype=np.int64).tobytes()).hexdigest()[:16]
     return settings
+
+
+def _grown_corpus_settings(folder: Path, aux_layers: list[int]) -> dict:
+    """The settings of the corpus `folder` that is grown as it is: its features must be of the
+    layers the head reads."""
+    settings = corpus_settings(folder)
+    if settings["aux"] != list(aux_layers):
+        raise InputError(
+            f"the corpus {folder} holds the features of layers {settings['aux']}, the head reads {list(aux_layers)}"
+        )
+    return settings
+
+
+def _grow_lock_or_none(folder: Path, tokens: int, total_tokens: int, minutes: float, verbose: bool):
+    """The grow lock of `folder` where this run is to add shards (time given, fewer than
+    `total_tokens`, no other run adding to it), its killed runs' unfinished shards removed; else
+    None (saying why where verbose)."""
+    if verbose and minutes > 0 and tokens >= total_tokens:  # time given, nothing to add: say why
+        log(
+            f"corpus: already {tokens} tokens >= --corpus-tokens {total_tokens}: no shard added "
+            "(raise --corpus-tokens to grow it)"
+        )
+    if not (minutes > 0 and tokens < total_tokens):
+        return None
+    lock, holder = grow_lock(folder)
+    if lock is None:
+        if verbose:
+            log(f"corpus: another run (pid {holder}) is adding shards to {folder}: this one adds none")
+        return None
+    for stale in folder.glob("shards/.*partial-*"):  # unfinished shards of killed runs
+        shutil.rmtree(stale, ignore_errors=True)
+    return lock
+
+
+def _add_shards(corpus: Corpus, total_tokens: int, minutes: float, verbose: bool) -> None:
+    """Add shards to `corpus` under its grow lock until it holds `total_tokens` or `minutes` are
+    up (a shard started is finished); then close it and release the lock."""
+    t0 = time.perf_counter()
+    lock = None
+    try:
+        prog = corpus.progress()
+        lock = _grow_lock_or_none(corpus.folder, prog["tokens"], total_tokens, minutes, verbose)
+        while lock is not None and prog["tokens"] < total_tokens and (time.perf_counter() - t0) / 60 < minutes:
+            prog = corpus.add_shard()
+            if verbose:
+                log(
+                    f"corpus: shard {prog['shards']} done, {prog['tokens']} tokens in {prog['windows']} windows "
+                    f"({prog['generated_responses']} responses; {corpus.folder})"
+                )
+    finally:
+        corpus.close()
+        if lock is not None:
+            lock.close()  # releases the flock
 
 
 def grow_corpus(
@@ -988,19 +1062,14 @@ def grow_corpus(
     re-chosen (`--revocab`) keeps training on the corpus its predecessor made. features: False
     adds shards of token ids only (no features, top-K or greedy tokens: ~1.5x the tokens a minute
     on the CPU, where they take a third of a shard's time), for `featurise` or a GPU later."""
-    tok, cfg = loaded.tokenizer, loaded.config
-    if tok is None:
+    if loaded.tokenizer is None:
         raise InputError("train-draft needs the target's tokenizer (to build the prompt mix)")
     if prompt_source not in PROMPT_SOURCES:
         raise InputError(f"prompt source must be one of {', '.join(PROMPT_SOURCES)}, got {prompt_source!r}")
     if folder is not None:
-        settings, vocab = corpus_settings(folder), None
-        if settings["aux"] != list(aux_layers):
-            raise InputError(
-                f"the corpus {folder} holds the features of layers {settings['aux']}, the head reads {list(aux_layers)}"
-            )
+        settings, vocab = _grown_corpus_settings(folder, aux_layers), None
     else:
-        settings = new_corpus_settings(cfg, aux_layers, gen_len, window, draft_vocab, topk, seed, vocab)
+        settings = new_corpus_settings(loaded.config, aux_layers, gen_len, window, draft_vocab, topk, seed, vocab)
     corpus = Corpus(
         loaded,
         aux_layers,
@@ -1017,35 +1086,7 @@ def grow_corpus(
         folder,
         features,
     )
-    t0 = time.perf_counter()
-    lock = None
-    try:
-        prog = corpus.progress()
-        if verbose and minutes > 0 and prog["tokens"] >= total_tokens:  # time given, nothing to add: say why
-            log(
-                f"corpus: already {prog['tokens']} tokens >= --corpus-tokens {total_tokens}: no shard added "
-                "(raise --corpus-tokens to grow it)"
-            )
-        if minutes > 0 and prog["tokens"] < total_tokens:
-            lock, holder = grow_lock(corpus.folder)
-            if lock is None:
-                minutes = 0
-                if verbose:
-                    log(f"corpus: another run (pid {holder}) is adding shards to {corpus.folder}: this one adds none")
-            else:
-                for stale in corpus.folder.glob("shards/.*partial-*"):  # unfinished shards of killed runs
-                    shutil.rmtree(stale, ignore_errors=True)
-        while prog["tokens"] < total_tokens and (time.perf_counter() - t0) / 60 < minutes:
-            prog = corpus.add_shard()
-            if verbose:
-                log(
-                    f"corpus: shard {prog['shards']} done, {prog['tokens']} tokens in {prog['windows']} windows "
-                    f"({prog['generated_responses']} responses; {corpus.folder})"
-                )
-    finally:
-        corpus.close()
-        if lock is not None:
-            lock.close()  # releases the flock
+    _add_shards(corpus, total_tokens, minutes, verbose)
     if not shard_dirs(corpus.folder):
         raise InputError(f"the corpus {corpus.folder} has no shard yet: give --corpus-minutes > 0")
     return corpus.folder
