@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from arborspec.tools.options import DRAFT_HELP, UserError
+from arborspec.tools.options import DEVICE_HELP, DRAFT_HELP, UserError
 
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # --dtype: torch's names
@@ -57,7 +57,7 @@ def add_model_args(p, draft_default: str | None = None) -> None:
         default=None,
         help="torch (default with --model) | onnxruntime (default with --export-dir) | tensorrt",
     )
-    g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    g.add_argument("--device", default="cpu", help=DEVICE_HELP)
     g.add_argument(
         "--cuda-graphs",
         action="store_true",

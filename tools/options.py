@@ -33,6 +33,7 @@ DRAFT_HELP_EXPORT = (
     "draft: export (the folder's own draft; default), none, lookup[:N] (n-gram prompt lookup), "
     "or export+lookup[:N] (the folder's draft mixed with lookup)"
 )
+DEVICE_HELP = "cpu or cuda[:N] (default cpu)"
 QUIET_HELP = "no progress bars (they are drawn only when stderr is a terminal anyway)"
 JSON_HELP = "print the result as one JSON object on stdout (instead of text)"
 JSON_OUT_HELP = "also write the results to this JSON file"

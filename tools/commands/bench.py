@@ -22,7 +22,12 @@ from arborspec.tools.commands.cli import (
     response_format_from_args,
     with_response_format,
 )
-from arborspec.tools.commands.options import add_json_output_args, add_quiet_progress_args, command_parser
+from arborspec.tools.commands.options import (
+    add_json_output_args,
+    add_quiet_progress_args,
+    add_seed_arg,
+    command_parser,
+)
 from arborspec.tools.engines import add_model_args, models_key, open_models
 
 EXAMPLE = """examples:
@@ -141,7 +146,7 @@ def _add_run_args(r) -> None:
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; checks greedy_match)")
     r.add_argument("--top-k", type=int, default=0, help="with --temperature: sample from the K most likely (0: all)")
     r.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus mass (1.0: off)")
-    r.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    add_seed_arg(r)
     add_format_args(r)  # structured output: ours and llama.cpp's own (its grammar of the schema)
     r.add_argument(
         "--candidates",

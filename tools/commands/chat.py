@@ -16,11 +16,11 @@ from arborspec.runtime.errors import InputError
 from arborspec.tools.commands.options import (
     add_prefix_cache_arg,
     add_sampling_args,
+    add_tree_arg,
     check_decoding_args,
     command_parser,
 )
 from arborspec.tools.engines import add_model_args, open_models
-from arborspec.tools.options import TREE_HELP
 
 EXAMPLE = """examples:
   arborspec chat --export-dir ~/.cache/arborspec/exports/smollm2-135m-int4-eagle3-int8-v24
@@ -37,7 +37,7 @@ def register(sub) -> None:
     add_model_args(p)
     g = p.add_argument_group("decoding")
     g.add_argument("--mode", choices=["vanilla", "chain", "tree"], default=None, help="default: tree with a draft")
-    g.add_argument("--tree", default=None, help=TREE_HELP)
+    add_tree_arg(g)
     g.add_argument("--candidates", choices=["topk", "sample", "sample-unique"], default=None, help=argparse.SUPPRESS)
     add_sampling_args(g, "sampling seed of the first answer (then +1 a turn)")
     g.add_argument("--max-new-tokens", type=int, default=512, help="tokens per answer at most (default 512)")

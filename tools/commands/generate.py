@@ -15,6 +15,7 @@ from pathlib import Path
 from arborspec.runtime.errors import InputError
 from arborspec.tools.commands.options import (
     add_sampling_args,
+    add_tree_arg,
     check_decoding_args,
     command_parser,
     response_format_from_args,
@@ -22,7 +23,7 @@ from arborspec.tools.commands.options import (
     with_response_format,
 )
 from arborspec.tools.engines import add_model_args, models_key, open_models
-from arborspec.tools.options import JSON_HELP, PREFIX_CACHE, TREE_HELP
+from arborspec.tools.options import JSON_HELP, PREFIX_CACHE
 
 EXAMPLE = """examples:
   arborspec generate --model smollm2-135m --draft layers:4 --mode tree --tree full:3,2 \\
@@ -46,7 +47,7 @@ def register(sub) -> None:
         default=None,
         help="default: tree when there is a draft (an export's own, or --draft), else vanilla",
     )
-    g.add_argument("--tree", default=None, help=TREE_HELP + "; chain mode: chain:4")
+    add_tree_arg(g, "; chain mode: chain:4")
     g.add_argument(
         "--candidates",
         choices=["topk", "sample", "sample-unique"],

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from arborspec.tools.options import JSON_HELP, JSON_OUT_HELP, PREFIX_CACHE, QUIET_HELP
+from arborspec.tools.options import JSON_HELP, JSON_OUT_HELP, PREFIX_CACHE, QUIET_HELP, TREE_HELP
 
 
 def command_parser(sub, name: str, help: str, doc: str, example: str, description: str | None = None):
@@ -30,6 +30,16 @@ def command_parser(sub, name: str, help: str, doc: str, example: str, descriptio
 def add_export_dir_arg(p, help: str = "export folder from `arborspec export`") -> None:
     """--export-dir DIR, required (build, compare, serve)."""
     p.add_argument("--export-dir", type=Path, required=True, help=help)
+
+
+def add_tree_arg(g, note: str = "") -> None:
+    """--tree SPEC, one tree policy (generate, chat, serve): TREE_HELP, then the command's `note`."""
+    g.add_argument("--tree", default=None, help=TREE_HELP + note)
+
+
+def add_seed_arg(g, help: str = "sampling seed (default 0)") -> None:
+    """--seed N, default 0 (add_sampling_args', bench's)."""
+    g.add_argument("--seed", type=int, default=0, help=help)
 
 
 def add_prefix_cache_arg(g, help: str) -> None:
@@ -97,7 +107,7 @@ def add_sampling_args(g, seed_help: str = "sampling seed (default 0)") -> None:
         metavar="TOKEN=BIAS",
         help="add BIAS (-100..100) to token id TOKEN's logit (repeatable)",
     )
-    g.add_argument("--seed", type=int, default=0, help=seed_help)
+    add_seed_arg(g, seed_help)
     g.add_argument("--min-tokens", type=int, default=0, help="no end of the answer before N tokens (default 0)")
     g.add_argument(
         "--ignore-eos", action="store_true", help="decode through end-of-sequence to --max-new-tokens (benchmarks)"

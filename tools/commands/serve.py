@@ -11,8 +11,8 @@ import sys
 
 from arborspec.runtime import settings
 from arborspec.runtime.errors import InputError
-from arborspec.tools.commands.options import add_export_dir_arg, add_prefix_cache_arg, command_parser
-from arborspec.tools.options import DRAFT_HELP_EXPORT, PREFIX_CACHE, TREE_HELP
+from arborspec.tools.commands.options import add_export_dir_arg, add_prefix_cache_arg, add_tree_arg, command_parser
+from arborspec.tools.options import DEVICE_HELP, DRAFT_HELP_EXPORT, PREFIX_CACHE
 
 EXAMPLE = """examples:
   arborspec serve --export-dir ~/.cache/arborspec/exports/smollm2-135m-layers4-v2 --draft lookup --port 8000
@@ -33,9 +33,9 @@ def register(sub) -> None:
     )
     add_export_dir_arg(p)
     p.add_argument("--backend", choices=["onnxruntime", "tensorrt"], default="onnxruntime", help="default onnxruntime")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    p.add_argument("--device", default="cpu", help=DEVICE_HELP)
     p.add_argument("--draft", default=None, help=DRAFT_HELP_EXPORT)
-    p.add_argument("--tree", default=None, help=TREE_HELP)
+    add_tree_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument(
