@@ -135,6 +135,63 @@ def genai_cache_root() -> Path:
     return cache_dir() / "peers"
 
 
+def _hf_folder_for_builder(mdir: Path, gguf, work: Path, log) -> Path:
+    """The Hugging Face folder the GenAI model builder reads: the source's own, or (a GGUF) one
+    transformers writes under `work`."""
+    if not gguf:
+        return mdir
+    hf_dir = work / "hf"
+    log(f"writing a Hugging Face folder from {gguf} for the GenAI model builder ...")
+    try:
+        _gguf_to_hf(mdir, gguf, hf_dir)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types; one line is the contract
+        raise PeerUnavailable(f"transformers cannot convert {gguf} to a Hugging Face folder ({_one_line(e)})") from None
+    return hf_dir
+
+
+def _build_genai_model(hf_dir: Path, built: Path, prec: str, work: Path, version: str, source: dict) -> None:
+    """Run the GenAI model builder for `prec` into `built`, and record how (arborspec_peer.json,
+    with `source`: the model's path, sha256 and bytes)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "onnxruntime_genai.models.builder",
+        "-i",
+        str(hf_dir),
+        "-o",
+        str(built),
+        "-p",
+        prec,
+        "-e",
+        "cpu",
+        "-c",
+        str(work / "cache"),
+    ]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode != 0 or not (built / "genai_config.json").is_file():
+        lines = [ln.strip() for ln in (r.stderr + r.stdout).splitlines() if ln.strip()]
+        raise PeerUnavailable(
+            f"the GenAI model builder failed for {prec} (exit {r.returncode}: {lines[-1] if lines else 'no output'})"
+        )
+    (built / "arborspec_peer.json").write_text(
+        json.dumps(
+            {
+                "format": BUILD_FORMAT,
+                "builder": "onnxruntime_genai.models.builder",
+                GENAI_PKG: version,
+                "transformers": pkg_version("transformers"),
+                "precision": prec,
+                "command": ["python"] + cmd[1:4] + ["HF_DIR", "-o", "OUT", "-p", prec, "-e", "cpu"],
+                "source": source,
+                "build_s": round(time.perf_counter() - t0, 1),
+            },
+            indent=1,
+        )
+    )
+
+
 def genai_model_dirs(source: dict, precisions: list[str], log=None) -> dict[str, Path]:
     """precision -> a folder with a GenAI model of the source (built once, then cached)."""
     log = log or (lambda s: print(s, file=sys.stderr))
@@ -157,64 +214,14 @@ def genai_model_dirs(source: dict, precisions: list[str], log=None) -> dict[str,
         return out
     root.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
+    recorded = {"path": str(((mdir / gguf) if gguf else mdir).resolve()), "sha256": sha, "bytes": size}
     try:
-        hf_dir = mdir
-        if gguf:
-            hf_dir = work / "hf"
-            log(f"writing a Hugging Face folder from {gguf} for the GenAI model builder ...")
-            try:
-                _gguf_to_hf(mdir, gguf, hf_dir)
-            except Exception as e:  # noqa: BLE001 - transformers raises many types; one line is the contract
-                raise PeerUnavailable(
-                    f"transformers cannot convert {gguf} to a Hugging Face folder ({_one_line(e)})"
-                ) from None
+        hf_dir = _hf_folder_for_builder(mdir, gguf, work, log)
         for prec in todo:
             entry = out[prec]
             with PartialFolder(entry) as built:  # renamed into place once the build is complete
                 log(f"building the ONNX Runtime GenAI {prec} model (once; cached in {entry}) ...")
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "onnxruntime_genai.models.builder",
-                    "-i",
-                    str(hf_dir),
-                    "-o",
-                    str(built),
-                    "-p",
-                    prec,
-                    "-e",
-                    "cpu",
-                    "-c",
-                    str(work / "cache"),
-                ]
-                env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-                t0 = time.perf_counter()
-                r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-                if r.returncode != 0 or not (built / "genai_config.json").is_file():
-                    lines = [ln.strip() for ln in (r.stderr + r.stdout).splitlines() if ln.strip()]
-                    raise PeerUnavailable(
-                        f"the GenAI model builder failed for {prec} (exit {r.returncode}: "
-                        f"{lines[-1] if lines else 'no output'})"
-                    )
-                (built / "arborspec_peer.json").write_text(
-                    json.dumps(
-                        {
-                            "format": BUILD_FORMAT,
-                            "builder": "onnxruntime_genai.models.builder",
-                            GENAI_PKG: version,
-                            "transformers": pkg_version("transformers"),
-                            "precision": prec,
-                            "command": ["python"] + cmd[1:4] + ["HF_DIR", "-o", "OUT", "-p", prec, "-e", "cpu"],
-                            "source": {
-                                "path": str(((mdir / gguf) if gguf else mdir).resolve()),
-                                "sha256": sha,
-                                "bytes": size,
-                            },
-                            "build_s": round(time.perf_counter() - t0, 1),
-                        },
-                        indent=1,
-                    )
-                )
+                _build_genai_model(hf_dir, built, prec, work, version, recorded)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out
