@@ -49,6 +49,24 @@ class Perplexity:
     tokens: int  # tokens scored
     windows: int
 
+    @classmethod
+    def of(cls, nll_sum: float, tokens: int, windows: int) -> Perplexity:
+        """From the summed negative log-likelihood of `tokens` scored tokens."""
+        nll = nll_sum / max(tokens, 1)
+        return cls(math.exp(nll) if nll < 700 else float("inf"), nll, tokens, windows)
+
+
+def scored_windows(ids: list[int], window: int) -> list[list[int]]:
+    """`ids` cut every `window` tokens, as perplexity scores them (each window from an empty cache,
+    its first token unscored): up to the first window of fewer than 2 tokens."""
+    out = []
+    for start in range(0, len(ids) - 1, window):
+        w = ids[start : start + window]
+        if len(w) < 2:
+            break
+        out.append(w)
+    return out
+
 
 def perplexity(engine, ids: list[int], window: int = DEFAULT_WINDOW, chunk: int = DEFAULT_CHUNK) -> Perplexity:
     """Perplexity of `ids` under `engine` (an Engine: forward(ids, pos, mask, cache) -> logits)."""
@@ -63,12 +81,9 @@ def perplexity(engine, ids: list[int], window: int = DEFAULT_WINDOW, chunk: int 
     if max(ids) >= vocab or min(ids) < 0:
         raise InputError(f"token ids out of range for a vocabulary of {vocab}")
     cache = KVCache(engine.info.cache, window, 1, getattr(engine, "device", "cpu"))
-    total, n, windows = 0.0, 0, 0
-    for start in range(0, len(ids) - 1, window):
-        w = ids[start : start + window]
-        if len(w) < 2:
-            break
-        windows += 1
+    total, n = 0.0, 0
+    windows = scored_windows(ids, window)
+    for w in windows:
         cache.reset()
         for c0 in range(0, len(w), chunk):
             part = torch.tensor([w[c0 : c0 + chunk]], dtype=torch.long)
@@ -83,8 +98,7 @@ def perplexity(engine, ids: list[int], window: int = DEFAULT_WINDOW, chunk: int 
             n += len(nxt)
     if n == 0:
         raise InputError("perplexity: no token to score")
-    nll = total / n
-    return Perplexity(math.exp(nll) if nll < 700 else float("inf"), nll, n, windows)
+    return Perplexity.of(total, n, len(windows))
 
 
 @dataclass
@@ -131,19 +145,15 @@ def llama_cpp_quality(gguf_path, ids, window, prompts, max_new_tokens, eos) -> t
     longest = max((len(q) for q in prompts or []), default=0) + max_new_tokens + 16
     r = LlamaCppRunner(Path(gguf_path), peer_threads(), max(window, longest), lookup=False, logits_all=True)
     try:
-        total, n, windows = 0.0, 0, 0
-        for start in range(0, len(ids) - 1, window):
-            w = ids[start : start + window]
-            if len(w) < 2:
-                break
-            windows += 1
+        total, n = 0.0, 0
+        windows = scored_windows(ids, window)
+        for w in windows:
             r.llm.reset()
             r.llm.eval(w)
             logits = torch.from_numpy(r.llm.scores[: len(w) - 1].copy())
             total += _nll_sum(logits, w[1:])
             n += len(w) - 1
-        nll = total / max(n, 1)
-        ppl = Perplexity(math.exp(nll) if nll < 700 else float("inf"), nll, n, windows)
+        ppl = Perplexity.of(total, n, len(windows))
         toks = [r.run("llama-cpp", q, max_new_tokens, list(eos), 0.0, 0)["tokens"] for q in prompts or []]
         return ppl, toks
     finally:
