@@ -26,7 +26,7 @@ import numpy as np
 
 from arborspec.runtime.errors import InputError
 
-from . import gqa_graph
+from . import gqa_graph, row_pad
 from .onnx_files import ExportResult
 from .weights import ModuleWeights
 
@@ -76,13 +76,12 @@ class GQAExport:
 # -- 1. memory -----------------------------------------------------------------------------------
 def estimate_peak_bytes(cfg, spec: GQAExport) -> dict[str, int]:
     """The export's peak resident memory from the shapes alone (bytes), and its parts."""
-    h, inter, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    h, inter = cfg.hidden_size, cfg.intermediate_size
     qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim * h
     largest = max(qkv, 2 * inter * h, h * inter) * 4  # the widest product, fp32
-    embed = v * h * 4
-    heads = embed * (1 if cfg.tie_embeddings else 2)
+    embed = cfg.vocab_size * h * 4
+    layer, heads = (4 * n for n in cfg.weight_counts())
     build = 3 * largest + 2 * embed  # read + transposed/concatenated + quantised; the embedding + its cast
-    layer = (qkv + cfg.n_heads * cfg.head_dim * h + 3 * inter * h) * 4
     full = fp32_bytes(cfg)
     checked = full if full <= FULL_CHECK_BYTES else heads + PREFIX_LAYERS * layer
     check = 2 * checked  # the PyTorch reference and ONNX Runtime's session
@@ -90,9 +89,7 @@ def estimate_peak_bytes(cfg, spec: GQAExport) -> dict[str, int]:
 
 
 def fp32_bytes(cfg) -> int:
-    h, inter = cfg.hidden_size, cfg.intermediate_size
-    layer = ((cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim * h + cfg.n_heads * cfg.head_dim * h + 3 * inter * h)
-    heads = cfg.vocab_size * h * (1 if cfg.tie_embeddings else 2)
+    layer, heads = cfg.weight_counts()
     return 4 * (cfg.n_layers * layer + heads)
 
 
@@ -237,13 +234,14 @@ def _build_and_save(weights, path: Path, spec: GQAExport, linears, max_context: 
 
 def _build(weights, spec: GQAExport, linears, max_context: int, sink, n_layers):
     opts = gqa_graph.GraphOptions(
-        max_context, spec.topk, spec.accuracy_level, spec.feature_layers, spec.kv_dtype, spec.dtype, n_layers
+        max_context, spec.topk, spec.accuracy_level, spec.feature_layers, spec.kv_dtype, spec.dtype, n_layers,
+        pad_row=row_pad.pads_rows_for(weights.config, spec.accuracy_level, spec.dtype),
     )
     return gqa_graph.GQAGraph(weights, opts, linears, sink, progress=spec.progress and n_layers is None).build()
 
 
 def _write_metadata(path: Path, cfg, spec: GQAExport, ext: list[str]) -> tuple[int, int]:
-    from arborspec.runtime.contract import META_FEATURE_LAYERS, META_RAGGED_ROWS
+    from arborspec.runtime.contract import META_FEATURE_LAYERS, META_PAD_ROW, META_RAGGED_ROWS
 
     from .onnx_files import contract_metadata, finalize
 
@@ -254,6 +252,8 @@ def _write_metadata(path: Path, cfg, spec: GQAExport, ext: list[str]) -> tuple[i
     if spec.feature_layers:
         meta[META_FEATURE_LAYERS] = json.dumps([int(i) for i in spec.feature_layers])
     meta[META_RAGGED_ROWS] = "1"  # seqlens_k from the mask (gqa_graph.attention_inputs)
+    if row_pad.pads_rows_for(cfg, spec.accuracy_level, spec.dtype):
+        meta[META_PAD_ROW] = "1"  # one dummy attention row per call (export/row_pad.py)
     return finalize(path, meta, bool(ext))
 
 

@@ -46,6 +46,8 @@ import torch
 from arborspec.runtime import contract as C
 from arborspec.runtime.errors import InputError
 
+from . import row_pad
+
 IR_VERSION = 10
 OPSET = 23
 
@@ -223,7 +225,8 @@ class GraphOptions:
     fp16 between two Casts). n_layers: build only the first n layers (then the final norm and the
     head): the bounded self-check of a large export. feature_layers: add the contract's
     `hidden_states` output, the hidden states entering those layers concatenated [B, T, len * H]
-    (the features an EAGLE-3 draft reads)."""
+    (the features an EAGLE-3 draft reads). pad_row: the attention of every call runs one dummy row
+    more (export/row_pad.py: one-token calls row-invariant at one row's cost)."""
 
     max_context: int
     topk: int = 0
@@ -232,6 +235,7 @@ class GraphOptions:
     kv_dtype: str = "fp32"
     dtype: str = "fp32"
     n_layers: int | None = None
+    pad_row: bool = False  # one dummy attention row per call (export/row_pad.py)
 
 
 class MemorySink:
@@ -403,6 +407,8 @@ class GQAGraph:
             normed, residual = self.layer(i, normed, residual, seqlens, total, bias)
             self.w.release()
         logits = self.head(normed)
+        if self.o.pad_row:
+            self.nodes = row_pad.pad_rows(self.nodes, self.init)
         outputs += self.logits_outputs(logits)
         outputs += self.features(feats)
         graph = h.make_graph(
@@ -442,6 +448,9 @@ class GQAGraph:
     def attention_shared(self):
         """seqlens, total length and the tree mask's bias every layer shares; the rotary tables."""
         cfg, max_context = self.cfg, self.o.max_context
+        # a padded graph's attention spans one column more (GroupQueryAttention wants a rotary
+        # table row per column, though the dummy row takes the last row's position)
+        max_context += int(self.o.pad_row)
         rotary, rotary_local = _rotaries(self.w)
         masked = FP16_MASKED if self.attn_np == np.float16 else np.finfo(np.float32).min
         seqlens, total, bias = attention_inputs(

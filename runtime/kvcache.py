@@ -33,6 +33,7 @@ class CacheSpec:
     head_dim: int
     dtype: torch.dtype = torch.float32
     layout: str = "sbhd"  # or "bhsd"
+    spare: int = 0  # columns past max_len the graph writes (a padded graph's dummy row: export/row_pad.py)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -65,11 +66,12 @@ class KVCache:
         if max_len < 1:
             raise InputError("max_len must be >= 1")
         self.spec, self.max_len, self.batch = spec, max_len, batch
+        cols = max_len + spec.spare  # the spare columns are the engine's scratch, never committed
         if spec.layout == "bhsd":
-            shape = (spec.n_layers, batch, spec.n_kv_heads, max_len, spec.head_dim)
+            shape = (spec.n_layers, batch, spec.n_kv_heads, cols, spec.head_dim)
             self.seq_dim = 3
         else:
-            shape = (spec.n_layers, max_len, batch, spec.n_kv_heads, spec.head_dim)
+            shape = (spec.n_layers, cols, batch, spec.n_kv_heads, spec.head_dim)
             self.seq_dim = 1
         # uninitialised: engines read only the committed prefix, which was written first
         self.k = torch.empty(shape, dtype=spec.dtype, device=device)

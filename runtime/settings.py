@@ -53,7 +53,7 @@ _ALL = (
             "set, it also keeps the shared pool off", "embedding-api.md"),
     Setting("ARBORSPEC_ORT_ROW_LAYOUT", SWITCH, None,
             "1: lay every target call out row-invariantly (exact trees on int8-activation exports); "
-            "0: never (faster one-token calls, inexact trees); unset: where the export needs it",
+            "0: never (inexact trees); unset: where the export needs it",
             "int4.md"),
     Setting("ARBORSPEC_ORT_QDQ_ACCURACY_LEVEL", TEXT, "0",
             "ONNX Runtime's MatMulNBits accuracy level for QDQ exports: 0 exact float32, 4 int8 "

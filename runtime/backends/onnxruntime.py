@@ -371,11 +371,14 @@ class OrtEngine(EngineBase):
         self.input_names, self.output_names = graph.input_names, graph.output_names
         self.has_hidden_in = graph.has_hidden_in
         self.kv_dtype, self.kv_layout = graph.kv_dtype, graph.kv_layout
+        # the graph pads every call's attention with one dummy row (export/row_pad.py): one-token
+        # calls need no padding row here, a batch of rows runs row by row, caches get a spare column
+        self.pads_row = graph.metadata.get(C.META_PAD_ROW) == "1"
         self.info = EngineInfo(
             vocab_size=int(cfg["vocab_size"]),
             max_position=int(cfg["max_position"]),
             cache=CacheSpec(int(cfg["n_layers"]), int(cfg["n_kv_heads"]), int(cfg["head_dim"]), self.kv_dtype,
-                            self.kv_layout),
+                            self.kv_layout, spare=int(self.pads_row)),
             name=cfg.get("name", "") or self.path.stem,
             n_features=graph.n_features,
         )
@@ -405,7 +408,7 @@ class OrtEngine(EngineBase):
             raise InputError(f"KV cache dtype {cache.k.dtype} != engine dtype {self.kv_dtype}")
         if self.kv_layout == "bhsd":
             exp, names = (
-                (spec.n_layers, cache.batch, spec.n_kv_heads, cache.max_len, spec.head_dim),
+                (spec.n_layers, cache.batch, spec.n_kv_heads, cache.max_len + spec.spare, spec.head_dim),
                 "[L, B, Hkv, S, D]",
             )
         else:
@@ -466,16 +469,25 @@ class OrtEngine(EngineBase):
         _, vals, ids, _ = self._run(input_ids, position_ids, mask, cache, k)
         return vals[..., :k], ids[..., :k]
 
-    def _run(self, input_ids, position_ids, mask, cache: KVCache, k: int | None, hidden=None, laid_out=False):
+    def _run(self, input_ids, position_ids, mask, cache: KVCache, k: int | None, hidden=None):
+        """One call -> (logits, top-k values, top-k ids, features): on a row-invariant engine
+        over a cache, in the row layout where it applies (`_run_laid_out`, `_run_rows`), else as
+        it is (`_call`)."""
         b, t = input_ids.shape
-        p = cache.length
-        if self.row_invariant and not laid_out and p > 0:
-            if b == 1:
+        if cache.length > 0 and (self.row_invariant or self.pads_row):
+            out = None
+            if b == 1 and self.row_invariant:
                 out = self._run_laid_out(input_ids, position_ids, mask, cache, k)
-            else:
-                out = self._run_rows(input_ids, position_ids, mask, cache, k) if t == 1 else None
+            elif b > 1 and t == 1:  # a padded graph's attention cannot take B > 1 rows of T + 1 either
+                out = self._run_rows(input_ids, position_ids, mask, cache, k)
             if out is not None:
                 return out
+        return self._call(input_ids, position_ids, mask, cache, k, hidden)
+
+    def _call(self, input_ids, position_ids, mask, cache: KVCache, k: int | None, hidden=None):
+        """The call as it is: the inputs and the cache bound, one session run."""
+        b, t = input_ids.shape
+        p = cache.length
         if self.has_hidden_in:
             if hidden is None:
                 raise EngineError(f"{self.path.name} is an EAGLE-3 head graph: call forward_hidden")
@@ -533,8 +545,8 @@ class OrtEngine(EngineBase):
         if not bool(mask[0, :, :p].all()):
             return None  # not over the whole cache (a cost probe, a ragged row): run it as it is
         if row_layout.is_chain(position_ids[0], anc, p):  # vanilla's one row, a chain's verify
-            if t > 1:
-                return None  # every row already sits where it commits
+            if t > 1 or self.pads_row:
+                return None  # every row already sits where it commits (a padded graph pads a lone row itself)
             if p + 2 > self._columns(cache):
                 return None  # the context's last column: no room for the padding row (vanilla's call too)
             rows = [0]
@@ -551,7 +563,7 @@ class OrtEngine(EngineBase):
         ):
             return self._run_paths(input_ids, position_ids, mask, cache, k, anc)
         ids, pos, m = row_layout.padded_call(input_ids, position_ids, mask, p, rows)
-        out = self._run(ids, pos, m, cache, k, None, laid_out=True)
+        out = self._call(ids, pos, m, cache, k)
         row_layout.move_kv(cache, p, rows)
         sel = torch.as_tensor(rows, dtype=torch.long, device=self.device)
         return tuple(None if x is None else x.index_select(1, sel) for x in out)
@@ -610,7 +622,7 @@ class OrtEngine(EngineBase):
                 m = torch.ones(1, len(new), p + b, dtype=torch.bool, device=mask.device)
                 m = torch.cat([m, torch.ones(len(new), len(new), dtype=torch.bool, device=mask.device).tril()[None]], 2)
                 call = row_layout.padded_call(input_ids[:, idx], position_ids[:, idx], m, p + b, list(range(len(new))))
-                res = self._run(*call, cache, k, None, laid_out=True)
+                res = self._call(*call, cache, k)
                 for i, x in enumerate(res):
                     if x is not None:
                         if outs[i] is None:

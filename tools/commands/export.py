@@ -214,7 +214,7 @@ def run(args) -> int:
     if int8_activation_level(t):
         print(
             "  note: int8 activations: chain/tree output == vanilla only through ONNX Runtime's row-invariant "
-            "layout (the default; ARBORSPEC_ORT_ROW_LAYOUT=0 turns it off: faster one-token calls, inexact trees)"
+            "layout (the default; ARBORSPEC_ORT_ROW_LAYOUT=0 turns it off: inexact trees)"
         )
     sys.stdout.flush()
     return 0
