@@ -46,10 +46,11 @@ def smollm2_tokenizer_dir() -> Path:
 def params_b(size: str) -> float:
     if SIZES[size] is None:
         return 0.135
+    from arborspec.models.config import weight_counts
+
     s = SHAPES[SIZES[size]]
-    h, q, kv = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
-    layer = h * (q + 2 * kv) + q * h + 3 * s.intermediate * h
-    return (s.layers * layer + 49152 * h * (1 if s.tied else 2)) / 1e9
+    layer, heads = weight_counts(s.hidden, s.heads, s.kv_heads, s.head_dim, s.intermediate, 49152, s.tied)
+    return (s.layers * layer + heads) / 1e9
 
 
 def export_cmd(model, out: Path, *flags, draft: str = "none") -> list:

@@ -32,15 +32,6 @@ import numpy as np
 from arborspec.runtime.errors import InputError
 
 BLOCK = 32
-GGUF_LAYER_NAMES = {
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
 
 
 @dataclass
@@ -233,15 +224,12 @@ class GGUFBlocks:
         self.permuted = arch is None or arch.contents() in PERMUTED_ARCHS
 
     def _gguf_name(self, hf_name: str) -> str:
-        if hf_name == "lm_head.weight":
-            return "output.weight" if "output.weight" in self.tensors else "token_embd.weight"
-        if hf_name == "model.embed_tokens.weight":
+        """models/gguf_loader.gguf_name, but a tied head (no output.weight) reads the embedding."""
+        from arborspec.models.gguf_loader import gguf_name
+
+        if hf_name == "lm_head.weight" and "output.weight" not in self.tensors:
             return "token_embd.weight"
-        parts = hf_name.split(".")  # model.layers.{i}.<rest>
-        rest = ".".join(parts[3:])
-        if parts[:2] != ["model", "layers"] or rest not in GGUF_LAYER_NAMES:
-            raise KeyError(hf_name)
-        return f"blk.{parts[2]}.{GGUF_LAYER_NAMES[rest]}"
+        return gguf_name(hf_name)
 
     def tensor(self, hf_name: str):
         """The GGUF tensor of a Hugging Face name, or None; KeyError for a name with no GGUF twin."""

@@ -15,6 +15,15 @@ from typing import Any
 from arborspec.runtime.errors import InputError
 
 
+def weight_counts(
+    hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, vocab: int, tied: bool
+) -> tuple[int, int]:
+    """(one decoder layer's linear weights: q/k/v, o, gate/up/down; the embedding's and the
+    head's, one matrix where tied) of a Llama-family shape, norms left out."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    return hidden * (q + 2 * kv) + q * hidden + 3 * intermediate * hidden, vocab * hidden * (1 if tied else 2)
+
+
 @dataclass
 class ModelConfig:
     family: str  # "llama" (Llama, Qwen2/2.5/3, Mistral, Phi-3, SmolLM), "gemma3" or "gpt2" (GPT-2 / NanoGPT)
@@ -54,6 +63,18 @@ class ModelConfig:
         if self.sliding_window <= 0:
             return False
         return self.layer_types is None or self.layer_types[layer] == "sliding_attention"
+
+    def weight_counts(self) -> tuple[int, int]:
+        """(one layer's linear weights, the embedding's and the head's): `weight_counts`."""
+        return weight_counts(
+            self.hidden_size,
+            self.n_heads,
+            self.n_kv_heads,
+            self.head_dim,
+            self.intermediate_size,
+            self.vocab_size,
+            self.tie_embeddings,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
