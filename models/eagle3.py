@@ -33,11 +33,10 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from arborspec.runtime.errors import ExportDirError, InputError, MissingFileError, one_line
 
-from .llama import RMSNorm, additive_mask, apply_rope, attend, merge_past, repeat_kv
+from .llama import GatedMLP, RMSNorm, additive_mask, apply_rope, attend, merge_past, repeat_kv
 from .rope import Rotary, rope_scaling_from_hf
 
 
@@ -151,17 +150,6 @@ class Eagle3Attention(nn.Module):
         )
 
 
-class Eagle3MLP(nn.Module):
-    def __init__(self, c: Eagle3Config):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Eagle3Layer(nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
@@ -169,7 +157,7 @@ class Eagle3Layer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_eps)
         self.self_attn = Eagle3Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_eps)
-        self.mlp = Eagle3MLP(c)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, bias=False)
 
 
 class Eagle3Head(nn.Module):

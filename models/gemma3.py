@@ -27,7 +27,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .llama import additive_mask, apply_rope, merge_past, repeat_kv, window_mask
+from .llama import (
+    DecoderBody,
+    additive_mask,
+    apply_rope,
+    merge_past,
+    repeat_kv,
+    rms_normalized,
+    run_layers,
+    window_mask,
+)
 from .rope import Rotary
 
 
@@ -38,9 +47,7 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        return (rms_normalized(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
 
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
@@ -105,21 +112,13 @@ class Block(nn.Module):
         return x, k, v
 
 
-class _Body(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.norm_eps)
-
-
 class Gemma3Decoder(nn.Module):
     """Contract forward, see models/llama.LlamaDecoder (also its `feature_layers` output)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.model = _Body(cfg)
+        self.model = DecoderBody(cfg, Block, GemmaRMSNorm)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -143,15 +142,6 @@ class Gemma3Decoder(nn.Module):
         if cfg.sliding_window > 0:
             window = window_mask(attention_mask, position_ids, cfg.sliding_window)
             local = (*self.rotary_local(position_ids), additive_mask(window))
-        new, feats = [], {}
-        wanted = set(self.feature_layers or ())
-        for i, layer in enumerate(self.model.layers):
-            if i in wanted:
-                feats[i] = x
-            cos, sin, bias = local if cfg.is_sliding(i) else full
-            x, k, v = layer(x, cos, sin, bias, past[2 * i], past[2 * i + 1])
-            new += [k, v]
+        x, new, features = run_layers(self, x, past, lambda i: local if cfg.is_sliding(i) else full)
         logits = softcap(self.lm_head(self.model.norm(x)).float(), cfg.final_softcap)
-        if self.feature_layers:
-            return (logits, *new, torch.cat([feats[i] for i in self.feature_layers], dim=-1))
-        return (logits, *new)
+        return (logits, *new) if features is None else (logits, *new, features)

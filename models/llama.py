@@ -73,6 +73,12 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
 
 
+def rms_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last axis, in float32 (before a norm's weight)."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -80,9 +86,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * rms_normalized(x, self.eps).to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -131,16 +135,22 @@ class Attention(nn.Module):
         return self.o_proj(y), k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)): Llama's MLP, and an EAGLE-3 head's (models/eagle3.py)."""
+
+    def __init__(self, c: int, h: int, bias: bool):
         super().__init__()
-        c, h = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(c, h, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(c, h, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(h, c, bias=cfg.mlp_bias)
+        self.gate_proj = nn.Linear(c, h, bias=bias)
+        self.up_proj = nn.Linear(c, h, bias=bias)
+        self.down_proj = nn.Linear(h, c, bias=bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MLP(GatedMLP):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
 
 class Block(nn.Module):
@@ -158,12 +168,32 @@ class Block(nn.Module):
         return x, k, v
 
 
-class _Body(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+class DecoderBody(nn.Module):
+    """embed_tokens, layers, norm (the Hugging Face names), of Llama's blocks and RMSNorm or of
+    another family's (models/gemma3.py)."""
+
+    def __init__(self, cfg: ModelConfig, block=None, norm=None):
         super().__init__()
+        block, norm = block or Block, norm or RMSNorm
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.layers = nn.ModuleList(block(cfg) for _ in range(cfg.n_layers))
+        self.norm = norm(cfg.hidden_size, cfg.norm_eps)
+
+
+def run_layers(decoder, x, past, layer_inputs):
+    """decoder.model.layers over x, layer i with layer_inputs(i) = (cos, sin, bias) and its cache
+    (past[2i], past[2i + 1]). Returns x after the last layer, the new K/V (k0, v0, k1, ...), and
+    the hidden states entering decoder.feature_layers concatenated [B, T, len * H] (the EAGLE-3
+    features; None where it names none)."""
+    new, feats = [], {}
+    wanted = set(decoder.feature_layers or ())
+    for i, layer in enumerate(decoder.model.layers):
+        if i in wanted:
+            feats[i] = x
+        x, k, v = layer(x, *layer_inputs(i), past[2 * i], past[2 * i + 1])
+        new += [k, v]
+    features = torch.cat([feats[i] for i in decoder.feature_layers], dim=-1) if decoder.feature_layers else None
+    return x, new, features
 
 
 class LlamaDecoder(nn.Module):
@@ -173,7 +203,7 @@ class LlamaDecoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.model = _Body(cfg)
+        self.model = DecoderBody(cfg)
         self.init_buffers()
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -194,15 +224,6 @@ class LlamaDecoder(nn.Module):
         bias = additive_mask(attention_mask)
         if cfg.sliding_window > 0:
             local = additive_mask(window_mask(attention_mask, position_ids, cfg.sliding_window))
-        new, feats = [], {}
-        wanted = set(self.feature_layers or ())
-        for i, layer in enumerate(self.model.layers):
-            if i in wanted:
-                feats[i] = x
-            b_i = local if cfg.is_sliding(i) else bias
-            x, k, v = layer(x, cos, sin, b_i, past[2 * i], past[2 * i + 1])
-            new += [k, v]
+        x, new, features = run_layers(self, x, past, lambda i: (cos, sin, local if cfg.is_sliding(i) else bias))
         logits = self.lm_head(self.model.norm(x)).float()
-        if self.feature_layers:
-            return (logits, *new, torch.cat([feats[i] for i in self.feature_layers], dim=-1))
-        return (logits, *new)
+        return (logits, *new) if features is None else (logits, *new, features)
