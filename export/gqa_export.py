@@ -26,7 +26,7 @@ import numpy as np
 
 from arborspec.runtime.errors import InputError
 
-from . import gqa_graph
+from . import gqa_graph, row_pad
 from .onnx_files import ExportResult
 from .weights import ModuleWeights
 
@@ -234,13 +234,14 @@ def _build_and_save(weights, path: Path, spec: GQAExport, linears, max_context: 
 
 def _build(weights, spec: GQAExport, linears, max_context: int, sink, n_layers):
     opts = gqa_graph.GraphOptions(
-        max_context, spec.topk, spec.accuracy_level, spec.feature_layers, spec.kv_dtype, spec.dtype, n_layers
+        max_context, spec.topk, spec.accuracy_level, spec.feature_layers, spec.kv_dtype, spec.dtype, n_layers,
+        pad_row=row_pad.pads_rows_for(weights.config, spec.accuracy_level, spec.dtype),
     )
     return gqa_graph.GQAGraph(weights, opts, linears, sink, progress=spec.progress and n_layers is None).build()
 
 
 def _write_metadata(path: Path, cfg, spec: GQAExport, ext: list[str]) -> tuple[int, int]:
-    from arborspec.runtime.contract import META_FEATURE_LAYERS, META_RAGGED_ROWS
+    from arborspec.runtime.contract import META_FEATURE_LAYERS, META_PAD_ROW, META_RAGGED_ROWS
 
     from .onnx_files import contract_metadata, finalize
 
@@ -251,6 +252,8 @@ def _write_metadata(path: Path, cfg, spec: GQAExport, ext: list[str]) -> tuple[i
     if spec.feature_layers:
         meta[META_FEATURE_LAYERS] = json.dumps([int(i) for i in spec.feature_layers])
     meta[META_RAGGED_ROWS] = "1"  # seqlens_k from the mask (gqa_graph.attention_inputs)
+    if row_pad.pads_rows_for(cfg, spec.accuracy_level, spec.dtype):
+        meta[META_PAD_ROW] = "1"  # one dummy attention row per call (export/row_pad.py)
     return finalize(path, meta, bool(ext))
 
 
