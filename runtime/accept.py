@@ -33,11 +33,26 @@ it failing the chi-square test that these rules pass.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from .sampling import SamplingParams, coin, probs, sample
 from .trees import Tree
+
+
+@dataclass(frozen=True)
+class RowHooks:
+    """What the sampled walk does to each row of logits it reads: check(row), the decoder's
+    guard (NaN/Inf is a NumericalError there), before it becomes probabilities; then
+    process(row, path_tokens), the request's penalties and grammar (penalties.RowProcessing)
+    given the tokens accepted so far in this step. None: nothing."""
+
+    check: Callable | None = None
+    process: Callable | None = None
+
+
+NO_HOOKS = RowHooks()
 
 
 @dataclass
@@ -86,16 +101,15 @@ def accept_sampling(
     sp: SamplingParams,
     rng: torch.Generator,
     root_probs=None,
-    check=None,
-    process=None,
+    hooks: RowHooks = NO_HOOKS,
 ) -> Acceptance:
     """Lossless walk for temperature > 0; the rule follows tree.candidates. root_probs: the root
-    row's `probs(logits[0], sp)` when computed already (a batch's rows in one call). process:
-    as accept_greedy's, applied to each row read before it is warped. check(row):
-    called on each row the walk reads, on the host, before it becomes probabilities (the
-    decoder's guard: NaN/Inf is a NumericalError there); the rows it never reads are not summed
+    row's `probs(logits[0], sp)` when computed already (a batch's rows in one call). hooks:
+    each row the walk reads is checked (hooks.check, on the host) and processed (hooks.process,
+    as accept_greedy's process) before it is warped; the rows it never reads are not summed
     (a 15-row tree's 2.9 MB of logits cost 0.38 ms a step to check whole, cold after the verify
     call), and a GPU's row is checked in its host copy (no device sync of its own)."""
+    check, process = hooks.check, hooks.process
     mode = tree.candidates
     kids = tree.children() if tree.n else None
     node = -1
@@ -155,10 +169,10 @@ def accept(
     sp: SamplingParams,
     rng: torch.Generator,
     root_probs=None,
-    check=None,
-    process=None,
+    hooks: RowHooks = NO_HOOKS,
 ) -> Acceptance:
-    """process: the request's penalties and grammar (penalties.RowProcessing), row by row; None: none."""
+    """hooks: the row check (sampled walk only: the greedy caller checks the rows it read) and
+    the request's penalties and grammar, row by row (RowHooks)."""
     if sp.greedy:
-        return accept_greedy(logits, tree, process)
-    return accept_sampling(logits, tree, sp, rng, root_probs, check, process)
+        return accept_greedy(logits, tree, hooks.process)
+    return accept_sampling(logits, tree, sp, rng, root_probs, hooks)

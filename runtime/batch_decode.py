@@ -29,7 +29,6 @@ from typing import Sequence as Seq
 import torch
 
 from .decode import (
-    MODES,
     SequenceState,
     SpeculativeDecoder,
     forced_chain,
@@ -40,9 +39,10 @@ from .decode import (
     tree_fits,
     verify,
 )
+from .decoder_config import DecoderConfig
 from .drafts.base import tree_capacity
 from .drafts.model import as_draft_source
-from .drafts.tree_builder import TreeWorkspace, answer, tree_builder
+from .drafts.tree_builder import DraftOptions, TreeWorkspace, answer, tree_builder
 from .errors import InputError, NumericalError
 from .guards import root_reductions
 from .kvcache import KVCache, PrefixCache, release_row, sized_cache
@@ -89,32 +89,20 @@ class BatchDecoder:
     LookupDraft, Eagle3Draft), an Engine, or None; mode/tree/candidates as SpeculativeDecoder.
     Not thread-safe: one thread calls add / step / remove (runtime/batch_scheduler.py)."""
 
-    def __init__(
-        self,
-        target,
-        draft=None,
-        *,
-        mode: str = "tree",
-        tree="full:3,2",
-        candidates: str | None = None,
-        max_batch: int = 8,
-        max_tree_nodes: int | None = None,
-        speculate_max_batch: int | None = None,
-        prefix_cache: bool | None = None,
-    ):
-        """speculate_max_batch: verify trees only while at most this many sequences are active;
+    def __init__(self, target, draft=None, config: DecoderConfig | None = None, **options):
+        """config: a DecoderConfig (runtime/decoder_config.py), options its fields as keywords
+        over it: mode, tree, candidates, max_tree_nodes and prefix_cache as SpeculativeDecoder's
+        (prefix_cache: the joining prompts' prefill into the scratch cache); max_batch (None: 8).
+        speculate_max_batch: verify trees only while at most this many sequences are active;
         above it only the roots are verified (vanilla, T = 1) and the drafts make no call: each
         queues the committed root (DraftSource.defer) and runs its queue at its next start.
         Drafting whole trees there halved the throughput of an EAGLE-3 draft at 8 rows (67.0 vs
         151.4 tok/s without a draft). Default:
         no limit where the target batches trees (`engine.caps.batched_trees`), else 1 (ONNX Runtime's GroupQueryAttention CPU kernel rejects
         B > 1 with T > 1 after a prefix: "batch_size must be 1 when sequence_length > 1 and past
-        context is given"). prefix_cache: as SpeculativeDecoder's (the joining prompts' prefill
-        into the scratch cache)."""
-        if not isinstance(max_batch, int) or max_batch < 1:
-            raise InputError(f"max-batch must be an integer >= 1, got {max_batch!r}")
-        if mode not in MODES:
-            raise InputError(f"unknown mode {mode!r} (expected one of {', '.join(MODES)})")
+        context is given")."""
+        cfg = self.config = DecoderConfig.of(config, options, "BatchDecoder")
+        max_batch = 8 if cfg.max_batch is None else cfg.max_batch
         engine_b = target.caps.max_batch  # a TensorRT engine's profiles fix B
         if max_batch > 1 and engine_b is not None and max_batch > engine_b:
             raise InputError(
@@ -123,17 +111,9 @@ class BatchDecoder:
             )
         draft = as_draft_source(draft)
         # one unbatched decoder validates mode / tree / draft and prefills joining sequences
-        self._solo = SpeculativeDecoder(
-            target,
-            draft,
-            mode=mode,
-            tree=tree,
-            candidates=candidates,
-            max_tree_nodes=max_tree_nodes,
-            prefix_cache=prefix_cache,
-        )
+        self._solo = SpeculativeDecoder(target, draft, cfg)
         self.target, self.draft, self.policy = target, draft, self._solo.policy
-        self.mode, self.candidates, self.max_batch = mode, self._solo.candidates, max_batch
+        self.mode, self.candidates, self.max_batch = self._solo.mode, self._solo.candidates, max_batch
         if self.policy is not None and not getattr(draft, "batchable", False):
             raise InputError(f"draft {getattr(draft, 'kind', type(draft).__name__)} cannot be batched (no fork())")
         self.needs_features = self._solo.needs_features
@@ -144,6 +124,7 @@ class BatchDecoder:
         # live on a device; on the CPU `probs` works row by row in any case (sampling._probs_rows),
         # so each row is warped where the accept walk reads it
         self.batched_root_probs = target.device.type != "cpu"
+        speculate_max_batch = cfg.speculate_max_batch
         if speculate_max_batch is None:
             speculate_max_batch = max_batch if target.caps.batched_trees else 1
         self.speculate_max_batch = speculate_max_batch
@@ -421,9 +402,8 @@ class BatchDecoder:
             if forced is not None:
                 trees[i] = forced
             elif spec:
-                builders[i] = tree_builder(
-                    s.draft, self.policy, s.root, s.sampling, self.candidates, s.rng, False, s.ws, v, s.history
-                )
+                opts = DraftOptions(self.candidates, s.rng, False, s.ws, v, s.history)
+                builders[i] = tree_builder(s.draft, self.policy, s.root, s.sampling, opts)
                 calls[i] = None
         while calls:
             live = list(calls)

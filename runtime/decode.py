@@ -26,10 +26,11 @@ from typing import Iterator
 
 import torch
 
-from .accept import accept
+from .accept import NO_HOOKS, RowHooks, accept
+from .decoder_config import DecoderConfig
 from .drafts.base import tree_capacity
 from .drafts.model import as_draft_source
-from .drafts.tree_builder import CANDIDATE_MODES, TreeWorkspace, draft_tree
+from .drafts.tree_builder import DraftOptions, TreeWorkspace, draft_tree
 from .errors import InputError
 from .guards import check_logits
 from .kvcache import KVCache, PrefixCache
@@ -37,7 +38,7 @@ from .penalties import RowProcessing, history_for
 from .request import GenerationRequest, GenerationResult, StepResult, as_request
 from .sampling import SamplingParams
 from .stats import GenerationStats, Timer
-from .tree_plan import VerifyBuffers, causal_prefill
+from .tree_plan import Prefill, VerifyBuffers, causal_prefill
 from .trees import ChainTree, Tree, TreePolicy, parse_tree_spec
 
 
@@ -62,7 +63,6 @@ def host_threads(engine):
         torch.set_num_threads(old)
 
 
-MODES = ("vanilla", "chain", "tree")
 # a grammar's forced tokens (structured output, tool calls) are verified as one chain in place of
 # the drafted tree when there are at least MIN_FORCED of them, at most MAX_FORCED a step
 MIN_FORCED, MAX_FORCED = 2, 16
@@ -73,27 +73,20 @@ class SpeculativeDecoder:
 
     target: an Engine; draft: a DraftSource (ModelDraft, BigramDraft, LookupDraft, ...), an
     Engine (wrapped in a ModelDraft), or None (vanilla only).
-    mode: vanilla | chain | tree; tree: a spec string or TreePolicy (chain mode wants chain:K).
-    candidates: topk | sample | sample-unique (how draft children are produced when sampling);
-    None: the tree's own choice (a tuned file's, `tune --temperature`), else topk.
+    config (runtime/decoder_config.py): mode vanilla | chain | tree; tree a spec string or
+    TreePolicy (chain mode wants chain:K); candidates topk | sample | sample-unique (how draft
+    children are produced when sampling), None: the tree's own choice (a tuned file's, `tune
+    --temperature`), else topk.
     """
 
     def __init__(
-        self,
-        target,
-        draft=None,
-        *,
-        mode: str = "tree",
-        tree: str | TreePolicy = "full:3,2",
-        candidates: str | None = None,
-        sampling: SamplingParams | None = None,
-        max_tree_nodes: int | None = None,
-        prefix_cache: bool | None = None,
+        self, target, draft=None, config: DecoderConfig | None = None, *, sampling: SamplingParams | None = None, **options
     ):
-        if mode not in MODES:
-            raise InputError(f"unknown mode {mode!r} (expected one of {', '.join(MODES)})")
-        if candidates is not None and candidates not in CANDIDATE_MODES:
-            raise InputError(f"unknown candidate mode {candidates!r} (expected one of {', '.join(CANDIDATE_MODES)})")
+        """config: a DecoderConfig (its mode, tree, candidates, max_tree_nodes, prefix_cache);
+        options: its fields as keywords, over `config` (SpeculativeDecoder(t, d, tree="chain:4")).
+        sampling: the SamplingParams of a call whose request has none (default greedy)."""
+        cfg = self.config = DecoderConfig.of(config, options, "SpeculativeDecoder")
+        mode, candidates, max_tree_nodes = cfg.mode or "tree", cfg.candidates, cfg.max_tree_nodes
         self.target = target
         self.mode, self.candidates = mode, candidates or "topk"
         self.sampling = sampling or SamplingParams()
@@ -103,6 +96,7 @@ class SpeculativeDecoder:
         if mode != "vanilla":
             if draft is None:
                 raise InputError(f"mode {mode} needs a draft (--draft)")
+            tree = cfg.tree_spec
             policy = parse_tree_spec(tree) if isinstance(tree, str) else tree
             if mode == "chain" and not isinstance(policy, ChainTree):
                 raise InputError(f"mode chain needs a chain:K tree spec, got {policy.spec!r}")
@@ -136,10 +130,10 @@ class SpeculativeDecoder:
         self._seq: _Sequence | None = None  # the sequence `start` began, advanced by `step`
         # a prompt that starts like the last one prefills only the rest (kvcache.PrefixCache);
         # by default where that is exact: a row-invariant target
-        self.prefix_cache = target.caps.row_invariant if prefix_cache is None else bool(prefix_cache)
+        self.prefix_cache = target.caps.row_invariant if cfg.prefix_cache is None else bool(cfg.prefix_cache)
         # a draft keeps what it can for a repeated start (its own cache: the output stays exact
         # either way) unless the caller asked for cold requests (prefix_cache=False: a benchmark)
-        self.cold = prefix_cache is False
+        self.cold = cfg.prefix_cache is False
         self._prefix = PrefixCache()
 
     @property
@@ -242,26 +236,17 @@ class SpeculativeDecoder:
         (prompt_scorer's, for the prompt's log-probs)."""
         if not tokens:
             return None, 0
-        return causal_prefill(
-            self.target, tokens, cache, self.prefill_chunk, self.needs_features, self._vbuf.mask, on_logits
-        )
+        how = Prefill(self.prefill_chunk, self.needs_features, self._vbuf.mask)
+        return causal_prefill(self.target, tokens, cache, how, on_logits)
 
     prefill_chunk = 512  # tokens per prefill call (long prompts run as several causal chunks)
 
     # ------------------------------------------------------------------ helpers
     def _draft(self, seq: "_Sequence") -> Tree:
-        return draft_tree(
-            self.draft,
-            self.policy,
-            seq.root,
-            seq.sampling,
-            self.candidates,
-            seq.rng,
-            self.keep_draft_probs,
-            self._ws,
-            self.target.info.vocab_size,
-            seq.history,
+        opts = DraftOptions(
+            self.candidates, seq.rng, self.keep_draft_probs, self._ws, self.target.info.vocab_size, seq.history
         )
+        return draft_tree(self.draft, self.policy, seq.root, seq.sampling, opts)
 
     def _finish(self, seq: "_Sequence") -> None:
         """A sequence's closing stats: total time, time inside draft engines, the rest."""
@@ -526,7 +511,8 @@ def settle(logits, tree: Tree, seq: SequenceState, name: str, root_probs=None, r
     check = None
     if not sampling.greedy and root is None:  # the sampled walk checks each row as it reads it
         check = lambda row: check_logits(row[None], None, step_no, name)  # noqa: E731
-    acc = accept(logits[: tree.n + 1], tree, sampling, seq.rng, root_probs, check, process)
+    hooks = RowHooks(check, process) if check is not None or process is not None else NO_HOOKS
+    acc = accept(logits[: tree.n + 1], tree, sampling, seq.rng, root_probs, hooks)
     if sampling.greedy:  # the rows the greedy walk read: the accepted path's and the next token's
         check_logits(logits, [0] + [i + 1 for i in acc.path.tolist()], step_no, name)
     new, stop = truncate(acc.tokens, seq.eos, seq.room)

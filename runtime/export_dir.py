@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from .contract import FORMAT, MANIFEST_NAME, Manifest, check_arborspec_onnx, read_engines_manifest, read_manifest  # noqa: F401
+from .decoder_config import with_options
 from .errors import (
     DeviceError,
     ExportDirError,
@@ -130,9 +131,9 @@ def load_tokenizer(man: Manifest):
         raise ExportDirError(f"{man.root}: cannot read the tokenizer ({one_line(e)})") from None
 
 
-def _engine(
-    backend: str, man: Manifest, role: str, device: str, providers, engine_dir: Path | None, spinning: bool = False
-):
+def _engine(opened: OpenedExport, role: str, opening: OpenOptions, spinning: bool = False):
+    """The `role` engine ("target", "draft") of the opened export, on its backend and device."""
+    backend, man, device = opened.backend, opened.manifest, opened.device
     if backend == "onnxruntime":
         from .backends.onnxruntime import OrtEngine, row_layout_env
 
@@ -140,14 +141,14 @@ def _engine(
         invariant = role == "target" and (bool(int8_activation_level(man.target)) if env is None else env)
         return OrtEngine(
             man.path(man.data[role]["file"]),
-            providers=providers,
+            providers=opening.providers,
             device=device,
             spinning=spinning,
             row_invariant=invariant,
         )
     from .backends.tensorrt import TrtEngine
 
-    edir = engine_dir or man.root / "engines"
+    edir = opening.engines(man)
     emf = read_engines_manifest(edir, missing_ok=True)
     path = emf.path(role) if emf else None
     if path is None or not path.is_file():
@@ -157,7 +158,7 @@ def _engine(
     return TrtEngine(path, device=device if device.startswith("cuda") else "cuda")
 
 
-def _eagle3_draft(backend: str, man: Manifest, target, device: str, engine_dir: Path | None = None):
+def _eagle3_draft(backend: str, man: Manifest, target, device: str, edir: Path):
     """The export's EAGLE-3 head (ONNX Runtime: its two graphs; TensorRT: the engines `arborspec
     build` made from the portable graphs), checked against the target's feature output."""
     from .drafts.eagle3 import Eagle3Draft, OrtEagle3Head, TrtEagle3Head
@@ -170,7 +171,6 @@ def _eagle3_draft(backend: str, man: Manifest, target, device: str, engine_dir: 
                 f"{man.root}: the EAGLE-3 head is ONNX Runtime's GroupQueryAttention graph, which TensorRT "
                 "cannot run: re-export with --attention onnx, then `arborspec build`"
             )
-        edir = engine_dir or man.root / "engines"
         emf = read_engines_manifest(edir, missing_ok=True)
         paths = [emf.path(r) if emf else None for r in ("draft", "draft_fc")]
         if any(p is None or not p.is_file() for p in paths):
@@ -189,38 +189,54 @@ def _eagle3_draft(backend: str, man: Manifest, target, device: str, engine_dir: 
     return Eagle3Draft(head)
 
 
+@dataclass(frozen=True)
+class OpenOptions:
+    """How `open_export` opens a folder, besides the backend and device."""
+
+    # None or "export" (the export's own draft; "eagle3" names it too when it is an EAGLE-3
+    # head), "none", "lookup[:N]" (prompt lookup, no model), or "export+lookup[:N]" (the
+    # export's model draft mixed with lookup, runtime/drafts/mixed.py); runtime/drafts/spec.py
+    draft: str | None = None
+    providers: list | None = None  # ONNX Runtime's execution providers (None: the device's)
+    engine_dir: str | os.PathLike | None = None  # TensorRT engines (None: DIR/engines)
+    load_tok: bool = True  # load the tokenizer
+    verify: bool = False  # check every file's sha256 too
+
+    def engines(self, man: Manifest) -> Path:
+        """The folder of the TensorRT engines."""
+        return Path(self.engine_dir) if self.engine_dir else man.root / "engines"
+
+
+OPEN_FIELDS = frozenset(f.name for f in fields(OpenOptions))
+
+
 def open_export(
     dir: str | os.PathLike,
     backend: str = "onnxruntime",
     device: str = "cpu",
-    *,
-    draft: str | None = None,
-    providers: list | None = None,
-    engine_dir: str | os.PathLike | None = None,
-    load_tok: bool = True,
-    verify: bool = False,
+    opening: OpenOptions | None = None,
+    **options,
 ) -> OpenedExport:
-    """Open an export folder. draft: None or "export" (the export's own draft; "eagle3" names it
-    too when it is an EAGLE-3 head), "none", "lookup[:N]" (prompt lookup, no model), or
-    "export+lookup[:N]" (the export's model draft mixed with lookup, runtime/drafts/mixed.py);
-    parsed by runtime/drafts/spec.py. verify: check every file's sha256 too."""
+    """Open an export folder. opening: OpenOptions (draft, providers, engine_dir, load_tok,
+    verify), options its fields as keywords over it: open_export(dir, draft="lookup")."""
     from .drafts.lookup import LookupDraft
     from .drafts.mixed import LookupMixDraft
     from .drafts.spec import parse_draft_spec
 
+    opening = with_options(opening or OpenOptions(), options, "open_export")
+    draft = opening.draft
     _check_backend(backend)
-    man = read_manifest(dir, check_checksums=verify)
-    engine_dir = Path(engine_dir) if engine_dir else None
+    man = read_manifest(dir, check_checksums=opening.verify)
     opened = OpenedExport(None, None, None, man, backend, device)
     try:
         ds = parse_draft_spec(draft, default="export")  # ds.mix: the export's draft mixed with lookup
         kind = man.draft.get("kind", "none")
         # no draft model runs between target calls: the target's threads may spin-wait
         model_free = ds.kind in ("lookup", "none") or kind in ("none", "bigram")
-        target = _engine(backend, man, "target", device, providers, engine_dir, spinning=model_free)
+        target = _engine(opened, "target", opening, spinning=model_free)
         opened.target = target
         opened.engines.append(target)
-        opened.draft = _open_draft(opened, ds, providers, engine_dir)
+        opened.draft = _open_draft(opened, ds, opening)
         if ds.mix:
             if opened.draft is None or kind in ("none", "bigram"):
                 raise InputError(
@@ -228,7 +244,7 @@ def open_export(
                     f"(its draft: {kind}); use --draft lookup, or export with a model draft"
                 )
             opened.draft = LookupMixDraft(opened.draft, LookupDraft(target.info.vocab_size, max_ngram=ds.mix))
-        opened.tokenizer = load_tokenizer(man) if load_tok else None
+        opened.tokenizer = load_tokenizer(man) if opening.load_tok else None
         _warn_on_open(opened, model_free)
     except BaseException:
         opened.close()
@@ -252,7 +268,7 @@ def _check_backend(backend: str) -> None:
             )
 
 
-def _open_draft(opened: OpenedExport, ds, providers: list | None, engine_dir: Path | None):
+def _open_draft(opened: OpenedExport, ds, opening: OpenOptions):
     """The draft `ds` asks for over the opened target (its engines join opened.engines, so a
     failure closes them): lookup, none, or the export's own (model, bigram, EAGLE-3)."""
     from .drafts.bigram import load_bigram_table
@@ -271,7 +287,7 @@ def _open_draft(opened: OpenedExport, ds, providers: list | None, engine_dir: Pa
             "fixed at export time (use `export`, `none` or `lookup[:N]`, or re-export)"
         )
     if kind == "onnx":
-        d = _engine(backend, man, "draft", device, providers, engine_dir)
+        d = _engine(opened, "draft", opening)
         opened.engines.append(d)
         if d.info.vocab_size != target.info.vocab_size:
             raise ExportDirError(f"draft vocabulary {d.info.vocab_size} != target vocabulary {target.info.vocab_size}")
@@ -279,7 +295,7 @@ def _open_draft(opened: OpenedExport, ds, providers: list | None, engine_dir: Pa
     if kind == "bigram":
         return load_bigram_table(man.path(man.draft["file"]))
     if kind == "eagle3":
-        draft = _eagle3_draft(backend, man, target, device, engine_dir)
+        draft = _eagle3_draft(backend, man, target, device, opening.engines(man))
         opened.engines.append(draft.engine)
         return draft
     if kind != "none":
@@ -326,6 +342,7 @@ def load_export_dir(
 
 __all__ = [
     "OpenedExport",
+    "OpenOptions",
     "open_export",
     "load_export_dir",
     "load_tokenizer",

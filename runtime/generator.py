@@ -32,9 +32,10 @@ import threading
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
-from .decode import MODES, SpeculativeDecoder, check_logprobs
+from .decode import SpeculativeDecoder, check_logprobs
+from .decoder_config import DEFAULT_TREE, DecoderConfig, with_options
 from .errors import EmptyCompletionWarning, InputError, MissingFileError
 from .penalties import check_bias
 from .request import GenerationRequest, GenerationResult
@@ -42,6 +43,9 @@ from .sampling import SamplingParams
 from .stats import GenerationStats
 from .stats import GenerationStats as _Stats
 from .stop_strings import StopStrings, decode_until_stop, parse_stop
+
+if TYPE_CHECKING:
+    from .export_dir import OpenOptions
 
 AUTO_TREE_FILE = "tree_auto.json"  # written by `arborspec tune --export-dir DIR`
 
@@ -64,69 +68,52 @@ class Completion:
 
 class Generator:
     """target: an Engine; draft: a DraftSource, an Engine or None; tokenizer: a TextTokenizer
-    (needed for text prompts and `chat`). mode defaults to "tree" with a draft, else
-    "vanilla". `owns` are closed by close()."""
+    (needed for text prompts and `chat`). config: how its decoders speculate and batch
+    (runtime/decoder_config.py; mode None: "tree" with a draft, else "vanilla"; max_batch None:
+    1), options its fields as keywords over it: Generator(t, d, tok, tree="chain:4").
+    eos_token_ids: None: the tokenizer's. An opened export (`from_export`) is closed by close()."""
 
     def __init__(
         self,
         target,
         draft=None,
         tokenizer=None,
+        config: DecoderConfig | None = None,
         *,
-        mode: str | None = None,
-        tree: str = "full:3,2",
-        candidates: str | None = None,
-        max_tree_nodes: int | None = None,
         eos_token_ids: Sequence[int] | None = None,
-        owns: Sequence = (),
-        max_batch: int = 1,
-        sampled_tree: str | None = None,
-        prefix_cache: bool | None = None,
+        **options,
     ):
-        mode = mode or ("tree" if draft is not None else "vanilla")
-        if mode not in MODES:
-            raise InputError(f"unknown mode {mode!r} (expected one of {', '.join(MODES)})")
+        cfg = DecoderConfig.of(config, options, "Generator")
+        mode = cfg.mode or ("tree" if draft is not None else "vanilla")
+        self.config = cfg = replace(cfg, mode=mode, tree=cfg.tree_spec, max_batch=cfg.max_batch or 1)
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
-        self.mode, self.tree, self.candidates, self.max_tree_nodes = mode, tree, candidates, max_tree_nodes
-        self.sampled_tree = sampled_tree  # the tree of unbatched calls at temperature > 0 (None: `tree`)
-        # a prompt that starts like the previous one prefills only the rest (kvcache.PrefixCache);
-        # None: where exact (a row-invariant target, the int4 export's)
-        self.prefix_cache = prefix_cache
         if eos_token_ids is None:
             eos_token_ids = list(getattr(tokenizer, "eos_token_ids", []) or [])
         self.eos_token_ids = [int(e) for e in eos_token_ids]
-        self._owns = list(owns)
+        self._owns: list = []  # closed by close(): from_export's opened export
         self._grammars = None  # structured.GrammarCompiler, made at the first response_format
         self._lock = threading.RLock()
         # two decoders at most: greedy calls' and sampled calls' (their trees may differ); each
         # call sets its own SamplingParams on the one it uses (under the lock)
         self._decoders: dict[bool, SpeculativeDecoder] = {}
         self._decoder(SamplingParams())  # validates mode / tree / draft now, not at the first call
-        if sampled_tree:
+        if cfg.sampled_tree:
             self._decoder(SamplingParams(temperature=1.0))  # and the sampled calls' tree
         self._last = _LastCall()
         self._busy = 0
         self._batch = None
-        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
-            raise InputError(f"max_batch must be an integer >= 1, got {max_batch!r}")
-        if max_batch > 1:
+        if cfg.max_batch > 1:
             from .batch_decode import BatchDecoder
             from .batch_scheduler import BatchScheduler
 
-            self._batch = BatchScheduler(
-                BatchDecoder(
-                    target,
-                    draft,
-                    mode=mode,
-                    tree=tree,
-                    candidates=candidates,
-                    max_batch=max_batch,
-                    max_tree_nodes=max_tree_nodes,
-                    prefix_cache=prefix_cache,
-                )
-            )
-        self.max_batch = max_batch
+            self._batch = BatchScheduler(BatchDecoder(target, draft, cfg))
         self.closed = False
+
+    # the config's fields that callers read from a generator
+    mode = property(lambda self: self.config.mode)
+    tree = property(lambda self: self.config.tree)
+    sampled_tree = property(lambda self: self.config.sampled_tree)  # unbatched calls' at temperature > 0
+    max_batch = property(lambda self: self.config.max_batch)
 
     @property
     def last_stats(self) -> _Stats | None:
@@ -165,47 +152,44 @@ class Generator:
         dir,
         backend: str = "onnxruntime",
         device: str = "cpu",
-        *,
-        draft: str | None = None,
-        tree: str | None = None,
-        mode: str | None = None,
-        candidates: str | None = None,
-        verify: bool = False,
-        engine_dir=None,
-        max_batch: int = 1,
-        prefix_cache: bool | None = None,
+        config: DecoderConfig | None = None,
+        opening: OpenOptions | None = None,
+        **options,
     ) -> "Generator":
-        """Open an export folder (runtime/export_dir.open_export) and wrap it. tree: a spec,
-        "auto" (the tree `arborspec tune --export-dir DIR` chose; for unbatched calls at a
-        temperature above 0 the one `tune --temperature T` chose, when it ran), or None: "auto"
-        when `tune` ran for this draft, else the export's default tree (OpenedExport.tree_default).
-        prefix_cache: reuse the K/V of a prompt's start that the previous prompt shared (a chat's
-        earlier turns, a system prompt): None where that is exact (the int4 export), True / False."""
-        from .export_dir import open_export
+        """Open an export folder (runtime/export_dir.open_export; opening: its OpenOptions) and
+        wrap it. options: OpenOptions' fields (draft, verify, engine_dir, providers) and
+        DecoderConfig's, as keywords over `opening` and `config`. tree: a spec, "auto" (the tree
+        `arborspec tune --export-dir DIR` chose; for unbatched calls at a temperature above 0 the
+        one `tune --temperature T` chose, when it ran), or None: "auto" when `tune` ran for this
+        draft, else the export's default tree (OpenedExport.tree_default). prefix_cache: reuse the
+        K/V of a prompt's start that the previous prompt shared (a chat's earlier turns, a system
+        prompt): None where that is exact (the int4 export), True / False."""
+        from .export_dir import OPEN_FIELDS, OpenOptions, open_export
 
-        ex = open_export(dir, backend, device, draft=draft, verify=verify, engine_dir=engine_dir)
+        opened_as = {k: options.pop(k) for k in OPEN_FIELDS if k in options}
+        opening = with_options(opening or OpenOptions(), opened_as, "Generator.from_export")
+        cfg = DecoderConfig.of(config, options, "Generator.from_export")
+        ex = open_export(dir, backend, device, opening)
         try:
+            draft, tree, sampled_tree = opening.draft, cfg.tree, cfg.sampled_tree
             if tree is None and auto_tree_file(dir, draft).is_file():
                 tree = "auto"  # `arborspec tune` chose one for this export and draft
-            tree = tree or ex.tree_default or "full:3,2"
-            sampled_tree = None
+            tree = tree or ex.tree_default or DEFAULT_TREE
             if str(tree).strip().lower() == "auto":
                 tree = auto_tree_spec(dir, draft)
                 sampled = auto_tree_file(dir, draft, sampled=True)  # `tune --temperature T` wrote it
                 sampled_tree = f"static:{sampled}" if sampled.is_file() else None
-            return cls(
-                ex.target,
-                ex.draft,
-                ex.tokenizer,
-                mode=mode or ("tree" if ex.draft is not None else "vanilla"),
+            limits = [n for n in (ex.limits.get("max_tree_nodes"), cfg.max_tree_nodes) if n is not None]
+            cfg = replace(
+                cfg,
+                mode=cfg.mode or ("tree" if ex.draft is not None else "vanilla"),
                 tree=tree,
-                candidates=candidates,
-                max_tree_nodes=ex.limits.get("max_tree_nodes"),
-                owns=[ex],
-                max_batch=max_batch,
                 sampled_tree=sampled_tree,
-                prefix_cache=prefix_cache,
+                max_tree_nodes=min(limits) if limits else None,
             )
+            gen = cls(ex.target, ex.draft, ex.tokenizer, cfg)
+            gen._owns.append(ex)
+            return gen
         except BaseException:
             ex.close()
             raise
@@ -217,16 +201,10 @@ class Generator:
         SamplingParams."""
         dec = self._decoders.get(sp.greedy)
         if dec is None:
-            dec = SpeculativeDecoder(
-                self.target,
-                self.draft,
-                mode=self.mode,
-                tree=self.sampled_tree if self.sampled_tree and not sp.greedy else self.tree,
-                candidates=self.candidates,
-                sampling=sp,
-                max_tree_nodes=self.max_tree_nodes,
-                prefix_cache=self.prefix_cache,
-            )
+            cfg = self.config
+            if cfg.sampled_tree and not sp.greedy:
+                cfg = replace(cfg, tree=cfg.sampled_tree)
+            dec = SpeculativeDecoder(self.target, self.draft, cfg, sampling=sp)
             if self._decoders:  # share one draft wrapper between sampling configurations
                 dec.draft = next(iter(self._decoders.values())).draft
             self._decoders[sp.greedy] = dec

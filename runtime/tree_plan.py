@@ -243,22 +243,25 @@ def padded_call(n_rows: int, t: int, p: int):
     return ids, pos, mask
 
 
-def causal_prefill(
-    engine,
-    tokens: list[int],
-    cache: KVCache,
-    chunk: int = 512,
-    features: bool = False,
-    masks: MaskBuffer | None = None,
-    on_logits=None,
-):
-    """Append `tokens` to a one-row cache with causal calls of at most `chunk` tokens (run_chain:
-    the one chunked prefill); -> (the engine's features of those tokens [n, F] when `features`,
-    else None; calls made). masks: a MaskBuffer on the engine's device to reuse. on_logits(s,
-    rows): called after each call with its logits [r, V] (row j predicts the token after tokens[s + j])."""
-    dev = engine.device
+@dataclass(frozen=True)
+class Prefill:
+    """How `causal_prefill` runs: calls of at most `chunk` tokens (None or 0: one call), the
+    engine's features of the tokens returned or not, a MaskBuffer on the engine's device to
+    reuse (None: a new one)."""
+
+    chunk: int | None = 512
+    features: bool = False
+    masks: MaskBuffer | None = None
+
+
+def causal_prefill(engine, tokens: list[int], cache: KVCache, how: Prefill = Prefill(), on_logits=None):
+    """Append `tokens` to a one-row cache with causal calls of at most `how.chunk` tokens
+    (run_chain: the one chunked prefill); -> (the engine's features of those tokens [n, F] with
+    `how.features`, else None; calls made). on_logits(s, rows): called after each call with its
+    logits [r, V] (row j predicts the token after tokens[s + j])."""
+    dev, features = engine.device, how.features
     n = len(tokens)
-    chunk = max(1, int(chunk or n))
+    chunk = max(1, int(how.chunk or n))
     feats = []
 
     def call(s, r, mask):
@@ -272,5 +275,5 @@ def causal_prefill(
         if on_logits is not None:
             on_logits(s, logits[0])
 
-    run_chain(call, masks or MaskBuffer(dev, 1 << 12), n, cache, chunk)
+    run_chain(call, how.masks or MaskBuffer(dev, 1 << 12), n, cache, chunk)
     return (torch.cat(feats) if feats else None), len(range(0, n, chunk))

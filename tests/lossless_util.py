@@ -59,7 +59,7 @@ def chi_square_pvalue(counts: np.ndarray, expected_p: np.ndarray) -> float:
     return float(stats.chisquare(o[keep], e[keep] * o[keep].sum() / e[keep].sum()).pvalue)
 
 
-def seed_rule_accept(logits, tree, sp, rng, root_probs=None, check=None, process=None):
+def seed_rule_accept(logits, tree, sp, rng, root_probs=None, hooks=None):
     """The seed write-up's accept rule, faithfully: every node accepted independently with
     min(1, p/q) against its parent's unmodified target distribution, a residual resample
     per rejected node, the longest accepted path, a bonus from the target; when no first-level
@@ -230,8 +230,8 @@ class Enumeration:
         walk = getattr(m, name)
         self._saved.append((m, name, walk))
 
-        def observed(logits, tree, sp, rng, root_probs=None, check=None, process=None):
-            acc = walk(logits, tree, sp, rng, root_probs, check, process)
+        def observed(logits, tree, sp, rng, *rest):
+            acc = walk(logits, tree, sp, rng, *rest)
             self._cur.observe(tree, rng, acc)
             return acc
 

@@ -216,7 +216,7 @@ MUTANTS = [
         "siblings see each other (tree mask)",
         DRAFTING,
         "anc[new, new] = True",
-        "anc[new, new] = True\n    anc[new[:, None], new[None, :]] = True",
+        "anc[new, new] = True\n        anc[new[:, None], new[None, :]] = True",
         (EXACT, "-k", "generations and model-dynamic"),
     ),
     Mutant(

@@ -74,28 +74,49 @@ class TreeWorkspace:
     def get(ws: "TreeWorkspace | None", cap: int) -> "TreeWorkspace":
         return ws if ws is not None and ws.cap >= cap else TreeWorkspace(cap)
 
+    def append(self, n: int, level: int, parents, tokens, scores) -> int:
+        """Append nodes at `level` after the first n: their parents (-1: the root), tokens,
+        cumulative scores and ancestor rows. -> the new node count."""
+        m = parents.size
+        new = self.arange[n : n + m]
+        self.tokens[n : n + m], self.parents[n : n + m], self.depth[n : n + m] = tokens, parents, level
+        self.score[n : n + m] = scores
+        anc = self.anc
+        anc[n : n + m] = False
+        has_par = parents >= 0
+        anc[new[has_par]] = anc[parents[has_par]]
+        anc[new, new] = True
+        return n + m
+
+
+@dataclass(frozen=True)
+class DraftOptions:
+    """How one sequence's step drafts its tree, besides the draft, policy, root and sampling (the
+    decoders build one a step)."""
+
+    candidates: str = "topk"  # topk | sample | sample-unique (sampled only at temperature > 0)
+    rng: torch.Generator | None = None  # the sequence's random generator (sampled candidates)
+    # keep the draft distributions for top-k candidates too (analysis and tests; the sampled
+    # modes always keep them, the accept rule needs them)
+    keep_q: bool = False
+    workspace: TreeWorkspace | None = None  # node buffers reused every step (None: a new one)
+    out_vocab: int | None = None  # the target's vocabulary, when the draft's rows are over a reduced one
+    # the sequence's penalties.RowProcessing when its request has penalties or a grammar: the
+    # draft's rows are processed along each node's path before candidates are chosen (full rows,
+    # no fused top-k)
+    history: object = None
+
+
+DEFAULT_OPTIONS = DraftOptions()
+
 
 @torch.inference_mode()
 def draft_tree(
-    draft: DraftSource,
-    policy: TreePolicy,
-    root: int,
-    sp: SamplingParams,
-    candidates: str = "topk",
-    rng: torch.Generator | None = None,
-    keep_q: bool = False,
-    workspace: TreeWorkspace | None = None,
-    out_vocab: int | None = None,
-    history=None,
+    draft: DraftSource, policy: TreePolicy, root: int, sp: SamplingParams, opts: DraftOptions = DEFAULT_OPTIONS
 ) -> Tree:
-    """Build one step's tree: D levels, one draft call per level over the frontier.
-
-    keep_q: also keep the draft distributions for top-k candidates (analysis and tests; the
-    sampled modes always keep them, the accept rule needs them). out_vocab: the target's
-    vocabulary, when the draft's rows are over a reduced one (`draft.token_map`). history: the
-    sequence's penalties.RowProcessing when its request has penalties or a grammar: the draft's rows are
-    processed along each node's path before candidates are chosen (full rows, no fused top-k)."""
-    builder = tree_builder(draft, policy, root, sp, candidates, rng, keep_q, workspace, out_vocab, history)
+    """Build one step's tree: D levels, one draft call per level over the frontier; opts: the
+    candidates, random generator, workspace ... (DraftOptions)."""
+    builder = tree_builder(draft, policy, root, sp, opts)
     try:
         call = next(builder)
         while True:
@@ -105,41 +126,19 @@ def draft_tree(
 
 
 def tree_builder(
-    draft: DraftSource,
-    policy: TreePolicy,
-    root: int,
-    sp: SamplingParams,
-    candidates: str = "topk",
-    rng: torch.Generator | None = None,
-    keep_q: bool = False,
-    workspace: TreeWorkspace | None = None,
-    out_vocab: int | None = None,
-    history=None,
+    draft: DraftSource, policy: TreePolicy, root: int, sp: SamplingParams, opts: DraftOptions = DEFAULT_OPTIONS
 ):
     """draft_tree's level loop as a generator: yields DraftCalls, is sent their answers, and
     returns the Tree (StopIteration.value). Run it inside torch.inference_mode()."""
+    candidates = opts.candidates
     if candidates not in CANDIDATE_MODES:
         raise InputError(f"unknown candidate mode {candidates!r} (expected one of {', '.join(CANDIDATE_MODES)})")
     sampled = candidates != "topk" and not sp.greedy
     if sampled and policy.data_dependent:
         raise InputError(f"tree policy {policy.kind} ranks candidates by score: use --candidates topk with it")
-    out_vocab = out_vocab or draft.vocab_size
     if not sampled and policy.kind in PLANNED_KINDS and draft.finite_logits:
-        return (yield from _draft_planned(draft, policy, root, sp, keep_q, out_vocab, history))
-    return (
-        yield from _draft_dynamic(
-            draft,
-            policy,
-            root,
-            sp,
-            candidates if sampled else "topk",
-            rng,
-            keep_q,
-            TreeWorkspace.get(workspace, tree_capacity(policy, draft.vocab_size)),
-            out_vocab,
-            history,
-        )
-    )
+        return (yield from _draft_planned(draft, policy, root, sp, opts))
+    return (yield from _draft_dynamic(draft, policy, root, sp, candidates if sampled else "topk", opts))
 
 
 def _paths(tokens: torch.Tensor, anc: torch.Tensor, frontier) -> list:
@@ -148,7 +147,8 @@ def _paths(tokens: torch.Tensor, anc: torch.Tensor, frontier) -> list:
     return [tokens[anc[int(f)]].tolist() for f in frontier]
 
 
-def _draft_planned(draft, policy, root, sp, keep_q, out_vocab, history=None) -> Tree:
+def _draft_planned(draft, policy, root, sp, opts: DraftOptions) -> Tree:
+    keep_q, history, out_vocab = opts.keep_q, opts.history, opts.out_vocab or draft.vocab_size
     plan = plan_for(policy, draft.vocab_size)
     tmap = draft.token_map
     tokens = torch.zeros(plan.n, dtype=torch.long)
@@ -197,8 +197,10 @@ def _draft_planned(draft, policy, root, sp, keep_q, out_vocab, history=None) -> 
     return tree
 
 
-def _draft_dynamic(draft, policy, root, sp, mode, rng, keep_q, ws: TreeWorkspace, out_vocab, history=None) -> Tree:
+def _draft_dynamic(draft, policy, root, sp, mode: str, opts: DraftOptions) -> Tree:
+    keep_q, history = opts.keep_q, opts.history
     vocab = draft.vocab_size
+    ws = TreeWorkspace.get(opts.workspace, tree_capacity(policy, vocab))
     tmap = draft.token_map
     # no full rows needed: the source may fuse top-k (not with penalties: they process the rows)
     topk_only = mode == "topk" and not keep_q and history is None
@@ -217,10 +219,15 @@ def _draft_dynamic(draft, policy, root, sp, mode, rng, keep_q, ws: TreeWorkspace
     f_score = np.zeros(1, dtype=np.float32)
     for level in range(1, policy.depth + 1):
         k = min(policy.width(level), vocab)
-        vals, toks, q = _candidates(out, k, mode, topk_only, sp, rng, tmap, out_vocab, draft.sample_scale)
+        if topk_only:
+            vals, toks, q = out.values[:, :k], out.indices[:, :k], None
+        else:
+            vals, toks, q = _candidates(out, k, mode, sp, opts, draft)
         if q is not None:
             qs.append(q)
-        n, m, fi = _add_level(ws, policy, level, n, frontier, f_score, vals, to_target(toks, tmap).cpu().numpy())
+        fi, ci, scores = _kept(policy, level, f_score, vals)
+        m = fi.size
+        n = ws.append(n, level, frontier[fi], to_target(toks, tmap).cpu().numpy()[fi, ci], scores)
         if qs:
             ws.qrow[n - m : n] = n_q + fi
             n_q += frontier.size
@@ -247,12 +254,12 @@ def _draft_dynamic(draft, policy, root, sp, mode, rng, keep_q, ws: TreeWorkspace
     return _final_tree(ws, policy, n, qs, mode, calls)
 
 
-def _candidates(out, k: int, mode: str, topk_only: bool, sp, rng, tmap, out_vocab, scale: float = 1.0):
-    """One level's candidates from the draft's answer: (values [F, k] log-probs or logits,
-    draft ids [F, k], the rows' draft distribution q over the target vocabulary or None).
+def _candidates(out, k: int, mode: str, sp, opts: DraftOptions, draft):
+    """One level's candidates from the draft's full rows `out` [F, V]: (values [F, k] log-probs
+    or logits, draft ids [F, k], the rows' draft distribution q over the target vocabulary).
     Sampled candidates come from q = softmax(warp(scale * logits)): the draft's sample_scale."""
-    if topk_only:
-        return out.values[:, :k], out.indices[:, :k], None
+    rng, tmap, scale = opts.rng, draft.token_map, draft.sample_scale
+    out_vocab = opts.out_vocab or draft.vocab_size
     if mode == "topk":
         # deterministic candidates: the draft's top-k by raw logits (the ranking does not
         # depend on the temperature; top-k/top-p only mask a tail that the accept rule
@@ -275,27 +282,16 @@ def _candidates(out, k: int, mode: str, topk_only: bool, sp, rng, tmap, out_voca
     return vals, toks, full_vocab(q.masked_fill(empty, 0.0), tmap, out_vocab).cpu()
 
 
-def _add_level(ws: TreeWorkspace, policy, level: int, n: int, frontier, f_score, vals, toks):
-    """Append the candidates the policy keeps at `level` to the workspace's nodes [0, n): their
-    tokens, parents, depth, cumulative scores and ancestor rows. -> (new n, nodes added m,
-    each new node's frontier row)."""
+def _kept(policy, level: int, f_score, vals):
+    """The candidates `vals` [F, k] the policy keeps at `level` below frontier scores f_score [F]:
+    (each kept one's frontier row, its column, its cumulative score)."""
     vals = vals.float().cpu().numpy()
     scores = f_score[:, None] + vals
     keep = policy.select(level, scores)
     if policy.kind != "static":  # a fixed structure keeps its shape; others drop q = 0
         keep &= np.isfinite(vals)
     fi, ci = np.nonzero(keep)
-    m = fi.size
-    new = ws.arange[n : n + m]
-    par = frontier[fi]
-    ws.tokens[n : n + m], ws.parents[n : n + m], ws.depth[n : n + m] = toks[fi, ci], par, level
-    ws.score[n : n + m] = scores[fi, ci]
-    anc = ws.anc
-    anc[n : n + m] = False
-    has_par = par >= 0
-    anc[new[has_par]] = anc[par[has_par]]
-    anc[new, new] = True
-    return n + m, m, fi
+    return fi, ci, scores[fi, ci]
 
 
 def _final_tree(ws: TreeWorkspace, policy, n: int, qs: list, mode: str, calls: int) -> Tree:

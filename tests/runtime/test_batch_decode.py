@@ -248,7 +248,7 @@ def test_batched_sampling_is_lossless():
 
 def test_batch_rejects_bad_input(llama_pair):
     target, draft_engine = llama_pair
-    with pytest.raises(InputError, match="max-batch"):
+    with pytest.raises(InputError, match="max_batch must be an integer >= 1"):
         BatchDecoder(target, None, mode="vanilla", max_batch=0)
     bd = BatchDecoder(target, None, mode="vanilla", max_batch=1)
     with pytest.raises(InputError, match="outside the vocabulary"):

@@ -185,10 +185,10 @@ def test_smollm2_int4_chat_turns_reuse_the_prefix_exactly(batch):
         # kept tokens; the layout makes rows bit-identical however a call carries them)
         from arborspec.runtime.kvcache import KVCache
         from arborspec.runtime.sampling import SamplingParams
-        from arborspec.runtime.tree_plan import causal_prefill
+        from arborspec.runtime.tree_plan import Prefill, causal_prefill
 
         last = on.encode_prompt(on.tokenizer.apply_chat(msgs))  # the last turn's conversation
         kept = on._batch.decoder.kept_for(last) if batch > 1 else on._decoder(SamplingParams())._prefix
         cache = KVCache(on.target.info.cache, len(kept.tokens) + 2, 1)
-        ref, _ = causal_prefill(on.target, kept.tokens, cache, 512, features=True)
+        ref, _ = causal_prefill(on.target, kept.tokens, cache, Prefill(512, features=True))
         assert len(kept.tokens) == kept.n_feats and torch.equal(torch.cat(kept._feats), ref)

@@ -50,7 +50,7 @@ def seed_rule():
     setattr(
         mod,
         name,
-        lambda logits, tree, sp, rng, root_probs=None, check=None, process=None: seed_rule_accept(
+        lambda logits, tree, sp, rng, root_probs=None, hooks=None: seed_rule_accept(
             logits, tree, sp, rng
         ),
     )

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from arborspec.runtime.drafts.base import DraftSource
-from arborspec.runtime.drafts.tree_builder import draft_tree
+from arborspec.runtime.drafts.tree_builder import DraftOptions, draft_tree
 from arborspec.runtime.sampling import SamplingParams
 from arborspec.runtime.tree_plan import VerifyBuffers, verify_inputs
 from arborspec.runtime.trees import TreeSpecError, parse_tree_spec
@@ -69,8 +69,7 @@ def test_tree_invariants(spec, vocab, seed, past, temp, cand):
         policy,
         root=1,
         sp=SamplingParams(temp),
-        candidates=cand,
-        rng=torch.Generator().manual_seed(seed),
+        opts=DraftOptions(candidates=cand, rng=torch.Generator().manual_seed(seed)),
     )
     n = tree.n
     assert n <= policy.max_nodes
@@ -127,7 +126,7 @@ def test_sampled_q_follows_the_drafts_sample_scale(scale, cand):
     sp = SamplingParams(0.8, 5)
     draft = RandomDraft(12, 3)
     draft.sample_scale = scale
-    tree = draft_tree(draft, parse_tree_spec("full:2,2"), 1, sp, cand, torch.Generator().manual_seed(0))
+    tree = draft_tree(draft, parse_tree_spec("full:2,2"), 1, sp, DraftOptions(cand, torch.Generator().manual_seed(0)))
     rows = RandomDraft(12, 3)  # the same seed: the same logits, row by row
     root = rows.start(1)[None]
     level2 = rows.expand(None, torch.arange(2))

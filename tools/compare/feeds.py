@@ -192,7 +192,7 @@ class _TreeFeeds:
         one-token step (first tree), then per policy the draft's calls while drafting and the
         target's verify call (recorded, not run)."""
         from arborspec.runtime.kvcache import KVCache
-        from arborspec.runtime.tree_plan import causal_prefill, verify_inputs
+        from arborspec.runtime.tree_plan import Prefill, causal_prefill, verify_inputs
         from arborspec.runtime.trees import Tree
 
         rec_t = self.rec_t
@@ -205,7 +205,7 @@ class _TreeFeeds:
         cache = KVCache(target.info.cache, cap, 1, target.device)
         # prefill: a prompt chain over an empty cache (P = 0)
         rec_t.enabled, rec_t.label = i == 0, "prefill (chain)"
-        causal_prefill(rec_t, past, cache, chunk=p)
+        causal_prefill(rec_t, past, cache, Prefill(chunk=p))
         rec_t.enabled = True
         if i == 0:  # vanilla's step: the root alone over the cache
             rec_t.label = "decode (vanilla)"
@@ -218,7 +218,7 @@ class _TreeFeeds:
         """The draft's calls while it drafts a tree of `pol` after `past`, and the target's verify
         call for that tree (recorded only: it need not run here)."""
         from arborspec.runtime.drafts.model import ModelDraft
-        from arborspec.runtime.drafts.tree_builder import draft_tree
+        from arborspec.runtime.drafts.tree_builder import DraftOptions, draft_tree
         from arborspec.runtime.sampling import SamplingParams
         from arborspec.runtime.tree_plan import verify_inputs
 
@@ -231,7 +231,7 @@ class _TreeFeeds:
             self.rec_d.label = f"draft for {name}"
         prev = rec_t.enabled
         rec_t.enabled = self.dsrc_engine is not target
-        tree = draft_tree(src, pol, root, SamplingParams(), "topk", torch.Generator().manual_seed(self.seed))
+        tree = draft_tree(src, pol, root, SamplingParams(), DraftOptions(rng=torch.Generator().manual_seed(self.seed)))
         rec_t.enabled = prev
         ids, pos, mask = verify_inputs(root, tree, p, target.device)
         rec_t.label = f"verify {name} ({tree.n} nodes)"
