@@ -28,7 +28,9 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 from .llama import (
+    AttentionProjections,
     DecoderBody,
+    RMSNorm,
     additive_mask,
     apply_rope,
     merge_past,
@@ -40,11 +42,12 @@ from .llama import (
 from .rope import Rotary
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's norm multiplies by 1 + w (w starts at zero)."""
+
     def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (rms_normalized(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
@@ -54,15 +57,9 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(x / cap) * cap if cap > 0 else x
 
 
-class Attention(nn.Module):
+class Attention(AttentionProjections):
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        c = cfg.hidden_size
-        self.q_proj = nn.Linear(c, self.n_heads * self.hd, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(c, self.n_kv * self.hd, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(c, self.n_kv * self.hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.hd, c, bias=cfg.attention_bias)
+        super().__init__(cfg, o_bias=cfg.attention_bias)
         self.q_norm = GemmaRMSNorm(self.hd, cfg.norm_eps)
         self.k_norm = GemmaRMSNorm(self.hd, cfg.norm_eps)
         self.scale = cfg.attn_scale or self.hd**-0.5

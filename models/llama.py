@@ -104,15 +104,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([rot * cos + rotate_half(rot) * sin, keep], dim=-1)
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+class AttentionProjections(nn.Module):
+    """An attention layer's q/k/v/o projections and head counts (Llama's and Gemma 3's)."""
+
+    def __init__(self, cfg: ModelConfig, o_bias: bool = False):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         c = cfg.hidden_size
         self.q_proj = nn.Linear(c, self.n_heads * self.hd, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(c, self.n_kv * self.hd, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(c, self.n_kv * self.hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.hd, c, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.hd, c, bias=o_bias)
+
+
+class Attention(AttentionProjections):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.hd, cfg.norm_eps)
             self.k_norm = RMSNorm(self.hd, cfg.norm_eps)

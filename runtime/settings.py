@@ -171,24 +171,23 @@ def whole(name: str) -> int | None:
     return None if value is None else int(value)
 
 
-def integer(name: str) -> int | None:
-    """An integer setting; None when unset without a default."""
-    _declared(name, INTEGER)
+def _converted(name: str, kind: str, convert, what: str):
+    _declared(name, kind)
     value = raw(name)
     try:
-        return None if value is None else int(value)
+        return None if value is None else convert(value)
     except ValueError:
-        raise InputError(f"{name} must be an integer, got {value!r}") from None
+        raise InputError(f"{name} must be {what}, got {value!r}") from None
+
+
+def integer(name: str) -> int | None:
+    """An integer setting; None when unset without a default."""
+    return _converted(name, INTEGER, int, "an integer")
 
 
 def number(name: str) -> float | None:
     """A number setting; None when unset without a default."""
-    _declared(name, NUMBER)
-    value = raw(name)
-    try:
-        return None if value is None else float(value)
-    except ValueError:
-        raise InputError(f"{name} must be a number, got {value!r}") from None
+    return _converted(name, NUMBER, float, "a number")
 
 
 def markdown() -> str:

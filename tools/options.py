@@ -37,3 +37,17 @@ DEVICE_HELP = "cpu or cuda[:N] (default cpu)"
 QUIET_HELP = "no progress bars (they are drawn only when stderr is a terminal anyway)"
 JSON_HELP = "print the result as one JSON object on stdout (instead of text)"
 JSON_OUT_HELP = "also write the results to this JSON file"
+
+
+def tool_parser(doc: str, prog: str | None = None, example: str | None = None):
+    """The argument parser of a `python -m arborspec.tools...` module: the docstring's first
+    paragraph as its description; `example` as its epilog, else the docstring's last paragraph
+    (its example) kept as written."""
+    import argparse
+
+    first = doc.split("\n\n")[0]
+    if example is not None:
+        return argparse.ArgumentParser(prog=prog, description=first, epilog=example)
+    return argparse.ArgumentParser(
+        prog=prog, description=first, epilog=doc.split("\n\n")[-1], formatter_class=argparse.RawDescriptionHelpFormatter
+    )

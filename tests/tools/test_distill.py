@@ -165,8 +165,8 @@ def test_eval_simulate_matches_real_decoding(tmp_path, monkeypatch):
     monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
     target, folder = _tiny_target(tmp_path)
     prompts = [[1, 2, 3], [7, 8, 9, 10]]
-    real = de.evaluate_drafts(str(folder), ["layers:1", "layers:2"], prompts, ["full:2,2", "chain:3"], 12, False)
-    sim = de.simulate_drafts(str(folder), ["layers:1", "layers:2"], prompts, ["full:2,2", "chain:3"], 12, False)
+    trial = de.DraftTrial(str(folder), ["layers:1", "layers:2"], prompts, ["full:2,2", "chain:3"], 12, False)
+    real, sim = de.evaluate_drafts(trial), de.simulate_drafts(trial)
     assert [(r["draft"], r["tree"], r["steps"]) for r in real] == [(r["draft"], r["tree"], r["steps"]) for r in sim]
 
 

@@ -18,7 +18,6 @@ vanilla decoding (a server above its speculation limit, the GPU corpus generator
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
@@ -31,6 +30,7 @@ from arborspec.runtime.decode import SpeculativeDecoder
 from arborspec.runtime.kvcache import CacheSpec
 from arborspec.runtime.sampling import SamplingParams
 from arborspec.tools.errors import reports_mistakes
+from arborspec.tools.options import tool_parser
 
 
 class HostTopkNullEngine:
@@ -157,11 +157,7 @@ def measure_batch(rows: int, new: int = 48, vocab: int = 49152, sampling: Sampli
 
 @reports_mistakes("overhead")
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0],
-        epilog=__doc__.split("\n\n")[-1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = tool_parser(__doc__)
     p.add_argument(
         "--trees",
         nargs="+",

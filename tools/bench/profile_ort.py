@@ -8,7 +8,6 @@ cached ones) spends in each operator, the way the README's base-engine profile w
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import sys
@@ -21,6 +20,7 @@ import torch
 from arborspec.runtime.backends.onnxruntime import qdq_exact_matmul
 from arborspec.runtime.errors import ArborspecError
 from arborspec.tools.errors import reports_mistakes
+from arborspec.tools.options import tool_parser
 
 
 def _profiling_options(threads: int, prefix: str):
@@ -106,11 +106,7 @@ def profile_genai(path: str, tokens: int = 1, past: int = 256, reps: int = 20, t
 
 @reports_mistakes("profile_ort")
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0],
-        epilog=__doc__.split("\n\n")[-1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = tool_parser(__doc__)
     p.add_argument("onnx")
     p.add_argument("--tokens", type=int, default=1)
     p.add_argument("--past", type=int, default=256)

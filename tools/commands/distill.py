@@ -19,6 +19,7 @@ from arborspec.tools.errors import reports_mistakes
 from arborspec.tools.train import distill_draft as distill_draft
 from arborspec.tools.train.distill_draft import DistillOptions, distill
 from arborspec.tools.train.distill_eval import (
+    DraftTrial,
     eval_prompt_ids,
     evaluate_drafts,
     markdown_table,
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         drafts = [os.path.expanduser(d.strip()) for d in args.drafts.split(",") if d.strip()]
         trees = [t.strip() for t in args.trees.split(";") if t.strip()]
         run = simulate_drafts if args.simulate else evaluate_drafts
-        rows = run(args.model, drafts, prompts, trees, args.max_new_tokens, not args.quiet)
+        rows = run(DraftTrial(args.model, drafts, prompts, trees, args.max_new_tokens, not args.quiet))
         print(markdown_table(rows))
         if args.json_out:
             atomic_write_json(args.json_out, rows, indent=1)

@@ -12,7 +12,6 @@ Role in one decode step: none; it decides what the corpus should grow with.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 
 from arborspec.tools.errors import reports_mistakes
+from arborspec.tools.options import tool_parser
 
 
 @torch.no_grad()
@@ -57,11 +57,10 @@ def group_windows(data, spec: str) -> np.ndarray:
 
 @reports_mistakes("corpus_novelty")
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m arborspec.tools.train.corpus_novelty",
-        description=__doc__.split("\n\n")[0],
-        epilog="example: python -m arborspec.tools.train.corpus_novelty --corpus CORPUS --groups source:templates "
-        "source:self",
+    p = tool_parser(
+        __doc__,
+        "python -m arborspec.tools.train.corpus_novelty",
+        "example: python -m arborspec.tools.train.corpus_novelty --corpus CORPUS --groups source:templates source:self",
     )
     p.add_argument("--corpus", type=Path, required=True, help="a corpus folder (~/.cache/arborspec/eagle3-corpus/KEY)")
     p.add_argument("--head", default="eagle3", help="eagle3 (the shipped head) or a head folder (default eagle3)")

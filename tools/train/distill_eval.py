@@ -7,21 +7,31 @@ Role in one decode step: none; measures what steps 1 and 4 achieve with a draft.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from arborspec.tools.prompts import encode_entry, load_prompt_entries, split_prompts
 
 
 # ----------------------------------------------------------------------------- evaluation
-def evaluate_drafts(
-    model: str,
-    drafts: list[str],
-    prompts: list[list[int]],
-    trees=("full:3,2", "chain:4"),
-    max_new_tokens: int = 64,
-    progress: bool = True,
-) -> list[dict]:
+@dataclass
+class DraftTrial:
+    """What a draft evaluation runs: the target model, the drafts, the held-out prompts (token
+    ids), the trees, and how long each answer is."""
+
+    model: str
+    drafts: list[str]
+    prompts: list[list[int]]
+    trees: Sequence[str] = ("full:3,2", "chain:4")
+    max_new_tokens: int = 64
+    progress: bool = True
+
+
+def evaluate_drafts(trial: DraftTrial) -> list[dict]:
     """Greedy speculative decoding (torch backend) of each prompt with each draft and tree:
     mean accepted tokens per target call (the target's bonus token included) and tok/s."""
+    model, drafts, prompts, trees = trial.model, trial.drafts, trial.prompts, trial.trees
+    max_new_tokens, progress = trial.max_new_tokens, trial.progress
     from arborspec.runtime.decode import SpeculativeDecoder
     from arborspec.tools.engines import open_engines
 
@@ -68,19 +78,14 @@ def evaluate_drafts(
     return rows
 
 
-def simulate_drafts(
-    model: str,
-    drafts: list[str],
-    prompts: list[list[int]],
-    trees=("full:3,2", "chain:4"),
-    max_new_tokens: int = 64,
-    progress: bool = True,
-) -> list[dict]:
+def simulate_drafts(trial: DraftTrial) -> list[dict]:
     """Mean accepted tokens per verify step of greedy decoding, without running the tree
     loop: the target's greedy text once per prompt (vanilla runtime decoding), then each
     draft teacher-forced over it once; `tune.simulate_greedy_steps` counts the steps each
     static-shaped tree (chain, full, static) would take. Equal to real decoding's steps
     (tests/tools/test_tune.py checks it)."""
+    model, drafts, prompts, trees = trial.model, trial.drafts, trial.prompts, trial.trees
+    max_new_tokens, progress = trial.max_new_tokens, trial.progress
     from arborspec.runtime.decode import SpeculativeDecoder
     from arborspec.tools.engines import open_engines
     from arborspec.tools.tune.acceptance_sim import draft_topk_ranks, simulate_greedy_steps, spec_paths

@@ -12,19 +12,19 @@ verify) without decoding.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 from arborspec.tools.errors import reports_mistakes
+from arborspec.tools.options import tool_parser
 
 
 @reports_mistakes("heldout_on_export")
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m arborspec.tools.train.heldout_on_export",
-        description=__doc__.split("\n\n")[0],
-        epilog="example: python -m arborspec.tools.train.heldout_on_export --export-dir "
+    p = tool_parser(
+        __doc__,
+        "python -m arborspec.tools.train.heldout_on_export",
+        "example: python -m arborspec.tools.train.heldout_on_export --export-dir "
         "~/.cache/arborspec/exports/smollm2-135m-int4-eagle3-int8-v12 --heads eagle3",
     )
     p.add_argument("--export-dir", type=Path, required=True, help="an export whose target outputs features")
