@@ -253,7 +253,7 @@ def _write_metadata(path: Path, cfg, spec: GQAExport, ext: list[str]) -> tuple[i
         meta[META_FEATURE_LAYERS] = json.dumps([int(i) for i in spec.feature_layers])
     meta[META_RAGGED_ROWS] = "1"  # seqlens_k from the mask (gqa_graph.attention_inputs)
     if row_pad.pads_rows_for(cfg, spec.accuracy_level, spec.dtype):
-        meta[META_PAD_ROW] = "1"  # one dummy attention row per call (export/row_pad.py)
+        meta[META_PAD_ROW] = "1"  # one dummy attention row in one-token calls (export/row_pad.py)
     return finalize(path, meta, bool(ext))
 
 

@@ -225,8 +225,8 @@ class GraphOptions:
     fp16 between two Casts). n_layers: build only the first n layers (then the final norm and the
     head): the bounded self-check of a large export. feature_layers: add the contract's
     `hidden_states` output, the hidden states entering those layers concatenated [B, T, len * H]
-    (the features an EAGLE-3 draft reads). pad_row: the attention of every call runs one dummy row
-    more (export/row_pad.py: one-token calls row-invariant at one row's cost)."""
+    (the features an EAGLE-3 draft reads). pad_row: the attention of a one-token call runs one dummy
+    row more (export/row_pad.py: one-token calls row-invariant at one row's cost)."""
 
     max_context: int
     topk: int = 0
@@ -235,7 +235,7 @@ class GraphOptions:
     kv_dtype: str = "fp32"
     dtype: str = "fp32"
     n_layers: int | None = None
-    pad_row: bool = False  # one dummy attention row per call (export/row_pad.py)
+    pad_row: bool = False  # one dummy attention row in one-token calls (export/row_pad.py)
 
 
 class MemorySink:

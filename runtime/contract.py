@@ -159,7 +159,7 @@ META_D2T = "arborspec.d2t"  # EAGLE-3 draft graphs: base64 int64 draft -> target
 # "1": the graph takes each row's attended length from its mask (GroupQueryAttention's per-row
 # seqlens_k), so batched one-token rows may be ragged (runtime/batch_decode.py); absent: no
 META_RAGGED_ROWS = "arborspec.ragged_rows"
-# "1": the graph runs every call's attention on one dummy row more, one column past the call
+# "1": the graph runs a one-token call's attention on one dummy row more, one column past the call
 # (export/row_pad.py): one-token calls are row-invariant by themselves; caches need one spare column
 META_PAD_ROW = "arborspec.pad_row"
 ROLE_EAGLE3 = "eagle3"

@@ -371,7 +371,7 @@ class OrtEngine(EngineBase):
         self.input_names, self.output_names = graph.input_names, graph.output_names
         self.has_hidden_in = graph.has_hidden_in
         self.kv_dtype, self.kv_layout = graph.kv_dtype, graph.kv_layout
-        # the graph pads every call's attention with one dummy row (export/row_pad.py): one-token
+        # the graph pads a one-token call's attention with one dummy row (export/row_pad.py): one-token
         # calls need no padding row here, a batch of rows runs row by row, caches get a spare column
         self.pads_row = graph.metadata.get(C.META_PAD_ROW) == "1"
         self.info = EngineInfo(

@@ -30,19 +30,17 @@ class DraftTrial:
 def evaluate_drafts(trial: DraftTrial) -> list[dict]:
     """Greedy speculative decoding (torch backend) of each prompt with each draft and tree:
     mean accepted tokens per target call (the target's bonus token included) and tok/s."""
-    model, drafts, prompts, trees = trial.model, trial.drafts, trial.prompts, trial.trees
-    max_new_tokens, progress = trial.max_new_tokens, trial.progress
     from arborspec.runtime.decode import SpeculativeDecoder
     from arborspec.tools.engines import open_engines
 
     rows = []
     base = None
-    for spec in drafts:
-        om = open_engines(model=model, draft=spec, backend="torch", device="cpu")
+    for spec in trial.drafts:
+        om = open_engines(model=trial.model, draft=spec, backend="torch", device="cpu")
         if base is None:
             base = om
         eos = list(om.tokenizer.meta.get("eos_token_ids") or []) if om.tokenizer is not None else []
-        for tree in trees:
+        for tree in trial.trees:
             mode = "vanilla" if tree == "vanilla" else "chain" if tree.startswith("chain:") else "tree"
             dec = SpeculativeDecoder(
                 om.target,
@@ -52,8 +50,8 @@ def evaluate_drafts(trial: DraftTrial) -> list[dict]:
             )
             toks = steps = 0
             dec_s = draft_s = 0.0
-            for p in prompts:
-                r = dec.generate(p, max_new_tokens, eos)
+            for p in trial.prompts:
+                r = dec.generate(p, trial.max_new_tokens, eos)
                 toks += r.stats.new_tokens
                 steps += r.stats.steps
                 dec_s += r.stats.decode_s
@@ -68,7 +66,7 @@ def evaluate_drafts(trial: DraftTrial) -> list[dict]:
                 "steps": steps,
             }
             rows.append(row)
-            if progress:
+            if trial.progress:
                 print(
                     f"[eval] {spec:>40s} {tree:10s} mean accepted {row['mean_accepted']:.2f} "
                     f"{row['tokens_per_s']:.1f} tok/s (draft {100 * row['draft_share']:.0f}% of time)",
@@ -84,24 +82,22 @@ def simulate_drafts(trial: DraftTrial) -> list[dict]:
     draft teacher-forced over it once; `tune.simulate_greedy_steps` counts the steps each
     static-shaped tree (chain, full, static) would take. Equal to real decoding's steps
     (tests/tools/test_tune.py checks it)."""
-    model, drafts, prompts, trees = trial.model, trial.drafts, trial.prompts, trial.trees
-    max_new_tokens, progress = trial.max_new_tokens, trial.progress
     from arborspec.runtime.decode import SpeculativeDecoder
     from arborspec.tools.engines import open_engines
     from arborspec.tools.tune.acceptance_sim import draft_topk_ranks, simulate_greedy_steps, spec_paths
 
-    tree_paths = {t: spec_paths(t) for t in trees}
+    tree_paths = {t: spec_paths(t) for t in trial.trees}
     k = max(max(p[-1] for p in ps) for ps in tree_paths.values()) + 1
     seqs = None
     rows = []
-    for spec in drafts:
-        om = open_engines(model=model, draft=spec, backend="torch", device="cpu")
+    for spec in trial.drafts:
+        om = open_engines(model=trial.model, draft=spec, backend="torch", device="cpu")
         if seqs is None:
             eos = list(om.tokenizer.meta.get("eos_token_ids") or []) if om.tokenizer is not None else []
             dec = SpeculativeDecoder(om.target, mode="vanilla")
             seqs = []
-            for p in prompts:
-                r = dec.generate(p, max_new_tokens, eos)
+            for p in trial.prompts:
+                r = dec.generate(p, trial.max_new_tokens, eos)
                 seqs.append((len(p), list(p) + r.tokens))
         ranks = [draft_topk_ranks(om.draft, s, k).tolist() for _, s in seqs]
         for t, paths in tree_paths.items():
@@ -117,7 +113,7 @@ def simulate_drafts(trial: DraftTrial) -> list[dict]:
                 "simulated": True,
             }
             rows.append(row)
-            if progress:
+            if trial.progress:
                 print(
                     f"[eval/sim] {spec:>40s} {t:10s} mean accepted {row['mean_accepted']:.2f}",
                     file=sys.stderr,
