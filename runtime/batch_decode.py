@@ -1,7 +1,7 @@
 """Batched decoding: one verify call for B sequences, each with its own tree and cache length.
 
-Role in one decode step: the same five steps as runtime/decode.py, for every active sequence
-at once. (1) each sequence drafts its own tree through its own draft source (a `fork()` of the
+Role in one decode step: the same five steps as runtime/decode.py (shared: runtime/step.py), for
+every active sequence at once. (1) each sequence drafts its own tree through its own draft source (a `fork()` of the
 decoder's draft: table drafts share their tables, model drafts their engine; the target's
 verify is the batched call); (2) the trees are flattened into one [n, T] call, T the largest
 tree + 1: a shorter tree's padding rows see only themselves and are never accepted; (3) ONE
@@ -17,7 +17,7 @@ leaves between steps (the last row moves into its place): continuous batching.
 
 Greedy decoding of a sequence gives exactly what decoding it alone gives (up to floating-point
 ties: a batched call sums in another order), and sampling stays lossless: per sequence the
-accept rule and the random draws are those of runtime/decode.py.
+accept rule and the random draws are those of runtime/decode.py (runtime/step.py's settle).
 """
 
 from __future__ import annotations
@@ -28,17 +28,7 @@ from typing import Sequence as Seq
 
 import torch
 
-from .decode import (
-    SequenceState,
-    SpeculativeDecoder,
-    forced_chain,
-    host_threads,
-    open_sequence,
-    settle,
-    tell_draft,
-    tree_fits,
-    verify,
-)
+from .decode import SpeculativeDecoder
 from .decoder_config import DecoderConfig
 from .drafts.base import tree_capacity
 from .drafts.model import as_draft_source
@@ -48,13 +38,14 @@ from .guards import root_reductions
 from .kvcache import KVCache, PrefixCache, release_row, sized_cache
 from .request import GenerationRequest, as_request
 from .sampling import SamplingParams, probs
+from .step import SequenceState, forced_chain, host_threads, open_sequence, settle, tell_draft, tree_fits, verify
 from .tree_plan import padded_call, write_tree
 from .trees import Tree
 
 
 @dataclass(eq=False)
 class BatchSequence(SequenceState):
-    """One sequence of a batch: its request and where it stands (decode.SequenceState), its
+    """One sequence of a batch: its request and where it stands (step.SequenceState), its
     draft source, its cache row."""
 
     draft: object = None
@@ -256,7 +247,7 @@ class BatchDecoder:
     # ------------------------------------------------------------------ one step
     def step(self) -> list[tuple[BatchSequence, list[int]]]:
         """One decode step for every active sequence (see `_step`), torch's host threads set for
-        the target (decode.host_threads)."""
+        the target (step.host_threads)."""
         with host_threads(self.target):
             return self._step()
 
@@ -265,15 +256,15 @@ class BatchDecoder:
         """One decode step for every active sequence: -> [(sequence, its new tokens)]. A sequence
         that finished has `done` set (the caller removes it); one whose logits were NaN/Inf also
         has `error` set (a NumericalError) and no tokens from this step. The steps are
-        runtime/decode.py's: (1) draft (each sequence's tree_builder, in lockstep), (2) flatten
-        (tree_plan.write_tree, one row each), (3) verify (decode.verify, ONE call), (4) accept
-        (decode.settle per row), (5) commit (one gather for all rows, each draft its path)."""
+        runtime/decode.py's (runtime/step.py): (1) draft (each sequence's tree_builder, in lockstep), (2) flatten
+        (tree_plan.write_tree, one row each), (3) verify (step.verify, ONE call), (4) accept
+        (step.settle per row), (5) commit (one gather for all rows, each draft its path)."""
         seqs = [s for s in self.seqs if not s.done]
         if not seqs:
             return []
         tgt, policy = self.target, self.policy
         t0 = time.perf_counter()
-        # a sequence too close to the end of the context for a tree (decode.tree_fits) decodes
+        # a sequence too close to the end of the context for a tree (step.tree_fits) decodes
         # without one from then on; and the call's columns run to the longest row's length + the
         # rows, so while no tree fits there only the roots are verified (the drafts defer, as above
         # the speculation limit)
@@ -349,7 +340,7 @@ class BatchDecoder:
         return out
 
     def _settle(self, s: BatchSequence, call: VerifiedCall, tree: Tree, drafted_tree: Tree, spec: bool):
-        """Steps 4-5 for one sequence (its row of the verify call): accept (decode.settle), queue
+        """Steps 4-5 for one sequence (its row of the verify call): accept (step.settle), queue
         its cache gather in `call.moves`, tell its draft, record its stats. -> its new tokens
         ([] with `error` set when its logits were not finite: the rest of the batch goes on).
         spec: whether its draft follows it (a tree fits its context); drafted_tree: the tree its
@@ -390,7 +381,7 @@ class BatchDecoder:
         builders, calls = {}, {}
         v = self.target.info.vocab_size
         for i, (s, spec) in enumerate(zip(seqs, speculated)):
-            # a grammar's forced tokens instead of a drafted tree (decode.forced_chain), no wider
+            # a grammar's forced tokens instead of a drafted tree (step.forced_chain), no wider
             # than the policy's trees: the call's width is every row's
             forced = (
                 forced_chain(

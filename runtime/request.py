@@ -3,7 +3,7 @@
 Role in one decode step: none of its own. A `GenerationRequest` carries what the caller asks
 (prompt, token budget, the ids that end the answer, seed, sampling with its penalties and grammar,
 log-probs, stop strings) from `Generator` (runtime/generator.py) to either decoder
-(runtime/decode.py, runtime/batch_decode.py) and the batch scheduler; step 4 (`decode.settle`)
+(runtime/decode.py, runtime/batch_decode.py) and the batch scheduler; step 4 (`step.settle`)
 returns a `StepResult` that both decoders commit the same way; a generation ends as a
 `GenerationResult`.
 """
@@ -55,12 +55,12 @@ def as_request(request, *args, **kw) -> GenerationRequest:
 
 @dataclass
 class StepResult:
-    """Step 4's outcome for one sequence (`decode.settle`), committed by step 5."""
+    """Step 4's outcome for one sequence (`step.settle`), committed by step 5."""
 
     tokens: list[int]  # the tokens this step commits (the last is the next root); [] once done
     path: torch.Tensor  # the accepted path: node indices, root excluded, the last token left out
     stop_reason: str | None = None  # "eos" / "length" when the step ends the answer, else None
-    logprobs: list = field(default_factory=list)  # with logprobs=k: decode.token_logprobs' entries
+    logprobs: list = field(default_factory=list)  # with logprobs=k: step.token_logprobs' entries
 
     @property
     def keep(self) -> list[int]:

@@ -178,7 +178,7 @@ class GrammarState:
                 m.rollback(n)
 
     def process(self, row: torch.Tensor, path: Sequence[int]) -> torch.Tensor:
-        if any(int(t) in self.eos for t in path):  # a row past the end of sequence: cut away (decode.truncate)
+        if any(int(t) in self.eos for t in path):  # a row past the end of sequence: cut away (step.truncate)
             return row
         ok = self.allowed(path)
         x = row.detach().float().clone()

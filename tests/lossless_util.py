@@ -7,7 +7,7 @@ import torch
 from scipy import stats
 
 from arborspec.runtime import accept as accept_mod
-from arborspec.runtime import decode as decode_mod
+from arborspec.runtime import step as step_mod
 from arborspec.runtime.accept import Acceptance
 from arborspec.runtime.backends.torch_backend import TorchEngine
 from arborspec.runtime.kvcache import KVCache
@@ -93,11 +93,11 @@ class use_seed_rule:
     """Context manager: run the decode loop with the seed's accept rule."""
 
     def __enter__(self):
-        self._orig = decode_mod.accept
-        decode_mod.accept = seed_rule_accept
+        self._orig = step_mod.accept
+        step_mod.accept = seed_rule_accept
 
     def __exit__(self, *exc):
-        decode_mod.accept = self._orig
+        step_mod.accept = self._orig
 
 
 # ----------------------------------------------------------------------------------------------

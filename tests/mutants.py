@@ -17,7 +17,7 @@ KVCACHE = "runtime/kvcache.py"
 BATCH = "runtime/batch_decode.py"
 DRAFTS = "runtime/drafts/model.py"
 EAGLE3 = "runtime/drafts/eagle3.py"
-DECODE = "runtime/decode.py"
+STEP = "runtime/step.py"  # the steps both decoders share (decode.py, batch_decode.py)
 PENALTIES = "runtime/penalties.py"
 STRUCTURED = "runtime/structured.py"
 
@@ -316,7 +316,7 @@ MUTANTS = [
     ),
     Mutant(
         "prompt log-probs read one row early",
-        DECODE,
+        STEP,
         "out.extend(token_logprobs(rows, prompt[s + 1 : s + 1 + len(rows)], k))",
         "out.extend(token_logprobs(rows, prompt[s : s + len(rows)], k))",
         (LOGPROBS_T, "-k", "prompt_logprobs_equal"),
@@ -338,7 +338,7 @@ MUTANTS = [
     ),
     Mutant(
         "penalties: a step's tokens never join the history",
-        DECODE,
+        STEP,
         "        history.extend(new)",
         "        pass",
         (PENALTIES_T, "-k", "every_mode"),
@@ -366,7 +366,7 @@ MUTANTS = [
     ),
     Mutant(
         "batch without trees: a penalised row takes the unprocessed root argmax",
-        DECODE,
+        STEP,
         "            root = None  # a finite root row: the walk reads it, processed",
         "            pass",
         (PENALTIES_T, "-k", "every_mode"),
@@ -394,14 +394,14 @@ MUTANTS = [
     ),
     Mutant(
         "a grammar's forced chain committed to the draft as if it had drafted it",
-        DECODE,
+        STEP,
         "    if not tree.forced:\n        draft.commit(tree, path, feats)",
         "    if True:\n        draft.commit(tree, path, feats)",
         (KV, "-k", "forced_chains"),
     ),
     Mutant(
         "a forced chain's root not deferred to the draft",
-        DECODE,
+        STEP,
         "    for j, t in enumerate([root] + tree.tokens[path].tolist()):",
         "    for j, t in enumerate(tree.tokens[path].tolist(), 1):",
         (KV, "-k", "forced_chains"),

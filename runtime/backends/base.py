@@ -40,7 +40,7 @@ class EngineCapabilities:
       (0: none; the draft then takes its top-k from full logits rows on the host);
     max_batch: the largest B the engine accepts (TensorRT's optimisation profiles), None: any;
     host_threads: torch threads for the decoder's host work while this engine runs
-      (decode.host_threads; ONNX Runtime on CPU: 1), None: leave torch alone;
+      (step.host_threads; ONNX Runtime on CPU: 1), None: leave torch alone;
     row_invariant: a row's logits and K/V do not depend on the call that carries it (ONNX
       Runtime's row layout, runtime/backends/row_layout.py), so speculation is exact by
       construction even where the kernels' sums depend on a row's place."""

@@ -175,7 +175,7 @@ def engine_device(device: str | torch.device) -> torch.device:
 
 
 def engine_host_threads(load: OrtLoad) -> int | None:
-    """torch threads for the decoder's host work while this engine runs (decode.host_threads):
+    """torch threads for the decoder's host work while this engine runs (step.host_threads):
     on CPU ONNX Runtime's pool owns the cores, so 1 (ARBORSPEC_HOST_THREADS overrides)."""
     env = settings.whole("ARBORSPEC_HOST_THREADS")
     return None if load.cuda else (1 if env is None else env)

@@ -150,7 +150,7 @@ def test_a_deferred_root_leaves_the_draft_as_a_root_call_would(tmp_path, kind):
 class ForcingHistory:
     """A stand-in for a grammar (penalties.RowProcessing's interface) that forces the next
     `k` tokens of `ref` on every other step and masks nothing: the decoder verifies them as a chain
-    (decode.forced_chain) instead of drafting."""
+    (step.forced_chain) instead of drafting."""
 
     def __init__(self, ref: list[int], k: int = 3):
         self.ref, self.k, self.done, self.asked = ref, k, 0, 0

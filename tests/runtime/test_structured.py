@@ -245,13 +245,13 @@ def test_forced_tokens_are_verified_as_one_chain(export_dir, monkeypatch):
     """Where the schema allows one string only (`{"a":`, `,"b":"`), the grammar's forced tokens are
     verified as one chain in place of the drafted tree: the same tokens as without, in fewer target
     calls (the layer draft, a tree; the target as its own draft accepts them anyway)."""
-    import arborspec.runtime.decode as decode
+    import arborspec.runtime.step as step
 
     with Generator.from_export(export_dir, tree="full:2,2") as g:
         state = g.grammar(RF).state(g.target.info.vocab_size)
-        assert len(state.forced()) >= decode.MIN_FORCED  # the schema's opening is forced
+        assert len(state.forced()) >= step.MIN_FORCED  # the schema's opening is forced
         on = [g.generate(p, 40, response_format=RF) for p in ("hello there", "a b c", "one two")]
-        monkeypatch.setattr(decode, "MIN_FORCED", 10**9)  # never a forced chain
+        monkeypatch.setattr(step, "MIN_FORCED", 10**9)  # never a forced chain
         off = [g.generate(p, 40, response_format=RF) for p in ("hello there", "a b c", "one two")]
     assert [c.tokens for c in on] == [c.tokens for c in off]
     assert sum(c.stats.steps for c in on) < sum(c.stats.steps for c in off), (
@@ -267,7 +267,7 @@ def test_forced_chains_in_a_batch(export_dir, monkeypatch):
     from conftest import random_model, tiny_config, truncated
     from test_tokenizer import synthetic_meta
 
-    import arborspec.runtime.decode as decode
+    import arborspec.runtime.step as step
     from arborspec.models.tokenizer_build import text_tokenizer_from_gguf_meta
     from arborspec.runtime.backends.torch_backend import TorchEngine
 
@@ -286,6 +286,6 @@ def test_forced_chains_in_a_batch(export_dir, monkeypatch):
             return [r.tokens for r in rows], sum(r.stats.steps for r in rows)
 
         on, steps_on = run()
-        monkeypatch.setattr(decode, "MIN_FORCED", 10**9)
+        monkeypatch.setattr(step, "MIN_FORCED", 10**9)
         off, steps_off = run()
     assert on == off == want and steps_on < steps_off, (steps_on, steps_off)

@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     ap.add_argument("--trees", nargs="*", default=["[[0],[1],[0,0]]", "full:2,2", "full:3,2", "full:4,1"])
     ap.add_argument("--reps", type=int, default=10)
     a = ap.parse_args(argv)
-    torch.set_num_threads(1)  # as the decoder's host work runs (decode.host_threads)
+    torch.set_num_threads(1)  # as the decoder's host work runs (step.host_threads)
     try:
         res = measure(a.export_dir / "target.onnx", a.past, [int(x) for x in a.sizes.split(",")], a.trees, a.reps)
     except (ArborspecError, ValueError) as e:

@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    torch.set_num_threads(1)  # as the decoder's host work runs (decode.host_threads)
+    torch.set_num_threads(1)  # as the decoder's host work runs (step.host_threads)
     try:
         if a.chunk:
             row_layout.CHUNK = a.chunk

@@ -17,7 +17,7 @@ import statistics
 import sys
 
 import arborspec
-import arborspec.runtime.decode as decode
+import arborspec.runtime.step as decode  # MIN_FORCED / MAX_FORCED: runtime/step.py since issue 63
 from arborspec.runtime.generator import Generator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
