@@ -153,3 +153,28 @@ def test_the_cycle_check_catches_a_lazy_cycle(tmp_path):
     graph = {n: {m for _, m in _imports(f"p.{n}", tmp_path / f"{n}.py")} for n in "abc"}
     graph = {f"p.{n}": {m.rpartition(".")[0] if m.count(".") > 1 else m for m in deps} for n, deps in graph.items()}
     assert _cycles(graph) == [["p.a", "p.b", "p.c", "p.a"]]
+
+
+FRONT_DOOR = """
+import sys, arborspec.runtime as r
+assert not [m for m in ("torch", "onnxruntime") if m in sys.modules], "import arborspec.runtime loaded them"
+want = {"Generator", "SpeculativeDecoder", "BatchDecoder", "DecoderConfig", "SamplingParams",
+        "GenerationRequest", "open_export", "EngineBase", "ArborspecError", "InputError", "EngineError"}
+assert want <= set(r.__all__), want - set(r.__all__)
+for name in r.__all__:
+    obj = getattr(r, name)
+    assert obj.__name__ == name and obj.__module__.startswith("arborspec.runtime."), (name, obj)
+try:
+    r.no_such_name
+except AttributeError:
+    print(len(r.__all__))
+"""
+
+
+def test_the_front_door_lists_the_public_names_and_loads_them_lazily():
+    """`arborspec.runtime.__all__` names the embedding API (Generator, the decoders, their
+    config, open_export, the engine base, the errors); importing the package loads neither
+    torch nor onnxruntime, each name is its defining module's object on first use."""
+    r = subprocess.run([sys.executable, "-c", FRONT_DOOR], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert int(r.stdout.strip()) >= 11
