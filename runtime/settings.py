@@ -43,7 +43,7 @@ class Setting:
 
 
 _ALL = (
-    # ONNX Runtime sessions (runtime/backends/onnxruntime.py)
+    # ONNX Runtime sessions (runtime/backends/ort_loader.py, onnxruntime.py)
     Setting("ARBORSPEC_ORT_SHARED_POOL", SWITCH, None,
             "1: every session on one process-wide intra-op pool; 0: a pool per session; unset: the "
             "`arborspec` command turns it on, an application keeps a pool per session",
@@ -61,7 +61,7 @@ _ALL = (
     Setting("ARBORSPEC_HOST_THREADS", WHOLE, None,
             "torch threads for the decoder's host work next to an ONNX Runtime CPU session "
             "(unset: 1; 0: leave torch alone)", "embedding-api.md"),
-    # TensorRT (runtime/backends/tensorrt.py, export/trt_build.py)
+    # TensorRT (runtime/backends/trt_loader.py, export/trt_build.py)
     Setting("ARBORSPEC_TRT_MODULE", TEXT, None,
             "which TensorRT Python module builds and runs engines: auto, tensorrt or tensorrt_rtx "
             "(unset: tensorrt if importable, else tensorrt_rtx)", "tensorrt.md"),

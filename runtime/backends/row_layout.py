@@ -1,7 +1,7 @@
 """Row-invariant verify layout for ONNX Runtime's GroupQueryAttention (CPU): where each row of a
 call goes so that its logits and K/V are bit-identical to vanilla decoding's.
 
-Role in one decode step: the ONNX Runtime engine (backends/onnxruntime.py) passes every target
+Role in one decode step: the ONNX Runtime engine (backends/ort_layouts.py) passes every target
 call through this layout before running it; vanilla steps, prefills and verify calls then all take
 the same arithmetic path, so greedy tree == vanilla holds by construction, not by luck.
 
