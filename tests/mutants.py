@@ -33,6 +33,7 @@ PREFIX_T = "tests/runtime/test_prefix_cache.py"
 LOGPROBS_T = "tests/runtime/test_logprobs.py"
 PENALTIES_T = "tests/runtime/test_penalties.py"
 STRUCTURED_T = "tests/runtime/test_structured.py"
+GOVERNOR_T = "tests/runtime/test_governor.py"
 
 
 @dataclass(frozen=True)
@@ -405,5 +406,12 @@ MUTANTS = [
         "    for j, t in enumerate([root] + tree.tokens[path].tolist()):",
         "    for j, t in enumerate(tree.tokens[path].tolist(), 1):",
         (KV, "-k", "forced_chains"),
+    ),
+    Mutant(
+        "a step the governor held without a tree not told to the draft",
+        DECODE,
+        "                self.draft.defer(seq.root, feats[0, :1] if feats is not None else None)",
+        "                pass",
+        (GOVERNOR_T, "-k", "in_step"),
     ),
 ]
