@@ -25,7 +25,7 @@ def __getattr__(name):  # lazy: importing arborspec stays cheap
 
         return getattr(export_dir, name)
     if name == "enable_shared_pool":
-        from arborspec.runtime.backends.onnxruntime import enable_shared_pool
+        from arborspec.runtime.backends.ort_loader import enable_shared_pool
 
         return enable_shared_pool
     if name in ("ArborspecError",):

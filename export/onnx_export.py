@@ -224,7 +224,7 @@ def verify_against_torch(
     import numpy as np
     import onnxruntime as ort
 
-    from arborspec.runtime.backends.onnxruntime import qdq_exact_matmul
+    from arborspec.runtime.backends.ort_loader import qdq_exact_matmul
 
     so = ort.SessionOptions()
     so.log_severity_level = 3

@@ -58,7 +58,7 @@ class EngineBuildError(EngineError):
 def import_tensorrt(flavour: str = "auto"):
     """(module, flavour) for `flavour` in auto|tensorrt|tensorrt_rtx; env ARBORSPEC_TRT_MODULE
     overrides auto. auto prefers `tensorrt` when importable, else `tensorrt_rtx`."""
-    from arborspec.runtime.backends.tensorrt import import_trt
+    from arborspec.runtime.backends.trt_loader import import_trt
     from arborspec.runtime.errors import EngineError
 
     try:
@@ -122,7 +122,7 @@ def _local_gpu_cc() -> str | None:
 
 def _logger(trt):
     """The process-wide collecting TensorRT logger (shared with the runtime's engines)."""
-    from arborspec.runtime.backends.tensorrt import trt_logger
+    from arborspec.runtime.backends.trt_loader import trt_logger
 
     return trt_logger(trt)
 

@@ -135,7 +135,8 @@ def _engine(opened: OpenedExport, role: str, opening: OpenOptions, spinning: boo
     """The `role` engine ("target", "draft") of the opened export, on its backend and device."""
     backend, man, device = opened.backend, opened.manifest, opened.device
     if backend == "onnxruntime":
-        from .backends.onnxruntime import OrtEngine, row_layout_env
+        from .backends.onnxruntime import OrtEngine
+        from .backends.ort_loader import row_layout_env
 
         env = row_layout_env()  # unset: the row-invariant layout where int8 activations need it
         invariant = role == "target" and (bool(int8_activation_level(man.target)) if env is None else env)
@@ -311,7 +312,7 @@ def _warn_on_open(opened: OpenedExport, model_free: bool) -> None:
     if reason:
         warnings.warn(reason, InexactSpeculationWarning, stacklevel=3)
     if opened.backend == "onnxruntime" and str(opened.device) == "cpu" and not model_free:
-        from .backends.onnxruntime import pool_unchosen
+        from .backends.ort_loader import pool_unchosen
 
         if pool_unchosen():  # unchosen: the shared pool is off too
             warnings.warn(

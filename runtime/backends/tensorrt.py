@@ -1,4 +1,5 @@
-"""TensorRT backend: a serialized engine (from `arborspec build`) behind the Engine protocol.
+"""TensorRT backend, the runner: a serialized engine (from `arborspec build`) behind the Engine
+protocol.
 
 Role in one decoding step: runs every model call of the step on the GPU (a draft level, the
 target's verify over root + tree, a prefill). The KV cache never leaves the device and is
@@ -13,113 +14,24 @@ and `hidden_states` output (`forward_hidden`), a draft's fused top-k outputs (sc
 `TrtProjection` runs an EAGLE-3 head's projection engine (`draft_fc.engine`,
 target_features [N, F] -> hidden_states [N, H]).
 
-Works with `tensorrt` (10.x/11.x) or `tensorrt_rtx`: the module recorded in the engine's
-`engines.json` is used, else `tensorrt` when importable, else `tensorrt_rtx`
-(`ARBORSPEC_TRT_MODULE` forces one). Importing this file needs neither; constructing a
-TrtEngine needs one of them and a CUDA GPU.
+The loader half (the module import, deserialisation, compatibility checks, the execution
+context, the engine's I/O read against the contract) is backends/trt_loader.py. Importing this
+file needs no TensorRT; constructing a TrtEngine needs `tensorrt` or `tensorrt_rtx` and a CUDA GPU.
 """
 
 from __future__ import annotations
 
-import importlib
-import json
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from .. import contract as C
-from .. import settings
 from ..errors import DeviceError, EngineError, InputError, MissingFileError
 from ..fileio import atomic_write_bytes
 from ..kvcache import CacheSpec, KVCache, resolve_device
 from .base import EngineBase, EngineCapabilities, EngineInfo, check_call
-
-_ENV_MODULE = "ARBORSPEC_TRT_MODULE"
-_INSTALL_HINT = (
-    "install TensorRT-RTX with `pip install tensorrt-rtx` (or `pip install "
-    "'arborspec[trt]'`), or NVIDIA TensorRT (`tensorrt` 10.x/11.x) from NVIDIA's index"
-)
-
-
-FLAVOURS = ("tensorrt", "tensorrt_rtx")
-
-
-def import_trt(flavour: str | None = None, need: str = "Runtime"):
-    """(module, name) of TensorRT: `tensorrt`, else `tensorrt_rtx` (flavour or
-    ARBORSPEC_TRT_MODULE forces one). The one place that imports it (build and run); `need`
-    is an attribute the module must have (PyPI's stub packages import without bindings)."""
-    env = settings.text(_ENV_MODULE)
-    flavour = (flavour or env or "auto").replace("-", "_").lower()
-    if flavour not in ("auto",) + FLAVOURS:
-        raise EngineError(
-            f"unknown TensorRT flavour {flavour!r} (expected auto, tensorrt or "
-            f"tensorrt_rtx; set by flavour= or ${_ENV_MODULE})"
-        )
-    names = FLAVOURS if flavour == "auto" else (flavour,)
-    errors = []
-    for name in names:
-        try:
-            mod = importlib.import_module(name)
-            if hasattr(mod, need):
-                return mod, name
-            errors.append(f"{name}: ImportError: {name} has no {need} (a stub package?)")
-        except Exception as e:  # noqa: BLE001 - a broken install must not stop the fallback
-            errors.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    raise EngineError(f"no usable TensorRT Python module ({'; '.join(errors)}); {_INSTALL_HINT}")
-
-
-_import_trt = import_trt
-manifest_entry = C.engine_entry  # the engines.json entry of one engine file, or None
-
-
-def _torch_dtype(trt, dt) -> torch.dtype:
-    name = str(dt).split(".")[-1]
-    if name not in C.TRT_DTYPES:
-        raise EngineError(f"TensorRT dtype {name} has no torch equivalent here")
-    return C.TRT_DTYPES[name]
-
-
-class _Log:
-    """One collecting TensorRT logger per module (TensorRT keeps the first logger it is given),
-    shared by the engine builder and the runtime: errors are kept so failures can say why;
-    `echo` (a callable) also prints errors, and warnings when `verbose`."""
-
-    _by_module: dict[str, Any] = {}
-
-    @classmethod
-    def get(cls, trt):
-        key = trt.__name__
-        if key not in cls._by_module:
-
-            class Collect(trt.ILogger):
-                def __init__(self):
-                    trt.ILogger.__init__(self)
-                    self.trt = trt
-                    self.errors: list[str] = []
-                    self.echo = None
-                    self.verbose = False
-
-                def log(self, severity, msg):
-                    S = trt.ILogger.Severity
-                    if severity in (S.INTERNAL_ERROR, S.ERROR):
-                        self.errors.append(msg)
-                        del self.errors[:-20]
-                        if self.echo:
-                            self.echo(f"[TensorRT] error: {msg}")
-                    elif severity == S.WARNING and self.verbose and self.echo:
-                        self.echo(f"[TensorRT] warning: {msg}")
-
-                def take(self) -> list[str]:
-                    e, self.errors = self.errors, []
-                    return e
-
-            cls._by_module[key] = Collect()
-        return cls._by_module[key]
-
-
-trt_logger = _Log.get
+from .trt_loader import TrtGraph, load_engine, make_context, read_io, read_projection_io, trt_errors
 
 
 class TrtEngine(EngineBase):
@@ -128,8 +40,9 @@ class TrtEngine(EngineBase):
     engine_path: a `.engine` written by `arborspec build` (engines.json beside it is read for
       the TensorRT module, compute capability and model limits; optional).
     device: the CUDA device the engine runs on; the KVCache must live there too.
-    clone_logits: return a fresh logits tensor (default). False returns a view of the
-      preallocated buffer, valid until this engine's next call.
+    Keywords: flavour ("tensorrt" / "tensorrt_rtx"; None: the recorded one); clone_logits:
+      return a fresh logits tensor (default), False a view of the preallocated buffer, valid
+      until this engine's next call. The same signature as OrtEngine's: (path, device, *, options).
     """
 
     def __init__(
@@ -148,170 +61,40 @@ class TrtEngine(EngineBase):
             raise InputError(f"TrtEngine runs on a CUDA device, not {self.device}")
         if not torch.cuda.is_available():
             raise DeviceError("TrtEngine needs a CUDA GPU and none is visible to torch")
-        self.entry = manifest_entry(self.path)
-        recorded = (self.entry or {}).get("trt", {}).get("module")
-        trt, self.flavour = _import_trt(flavour or settings.text(_ENV_MODULE) or recorded)
-        self.trt = trt
         self.clone_logits = clone_logits
-        self._check_compatible()
-
-        log = _Log.get(trt)
-        log.take()
         with torch.cuda.device(self.device):
-            self.runtime = trt.Runtime(log)
-            self.engine = self.runtime.deserialize_cuda_engine(self.path.read_bytes())
-            if self.engine is None:
-                raise EngineError(self._deserialize_error(log.take()))
+            loaded = self._loaded = load_engine(self.path, self.device, flavour)
+            self.trt, self.flavour, self.entry = loaded.trt, loaded.flavour, loaded.entry
+            self.runtime, self.engine = loaded.runtime, loaded.engine
             self._read_io()
-            self._make_context()
+            make_context(self.path, loaded)
+            self.context = loaded.context
         self._active_profile = 0
         self._logits_buf: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ set-up
 
-    def _gpu_cc(self) -> str:
-        return "%d.%d" % torch.cuda.get_device_capability(self.device)
-
-    def _check_compatible(self) -> None:
-        e = self.entry
-        if not e:
-            return
-        built_cc, gpu_cc = e.get("compute_capability"), self._gpu_cc()
-        if built_cc and built_cc != gpu_cc:
-            raise EngineError(
-                f"{self.path.name} was built for compute capability {built_cc} but "
-                f"{torch.cuda.get_device_name(self.device)} is {gpu_cc}: rebuild it with "
-                f"`arborspec build --compute-capability {gpu_cc}` (or on this GPU)"
-            )
-        built = e.get("trt", {})
-        if built.get("module") and built["module"] != self.flavour:
-            raise EngineError(
-                f"{self.path.name} was built with {built['module']} but "
-                f"{self.flavour} is loaded: use the same module "
-                f"({_ENV_MODULE}={built['module']}) or rebuild"
-            )
-
-    def _deserialize_error(self, errors: list[str]) -> str:
-        e = self.entry or {}
-        built = e.get("trt", {})
-        what = (
-            f"built with {built.get('module')} {built.get('version')} for compute capability "
-            f"{e.get('compute_capability')}"
-            if e
-            else "no engines.json beside it"
-        )
-        return (
-            f"cannot load TensorRT engine {self.path} ({what}) with {self.flavour} "
-            f"{self.trt.__version__} on {torch.cuda.get_device_name(self.device)} "
-            f"(compute capability {self._gpu_cc()}): an engine only runs on the GPU "
-            f"generation and TensorRT version it was built for; rebuild with `arborspec "
-            f"build`. TensorRT said: " + ("; ".join(x.splitlines()[0] for x in errors) or "nothing")
-        )
-
     def _read_io(self) -> None:
-        trt, eng = self.trt, self.engine
-        names = [eng.get_tensor_name(i) for i in range(eng.num_io_tensors)]
-        self.inputs = [n for n in names if eng.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
-        self.outputs = [n for n in names if eng.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
-        self.dtypes = {n: _torch_dtype(trt, eng.get_tensor_dtype(n)) for n in names}
-        n_layers = sum(1 for n in self.inputs if n.startswith("past_key."))
-        need = ["input_ids", "position_ids", "attention_mask", "logits"]
-        for i in range(n_layers):
-            need += [f"past_key.{i}", f"past_value.{i}", f"new_key.{i}", f"new_value.{i}"]
-        missing = [n for n in need if n not in names]
-        if missing or n_layers == 0:
-            raise EngineError(
-                f"{self.path.name} does not follow the engine contract: missing {', '.join(missing) or 'past_key.0'}"
-            )
-        # beyond the contract: an EAGLE-3 head's hidden input; outputs such as the features /
-        # the head's output hidden state (returned) and a draft's top-k (scratch)
-        extra_in = [n for n in self.inputs if n not in need]
-        self.has_hidden_in = extra_in == [C.HIDDEN_IN]
-        if extra_in and not self.has_hidden_in:
-            raise EngineError(f"{self.path.name}: inputs {extra_in} are not part of the engine contract")
-        self.extra_outputs = [n for n in self.outputs if n not in need]
-        n_features = 0
-        if C.HIDDEN_STATES in self.outputs:
-            n_features = int(tuple(eng.get_tensor_shape(C.HIDDEN_STATES))[-1])
-        kv_shape = tuple(eng.get_tensor_shape("past_key.0"))
-        h_kv, d = kv_shape[2], kv_shape[3]
-        vocab = tuple(eng.get_tensor_shape("logits"))[-1]
-        if min(h_kv, d, vocab) < 1:
-            raise EngineError(
-                f"{self.path.name}: KV heads/head dim/vocab must be static (got {kv_shape}, vocab {vocab})"
-            )
-        # profile ranges over (B, T, P), from the engine itself (min, opt, max)
-        self.profiles: list[dict[str, tuple[int, int]]] = []
-        for k in range(eng.num_optimization_profiles):
-            ids = eng.get_tensor_profile_shape("input_ids", k)
-            past = eng.get_tensor_profile_shape("past_key.0", k)
-            mask = eng.get_tensor_profile_shape("attention_mask", k)
-            self.profiles.append(
-                {
-                    "B": (ids[0][0], ids[2][0]),
-                    "T": (ids[0][1], ids[2][1]),
-                    "P": (past[0][0], past[2][0]),
-                    "S": (mask[0][2], mask[2][2]),
-                }
-            )
+        """The engine's I/O (trt_loader.read_io) as this engine's attributes."""
+        self._take_io(read_io(self.path, self._loaded))
+
+    def _take_io(self, g: TrtGraph) -> None:
+        self.inputs, self.outputs, self.dtypes = g.inputs, g.outputs, g.dtypes
+        self.has_hidden_in, self.extra_outputs = g.has_hidden_in, g.extra_outputs
+        self.profiles, self.info, self.config = g.profiles, g.info, g.config
         self.max_batch = max(p["B"][1] for p in self.profiles)
         self.caps = EngineCapabilities(max_batch=self.max_batch)  # the profiles fix the largest B
-        self.max_tokens = max(p["T"][1] for p in self.profiles)
-        kv_dtype = self.dtypes["past_key.0"]
-        cfg = {}
-        meta = (self.entry or {}).get("onnx_metadata", {})
-        for v in meta.values():
-            try:
-                obj = json.loads(v)
-            except (TypeError, json.JSONDecodeError):
-                continue
-            if isinstance(obj, dict) and "max_position" in obj:
-                cfg = obj
-        max_ctx = (self.entry or {}).get("limits", {}).get("max_context")
-        max_pos = cfg.get("max_position") or max_ctx or max(p["P"][1] + 1 for p in self.profiles)
-        self.info = EngineInfo(
-            vocab_size=vocab,
-            max_position=int(max_pos),
-            cache=CacheSpec(n_layers, h_kv, d, kv_dtype),
-            max_tokens=self.max_tokens,
-            name=cfg.get("name", self.path.stem),
-            n_features=max(n_features, 0),
-        )
-        self.config = cfg
-
-    def _make_context(self) -> None:
-        """One execution context; profile switches are rare (prefill once, then decode)."""
-        eng, trt = self.engine, self.trt
-        self._runtime_cache = None
-        self._runtime_cache_path = None
-        if self.flavour == "tensorrt_rtx" and hasattr(eng, "create_runtime_config"):
-            rc = eng.create_runtime_config()
-            cache_name = (self.entry or {}).get("cache", {}).get("file") or (self.path.name + ".runtime.cache")
-            self._runtime_cache_path = self.path.with_name(cache_name)
-            cache = rc.create_runtime_cache()
-            if cache is not None:
-                if self._runtime_cache_path.is_file():
-                    cache.deserialize(self._runtime_cache_path.read_bytes())
-                rc.set_runtime_cache(cache)
-                self._runtime_cache = cache
-            self._runtime_config = rc
-            self.context = eng.create_execution_context(rc)
-        else:
-            self.context = eng.create_execution_context()
-        if self.context is None:
-            raise EngineError(
-                f"cannot create an execution context for {self.path.name} "
-                "(out of GPU memory?): " + "; ".join(_Log.get(trt).take())
-            )
+        self.max_tokens = g.info.max_tokens
 
     def save_runtime_cache(self) -> Path | None:
         """TensorRT-RTX: write the JIT kernel cache beside the engine (next load starts warm)."""
-        if self._runtime_cache is None or self._runtime_cache_path is None:
+        loaded = self._loaded
+        if loaded.runtime_cache is None or loaded.runtime_cache_path is None:
             return None
-        blob = self._runtime_cache.serialize()
+        blob = loaded.runtime_cache.serialize()
         if blob is None:
             return None
-        return atomic_write_bytes(self._runtime_cache_path, bytes(memoryview(blob)))
+        return atomic_write_bytes(loaded.runtime_cache_path, bytes(memoryview(blob)))
 
     def close(self) -> None:
         """Save the RTX runtime cache and release the context and engine."""
@@ -322,6 +105,7 @@ class TrtEngine(EngineBase):
         finally:
             self.context = None
             self.engine = None
+            self._loaded.context = self._loaded.engine = None
             super().close()
 
     # ------------------------------------------------------------------ calls
@@ -407,7 +191,7 @@ class TrtEngine(EngineBase):
             if k != self._active_profile:
                 if not ctx.set_optimization_profile_async(k, stream.cuda_stream):
                     raise EngineError(
-                        f"cannot switch {self.path.name} to profile {k}: " + "; ".join(_Log.get(self.trt).take())
+                        f"cannot switch {self.path.name} to profile {k}: " + trt_errors(self.trt)
                     )
                 self._active_profile = k
             # inputs on the device, in the engine's dtypes, contiguous (kept alive below)
@@ -439,7 +223,7 @@ class TrtEngine(EngineBase):
                     raise EngineError(f"{self.path.name}: {name} would be {got}, expected {want}")
             extra = self._extra_outputs()
             if not ctx.execute_async_v3(stream.cuda_stream):
-                raise EngineError(f"{self.path.name}: execute_async_v3 failed: " + "; ".join(_Log.get(self.trt).take()))
+                raise EngineError(f"{self.path.name}: execute_async_v3 failed: " + trt_errors(self.trt))
             # the temporaries were allocated on this stream: the caching allocator will not
             # hand their memory out to other streams before this work is done
             del keep
@@ -472,10 +256,10 @@ class TrtEngine(EngineBase):
         for name, shape, ptr in binds:
             if shape is not None and not ctx.set_input_shape(name, shape):
                 raise EngineError(
-                    f"{self.path.name}: shape {shape} rejected for {name}: " + "; ".join(_Log.get(self.trt).take())
+                    f"{self.path.name}: shape {shape} rejected for {name}: " + trt_errors(self.trt)
                 )
             if not ctx.set_tensor_address(name, ptr):
-                raise EngineError(f"{self.path.name}: cannot bind {name}: " + "; ".join(_Log.get(self.trt).take()))
+                raise EngineError(f"{self.path.name}: cannot bind {name}: " + trt_errors(self.trt))
 
     def _extra_outputs(self) -> dict:
         """Every output needs an address: the extra ones get fresh buffers of their shapes."""
@@ -484,7 +268,7 @@ class TrtEngine(EngineBase):
         for name in self.extra_outputs:
             buf = torch.empty(tuple(ctx.get_tensor_shape(name)), dtype=self.dtypes[name], device=self.device)
             if not ctx.set_tensor_address(name, buf.data_ptr()):
-                raise EngineError(f"{self.path.name}: cannot bind {name}: " + "; ".join(_Log.get(self.trt).take()))
+                raise EngineError(f"{self.path.name}: cannot bind {name}: " + trt_errors(self.trt))
             extra[name] = buf
         return extra
 
@@ -494,20 +278,7 @@ class TrtProjection(TrtEngine):
     target features [N, F] -> the head's hidden input [N, H], on the engine's CUDA device."""
 
     def _read_io(self) -> None:
-        trt, eng = self.trt, self.engine
-        names = [eng.get_tensor_name(i) for i in range(eng.num_io_tensors)]
-        self.inputs = [n for n in names if eng.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
-        self.outputs = [n for n in names if eng.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
-        if self.inputs != [C.TARGET_FEATURES] or self.outputs != [C.HIDDEN_STATES]:
-            raise EngineError(
-                f"{self.path.name} is not an EAGLE-3 projection engine ({self.inputs} -> {self.outputs}, "
-                f"expected [{C.TARGET_FEATURES}] -> [{C.HIDDEN_STATES}])"
-            )
-        self.dtypes = {n: _torch_dtype(trt, eng.get_tensor_dtype(n)) for n in names}
-        self.feature_size = int(tuple(eng.get_tensor_shape(C.TARGET_FEATURES))[-1])
-        self.hidden_size = int(tuple(eng.get_tensor_shape(C.HIDDEN_STATES))[-1])
-        shapes = eng.get_tensor_profile_shape(C.TARGET_FEATURES, 0)
-        self.max_rows = int(shapes[2][0])
+        self.dtypes, self.feature_size, self.hidden_size, self.max_rows = read_projection_io(self.path, self._loaded)
         self.profiles = []
         self.info = EngineInfo(0, 0, CacheSpec(0, 0, 0), name=self.path.stem)
 
@@ -534,7 +305,7 @@ class TrtProjection(TrtEngine):
             )
             if not ok:
                 raise EngineError(
-                    f"{self.path.name}: the projection call failed: " + "; ".join(_Log.get(self.trt).take())
+                    f"{self.path.name}: the projection call failed: " + trt_errors(self.trt)
                 )
             del x
         return out.float()

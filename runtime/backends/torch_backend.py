@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..kvcache import CacheSpec, KVCache, torch_device
+from ..topk import topk_of
 from .base import EngineBase, EngineCapabilities, EngineInfo
 
 
@@ -78,8 +79,6 @@ class TorchEngine(EngineBase):
     def forward_topk_impl(self, input_ids, position_ids, mask, cache: KVCache, k: int, logprobs: bool = False):
         """forward + the top-k of every row, on the module's device (a CUDA draft never copies
         a vocabulary-wide row to the host): (values [B, T, k], indices [B, T, k])."""
-        from ..drafts.base import topk_of
-
         logits = self.forward_impl(input_ids, position_ids, mask, cache)
         b, t, v = logits.shape
         top = topk_of(logits.view(b * t, v), k, logprobs)

@@ -8,10 +8,10 @@ accepted (`commit`), so it keeps exactly that path in its own cache. The decode 
 (runtime/decode.py) and the tree builder (runtime/drafts/tree_builder.py) know nothing else
 about a draft: a new draft kind implements `DraftSource` and plugs in without touching them.
 
-Also here: `TopK` / `topk_of` (a call's top-k candidates), `NodeView` (the nodes drafted so
-far), `tree_capacity`, `scratch_mask` (a level's mask over a draft's scratch cache) and the
-draft -> target vocabulary mapping (`to_target`, `full_vocab`) for drafts over a reduced
-vocabulary.
+Also here: `TopK` / `topk_of` (a call's top-k candidates, from runtime/topk.py), `NodeView`
+(the nodes drafted so far), `tree_capacity`, `scratch_mask` (a level's mask over a draft's
+scratch cache) and the draft -> target vocabulary mapping (`to_target`, `full_vocab`) for
+drafts over a reduced vocabulary.
 """
 
 from __future__ import annotations
@@ -21,27 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..topk import TopK, topk_of  # re-exported: the draft sources import them from here
 from ..tree_plan import MaskBuffer
 from ..trees import Tree, TreePolicy
-
-
-@dataclass
-class TopK:
-    """A draft call's top-k per row: `values` [F, k] (log-probs when asked for, else raw
-    logits), `indices` [F, k] draft-vocabulary ids; computed where the logits are."""
-
-    values: torch.Tensor
-    indices: torch.Tensor
-
-
-def topk_of(logits: torch.Tensor, k: int, logprobs: bool = False) -> TopK:
-    """Top-k of logits [F, V] on their device; log-probs (values minus the log-normaliser) when
-    `logprobs` (rows with no finite logit keep -inf)."""
-    vals, idx = torch.topk(logits.float(), min(k, logits.shape[-1]), dim=-1)
-    if logprobs:
-        lse = torch.logsumexp(logits.float(), -1, keepdim=True)
-        vals = vals - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    return TopK(vals, idx)
 
 
 @dataclass

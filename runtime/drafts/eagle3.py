@@ -287,9 +287,9 @@ class OrtProjection:
     """`draft_fc.onnx`: target features [N, F] -> the head's hidden input [N, H]."""
 
     def __init__(self, path: str | Path):
-        from ..backends.onnxruntime import _import_ort, new_session_options
+        from ..backends.ort_loader import import_ort, new_session_options
 
-        ort = _import_ort()
+        ort = import_ort()
         self.session = ort.InferenceSession(str(path), new_session_options(ort), providers=["CPUExecutionProvider"])
 
     def __call__(self, features: torch.Tensor) -> torch.Tensor:

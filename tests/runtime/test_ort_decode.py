@@ -385,7 +385,7 @@ def test_a_model_draft_on_per_session_pools_warns_once_the_fix(cli_export, monke
     import warnings
 
     import arborspec
-    import arborspec.runtime.backends.onnxruntime as ortb
+    import arborspec.runtime.backends.ort_loader as ortb
     from arborspec.runtime.errors import ThreadPoolWarning
     from arborspec.runtime.export_dir import open_export
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from arborspec.runtime.backends.onnxruntime import qdq_exact_matmul
+from arborspec.runtime.backends.ort_loader import qdq_exact_matmul
 from arborspec.runtime.errors import ArborspecError
 from arborspec.tools.errors import reports_mistakes
 from arborspec.tools.options import tool_parser

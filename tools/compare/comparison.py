@@ -84,9 +84,9 @@ def _gpu_available() -> bool:
 def _trt_available() -> str | None:
     """None when a TensorRT module imports, else why not."""
     try:
-        from arborspec.runtime.backends.tensorrt import _import_trt
+        from arborspec.runtime.backends.trt_loader import import_trt
 
-        _import_trt(None)
+        import_trt(None)
         return None
     except ImportError as e:
         return str(e)

@@ -12,7 +12,7 @@ from arborspec.runtime.errors import ArborspecError
 def _ort_shared_pool() -> bool:
     """Whether ONNX Runtime sessions of this process run on the shared pool (False without ORT)."""
     try:
-        from arborspec.runtime.backends.onnxruntime import shared_pool
+        from arborspec.runtime.backends.ort_loader import shared_pool
 
         return shared_pool()
     except ArborspecError:

@@ -67,7 +67,7 @@ class ArborspecReplica:
         prefix_cache=None,
         max_queue=None,
     ):
-        from arborspec.runtime.backends.onnxruntime import enable_shared_pool
+        from arborspec.runtime.backends.ort_loader import enable_shared_pool
         from arborspec.runtime.generator import Generator
         from arborspec.tools.serve.app import GeneratorPool, create_app
 

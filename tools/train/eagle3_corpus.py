@@ -378,7 +378,7 @@ def ort_options(threads: int | None):
     (None: ONNX Runtime's default, all cores)."""
     import onnxruntime as ort
 
-    from arborspec.runtime.backends.onnxruntime import new_session_options
+    from arborspec.runtime.backends.ort_loader import new_session_options
 
     so = new_session_options(ort)
     if threads:

@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     if a.export_dir:
-        from arborspec.runtime.backends.onnxruntime import enable_shared_pool
+        from arborspec.runtime.backends.ort_loader import enable_shared_pool
 
         enable_shared_pool()
         rows = [measure_export(e, a.nodes, a.past, a.reps) for e in a.export_dir]
