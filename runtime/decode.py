@@ -31,6 +31,7 @@ from .drafts.base import tree_capacity
 from .drafts.model import as_draft_source
 from .drafts.tree_builder import DraftOptions, TreeWorkspace, draft_tree
 from .errors import InputError
+from .governor import TREE, VANILLA, SpeculationGovernor
 from .kvcache import KVCache, PrefixCache
 from .request import GenerationRequest, GenerationResult, StepResult, as_request
 from .sampling import SamplingParams
@@ -152,6 +153,7 @@ class SpeculativeDecoder:
         tgt, draft, policy = self.target, self.draft, self.policy
         seq.timer = Timer(st, self._timer_sync)
         seq.model_s0 = draft.model_s if draft is not None else 0.0
+        seq.governor = SpeculationGovernor() if policy is not None and self.config.governed else None
         extra = (policy.max_nodes if policy else 0) + 2
         top = tgt.info.max_position + extra
         cap = min(len(prompt) + seq.max_new_tokens + extra, top)
@@ -177,10 +179,13 @@ class SpeculativeDecoder:
         if past >= tgt.info.max_position:
             seq.done, seq.stop_reason = True, "context"
             return StepResult([], NO_PATH, "context")
+        t0 = time.perf_counter()
         speculate = tree_fits(policy, past, tgt.info.max_position)  # the context's last tokens: none
+        arm = seq.governor.choose() if speculate and seq.governor is not None else TREE
         with timer("draft_s"):
             forced = forced_chain(seq.history, seq.room, past, tgt.info, MAX_FORCED) if speculate else None
-            tree = forced or (self._draft(seq) if speculate else Tree.empty())
+            held = speculate and arm == VANILLA and forced is None  # the governor: no tree this step
+            tree = forced or (self._draft(seq) if speculate and not held else Tree.empty())
         # flattening lands in other_s (the runtime's own time), the call in verify_s
         ids, pos, mask = self._vbuf.fill(seq.root, tree, past)
         with timer("verify_s"):
@@ -193,9 +198,14 @@ class SpeculativeDecoder:
             cache.commit(keep, tree.n + 1)
             if self.prefix_cache:  # root and accepted nodes committed: a next prompt that repeats them reuses them
                 self._prefix.extend([seq.root] + step.tokens[:-1], feats[0, keep] if feats is not None else None)
-            if speculate:
+            if held:  # no draft call this step: the root joins the draft's queue for its next start
+                self.draft.defer(seq.root, feats[0, :1] if feats is not None else None)
+            elif speculate:
                 tell_draft(self.draft, seq.root, tree, step.path, keep, feats[0] if feats is not None else None)
         seq.advance(step, tree)
+        if speculate and seq.governor is not None and not forced:
+            seq.governor.observe(arm, len(step.tokens), time.perf_counter() - t0)
+            seq.stats.held_steps = seq.governor.held
         return step
 
     def cached_prefix(self, ids: list[int]) -> int:
@@ -285,3 +295,4 @@ class _Sequence(SequenceState):
 
     timer: Timer | None = None
     model_s0: float = 0.0  # the draft's model time when it started
+    governor: SpeculationGovernor | None = None  # whether each step drafts (runtime/governor.py)

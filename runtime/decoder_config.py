@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from . import settings
 from .errors import InputError
 from .trees import CANDIDATE_MODES, TreePolicy
 
@@ -32,6 +33,9 @@ class DecoderConfig:
     prefix_cache: bool | None = None
     max_batch: int | None = None  # sequences decoded together; None: a Generator 1 (unbatched), a BatchDecoder 8
     speculate_max_batch: int | None = None  # BatchDecoder: trees only up to this many active sequences
+    # SpeculativeDecoder: run vanilla steps where its own measurements say the tree stops paying
+    # (runtime/governor.py); None: on unless ARBORSPEC_ADAPTIVE=0
+    adaptive: bool | None = None
 
     def __post_init__(self):
         if self.mode is not None and self.mode not in MODES:
@@ -44,6 +48,13 @@ class DecoderConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise InputError(f"{name} must be an integer >= 1, got {v!r}")
+
+    @property
+    def governed(self) -> bool:
+        """Whether the single-sequence decoder's steps are governed (`adaptive`, else the setting)."""
+        if self.adaptive is not None:
+            return bool(self.adaptive)
+        return settings.switch("ARBORSPEC_ADAPTIVE") is not False
 
     @property
     def tree_spec(self) -> str | TreePolicy:

@@ -23,6 +23,7 @@ class GenerationStats:
     target_calls: int = 0  # verify calls + prefill calls
     draft_calls: int = 0
     tree_nodes: int = 0  # drafted nodes verified, summed over steps
+    held_steps: int = 0  # steps the governor ran without a tree, where it measured the tree not paying
     prefill_s: float = 0.0
     draft_s: float = 0.0
     draft_model_s: float = 0.0  # inside draft engine calls (part of draft_s)

@@ -14,10 +14,16 @@ _TESTS = Path(__file__).resolve().parent
 for _folder in (_TESTS, *(_TESTS / name for name in ("runtime", "export", "models", "tools"))):
     if str(_folder) not in sys.path:
         sys.path.insert(0, str(_folder))
+import os
+
 import torch
 
 from arborspec.models import ModelConfig, build_model
 from arborspec.runtime.backends.torch_backend import TorchEngine
+
+# every step drafts its tree in the suite (counts of draft calls and accepted tokens are asserted);
+# the governor's own tests (tests/runtime/test_governor.py) turn it on where they need it
+os.environ.setdefault("ARBORSPEC_ADAPTIVE", "0")
 
 
 def tiny_config(family="llama", vocab=96, layers=3, hidden=64, heads=4, kv=2, max_position=512):

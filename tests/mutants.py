@@ -17,6 +17,7 @@ KVCACHE = "runtime/kvcache.py"
 BATCH = "runtime/batch_decode.py"
 DRAFTS = "runtime/drafts/model.py"
 EAGLE3 = "runtime/drafts/eagle3.py"
+DECODE = "runtime/decode.py"
 STEP = "runtime/step.py"  # the steps both decoders share (decode.py, batch_decode.py)
 PENALTIES = "runtime/penalties.py"
 STRUCTURED = "runtime/structured.py"
@@ -33,6 +34,7 @@ PREFIX_T = "tests/runtime/test_prefix_cache.py"
 LOGPROBS_T = "tests/runtime/test_logprobs.py"
 PENALTIES_T = "tests/runtime/test_penalties.py"
 STRUCTURED_T = "tests/runtime/test_structured.py"
+GOVERNOR_T = "tests/runtime/test_governor.py"
 
 
 @dataclass(frozen=True)
@@ -405,5 +407,12 @@ MUTANTS = [
         "    for j, t in enumerate([root] + tree.tokens[path].tolist()):",
         "    for j, t in enumerate(tree.tokens[path].tolist(), 1):",
         (KV, "-k", "forced_chains"),
+    ),
+    Mutant(
+        "a step the governor held without a tree not told to the draft",
+        DECODE,
+        "                self.draft.defer(seq.root, feats[0, :1] if feats is not None else None)",
+        "                pass",
+        (GOVERNOR_T, "-k", "in_step"),
     ),
 ]

@@ -184,12 +184,15 @@ def loop_measure(
     for pol in policies:
         pol, cand = pol if isinstance(pol, tuple) else (pol, None)
         # every run a cold request (prefix_cache=False): the configurations share the prompts and
-        # the draft, and a kept prefix would speed up whichever ran a prompt second
+        # the draft, and a kept prefix would speed up whichever ran a prompt second; every step
+        # drafts (adaptive=False): the tree's own cost is what is measured, not the governor's
         if pol is None:
             decs.append(SpeculativeDecoder(target, mode="vanilla", sampling=sampling, prefix_cache=False))
         else:
             decs.append(
-                SpeculativeDecoder(target, draft, tree=pol, candidates=cand, sampling=sampling, prefix_cache=False)
+                SpeculativeDecoder(
+                    target, draft, tree=pol, candidates=cand, sampling=sampling, prefix_cache=False, adaptive=False
+                )
             )
     for dec in decs:
         dec.generate(list(prompts[0]), 4, eos)  # warm
