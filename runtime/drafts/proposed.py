@@ -56,7 +56,7 @@ class ProposingPolicy(TreePolicy):
 
     def __init__(self, base: TreePolicy, extra: int, alone: bool, name: str):
         self.base, self.extra, self.alone = base, int(extra), bool(alone)
-        self.depth = base.depth
+        self.depth = self.extra if alone else max(base.depth, self.extra)  # the deepest tree it verifies
         self.candidates = base.candidates
         self.spec = name if alone else f"{base.spec}+{name}"
 
@@ -103,12 +103,31 @@ def proposal_tree(prop: Proposal) -> Tree:
     )
 
 
-def merge(base: Tree, prop: Proposal) -> Tree:
+def _leaves(parents: np.ndarray) -> int:
+    n = parents.size
+    return n - np.unique(parents[parents >= 0]).size
+
+
+def merge(base: Tree, prop: Proposal, paths: int | None = None, lead: int = 1) -> Tree:
     """The union of the model's tree `base` and a proposal (see the module docstring); `base`
-    itself when the proposal adds no node. Tree.base of the result is the model's tree."""
-    nb = base.n
+    itself when the proposal adds no node. With `paths`: where the union would have more leaves
+    than max(base's, paths), the proposal alone if it has >= `lead` nodes, else `base`.
+    Tree.base of a new tree is the model's tree, Tree.base_kept how many of its nodes lead it."""
     if prop.n == 0 or base.candidates != "topk":
         return base
+    tree = _union(base, prop)
+    if paths is not None and tree is not base:
+        if _leaves(tree.parents.numpy()) > max(_leaves(base.parents.numpy()), paths):
+            if prop.n < lead:
+                return base
+            tree = proposal_tree(prop)
+            tree.base, tree.base_kept, tree.draft_calls = base, 0, base.draft_calls
+    return tree
+
+
+def _union(base: Tree, prop: Proposal) -> Tree:
+    """merge's union: the model's nodes first, the proposal's new nodes after them."""
+    nb = base.n
     at = {(p, t): i for i, (p, t) in enumerate(zip(base.parents.tolist(), base.tokens.tolist()))}
     where = np.empty(prop.n, dtype=np.int64)  # proposal node -> merged node
     new_par: list[int] = []
@@ -144,14 +163,15 @@ def merge(base: Tree, prop: Proposal) -> Tree:
         base.candidates,
         base.draft_calls,
     )
-    tree.base = base
+    tree.base, tree.base_kept = base, nb
     return tree
 
 
 def build_proposed(draft, policy: ProposingPolicy, root: int, base_builder):
     """The tree of a proposing draft under `policy` (a generator, as tree_builder's level loop):
-    the proposal alone, or `base_builder(policy.base)`'s model tree merged with it."""
+    the proposal alone, or `base_builder(policy.base)`'s model tree merged with it (at most
+    `draft.paths` leaves beyond the model's, a proposal of `draft.lead` nodes displacing it)."""
     if policy.alone:
         return proposal_tree(draft.propose(root))
     base = yield from base_builder(policy.base)
-    return merge(base, draft.propose(root))
+    return merge(base, draft.propose(root), draft.paths, draft.lead)

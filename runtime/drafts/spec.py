@@ -39,21 +39,26 @@ class DraftSpec:
     arg: Any = None
     mix: Any = None
     text: str = ""
-    mix_kind: str | None = None
+    mix_kind: str = "lookup"  # which table `mix` is for (read only when mix is set)
 
 
 @dataclass(frozen=True)
 class SuffixOptions:
-    """The suffix draft's options (`suffix:nodes=24,alpha=1,prob=0.1,min=2,mem=0`): at most
-    `nodes` proposed nodes a step, and at most alpha x the match's length; a node only where at
-    least `prob` of the match's earlier occurrences continue that way; nothing for a match
-    shorter than `min` tokens; `mem`: tokens of earlier requests' outputs remembered (0: none)."""
+    """The suffix draft's options (`suffix:nodes=24,alpha=1,prob=0.1,min=2,mem=0,paths=1,lead=3`):
+    at most `nodes` proposed nodes a step, and at most alpha x the match's length; a node only
+    where at least `prob` of the match's earlier occurrences continue that way; nothing for a
+    match shorter than `min` tokens; `mem`: tokens of earlier requests' outputs remembered (0:
+    none); at most `paths` leaves (in a merged tree: beyond the model tree's own); mixed with a
+    model draft, a proposal of >= `lead` nodes that would exceed `paths` replaces the model's tree
+    (else the model's tree is kept alone)."""
 
     nodes: int = 24
     alpha: float = 1.0
     prob: float = 0.1
     min: int = 2
     mem: int = 0
+    paths: int = 1  # root-to-leaf paths a proposal keeps (1: a chain; a tree costs padded rows on the CPU)
+    lead: int = 3  # a proposed chain this long displaces a model branch it disagrees with (paths exceeded)
 
 
 def _suffix_options(s: str, spec) -> SuffixOptions | None:
@@ -66,14 +71,16 @@ def _suffix_options(s: str, spec) -> SuffixOptions | None:
         k, eq, v = item.partition("=")
         k = k.strip().lower()
         if not eq or k not in SuffixOptions.__dataclass_fields__:
-            raise InputError(f"bad draft spec {spec!r}: suffix options are nodes=, alpha=, prob=, min=, mem= (got {item!r})")
+            raise InputError(f"bad draft spec {spec!r}: suffix options are nodes=, alpha=, prob=, min=, mem=, paths=, lead= (got {item!r})")
         try:
             vals[k] = float(v) if k in ("alpha", "prob") else int(v)
         except ValueError:
             raise InputError(f"bad draft spec {spec!r}: {k}= needs a number, got {v.strip()!r}") from None
     o = SuffixOptions(**vals)
-    if o.nodes < 1 or o.alpha <= 0 or not 0 < o.prob <= 1 or o.min < 1 or o.mem < 0:
-        raise InputError(f"bad draft spec {spec!r}: suffix needs nodes >= 1, alpha > 0, 0 < prob <= 1, min >= 1, mem >= 0")
+    if o.nodes < 1 or o.alpha <= 0 or not 0 < o.prob <= 1 or o.min < 1 or o.mem < 0 or o.paths < 1 or o.lead < 1:
+        raise InputError(
+            f"bad draft spec {spec!r}: suffix needs nodes, min, paths, lead >= 1, alpha > 0, 0 < prob <= 1, mem >= 0"
+        )
     return o
 
 

@@ -32,18 +32,25 @@ OCCURRENCES = 32  # earlier occurrences of the match whose continuations are rea
 REMATCH = 64  # tokens fed to a fresh memory matcher (matches longer than this are cut there)
 
 
-def continuations(text: np.ndarray, ends: np.ndarray, depth: int) -> np.ndarray:
-    """[m, depth] the tokens after each end position (-1 past the text or a separator)."""
+def continuations(text: np.ndarray, ends: np.ndarray, depth: int, periodic: bool = False) -> np.ndarray:
+    """[m, depth] the tokens after each end position (-1 past the text or a separator). periodic:
+    `text` ends with the match itself, so a continuation that runs into it repeats with the
+    period from its occurrence to the text's end (an overlapping copy: "a b a b" -> "a b ...")."""
     n = text.size
-    idx = ends[:, None] + 1 + np.arange(depth)
+    k = np.arange(depth)
+    if periodic:
+        idx = ends[:, None] + 1 + k % np.maximum(n - 1 - ends, 1)[:, None]
+    else:
+        idx = ends[:, None] + 1 + k
     toks = np.where(idx < n, text[np.minimum(idx, n - 1)], -1)
     ok = np.cumprod(toks >= 0, axis=1).astype(bool)  # a separator (negative) ends a continuation
     return np.where(ok, toks, -1)
 
 
-def grow(conts: np.ndarray, budget: int, min_prob: float) -> Proposal:
+def grow(conts: np.ndarray, budget: int, min_prob: float, paths: int = 1) -> Proposal:
     """The trie of the rows of `conts` (level order), nodes whose share of rows is >= min_prob,
-    the `budget` most shared (ancestor-closed: a child is never more shared than its parent)."""
+    on the `paths` best root-to-leaf paths (most shared leaf first, then the deepest), the
+    `budget` most shared of them (ancestor-closed: a child is never more shared than its parent)."""
     m = conts.shape[0]
     need = max(1, int(np.ceil(min_prob * m - 1e-9)))
     rows = conts.tolist()
@@ -70,12 +77,37 @@ def grow(conts: np.ndarray, budget: int, min_prob: float) -> Proposal:
             break
     par, cnt = np.asarray(parents, dtype=np.int64), np.asarray(counts, dtype=np.float64)
     tok = np.asarray(tokens, dtype=np.int64)
-    if tok.size > budget:
-        keep = np.sort(np.lexsort((np.arange(tok.size), -cnt))[:budget])
-        remap = np.full(tok.size, -1, dtype=np.int64)
-        remap[keep] = np.arange(keep.size)
-        par, tok, cnt = np.where(par[keep] >= 0, remap[np.maximum(par[keep], 0)], -1), tok[keep], cnt[keep]
-    return Proposal(par, tok, np.log(cnt / m).astype(np.float32))
+    keep = np.ones(tok.size, dtype=bool)
+    if tok.size:
+        keep = _on_best_paths(par, cnt, paths)
+    order = np.flatnonzero(keep)
+    order = np.sort(order[np.lexsort((order, -cnt[order]))[:budget]])
+    remap = np.full(tok.size, -1, dtype=np.int64)
+    remap[order] = np.arange(order.size)
+    par = np.where(par[order] >= 0, remap[np.maximum(par[order], 0)], -1)
+    return Proposal(par, tok[order], np.log(cnt[order] / m).astype(np.float32))
+
+
+def _on_best_paths(par: np.ndarray, cnt: np.ndarray, paths: int) -> np.ndarray:
+    """bool [n]: the nodes on the `paths` best leaves' root paths (a leaf's rank: its count, then
+    its depth)."""
+    n = par.size
+    depth = np.zeros(n, dtype=np.int64)
+    has_kid = np.zeros(n, dtype=bool)
+    for i in range(n):
+        if par[i] >= 0:
+            depth[i] = depth[par[i]] + 1
+            has_kid[par[i]] = True
+    leaves = np.flatnonzero(~has_kid)
+    if leaves.size <= paths:
+        return np.ones(n, dtype=bool)
+    best = leaves[np.lexsort((-depth[leaves], -cnt[leaves]))[:paths]]
+    keep = np.zeros(n, dtype=bool)
+    for leaf in best.tolist():
+        while leaf >= 0 and not keep[leaf]:
+            keep[leaf] = True
+            leaf = par[leaf]
+    return keep
 
 
 class SuffixDraft(DraftSource):
@@ -155,7 +187,8 @@ class SuffixDraft(DraftSource):
         ends = sam.ends(state, before, OCCURRENCES)
         if ends.size == 0:
             return Proposal.empty()
-        return grow(continuations(sam.array(), ends, budget), budget, o.prob)
+        conts = continuations(sam.array(), ends, budget, periodic=sam is self.sam)
+        return grow(conts, budget, o.prob, o.paths)
 
     def defer(self, root: int, features=None) -> None:
         self._sync_memory()
@@ -180,6 +213,7 @@ class SuffixMixDraft(DraftSource):
         self.vocab_size, self.token_map = base.vocab_size, base.token_map
         self.needs_target_features = base.needs_target_features
         self.sample_scale = base.sample_scale
+        self.paths, self.lead = suffix.opts.paths, suffix.opts.lead  # how merge treats disagreement
 
     @property
     def engine(self):
@@ -240,7 +274,7 @@ class SuffixMixDraft(DraftSource):
         if base is None:
             self.base.commit(tree, path, features)
             return
-        nb = base.n
+        nb = tree.base_kept
         k = int((path < nb).sum())  # the model's nodes come first on any path
         self.base.commit(base, path[:k], features[: nb + 1] if features is not None else None)
         for i in path[k:].tolist():
