@@ -42,6 +42,14 @@ class Proposal:
     def n(self) -> int:
         return int(self.tokens.size)
 
+    def after(self, prefix: np.ndarray) -> "Proposal":
+        """This proposal hung below a chain of `prefix` tokens from the root (the chain's nodes
+        first, at score 0)."""
+        k = int(prefix.size)
+        par = np.concatenate([np.arange(-1, k - 1), np.where(self.parents >= 0, self.parents + k, k - 1)])
+        scores = np.concatenate([np.zeros(k, dtype=np.float32), self.scores])
+        return Proposal(par.astype(np.int64), np.concatenate([prefix.astype(np.int64), self.tokens]), scores)
+
     @staticmethod
     def empty() -> "Proposal":
         z = np.zeros(0, dtype=np.int64)
@@ -174,4 +182,22 @@ def build_proposed(draft, policy: ProposingPolicy, root: int, base_builder):
     if policy.alone:
         return proposal_tree(draft.propose(root))
     base = yield from base_builder(policy.base)
-    return merge(base, draft.propose(root), draft.paths, draft.lead)
+    tree = merge(base, draft.propose(root), draft.paths, draft.lead)
+    if tree is base and base.n:  # nothing new at the root: extend the model's first path instead
+        path = first_path(base)
+        below = draft.propose_after(base.tokens[path].tolist())
+        if below.n:
+            tree = merge(base, below.after(base.tokens[path].numpy()))
+    return tree
+
+
+def first_path(tree: Tree) -> list[int]:
+    """The node indices from the root down its first children (the model's top-ranked path)."""
+    first: dict[int, int] = {}
+    for i, p in enumerate(tree.parents.tolist()):
+        first.setdefault(p, i)
+    path, at = [], -1
+    while at in first:
+        at = first[at]
+        path.append(at)
+    return path

@@ -26,7 +26,7 @@ from ..errors import InputError
 from .base import DraftSource
 from .proposed import Proposal, ProposingPolicy, unwrap
 from .spec import SuffixOptions
-from .suffix_index import Matcher, SuffixAutomaton, SuffixMemory
+from .suffix_index import Matcher, SuffixAutomaton, SuffixMemory, walk
 
 OCCURRENCES = 32  # earlier occurrences of the match whose continuations are read
 REMATCH = 64  # tokens fed to a fresh memory matcher (matches longer than this are cut there)
@@ -180,14 +180,38 @@ class SuffixDraft(DraftSource):
         self._sync_memory()
         self._push(int(root))
         sam, state, length, before = self._match()
+        return self._grow(sam, state, length, before, sam.array() if sam is self.sam else None, self.opts.nodes)
+
+    def propose_after(self, tokens: list[int]) -> Proposal:
+        """After `propose` in the same step: the proposal below the path `tokens` from the root
+        (a model draft's guesses), as if they were committed; its nodes hang below the path."""
+        if not tokens:
+            return Proposal.empty()
+        sam = self.sam
+        state, length = sam.last, len(sam)
+        for t in tokens:
+            state, length = walk(sam, state, length, int(t))
+        best = (sam, state, length, len(sam))
+        for m in self._matchers:
+            ms, ml = m.state, m.length
+            for t in tokens:
+                ms, ml = walk(m.sam, ms, ml, int(t))
+            if ml > best[2]:
+                best = (m.sam, ms, ml, len(m.sam))
+        text = np.concatenate([sam.array(), np.asarray(tokens, dtype=np.int64)]) if best[0] is sam else None
+        return self._grow(*best, text, self.opts.nodes - len(tokens))
+
+    def _grow(self, sam, state: int, length: int, before: int, text, nodes: int) -> Proposal:
+        """The proposal from a match (state, length) in `sam` (ends before `before`); text: the
+        local text ending with the match (overlapping copies), None for the memory's."""
         o = self.opts
-        budget = min(o.nodes, int(o.alpha * length)) if length >= o.min else 0
+        budget = min(nodes, int(o.alpha * length)) if length >= o.min else 0
         if budget < 1:
             return Proposal.empty()
         ends = sam.ends(state, before, OCCURRENCES)
         if ends.size == 0:
             return Proposal.empty()
-        conts = continuations(sam.array(), ends, budget, periodic=sam is self.sam)
+        conts = continuations(sam.array() if text is None else text, ends, budget, periodic=text is not None)
         return grow(conts, budget, o.prob, o.paths)
 
     def defer(self, root: int, features=None) -> None:
@@ -260,6 +284,9 @@ class SuffixMixDraft(DraftSource):
 
     def propose(self, root: int) -> Proposal:
         return self.suffix.propose(root)
+
+    def propose_after(self, tokens: list[int]) -> Proposal:
+        return self.suffix.propose_after(tokens)
 
     def defer(self, root: int, features=None) -> None:
         self.base.defer(root, features)

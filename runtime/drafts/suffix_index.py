@@ -126,16 +126,20 @@ class Matcher:
         self.sam, self.state, self.length = sam, 0, 0
 
     def feed(self, t: int) -> None:
-        sam = self.sam
-        nxt, link = sam.nxt, sam.link
-        v, n = self.state, self.length
-        while v and t not in nxt[v]:
-            v = link[v]
-            n = sam.length[v]
-        if t in nxt[v]:
-            self.state, self.length = nxt[v][t], n + 1
-        else:
-            self.state, self.length = 0, 0
+        self.state, self.length = walk(self.sam, self.state, self.length, t)
+
+
+def walk(sam: SuffixAutomaton, state: int, length: int, t: int) -> tuple[int, int]:
+    """One matching-statistics step: the longest suffix (state, length) of a stream whose
+    longest suffix found in `sam` was (state, length), after token t."""
+    nxt, link = sam.nxt, sam.link
+    v, n = state, min(length, sam.length[state])
+    while v and t not in nxt[v]:
+        v = link[v]
+        n = sam.length[v]
+    if t in nxt[v]:
+        return nxt[v][t], n + 1
+    return 0, 0
 
 
 class SuffixMemory:
