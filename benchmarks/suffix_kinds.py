@@ -43,6 +43,44 @@ def configs(ex, export_dir: Path, suffix_spec: str, lookup_tree: str):
     }
 
 
+def step_cost(tokens: list[int], spec: str, context: int = 2048, steps: int = 300) -> dict:
+    """The suffix draft's own cost on a `context`-token text (`tokens`' first ones, then `steps`
+    steps over the next ones, each accepting the proposal's longest correct prefix): the build
+    (reset) in ms, propose + tree + commit in us per step (propose_us: the proposal alone), with
+    the nodes proposed and accepted."""
+    import torch
+
+    from arborspec.runtime.drafts.proposed import proposal_tree
+    from arborspec.runtime.drafts.spec import parse_draft_spec
+    from arborspec.runtime.drafts.suffix import SuffixDraft
+
+    d = SuffixDraft(1 << 20, parse_draft_spec(spec).arg)
+    t0 = time.perf_counter()
+    d.reset(tokens[: context - 1])
+    build = time.perf_counter() - t0
+    i, spent, nodes, acc, n, pure = context, 0.0, 0, 0, 0, 0.0
+    root = tokens[context - 1]
+    while n < steps and i < len(tokens):
+        t0 = time.perf_counter()
+        prop = d.propose(root)
+        pure += time.perf_counter() - t0
+        tree = proposal_tree(prop)
+        toks, par = tree.tokens.tolist(), tree.parents.tolist()
+        path, at = [], -1
+        while i < len(tokens):
+            nxt = [j for j in range(len(toks)) if par[j] == at and toks[j] == tokens[i]]
+            if not nxt:
+                break
+            at = nxt[0]
+            path.append(at)
+            i += 1
+        d.commit(tree, torch.tensor(path, dtype=torch.long))
+        spent += time.perf_counter() - t0
+        root, i, n, nodes, acc = tokens[i] if i < len(tokens) else root, i + 1, n + 1, nodes + len(toks), acc + len(path)
+    return {"build_ms": 1e3 * build, "us_per_step": 1e6 * spent / max(n, 1), "propose_us": 1e6 * pure / max(n, 1), "steps": n,
+            "nodes_per_step": nodes / max(n, 1), "accepted_per_step": acc / max(n, 1)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--export-dir", type=Path, required=True)
@@ -53,8 +91,17 @@ def main() -> int:
     ap.add_argument("--lookup-tree", default="chain:3")
     ap.add_argument("--only", default="", help="comma-separated configurations (default: all)")
     ap.add_argument("--limit", type=int, default=0, help="requests per kind (0: all four)")
+    ap.add_argument("--step-cost", action="store_true", help="only the draft's own cost on a 2k-token text")
     args = ap.parse_args()
     import vs_llamacpp
+
+    if args.step_cost:
+        from arborspec.runtime.tokenizer import TextTokenizer
+
+        tok = TextTokenizer.load(args.export_dir)
+        text = "\n\n".join(e["text"] for e in vs_llamacpp.prompts())
+        print(json.dumps(step_cost(tok.encode(text), args.suffix), indent=1))
+        return 0
 
     from arborspec.runtime.decode import SpeculativeDecoder
     from arborspec.runtime.export_dir import open_export
