@@ -44,7 +44,7 @@ class DraftSpec:
 
 @dataclass(frozen=True)
 class SuffixOptions:
-    """The suffix draft's options (`suffix:nodes=24,alpha=1,prob=0.1,min=2,mem=0,paths=1,lead=3`):
+    """The suffix draft's options (`suffix:nodes=24,alpha=1,prob=0.1,min=1,mem=0,paths=1,lead=3`):
     at most `nodes` proposed nodes a step, and at most alpha x the match's length; a node only
     where at least `prob` of the match's earlier occurrences continue that way; nothing for a
     match shorter than `min` tokens; `mem`: tokens of earlier requests' outputs remembered (0:
@@ -55,7 +55,7 @@ class SuffixOptions:
     nodes: int = 24
     alpha: float = 1.0
     prob: float = 0.1
-    min: int = 2
+    min: int = 1
     mem: int = 0
     paths: int = 1  # root-to-leaf paths a proposal keeps (1: a chain; a tree costs padded rows on the CPU)
     lead: int = 3  # a proposed chain this long displaces a model branch it disagrees with (paths exceeded)
