@@ -235,7 +235,7 @@ def export_folder(model, out: str | os.PathLike, draft: str | None = "layers:2",
     opts = ExportOptions(**options)
     opts.check(draft)
     ds = parse_draft_spec(draft)
-    if ds.kind in ("export", "lookup") or ds.mix:
+    if ds.kind in ("export", "lookup", "suffix") or ds.mix:
         raise InputError(
             f"--draft {draft}: a lookup draft is chosen when decoding, not exported: export with a model "
             "draft (or none) and decode with --draft lookup or --draft export+lookup"

@@ -86,6 +86,7 @@ class SpeculativeDecoder:
             policy = parse_tree_spec(tree) if isinstance(tree, str) else tree
             if mode == "chain" and not isinstance(policy, ChainTree):
                 raise InputError(f"mode chain needs a chain:K tree spec, got {policy.spec!r}")
+            policy = draft.widen(policy)  # room for a tree the draft proposes itself (drafts/proposed.py)
             if max_tree_nodes is not None and policy.max_nodes > max_tree_nodes:
                 raise InputError(
                     f"tree {policy.spec} has up to {policy.max_nodes} nodes, over the limit of {max_tree_nodes}"

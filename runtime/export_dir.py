@@ -195,8 +195,8 @@ class OpenOptions:
     """How `open_export` opens a folder, besides the backend and device."""
 
     # None or "export" (the export's own draft; "eagle3" names it too when it is an EAGLE-3
-    # head), "none", "lookup[:N]" (prompt lookup, no model), or "export+lookup[:N]" (the
-    # export's model draft mixed with lookup, runtime/drafts/mixed.py); runtime/drafts/spec.py
+    # head), "none", "lookup[:N]" (prompt lookup, no model), "suffix[:...]", or "export+lookup[:N]" /
+    # "export+suffix" (the export's model draft mixed with a table draft); runtime/drafts/spec.py
     draft: str | None = None
     providers: list | None = None  # ONNX Runtime's execution providers (None: the device's)
     engine_dir: str | os.PathLike | None = None  # TensorRT engines (None: DIR/engines)
@@ -220,9 +220,8 @@ def open_export(
 ) -> OpenedExport:
     """Open an export folder. opening: OpenOptions (draft, providers, engine_dir, load_tok,
     verify), options its fields as keywords over it: open_export(dir, draft="lookup")."""
-    from .drafts.lookup import LookupDraft
-    from .drafts.mixed import LookupMixDraft
     from .drafts.spec import parse_draft_spec
+    from .drafts.tables import mixed_draft
 
     opening = with_options(opening or OpenOptions(), options, "open_export")
     draft = opening.draft
@@ -233,7 +232,7 @@ def open_export(
         ds = parse_draft_spec(draft, default="export")  # ds.mix: the export's draft mixed with lookup
         kind = man.draft.get("kind", "none")
         # no draft model runs between target calls: the target's threads may spin-wait
-        model_free = ds.kind in ("lookup", "none") or kind in ("none", "bigram")
+        model_free = ds.kind in ("lookup", "suffix", "none") or kind in ("none", "bigram")
         target = _engine(opened, "target", opening, spinning=model_free)
         opened.target = target
         opened.engines.append(target)
@@ -241,10 +240,10 @@ def open_export(
         if ds.mix:
             if opened.draft is None or kind in ("none", "bigram"):
                 raise InputError(
-                    f"--draft {draft!r}: {man.root} has no model draft to mix with lookup "
-                    f"(its draft: {kind}); use --draft lookup, or export with a model draft"
+                    f"--draft {draft!r}: {man.root} has no model draft to mix with {ds.mix_kind} "
+                    f"(its draft: {kind}); use --draft {ds.mix_kind}, or export with a model draft"
                 )
-            opened.draft = LookupMixDraft(opened.draft, LookupDraft(target.info.vocab_size, max_ngram=ds.mix))
+            opened.draft = mixed_draft(opened.draft, ds.mix_kind, ds.mix, target.info.vocab_size)
         opened.tokenizer = load_tokenizer(man) if opening.load_tok else None
         _warn_on_open(opened, model_free)
     except BaseException:
@@ -273,19 +272,19 @@ def _open_draft(opened: OpenedExport, ds, opening: OpenOptions):
     """The draft `ds` asks for over the opened target (its engines join opened.engines, so a
     failure closes them): lookup, none, or the export's own (model, bigram, EAGLE-3)."""
     from .drafts.bigram import load_bigram_table
-    from .drafts.lookup import LookupDraft
     from .drafts.model import ModelDraft
+    from .drafts.tables import table_draft
 
     man, backend, device, target = opened.manifest, opened.backend, opened.device, opened.target
     kind = man.draft.get("kind", "none")
-    if ds.kind == "lookup":
-        return LookupDraft(target.info.vocab_size, max_ngram=ds.arg)
+    if ds.kind in ("lookup", "suffix"):
+        return table_draft(ds.kind, ds.arg, target.info.vocab_size)
     if ds.kind == "none":
         return None
     if ds.kind != "export" and not (ds.text.lower() == "eagle3" == kind):  # "eagle3": the export's own
         raise InputError(
             f"--draft {ds.text!r} cannot be used with an export folder: its draft is "
-            "fixed at export time (use `export`, `none` or `lookup[:N]`, or re-export)"
+            "fixed at export time (use `export`, `none`, `lookup[:N]` or `suffix[:...]`, or re-export)"
         )
     if kind == "onnx":
         d = _engine(opened, "draft", opening)

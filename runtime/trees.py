@@ -295,6 +295,8 @@ class Tree:
     draft_calls: int = 0
     plan: object = None  # the TreePlan this tree follows (fixed-shape policies), else None
     forced: bool = False  # a grammar's forced tokens (Tree.chain), not the draft's: it defers them
+    base: object = None  # the model draft's own tree where a proposal was merged into it (drafts/proposed.py)
+    base_kept: int = 0  # how many of `base`'s nodes lead this tree (0: the proposal replaced them)
 
     def children(self) -> list[list[int]]:
         """Child node indices per parent; index 0 is the root, index i + 1 is node i."""

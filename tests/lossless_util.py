@@ -406,11 +406,21 @@ def make_draft(kind: str, target_module, folder, vocab: int):
         return ModelDraft(TorchEngine(truncated(target_module, 1)))
     if kind == "lookup":
         return LookupDraft(vocab, max_ngram=2)
+    from arborspec.runtime.drafts.spec import SuffixOptions
+    from arborspec.runtime.drafts.suffix import SuffixDraft, SuffixMixDraft
+
+    suffix = SuffixDraft(vocab, SuffixOptions(nodes=3, alpha=2.0, min=1))  # the PROMPT repeats "1 3"
+    if kind == "suffix":
+        return suffix
+    if kind == "model+suffix":
+        return SuffixMixDraft(ModelDraft(TorchEngine(truncated(target_module, 1))), suffix)
     from test_eagle3 import _draft as eagle3_draft
 
     head = eagle3_draft(target_module, folder, draft_vocab=vocab - 2, seed=2, scale=0.3)
     if kind == "eagle3":
         return head
+    if kind == "eagle3+suffix":
+        return SuffixMixDraft(head, suffix)
     from arborspec.runtime.drafts.mixed import LookupMixDraft
 
     return LookupMixDraft(head, LookupDraft(vocab, max_ngram=2))

@@ -160,16 +160,18 @@ def open_engines(
         models = open_engines(
             model, ds.text, export_dir, backend, device, engine_dir, verify, need_draft, cuda_graphs, dtype
         )
-        models.draft = mixed_with_lookup(models.draft, models.target.info.vocab_size, ds.mix, f"--draft {draft}")
+        models.draft = mixed_with_lookup(
+            models.draft, models.target.info.vocab_size, ds.mix, f"--draft {draft}", ds.mix_kind
+        )
         return models
     if backend == "torch":
         if not model:
             raise UserError("--backend torch needs --model NAME|PATH")
-        if ds is not None and ds.kind == "lookup":
-            from arborspec.runtime.drafts.lookup import LookupDraft
+        if ds is not None and ds.kind in ("lookup", "suffix"):
+            from arborspec.runtime.drafts.tables import table_draft
 
             models = _open_torch(model, None, device, need_draft=False, cuda_graphs=cuda_graphs, dtype=dtype)
-            models.draft = LookupDraft(models.target.info.vocab_size, max_ngram=ds.arg)
+            models.draft = table_draft(ds.kind, ds.arg, models.target.info.vocab_size)
             return models
         return _open_torch(model, ds, device, need_draft, cuda_graphs=cuda_graphs, dtype=dtype)
     if export_dir is None:
@@ -197,19 +199,20 @@ def open_engines(
     )
 
 
-def mixed_with_lookup(draft, vocab_size: int, max_ngram: int = 3, what: str = "--draft BASE+lookup"):
-    """A model draft (DraftSource or engine) mixed with a lookup draft (runtime/drafts/mixed.py);
-    `what`: the option asking for it, for the error line."""
-    from arborspec.runtime.drafts.lookup import LookupDraft
+def mixed_with_lookup(draft, vocab_size: int, max_ngram=3, what: str = "--draft BASE+lookup", table: str = "lookup"):
+    """A model draft (DraftSource or engine) mixed with a lookup draft (runtime/drafts/mixed.py),
+    or with the suffix draft (table "suffix", max_ngram its SuffixOptions); `what`: the option
+    asking for it, for the error line."""
     from arborspec.runtime.drafts.mixed import LookupMixDraft
     from arborspec.runtime.drafts.model import as_draft_source
+    from arborspec.runtime.drafts.tables import mixed_draft
 
     base = as_draft_source(draft)
-    if isinstance(base, LookupMixDraft):
-        raise UserError(f"{what}: the draft is already mixed with lookup (--draft BASE+lookup): use --tree")
+    if isinstance(base, LookupMixDraft) or getattr(base, "proposes", False):
+        raise UserError(f"{what}: the draft is already mixed with a table draft (--draft BASE+TABLE): use --tree")
     if base is None:
-        raise UserError(f"{what}: there is no model draft to mix with lookup")
-    return LookupMixDraft(base, LookupDraft(vocab_size, max_ngram=max_ngram))
+        raise UserError(f"{what}: there is no model draft to mix with {table}")
+    return mixed_draft(base, table, max_ngram, vocab_size)
 
 
 def _open_torch(model, ds, device: str, need_draft: bool, cuda_graphs: bool = False, dtype: str = "fp32") -> OpenModels:

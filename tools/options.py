@@ -24,14 +24,18 @@ TREE_HELP = (
 )
 DRAFT_HELP = (
     "draft: layers:K (the target's first K layers), bigram (a table from the target), "
-    "lookup[:N] (n-gram prompt lookup; any backend), eagle3[:DIR] (an EAGLE-3 head; torch backend), "
-    "none, a model NAME|PATH with the same vocabulary (torch backend), or BASE+lookup[:N] (a model "
-    "draft mixed with lookup: eagle3+lookup; export+lookup for an export folder's own draft). "
-    "With --export-dir: export (its own draft; default), none, lookup[:N] or export+lookup[:N]"
+    "lookup[:N] (n-gram prompt lookup; any backend), suffix[:nodes=24,alpha=1,prob=0.1,min=1,mem=0] "
+    "(suffix-tree draft: chains as long as the text's earlier match; any backend), eagle3[:DIR] (an "
+    "EAGLE-3 head; torch backend), none, a model NAME|PATH with the same vocabulary (torch backend), or "
+    "BASE+lookup[:N] / BASE+suffix[:...] (a model draft mixed with lookup, or its tree merged with the "
+    "suffix draft's: eagle3+suffix; export+lookup for an export folder's own draft). "
+    "With --export-dir: export (its own draft; default), none, lookup[:N], suffix[:...], "
+    "export+lookup[:N] or export+suffix[:...]"
 )
 DRAFT_HELP_EXPORT = (
     "draft: export (the folder's own draft; default), none, lookup[:N] (n-gram prompt lookup), "
-    "or export+lookup[:N] (the folder's draft mixed with lookup)"
+    "suffix[:...] (suffix-tree draft), or export+lookup[:N] / export+suffix[:...] (the folder's draft "
+    "mixed with lookup, or merged with the suffix draft's trees)"
 )
 DEVICE_HELP = "cpu or cuda[:N] (default cpu)"
 QUIET_HELP = "no progress bars (they are drawn only when stderr is a terminal anyway)"

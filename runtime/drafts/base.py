@@ -24,6 +24,7 @@ import torch
 from ..topk import TopK, topk_of  # re-exported: the draft sources import them from here
 from ..tree_plan import MaskBuffer
 from ..trees import Tree, TreePolicy
+from .proposed import unwrap
 
 
 @dataclass
@@ -55,6 +56,17 @@ class DraftSource:
     finite_logits = True
     model_s = 0.0
     sample_scale = 1.0
+
+    def widen(self, policy: TreePolicy) -> TreePolicy:
+        """The policy the decoder runs this source under: `policy` itself; a source that proposes
+        its own trees (`propose`) returns a ProposingPolicy with room for them
+        (runtime/drafts/proposed.py)."""
+        return policy
+
+    def propose(self, root: int):
+        """The tree this source proposes below `root` as a whole (a proposed.Proposal), for a
+        source whose `widen` returns a ProposingPolicy; one per step, before `commit`."""
+        raise NotImplementedError
 
     def prepare(self, policy: TreePolicy, max_len: int) -> None:
         """Once per generation, before `reset`: size scratch space for `policy` and a committed
@@ -141,7 +153,9 @@ def scratch_mask(
 
 
 def tree_capacity(policy: TreePolicy, vocab: int) -> int:
-    """Upper bound on the nodes a policy drafts in one step, before its final pruning."""
+    """Upper bound on the nodes a policy drafts in one step, before its final pruning (a
+    ProposingPolicy's model part: its proposals are merged after)."""
+    policy = unwrap(policy)
     kind = policy.kind
     if kind == "dynamic":
         k = min(policy.k, vocab)

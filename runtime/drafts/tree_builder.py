@@ -30,6 +30,7 @@ from ..sampling import SamplingParams, draw_candidates, probs, warp_logits
 from ..tree_plan import PLANNED_KINDS, plan_for
 from ..trees import CANDIDATE_MODES, Tree, TreePolicy
 from .base import DraftSource, NodeView, full_vocab, to_target, topk_of, tree_capacity
+from .proposed import ProposingPolicy, build_proposed
 
 
 @dataclass
@@ -133,6 +134,8 @@ def tree_builder(
     candidates = opts.candidates
     if candidates not in CANDIDATE_MODES:
         raise InputError(f"unknown candidate mode {candidates!r} (expected one of {', '.join(CANDIDATE_MODES)})")
+    if isinstance(policy, ProposingPolicy):  # a draft that proposes its own tree (drafts/proposed.py)
+        return (yield from build_proposed(draft, policy, root, lambda base: tree_builder(draft, base, root, sp, opts)))
     sampled = candidates != "topk" and not sp.greedy
     if sampled and policy.data_dependent:
         raise InputError(f"tree policy {policy.kind} ranks candidates by score: use --candidates topk with it")

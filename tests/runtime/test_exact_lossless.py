@@ -86,6 +86,9 @@ MULTI = [
     ("lookup", "full:3,2", SamplingParams(1.0, 3)),
     ("eagle3", "full:3,2", SamplingParams(1.0, 3)),
     ("mixed", "dynamic:2,3,6", SamplingParams(1.0, 3)),
+    ("suffix", "full:3,2", SamplingParams(1.0, 3)),
+    ("model+suffix", "full:2,2", SamplingParams(1.0, 3)),
+    ("eagle3+suffix", "dynamic:2,3,6", SamplingParams(1.0, 3)),
     # the request's penalties read each row's tree path (runtime/penalties.py), min-p cuts
     ("model", "full:3,2", SamplingParams(1.0, 3, repetition_penalty=1.8, presence_penalty=0.8, logit_bias={6: 1.5})),
     ("lookup", "full:3,2", SamplingParams(0.8, 0, 0.9, min_p=0.15, frequency_penalty=0.7, repetition_penalty=1.5)),
@@ -132,6 +135,8 @@ STEP = [
     ("lookup", "sample", FORK_TREE, SamplingParams(1.0, 3)),
     ("eagle3", "sample-unique", FORK_TREE, SamplingParams(1.0, 3)),
     ("mixed", "sample", FORK_TREE, SamplingParams(1.0, 3)),
+    ("suffix", "sample", FORK_TREE, SamplingParams(1.0, 3)),
+    ("eagle3+suffix", "sample", FORK_TREE, SamplingParams(1.0, 3)),
     ("model", "sample-unique", FORK_TREE, SamplingParams(1.0, 3, repetition_penalty=1.6, frequency_penalty=0.9)),
 ]
 

@@ -89,6 +89,22 @@ def test_lossless_lookup_draft(pair, cand):
     assert chi_square_pvalue(counts, exact) > PASS_P
 
 
+@pytest.mark.parametrize("cand", ["topk", "sample"])
+def test_lossless_suffix_draft(pair, cand):
+    """The suffix draft proposes deterministic chains (top-k candidates whatever the mode): lossless."""
+    from arborspec.runtime.drafts.spec import SuffixOptions
+    from arborspec.runtime.drafts.suffix import SuffixDraft
+
+    target, _ = pair
+    sp = SamplingParams(1.0)
+    prompt = [1, 3, 2, 1, 3, 5, 1, 3]
+    exact = exact_two_token_distribution(target, prompt, sp)
+    draft = SuffixDraft(8, SuffixOptions(min=1, alpha=2.0, paths=2))
+    dec = SpeculativeDecoder(target, draft, mode="tree", tree="chain:1", candidates=cand, sampling=sp)
+    counts = sample_two_tokens(dec, prompt, N, seed0=4343)
+    assert chi_square_pvalue(counts, exact) > PASS_P
+
+
 def test_sampled_candidates_need_a_fixed_structure(pair):
     target, draft = pair
     dec = SpeculativeDecoder(

@@ -66,7 +66,15 @@ SP = SamplingParams(1.0, 3)
 
 @pytest.mark.parametrize("bug", TOPK_BUGS)
 @pytest.mark.parametrize(
-    "kind,tree", [("model", "full:3,2"), ("lookup", "full:3,2"), ("eagle3", "full:3,2"), ("mixed", "dynamic:2,3,6")]
+    "kind,tree",
+    [
+        ("model", "full:3,2"),
+        ("lookup", "full:3,2"),
+        ("eagle3", "full:3,2"),
+        ("mixed", "dynamic:2,3,6"),
+        ("suffix", "full:3,2"),
+        ("eagle3+suffix", "dynamic:2,3,6"),
+    ],
 )
 def test_topk_rule_bugs_are_seen(target_module, tmp_path, kind, tree, bug):  # noqa: F811
     if kind != "model" and "depth" in bug:
