@@ -13,6 +13,7 @@ from arborspec.runtime.decode import SpeculativeDecoder
 from arborspec.runtime.decoder_config import DecoderConfig
 from arborspec.runtime.drafts.lookup import LookupDraft
 from arborspec.runtime.drafts.mixed import LookupMixDraft
+from arborspec.runtime.drafts.suffix import SuffixDraft, SuffixMixDraft
 from arborspec.runtime.governor import TREE, VANILLA, SpeculationGovernor
 
 PROMPT = [5, 9, 2, 7, 1, 5, 9, 2]
@@ -60,6 +61,8 @@ def test_held_steps_keep_greedy_output_exact_for_every_draft(target, tmp_path, p
         "model": TorchEngine(truncated(target, 1)),
         "lookup": LookupDraft(96, max_ngram=2),
         "eagle3+lookup": LookupMixDraft(eagle3_draft(target, tmp_path, seed=1), LookupDraft(96, max_ngram=2)),
+        "suffix": SuffixDraft(96),
+        "eagle3+suffix": SuffixMixDraft(eagle3_draft(target, tmp_path, seed=2), SuffixDraft(96)),
     }
     for name, draft in drafts.items():
         dec = SpeculativeDecoder(eng, draft, mode="tree", tree="full:2,2", adaptive=True)
