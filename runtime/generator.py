@@ -27,16 +27,14 @@ calls together, one verify call per step for all of them (runtime/batch_schedule
 
 from __future__ import annotations
 
-import re
 import threading
 import warnings
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from .decode import SpeculativeDecoder, check_logprobs
-from .decoder_config import DEFAULT_TREE, DecoderConfig, with_options
-from .errors import EmptyCompletionWarning, InputError, MissingFileError
+from .decoder_config import DecoderConfig, Opened, resolve_config, with_options
+from .errors import EmptyCompletionWarning, InputError
 from .penalties import check_bias
 from .request import GenerationRequest, GenerationResult
 from .sampling import SamplingParams
@@ -46,8 +44,6 @@ from .stop_strings import StopStrings, decode_until_stop, parse_stop
 
 if TYPE_CHECKING:
     from .export_dir import OpenOptions
-
-AUTO_TREE_FILE = "tree_auto.json"  # written by `arborspec tune --export-dir DIR`
 
 
 @dataclass
@@ -83,9 +79,8 @@ class Generator:
         eos_token_ids: Sequence[int] | None = None,
         **options,
     ):
-        cfg = DecoderConfig.of(config, options, "Generator")
-        mode = cfg.mode or ("tree" if draft is not None else "vanilla")
-        self.config = cfg = replace(cfg, mode=mode, tree=cfg.tree_spec, max_batch=cfg.max_batch or 1)
+        cfg = resolve_config(DecoderConfig.of(config, options, "Generator"), Opened(draft is not None))
+        self.config = cfg = replace(cfg, max_batch=cfg.max_batch or 1)
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         if eos_token_ids is None:
             eos_token_ids = list(getattr(tokenizer, "eos_token_ids", []) or [])
@@ -165,28 +160,15 @@ class Generator:
         K/V of a prompt's start that the previous prompt shared (a chat's earlier turns, a system
         prompt): None where that is exact (the int4 export), True / False."""
         from .export_dir import OPEN_FIELDS, OpenOptions, open_export
+        from .tuned_tree import ModelsKey
 
         opened_as = {k: options.pop(k) for k in OPEN_FIELDS if k in options}
         opening = with_options(opening or OpenOptions(), opened_as, "Generator.from_export")
         cfg = DecoderConfig.of(config, options, "Generator.from_export")
         ex = open_export(dir, backend, device, opening)
         try:
-            draft, tree, sampled_tree = opening.draft, cfg.tree, cfg.sampled_tree
-            if tree is None and auto_tree_file(dir, draft).is_file():
-                tree = "auto"  # `arborspec tune` chose one for this export and draft
-            tree = tree or ex.tree_default or DEFAULT_TREE
-            if str(tree).strip().lower() == "auto":
-                tree = auto_tree_spec(dir, draft)
-                sampled = auto_tree_file(dir, draft, sampled=True)  # `tune --temperature T` wrote it
-                sampled_tree = f"static:{sampled}" if sampled.is_file() else None
-            limits = [n for n in (ex.limits.get("max_tree_nodes"), cfg.max_tree_nodes) if n is not None]
-            cfg = replace(
-                cfg,
-                mode=cfg.mode or ("tree" if ex.draft is not None else "vanilla"),
-                tree=tree,
-                sampled_tree=sampled_tree,
-                max_tree_nodes=min(limits) if limits else None,
-            )
+            key = ModelsKey(draft=opening.draft, backend=None if backend == "onnxruntime" else backend, export_dir=dir)
+            cfg = resolve_config(cfg, ex, key)
             gen = cls(ex.target, ex.draft, ex.tokenizer, cfg)
             gen._owns.append(ex)
             return gen
@@ -511,24 +493,3 @@ def warn_if_empty_answer(tokenizer, n_tokens: int, stop_reason: str | None, fix:
             stacklevel=3,
         )
 
-
-def auto_tree_file(export_dir, draft: str | None = None, sampled: bool = False) -> Path:
-    """Where `arborspec tune --export-dir DIR [--draft SPEC]` writes its tree: DIR/tree_auto.json
-    for the export's own draft, DIR/tree_auto.SPEC.json for another (`lookup`, `export+lookup`:
-    each draft gets the tree tuned for it); `tree_auto[.SPEC].sampled.json` for the tree tuned
-    for sampled decoding (`tune --temperature T`)."""
-    d = (draft or "export").strip().lower()
-    tail = ".sampled.json" if sampled else ".json"
-    if d in ("export", "eagle3"):
-        return Path(export_dir) / (AUTO_TREE_FILE[: -len(".json")] + tail)
-    return Path(export_dir) / f"tree_auto.{re.sub(r'[^a-z0-9_.-]+', '_', d)}{tail}"
-
-
-def auto_tree_spec(export_dir, draft: str | None = None) -> str:
-    """`static:PATH` of the tree `arborspec tune` chose for this export and draft, or one line
-    saying how to make it."""
-    path = auto_tree_file(export_dir, draft)
-    if not path.is_file():
-        how = f"arborspec tune --export-dir {export_dir}" + (f" --draft {draft}" if path.name != AUTO_TREE_FILE else "")
-        raise MissingFileError(f"tree auto: no tuned tree {path.name} in {export_dir} (run `{how}` first)")
-    return f"static:{path}"

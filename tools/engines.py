@@ -263,8 +263,8 @@ def _open_torch(model, ds, device: str, need_draft: bool, cuda_graphs: bool = Fa
 
 
 def models_key(args):
-    """The tuned-tree key (arborspec.tools.tune.tuner.ModelsKey) of CLI-style model arguments."""
-    from arborspec.tools.tune.tuner import ModelsKey
+    """The tuned-tree key (runtime/tuned_tree.ModelsKey) of CLI-style model arguments."""
+    from arborspec.runtime.tuned_tree import ModelsKey
 
     return ModelsKey(
         model=getattr(args, "model", None),
@@ -273,3 +273,20 @@ def models_key(args):
         device=getattr(args, "device", "cpu") or "cpu",
         export_dir=getattr(args, "export_dir", None),
     )
+
+
+def resolved_config(models, args, asked, key=None):
+    """runtime/decoder_config.resolve_config for CLI-style arguments: `asked` (a DecoderConfig)
+    over the opened `models`, the tuned tree keyed by `key` (None: the arguments' own), at
+    --temperature; a note on stderr when that tree was tuned on another backend."""
+    import sys
+
+    from arborspec.runtime.decoder_config import resolve_config
+    from arborspec.runtime.tuned_tree import tuned_backend_note
+
+    key = key or models_key(args)
+    cfg = resolve_config(asked, models, key, getattr(args, "temperature", 0.0) or 0.0)
+    note = tuned_backend_note(cfg.tree, key)
+    if note:
+        print(f"arborspec: note: {note}", file=sys.stderr)
+    return cfg

@@ -182,6 +182,7 @@ def mismatch_message(c: BenchConfig, prompt_id: str, at: int, exact: bool = True
 def make_decoders(models, configs: list[BenchConfig], sp):
     """Our configurations' decoders, every one sampling with `sp` (a SamplingParams)."""
     from arborspec.runtime.decode import SpeculativeDecoder
+    from arborspec.runtime.decoder_config import DEFAULT_TREE
 
     decs = {}
     mixed = None  # one mixed draft over the models' draft, shared by the --mix-tree configs
@@ -203,7 +204,7 @@ def make_decoders(models, configs: list[BenchConfig], sp):
             models.target,
             draft,
             mode=c.mode,
-            tree=c.tree or "full:3,2",
+            tree=c.tree or DEFAULT_TREE,
             candidates=c.candidates,
             sampling=sp,
             max_tree_nodes=models.limits.get("max_tree_nodes"),

@@ -22,7 +22,7 @@ from arborspec.tools.commands.options import (
     sampling_from_args,
     with_response_format,
 )
-from arborspec.tools.engines import add_model_args, models_key, open_models
+from arborspec.tools.engines import add_model_args, open_models, resolved_config
 from arborspec.tools.options import JSON_HELP, PREFIX_CACHE
 
 EXAMPLE = """examples:
@@ -128,25 +128,6 @@ def _read(path: Path) -> str:
     return read_text_file(path, "prompt file")
 
 
-def resolve_tree_arg(models, args, mode: str):
-    """`--tree auto` -> the static tree tuned by `arborspec tune` for these models (at
-    --temperature > 0 the one tuned for sampling, when there is one; one-line error when there is
-    none), and so is no --tree in tree mode when that tree exists; any other --tree value is
-    returned unchanged."""
-    from arborspec.tools.tune.tuner import auto_tree_path, resolve_tree
-
-    key = models_key(args)
-    if args.tree is None and mode == "tree" and auto_tree_path(key).is_file():
-        return resolve_tree("auto", key, args.temperature)  # `tune` chose one: the default
-    if args.tree is None or args.tree.strip().lower() != "auto":
-        return args.tree
-    if mode == "vanilla":
-        return None
-    if mode != "tree":
-        raise InputError("--tree auto picks a static tree: use it with --mode tree")
-    return resolve_tree(args.tree, key, args.temperature)
-
-
 def resolve_mode(models, args) -> None:
     """args.mode for these models: as serve and Generator.from_export, tree when there is a
     draft, else vanilla; one line when a mode or --tree asks for a draft there is not."""
@@ -160,26 +141,18 @@ def resolve_mode(models, args) -> None:
 
 def make_decoder(models, args, mode: str | None = None):
     from arborspec.runtime.decode import SpeculativeDecoder
+    from arborspec.runtime.decoder_config import DecoderConfig
 
     mode = mode or args.mode
-    tree = (
-        resolve_tree_arg(models, args, mode)
-        or (models.tree_default if mode == "tree" else None)
-        or ("chain:4" if mode == "chain" else "full:3,2")
-    )
-    if mode == "chain" and not tree.startswith("chain:"):
-        tree = "chain:4" if args.tree is None else tree
-    sp = with_response_format(sampling_from_args(args), response_format_from_args(args), models)
-    return SpeculativeDecoder(
-        models.target,
-        models.draft if mode != "vanilla" else None,
+    asked = DecoderConfig(
         mode=mode,
-        tree=tree,
+        tree=args.tree,
         candidates=args.candidates,
-        sampling=sp,
-        max_tree_nodes=models.limits.get("max_tree_nodes"),
         prefix_cache=PREFIX_CACHE[getattr(args, "prefix_cache", "auto")],
     )
+    sp = with_response_format(sampling_from_args(args), response_format_from_args(args), models)
+    draft = models.draft if mode != "vanilla" else None
+    return SpeculativeDecoder(models.target, draft, resolved_config(models, args, asked), sampling=sp)
 
 
 def _check_limits(models, n_prompt: int, max_new: int) -> None:
