@@ -255,7 +255,7 @@ def run_bench(
         peer_kw={"top_k": sp.top_k, "top_p": sp.top_p, **grammar},
         skipped=skipped if skipped is not None else {},
         log=log or (lambda s: print(s, file=sys.stderr)),
-        exact=getattr(models.owner, "exact_speculation", True),  # False: int8-activation target
+        exact=getattr(models, "exact_speculation", True),  # False: int8-activation target
     )
     if warmup and prompts:
         bench.warm_up(prompts[0]["ids"][-32:], warmup, max_new_tokens)

@@ -420,7 +420,7 @@ def _fitting_prompts(args, entries, models, notes: list[str]) -> list[dict]:
 
 def _source_of(args, models) -> dict:
     """The model file the baselines run on: an export manifest's `source`, else the models' own."""
-    source = dict(models.source or {})
+    source = dict(getattr(models, "source", None) or {})  # (an export folder's: read below)
     if args.export_dir is not None:
         try:
             from arborspec.runtime.export_dir import read_manifest
@@ -522,7 +522,7 @@ def _meta(args, plan: BenchPlan, models, source: dict, load_before) -> dict:
         "describe": models.describe,
         # ONNX Runtime threads: "shared" (one pool for every session), "session" (a pool each)
         "ort_thread_pool": getattr(models.target, "thread_pool", None),
-        "exact_speculation": getattr(models.owner, "exact_speculation", True),
+        "exact_speculation": getattr(models, "exact_speculation", True),
         "source": {k: v for k, v in source.items() if k != "files"},
         "versions": bench_report.versions(),
         "command": _command_line(args),
