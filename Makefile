@@ -42,7 +42,7 @@ demo: $(STAMP)
 	  echo "exporting SmolLM2-135M + draft $(EXPORT_DRAFT) to $(DEMO_EXPORT) (once, a few minutes)"; \
 	  $(ARBOR) export --model smollm2-135m --draft $(EXPORT_DRAFT) $(EXPORT_FLAGS) --out "$(DEMO_EXPORT)"; \
 	fi
-	@if [ "$(DEMO_TREE)" = auto ] && [ ! -f "$$($(PY) -c 'import sys; from arborspec.runtime.generator import auto_tree_file; print(auto_tree_file(*sys.argv[1:]))' "$(DEMO_EXPORT)" "$(DEMO_DRAFT)")" ]; then \
+	@if [ "$(DEMO_TREE)" = auto ] && [ ! -f "$$($(PY) -c 'import sys; from arborspec.runtime.tuned_tree import auto_tree_file; print(auto_tree_file(*sys.argv[1:]))' "$(DEMO_EXPORT)" "$(DEMO_DRAFT)")" ]; then \
 	  echo "tuning the tree for --draft $(DEMO_DRAFT) on this machine (once, about a minute)"; \
 	  $(ARBOR) tune --export-dir "$(DEMO_EXPORT)" --draft $(DEMO_DRAFT) --quiet; \
 	fi

@@ -21,10 +21,11 @@ from arborspec.runtime.contract import (  # noqa: F401
     Manifest,
     read_manifest,
 )
+from arborspec.runtime.decoder_config import DEFAULT_TREE as DECODER_DEFAULT_TREE
 from arborspec.runtime.errors import ExportDirError, InputError  # noqa: F401
 from arborspec.runtime.fileio import atomic_write_json, sha256_file
 
-DEFAULT_TREE = {"mode": "tree", "tree": "full:3,2"}
+DEFAULT_TREE = {"mode": "tree", "tree": DECODER_DEFAULT_TREE}  # the manifest's tree_defaults
 
 
 def graph_io(path: str | os.PathLike) -> tuple[list[dict], list[dict]]:

@@ -36,7 +36,7 @@ manifest.json:
                "draft_fc.onnx", "aux_layers": [...], "draft_vocab_size": N, ...}
             | {"kind": "none"},
      "limits": {"max_context": 2048, "max_tree_nodes": 64},
-     "tree_defaults": {"mode": "tree", "tree": "full:3,2"},
+     "tree_defaults": {"mode": "tree", "tree": DEFAULT_TREE},  (runtime/decoder_config.py's)
      "source": {"model": "smollm2-135m", "location": "...", "checksums": {"file": "sha256"}},
      "tokenizer": {"files": ["tokenizer.json", ...], "sha256": "..."} | null}
 

@@ -53,6 +53,11 @@ class OpenedExport:
         return dict(self.manifest.limits or {})
 
     @property
+    def describe(self) -> str:
+        """The folder, backend and device, as the CLI names what it opened."""
+        return f"{self.manifest.root} ({self.backend}, {self.device})"
+
+    @property
     def exact_speculation(self) -> bool:
         """Whether chain/tree decoding on this export reproduces its vanilla decoding (greedy:
         token for token; sampled: the same distribution): see `inexact_speculation_reason`."""

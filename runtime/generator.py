@@ -22,32 +22,29 @@ calls together, one verify call per step for all of them (runtime/batch_schedule
     with ThreadPoolExecutor(8) as pool:
         texts = list(pool.map(lambda p: gen.generate(p).text, prompts))
 
-`last_stats` / `last_stop_reason` are the calling thread's last generation's.
+A call's outcome comes back as a value: generate()'s and chat()'s `Completion`, and the
+iterator that stream() returns (a `Stream`) holds the generation's `result` (its stats and stop
+reason: live while it runs, final once exhausted or closed).
 """
 
 from __future__ import annotations
 
-import re
 import threading
 import warnings
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from .decode import SpeculativeDecoder, check_logprobs
-from .decoder_config import DEFAULT_TREE, DecoderConfig, with_options
-from .errors import EmptyCompletionWarning, InputError, MissingFileError
+from .decoder_config import DecoderConfig, Opened, resolve_config, with_options
+from .errors import EmptyCompletionWarning, InputError
 from .penalties import check_bias
 from .request import GenerationRequest, GenerationResult
 from .sampling import SamplingParams
 from .stats import GenerationStats
-from .stats import GenerationStats as _Stats
 from .stop_strings import StopStrings, decode_until_stop, parse_stop
 
 if TYPE_CHECKING:
     from .export_dir import OpenOptions
-
-AUTO_TREE_FILE = "tree_auto.json"  # written by `arborspec tune --export-dir DIR`
 
 
 @dataclass
@@ -69,8 +66,8 @@ class Completion:
 class Generator:
     """target: an Engine; draft: a DraftSource, an Engine or None; tokenizer: a TextTokenizer
     (needed for text prompts and `chat`). config: how its decoders speculate and batch
-    (runtime/decoder_config.py; mode None: "tree" with a draft, else "vanilla"; max_batch None:
-    1), options its fields as keywords over it: Generator(t, d, tok, tree="chain:4").
+    (runtime/decoder_config.py, resolved by its resolve_config: mode None: "tree" with a draft,
+    else "vanilla"; max_batch None: 1), options its fields as keywords over it: Generator(t, d, tok, tree="chain:4").
     eos_token_ids: None: the tokenizer's. An opened export (`from_export`) is closed by close()."""
 
     def __init__(
@@ -83,9 +80,8 @@ class Generator:
         eos_token_ids: Sequence[int] | None = None,
         **options,
     ):
-        cfg = DecoderConfig.of(config, options, "Generator")
-        mode = cfg.mode or ("tree" if draft is not None else "vanilla")
-        self.config = cfg = replace(cfg, mode=mode, tree=cfg.tree_spec, max_batch=cfg.max_batch or 1)
+        cfg = resolve_config(DecoderConfig.of(config, options, "Generator"), Opened(draft is not None))
+        self.config = cfg = replace(cfg, max_batch=cfg.max_batch or 1)
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         if eos_token_ids is None:
             eos_token_ids = list(getattr(tokenizer, "eos_token_ids", []) or [])
@@ -99,7 +95,6 @@ class Generator:
         self._decoder(SamplingParams())  # validates mode / tree / draft now, not at the first call
         if cfg.sampled_tree:
             self._decoder(SamplingParams(temperature=1.0))  # and the sampled calls' tree
-        self._last = _LastCall()
         self._busy = 0
         self._batch = None
         if cfg.max_batch > 1:
@@ -116,14 +111,15 @@ class Generator:
     max_batch = property(lambda self: self.config.max_batch)
 
     @property
-    def last_stats(self) -> _Stats | None:
-        """Statistics of this thread's last generation."""
-        return self._last.result.stats if self._last.result is not None else None
-
-    @property
     def reuses_prefix(self) -> bool:
         """Whether a prompt that starts like the previous one reuses its K/V (`prefix_cache`)."""
         return self._decoder(SamplingParams()).prefix_cache
+
+    def tree_spec(self, sampled: bool = False) -> str:
+        """The tree (its TreePolicy spec) that unbatched greedy calls draft, or (sampled) those at
+        a temperature above 0; "" in vanilla mode."""
+        dec = self._decoder(SamplingParams(temperature=1.0) if sampled else SamplingParams())
+        return dec.policy.spec if dec.policy is not None else ""
 
     def cached_prefix(self, ids: list[int]) -> int:
         """How many of `ids`' first tokens this generator's caches hold (its next prompt that
@@ -131,10 +127,6 @@ class Generator:
         read without the lock, it may be a step stale."""
         decs = [self._batch.decoder] if self._batch is not None else self._decoders.values()
         return max(d.cached_prefix(ids) for d in decs)
-
-    @property
-    def last_stop_reason(self) -> str | None:
-        return self._last.result.stop_reason if self._last.result is not None else None
 
     @property
     def active(self) -> int:
@@ -158,35 +150,23 @@ class Generator:
     ) -> "Generator":
         """Open an export folder (runtime/export_dir.open_export; opening: its OpenOptions) and
         wrap it. options: OpenOptions' fields (draft, verify, engine_dir, providers) and
-        DecoderConfig's, as keywords over `opening` and `config`. tree: a spec, "auto" (the tree
-        `arborspec tune --export-dir DIR` chose; for unbatched calls at a temperature above 0 the
-        one `tune --temperature T` chose, when it ran), or None: "auto" when `tune` ran for this
-        draft, else the export's default tree (OpenedExport.tree_default). prefix_cache: reuse the
+        DecoderConfig's, as keywords over `opening` and `config`, resolved by
+        runtime/decoder_config.resolve_config. tree: a spec, "auto" (the tree `arborspec tune
+        --export-dir DIR` chose; for unbatched calls at a temperature above 0 the one `tune
+        --temperature T` chose, when it ran), or None: "auto" when `tune` ran for this draft,
+        else the export's default tree (OpenedExport.tree_default). prefix_cache: reuse the
         K/V of a prompt's start that the previous prompt shared (a chat's earlier turns, a system
         prompt): None where that is exact (the int4 export), True / False."""
         from .export_dir import OPEN_FIELDS, OpenOptions, open_export
+        from .tuned_tree import ModelsKey
 
         opened_as = {k: options.pop(k) for k in OPEN_FIELDS if k in options}
         opening = with_options(opening or OpenOptions(), opened_as, "Generator.from_export")
         cfg = DecoderConfig.of(config, options, "Generator.from_export")
         ex = open_export(dir, backend, device, opening)
         try:
-            draft, tree, sampled_tree = opening.draft, cfg.tree, cfg.sampled_tree
-            if tree is None and auto_tree_file(dir, draft).is_file():
-                tree = "auto"  # `arborspec tune` chose one for this export and draft
-            tree = tree or ex.tree_default or DEFAULT_TREE
-            if str(tree).strip().lower() == "auto":
-                tree = auto_tree_spec(dir, draft)
-                sampled = auto_tree_file(dir, draft, sampled=True)  # `tune --temperature T` wrote it
-                sampled_tree = f"static:{sampled}" if sampled.is_file() else None
-            limits = [n for n in (ex.limits.get("max_tree_nodes"), cfg.max_tree_nodes) if n is not None]
-            cfg = replace(
-                cfg,
-                mode=cfg.mode or ("tree" if ex.draft is not None else "vanilla"),
-                tree=tree,
-                sampled_tree=sampled_tree,
-                max_tree_nodes=min(limits) if limits else None,
-            )
+            key = ModelsKey(draft=opening.draft, backend=None if backend == "onnxruntime" else backend, export_dir=dir)
+            cfg = resolve_config(cfg, ex, key)
             gen = cls(ex.target, ex.draft, ex.tokenizer, cfg)
             gen._owns.append(ex)
             return gen
@@ -309,15 +289,16 @@ class Generator:
         dreq = self._decoding(req)
         stops = self._stops(req.stop)
         out: list[int] = []
+        call = _Call()
         if stops:
-            text = "".join(self._text_until_stop(dreq, stops, out))
+            text = "".join(self._text_until_stop(dreq, stops, out, call))
         else:
-            for chunk in self._token_stream(dreq):
+            for chunk in self._token_stream(dreq, call):
                 out += chunk
             text = self._text(out)
+        res = call.result
         if isinstance(req.prompt, str):
-            warn_if_empty_answer(self.tokenizer, len(out), self.last_stop_reason, "generate(prompt, chat=True)")
-        res = self._last.result
+            warn_if_empty_answer(self.tokenizer, len(out), res.stop_reason, "generate(prompt, chat=True)")
         lps = None if dreq.logprobs is None else list(res.logprobs or [])[: len(out)]
         plps = None if dreq.prompt_logprobs is None else list(res.prompt_logprobs or [])
         return Completion(text, out, len(dreq.prompt), res.stop_reason, res.stats, lps, plps)
@@ -328,31 +309,30 @@ class Generator:
             raise InputError("stop strings need text output (a tokenizer, and ids=False)")
         return stops
 
-    def _text_until_stop(self, req: GenerationRequest, stops: list[str], tokens: list):
+    def _text_until_stop(self, req: GenerationRequest, stops: list[str], tokens: list, call: _Call):
         """Text pieces of one generation that ends at the first stop string (left out of the
         text but with the request's include_stop_str_in_output; stop_reason "stop"); `tokens`
         collects the ids read, up to the one that completed it."""
         match = StopStrings(stops, req.include_stop_str_in_output)
-        chunks = self._token_stream(req)
+        chunks = self._token_stream(req, call)
         yield from decode_until_stop(chunks, self.tokenizer.stream_decoder(skip_special_tokens=True), match, tokens)
         if match.hit:
-            self._last.result.stop_reason = "stop"
+            call.result.stop_reason = "stop"
 
-    def _token_stream(self, req: GenerationRequest):
+    def _token_stream(self, req: GenerationRequest, call: _Call):
         """Token-id chunks of one generation (a decoder's request: `_decoding`), batched or under
-        the lock; this thread's `_last.result` is its GenerationResult (live: the log-probs grow
-        with it; final when it ends)."""
-        self._last.result = None
+        the lock; `call.result` is its GenerationResult (live: the log-probs grow with it; final
+        when it ends)."""
         if self._batch is not None:
             self._check_open()
             s = self._batch.submit(req)
             try:
                 for chunk in s:
-                    self._last.result = s.result  # live: the chunk's log-probs are in it (stream(logprobs=k))
+                    call.result = s.result  # live: the chunk's log-probs are in it (stream(logprobs=k))
                     yield chunk
             finally:
                 s.cancel()  # a caller that stops early frees its row
-                self._last.result = s.result  # its stats so far (live until the scheduler drops the row)
+                call.result = s.result  # its stats so far (live until the scheduler drops the row)
             return
         with self._lock:
             self._check_open()
@@ -360,44 +340,53 @@ class Generator:
             steps = self._decoder(req.sampling).stream(req)
             try:
                 for chunk in steps:
-                    self._last.result = steps.result  # live, as above
+                    call.result = steps.result  # live, as above
                     yield chunk
             finally:
                 steps.close()  # a caller that stops early ends the decoder's sequence here
                 self._busy = 0
-                self._last.result = steps.result
+                call.result = steps.result
 
-    def stream(self, prompt, max_new_tokens: int = 64, *, ids: bool = False, **options) -> Iterator:
+    def stream(self, prompt, max_new_tokens: int = 64, *, ids: bool = False, **options) -> Stream:
         """Text chunks as they become final (or lists of token ids with ids=True) of a prompt
-        with generate()'s options, or of a GenerationRequest. Stats and stop reason of the last
-        stream: `last_stats`, `last_stop_reason`. stop: as in generate (a chunk that might begin
-        a stop string is held back until it cannot). logprobs=k: yields (chunk, entries) pairs
-        instead, entries as generate's `Completion.logprobs` for the tokens read since the
-        previous pair (a token whose text is held back comes with the chunk that releases it; a
-        last pair may carry an empty chunk). prompt_logprobs: generate's only."""
+        with generate()'s options, or of a GenerationRequest, as a `Stream`: iterate it; its
+        `result` (a GenerationResult: stats, stop_reason) is final once it is exhausted or
+        closed. stop: as in generate (a chunk that might begin a stop string is held back until
+        it cannot). logprobs=k: yields (chunk, entries) pairs instead, entries as generate's
+        `Completion.logprobs` for the tokens read since the previous pair (a token whose text is
+        held back comes with the chunk that releases it; a last pair may carry an empty chunk).
+        prompt_logprobs: generate's only."""
+        call = _Call()
+        return Stream(self._stream(prompt, max_new_tokens, ids, options, call), call)
+
+    def _stream(self, prompt, max_new_tokens: int, ids: bool, options: dict, call: _Call):
+        """stream()'s chunks (a generator: the request is checked at the first one)."""
         req = self._request(prompt, max_new_tokens, options)
         if req.prompt_logprobs is not None:
             raise InputError("prompt_logprobs are generate()'s (a Completion), not stream()'s")
         dreq = self._decoding(req)
         stops = self._stops(req.stop, ids)
-        read: list[int] = []  # the tokens read so far
-        pieces = self._text_until_stop(dreq, stops, read) if stops else self._pieces(dreq, ids, read)
+        read = call.tokens  # the tokens read so far
+        if stops:
+            pieces = self._text_until_stop(dreq, stops, read, call)
+        else:
+            pieces = self._pieces(dreq, ids, read, call)
         if dreq.logprobs is None:
             yield from pieces
             return
         sent = 0
         for piece in pieces:
-            entries, sent = self._last.result.logprobs[sent : len(read)], len(read)
+            entries, sent = call.result.logprobs[sent : len(read)], len(read)
             yield piece, entries
-        rest = self._last.result.logprobs[sent : len(read)] if self._last.result is not None else []
+        rest = call.result.logprobs[sent : len(read)] if call.result is not None else []
         if rest:
             yield ([] if ids else ""), rest
 
-    def _pieces(self, req: GenerationRequest, ids: bool, read: list):
+    def _pieces(self, req: GenerationRequest, ids: bool, read: list, call: _Call):
         """stream's chunks without stop strings: text as it becomes final (ids: the token lists);
         `read` collects the ids."""
         sd = self.tokenizer.stream_decoder(skip_special_tokens=True) if (self.tokenizer and not ids) else None
-        for chunk in self._token_stream(req):
+        for chunk in self._token_stream(req, call):
             read += chunk
             if sd is None:
                 yield chunk
@@ -463,10 +452,49 @@ class Generator:
         self.close()
 
 
-class _LastCall(threading.local):
-    """This thread's last generation (Generator.last_stats / last_stop_reason)."""
+class _Call:
+    """One call's outcome, handed from the decoding generators to the caller (no thread state):
+    its GenerationResult and the token ids read (up to the one that completed a stop string)."""
 
-    result: GenerationResult | None = None
+    def __init__(self):
+        self.result: GenerationResult | None = None
+        self.tokens: list[int] = []
+
+
+class Stream:
+    """The iterator `Generator.stream()` returns: its chunks, and `result`, the generation's
+    GenerationResult (stats, stop_reason "eos" / "length" / "context" / "stop", logprobs): None
+    before the first chunk is asked for, live while it runs, final once it is exhausted or
+    closed. close() ends the generation early (its stats so far stay in `result`)."""
+
+    def __init__(self, chunks, call: _Call):
+        self._chunks, self._call = chunks, call
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self):
+        return next(self._chunks)
+
+    def close(self) -> None:
+        self._chunks.close()
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self._call.result
+
+    @property
+    def tokens(self) -> list[int]:
+        """The token ids read so far (with a stop string: up to the one that completed it)."""
+        return self._call.tokens
+
+    @property
+    def stats(self) -> GenerationStats | None:
+        return self._call.result.stats if self._call.result is not None else None
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self._call.result.stop_reason if self._call.result is not None else None
 
 
 # generate()'s / stream()'s keywords that are GenerationRequest fields (the others make its sampling)
@@ -511,24 +539,3 @@ def warn_if_empty_answer(tokenizer, n_tokens: int, stop_reason: str | None, fix:
             stacklevel=3,
         )
 
-
-def auto_tree_file(export_dir, draft: str | None = None, sampled: bool = False) -> Path:
-    """Where `arborspec tune --export-dir DIR [--draft SPEC]` writes its tree: DIR/tree_auto.json
-    for the export's own draft, DIR/tree_auto.SPEC.json for another (`lookup`, `export+lookup`:
-    each draft gets the tree tuned for it); `tree_auto[.SPEC].sampled.json` for the tree tuned
-    for sampled decoding (`tune --temperature T`)."""
-    d = (draft or "export").strip().lower()
-    tail = ".sampled.json" if sampled else ".json"
-    if d in ("export", "eagle3"):
-        return Path(export_dir) / (AUTO_TREE_FILE[: -len(".json")] + tail)
-    return Path(export_dir) / f"tree_auto.{re.sub(r'[^a-z0-9_.-]+', '_', d)}{tail}"
-
-
-def auto_tree_spec(export_dir, draft: str | None = None) -> str:
-    """`static:PATH` of the tree `arborspec tune` chose for this export and draft, or one line
-    saying how to make it."""
-    path = auto_tree_file(export_dir, draft)
-    if not path.is_file():
-        how = f"arborspec tune --export-dir {export_dir}" + (f" --draft {draft}" if path.name != AUTO_TREE_FILE else "")
-        raise MissingFileError(f"tree auto: no tuned tree {path.name} in {export_dir} (run `{how}` first)")
-    return f"static:{path}"

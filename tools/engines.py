@@ -2,8 +2,11 @@
 
 Role in one decoding step: none; it wires the engines that every step calls. With
 `--backend torch` the models come from the registry (`--model NAME|PATH`, `--draft
-layers:K|bigram|MODEL`); with `--backend onnxruntime` or `tensorrt` they come from an export
-folder (`--export-dir DIR`) and only the runtime is imported (no model code, no onnx).
+layers:K|bigram|MODEL`) as an `OpenModels`; with `--backend onnxruntime` or `tensorrt` they come
+from an export folder (`--export-dir DIR`) as the runtime's own `OpenedExport`
+(runtime/export_dir.py, what `Generator.from_export` opens too) and only the runtime is imported
+(no model code, no onnx). Both have target, draft, tokenizer, limits, tree_default, describe,
+close(): what runtime/decoder_config.resolve_config reads.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # --dtype: 
 
 @dataclass
 class OpenModels:
+    """The torch backend's opened models (an export folder opens as an OpenedExport)."""
+
     target: Any
     draft: Any  # a DraftSource, an Engine or None
     tokenizer: Any
@@ -27,12 +32,9 @@ class OpenModels:
     tree_default: str | None = None
     describe: str = ""
     source: dict = field(default_factory=dict)
-    owner: Any = None  # the OpenedExport holding the engines (export folders), closed by close()
 
     def close(self) -> None:
-        if self.owner is not None:
-            self.owner.close()
-            self.owner = None
+        """Nothing to close: torch modules hold no sessions."""
 
     def __enter__(self):
         return self
@@ -110,19 +112,32 @@ def _bigram_from_target(engine, source: dict, progress: bool = True):
     return BigramDraft(idx, logits, engine.info.vocab_size)
 
 
-def open_models(args, need_draft: bool = True) -> OpenModels:
+@dataclass(frozen=True)
+class EngineOptions:
+    """How `open_engines` opens them, besides what and where."""
+
+    engine_dir: Any = None  # TensorRT engines (None: EXPORT_DIR/engines)
+    verify: bool = False  # check every export file's sha256
+    need_draft: bool = True  # False: no draft is opened
+    cuda_graphs: bool = False  # torch backend on CUDA: replay calls as CUDA graphs
+    dtype: str = "fp32"  # torch backend: fp32, fp16, bf16
+
+
+def open_models(args, need_draft: bool = True):
     """Engines for CLI-style arguments (see `open_engines`)."""
     return open_engines(
-        model=args.model,
-        draft=getattr(args, "draft", None),
-        export_dir=args.export_dir,
-        backend=args.backend,
-        device=args.device,
-        engine_dir=getattr(args, "engine_dir", None),
-        verify=bool(getattr(args, "verify", False)),
-        need_draft=need_draft,
-        cuda_graphs=bool(getattr(args, "cuda_graphs", False)),
-        dtype=getattr(args, "dtype", "fp32") or "fp32",
+        args.model,
+        getattr(args, "draft", None),
+        args.export_dir,
+        args.backend,
+        args.device,
+        EngineOptions(
+            engine_dir=getattr(args, "engine_dir", None),
+            verify=bool(getattr(args, "verify", False)),
+            need_draft=need_draft,
+            cuda_graphs=bool(getattr(args, "cuda_graphs", False)),
+            dtype=getattr(args, "dtype", "fp32") or "fp32",
+        ),
     )
 
 
@@ -132,16 +147,18 @@ def open_engines(
     export_dir=None,
     backend: str | None = None,
     device: str = "cpu",
-    engine_dir=None,
-    verify: bool = False,
-    need_draft: bool = True,
-    cuda_graphs: bool = False,
-    dtype: str = "fp32",
-) -> OpenModels:
-    """Target and draft for a backend: `model` (torch backend: registry name or path) or
-    `export_dir` (onnxruntime, tensorrt). `draft lookup[:N]` (a runtime-only n-gram draft)
-    works with every backend, also on top of an export folder whose own draft it replaces.
-    `dtype` (fp32, fp16, bf16): the torch backend's weights and cache."""
+    options: EngineOptions | None = None,
+    **kw,
+):
+    """Target and draft for a backend: `model` (torch backend: registry name or path; an
+    OpenModels) or `export_dir` (onnxruntime, tensorrt; an OpenedExport). `draft lookup[:N]` (a
+    runtime-only n-gram draft) works with every backend, also on top of an export folder whose
+    own draft it replaces. options: EngineOptions, its fields as keywords over it (dtype:
+    the torch backend's weights and cache)."""
+    from dataclasses import replace
+
+    o = replace(options or EngineOptions(), **kw)
+    engine_dir, verify, need_draft, cuda_graphs, dtype = o.engine_dir, o.verify, o.need_draft, o.cuda_graphs, o.dtype
     backend = backend or ("torch" if model else "onnxruntime")
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
@@ -157,9 +174,7 @@ def open_engines(
 
     ds = parse_draft_spec(draft) if need_draft else None
     if backend == "torch" and ds is not None and ds.mix:  # BASE+lookup[:N]: the model draft mixed with lookup
-        models = open_engines(
-            model, ds.text, export_dir, backend, device, engine_dir, verify, need_draft, cuda_graphs, dtype
-        )
+        models = open_engines(model, ds.text, export_dir, backend, device, o)
         models.draft = mixed_with_lookup(
             models.draft, models.target.info.vocab_size, ds.mix, f"--draft {draft}", ds.mix_kind
         )
@@ -180,22 +195,13 @@ def open_engines(
         raise UserError(f"--model is for the torch backend; --backend {backend} reads --export-dir")
     from arborspec.runtime.export_dir import open_export
 
-    ex = open_export(
+    return open_export(
         export_dir,
         backend,
         device,
         draft=(draft or "export") if need_draft else "none",
         engine_dir=engine_dir,
         verify=verify,
-    )
-    return OpenModels(
-        ex.target,
-        ex.draft,
-        ex.tokenizer,
-        limits=ex.limits,
-        tree_default=ex.tree_default,
-        describe=f"{export_dir} ({backend}, {device})",
-        owner=ex,
     )
 
 
@@ -266,8 +272,8 @@ def _open_torch(model, ds, device: str, need_draft: bool, cuda_graphs: bool = Fa
 
 
 def models_key(args):
-    """The tuned-tree key (arborspec.tools.tune.tuner.ModelsKey) of CLI-style model arguments."""
-    from arborspec.tools.tune.tuner import ModelsKey
+    """The tuned-tree key (runtime/tuned_tree.ModelsKey) of CLI-style model arguments."""
+    from arborspec.runtime.tuned_tree import ModelsKey
 
     return ModelsKey(
         model=getattr(args, "model", None),
@@ -276,3 +282,20 @@ def models_key(args):
         device=getattr(args, "device", "cpu") or "cpu",
         export_dir=getattr(args, "export_dir", None),
     )
+
+
+def resolved_config(models, args, asked, key=None):
+    """runtime/decoder_config.resolve_config for CLI-style arguments: `asked` (a DecoderConfig)
+    over the opened `models`, the tuned tree keyed by `key` (None: the arguments' own), at
+    --temperature; a note on stderr when that tree was tuned on another backend."""
+    import sys
+
+    from arborspec.runtime.decoder_config import resolve_config
+    from arborspec.runtime.tuned_tree import tuned_backend_note
+
+    key = key or models_key(args)
+    cfg = resolve_config(asked, models, key, getattr(args, "temperature", 0.0) or 0.0)
+    note = tuned_backend_note(cfg.tree, key)
+    if note:
+        print(f"arborspec: note: {note}", file=sys.stderr)
+    return cfg

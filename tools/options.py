@@ -9,6 +9,7 @@ from here, never from the command-line module.
 
 from __future__ import annotations
 
+from arborspec.runtime.decoder_config import DEFAULT_TREE
 from arborspec.runtime.errors import InputError
 
 
@@ -20,7 +21,7 @@ class UserError(InputError):
 PREFIX_CACHE = {"auto": None, "on": True, "off": False}
 TREE_HELP = (
     "tree policy: chain:K | full:D,W | beam:n1,n2,... | dynamic:K,D,N[,P] | static:FILE.json | "
-    "auto (the tree `arborspec tune` chose) (default: the export's tree, else full:3,2)"
+    f"auto (the tree `arborspec tune` chose) (default: the export's tree, else {DEFAULT_TREE})"
 )
 DRAFT_HELP = (
     "draft: layers:K (the target's first K layers), bigram (a table from the target), "

@@ -294,7 +294,7 @@ def test_generator_max_batch_threads(llama_pair):
         it = gen.stream(prompts[0], 200, ids=True)
         next(it)
         it.close()
-        assert gen.last_stats is not None and gen.last_stats.new_tokens >= 1  # its stats so far
+        assert it.stats is not None and it.stats.new_tokens >= 1  # its stats so far
         for _ in range(200):
             if gen.active == 0:
                 break

@@ -89,3 +89,66 @@ def test_a_generators_config_reaches_both_decoders(llama_pair):
         assert (bd.policy.spec, bd.candidates, bd.max_batch, bd.speculate_max_batch) == ("full:2,2", "sample-unique", 2, 1)
         assert not bd._solo.prefix_cache
         assert gen.generate(PROMPT, 6).tokens == SpeculativeDecoder(target, draft, cfg).generate(PROMPT, 6).tokens
+
+
+def test_resolve_config_defaults_and_limits(tmp_path):
+    """The one resolver: mode tree with a draft else vanilla; the tree named, else chain mode's
+    DEFAULT_CHAIN, else the export's default, else DEFAULT_TREE; the lower node limit."""
+    from arborspec.runtime.decoder_config import DEFAULT_CHAIN, DEFAULT_TREE, Opened, resolve_config
+
+    def got(asked=None, opened=None, key=None, temperature=0.0):
+        c = resolve_config(asked, opened, key, temperature)
+        return c.mode, c.tree, c.sampled_tree, c.max_tree_nodes
+
+    assert got(None, Opened(has_draft=True)) == ("tree", DEFAULT_TREE, None, None)
+    assert got(None, None) == ("vanilla", DEFAULT_TREE, None, None)
+    assert got(None, Opened(True, "chain:2", 40)) == ("tree", "chain:2", None, 40)
+    assert got(DecoderConfig(mode="chain"), Opened(True, "chain:2")) == ("chain", DEFAULT_CHAIN, None, None)
+    assert got(DecoderConfig(tree="beam:2,2", max_tree_nodes=50), Opened(True, "chain:2", 40))[1:] == (
+        "beam:2,2",
+        None,
+        40,
+    )
+    assert got(DecoderConfig(max_tree_nodes=8), Opened(True, None, 40))[3] == 8
+    once = resolve_config(DecoderConfig(candidates="sample"), Opened(True, "full:2,2", 30))
+    assert resolve_config(once, Opened(True, "full:2,2", 30)) == once  # resolving twice changes nothing
+    # what was opened, read from any object with draft / tree_default / limits (an OpenedExport)
+    from types import SimpleNamespace
+
+    ex = SimpleNamespace(draft=object(), tree_default="full:2,1", limits={"max_tree_nodes": 12})
+    assert got(None, ex) == ("tree", "full:2,1", None, 12)
+    assert DecoderConfig().tree_spec == DEFAULT_TREE  # the decoders' own fallback: the same constant
+
+
+def test_resolve_config_auto_and_the_tuned_file(tmp_path):
+    """"auto" reads the file runtime/tuned_tree.py names; without one it is one line naming the
+    `tune` command, while no tree at all falls back to the export's default (documented in
+    docs/embedding-api.md); with one, no tree in tree mode is the tuned tree too; at temperature
+    > 0 the sampled file wins where `tune --temperature` wrote it; chain + auto is refused and
+    vanilla ignores auto."""
+    import json
+
+    from arborspec.runtime.decoder_config import Opened, resolve_config
+    from arborspec.runtime.errors import MissingFileError
+    from arborspec.runtime.tuned_tree import ModelsKey, auto_tree_file
+
+    key, opened = ModelsKey(export_dir=tmp_path), Opened(True, "full:2,2")
+    assert key.path() == auto_tree_file(tmp_path) == tmp_path / "tree_auto.json"
+    with pytest.raises(MissingFileError, match=r"no tuned tree .*tree_auto.json.*arborspec tune --export-dir"):
+        resolve_config(DecoderConfig(tree="auto"), opened, key)
+    assert resolve_config(DecoderConfig(), opened, key).tree == "full:2,2"  # no file: the export's default
+    assert resolve_config(DecoderConfig(mode="vanilla", tree="auto"), opened, key).mode == "vanilla"
+    with pytest.raises(InputError, match="--tree auto picks a static tree: use it with --mode tree"):
+        resolve_config(DecoderConfig(mode="chain", tree="auto"), opened, key)
+    (tmp_path / "tree_auto.json").write_text(json.dumps({"format": 1, "paths": [[0], [0, 0]]}))
+    greedy = f"static:{tmp_path / 'tree_auto.json'}"
+    for asked in (DecoderConfig(), DecoderConfig(tree="AUTO")):
+        assert (resolve_config(asked, opened, key).tree, resolve_config(asked, opened, key).sampled_tree) == (greedy, None)
+    assert resolve_config(DecoderConfig(tree="full:3,1"), opened, key).tree == "full:3,1"  # named: kept
+    (tmp_path / "tree_auto.sampled.json").write_text(json.dumps({"format": 1, "paths": [[0]]}))
+    sampled = f"static:{tmp_path / 'tree_auto.sampled.json'}"
+    assert resolve_config(DecoderConfig(), opened, key).sampled_tree == sampled
+    assert resolve_config(DecoderConfig(), opened, key, temperature=0.7).tree == sampled
+    (tmp_path / "tree_auto.json").write_text("{not json")
+    with pytest.raises(InputError, match="is not valid JSON; re-run `arborspec tune`"):
+        resolve_config(DecoderConfig(tree="auto"), opened, key)

@@ -181,7 +181,8 @@ def test_tune_and_tree_auto_per_draft_on_an_export(tmp_path, capsys):
     from types import SimpleNamespace
 
     from arborspec.export.export_folder import export_folder
-    from arborspec.runtime.generator import Generator, auto_tree_file
+    from arborspec.runtime.generator import Generator
+    from arborspec.runtime.tuned_tree import auto_tree_file
     from arborspec.tools.commands.cli import main
 
     m = random_model(tiny_config("llama", vocab=64, layers=2, hidden=64, heads=4, kv=2), seed=6, scale=1.0)

@@ -174,3 +174,37 @@ def test_open_export_closes_what_it_opened(export_dir):
             torch.ones(1, 1, 1, dtype=torch.bool),
             None,
         )
+
+
+def test_a_streams_outcome_comes_back_with_it(llama_pair):
+    """No per-thread side channel: stream() returns a Stream whose `result` (stats, stop reason)
+    is None before the first chunk and final after the last, equal to generate()'s; closed early
+    it keeps the stats so far; two threads' streams each keep their own."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import arborspec.runtime.generator as G
+
+    target, draft = llama_pair
+    gen = Generator(target, draft, tree="full:2,2")
+    assert not any(isinstance(v, type) and issubclass(v, threading.local) for v in vars(G).values())
+    assert not hasattr(gen, "last_stats") and not hasattr(gen, "last_stop_reason")
+    ref = gen.generate([1, 5, 7, 9], 10)
+    it = gen.stream([1, 5, 7, 9], 10, ids=True)
+    assert it.result is None and it.stats is None
+    chunks = list(it)
+    assert sum(chunks, []) == it.tokens == ref.tokens == it.result.tokens
+    assert it.stop_reason == ref.stop_reason and it.stats.new_tokens == ref.stats.new_tokens == len(ref.tokens)
+    early = gen.stream([1, 5, 7, 9], 10, ids=True)
+    next(early)
+    early.close()
+    assert 1 <= early.stats.new_tokens < 10
+    assert gen.generate([1, 5, 7, 9], 10).tokens == ref.tokens  # the lock was released
+
+    def run(n):
+        s = gen.stream([1, 5, 7, 9], n, ids=True)
+        return n, sum(s, []), s.stats.new_tokens
+
+    with ThreadPoolExecutor(3) as pool:
+        for n, toks, made in pool.map(run, [3, 6, 9]):
+            assert toks == ref.tokens[:n] and made == n

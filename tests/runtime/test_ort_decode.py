@@ -243,15 +243,15 @@ def test_cli_generate_works(cli_export, capsys, monkeypatch):
     # CUDA graph captures, stay out of the speed-up): count the runs of each mode
     from arborspec.tools.commands import generate as gen_cmd
 
-    runs, make = [], gen_cmd.make_decoder
+    runs, make = [], gen_cmd.make_generator
 
     def counted(models, args, **kw):
-        dec = make(models, args, **kw)
-        stream, mode = dec.stream, kw.get("mode", args.mode)
-        dec.stream = lambda *a, **k: runs.append(mode) or stream(*a, **k)  # generate() streams too
-        return dec
+        gen = make(models, args, **kw)
+        stream, mode = gen._token_stream, kw.get("mode", args.mode)
+        gen._token_stream = lambda *a, **k: runs.append(mode) or stream(*a, **k)  # generate() streams too
+        return gen
 
-    monkeypatch.setattr(gen_cmd, "make_decoder", counted)
+    monkeypatch.setattr(gen_cmd, "make_generator", counted)
     rc = main(
         [
             "generate",

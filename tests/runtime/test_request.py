@@ -100,9 +100,12 @@ def test_generator_request_form_equals_keyword_form(pair, max_batch):
         req = gen.request(PROMPT, 18, temperature=0.7, top_k=20, seed=4, logprobs=2, frequency_penalty=0.3)
         assert req.sampling == SamplingParams(0.7, 20, frequency_penalty=0.3) and req.seed == 4
         got = gen.generate(req)
-        assert got.tokens == kw.tokens and got.stop_reason == kw.stop_reason == gen.last_stop_reason
-        assert close(got.logprobs, kw.logprobs) and gen.last_stats is got.stats
-        pairs = list(gen.stream(req, ids=True))
+        assert got.tokens == kw.tokens and got.stop_reason == kw.stop_reason
+        assert close(got.logprobs, kw.logprobs) and not hasattr(gen, "last_stats")
+        it = gen.stream(req, ids=True)
+        pairs = list(it)  # the stream's outcome comes back with it, as generate()'s Completion does
+        assert it.result.tokens == kw.tokens and it.result.stop_reason == kw.stop_reason
+        assert it.stats.new_tokens == kw.stats.new_tokens == len(kw.tokens)
         assert sum((c for c, _ in pairs), []) == kw.tokens and close(sum((e for _, e in pairs), []), kw.logprobs)
         # eos_token_ids: None is the generator's, a list replaces it
         greedy = gen.generate(GenerationRequest(PROMPT, 30))

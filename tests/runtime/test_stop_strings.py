@@ -86,7 +86,8 @@ def test_generate_and_stream_end_before_the_stop_string(export_dir, max_batch):
             before = g.tokenizer.decode(c.tokens[:-1], skip_special_tokens=True)
             assert any(read.startswith(want + s) for s in parse_stop(stop))
             assert not any(s in before for s in parse_stop(stop))
-            assert "".join(g.stream("hello", 24, stop=stop)) == want and g.last_stop_reason == "stop"
+            it = g.stream("hello", 24, stop=stop)
+            assert "".join(it) == want and it.result.stop_reason == "stop" and it.tokens == c.tokens
             kept, _ = reference_cut(full.text, parse_stop(stop), include=True)  # the stop string kept
             assert kept != want and g.generate("hello", 24, stop=stop, include_stop_str_in_output=True).text == kept
             kw = {"stop": stop, "include_stop_str_in_output": True}

@@ -86,6 +86,9 @@ def test_ctrl_c_stops_an_answer_not_the_conversation(monkeypatch, capsys, export
             yield next(self.stream)
             raise KeyboardInterrupt
 
+        def close(self):
+            self.stream.close()
+
     def interrupted_once(self, *a, **kw):
         calls.append(1)
         stream = real(self, *a, **kw)

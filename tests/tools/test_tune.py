@@ -132,12 +132,17 @@ def test_tuned_file_loads_via_parse_tree_spec(tmp_path):
 def test_tree_auto_missing_is_one_clean_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
     args = T.ModelsKey(model="nope-model", draft="layers:1", export_dir=None, backend=None, device="cpu")
+    from arborspec.runtime.decoder_config import DecoderConfig, Opened, resolve_config
+
+    def tree(spec, key):
+        return resolve_config(DecoderConfig(tree=spec), Opened(has_draft=True), key).tree
+
     with pytest.raises(FileNotFoundError, match="arborspec tune --model nope-model --draft layers:1"):
-        T.resolve_tree("auto", args)
-    assert T.resolve_tree("full:3,2", args) == "full:3,2"
+        tree("auto", args)
+    assert tree("full:3,2", args) == "full:3,2"
     eargs = T.ModelsKey(model=None, draft=None, export_dir=tmp_path / "exp", backend=None, device="cpu")
     with pytest.raises(FileNotFoundError, match="tree_auto.json"):
-        T.resolve_tree("auto", eargs)
+        tree("auto", eargs)
     # through the CLI: one line on stderr, exit 2 (before any model is loaded would be nicer,
     # but the export dir does not exist anyway)
     from arborspec.tools.commands.cli import main
@@ -410,8 +415,9 @@ def test_tune_for_sampling_writes_its_own_tree_and_auto_picks_it_by_temperature(
     from conftest import random_model, tiny_config
 
     from arborspec.export.export_folder import export_folder
-    from arborspec.runtime.generator import Generator, auto_tree_file
+    from arborspec.runtime.generator import Generator
     from arborspec.runtime.sampling import SamplingParams
+    from arborspec.runtime.tuned_tree import auto_tree_file
     from arborspec.tools.commands.cli import main
 
     m = random_model(tiny_config("llama", vocab=64, layers=2, hidden=64, heads=4, kv=2), seed=6, scale=1.0)
@@ -462,10 +468,10 @@ def test_tune_for_sampling_writes_its_own_tree_and_auto_picks_it_by_temperature(
         (e / "tree_auto.sampled.json").write_text(json.dumps(dict(sdoc, candidates=won)))
         with Generator.from_export(e, tree="auto") as g:
             assert str(g.tree).endswith("tree_auto.json") and str(g.sampled_tree).endswith("tree_auto.sampled.json")
-            g.generate([3, 4, 5], max_new_tokens=4)
-            assert g.last_stats.tree.endswith("tree_auto.json") and g._decoder(SamplingParams()).candidates == "topk"
-            g.generate([3, 4, 5], max_new_tokens=4, temperature=0.8, seed=1)
-            assert g.last_stats.tree.endswith("tree_auto.sampled.json")
+            c = g.generate([3, 4, 5], max_new_tokens=4)
+            assert c.stats.tree.endswith("tree_auto.json") and g._decoder(SamplingParams()).candidates == "topk"
+            c = g.generate([3, 4, 5], max_new_tokens=4, temperature=0.8, seed=1)
+            assert c.stats.tree.endswith("tree_auto.sampled.json")
             assert g._decoder(SamplingParams(0.8)).candidates == won
         with Generator.from_export(e, tree="auto", candidates="sample") as g:
             assert g._decoder(SamplingParams(0.8)).candidates == "sample"

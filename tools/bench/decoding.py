@@ -182,6 +182,7 @@ def mismatch_message(c: BenchConfig, prompt_id: str, at: int, exact: bool = True
 def make_decoders(models, configs: list[BenchConfig], sp):
     """Our configurations' decoders, every one sampling with `sp` (a SamplingParams)."""
     from arborspec.runtime.decode import SpeculativeDecoder
+    from arborspec.runtime.decoder_config import DEFAULT_TREE
 
     decs = {}
     mixed = None  # one mixed draft over the models' draft, shared by the --mix-tree configs
@@ -203,7 +204,7 @@ def make_decoders(models, configs: list[BenchConfig], sp):
             models.target,
             draft,
             mode=c.mode,
-            tree=c.tree or "full:3,2",
+            tree=c.tree or DEFAULT_TREE,
             candidates=c.candidates,
             sampling=sp,
             max_tree_nodes=models.limits.get("max_tree_nodes"),
@@ -254,7 +255,7 @@ def run_bench(
         peer_kw={"top_k": sp.top_k, "top_p": sp.top_p, **grammar},
         skipped=skipped if skipped is not None else {},
         log=log or (lambda s: print(s, file=sys.stderr)),
-        exact=getattr(models.owner, "exact_speculation", True),  # False: int8-activation target
+        exact=getattr(models, "exact_speculation", True),  # False: int8-activation target
     )
     if warmup and prompts:
         bench.warm_up(prompts[0]["ids"][-32:], warmup, max_new_tokens)

@@ -28,7 +28,7 @@ from arborspec.tools.commands.options import (
     add_seed_arg,
     command_parser,
 )
-from arborspec.tools.engines import add_model_args, models_key, open_models
+from arborspec.tools.engines import add_model_args, models_key, open_models, resolved_config
 
 EXAMPLE = """examples:
   arborspec bench --model smollm2-135m --draft layers:4 --modes vanilla,chain,tree \\
@@ -265,6 +265,7 @@ class BenchPlan:
 def _plan(args) -> BenchPlan:
     """The flags as a BenchPlan: one line for a bad mode, tree, sampling flag, schema or prompts
     file before the models load (`auto` trees stand for the tuned tree, resolved once they are)."""
+    from arborspec.runtime.decoder_config import DEFAULT_TREE
     from arborspec.runtime.sampling import SamplingParams  # (torch: not at import, --help stays light)
     from arborspec.runtime.structured import schema_of
     from arborspec.tools import prompts as prompt_sets
@@ -285,11 +286,11 @@ def _plan(args) -> BenchPlan:
     entries, prompts_path = prompt_sets.read_prompts_file(args.prompts)  # cheap checks before loading models
     lookup_trees = bench.split_tree_specs(args.lookup_tree)
     mix_trees = bench.split_tree_specs(args.mix_tree)
-    untuned = lambda specs: [("full:3,2" if t.lower() == "auto" else t) for t in specs]  # noqa: E731
+    untuned = lambda specs: [(DEFAULT_TREE if t.lower() == "auto" else t) for t in specs]  # noqa: E731
     # the specs checked now (the export default tree is filled in once the models are open)
     bench.build_configs(
         modes,
-        untuned(trees) or ["full:3,2"],
+        untuned(trees) or [DEFAULT_TREE],
         args.chain,
         baselines,
         untuned(lookup_trees),
@@ -381,17 +382,18 @@ def run(args) -> int:
 def _configs(args, plan: BenchPlan, models) -> list:
     """The configurations to run, their `auto` trees resolved for these models (and no --tree:
     as generate and serve, the tree `tune` chose for them, else the export's)."""
+    from arborspec.runtime.decoder_config import DecoderConfig
     from arborspec.tools.bench import decoding as bench
-    from arborspec.tools.tune.tuner import auto_tree_path, resolve_tree
+
+    def resolved(tree, key):  # above temperature 0: the trees tuned for sampling, where `tune --temperature` wrote them
+        return resolved_config(models, args, DecoderConfig(mode="tree", tree=tree), key).tree
 
     key = models_key(args)
-    trees = plan.trees or ["auto" if auto_tree_path(key).is_file() else (models.tree_default or "full:3,2")]
-    T = args.temperature  # above 0: the trees tuned for sampling, where `tune --temperature` wrote them
-    trees = [resolve_tree(t, key, T) for t in trees]
+    trees = [resolved(t, key) for t in plan.trees] or [resolved(None, key)]
     # `auto` for the mixed draft: the tree tuned for it (tune --draft BASE+lookup)
     mix_key = dataclasses.replace(key, draft=f"{args.draft or 'export'}+lookup")
-    mix_trees = [resolve_tree(t, mix_key, T) for t in plan.mix_trees]
-    lookup_trees = [resolve_tree(t, dataclasses.replace(key, draft="lookup"), T) for t in plan.lookup_trees]
+    mix_trees = [resolved(t, mix_key) for t in plan.mix_trees]
+    lookup_trees = [resolved(t, dataclasses.replace(key, draft="lookup")) for t in plan.lookup_trees]
     return bench.build_configs(plan.modes, trees, args.chain, plan.baselines, lookup_trees, mix_trees, plan.candidates)
 
 
@@ -418,7 +420,7 @@ def _fitting_prompts(args, entries, models, notes: list[str]) -> list[dict]:
 
 def _source_of(args, models) -> dict:
     """The model file the baselines run on: an export manifest's `source`, else the models' own."""
-    source = dict(models.source or {})
+    source = dict(getattr(models, "source", None) or {})  # (an export folder's: read below)
     if args.export_dir is not None:
         try:
             from arborspec.runtime.export_dir import read_manifest
@@ -520,7 +522,7 @@ def _meta(args, plan: BenchPlan, models, source: dict, load_before) -> dict:
         "describe": models.describe,
         # ONNX Runtime threads: "shared" (one pool for every session), "session" (a pool each)
         "ort_thread_pool": getattr(models.target, "thread_pool", None),
-        "exact_speculation": getattr(models.owner, "exact_speculation", True),
+        "exact_speculation": getattr(models, "exact_speculation", True),
         "source": {k: v for k, v in source.items() if k != "files"},
         "versions": bench_report.versions(),
         "command": _command_line(args),

@@ -1,6 +1,6 @@
 """`arborspec chat`: talk to a model in the terminal, one turn per line, the answers streamed.
 
-Role: the conversation loop around runtime.decode.SpeculativeDecoder: each turn renders the
+Role: the conversation loop around the embedding API's runtime.generator.Generator: each turn renders the
 whole conversation through the model's chat template (what a chat client sends a server) and
 decodes the answer; a turn's prompt starts like the last one, so the decoder's prefix reuse
 (runtime/kvcache.PrefixCache) prefills only the new message where it is on. The oldest turns
@@ -66,7 +66,7 @@ def fit(tok, system: list, history: list, budget: int) -> tuple[list[int] | None
 
 
 def run(args) -> int:
-    from arborspec.tools.commands.generate import _stats_line, make_decoder, resolve_mode
+    from arborspec.tools.commands.generate import _stats_line, make_generator, make_request, resolve_mode
 
     check_decoding_args(args)
     models = open_models(args, need_draft=args.mode != "vanilla")
@@ -75,16 +75,15 @@ def run(args) -> int:
         tok = models.tokenizer
         if tok is None or not tok.chat_template:
             raise InputError("this model has no chat template: use `arborspec generate` for plain prompts")
-        dec = make_decoder(models, args)
+        gen = make_generator(models, args)
         ctx = models.limits.get("max_context") or models.target.info.max_position
         if args.max_new_tokens >= ctx:
             raise InputError(f"--max-new-tokens {args.max_new_tokens} leaves no room in the context of {ctx}")
-        eos = dec.sampling.end_ids(tok.eos_token_ids)
         system = [{"role": "system", "content": args.system}] if args.system else []
         tty = sys.stdin.isatty()
-        tree = f" {dec.policy.spec}" if dec.policy else ""
-        reuse = "on" if dec.prefix_cache else "off"
-        say(f"chatting with {models.describe}: {dec.mode}{tree}, prefix cache {reuse}; /reset, /exit or Ctrl-D")
+        tree = gen.tree_spec(args.temperature > 0)
+        reuse = "on" if gen.reuses_prefix else "off"
+        say(f"chatting with {models.describe}: {gen.mode}{' ' + tree if tree else ''}, prefix cache {reuse}; /reset, /exit or Ctrl-D")
         history: list[dict] = []
         turn = 0
         while True:
@@ -116,15 +115,13 @@ def run(args) -> int:
             if dropped:
                 history = history[dropped:]
                 say(f"dropped the {dropped // 2} oldest turn(s): the conversation passed the context of {ctx}")
-            answer, sd = [], tok.stream_decoder(skip_special_tokens=True)
-            stop, chunks = None, dec.stream(ids, args.max_new_tokens, eos, args.seed + turn)
+            answer = []
+            stop, chunks = None, gen.stream(make_request(args, ids, args.seed + turn))
             try:
-                for chunk in chunks:
-                    answer.append(sd.push(chunk))
-                    sys.stdout.write(answer[-1])
+                for text in chunks:
+                    answer.append(text)
+                    sys.stdout.write(text)
                     sys.stdout.flush()
-                answer.append(sd.finish())
-                sys.stdout.write(answer[-1])
                 stop = chunks.result.stop_reason
             except KeyboardInterrupt:  # Ctrl-C stops this answer; what it said so far is kept
                 stop = "interrupted"

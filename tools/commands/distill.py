@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from arborspec.runtime.decoder_config import DEFAULT_CHAIN, DEFAULT_TREE
 from arborspec.runtime.errors import InputError
 from arborspec.runtime.fileio import atomic_write_json
 from arborspec.tools.errors import reports_mistakes
@@ -68,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument(
         "--trees",
-        default="full:3,2;chain:4",
-        help="semicolon-separated tree specs for --eval (default 'full:3,2;chain:4'; "
+        default=f"{DEFAULT_TREE};{DEFAULT_CHAIN}",
+        help=f"semicolon-separated tree specs for --eval (default '{DEFAULT_TREE};{DEFAULT_CHAIN}'; "
         "'vanilla' = no draft, static:FILE.json for a tuned tree)",
     )
     e.add_argument("--max-new-tokens", type=int, default=64)

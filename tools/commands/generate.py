@@ -20,9 +20,8 @@ from arborspec.tools.commands.options import (
     command_parser,
     response_format_from_args,
     sampling_from_args,
-    with_response_format,
 )
-from arborspec.tools.engines import add_model_args, models_key, open_models
+from arborspec.tools.engines import add_model_args, open_models, resolved_config
 from arborspec.tools.options import JSON_HELP, PREFIX_CACHE
 
 EXAMPLE = """examples:
@@ -128,25 +127,6 @@ def _read(path: Path) -> str:
     return read_text_file(path, "prompt file")
 
 
-def resolve_tree_arg(models, args, mode: str):
-    """`--tree auto` -> the static tree tuned by `arborspec tune` for these models (at
-    --temperature > 0 the one tuned for sampling, when there is one; one-line error when there is
-    none), and so is no --tree in tree mode when that tree exists; any other --tree value is
-    returned unchanged."""
-    from arborspec.tools.tune.tuner import auto_tree_path, resolve_tree
-
-    key = models_key(args)
-    if args.tree is None and mode == "tree" and auto_tree_path(key).is_file():
-        return resolve_tree("auto", key, args.temperature)  # `tune` chose one: the default
-    if args.tree is None or args.tree.strip().lower() != "auto":
-        return args.tree
-    if mode == "vanilla":
-        return None
-    if mode != "tree":
-        raise InputError("--tree auto picks a static tree: use it with --mode tree")
-    return resolve_tree(args.tree, key, args.temperature)
-
-
 def resolve_mode(models, args) -> None:
     """args.mode for these models: as serve and Generator.from_export, tree when there is a
     draft, else vanilla; one line when a mode or --tree asks for a draft there is not."""
@@ -158,27 +138,46 @@ def resolve_mode(models, args) -> None:
         raise InputError(f"--mode {args.mode} needs a draft: {_draft_hint(args)} (or --mode vanilla)")
 
 
-def make_decoder(models, args, mode: str | None = None):
-    from arborspec.runtime.decode import SpeculativeDecoder
+def make_generator(models, args, mode: str | None = None):
+    """The embedding API's Generator over the opened models (what a production app runs), its
+    configuration the flags' through the one resolver (runtime/decoder_config.resolve_config:
+    mode, tree, the tuned tree, node limits); `mode`: another than --mode (--vs-vanilla's)."""
+    from arborspec.runtime.decoder_config import DecoderConfig
+    from arborspec.runtime.generator import Generator
 
     mode = mode or args.mode
-    tree = (
-        resolve_tree_arg(models, args, mode)
-        or (models.tree_default if mode == "tree" else None)
-        or ("chain:4" if mode == "chain" else "full:3,2")
+    asked = DecoderConfig(
+        mode=mode,
+        tree=args.tree,
+        candidates=args.candidates,
+        prefix_cache=PREFIX_CACHE[getattr(args, "prefix_cache", "auto")],
     )
-    if mode == "chain" and not tree.startswith("chain:"):
-        tree = "chain:4" if args.tree is None else tree
-    sp = with_response_format(sampling_from_args(args), response_format_from_args(args), models)
-    return SpeculativeDecoder(
+    tok = models.tokenizer
+    return Generator(
         models.target,
         models.draft if mode != "vanilla" else None,
-        mode=mode,
-        tree=tree,
-        candidates=args.candidates,
-        sampling=sp,
-        max_tree_nodes=models.limits.get("max_tree_nodes"),
-        prefix_cache=PREFIX_CACHE[getattr(args, "prefix_cache", "auto")],
+        tok,
+        resolved_config(models, args, asked),
+        eos_token_ids=tok.eos_token_ids if tok is not None else [],
+    )
+
+
+def make_request(args, ids: list[int], seed: int, text: bool = True):
+    """The GenerationRequest of the flags for prompt `ids` (text=False: without stop strings and
+    log-probs: --vs-vanilla's runs); one line for a bad sampling flag or a response format
+    without a tokenizer."""
+    from arborspec.runtime.request import GenerationRequest
+
+    rf = response_format_from_args(args)
+    return GenerationRequest(
+        ids,
+        args.max_new_tokens,
+        seed=seed,
+        logprobs=getattr(args, "logprobs", None) if text else None,
+        sampling=sampling_from_args(args),
+        stop=getattr(args, "stop", None) if text else None,
+        include_stop_str_in_output=bool(getattr(args, "include_stop", False)) and text,
+        response_format=rf,
     )
 
 
@@ -234,6 +233,12 @@ class _Completions:
     texts: list = field(default_factory=list)
     lps: list = field(default_factory=list)
 
+    def add(self, c, text: bool) -> None:
+        """One Completion (runtime/generator.py); text: whether there is a tokenizer."""
+        self.runs.append((c.tokens, c.stats, c.stop_reason))
+        self.texts.append(c.text if text else None)
+        self.lps.append(c.logprobs)
+
 
 def run(args) -> int:
     stops = _check_output_args(args)
@@ -243,30 +248,28 @@ def run(args) -> int:
         tok = models.tokenizer
         ids = prompt_ids(args, tok)
         _check_limits(models, len(ids), args.max_new_tokens)
-        dec = make_decoder(models, args)
-        eos = dec.sampling.end_ids(tok.meta.get("eos_token_ids") or [] if tok is not None else [])
-        vdec = None
+        if tok is None and response_format_from_args(args) is not None:
+            raise InputError("--json-object / --json-schema need a tokenizer: this model has none")
+        gen = make_generator(models, args)
+        vgen = None
         if args.vs_vanilla and args.mode != "vanilla":
             # a speed comparison: each decoder once untimed first, so that neither's figure holds
             # first-call costs (CUDA graph captures: a one-shot GPU run printed 0.67x for 1.20x)
-            vdec = make_decoder(models, args, mode="vanilla")
-            for d in (dec, vdec):
-                d.generate(ids, args.max_new_tokens, eos, args.seed)
+            vgen = make_generator(models, args, mode="vanilla")
+            for g in (gen, vgen):
+                g.generate(make_request(args, ids, args.seed, text=False))
         stream_text = not args.json and args.n == 1 and tok is not None
         if stops and tok is None:
             raise InputError("--stop matches text: this model has no tokenizer")
         done = _Completions()
         for i in range(args.n):
-            chunks = dec.stream(ids, args.max_new_tokens, eos, args.seed + i, args.logprobs)
-            if stops:
-                _collect_until_stop(args, chunks, tok, stops, stream_text, done)
-            else:
-                _collect(args, chunks, tok, stream_text, done)
+            req = make_request(args, ids, args.seed + i)
+            done.add(_streamed(gen, req) if stream_text else gen.generate(req), tok is not None)
         if args.prompt_ids is None and not args.chat:
             from arborspec.runtime.generator import warn_if_empty_answer
 
             warn_if_empty_answer(tok, len(done.runs[0][0]), done.runs[0][2], "--chat")
-        vanilla = vdec.generate(ids, args.max_new_tokens, eos, args.seed) if vdec is not None else None
+        vanilla = vgen.generate(make_request(args, ids, args.seed, text=False)) if vgen is not None else None
         if args.json:
             print(json.dumps(_json_result(args, ids, done, vanilla, models)))
             return 0
@@ -274,41 +277,18 @@ def run(args) -> int:
         return 0
 
 
-def _collect_until_stop(args, chunks, tok, stops, stream_text: bool, done: _Completions) -> None:
-    """One completion's text, cut before the first stop string, token by token (streamed to
-    stdout when stream_text)."""
-    from arborspec.runtime.stop_strings import StopStrings, decode_until_stop
+def _streamed(gen, req):
+    """One completion streamed to stdout as its text becomes final -> a Completion."""
+    from arborspec.runtime.generator import Completion
 
-    toks: list[int] = []
-    match, pieces = StopStrings(stops, args.include_stop), []
-    for text in decode_until_stop(chunks, tok.stream_decoder(skip_special_tokens=True), match, toks):
+    chunks, pieces = gen.stream(req), []
+    for text in chunks:
         pieces.append(text)
-        if stream_text:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-    if stream_text:
-        sys.stdout.write("\n")
-    done.texts.append("".join(pieces))
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
     res = chunks.result
-    done.runs.append((toks, res.stats, "stop" if match.hit else res.stop_reason))
-    done.lps.append(res.logprobs[: len(toks)] if args.logprobs is not None else None)
-
-
-def _collect(args, chunks, tok, stream_text: bool, done: _Completions) -> None:
-    """One completion to its end (streamed to stdout when stream_text)."""
-    toks: list[int] = []
-    sd = tok.stream_decoder(skip_special_tokens=True) if stream_text else None
-    for chunk in chunks:
-        toks += chunk
-        if sd is not None:
-            sys.stdout.write(sd.push(chunk))
-            sys.stdout.flush()
-    if sd is not None:
-        sys.stdout.write(sd.finish() + "\n")
-    done.texts.append(tok.decode(toks, skip_special_tokens=True) if tok is not None else None)
-    res = chunks.result
-    done.runs.append((toks, res.stats, res.stop_reason))
-    done.lps.append(res.logprobs[: len(toks)] if args.logprobs is not None else None)
+    return Completion("".join(pieces), chunks.tokens, len(req.prompt), res.stop_reason, res.stats)
 
 
 def _json_result(args, ids: list[int], done: _Completions, vanilla, models) -> dict:

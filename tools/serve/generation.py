@@ -81,7 +81,7 @@ def _in_one_call(state: ServerState, g, ids: list[int], head: str, params: dict,
     lps = None if lp is None else named(g, (c.prompt_logprobs or []) + lps)
     if on_chunk and head + text:
         on_chunk(head + text, lps)
-    return record(state, g, head + text, len(ids), reason, params, lps, 0 if only_prompt else None)
+    return record(state, c.stats, head + text, (len(ids), reason), params, lps, 0 if only_prompt else None)
 
 
 def _streamed(state: ServerState, g, ids: list[int], head: str, params: dict, on_chunk, cancelled) -> dict:
@@ -101,7 +101,8 @@ def _streamed(state: ServerState, g, ids: list[int], head: str, params: dict, on
                 break
     finally:
         it.close()  # a disconnect frees the generator here
-    return record(state, g, "".join(text), len(ids), getattr(g, "last_stop_reason", ""), params)
+    res = it.result  # final: the stream is closed
+    return record(state, res.stats, "".join(text), (len(ids), res.stop_reason), params)
 
 
 def named(g, entries: list) -> list:
@@ -114,12 +115,12 @@ def named(g, entries: list) -> list:
 
 
 def record(
-    state: ServerState, g, text: str, n_prompt: int, stop_reason, params: dict, logprobs=None, completion_tokens=None
+    state: ServerState, st, text: str, ended: tuple, params: dict, logprobs=None, completion_tokens=None
 ) -> dict:
-    """One generation's record (its stats counted in the metrics); logprobs: `named` entries;
-    completion_tokens: what the client is told, when not the tokens decoded (an echo of the
-    prompt alone decodes one and returns none)."""
-    st = g.last_stats
+    """One generation's record (its stats `st` counted in the metrics); ended: (prompt tokens,
+    stop reason); logprobs: `named` entries; completion_tokens: what the client is told, when
+    not the tokens decoded (an echo of the prompt alone decodes one and returns none)."""
+    n_prompt, stop_reason = ended
     state.metrics.count_generation(st)
     spec, calls = params.get("tools"), []
     if spec is not None:  # a chat with tools: the answer's <tool_call> blocks are its calls

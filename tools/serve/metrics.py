@@ -1,6 +1,6 @@
 """The server's Prometheus metrics (GET /metrics): requests, errors, tokens, verify calls, queue.
 
-Role in one decode step: none; each finished generation adds its statistics (`Generator.last_stats`:
+Role in one decode step: none; each finished generation adds its statistics (a Completion's or Stream's `stats`:
 tokens, verify calls, decode seconds) here.
 """
 
@@ -48,7 +48,7 @@ class ServerMetrics:
         self.totals = {"tokens": 0, "steps": 0}
 
     def count_generation(self, st) -> None:
-        """Add one generation's statistics (a `Generator.last_stats`)."""
+        """Add one generation's statistics (a Completion's or a Stream's `stats`)."""
         self.totals["tokens"] += st.new_tokens
         self.totals["steps"] += st.steps
         self.tokens.inc(st.new_tokens)

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from arborspec.runtime.decoder_config import DEFAULT_CHAIN, DEFAULT_TREE
 from arborspec.tools.prompts import encode_entry, load_prompt_entries, split_prompts
 
 
@@ -22,7 +23,7 @@ class DraftTrial:
     model: str
     drafts: list[str]
     prompts: list[list[int]]
-    trees: Sequence[str] = ("full:3,2", "chain:4")
+    trees: Sequence[str] = (DEFAULT_TREE, DEFAULT_CHAIN)
     max_new_tokens: int = 64
     progress: bool = True
 

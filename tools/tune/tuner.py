@@ -20,25 +20,23 @@ measurements and one optimisation:
    d(F_l) for every level l < depth with F_l expandable nodes) and the (n, D) with the best
    tokens per step / step time wins.
 
-The result is a static tree spec (`static:FILE.json` accepts it) with its metadata; `--tree
-auto` in generate/bench resolves to it through `resolve_tree`.
+The result is a static tree spec (`static:FILE.json` accepts it) with its metadata, written where
+runtime/tuned_tree.py says; `--tree auto` in every command resolves to it through
+runtime/decoder_config.resolve_config.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from arborspec.runtime.errors import InputError, MissingFileError, OutputError
+from arborspec.runtime.errors import InputError, OutputError
 from arborspec.runtime.fileio import atomic_write_json
-from arborspec.runtime.generator import auto_tree_file
 from arborspec.runtime.sampling import SamplingParams
+from arborspec.runtime.tuned_tree import ModelsKey
 from arborspec.tools.prompts import calibration_prompts
 from arborspec.tools.tune.acceptance_sim import (  # noqa: F401 - the tuning API, re-exported
     draft_topk_ranks,
@@ -62,39 +60,9 @@ from arborspec.tools.tune.tree_dp import (  # noqa: F401 - the tuning API, re-ex
 )
 
 FORMAT = 1
-AUTO_FILE = "tree_auto.json"
 # sampled tuning keeps top-k candidates unless sample-unique made this much more in the loop: the
 # int4 export's [[0]] measured 114.9 against 114.3 tok/s there and 1.32x against 1.36x in the bench
 SAMPLED_MARGIN = 1.02
-
-
-@dataclass(frozen=True)
-class ModelsKey:
-    """Which models a tuned tree belongs to: an export folder, or a --model/--draft pair on a
-    backend and device."""
-
-    model: str | None = None
-    draft: str | None = None
-    backend: str | None = None
-    device: str = "cpu"
-    export_dir: str | os.PathLike | None = None
-
-    @property
-    def resolved_backend(self) -> str:
-        return self.backend or ("torch" if self.model else "onnxruntime")
-
-    def key(self) -> str:
-        model = str(self.model)
-        p = Path(model).expanduser()
-        if p.exists():
-            model = str(p.resolve())
-        draft = str(self.draft or "")
-        dp = Path(draft).expanduser()
-        if draft and dp.exists():
-            draft = str(dp.resolve())
-        return json.dumps(
-            {"model": model, "draft": draft, "backend": self.backend or "torch", "device": self.device}, sort_keys=True
-        )
 
 
 @dataclass
@@ -119,51 +87,8 @@ class TuneOptions:
 
 
 def auto_tree_path(key: ModelsKey, sampled: bool = False) -> Path:
-    """Where `--tree auto` looks: EXPORT_DIR/tree_auto.json, or the user cache for --model
-    runs, keyed by model + draft + backend + device; `.sampled.json` for the tree tuned for
-    sampled decoding (`tune --temperature T`)."""
-    if key.export_dir:
-        return auto_tree_file(key.export_dir, key.draft, sampled)
-    from arborspec.models.registry import cache_dir
-
-    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{Path(str(key.model)).name}-{Path(str(key.draft or 'none')).name}")[:80]
-    tail = ".sampled.json" if sampled else ".json"
-    return cache_dir() / "tune" / f"{stem}-{hashlib.sha256(key.key().encode()).hexdigest()[:12]}{tail}"
-
-
-def resolve_tree(spec: str | None, key: ModelsKey | None = None, temperature: float = 0.0) -> str | None:
-    """`auto` -> `static:PATH` of the tuned tree for these models (see auto_tree_path): at a
-    temperature above 0 the tree tuned for sampling when `tune --temperature` wrote one, else
-    (and at 0) the greedy one. Any other spec is returned unchanged. A missing tuned file is one
-    clear error."""
-    if spec is None or str(spec).strip().lower() != "auto":
-        return spec
-    if key is None:
-        raise InputError("--tree auto needs the model arguments to find the tuned tree")
-    path = auto_tree_path(key)
-    sampled = auto_tree_path(key, sampled=True)
-    if temperature > 0 and sampled.is_file():
-        path = sampled
-    if not path.is_file():
-        be = f" --backend {key.backend}" if key.backend else ""
-        own = path.name == AUTO_FILE  # the export's own draft
-        how = (
-            f"arborspec tune --export-dir {key.export_dir}{'' if own else f' --draft {key.draft}'}{be}"
-            if key.export_dir
-            else f"arborspec tune --model {key.model} --draft {key.draft}{be}"
-        )
-        raise MissingFileError(f"--tree auto: no tuned tree for these models ({path}); run `{how}` first")
-    try:
-        meta = json.loads(path.read_text())
-    except ValueError:
-        raise InputError(f"--tree auto: {path} is not valid JSON; re-run `arborspec tune`") from None
-    tuned_backend = meta.get("backend") if isinstance(meta, dict) else None
-    if tuned_backend and tuned_backend != key.resolved_backend:
-        print(
-            f"arborspec: note: {path} was tuned for the {tuned_backend} backend, running on {key.resolved_backend}",
-            file=sys.stderr,
-        )
-    return f"static:{path}"
+    """Where `tune` writes and `--tree auto` reads these models' tree (runtime/tuned_tree.py)."""
+    return key.path(sampled)
 
 
 def loop_measure(
