@@ -14,6 +14,7 @@ target's).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -308,6 +309,11 @@ def load_source(model, draft_kind: str, opts: ExportOptions) -> Source:
     weights = _streamed_weights(model, draft_kind, opts)
     if weights is not None:
         return _streamed_source(model, weights)
+    cfg = _peek_config(model)
+    if cfg is not None:  # before the model is loaded: one line where it cannot fit
+        from .preflight import check_loaded_export
+
+        check_loaded_export(cfg, opts.dtype, cfg.name or Path(str(model)).name)
     lm = _load(model)
     return Source(lm.config, lm.tokenizer, getattr(lm, "source", {}) or {}, module=lm.module.float().eval(),
                   name=getattr(lm, "name", None))  # fmt: skip
@@ -332,6 +338,27 @@ def _streamed_weights(model, draft_kind: str, opts: ExportOptions):
     if weights is None and opts.stream == "on":
         raise InputError(f"--stream on: {why} (use --stream auto or off)")
     return weights
+
+
+def _peek_config(model):
+    """The config of a model spec read without loading its weights (a Llama-family HF folder or
+    GGUF, another family's HF folder), or None (a registry name, a loaded object, nanoGPT)."""
+    if not isinstance(model, (str, Path)):
+        return None
+    from .weights import open_weights
+
+    try:
+        weights = open_weights(model)
+        if weights is not None:
+            return weights.config
+        folder = Path(str(model)).expanduser()
+        if (folder / "config.json").is_file():
+            from arborspec.models.hf_loader import config_from_hf
+
+            return config_from_hf(json.loads((folder / "config.json").read_text()), name=folder.name)
+    except (ArborspecError, OSError, KeyError, ValueError):
+        return None  # the loader says what is wrong, in its own words
+    return None
 
 
 def _open_weights(model):

@@ -487,6 +487,9 @@ def _check_request(onnx_path: Path, max_batch: int, max_tree_nodes: int, max_con
     returns the ONNX metadata and the normalized compute capability ('X.Y' or None)."""
     if not onnx_path.is_file():
         raise MissingFileError(f"ONNX file not found: {onnx_path}")
+    from .preflight import check_build
+
+    check_build([onnx_path], str(onnx_path.parent))  # memory: one line before TensorRT is imported
     meta = _onnx_metadata(onnx_path)
     if meta.get(C.META_KV_LAYOUT) == "bhsd":
         raise EngineBuildError(gqa_graph_message(onnx_path.name, meta))
