@@ -323,11 +323,13 @@ def _streamed_weights(model, draft_kind: str, opts: ExportOptions):
     if opts.stream == "off":
         return None
     why = None
-    if opts.attention == "onnx" or opts.qformat != "matmulnbits":
-        why = "the portable graph (--attention onnx / --format qdq) is exported from a loaded module"
+    if opts.qformat != "matmulnbits":
+        why = "--format qdq rewrites the portable graph exported from a loaded module"
+    elif opts.attention == "onnx" and opts.exporter != "auto":
+        why = f"--exporter {opts.exporter} traces the loaded module"
     elif draft_kind not in ("none", "eagle3"):
         why = f"--draft {draft_kind} is built from the loaded target"
-    weights = None if why else _open_weights(model)
+    weights = None if why else _open_weights(model, portable=opts.attention == "onnx")
     if weights is None and why is None:
         why = "only Llama-family Hugging Face folders and GGUF files stream"
     if weights is not None and opts.stream == "auto":
@@ -361,12 +363,16 @@ def _peek_config(model):
     return None
 
 
-def _open_weights(model):
+def _open_weights(model, portable: bool = False):
+    """A streaming source for the model where its graph can be written a layer at a time (the
+    portable graph: export/portable_graph.py; ONNX Runtime's: export/gqa_graph.py), else None."""
     from .gqa_graph import gqa_unsupported
+    from .portable_graph import portable_unsupported
     from .weights import open_weights
 
     weights = open_weights(model)
-    if weights is not None and gqa_unsupported(weights.config) is not None:
+    unsupported = portable_unsupported if portable else gqa_unsupported
+    if weights is not None and unsupported(weights.config) is not None:
         return None
     return weights
 
@@ -497,6 +503,15 @@ class _GraphExporter:
             dtype=o.dtype, tokenizer_sha256=self.tok_sha, role=role, max_context=self.max_context, verify=o.verify,
             topk=topk, quantize=o.quantize, block_size=o.block_size, gguf_path=gguf_path, feature_layers=features,
         )  # fmt: skip
+        if not self.use_gqa and hasattr(m, "release"):  # a streamed source: the portable graph a layer at a time
+            from .gqa_export import GQAExport
+            from .portable_export import export_portable
+
+            spec = GQAExport(
+                dtype=o.dtype, topk=topk, feature_layers=features, max_context=self.max_context, verify=o.verify,
+                tokenizer_sha256=self.tok_sha, role=role, progress=bool(o.progress and role == "target"),
+            )  # fmt: skip
+            return export_portable(m, path, spec)
         if self.use_gqa:
             return export_gqa_onnx(
                 m, path, **common, accuracy_level=o.accuracy_level, kv_dtype=o.kv_dtype,
