@@ -456,8 +456,9 @@ def build_engine(
         f"({', '.join(p['name'] for p in prof_desc)} profiles; B<={max_batch}, "
         f"tree<={max_tree_nodes}, context<={max_context})"
     )
-    serialized, build_s = _build_serialized(builder, network, config, logger, onnx_path.name)
-    _write_engine(out_path, serialized, cache_path, timing_cache)
+    build_s = _build_to_file(trt, builder, network, config, logger, onnx_path.name, out_path)
+    if timing_cache is not None:
+        atomic_write_bytes(cache_path, bytes(memoryview(timing_cache.serialize())))
     entry = {
         "file": out_path.name,
         "bytes": out_path.stat().st_size,
@@ -505,12 +506,51 @@ def _contract_profiles(io: dict, max_batch: int, max_tree_nodes: int, max_contex
     return plan_profiles(max_batch, max_tree_nodes, max_context)
 
 
-def _write_engine(out_path: Path, serialized, cache_path: Path, timing_cache) -> None:
-    """Write the engine (and the timing cache, when there is one) atomically."""
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out_path, memoryview(serialized))
-    if timing_cache is not None:
-        atomic_write_bytes(cache_path, bytes(memoryview(timing_cache.serialize())))
+def _build_to_file(trt, builder, network, config, logger, name: str, out_path: Path) -> float:
+    """Build the engine into `out_path` (atomically); returns the build's seconds. Where the
+    builder can write to a stream (TensorRT >= 10.7, TensorRT-RTX) the engine goes to the file as
+    it is serialized: the process never holds the whole serialized engine beside the builder's
+    own copy of the weights (one engine's size less at the peak)."""
+    from arborspec.runtime.fileio import atomic_write
+
+    stream = getattr(builder, "build_serialized_network_to_stream", None)
+    if stream is None or not hasattr(trt, "IStreamWriter"):
+        serialized, build_s = _build_serialized(builder, network, config, logger, name)
+        atomic_write_bytes(out_path, memoryview(serialized))
+        return build_s
+
+    class _FileWriter(trt.IStreamWriter):
+        def __init__(self, f):
+            trt.IStreamWriter.__init__(self)
+            self.f, self.n = f, 0
+
+        def write(self, data) -> int:
+            self.n += self.f.write(data)
+            return len(data)
+
+    seconds = []
+
+    def build(f):
+        logger.take()
+        t0 = time.perf_counter()
+        writer = _FileWriter(f)
+        ok = stream(network, config, writer)
+        seconds.append(time.perf_counter() - t0)
+        _raise_on_failure(ok and writer.n > 0, logger, name)
+
+    atomic_write(out_path, build, "wb")
+    return seconds[0]
+
+
+def _raise_on_failure(ok: bool, logger, name: str) -> None:
+    """EngineBuildError with TensorRT's own errors when a build gave nothing."""
+    errors = [e for e in logger.take() if not _cuda_noise(e)]
+    if not ok:
+        raise EngineBuildError(
+            f"{name}: TensorRT build failed: "
+            + ("; ".join(e.splitlines()[0] for e in errors[:4]) or "no reason given")
+            + ("\n" + "\n".join(errors) if errors else "")
+        )
 
 
 def _resolve_compute_capability(trt, flav: str, cc: str | None):
@@ -600,13 +640,7 @@ def _build_serialized(builder, network, config, logger, name: str):
     t0 = time.perf_counter()
     serialized = builder.build_serialized_network(network, config)
     build_s = time.perf_counter() - t0
-    errors = [e for e in logger.take() if not _cuda_noise(e)]
-    if serialized is None or serialized.nbytes == 0:
-        raise EngineBuildError(
-            f"{name}: TensorRT build failed: "
-            + ("; ".join(e.splitlines()[0] for e in errors[:4]) or "no reason given")
-            + ("\n" + "\n".join(errors) if errors else "")
-        )
+    _raise_on_failure(serialized is not None and serialized.nbytes > 0, logger, name)
     return serialized, build_s
 
 
