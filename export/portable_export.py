@@ -37,7 +37,9 @@ def export_portable(weights, path, spec: gqa_export.GQAExport) -> ExportResult:
     if why_not:
         raise InputError(f"--attention onnx: {why_not} (use --stream off)")
     if spec.dtype not in PORTABLE_DTYPES or spec.quantize:
-        raise InputError("the streamed portable graph writes float weights (fp32, fp16, bf16): --format qdq loads the model")
+        raise InputError(
+            "the streamed portable graph writes float weights (fp32, fp16, bf16): --format qdq loads the model"
+        )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     max_context = int(spec.max_context or cfg.max_position)
@@ -69,7 +71,9 @@ def _write_metadata(path: Path, cfg, spec, big: bool) -> tuple[int, int]:
 
     from .onnx_files import contract_metadata, finalize
 
-    meta = contract_metadata(cfg, spec.dtype, spec.tokenizer_sha256, spec.role, f"portable:opset{OPSET}", "sbhd", spec.topk)
+    meta = contract_metadata(
+        cfg, spec.dtype, spec.tokenizer_sha256, spec.role, f"portable:opset{OPSET}", "sbhd", spec.topk
+    )
     if spec.feature_layers:
         meta[META_FEATURE_LAYERS] = json.dumps([int(i) for i in spec.feature_layers])
     return finalize(path, meta, big)
@@ -103,5 +107,7 @@ def self_check(weights, path: Path, spec, max_context: int) -> float:
     tol = spec.tolerance if spec.tolerance is not None else (5e-2 if relative else 1e-2)
     if not diff <= tol:
         what = "relative to the largest value, " if relative else ""
-        raise RuntimeError(f"{path.name}: ONNX Runtime differs from PyTorch by {diff:.3g} ({what}> {tol:g}) on random tree steps")
+        raise RuntimeError(
+            f"{path.name}: ONNX Runtime differs from PyTorch by {diff:.3g} ({what}> {tol:g}) on random tree steps"
+        )
     return diff

@@ -98,7 +98,6 @@ class PortableGraph(GQAGraph):
 
     def attention_shared(self):
         """(cos, sin) [B, 1, T, R] in the weights' dtype and the tree mask's bias [B, 1, T, S] float32."""
-        from onnx import TensorProto as TP
 
         cfg = self.cfg
         rotary, _ = _rotaries(self.w)
@@ -149,7 +148,9 @@ class PortableGraph(GQAGraph):
         rot, keep = x, None
         if self.rot != self.cfg.head_dim:
             rot = self.node("Slice", [x, "c_i0", "c_rot", "c_axes_m1"], [name + "_rot"])
-            keep = self.node("Slice", [x, "c_rot", self.const("c_dim", [self.cfg.head_dim]), "c_axes_m1"], [name + "_keep"])
+            keep = self.node(
+                "Slice", [x, "c_rot", self.const("c_dim", [self.cfg.head_dim]), "c_axes_m1"], [name + "_keep"]
+            )
         lo = self.node("Slice", [rot, "c_i0", "c_half", "c_axes_m1"], [name + "_lo"])
         hi = self.node("Slice", [rot, "c_half", "c_rot", "c_axes_m1"], [name + "_hi"])
         half = self.node("Concat", [self.node("Neg", [hi], [name + "_neg"]), lo], [name + "_rh"], axis=-1)

@@ -9,8 +9,8 @@ and builder hold the ONNX's weights several times over). "Available" is MemAvail
 /proc/meminfo, or ARBORSPEC_EXPORT_MEMORY_GB (runtime/settings.py) where it is set.
 
 The factors are measured (benchmarks/RESULTS.md, "The TensorRT path at 1B-8B"), not derived:
-they are the peak resident memory of each path over its weights' bytes on Llama-shaped
-checkpoints, rounded up.
+the peak resident memory of each path over its weights' bytes on a Llama-3.2-1B-shaped
+checkpoint, rounded up (the estimates are 5-20 % above the measured peaks).
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ GIB = 1024**3
 BASE_BYTES = GIB // 2  # Python, torch, onnx and the tokenizer
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 # torch.onnx.export of a loaded module: the fp32 module, its cast copy and the exported program's
-# initialisers (7.09 GiB at the 1B shape in fp16: 5.7 bytes a parameter)
+# initialisers (7.07 GiB at the 1B shape in fp16, 1.07B parameters: 6.6 bytes a parameter + the base)
 LOADED_BYTES_PER_PARAM_FP32 = 4
-# TensorRT-RTX's build of an ONNX: its parser's copy, the builder's and the serialized engine
-# (6.7 GiB for a 2.4 GB fp16 graph at the 1B shape); see BUILD_FACTOR's measurement in RESULTS.md
-BUILD_FACTOR = 3.0
+# TensorRT-RTX's build of an ONNX: the builder's own two copies of the weights (converted, and the
+# serialized engine's); the graph's mapped pages are given back as it goes (export/trt_weights.py).
+# 4.24 GiB for a 2.0 GiB fp16 graph at the 1B shape (1.87x + the base; 6.7 GiB before)
+BUILD_FACTOR = 2.0
 ENV = "ARBORSPEC_EXPORT_MEMORY_GB"
 
 
@@ -94,8 +95,8 @@ def check_build(onnx_paths: list, what: str) -> int:
     refuse(
         f"building the engine of {what}/{Path(biggest).name}",
         need,
-        f"{BUILD_FACTOR:g}x its {onnx_weight_bytes(biggest) / GIB:.2f} GB of ONNX weights: TensorRT's parser, "
-        "builder and engine",
+        f"{BUILD_FACTOR:g}x its {onnx_weight_bytes(biggest) / GIB:.2f} GB of ONNX weights: TensorRT's builder "
+        "holds them twice",
         "free memory, or build on a machine with more",
     )
     return need

@@ -22,6 +22,7 @@ saves on the GPU (`<engine>.runtime.cache`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -313,7 +314,10 @@ def _parse(trt, builder, logger, onnx_path: Path):
     network = builder.create_network(flags)
     parser = trt.OnnxParser(network, logger)
     logger.take()
-    ok = parser.parse_from_file(str(onnx_path))
+    from .trt_weights import mapped_weights
+
+    mapped = mapped_weights(onnx_path, parser)  # external data: by address, pages given back while building
+    ok = mapped.load_into(parser) if mapped is not None else parser.parse_from_file(str(onnx_path))
     if not ok or parser.num_errors:
         errs, ops = [], []
         for i in range(parser.num_errors):
@@ -343,7 +347,7 @@ def _parse(trt, builder, logger, onnx_path: Path):
             f"{onnx_path.name} is not an ONNX model (it decodes to an empty "
             f"graph): pass the target.onnx/draft.onnx of an export folder"
         )
-    return network, parser
+    return network, parser, mapped
 
 
 def network_io(trt, network) -> dict[str, list[dict[str, Any]]]:
@@ -437,10 +441,9 @@ def build_engine(
     logger = _logger(trt)
     logger.echo, logger.verbose = (log if verbose else None), verbose
     cc_enum, target_cc = _resolve_compute_capability(trt, flav, cc)
-
     say(f"{onnx_path.name}: parsing with {flav} {trt.__version__}")
     builder = trt.Builder(logger)
-    network, parser = _parse(trt, builder, logger, onnx_path)
+    network, parser, mapped = _parse(trt, builder, logger, onnx_path)
     io = network_io(trt, network)
     profiles = _contract_profiles(io, max_batch, max_tree_nodes, max_context)
     config = _builder_config(trt, builder, workspace_bytes, cc_enum)
@@ -448,15 +451,18 @@ def build_engine(
     cache_path = out_path.with_name(out_path.name + (".runtime.cache" if is_rtx else ".timing.cache"))
     timing_cache = _use_timing_cache(config, cache_path, is_rtx)
 
-    monitor = _progress_monitor(trt, say) if log else None
-    if monitor is not None:
+    if log and (monitor := _progress_monitor(trt, say)) is not None:
         config.progress_monitor = monitor
     say(
         f"{onnx_path.name}: building for compute capability {target_cc or 'local'} "
         f"({', '.join(p['name'] for p in prof_desc)} profiles; B<={max_batch}, "
         f"tree<={max_tree_nodes}, context<={max_context})"
     )
-    build_s = _build_to_file(trt, builder, network, config, logger, onnx_path.name, out_path)
+    with mapped.releasing() if mapped is not None else contextlib.nullcontext():
+        build_s = _build_to_file(trt, builder, network, config, logger, onnx_path.name, out_path)
+    del network, parser  # they hold the mapped weights' addresses: gone before the unmapping
+    if mapped is not None:
+        mapped.close()
     if timing_cache is not None:
         atomic_write_bytes(cache_path, bytes(memoryview(timing_cache.serialize())))
     entry = {

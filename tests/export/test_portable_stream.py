@@ -126,10 +126,38 @@ def test_streamed_portable_refuses_in_one_line_before_work(folder, tmp_path, mon
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx") is None, reason="tensorrt_rtx not installed")
-def test_tensorrt_rtx_builds_the_streamed_graph(folder, tmp_path):
-    from arborspec.export.trt_build import build_engine
+def test_tensorrt_rtx_builds_the_streamed_graph_from_mapped_weights(folder, tmp_path, monkeypatch):
+    """The streamed graph with external data builds, its weights handed to the parser from our own
+    mappings whose pages are given back while the builder runs; the engine is the size of the one
+    TensorRT's own parse_from_file gives."""
+    from arborspec.export import trt_build, trt_weights
 
+    monkeypatch.setattr(gqa_export, "STREAM_BYTES", 0)  # the weights in target.onnx.data
     export_folder(str(folder), tmp_path / "s", dtype="fp16", stream="on", **KW)
-    r = build_engine(tmp_path / "s" / "target.onnx", tmp_path / "t.engine", compute_capability="8.9",
-                     flavour="tensorrt_rtx", max_tree_nodes=8, max_context=64)  # fmt: skip
-    assert r.entry["bytes"] > 0 and r.entry["n_layers"] == 2
+    onnx_path = tmp_path / "s" / "target.onnx"
+    assert (tmp_path / "s" / "target.onnx.data").is_file()
+    released = []
+    real = trt_weights.MappedWeights.release
+    monkeypatch.setattr(trt_weights, "RELEASE_EVERY_S", 0.01)
+    monkeypatch.setattr(trt_weights.MappedWeights, "release", lambda self: released.append(1) or real(self))
+    kw = dict(compute_capability="8.9", flavour="tensorrt_rtx", max_tree_nodes=8, max_context=64)
+    mapped = trt_build.build_engine(onnx_path, tmp_path / "m" / "t.engine", **kw)
+    assert mapped.entry["n_layers"] == 2 and released  # the pages were given back during the build
+    monkeypatch.setattr(trt_weights, "mapped_weights", lambda path, parser: None)
+    own = trt_build.build_engine(onnx_path, tmp_path / "o" / "t.engine", **kw)
+    assert mapped.entry["bytes"] == own.entry["bytes"] and mapped.entry["inputs"] == own.entry["inputs"]
+
+
+def test_mapped_weights_point_at_the_external_data(folder, tmp_path, monkeypatch):
+    from onnx import numpy_helper
+
+    from arborspec.export.trt_weights import MappedWeights
+
+    monkeypatch.setattr(gqa_export, "STREAM_BYTES", 0)
+    export_portable(SafetensorsWeights(folder), tmp_path / "t.onnx", GQAExport(max_context=128, verify=False))
+    m = MappedWeights(tmp_path / "t.onnx")
+    whole = {t.name: numpy_helper.to_array(t, base_dir=str(tmp_path)) for t in onnx.load(str(tmp_path / "t.onnx")).graph.initializer}
+    data = (tmp_path / "t.onnx.data").read_bytes()
+    assert m.places and all(loc == "t.onnx.data" for _, loc, _, _ in m.places)
+    for name, _, offset, length in m.places:
+        assert data[offset : offset + length] == whole[name].tobytes()
