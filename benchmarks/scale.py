@@ -6,10 +6,12 @@ of `arborspec export` (int4 and fp16, /usr/bin/time -v), our int4 vanilla decode
 on the same 4-bit weights (its converter and quantiser: Q4_0; our export carries those blocks),
 the verify cost curve c(T) at P = 512 and 2048, and the tree the tuner picks from the shipped
 SmolLM2 head's measured acceptance. Random weights give random text: acceptance comes from
-SmolLM2's head and the cost from the large shape.
+SmolLM2's head and the cost from the large shape. The `trt` step: the portable fp16 export
+(TensorRT's graph, streamed) and `arborspec build` of it for SM 8.9, peak memory, time and engine.
 
     python benchmarks/scale.py --work /work/cache/scale --sizes 135m,1b,3b,8b
     python benchmarks/scale.py --work W --sizes 1b --steps export,decode   # a part
+    python benchmarks/scale.py --work W --sizes 1b,3b,8b --steps trt       # TensorRT: export + build
 
 Writes W/scale.json (every figure) and W/scale.md (the README's table).
 """
@@ -28,7 +30,7 @@ from arborspec.tools.bench import scale
 from arborspec.tools.bench.scale_shapes import SHAPES, write_random_checkpoint
 
 SIZES = {"135m": None, "1b": "llama-3.2-1b", "3b": "llama-3.2-3b", "8b": "llama-3.1-8b"}
-STEPS = ("export", "decode", "curve", "tree", "head")
+STEPS = ("export", "decode", "curve", "tree", "head", "trt")
 ARB = [sys.executable, "-m", "arborspec.tools.commands.cli"]
 
 
@@ -140,6 +142,48 @@ def step_head(size: str, work: Path, row: scale.SizeRow) -> None:
     row.tree["head_exact"] = scale.tree_equals_vanilla(out, "full:2,2", new_tokens=16)
 
 
+def step_trt(size: str, work: Path, row: scale.SizeRow) -> None:
+    """The TensorRT path: the portable fp16 graph (`--attention onnx`, streamed from the checkpoint)
+    and `arborspec build` of it for SM 8.9 (TensorRT-RTX, ahead of time on the CPU): peak memory,
+    time and engine size, or the refusal line where this machine cannot hold it."""
+    model = work / SIZES[size] if SIZES[size] else "smollm2-135m"
+    if SIZES[size] and not (model / "model.safetensors.index.json").is_file():
+        write_random_checkpoint(SHAPES[SIZES[size]], model, smollm2_tokenizer_dir(), 49152)
+    out = work / f"{size}-fp16-portable"
+    log(f"{size}: portable fp16 export (TensorRT's graph)")
+    m = scale.timed(export_cmd(model, out, "--dtype", "fp16", "--attention", "onnx"), work / f"{size}-portable-export.log")
+    row.export["portable-fp16"] = {**m.__dict__, "tail": m.tail[-300:]}
+    if m.rc:
+        return
+    onnx_bytes = sum(f.stat().st_size for f in out.glob("target.onnx*"))
+    log(f"{size}: arborspec build --compute-capability 8.9 --max-context 4096")
+    cmd = [*ARB, "build", "--export-dir", str(out), "--compute-capability", "8.9", "--max-context", "4096"]
+    b = scale.timed(cmd, work / f"{size}-trt-build.log")
+    engine = out / "engines" / "target.engine"
+    size_b = engine.stat().st_size if engine.is_file() else None
+    row.export["trt-build"] = {**b.__dict__, "tail": b.tail[-300:], "engine_bytes": size_b, "onnx_bytes": onnx_bytes}
+    shutil.rmtree(out, ignore_errors=True)
+
+
+def trt_table(rows: list) -> str:
+    """The README's TensorRT rows: portable export and engine build, peak memory and time."""
+    lines = ["| model | portable fp16 export: peak, time | `build` SM 8.9: peak, time | engine | build peak / engine |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        e, b = r.export.get("portable-fp16"), r.export.get("trt-build")
+        if not e:
+            continue
+        exp = f"{e['peak_gb']:.2f} GiB, {e['seconds']:.0f} s" if not e["rc"] else "refused: " + e["tail"].strip().splitlines()[-1]
+        if not b:
+            lines.append(f"| {r.size} | {exp} | - | - | - |")
+            continue
+        eng = b.get("engine_bytes")
+        built = f"{b['peak_gb']:.2f} GiB, {b['seconds']:.0f} s" if not b["rc"] else "refused: " + b["tail"].strip().splitlines()[-1]
+        ratio = f"{b['peak_gb'] * 2**30 / eng:.2f}x" if eng and not b["rc"] else "-"
+        lines.append(f"| {r.size} | {exp} | {built} | {eng / 2**30:.2f} GiB | {ratio} |" if eng else f"| {r.size} | {exp} | {built} | - | - |")
+    return "\n".join(lines)
+
+
 def head_profile(work: Path) -> dict:
     """The shipped head's acceptance profile and cost, from `arborspec tune` on the SmolLM2 int4 export."""
     doc = work / "smollm2-tune.json"
@@ -162,7 +206,7 @@ def main(argv=None) -> int:
     from arborspec.tools.bench.llama_server import llama_cpp_tools
 
     a.work.mkdir(parents=True, exist_ok=True)
-    tools = llama_cpp_tools(build=True)
+    tools = llama_cpp_tools(build=True) if set(steps) & {"export", "decode", "head"} else None
     results = a.work / "scale.json"
     doc = json.loads(results.read_text()) if results.is_file() else {}
     for size in sizes:
@@ -177,13 +221,15 @@ def main(argv=None) -> int:
             step_tree(size, a.work, row, head_profile(a.work))
         if "head" in steps and SIZES[size] is not None:
             step_head(size, a.work, row)
+        if "trt" in steps:
+            step_trt(size, a.work, row)
         doc[size] = row.to_json()
         results.write_text(json.dumps(doc, indent=1))
     machine = f"{platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d')}"
     rows = [scale.SizeRow(**doc[s]) for s in SIZES if s in doc]
     for r in rows:
         r.curves = {p: {int(k): v for k, v in c.items()} for p, c in r.curves.items()}
-    (a.work / "scale.md").write_text(scale.markdown_table(rows, machine) + "\n")
+    (a.work / "scale.md").write_text(scale.markdown_table(rows, machine) + "\n\n" + trt_table(rows) + "\n")
     print((a.work / "scale.md").read_text())
     return 0
 

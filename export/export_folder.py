@@ -14,6 +14,7 @@ target's).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -308,6 +309,11 @@ def load_source(model, draft_kind: str, opts: ExportOptions) -> Source:
     weights = _streamed_weights(model, draft_kind, opts)
     if weights is not None:
         return _streamed_source(model, weights)
+    cfg = _peek_config(model)
+    if cfg is not None:  # before the model is loaded: one line where it cannot fit
+        from .preflight import check_loaded_export
+
+        check_loaded_export(cfg, opts.dtype, cfg.name or Path(str(model)).name)
     lm = _load(model)
     return Source(lm.config, lm.tokenizer, getattr(lm, "source", {}) or {}, module=lm.module.float().eval(),
                   name=getattr(lm, "name", None))  # fmt: skip
@@ -317,11 +323,13 @@ def _streamed_weights(model, draft_kind: str, opts: ExportOptions):
     if opts.stream == "off":
         return None
     why = None
-    if opts.attention == "onnx" or opts.qformat != "matmulnbits":
-        why = "the portable graph (--attention onnx / --format qdq) is exported from a loaded module"
+    if opts.qformat != "matmulnbits":
+        why = "--format qdq rewrites the portable graph exported from a loaded module"
+    elif opts.attention == "onnx" and opts.exporter != "auto":
+        why = f"--exporter {opts.exporter} traces the loaded module"
     elif draft_kind not in ("none", "eagle3"):
         why = f"--draft {draft_kind} is built from the loaded target"
-    weights = None if why else _open_weights(model)
+    weights = None if why else _open_weights(model, portable=opts.attention == "onnx")
     if weights is None and why is None:
         why = "only Llama-family Hugging Face folders and GGUF files stream"
     if weights is not None and opts.stream == "auto":
@@ -334,12 +342,37 @@ def _streamed_weights(model, draft_kind: str, opts: ExportOptions):
     return weights
 
 
-def _open_weights(model):
+def _peek_config(model):
+    """The config of a model spec read without loading its weights (a Llama-family HF folder or
+    GGUF, another family's HF folder), or None (a registry name, a loaded object, nanoGPT)."""
+    if not isinstance(model, (str, Path)):
+        return None
+    from .weights import open_weights
+
+    try:
+        weights = open_weights(model)
+        if weights is not None:
+            return weights.config
+        folder = Path(str(model)).expanduser()
+        if (folder / "config.json").is_file():
+            from arborspec.models.hf_loader import config_from_hf
+
+            return config_from_hf(json.loads((folder / "config.json").read_text()), name=folder.name)
+    except (ArborspecError, OSError, KeyError, ValueError):
+        return None  # the loader says what is wrong, in its own words
+    return None
+
+
+def _open_weights(model, portable: bool = False):
+    """A streaming source for the model where its graph can be written a layer at a time (the
+    portable graph: export/portable_graph.py; ONNX Runtime's: export/gqa_graph.py), else None."""
     from .gqa_graph import gqa_unsupported
+    from .portable_graph import portable_unsupported
     from .weights import open_weights
 
     weights = open_weights(model)
-    if weights is not None and gqa_unsupported(weights.config) is not None:
+    unsupported = portable_unsupported if portable else gqa_unsupported
+    if weights is not None and unsupported(weights.config) is not None:
         return None
     return weights
 
@@ -470,6 +503,15 @@ class _GraphExporter:
             dtype=o.dtype, tokenizer_sha256=self.tok_sha, role=role, max_context=self.max_context, verify=o.verify,
             topk=topk, quantize=o.quantize, block_size=o.block_size, gguf_path=gguf_path, feature_layers=features,
         )  # fmt: skip
+        if not self.use_gqa and hasattr(m, "release"):  # a streamed source: the portable graph a layer at a time
+            from .gqa_export import GQAExport
+            from .portable_export import export_portable
+
+            spec = GQAExport(
+                dtype=o.dtype, topk=topk, feature_layers=features, max_context=self.max_context, verify=o.verify,
+                tokenizer_sha256=self.tok_sha, role=role, progress=bool(o.progress and role == "target"),
+            )  # fmt: skip
+            return export_portable(m, path, spec)
         if self.use_gqa:
             return export_gqa_onnx(
                 m, path, **common, accuracy_level=o.accuracy_level, kv_dtype=o.kv_dtype,

@@ -117,7 +117,8 @@ def check_memory(cfg, spec: GQAExport, what: str) -> dict[str, int]:
         raise InputError(
             f"exporting {what} needs about {est['peak'] / GIB:.1f} GB of memory (largest layer "
             f"{est['largest_layer'] / GIB:.2f} GB in fp32, embeddings {est['embeddings'] / GIB:.2f} GB, "
-            f"self-check {est['check'] / GIB:.2f} GB) but {have / GIB:.1f} GB is available: free memory, "
+            f"self-check {est['check'] / GIB:.2f} GB) but {have / GIB:.2f} GB is available "
+            "(ARBORSPEC_EXPORT_MEMORY_GB or MemAvailable): free memory, "
             "or export on a machine with more (nothing was written)"
         )
     return est

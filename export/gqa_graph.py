@@ -303,6 +303,8 @@ class GQAGraph:
     linears: None (float MatMuls) or a callable hf_name -> NBits | None giving a layer's
     MatMulNBits blocks (export/quantize.py; None keeps that layer float)."""
 
+    KIND = "gqa"  # the graph's name suffix (export/portable_graph.py: "portable")
+
     def __init__(self, weights, opts: GraphOptions, linears=None, sink=None, progress: bool = False):
         from onnx import TensorProto as TP
 
@@ -412,15 +414,18 @@ class GQAGraph:
         outputs += self.logits_outputs(logits)
         outputs += self.features(feats)
         graph = h.make_graph(
-            self.nodes, f"arborspec_{self.cfg.name or 'llama'}_gqa", inputs, outputs, self.sink.tensors
+            self.nodes, f"arborspec_{self.cfg.name or 'llama'}_{self.KIND}", inputs, outputs, self.sink.tensors
         )
-        model = h.make_model(
-            graph, opset_imports=[h.make_opsetid("", OPSET), h.make_opsetid("com.microsoft", 1)], producer_name="arborspec"
-        )
+        model = h.make_model(graph, opset_imports=self.opset_imports(), producer_name="arborspec")
         model.ir_version = IR_VERSION
         if not isinstance(self.sink, ExternalDataSink):
             onnx.checker.check_model(model)  # structure (external data: checked on the saved file)
         return model
+
+    def opset_imports(self) -> list:
+        from onnx import helper as h
+
+        return [h.make_opsetid("", OPSET), h.make_opsetid("com.microsoft", 1)]
 
     def layers(self):
         from tqdm.auto import tqdm

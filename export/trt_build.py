@@ -22,6 +22,7 @@ saves on the GPU (`<engine>.runtime.cache`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -313,7 +314,10 @@ def _parse(trt, builder, logger, onnx_path: Path):
     network = builder.create_network(flags)
     parser = trt.OnnxParser(network, logger)
     logger.take()
-    ok = parser.parse_from_file(str(onnx_path))
+    from .trt_weights import mapped_weights
+
+    mapped = mapped_weights(onnx_path, parser)  # external data: by address, pages given back while building
+    ok = mapped.load_into(parser) if mapped is not None else parser.parse_from_file(str(onnx_path))
     if not ok or parser.num_errors:
         errs, ops = [], []
         for i in range(parser.num_errors):
@@ -343,7 +347,7 @@ def _parse(trt, builder, logger, onnx_path: Path):
             f"{onnx_path.name} is not an ONNX model (it decodes to an empty "
             f"graph): pass the target.onnx/draft.onnx of an export folder"
         )
-    return network, parser
+    return network, parser, mapped
 
 
 def network_io(trt, network) -> dict[str, list[dict[str, Any]]]:
@@ -437,10 +441,9 @@ def build_engine(
     logger = _logger(trt)
     logger.echo, logger.verbose = (log if verbose else None), verbose
     cc_enum, target_cc = _resolve_compute_capability(trt, flav, cc)
-
     say(f"{onnx_path.name}: parsing with {flav} {trt.__version__}")
     builder = trt.Builder(logger)
-    network, parser = _parse(trt, builder, logger, onnx_path)
+    network, parser, mapped = _parse(trt, builder, logger, onnx_path)
     io = network_io(trt, network)
     profiles = _contract_profiles(io, max_batch, max_tree_nodes, max_context)
     config = _builder_config(trt, builder, workspace_bytes, cc_enum)
@@ -448,16 +451,20 @@ def build_engine(
     cache_path = out_path.with_name(out_path.name + (".runtime.cache" if is_rtx else ".timing.cache"))
     timing_cache = _use_timing_cache(config, cache_path, is_rtx)
 
-    monitor = _progress_monitor(trt, say) if log else None
-    if monitor is not None:
+    if log and (monitor := _progress_monitor(trt, say)) is not None:
         config.progress_monitor = monitor
     say(
         f"{onnx_path.name}: building for compute capability {target_cc or 'local'} "
         f"({', '.join(p['name'] for p in prof_desc)} profiles; B<={max_batch}, "
         f"tree<={max_tree_nodes}, context<={max_context})"
     )
-    serialized, build_s = _build_serialized(builder, network, config, logger, onnx_path.name)
-    _write_engine(out_path, serialized, cache_path, timing_cache)
+    with mapped.releasing() if mapped is not None else contextlib.nullcontext():
+        build_s = _build_to_file(trt, builder, network, config, logger, onnx_path.name, out_path)
+    del network, parser  # they hold the mapped weights' addresses: gone before the unmapping
+    if mapped is not None:
+        mapped.close()
+    if timing_cache is not None:
+        atomic_write_bytes(cache_path, bytes(memoryview(timing_cache.serialize())))
     entry = {
         "file": out_path.name,
         "bytes": out_path.stat().st_size,
@@ -487,6 +494,9 @@ def _check_request(onnx_path: Path, max_batch: int, max_tree_nodes: int, max_con
     returns the ONNX metadata and the normalized compute capability ('X.Y' or None)."""
     if not onnx_path.is_file():
         raise MissingFileError(f"ONNX file not found: {onnx_path}")
+    from .preflight import check_build
+
+    check_build([onnx_path], str(onnx_path.parent))  # memory: one line before TensorRT is imported
     meta = _onnx_metadata(onnx_path)
     if meta.get(C.META_KV_LAYOUT) == "bhsd":
         raise EngineBuildError(gqa_graph_message(onnx_path.name, meta))
@@ -502,12 +512,51 @@ def _contract_profiles(io: dict, max_batch: int, max_tree_nodes: int, max_contex
     return plan_profiles(max_batch, max_tree_nodes, max_context)
 
 
-def _write_engine(out_path: Path, serialized, cache_path: Path, timing_cache) -> None:
-    """Write the engine (and the timing cache, when there is one) atomically."""
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out_path, memoryview(serialized))
-    if timing_cache is not None:
-        atomic_write_bytes(cache_path, bytes(memoryview(timing_cache.serialize())))
+def _build_to_file(trt, builder, network, config, logger, name: str, out_path: Path) -> float:
+    """Build the engine into `out_path` (atomically); returns the build's seconds. Where the
+    builder can write to a stream (TensorRT >= 10.7, TensorRT-RTX) the engine goes to the file as
+    it is serialized: the process never holds the whole serialized engine beside the builder's
+    own copy of the weights (one engine's size less at the peak)."""
+    from arborspec.runtime.fileio import atomic_write
+
+    stream = getattr(builder, "build_serialized_network_to_stream", None)
+    if stream is None or not hasattr(trt, "IStreamWriter"):
+        serialized, build_s = _build_serialized(builder, network, config, logger, name)
+        atomic_write_bytes(out_path, memoryview(serialized))
+        return build_s
+
+    class _FileWriter(trt.IStreamWriter):
+        def __init__(self, f):
+            trt.IStreamWriter.__init__(self)
+            self.f, self.n = f, 0
+
+        def write(self, data) -> int:
+            self.n += self.f.write(data)
+            return len(data)
+
+    seconds = []
+
+    def build(f):
+        logger.take()
+        t0 = time.perf_counter()
+        writer = _FileWriter(f)
+        ok = stream(network, config, writer)
+        seconds.append(time.perf_counter() - t0)
+        _raise_on_failure(ok and writer.n > 0, logger, name)
+
+    atomic_write(out_path, build, "wb")
+    return seconds[0]
+
+
+def _raise_on_failure(ok: bool, logger, name: str) -> None:
+    """EngineBuildError with TensorRT's own errors when a build gave nothing."""
+    errors = [e for e in logger.take() if not _cuda_noise(e)]
+    if not ok:
+        raise EngineBuildError(
+            f"{name}: TensorRT build failed: "
+            + ("; ".join(e.splitlines()[0] for e in errors[:4]) or "no reason given")
+            + ("\n" + "\n".join(errors) if errors else "")
+        )
 
 
 def _resolve_compute_capability(trt, flav: str, cc: str | None):
@@ -597,13 +646,7 @@ def _build_serialized(builder, network, config, logger, name: str):
     t0 = time.perf_counter()
     serialized = builder.build_serialized_network(network, config)
     build_s = time.perf_counter() - t0
-    errors = [e for e in logger.take() if not _cuda_noise(e)]
-    if serialized is None or serialized.nbytes == 0:
-        raise EngineBuildError(
-            f"{name}: TensorRT build failed: "
-            + ("; ".join(e.splitlines()[0] for e in errors[:4]) or "no reason given")
-            + ("\n" + "\n".join(errors) if errors else "")
-        )
+    _raise_on_failure(serialized is not None and serialized.nbytes > 0, logger, name)
     return serialized, build_s
 
 

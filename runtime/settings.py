@@ -83,8 +83,9 @@ _ALL = (
             "`arborspec serve` requires 'Authorization: Bearer KEY' when set (like --api-key)",
             "serving.md"),
     Setting("ARBORSPEC_EXPORT_MEMORY_GB", NUMBER, None,
-            "the memory (GB) `arborspec export` may use; unset: MemAvailable of /proc/meminfo "
-            "(an export estimated above it is refused before it starts)", "models.md"),
+            "the memory (GB) `arborspec export` and `arborspec build` may use; unset: MemAvailable "
+            "of /proc/meminfo (an export or build estimated above it is refused before it starts)",
+            "models.md"),
     Setting("ARBORSPEC_RAY_START_TIMEOUT_S", NUMBER, "300",
             "seconds `arborspec serve --ray` waits for its replicas to come up", "serving.md"),
     # the command line (tools/commands/cli.py, tools/compare/comparison.py)

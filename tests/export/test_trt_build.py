@@ -239,7 +239,7 @@ def test_parsed_network_matches_contract(export_dir):
 
     trt, _ = tb.import_tensorrt("tensorrt_rtx")
     builder = trt.Builder(tb._logger(trt))
-    network, _parser = tb._parse(trt, builder, tb._logger(trt), export_dir / "target.onnx")
+    network, _parser, _mapped = tb._parse(trt, builder, tb._logger(trt), export_dir / "target.onnx")
     io = tb.network_io(trt, network)
     tb.check_contract(io)
     shapes = {d["name"]: d["shape"] for d in io["inputs"] + io["outputs"]}

@@ -60,3 +60,27 @@ def test_markdown_table_one_line_a_size():
                       tree={"512": {"nodes": 12, "depth": 4, "speedup": 2.1, "best_chain_speedup": 1.8}})  # fmt: skip
     lines = scale.markdown_table([r], "a machine").splitlines()
     assert lines[2].startswith("| 8b (7.50B) | 6.10 GB / - | 2.0 tok/s | 2.5 tok/s | 1.20, 2.00 | 12, 4 | 2.10x")
+
+
+def test_the_trt_rows_give_peak_time_engine_and_the_refusal_line():
+    """benchmarks/scale.py's TensorRT table: a built size shows its peaks, times, engine and the
+    build's peak over the engine; a refused build shows its one line."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "scale.py"
+    spec = importlib.util.spec_from_file_location("scale_bench_script", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    built = scale.SizeRow("1b", 1.07, export={
+        "portable-fp16": {"rc": 0, "seconds": 223.0, "peak_gb": 1.96, "tail": ""},
+        "trt-build": {"rc": 0, "seconds": 174.0, "peak_gb": 4.24, "tail": "", "engine_bytes": 2 * 2**30},
+    })  # fmt: skip
+    refused = scale.SizeRow("8b", 7.5, export={
+        "portable-fp16": {"rc": 0, "seconds": 900.0, "peak_gb": 6.0, "tail": ""},
+        "trt-build": {"rc": 2, "seconds": 3.0, "peak_gb": 0.3, "engine_bytes": None,
+                      "tail": "arborspec: error: building the engine of W/target.onnx needs about 30.5 GB"},
+    })  # fmt: skip
+    table = bench.trt_table([built, refused]).splitlines()
+    assert table[2] == "| 1b | 1.96 GiB, 223 s | 4.24 GiB, 174 s | 2.00 GiB | 2.12x |"
+    assert table[3].startswith("| 8b | 6.00 GiB, 900 s | refused: arborspec: error: building the engine")

@@ -146,6 +146,9 @@ def run(args) -> int:
         if meta.get("arborspec.kv_layout") == "bhsd":
             raise InputError(f"{d}: " + tb.gqa_graph_message(onnx_path.name, meta))
 
+    from arborspec.export.preflight import check_build
+
+    check_build([p for _, p in jobs], str(d))  # one line before TensorRT is imported
     try:
         tb.normalize_compute_capability(args.compute_capability)
         trt, flavour = tb.import_tensorrt(args.trt_module)
