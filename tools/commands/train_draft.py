@@ -130,6 +130,12 @@ def _add_training_args(t) -> None:
         "its checkpoint's range",
     )
     t.add_argument(
+        "--featurised-prefix",
+        action="store_true",
+        help="train on the shards (of --shards) whose features are there, up to the first that holds ids only: "
+        "a run beside `corpus_ids featurise`, each later run taking the shards it has finished since",
+    )
+    t.add_argument(
         "--step-decay",
         type=float,
         default=None,
@@ -448,6 +454,7 @@ def _train_config(args, measure, before: dict, progress: bool):
         precision=eagle3_train.training_precision(args.precision, args.device),
         template_share=args.template_share,
         shards=args.shards,
+        featurised_prefix=args.featurised_prefix,
         step_decay=args.step_decay,
     )
 
