@@ -140,3 +140,38 @@ def test_training_beside_featurise_reads_the_featurised_prefix(tmp_path):
     assert len(eagle3_train.ShardData(tmp_path, prefix=True)) == 4
     with pytest.raises(InputError, match="holds token ids only"):
         eagle3_train.ShardData(tmp_path)
+
+
+def test_revocab_by_kinds_reads_its_counts_cache_on_resume(tmp_path):
+    counts = {"chat": np.array([0, 9, 1, 0, 5]), "qa": np.array([0, 0, 0, 2, 0])}
+    vc.save_counts(tmp_path / "kind_counts.npz", counts)
+    loaded = SimpleNamespace(tokenizer=SimpleNamespace(meta={"eos_token_ids": [0]}))
+    got = vc.vocab_for(loaded, tmp_path / "no-corpus", 3, tmp_path / "kind_counts.npz")  # the corpus is not read
+    assert got.tolist() == [0, 3, 1]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--revocab-by", "kinds"], "--revocab-by chooses how --revocab counts: give --revocab N"),
+        (["--init", "eagle3", "--revocab-by", "words"], "invalid choice"),
+    ],
+)
+def test_train_draft_revocab_by_mistakes_are_one_line(tmp_path, capsys, extra, message):
+    from arborspec.tools.commands.cli import main
+
+    try:
+        rc = main(["train-draft", "--model", "smollm2-135m", "--out", str(tmp_path / "o"), *extra])
+    except SystemExit as e:  # argparse's own mistakes (one line, cli._Parser)
+        rc = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("arborspec: error: ") and message in err[0], err
+
+
+def test_train_draft_help_names_the_new_flags(capsys):
+    from arborspec.tools.commands.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["train-draft", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "--revocab-by {tokens,kinds}" in out and "--featurised-prefix" in out

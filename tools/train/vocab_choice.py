@@ -125,6 +125,18 @@ def load_counts(path: Path) -> dict[str, np.ndarray]:
         return {k: z[k] for k in z.files}
 
 
+def vocab_for(loaded, corpus: Path, n: int, cache: Path) -> np.ndarray:
+    """`train-draft --revocab N --revocab-by kinds`: choose_vocab over the corpus's counts per
+    kind (EOS in), the counts kept in `cache` (a resumed run reads them, not the corpus again)."""
+    if cache.is_file():
+        counts = load_counts(cache)
+    else:
+        counts = corpus_counts(loaded, corpus)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        save_counts(cache, counts)
+    return choose_vocab(counts, n, list(loaded.tokenizer.meta.get("eos_token_ids") or []))
+
+
 def heldout_coverage(loaded, vocabs: dict[str, np.ndarray], aux) -> dict[str, dict]:
     """{label: {kind: share of the held-out greedy answer tokens the vocabulary holds}} over the
     chat and kinds held-out sets (eagle3_heldout's, built once in the user cache)."""
