@@ -140,6 +140,9 @@ def test_training_beside_featurise_reads_the_featurised_prefix(tmp_path):
     assert len(eagle3_train.ShardData(tmp_path, prefix=True)) == 4
     with pytest.raises(InputError, match="holds token ids only"):
         eagle3_train.ShardData(tmp_path)
+    kw = dict(steps=2, batch=2, minutes=1, progress=False, featurised_prefix=True, shards=range(1, 3))
+    with pytest.raises(InputError, match=r"no featurised shard in those shards yet \(--featurised-prefix\)"):
+        eagle3_train.train(head, torch.zeros(cfg.vocab_size, cfg.hidden_size), tmp_path, tmp_path / "w", **kw)
 
 
 def test_revocab_by_kinds_reads_its_counts_cache_on_resume(tmp_path):

@@ -424,6 +424,11 @@ class _TrainingRun:
         from arborspec.runtime.errors import InputError
 
         data = ShardData(corpus, shards=self.shards, prefix=self.cfg.featurised_prefix)
+        if len(data) == 0 and self.cfg.featurised_prefix:
+            raise InputError(
+                f"the corpus {corpus} has no featurised shard {'in those shards ' if self.shards else ''}yet "
+                "(--featurised-prefix): run `corpus_ids featurise` first, or wait for the one running"
+            )
         if len(data) == 0:
             raise InputError(
                 f"the corpus {corpus} has no training window {'in those shards' if self.shards is not None else 'yet'} "
