@@ -244,7 +244,11 @@ def _main(argv=None) -> int:
     report = {"tokens": {k: int(c.sum()) for k, c in counts.items()}, "corpus": sizes_table(counts, a.sizes, eos, current)}
     print(table(report["corpus"]))
     if a.heldout:
+        from arborspec.tools.train.eagle3_corpus import revocabulary, token_counts
+
+        windows = token_counts(a.corpus, loaded.config.vocab_size)  # what --revocab N --revocab-by tokens counts
         vocabs = {f"current-{len(current)}": current, **{f"kinds-{n}": choose_vocab(counts, n, eos) for n in a.sizes}}
+        vocabs.update({f"tokens-{n}": revocabulary(windows, n, loaded.tokenizer) for n in a.sizes})
         report["heldout"] = heldout_coverage(loaded, vocabs, list(head.config.aux_layers))
         print(table(report["heldout"]))
     if a.write_head is not None:
