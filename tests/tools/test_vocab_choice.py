@@ -140,9 +140,26 @@ def test_training_beside_featurise_reads_the_featurised_prefix(tmp_path):
     assert len(eagle3_train.ShardData(tmp_path, prefix=True)) == 4
     with pytest.raises(InputError, match="holds token ids only"):
         eagle3_train.ShardData(tmp_path)
+    (tmp_path / "w").mkdir()
+    names = ("features", "top_ids", "top_lp", "top1")
+    saved = {n: np.load(tmp_path / "shards" / "00002" / f"{n}.npy") for n in names}
+    for n in names:
+        (tmp_path / "shards" / "00002" / f"{n}.npy").unlink()  # shards 1 and 2: ids only
+    run = eagle3_train._TrainingRun(
+        head, torch.zeros(cfg.vocab_size, cfg.hidden_size), tmp_path, tmp_path / "w",
+        eagle3_train.TrainConfig(steps=2, batch=2, progress=False, featurised_prefix=True),
+    )
+    assert len(run.data) == 4 and max(run.next_batch().max() for _ in range(2)) < 4  # epoch 0: shard 0
+    run.next_batch()
+    assert run.epoch == 1 and len(run.data) == 4
     kw = dict(steps=2, batch=2, minutes=1, progress=False, featurised_prefix=True, shards=range(1, 3))
     with pytest.raises(InputError, match=r"no featurised shard in those shards yet \(--featurised-prefix\)"):
-        eagle3_train.train(head, torch.zeros(cfg.vocab_size, cfg.hidden_size), tmp_path, tmp_path / "w", **kw)
+        eagle3_train.train(head, torch.zeros(cfg.vocab_size, cfg.hidden_size), tmp_path, tmp_path / "w2", **kw)
+    for d in ("00001", "00002"):  # `featurise` finishes shards 1 and 2
+        for n in names:
+            np.save(tmp_path / "shards" / d / f"{n}.npy", saved[n])
+    seen = np.concatenate([run.next_batch() for _ in range(3)])
+    assert run.epoch == 2 and len(run.data) == 12 and seen.max() >= 4  # they join at the next epoch
 
 
 def test_revocab_by_kinds_reads_its_counts_cache_on_resume(tmp_path):

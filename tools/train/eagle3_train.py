@@ -390,7 +390,7 @@ class _TrainingRun:
     optimiser, the settings resolved against the checkpoint, and the progress it saves."""
 
     def __init__(self, head: Eagle3Head, embed: torch.Tensor, corpus: Path, out: Path, cfg: TrainConfig):
-        self.cfg, self.out, self.head = cfg, out, head
+        self.cfg, self.out, self.head, self.corpus = cfg, out, head, corpus
         self.state_file, self.best_file = out / "train_state.pt", out / "best_head.pt"
         st = self.load_checkpoint()
         self.data = self.load_data(corpus)
@@ -535,6 +535,8 @@ class _TrainingRun:
         if self.order is None or self.pos + batch > len(self.order):
             if self.order is not None:
                 self.epoch += 1
+                if self.cfg.featurised_prefix:  # the shards `featurise` finished since join this epoch
+                    self.data = ShardData(self.corpus, self.head.token_map().cpu().numpy(), self.shards, prefix=True)
             rng = np.random.default_rng([self.cfg.seed, self.epoch])
             self.order = epoch_order(self.data.sources, rng, self.template_share)
             self.pos = 0
