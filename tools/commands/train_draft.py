@@ -130,6 +130,12 @@ def _add_training_args(t) -> None:
         "its checkpoint's range",
     )
     t.add_argument(
+        "--featurised-prefix",
+        action="store_true",
+        help="train on the shards (of --shards) whose features are there, up to the first that holds ids only: "
+        "a run beside `corpus_ids featurise`, each later run taking the shards it has finished since",
+    )
+    t.add_argument(
         "--step-decay",
         type=float,
         default=None,
@@ -154,6 +160,14 @@ def _add_training_args(t) -> None:
         help="with --init: re-choose the head's draft vocabulary as the N most frequent tokens of the corpus "
         "(FR-Spec; every weight kept, new tokens' rows from the target's LM head); the corpus's stored top-K is "
         "mapped onto it. A resumed run keeps its checkpoint's vocabulary",
+    )
+    t.add_argument(
+        "--revocab-by",
+        choices=("tokens", "kinds"),
+        default="tokens",
+        help="with --revocab: tokens (default: the corpus's windows, every token counted once) or kinds (the target's "
+        "greedy answers, each kind of request weighing the same: tools/train/vocab_choice.py; counts kept in "
+        "OUT/.train/kind_counts.npz)",
     )
 
 
@@ -218,6 +232,8 @@ def check_args(args) -> None:
         )
     if args.revocab is not None and args.init is None:
         raise InputError("--revocab re-chooses the vocabulary of a head given with --init")
+    if args.revocab_by != "tokens" and args.revocab is None:
+        raise InputError("--revocab-by chooses how --revocab counts: give --revocab N")
     if args.corpus is not None and not args.corpus.is_dir():
         raise InputError(f"--corpus {args.corpus}: no such folder")
     for name in ("corpus_tokens", "shard_prompts", "gen_len", "gen_batch", "window", "draft_vocab", "topk", "revocab"):
@@ -414,8 +430,13 @@ def _head_to_train(args, loaded, start: dict, corpus: Path):
         return eagle3_train.init_head(cfg, loaded.module, start["aux"], np.load(corpus / "vocab.npy"), args.seed)
     head = start["init"].float()
     if args.revocab is not None:
-        counts = eagle3_corpus.token_counts(corpus, cfg.vocab_size)  # grow_corpus required a tokenizer
-        vocab = eagle3_corpus.revocabulary(counts, args.revocab, loaded.tokenizer)
+        if args.revocab_by == "kinds":
+            from arborspec.tools.train import vocab_choice
+
+            vocab = vocab_choice.vocab_for(loaded, corpus, args.revocab, args.out / ".train" / "kind_counts.npz")
+        else:
+            counts = eagle3_corpus.token_counts(corpus, cfg.vocab_size)  # grow_corpus required a tokenizer
+            vocab = eagle3_corpus.revocabulary(counts, args.revocab, loaded.tokenizer)
         head = eagle3_train.revocab_head(head, vocab, loaded.module)
         log(
             f"train-draft: draft vocabulary re-chosen: {args.revocab} tokens, "
@@ -448,6 +469,7 @@ def _train_config(args, measure, before: dict, progress: bool):
         precision=eagle3_train.training_precision(args.precision, args.device),
         template_share=args.template_share,
         shards=args.shards,
+        featurised_prefix=args.featurised_prefix,
         step_decay=args.step_decay,
     )
 

@@ -188,10 +188,15 @@ class ShardData:
 
     NAMES = ("tokens", "features", "top_ids", "top_lp", "top1")
 
-    def __init__(self, corpus: Path, head_vocab: np.ndarray | None = None, shards: range | None = None):
-        from arborspec.tools.train.eagle3_corpus import in_shards, shard_dirs, shards_text
+    def __init__(
+        self, corpus: Path, head_vocab: np.ndarray | None = None, shards: range | None = None, prefix: bool = False
+    ):
+        from arborspec.tools.train.eagle3_corpus import featurised, in_shards, shard_dirs, shards_text
 
         dirs = [d for d in shard_dirs(corpus) if in_shards(d, shards)]  # shards: these numbers only
+        if prefix:  # the featurised ones up to the first that is not (`featurise` goes in order): the
+            ready = [featurised(d) for d in dirs]  # rest join a later run at the end of the index
+            dirs = dirs[: ready.index(False)] if False in ready else dirs
         for d in dirs:
             missing = [f"{n}.npy" for n in self.NAMES if not (d / f"{n}.npy").is_file()]
             if missing:
@@ -354,6 +359,7 @@ class TrainConfig:
     precision: str = "fp32"  # or "bf16" (training_precision)
     template_share: float | None = None  # epoch_order
     shards: range | None = None  # these shard numbers only
+    featurised_prefix: bool = False  # of those, the featurised ones up to the first that is not
     step_decay: float | None = None  # the loss of TTT step k weighs step_decay**k
 
 
@@ -384,7 +390,7 @@ class _TrainingRun:
     optimiser, the settings resolved against the checkpoint, and the progress it saves."""
 
     def __init__(self, head: Eagle3Head, embed: torch.Tensor, corpus: Path, out: Path, cfg: TrainConfig):
-        self.cfg, self.out, self.head = cfg, out, head
+        self.cfg, self.out, self.head, self.corpus = cfg, out, head, corpus
         self.state_file, self.best_file = out / "train_state.pt", out / "best_head.pt"
         st = self.load_checkpoint()
         self.data = self.load_data(corpus)
@@ -417,7 +423,12 @@ class _TrainingRun:
         build_head, once the checkpoint's head is in)."""
         from arborspec.runtime.errors import InputError
 
-        data = ShardData(corpus, shards=self.shards)
+        data = ShardData(corpus, shards=self.shards, prefix=self.cfg.featurised_prefix)
+        if len(data) == 0 and self.cfg.featurised_prefix:
+            raise InputError(
+                f"the corpus {corpus} has no featurised shard {'in those shards ' if self.shards else ''}yet "
+                "(--featurised-prefix): run `corpus_ids featurise` first, or wait for the one running"
+            )
         if len(data) == 0:
             raise InputError(
                 f"the corpus {corpus} has no training window {'in those shards' if self.shards is not None else 'yet'} "
@@ -524,6 +535,8 @@ class _TrainingRun:
         if self.order is None or self.pos + batch > len(self.order):
             if self.order is not None:
                 self.epoch += 1
+                if self.cfg.featurised_prefix:  # the shards `featurise` finished since join this epoch
+                    self.data = ShardData(self.corpus, self.head.token_map().cpu().numpy(), self.shards, prefix=True)
             rng = np.random.default_rng([self.cfg.seed, self.epoch])
             self.order = epoch_order(self.data.sources, rng, self.template_share)
             self.pos = 0
