@@ -60,3 +60,27 @@ def test_markdown_table_one_line_a_size():
                       tree={"512": {"nodes": 12, "depth": 4, "speedup": 2.1, "best_chain_speedup": 1.8}})  # fmt: skip
     lines = scale.markdown_table([r], "a machine").splitlines()
     assert lines[2].startswith("| 8b (7.50B) | 6.10 GB / - | 2.0 tok/s | 2.5 tok/s | 1.20, 2.00 | 12, 4 | 2.10x")
+
+
+def test_markdown_table_says_which_repacking_setting_was_kept():
+    r = scale.SizeRow("1b", 1.2, ours={"tokens_per_s": 20.4},
+                      llama={"tokens_per_s": 17.9, "repack": True, "repack_on": [17.5, 17.9, 18.0],
+                             "repack_off": [16.0, 16.2, 16.4]})  # fmt: skip
+    cell = scale.markdown_table([r], "m").splitlines()[2].split(" | ")[3]
+    assert cell == "17.9 tok/s (repacking on; 16.2 the other)"
+    r.llama.update(tokens_per_s=16.2, repack=False)
+    assert "(repacking off; 17.9 the other)" in scale.markdown_table([r], "m").splitlines()[2]
+
+
+def test_llama_bench_runs_the_repacking_setting_asked(monkeypatch, tmp_path):
+    calls = []
+
+    class P:
+        returncode, stdout, stderr = 0, '[{"avg_ts": 12.5, "samples_ts": [12.5]}]', ""
+
+    monkeypatch.setattr(scale.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or P())
+    tools = type("T", (), {"bench": tmp_path / "llama-bench"})()
+    off = scale.llama_bench(tools, tmp_path / "m.gguf", 0, 32, depth=64, repack=False)
+    assert off == {"tokens_per_s": 12.5, "samples_ts": [12.5], "repack": False} and calls[-1][-2:] == ["--repack", "0"]
+    assert scale.llama_bench(tools, tmp_path / "m.gguf", 0, 32, repack=True)["repack"] and calls[-1][-1] == "1"
+    assert scale.llama_bench(tools, tmp_path / "m.gguf", 0, 32)["repack"] and len(calls) == 3  # on, where it runs
