@@ -99,18 +99,25 @@ def main(argv=None) -> int:
     ap.add_argument("--past", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=8, help="timed calls of ours per T per round")
+    ap.add_argument("--llama-reps", type=int, default=3, help="llama-bench -r (each repetition refills the 512 cached)")
+    ap.add_argument("--llama-bench", type=Path, default=None, help="this llama-bench binary (default: bench's build)")
     a = ap.parse_args(argv)
     from arborspec.tools.bench.llama_server import llama_cpp_tools
 
-    tools = llama_cpp_tools(build=False)
+    if a.llama_bench is not None:
+        from types import SimpleNamespace
+
+        tools = SimpleNamespace(bench=a.llama_bench, version="given", flavour=str(a.llama_bench))
+    else:
+        tools = llama_cpp_tools(build=False)
     tokens = [int(t) for t in a.tokens.split(",")]
     r_ours, r_on, r_off, r_floor, loads = [], [], [], [], []
     for k in range(a.rounds):
         loads.append(os.getloadavg()[0])
         print(f"round {k + 1}: load {loads[-1]:.1f}", file=sys.stderr, flush=True)
         r_ours.append(ours(a.export_dir, tokens, a.past, a.reps))
-        r_on.append(llama(tools, a.gguf, tokens, a.past, True))
-        r_off.append(llama(tools, a.gguf, tokens, a.past, False))
+        r_on.append(llama(tools, a.gguf, tokens, a.past, True, a.llama_reps))
+        r_off.append(llama(tools, a.gguf, tokens, a.past, False, a.llama_reps))
         r_floor.append(int8_floor.floor_curve(a.shape, tokens, reps=5))
     doc = {
         "shape": a.shape, "export": str(a.export_dir), "gguf": str(a.gguf), "past": a.past, "tokens": tokens,
