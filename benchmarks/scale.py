@@ -12,6 +12,12 @@ SmolLM2's head and the cost from the large shape. The `trt` step: the portable f
     python benchmarks/scale.py --work /work/cache/scale --sizes 135m,1b,3b,8b
     python benchmarks/scale.py --work W --sizes 1b --steps export,decode   # a part
     python benchmarks/scale.py --work W --sizes 1b,3b,8b --steps trt       # TensorRT: export + build
+    python benchmarks/scale.py --work W --sizes 1b --steps gguf,decode,curve  # no export-memory runs
+
+Steps: export (the GGUF, our export of it, and the peak memory of int4 / fp16 exports from the
+Hugging Face folder), gguf (the GGUF and our export of it only), decode (ours vs llama-bench with
+repacking on and off, 3 interleaved rounds; the faster setting is kept, both reported), curve,
+tree, head, trt (the portable export and its TensorRT-RTX build).
 
 Writes W/scale.json (every figure) and W/scale.md (the README's table).
 """
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import sys
@@ -30,7 +37,7 @@ from arborspec.tools.bench import scale
 from arborspec.tools.bench.scale_shapes import SHAPES, write_random_checkpoint
 
 SIZES = {"135m": None, "1b": "llama-3.2-1b", "3b": "llama-3.2-3b", "8b": "llama-3.1-8b"}
-STEPS = ("export", "decode", "curve", "tree", "head", "trt")
+STEPS = ("export", "gguf", "decode", "curve", "tree", "head", "trt")
 ARB = [sys.executable, "-m", "arborspec.tools.commands.cli"]
 
 
@@ -60,9 +67,9 @@ def export_cmd(model, out: Path, *flags, draft: str = "none") -> list:
             "--force", "--out", str(out), *flags]  # fmt: skip
 
 
-def step_export(size: str, work: Path, tools, row: scale.SizeRow) -> Path:
-    """The GGUF llama.cpp runs, our export of it (decoded below), and the peak memory of the
-    exports from the Hugging Face folder (int4 round-to-nearest and fp16)."""
+def step_export(size: str, work: Path, tools, row: scale.SizeRow, hf_exports: bool = True) -> Path:
+    """The GGUF llama.cpp runs, our export of it (decoded below), and (hf_exports) the peak memory
+    of the exports from the Hugging Face folder (int4 round-to-nearest and fp16)."""
     if SIZES[size] is None:
         from arborspec.models.registry import smollm2_path
 
@@ -73,7 +80,9 @@ def step_export(size: str, work: Path, tools, row: scale.SizeRow) -> Path:
             log(f"{size}: writing the random checkpoint")
             write_random_checkpoint(SHAPES[SIZES[size]], hf, smollm2_tokenizer_dir(), 49152)
         gguf = scale.llama_gguf(hf, work, tools, "Q4_0", log)
-        for kind, flags in (("int4", ["--quantize", "int4"]), ("fp16", ["--dtype", "fp16", "--attention", "gqa"])):
+        for kind, flags in (("int4", ["--quantize", "int4"]), ("fp16", ["--dtype", "fp16", "--attention", "gqa"]))[
+            : 2 if hf_exports else 0
+        ]:
             log(f"{size}: export {kind} from the checkpoint")
             out = work / f"{size}-{kind}-hf"
             m = scale.timed(export_cmd(hf, out, *flags), work / f"{size}-{kind}-export.log")
@@ -91,15 +100,18 @@ def step_export(size: str, work: Path, tools, row: scale.SizeRow) -> Path:
 
 def step_decode(size: str, work: Path, tools, row: scale.SizeRow) -> None:
     out = work / f"{size}-int4-gguf"
-    log(f"{size}: vanilla decode, ours and llama.cpp's (interleaved, 3 rounds)")
-    ours, theirs = [], []
+    log(f"{size}: vanilla decode, ours and llama.cpp's repacking on / off (interleaved, 3 rounds)")
+    ours, theirs, loads = [], {True: [], False: []}, []
     for _ in range(3):
+        loads.append(os.getloadavg()[0])
         ours.append(scale.our_vanilla(out, 64, 32, reps=1)["tokens_per_s"])
-        lb = scale.llama_bench(tools, Path(row.llama["gguf"]), 0, 32, depth=64, reps=1)
-        theirs.append(lb["tokens_per_s"])
-    med = sorted(ours)[1], sorted(theirs)[1]
-    row.ours = {"tokens_per_s": med[0], "samples": ours}
-    row.llama.update({"tokens_per_s": med[1], "samples": theirs, "repack": lb["repack"]})
+        for repack in (True, False):
+            lb = scale.llama_bench(tools, Path(row.llama["gguf"]), 0, 32, depth=64, reps=1, repack=repack)
+            theirs[repack].append(lb["tokens_per_s"])
+    best = max((True, False), key=lambda r: sorted(theirs[r])[1])
+    row.ours = {"tokens_per_s": sorted(ours)[1], "samples": ours, "load_avg": loads}
+    row.llama.update({"tokens_per_s": sorted(theirs[best])[1], "samples": theirs[best], "repack": best,
+                      "build": tools.flavour, "repack_on": theirs[True], "repack_off": theirs[False]})  # fmt: skip
 
 
 def step_curve(size: str, work: Path, row: scale.SizeRow) -> None:
@@ -115,10 +127,15 @@ def step_tree(size: str, work: Path, row: scale.SizeRow, profile: dict) -> None:
     ratio = 1.0
     if SIZES[size] is not None:
         s = SHAPES[SIZES[size]]
-        ratio = scale.head_bytes(s.hidden, s.intermediate, s.heads, s.kv_heads, s.head_dim, 32000) / profile["head_bytes"]
+        ratio = (
+            scale.head_bytes(s.hidden, s.intermediate, s.heads, s.kv_heads, s.head_dim, 32000) / profile["head_bytes"]
+        )
     dcost = {int(k): v * ratio for k, v in profile["draft_cost_ms"].items()}
     for past, curve in row.curves.items():
-        row.tree[past] = {**scale.pick_tree(profile["q"], {int(k): v for k, v in curve.items()}, dcost), "head_cost_ratio": ratio}
+        row.tree[past] = {
+            **scale.pick_tree(profile["q"], {int(k): v for k, v in curve.items()}, dcost),
+            "head_cost_ratio": ratio,
+        }
 
 
 def step_head(size: str, work: Path, row: scale.SizeRow) -> None:
@@ -188,7 +205,9 @@ def head_profile(work: Path) -> dict:
     """The shipped head's acceptance profile and cost, from `arborspec tune` on the SmolLM2 int4 export."""
     doc = work / "smollm2-tune.json"
     if not doc.is_file():
-        raise SystemExit(f"{doc}: run `arborspec tune --export-dir {work}/135m-int4-gguf --draft export --out {doc}` first")
+        raise SystemExit(
+            f"{doc}: run `arborspec tune --export-dir {work}/135m-int4-gguf --draft export --out {doc}` first"
+        )
     d = json.loads(doc.read_text())
     hb = scale.head_bytes(576, 1536, 9, 3, 64, 49152)  # SmolLM2's head: its vocabulary is the target's
     return {"q": d["acceptance"]["q"], "draft_cost_ms": d["draft_cost_ms"], "head_bytes": hb}
@@ -211,8 +230,8 @@ def main(argv=None) -> int:
     doc = json.loads(results.read_text()) if results.is_file() else {}
     for size in sizes:
         row = scale.SizeRow(**doc[size]) if size in doc else scale.SizeRow(size, params_b(size))
-        if "export" in steps:
-            step_export(size, a.work, tools, row)
+        if "export" in steps or "gguf" in steps:
+            step_export(size, a.work, tools, row, hf_exports="export" in steps)
         if "decode" in steps:
             step_decode(size, a.work, tools, row)
         if "curve" in steps:

@@ -6,20 +6,25 @@ passages (four each; the summaries and the retrieval answers have 400-700-token 
     python benchmarks/vs_llamacpp.py --export-dir /work/cache/exports/smollm2-int4 \
         --out benchmarks/vs_llamacpp_2026-12-01
 
-runs ONE `arborspec bench` (every configuration on prompt 1, then on prompt 2, ...: interleaved)
-with our vanilla, our tuned tree (`--tree auto`), the head mixed with lookup (`--mix-tree auto`),
-and llama-server vanilla / ngram-mod / draft-eagle3 (the export's head converted by llama.cpp's
-converter), 128 new tokens, greedy, chat template applied by our tokenizer and the same ids sent
-to every engine. Writes OUT/prompts.json, OUT/bench.json (bench's own results) and OUT/summary.md
-(median decode tok/s per configuration and per kind, tokens per target call per kind, time to
-first token of the long prompts). Tune the export's trees first (`arborspec tune --export-dir E`
-and `--draft export+lookup`) for `auto` to mean something.
+runs ONE `arborspec bench` (every configuration on prompt 1, then on prompt 2, ...: interleaved,
+ours, theirs, ours, theirs; `--rounds N` sends the 24 requests N times in the same bench, so the
+rounds are interleaved too) with our vanilla, our tuned tree (`--tree auto`), the head mixed with
+lookup (`--mix-tree auto`), llama-server vanilla / ngram-mod / draft-eagle3 (the export's head
+converted by llama.cpp's converter), each with weight repacking on and off (`-repack-on` /
+`-repack-off`: which is faster depends on the weight type and the hour), and OpenVINO GenAI on the
+same GGUF, plain and with its prompt lookup; 128 new tokens, greedy, chat template applied by our
+tokenizer and the same ids sent to every engine. Writes OUT/prompts.json, OUT/bench.json (bench's
+own results) and OUT/summary.md (median decode tok/s per configuration and per kind, llama.cpp's
+faster repacking setting per configuration, the ratios per round, tokens per target call per kind,
+time to first token of the long prompts, the load average before and after). Tune the export's
+trees first (`arborspec tune --export-dir E` and `--draft export+lookup`) for `auto` to mean something.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -27,7 +32,10 @@ from pathlib import Path
 
 KINDS = ("conversation", "translation", "summarisation", "qa", "math", "retrieval")
 LONG_KINDS = ("summarisation", "retrieval")
-BASELINES = "llama-server,llama-server-ngram-mod,llama-server-eagle3"
+BASELINES = ",".join(
+    [f"llama-server{c}-repack-{s}" for c in ("", "-ngram-mod", "-eagle3") for s in ("on", "off")]
+    + ["openvino", "openvino-lookup"]
+)
 
 CONVERSATION = [
     "I just moved into a flat with a tiny balcony that gets sun only in the morning. I'd like to grow "
@@ -293,8 +301,9 @@ RETRIEVAL = [
 ]
 
 
-def prompts() -> list[dict]:
-    """The 24 requests: chat prompts (our tokenizer's template) of the six kinds, four each."""
+def prompts(rounds: int = 1) -> list[dict]:
+    """The 24 requests: chat prompts (our tokenizer's template) of the six kinds, four each; with
+    rounds > 1 the 24 again, ids suffixed @2, @3, ... (one bench: every round interleaved)."""
     texts = {
         "conversation": CONVERSATION,
         "translation": TRANSLATION,
@@ -304,9 +313,11 @@ def prompts() -> list[dict]:
         "retrieval": RETRIEVAL,
     }
     out = []
-    for kind in KINDS:
-        for i, text in enumerate(texts[kind]):
-            out.append({"id": f"{kind}-{i + 1}", "category": kind, "text": text, "chat": True})
+    for r in range(1, rounds + 1):
+        for kind in KINDS:
+            for i, text in enumerate(texts[kind]):
+                tag = f"{kind}-{i + 1}" + (f"@{r}" if r > 1 else "")
+                out.append({"id": tag, "category": kind, "text": text, "chat": True})
     return out
 
 
@@ -331,6 +342,7 @@ def summary(results: dict) -> str:
     for n in names:
         row = [fmt(cell(n, KINDS, "tokens_per_s"))] + [fmt(cell(n, (k,), "tokens_per_s")) for k in KINDS]
         lines.append(f"| {n} | " + " | ".join(row) + " |")
+    lines += ["", *best_of_repacking(names, per), "", *per_round(names, per)]
     lines += ["", "tokens per target call (median):", "", lines[0], lines[1]]
     for n in names:
         row = [fmt(cell(n, KINDS, "mean_accepted"), "{:.2f}")]
@@ -342,6 +354,54 @@ def summary(results: dict) -> str:
         row = [fmt(None if (v := cell(n, (k,), "ttft_s")) is None else 1e3 * v, "{:.0f}") for k in LONG_KINDS]
         lines.append(f"| {n} | " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _round(p: dict) -> int:
+    return int(p["id"].split("@")[1]) if "@" in p["id"] else 1
+
+
+def _median_rate(per, name, rnd=None):
+    return _median([p["runs"][name]["tokens_per_s"] for p in per if name in p["runs"] and rnd in (None, _round(p))])
+
+
+def best_of_repacking(names: list[str], per: list[dict]) -> list[str]:
+    """llama.cpp's faster repacking setting per configuration (median decode tok/s, all requests)."""
+    out = ["llama.cpp, the faster repacking setting per configuration (median tok/s, all requests):", ""]
+    out += ["| configuration | repacking on | repacking off | kept |", "|---|---|---|---|"]
+    for base in dict.fromkeys(n.rsplit("-repack-", 1)[0] for n in names if "-repack-" in n):
+        on, off = _median_rate(per, base + "-repack-on"), _median_rate(per, base + "-repack-off")
+        kept = "-" if on is None or off is None else ("on" if on >= off else "off")
+        out.append(f"| {base} | {on or 0:.1f} | {off or 0:.1f} | {kept} |")
+    return out
+
+
+def per_round(names: list[str], per: list[dict]) -> list[str]:
+    """Median tok/s per round (each round all 24 requests), and ours against the best peer."""
+    rounds = sorted({_round(p) for p in per})
+    ours = [n for n in names if n == "vanilla" or not n.startswith(("llama-", "openvino", "ort-genai", "hf-"))]
+    theirs = [n for n in names if n not in ours]
+    out = ["median tok/s per round (interleaved: every configuration on each request in turn):", ""]
+    out += ["| configuration | " + " | ".join(f"round {r}" for r in rounds) + " |", "|---" * (len(rounds) + 1) + "|"]
+    table = {n: [_median_rate(per, n, r) for r in rounds] for n in names}
+    for n in names:
+        out.append(f"| {n} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in table[n]) + " |")
+    for label, mine, peers in (
+        (
+            "our vanilla / llama.cpp's best vanilla",
+            ["vanilla"],
+            [n for n in theirs if n in ("llama-server", "llama-server-repack-on", "llama-server-repack-off")],
+        ),
+        ("our best / llama.cpp's best (any mode)", ours, [n for n in theirs if n.startswith("llama-server")]),
+        ("our vanilla / OpenVINO's best", ["vanilla"], [n for n in theirs if n.startswith("openvino")]),
+        ("our best / OpenVINO's best", ours, [n for n in theirs if n.startswith("openvino")]),
+    ):
+        cells = []
+        for i in range(len(rounds)):
+            a = max((table[n][i] or 0 for n in mine), default=0)
+            b = max((table[n][i] or 0 for n in peers), default=0)
+            cells.append(f"{a / b:.2f}x" if a and b else "-")
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return out
 
 
 def _lengths(per) -> str:
@@ -356,12 +416,13 @@ def main(argv=None) -> int:
     ap.add_argument("--baselines", default=BASELINES)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--extra", default="", help="more `arborspec bench` arguments, one string")
+    ap.add_argument("--rounds", type=int, default=1, help="send the 24 requests this many times (interleaved)")
     ap.add_argument("--summary-only", action="store_true", help="re-summarise OUT/bench.json")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     bench_json = args.out / "bench.json"
     if not args.summary_only:
-        (args.out / "prompts.json").write_text(json.dumps({"prompts": prompts()}, indent=1))
+        (args.out / "prompts.json").write_text(json.dumps({"prompts": prompts(args.rounds)}, indent=1))
         exe = Path(sys.executable).with_name("arborspec")  # this venv's command
         cmd = [str(exe) if exe.is_file() else "arborspec"]
         cmd += ["bench", "--export-dir", str(args.export_dir), "--backend", "onnxruntime"]
@@ -369,10 +430,15 @@ def main(argv=None) -> int:
         cmd += ["--prompts", str(args.out / "prompts.json"), "--max-new-tokens", str(args.max_new_tokens)]
         cmd += ["--json-out", str(bench_json), "--quiet"] + args.extra.split()
         print("$ " + " ".join(cmd), file=sys.stderr)
+        before = os.getloadavg()
         rc = subprocess.run(cmd).returncode
         if rc != 0:
             return rc
+        (args.out / "load.json").write_text(json.dumps({"before": before, "after": os.getloadavg()}))
     text = summary(json.loads(bench_json.read_text()))
+    if (args.out / "load.json").is_file():
+        load = json.loads((args.out / "load.json").read_text())
+        text += f"\nload average (1, 5, 15 min) before: {load['before']}, after: {load['after']}\n"
     (args.out / "summary.md").write_text(text)
     print(text)
     return 0

@@ -210,6 +210,42 @@ def test_the_amx_probe_restarts_the_server_with_no_repack(fake_tools, tmp_path, 
     assert not choice.no_repack and "--no-repack" not in server.cmd
 
 
+def test_repacking_forced_on_or_off_by_the_name(fake_tools, tmp_path, monkeypatch):
+    """NAME-repack-off runs with --no-repack even where repacking runs; NAME-repack-on where the
+    probe saw repacking die is one line; the bare name takes the probe's choice."""
+    from arborspec.tools.bench.peers import LLAMA_SERVER_NAMES
+
+    assert ls.split_repack("llama-server-ngram-mod-repack-off") == ("llama-server-ngram-mod", True)
+    assert ls.split_repack("llama-server-repack-on") == ("llama-server", False)
+    assert ls.split_repack("llama-server-eagle3-n2") == ("llama-server-eagle3-n2", None)
+    assert {ls.split_repack(n)[0] for n in LLAMA_SERVER_NAMES} == set(ls.SERVER_SPECS)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    names = ["llama-server-repack-off", "llama-server-repack-on", "llama-server-ngram-mod"]
+
+    def opened(flags):
+        monkeypatch.setattr(ls, "cpu_flags", lambda: flags)
+        runners, info, skipped = ls.open_servers(
+            names, {"path": str(gguf)}, head_dir=None, n_ctx=64, threads=1, log=lambda s: None, tools=fake_tools
+        )
+        for r in runners.values():
+            r.close()
+        return info, skipped
+
+    monkeypatch.setenv("FAKE_MODE", "ok")
+    info, skipped = opened({"avx2"})  # repacking runs: the probe chose it, the names force it
+    assert skipped == {} and info["llama-server-repack-off"]["command"][-1] == "--no-repack"
+    assert "--no-repack" not in info["llama-server-repack-on"]["command"]
+    assert "--no-repack" not in info["llama-server-ngram-mod"]["command"]
+    assert info["llama-server-ngram-mod"]["build"] == fake_tools.flavour
+    monkeypatch.setenv("FAKE_MODE", "sigill-unless-no-repack")
+    info, skipped = opened({"amx_tile"})  # repacking dies: -repack-on is one line, the rest run without
+    assert (
+        set(skipped) == {"llama-server-repack-on"} and "weight repacking dies here" in skipped["llama-server-repack-on"]
+    )
+    assert info["llama-server-repack-off"]["no_repack"] and info["llama-server-ngram-mod"]["no_repack"]
+
+
 # ---------------------------------------------------------------------------------- heads
 PUBLIC_FIELDS = {
     "architectures": ["LlamaForCausalLMEagle3"],
@@ -315,16 +351,19 @@ def test_bench_runs_llama_server_on_a_tiny_gguf(tmp_path, monkeypatch, capsys):
     real_start = ls.LlamaServer.start
     monkeypatch.setattr(ls.LlamaServer, "start", lambda self: started.append(self) or real_start(self))
     out = tmp_path / "server.json"
-    assert _peer_bench(gguf_path, prompts, out, "llama-server,llama-server-ngram-simple", ("--peer-threads", "1")) == 0
+    names = "llama-server,llama-server-ngram-simple,llama-server-repack-off"
+    assert _peer_bench(gguf_path, prompts, out, names, ("--peer-threads", "1")) == 0
     err = capsys.readouterr().err
-    assert "Traceback" not in err and "note: llama-server: " in err  # the repacking decision, once
+    assert "Traceback" not in err and "note: llama-server (" in err  # the build and repacking decision, once
     res = json.loads(out.read_text())
     assert res["meta"]["skipped"] == {}
     assert "repack" in res["meta"]["peers"]["llama-server"]
     cmd = res["meta"]["peers"]["llama-server"]["command"]
     assert cmd[cmd.index("-t") + 1] == "1"  # --peer-threads
+    forced = res["meta"]["peers"]["llama-server-repack-off"]
+    assert forced["no_repack"] and forced["command"][-1] == "--no-repack" and "forced off" in forced["repack"]
     for p in res["per_prompt"]:
-        for name in ("llama-server", "llama-server-ngram-simple"):
+        for name in ("llama-server", "llama-server-ngram-simple", "llama-server-repack-off"):
             run = p["runs"][name]
             assert run["tokens"] == p["runs"]["vanilla"]["tokens"], (name, p["id"])
             assert run["tokens_per_s"] > 0 and run["peer_stats"]["predicted_n"] == len(run["tokens"])

@@ -84,3 +84,27 @@ def test_the_trt_rows_give_peak_time_engine_and_the_refusal_line():
     table = bench.trt_table([built, refused]).splitlines()
     assert table[2] == "| 1b | 1.96 GiB, 223 s | 4.24 GiB, 174 s | 2.00 GiB | 2.12x |"
     assert table[3].startswith("| 8b | 6.00 GiB, 900 s | refused: arborspec: error: building the engine")
+
+
+def test_markdown_table_says_which_repacking_setting_was_kept():
+    r = scale.SizeRow("1b", 1.2, ours={"tokens_per_s": 20.4},
+                      llama={"tokens_per_s": 17.9, "repack": True, "repack_on": [17.5, 17.9, 18.0],
+                             "repack_off": [16.0, 16.2, 16.4]})  # fmt: skip
+    cell = scale.markdown_table([r], "m").splitlines()[2].split(" | ")[3]
+    assert cell == "17.9 tok/s (repacking on; 16.2 the other)"
+    r.llama.update(tokens_per_s=16.2, repack=False)
+    assert "(repacking off; 17.9 the other)" in scale.markdown_table([r], "m").splitlines()[2]
+
+
+def test_llama_bench_runs_the_repacking_setting_asked(monkeypatch, tmp_path):
+    calls = []
+
+    class P:
+        returncode, stdout, stderr = 0, '[{"avg_ts": 12.5, "samples_ts": [12.5]}]', ""
+
+    monkeypatch.setattr(scale.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or P())
+    tools = type("T", (), {"bench": tmp_path / "llama-bench"})()
+    off = scale.llama_bench(tools, tmp_path / "m.gguf", 0, 32, depth=64, repack=False)
+    assert off == {"tokens_per_s": 12.5, "samples_ts": [12.5], "repack": False} and calls[-1][-2:] == ["--repack", "0"]
+    assert scale.llama_bench(tools, tmp_path / "m.gguf", 0, 32, repack=True)["repack"] and calls[-1][-1] == "1"
+    assert scale.llama_bench(tools, tmp_path / "m.gguf", 0, 32)["repack"] and len(calls) == 3  # on, where it runs

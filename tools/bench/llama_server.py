@@ -7,7 +7,10 @@ same GGUF and the same prompt token ids as ours.
 - Binaries: `llama_cpp_tools()` finds llama.cpp's llama-server / llama-quantize / llama-bench and
   its converter (convert_hf_to_gguf.py) in `$ARBORSPEC_LLAMA_CPP` (a llama.cpp source tree built
   with cmake into build/bin) or in the cache (`<cache>/llama.cpp/<version>/`, the llama.cpp that
-  llama-cpp-python's sdist vendors, built there once: static binaries, GGML_NATIVE).
+  llama-cpp-python's sdist vendors, built there once: static binaries). The build is GGML_NATIVE
+  unless the CPU advertises AMX that does not run (tools/bench/llama_build_flags.py): then
+  GGML_NATIVE off with the instruction sets the CPU runs named one by one and AMX off, in
+  `<cache>/llama.cpp/<version>-noamx/`, so weight repacking (its AVX-512 layouts) stays usable.
 - One server per configuration (SERVER_SPECS), on a free loopback port, health-checked, stopped
   after the bench (`close`). Each request: POST /completion with the prompt as token ids,
   n_predict = max new tokens, greedy (temperature 0, top_k 1), cache_prompt false (every prompt
@@ -19,9 +22,14 @@ same GGUF and the same prompt token ids as ours.
   (`convert_hf_to_gguf.py HEAD --target-model-dir TARGET --outtype q8_0`, TARGET: a folder with
   the target's config.json and tokenizer that transformers writes from the GGUF), cached.
 - AMX: where the CPU advertises AMX (amx_tile / amx_int8 / amx_bf16 in /proc/cpuinfo), ggml's AMX
-  kernels (reached through weight repacking) die with SIGILL on VMs that do not grant it. The first
-  server runs a short batched prompt as a probe; a SIGILL restarts it with --no-repack, for every
-  configuration after it, and the bench says so.
+  kernels (reached through weight repacking) die with SIGILL on VMs that do not grant it; the
+  `noamx` build (above) has none. As a last guard the first server runs a short batched prompt as
+  a probe; a SIGILL restarts it with --no-repack, for every configuration after it, and the bench
+  says so.
+- Repacking on and off: `NAME-repack-on` / `NAME-repack-off` (e.g. llama-server-ngram-mod-repack-off)
+  run a configuration with weight repacking forced on / off; which is faster depends on the weight
+  type and the hour, so a sitting runs both and reports both (benchmarks/vs_llamacpp.py keeps the
+  faster per configuration). A bare NAME takes the probe's choice.
 A server that dies or does not answer in time is one line (PeerUnavailable), never a hang.
 """
 
@@ -45,6 +53,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from arborspec.runtime import settings
+from arborspec.tools.bench.llama_build_flags import (
+    AMX_FLAGS,
+    amx_instructions_run,
+    build_flavour,
+    flavour_cmake_flags,
+    flavour_folder,
+)
 from arborspec.tools.bench.peer_base import PeerUnavailable, _cut_at_eos, _one_line, _run_dict, pkg_version
 
 LLAMA_PKG = "llama-cpp-python"
@@ -53,14 +68,13 @@ TARGETS = ("llama-server", "llama-quantize", "llama-bench")
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DBUILD_SHARED_LIBS=OFF",  # static binaries: the build folder can be renamed into the cache
-    "-DGGML_NATIVE=ON",
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_BUILD_UI=OFF",
 )
-AMX_FLAGS = ("amx_tile", "amx_int8", "amx_bf16")
+REPACK_SUFFIXES = {"-repack-on": False, "-repack-off": True}  # name suffix -> --no-repack
 
 
 # ---------------------------------------------------------------------------------- binaries
@@ -74,12 +88,19 @@ class LlamaCppTools:
     quantize: Path
     bench: Path
     converter: Path  # convert_hf_to_gguf.py
+    flavour: str = "native"  # native | noamx (llama_build_flags); "local" for $ARBORSPEC_LLAMA_CPP
 
     @classmethod
-    def at(cls, root: Path, version: str) -> "LlamaCppTools":
+    def at(cls, root: Path, version: str, flavour: str = "native") -> "LlamaCppTools":
         b = root / "build" / "bin"
         return cls(
-            root, version, b / "llama-server", b / "llama-quantize", b / "llama-bench", root / "convert_hf_to_gguf.py"
+            root,
+            version,
+            b / "llama-server",
+            b / "llama-quantize",
+            b / "llama-bench",
+            root / "convert_hf_to_gguf.py",
+            flavour,
         )
 
     def complete(self) -> bool:
@@ -92,35 +113,39 @@ def llama_cpp_root() -> Path:
     return cache_dir() / "llama.cpp"
 
 
-def llama_cpp_tools(build: bool = True, log=None) -> LlamaCppTools:
+def llama_cpp_tools(build: bool = True, log=None, flags: set[str] | None = None, amx_runs=None) -> LlamaCppTools:
     """llama.cpp's tools: `.server` (llama-server), `.quantize` (llama-quantize), `.bench`
     (llama-bench), `.converter` (convert_hf_to_gguf.py; run it with this Python: it imports its own
     gguf-py from `.root`), `.root` (the source tree), `.version`.
 
     Looked up in order: `$ARBORSPEC_LLAMA_CPP` (a llama.cpp tree with build/bin/ already built),
     then `<cache>/llama.cpp/<version>/` (cache: $ARBORSPEC_CACHE, else ~/.cache/arborspec; version:
-    the installed llama-cpp-python's, else 0.3.36). With build=True a missing build is made there
+    the installed llama-cpp-python's, else 0.3.36; `<version>-noamx/` where the CPU advertises AMX
+    that does not run: flags (default /proc/cpuinfo's) and amx_runs() (default: AMX instructions
+    tried, llama_build_flags.amx_instructions_run) decide). With build=True a missing build is made there
     once from llama-cpp-python's sdist (pip download; about 20-30 minutes on 2 cores; cmake and a
     C++ compiler needed). Raises PeerUnavailable with a one-line reason otherwise."""
     log = log or (lambda s: print(s, file=sys.stderr))
     env = settings.raw("ARBORSPEC_LLAMA_CPP")
     if env:
-        tools = LlamaCppTools.at(Path(env).expanduser(), "local")
+        tools = LlamaCppTools.at(Path(env).expanduser(), "local", "local")
         if not tools.complete():
             raise PeerUnavailable(
                 f"$ARBORSPEC_LLAMA_CPP={env}: no build/bin/{{{','.join(TARGETS)}}} and convert_hf_to_gguf.py there"
             )
         return tools
     version = pkg_version(LLAMA_PKG) or DEFAULT_LLAMA_VERSION
-    tools = LlamaCppTools.at(llama_cpp_root() / version, version)
+    flags = cpu_flags() if flags is None else flags
+    flavour = build_flavour(flags, amx_runs or amx_instructions_run)
+    tools = LlamaCppTools.at(llama_cpp_root() / flavour_folder(version, flavour), version, flavour)
     if tools.complete():
         return tools
     if not build:
         raise PeerUnavailable(
-            f"llama.cpp {version} is not built in {tools.root} (build it: llama_cpp_tools(build=True))"
+            f"llama.cpp {version} ({flavour} build) is not built in {tools.root} (build it: llama_cpp_tools(build=True))"
         )
-    _build_into_cache(version, tools.root, log)
-    return LlamaCppTools.at(tools.root, version)
+    _build_into_cache(version, tools.root, log, flavour_cmake_flags(flavour, flags))
+    return LlamaCppTools.at(tools.root, version, flavour)
 
 
 def _missing_build_tools() -> str | None:
@@ -143,8 +168,9 @@ def _sdist(version: str, work: Path) -> Path:
     return found[0]
 
 
-def _build_into_cache(version: str, root: Path, log) -> None:
-    """Extracts vendor/llama.cpp from the sdist, builds TARGETS with cmake, renames into `root`."""
+def _build_into_cache(version: str, root: Path, log, isa_flags: list[str]) -> None:
+    """Extracts vendor/llama.cpp from the sdist, builds TARGETS with cmake (CMAKE_FLAGS + isa_flags:
+    llama_build_flags.flavour_cmake_flags), renames into `root`."""
     from arborspec.runtime.fileio import PartialFolder
 
     why = _missing_build_tools()
@@ -162,9 +188,9 @@ def _build_into_cache(version: str, root: Path, log) -> None:
                 raise PeerUnavailable(f"{sdist.name} has no vendor/llama.cpp")
             shutil.rmtree(tree, ignore_errors=True)
             shutil.move(str(vendored), str(tree))
-            log(f"building llama.cpp {version} ({', '.join(TARGETS)}; once, into {root}) ...")
+            log(f"building llama.cpp {version} ({', '.join(TARGETS)}; {' '.join(isa_flags)}; once, into {root}) ...")
             for cmd in (
-                ["cmake", "-S", str(tree), "-B", str(tree / "build"), *CMAKE_FLAGS],
+                ["cmake", "-S", str(tree), "-B", str(tree / "build"), *CMAKE_FLAGS, *isa_flags],
                 ["cmake", "--build", str(tree / "build"), "-j", str(os.cpu_count() or 1), "--target", *TARGETS],
             ):
                 r = subprocess.run(cmd, capture_output=True, text=True)
@@ -248,6 +274,15 @@ class ServerSpec:
         if self.draft_n_max is not None:
             a += ["--spec-draft-n-max", str(self.draft_n_max)]
         return a
+
+
+def split_repack(name: str) -> tuple[str, bool | None]:
+    """A peer name -> (its configuration in SERVER_SPECS, --no-repack forced: True / False, or None
+    for the probe's choice). 'llama-server-ngram-mod-repack-off' -> ('llama-server-ngram-mod', True)."""
+    for suffix, no_repack in REPACK_SUFFIXES.items():
+        if name.endswith(suffix):
+            return name[: -len(suffix)], no_repack
+    return name, None
 
 
 SERVER_SPECS = {
@@ -565,6 +600,13 @@ def start_probed(tools, spec, gguf, threads, n_ctx, head, flags: set[str] | None
     return server, choice
 
 
+def _start_forced(tools, spec, gguf, threads, n_ctx, no_repack: bool, head, choice: RepackChoice) -> LlamaServer:
+    """A server with repacking as asked; repacking asked where the probe saw it die: one line."""
+    if choice.no_repack and not no_repack:
+        raise PeerUnavailable(f"weight repacking dies here ({choice.reason})")
+    return _start(tools, spec, gguf, threads, n_ctx, no_repack, head)
+
+
 def open_servers(
     names: list[str],
     source: dict,
@@ -590,31 +632,38 @@ def open_servers(
         return {}, {}, {n: str(e) for n in names}
     skipped: dict[str, str] = {}
     head = None
-    if any(SERVER_SPECS[n].needs_head for n in names):
+    if any(SERVER_SPECS[split_repack(n)[0]].needs_head for n in names):
         try:
             if head_dir is None:
                 raise PeerUnavailable("the export's draft is not an EAGLE-3 head")
             head = head_gguf(tools, head_dir, target_hf_dir(source, llama_cpp_root()), log=log)
         except PeerUnavailable as e:
-            skipped.update({n: str(e) for n in names if SERVER_SPECS[n].needs_head})
+            skipped.update({n: str(e) for n in names if SERVER_SPECS[split_repack(n)[0]].needs_head})
     choice = None
     for name in [n for n in names if n not in skipped]:
-        spec = SERVER_SPECS[name]
+        base, forced = split_repack(name)
+        spec = SERVER_SPECS[base]
         try:
             if choice is None:
                 server, choice = start_probed(tools, spec, mdir / gguf, threads, n_ctx, head)
-                log(f"arborspec bench: note: llama-server: {choice.reason}")
+                log(f"arborspec bench: note: llama-server ({tools.flavour} build): {choice.reason}")
+                if forced is not None and forced != choice.no_repack:
+                    server.stop()
+                    server = _start_forced(tools, spec, mdir / gguf, threads, n_ctx, forced, head, choice)
             else:
-                server = _start(tools, spec, mdir / gguf, threads, n_ctx, choice.no_repack, head)
+                no_repack = choice.no_repack if forced is None else forced
+                server = _start_forced(tools, spec, mdir / gguf, threads, n_ctx, no_repack, head, choice)
         except PeerUnavailable as e:
             skipped[name] = str(e)
             continue
+        no_repack = choice.no_repack if forced is None else forced
         d = {
             "llama.cpp": tools.version,
+            "build": tools.flavour,
             "binary": str(tools.server),
             "command": server.cmd,
-            "no_repack": choice.no_repack,
-            "repack": choice.reason,
+            "no_repack": no_repack,
+            "repack": choice.reason if forced is None else f"forced {'off' if forced else 'on'} by the name ({name})",
             "spec_type": spec.spec_type,
             "load_s": round(server.load_s, 2),
             "request": "POST /completion: prompt as token ids, greedy (temperature 0, top_k 1), cache_prompt false",

@@ -53,7 +53,8 @@ from arborspec.runtime.fileio import PartialFolder
 from arborspec.tools.bench.baselines import hf_source_path
 from arborspec.tools.bench.peer_base import PeerUnavailable, _cut_at_eos, _one_line, _run_dict, pkg_version  # noqa: F401
 
-# llama.cpp's own server, plain and with its speculative modes (tools/bench/llama_server.py: SERVER_SPECS)
+# llama.cpp's own server, plain and with its speculative modes (tools/bench/llama_server.py: SERVER_SPECS),
+# each also as NAME-repack-on / NAME-repack-off (weight repacking forced on / off)
 LLAMA_SERVER_PEERS = (
     "llama-server",
     "llama-server-ngram-mod",
@@ -62,14 +63,21 @@ LLAMA_SERVER_PEERS = (
     "llama-server-eagle3",
     "llama-server-eagle3-n2",
 )
+LLAMA_SERVER_NAMES = tuple(n + sfx for n in LLAMA_SERVER_PEERS for sfx in ("", "-repack-on", "-repack-off"))
+# OpenVINO GenAI on the same GGUF, plain and with its prompt lookup (tools/bench/openvino_peer.py)
+OPENVINO_PEERS = ("openvino", "openvino-lookup")
 PEERS = (
-    "ort-genai",
-    "ort-genai-int4",
-    "ort-genai-ngram",
-    "ort-genai-int4-ngram",
-    "llama-cpp",
-    "llama-cpp-lookup",
-) + LLAMA_SERVER_PEERS
+    (
+        "ort-genai",
+        "ort-genai-int4",
+        "ort-genai-ngram",
+        "ort-genai-int4-ngram",
+        "llama-cpp",
+        "llama-cpp-lookup",
+    )
+    + LLAMA_SERVER_NAMES
+    + OPENVINO_PEERS
+)
 GENAI_PKG = "onnxruntime-genai"
 LLAMA_PKG = "llama-cpp-python"
 BUILD_FORMAT = 1  # bump when the way a GenAI model is built here changes
@@ -462,11 +470,21 @@ def open_peers(
     info: dict = {}
     skipped: dict[str, str] = {}
     threads = threads or peer_threads()
-    servers = [n for n in names if n in LLAMA_SERVER_PEERS]
+    servers = [n for n in names if n in LLAMA_SERVER_NAMES]
     if servers:
         from arborspec.tools.bench.llama_server import open_servers
 
         r, i, s = open_servers(servers, source, head_dir=head_dir, n_ctx=n_ctx, threads=threads, log=log)
+        runners.update(r)
+        info.update(i)
+        skipped.update(s)
+    ov = [n for n in names if n in OPENVINO_PEERS]
+    if ov:
+        from arborspec.tools.bench.openvino_peer import open_openvino
+
+        r, i, s = open_openvino(
+            ov, source, eos=eos, lookup_tokens=lookup_tokens, temperature=temperature, threads=threads
+        )
         runners.update(r)
         info.update(i)
         skipped.update(s)

@@ -64,12 +64,22 @@ def llama_gguf(hf_folder: Path, work: Path, tools, qtype: str = "Q4_0", log=prin
     return out
 
 
-def llama_bench(tools, gguf: Path, prompt: int, gen: int, depth: int = 0, reps: int = 3, threads: int = 2) -> dict:
-    """llama-bench's tokens/s (avg, and per repetition) for one test; weight repacking off where
-    it dies (the Xeon VMs here advertise AMX without granting it: tools/bench/llama_server.py)."""
+def llama_bench(
+    tools,
+    gguf: Path,
+    prompt: int,
+    gen: int,
+    depth: int = 0,
+    reps: int = 3,
+    threads: int = 2,
+    repack: bool | None = None,
+) -> dict:
+    """llama-bench's tokens/s (avg, and per repetition) for one test. repack None: weight repacking
+    on, off where it dies (a build with AMX kernels on a VM that advertises AMX without granting it:
+    tools/bench/llama_server.py); True / False: as asked (the faster of the two is the peer's best)."""
     base = [str(tools.bench), "-m", str(gguf), "-p", str(prompt), "-n", str(gen), "-d", str(depth),
             "-t", str(threads), "-r", str(reps), "-o", "json"]  # fmt: skip
-    for repack in ("1", "0"):
+    for repack in ("1", "0") if repack is None else ("1" if repack else "0",):
         p = subprocess.run([*base, "--repack", repack], capture_output=True, text=True)
         if p.returncode == 0:
             row = json.loads(p.stdout)[0]
@@ -174,6 +184,9 @@ def markdown_table(rows: list[SizeRow], machine: str) -> str:
         sp = f"{t['speedup']:.2f}x (chain {t['best_chain_speedup']:.2f}x)" if t else "-"
         ours = f"{r.ours['tokens_per_s']:.1f} tok/s" if r.ours.get("tokens_per_s") else "-"
         ll = f"{r.llama['tokens_per_s']:.1f} tok/s" if r.llama.get("tokens_per_s") else "-"
+        if r.llama.get("repack_off"):  # both settings measured: the kept one, and the other's median
+            other = sorted(r.llama["repack_off" if r.llama["repack"] else "repack_on"])
+            ll += f" (repacking {'on' if r.llama['repack'] else 'off'}; {other[len(other) // 2]:.1f} the other)"
         lines.append(f"| {r.size} ({r.params_b:.2f}B) | {rss} | {ours} | {ll} | {ratio} | {tree} | {sp} |")
     lines.append(f"\n{machine}")
     return "\n".join(lines)

@@ -47,6 +47,8 @@ EXAMPLE = """examples:
       --baselines ort-genai,ort-genai-int4,llama-cpp,llama-cpp-lookup --limit-prompts 8 --max-new-tokens 64
   arborspec bench --export-dir ~/.cache/arborspec/exports/smollm2-int4 --modes vanilla,tree --tree auto \\
       --baselines llama-server,llama-server-ngram-mod,llama-server-eagle3 --max-new-tokens 128
+  arborspec bench --export-dir ~/.cache/arborspec/exports/smollm2-int4 --modes vanilla \
+      --baselines llama-server-repack-on,llama-server-repack-off,openvino,openvino-lookup
 baselines: hf-greedy, hf-assisted, hf-lookup (transformers; pip install 'arborspec[bench]');
 ort-genai, ort-genai-int4 (ONNX Runtime GenAI, a model its builder makes from the export's source,
 cached in ~/.cache/arborspec/peers), ort-genai-ngram, ort-genai-int4-ngram (the same with GenAI's
@@ -55,7 +57,10 @@ with its prompt-lookup draft): pip install 'arborspec[peers]'. llama-server, lla
 llama-server-ngram-simple, llama-server-ngram-map-k (llama.cpp's own server and n-gram speculation),
 llama-server-eagle3, llama-server-eagle3-n2 (its draft-eagle3 with the export's head, converted by
 llama.cpp's converter; 3 / 2 drafted tokens): built once from llama-cpp-python's sdist into
-~/.cache/arborspec/llama.cpp (or $ARBORSPEC_LLAMA_CPP: a llama.cpp tree built into build/bin).
+~/.cache/arborspec/llama.cpp (or $ARBORSPEC_LLAMA_CPP: a llama.cpp tree built into build/bin); each
+also as NAME-repack-on / NAME-repack-off (weight repacking forced on / off, e.g.
+llama-server-repack-off). openvino, openvino-lookup (OpenVINO GenAI on the same GGUF, plain and with
+its prompt lookup; greedy): pip install 'arborspec[openvino]'.
 At --temperature T > 0 llama.cpp and
 transformers sample at T with the same --top-k / --top-p cut as ours (no min-p); GenAI runs greedy only. With --quality, --baselines llama-cpp
 adds llama.cpp's perplexity and greedy agreement on the same GGUF and token ids. A baseline that is not installed
@@ -121,7 +126,8 @@ def _add_configuration_args(g) -> None:
         "ort-genai,ort-genai-int4,ort-genai-ngram,ort-genai-int4-ngram (ONNX Runtime GenAI), "
         "llama-cpp,llama-cpp-lookup (llama-cpp-python; needs a GGUF source), "
         "llama-server,llama-server-ngram-mod,llama-server-ngram-simple,llama-server-ngram-map-k,"
-        "llama-server-eagle3,llama-server-eagle3-n2 (llama.cpp's own server; GGUF source)",
+        "llama-server-eagle3,llama-server-eagle3-n2 (llama.cpp's own server; GGUF source; each also "
+        "NAME-repack-on / NAME-repack-off), openvino,openvino-lookup (OpenVINO GenAI; GGUF source)",
     )
     g.add_argument(
         "--hf-assistant-layers",
@@ -443,7 +449,7 @@ def _without_structured_output(plan: BenchPlan, models, configs: list, skipped: 
     from arborspec.tools.bench import baselines as bench_baselines
 
     plan.sampling = with_response_format(plan.sampling, plan.response_format, models)
-    without = [b for b in plan.baselines if b in bench_baselines.BASELINES or b.startswith("ort-genai")]
+    without = [b for b in plan.baselines if b in bench_baselines.BASELINES or b.startswith(("ort-genai", "openvino"))]
     for n in without:
         _skip(skipped, n, "no structured output in this baseline here (llama.cpp's runs with its own grammar)")
     if plan.target[0] not in ("json", "grammar") or (plan.target[0] == "grammar" and plan.gbnf is None):
