@@ -37,7 +37,6 @@ def continuations(text: list[int], ends, depth: int, periodic: bool = False) -> 
     (negative) or the text's end. periodic: `text` ends with the match itself, so a continuation
     that runs into it repeats with the period from its occurrence to the text's end (an
     overlapping copy: "a b a b" -> "a b ...")."""
-    n = len(text)
     out = []
     for e in ends:
         e = int(e)
@@ -132,7 +131,9 @@ class SuffixDraft(DraftSource):
         self._version = -1
 
     def widen(self, policy):
-        return policy if isinstance(policy, ProposingPolicy) else ProposingPolicy(policy, self.opts.nodes, True, "suffix")
+        return (
+            policy if isinstance(policy, ProposingPolicy) else ProposingPolicy(policy, self.opts.nodes, True, "suffix")
+        )
 
     def fork(self) -> "SuffixDraft":
         return SuffixDraft(self.vocab_size, self.opts, self.memory)

@@ -186,7 +186,9 @@ def test_greedy_with_the_suffix_draft_is_vanilla(kind, tree):
     suffix = SuffixDraft(24, SuffixOptions(nodes=8, min=1, alpha=2.0, paths=2, lead=2))
     draft = suffix if kind == "suffix" else SuffixMixDraft(ModelDraft(TorchEngine(truncated(m, 1))), suffix)
     dec = SpeculativeDecoder(eng, draft, tree=tree)
-    assert isinstance(dec.policy, ProposingPolicy) and dec.policy.max_nodes == (8 if kind == "suffix" else 8 + parse_tree_spec(tree).max_nodes)
+    assert isinstance(dec.policy, ProposingPolicy) and dec.policy.max_nodes == (
+        8 if kind == "suffix" else 8 + parse_tree_spec(tree).max_nodes
+    )
     seen = {"proposed": 0}
     commit = draft.commit
 
@@ -238,7 +240,15 @@ def test_specs_and_one_line_errors(tmp_path, capsys):
     with open_export(tmp_path / "e", draft="suffix:min=1") as ex:
         assert isinstance(ex.draft, SuffixDraft)
         assert SpeculativeDecoder(ex.target, ex.draft, tree="chain:1").generate(ids, 16).tokens == ref
-    args = ["generate", "--export-dir", str(tmp_path / "e"), "--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens", "8"]
+    args = [
+        "generate",
+        "--export-dir",
+        str(tmp_path / "e"),
+        "--prompt-ids",
+        ",".join(map(str, ids)),
+        "--max-new-tokens",
+        "8",
+    ]
     assert main(args + ["--draft", "export+suffix", "--tree", "full:2,2"]) == 0
     assert main(args + ["--draft", "suffix", "--tree", "chain:1"]) == 0
     capsys.readouterr()
