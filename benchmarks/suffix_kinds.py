@@ -22,8 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def configs(ex, export_dir: Path, suffix_spec: str, lookup_tree: str):
-    """name -> (draft, tree) over the opened export `ex` (its head shared by the head configs)."""
+def configs(ex, export_dir: Path, suffix_spec: str, lookup_tree: str, head_tree: str | None = None):
+    """name -> (draft, tree) over the opened export `ex` (its head shared by the head configs);
+    head_tree: the head's tree (default: the tuned one, DIR/tree_auto.json)."""
     from arborspec.runtime.drafts.lookup import LookupDraft
     from arborspec.runtime.drafts.mixed import LookupMixDraft
     from arborspec.runtime.drafts.spec import parse_draft_spec
@@ -31,7 +32,7 @@ def configs(ex, export_dir: Path, suffix_spec: str, lookup_tree: str):
 
     v = ex.target.info.vocab_size
     opts = parse_draft_spec(suffix_spec).arg
-    tuned = f"static:{export_dir / 'tree_auto.json'}"
+    tuned = head_tree or f"static:{export_dir / 'tree_auto.json'}"
     head = ex.draft
     return {
         "vanilla": (None, None),
@@ -47,7 +48,8 @@ def step_cost(tokens: list[int], spec: str, context: int = 2048, steps: int = 30
     """The suffix draft's own cost on a `context`-token text (`tokens`' first ones, then `steps`
     steps over the next ones, each accepting the proposal's longest correct prefix): the build
     (reset) in ms, propose + tree + commit in us per step (propose_us: the proposal alone), with
-    the nodes proposed and accepted."""
+    the nodes proposed and accepted. CPU time of this process (time.process_time): on a shared
+    machine wall time counts the other jobs' time slices too."""
     import torch
 
     from arborspec.runtime.drafts.proposed import proposal_tree
@@ -55,15 +57,15 @@ def step_cost(tokens: list[int], spec: str, context: int = 2048, steps: int = 30
     from arborspec.runtime.drafts.suffix import SuffixDraft
 
     d = SuffixDraft(1 << 20, parse_draft_spec(spec).arg)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     d.reset(tokens[: context - 1])
-    build = time.perf_counter() - t0
+    build = time.process_time() - t0
     i, spent, nodes, acc, n, pure = context, 0.0, 0, 0, 0, 0.0
     root = tokens[context - 1]
     while n < steps and i < len(tokens):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         prop = d.propose(root)
-        pure += time.perf_counter() - t0
+        pure += time.process_time() - t0
         tree = proposal_tree(prop)
         toks, par = tree.tokens.tolist(), tree.parents.tolist()
         path, at = [], -1
@@ -75,10 +77,22 @@ def step_cost(tokens: list[int], spec: str, context: int = 2048, steps: int = 30
             path.append(at)
             i += 1
         d.commit(tree, torch.tensor(path, dtype=torch.long))
-        spent += time.perf_counter() - t0
-        root, i, n, nodes, acc = tokens[i] if i < len(tokens) else root, i + 1, n + 1, nodes + len(toks), acc + len(path)
-    return {"build_ms": 1e3 * build, "us_per_step": 1e6 * spent / max(n, 1), "propose_us": 1e6 * pure / max(n, 1), "steps": n,
-            "nodes_per_step": nodes / max(n, 1), "accepted_per_step": acc / max(n, 1)}
+        spent += time.process_time() - t0
+        root, i, n, nodes, acc = (
+            tokens[i] if i < len(tokens) else root,
+            i + 1,
+            n + 1,
+            nodes + len(toks),
+            acc + len(path),
+        )
+    return {
+        "build_ms": 1e3 * build,
+        "us_per_step": 1e6 * spent / max(n, 1),
+        "propose_us": 1e6 * pure / max(n, 1),
+        "steps": n,
+        "nodes_per_step": nodes / max(n, 1),
+        "accepted_per_step": acc / max(n, 1),
+    }
 
 
 def main() -> int:
@@ -89,6 +103,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--suffix", default="suffix", help="the suffix draft's spec (default: suffix)")
     ap.add_argument("--lookup-tree", default="chain:3")
+    ap.add_argument("--head-tree", default=None, help="the head's tree (default: the tuned DIR/tree_auto.json)")
     ap.add_argument("--only", default="", help="comma-separated configurations (default: all)")
     ap.add_argument("--limit", type=int, default=0, help="requests per kind (0: all four)")
     ap.add_argument("--step-cost", action="store_true", help="only the draft's own cost on a 2k-token text")
@@ -108,7 +123,7 @@ def main() -> int:
     from arborspec.tools.prompts import encode_prompts
 
     ex = open_export(args.export_dir, draft="export")
-    cfgs = configs(ex, args.export_dir, args.suffix, args.lookup_tree)
+    cfgs = configs(ex, args.export_dir, args.suffix, args.lookup_tree, args.head_tree)
     if args.only:
         keep = set(args.only.split(",")) | {"vanilla"}
         cfgs = {k: c for k, c in cfgs.items() if k in keep}
@@ -119,7 +134,9 @@ def main() -> int:
     entries = vs_llamacpp.prompts()
     if args.limit:
         seen: dict = {}
-        entries = [e for e in entries if seen.setdefault(e["category"], []).append(1) or len(seen[e["category"]]) <= args.limit]
+        entries = [
+            e for e in entries if seen.setdefault(e["category"], []).append(1) or len(seen[e["category"]]) <= args.limit
+        ]
     prompts = encode_prompts(entries, ex.tokenizer)
     runs = []
     for rnd in range(args.rounds):
@@ -143,8 +160,12 @@ def main() -> int:
                         "same": r.tokens == ref,
                     }
                 )
-                print(f"{p['id']:16s} {name:14s} {st.tokens_per_s:6.1f} tok/s {st.mean_accepted:.2f}/call "
-                      f"nodes {runs[-1]['nodes']:.1f} same={runs[-1]['same']}", file=sys.stderr, flush=True)
+                print(
+                    f"{p['id']:16s} {name:14s} {st.tokens_per_s:6.1f} tok/s {st.mean_accepted:.2f}/call "
+                    f"nodes {runs[-1]['nodes']:.1f} same={runs[-1]['same']}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             args.out.write_text(json.dumps({"runs": runs, "when": time.ctime()}, indent=1))
     print(table(runs, list(decs)))
     return 0

@@ -79,6 +79,8 @@ def auto_tree_file(export_dir, draft: str | None = None, sampled: bool = False) 
     each draft gets the tree tuned for it); `tree_auto[.SPEC].sampled.json` for the tree tuned
     for sampled decoding (`tune --temperature T`)."""
     d = (draft or "export").strip().lower()
+    if "suffix" in d:  # the suffix draft proposes its own nodes: BASE+suffix runs BASE's tree (suffix alone: any)
+        d = d.split("+")[0] if "+" in d else "export"
     tail = ".sampled.json" if sampled else ".json"
     if d in ("export", "eagle3"):
         return Path(export_dir) / (AUTO_TREE_FILE[: -len(".json")] + tail)

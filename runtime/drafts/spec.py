@@ -71,7 +71,9 @@ def _suffix_options(s: str, spec) -> SuffixOptions | None:
         k, eq, v = item.partition("=")
         k = k.strip().lower()
         if not eq or k not in SuffixOptions.__dataclass_fields__:
-            raise InputError(f"bad draft spec {spec!r}: suffix options are nodes=, alpha=, prob=, min=, mem=, paths=, lead= (got {item!r})")
+            raise InputError(
+                f"bad draft spec {spec!r}: suffix options are nodes=, alpha=, prob=, min=, mem=, paths=, lead= (got {item!r})"
+            )
         try:
             vals[k] = float(v) if k in ("alpha", "prob") else int(v)
         except ValueError:

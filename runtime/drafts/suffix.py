@@ -32,40 +32,40 @@ OCCURRENCES = 32  # earlier occurrences of the match whose continuations are rea
 REMATCH = 64  # tokens fed to a fresh memory matcher (matches longer than this are cut there)
 
 
-def continuations(text: np.ndarray, ends: np.ndarray, depth: int, periodic: bool = False) -> np.ndarray:
-    """[m, depth] the tokens after each end position (-1 past the text or a separator). periodic:
-    `text` ends with the match itself, so a continuation that runs into it repeats with the
-    period from its occurrence to the text's end (an overlapping copy: "a b a b" -> "a b ...")."""
-    n = text.size
-    k = np.arange(depth)
-    if periodic:
-        idx = ends[:, None] + 1 + k % np.maximum(n - 1 - ends, 1)[:, None]
-    else:
-        idx = ends[:, None] + 1 + k
-    toks = np.where(idx < n, text[np.minimum(idx, n - 1)], -1)
-    ok = np.cumprod(toks >= 0, axis=1).astype(bool)  # a separator (negative) ends a continuation
-    return np.where(ok, toks, -1)
+def continuations(text: list[int], ends, depth: int, periodic: bool = False) -> list[list[int]]:
+    """The (at most `depth`) tokens after each end position in `text`, cut at a separator
+    (negative) or the text's end. periodic: `text` ends with the match itself, so a continuation
+    that runs into it repeats with the period from its occurrence to the text's end (an
+    overlapping copy: "a b a b" -> "a b ...")."""
+    out = []
+    for e in ends:
+        e = int(e)
+        row = text[e + 1 : e + 1 + depth]
+        if periodic and len(row) < depth:
+            row = (row * (depth // len(row) + 1))[:depth]
+        if row and min(row) < 0:
+            row = row[: next(i for i, t in enumerate(row) if t < 0)]
+        out.append(row)
+    return out
 
 
-def grow(conts: np.ndarray, budget: int, min_prob: float, paths: int = 1) -> Proposal:
-    """The trie of the rows of `conts` (level order), nodes whose share of rows is >= min_prob,
-    on the `paths` best root-to-leaf paths (most shared leaf first, then the deepest), the
-    `budget` most shared of them (ancestor-closed: a child is never more shared than its parent)."""
-    m = conts.shape[0]
+def grow(rows: list[list[int]], budget: int, min_prob: float, paths: int = 1) -> Proposal:
+    """The trie of `rows` (level order), nodes whose share of rows is >= min_prob, on the `paths`
+    best root-to-leaf paths (most shared leaf first, then the deepest), the `budget` most shared
+    of them (ancestor-closed: a child is never more shared than its parent)."""
+    m = len(rows)
     need = max(1, int(np.ceil(min_prob * m - 1e-9)))
-    rows = conts.tolist()
     parents: list[int] = []
     tokens: list[int] = []
     counts: list[int] = []
     groups = {-1: range(m)}
-    for d in range(min(budget, conts.shape[1])):
+    for d in range(budget):
         nxt: dict = {}
         for node, members in groups.items():
             by: dict = {}
             for r in members:
-                t = rows[r][d]
-                if t >= 0:
-                    by.setdefault(t, []).append(r)
+                if d < len(rows[r]):
+                    by.setdefault(rows[r][d], []).append(r)
             for t, rs in by.items():
                 if len(rs) >= need:
                     nxt[len(tokens)] = rs
@@ -77,9 +77,9 @@ def grow(conts: np.ndarray, budget: int, min_prob: float, paths: int = 1) -> Pro
             break
     par, cnt = np.asarray(parents, dtype=np.int64), np.asarray(counts, dtype=np.float64)
     tok = np.asarray(tokens, dtype=np.int64)
-    keep = np.ones(tok.size, dtype=bool)
-    if tok.size:
-        keep = _on_best_paths(par, cnt, paths)
+    if tok.size <= budget and tok.size - len(set(parents) - {-1}) <= paths:  # nothing to cut
+        return Proposal(par, tok, np.log(cnt / m).astype(np.float32))
+    keep = _on_best_paths(par, cnt, paths)
     order = np.flatnonzero(keep)
     order = np.sort(order[np.lexsort((order, -cnt[order]))[:budget]])
     remap = np.full(tok.size, -1, dtype=np.int64)
@@ -131,7 +131,9 @@ class SuffixDraft(DraftSource):
         self._version = -1
 
     def widen(self, policy):
-        return policy if isinstance(policy, ProposingPolicy) else ProposingPolicy(policy, self.opts.nodes, True, "suffix")
+        return (
+            policy if isinstance(policy, ProposingPolicy) else ProposingPolicy(policy, self.opts.nodes, True, "suffix")
+        )
 
     def fork(self) -> "SuffixDraft":
         return SuffixDraft(self.vocab_size, self.opts, self.memory)
@@ -180,7 +182,7 @@ class SuffixDraft(DraftSource):
         self._sync_memory()
         self._push(int(root))
         sam, state, length, before = self._match()
-        return self._grow(sam, state, length, before, sam.array() if sam is self.sam else None, self.opts.nodes)
+        return self._grow(sam, state, length, before, sam.tokens if sam is self.sam else None, self.opts.nodes)
 
     def propose_after(self, tokens: list[int]) -> Proposal:
         """After `propose` in the same step: the proposal below the path `tokens` from the root
@@ -198,7 +200,7 @@ class SuffixDraft(DraftSource):
                 ms, ml = walk(m.sam, ms, ml, int(t))
             if ml > best[2]:
                 best = (m.sam, ms, ml, len(m.sam))
-        text = np.concatenate([sam.array(), np.asarray(tokens, dtype=np.int64)]) if best[0] is sam else None
+        text = sam.tokens + [int(t) for t in tokens] if best[0] is sam else None
         return self._grow(*best, text, self.opts.nodes - len(tokens))
 
     def _grow(self, sam, state: int, length: int, before: int, text, nodes: int) -> Proposal:
@@ -209,9 +211,9 @@ class SuffixDraft(DraftSource):
         if budget < 1:
             return Proposal.empty()
         ends = sam.ends(state, before, OCCURRENCES)
-        if ends.size == 0:
+        if not ends:
             return Proposal.empty()
-        conts = continuations(sam.array() if text is None else text, ends, budget, periodic=text is not None)
+        conts = continuations(sam.tokens if text is None else text, ends, budget, periodic=text is not None)
         return grow(conts, budget, o.prob, o.paths)
 
     def defer(self, root: int, features=None) -> None:

@@ -16,7 +16,7 @@ limit and eviction costs O(1) amortised per token.
 
 from __future__ import annotations
 
-import numpy as np
+VISITS = 96  # suffix-link states an occurrence listing visits at most (the latest-added first)
 
 
 class SuffixAutomaton:
@@ -33,8 +33,6 @@ class SuffixAutomaton:
         self.kids: list[dict] = [{}]
         self.last = 0
         self.tokens: list[int] = []
-        self._arr = np.zeros(0, dtype=np.int64)
-        self._filled = 0
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -92,9 +90,10 @@ class SuffixAutomaton:
         s = self.link[self.last]
         return (s, self.length[s]) if s > 0 else (0, 0)
 
-    def ends(self, state: int, before: int, limit: int = 32, visits: int = 512) -> np.ndarray:
+    def ends(self, state: int, before: int, limit: int = 32, visits: int = VISITS) -> list[int]:
         """Positions < `before` where the strings of `state` end, the most recent first, at most
-        `limit` of them (from at most `visits` states of its suffix-link subtree)."""
+        `limit` of them (from at most `visits` states of its suffix-link subtree, the latest-added
+        first)."""
         found, stack, pos, kids = [], [state], self.pos, self.kids
         while stack and visits > 0:
             s = stack.pop()
@@ -103,19 +102,7 @@ class SuffixAutomaton:
                 found.append(pos[s])
             stack.extend(kids[s])
         found.sort(reverse=True)
-        return np.asarray(found[:limit], dtype=np.int64)
-
-    def array(self) -> np.ndarray:
-        """The tokens as an int64 array (grown in place, amortised, as tokens are appended)."""
-        n = len(self.tokens)
-        if self._arr.size < n:
-            arr = np.zeros(max(2 * n, 64), dtype=np.int64)
-            arr[: self._filled] = self._arr[: self._filled]
-            self._arr = arr
-        if self._filled < n:
-            self._arr[self._filled : n] = self.tokens[self._filled : n]
-            self._filled = n
-        return self._arr[:n]
+        return found[:limit]
 
 
 class Matcher:
