@@ -191,6 +191,8 @@ def test_tune_and_tree_auto_per_draft_on_an_export(tmp_path, capsys):
     export_folder(lm, e, draft="layers:1", progress=False)
     assert auto_tree_file(e).name == "tree_auto.json" and auto_tree_file(e, "export").name == "tree_auto.json"
     assert auto_tree_file(e, "export+lookup:2").name == "tree_auto.export_lookup_2.json"
+    # the suffix draft adds its own nodes: BASE+suffix decodes on BASE's tuned tree
+    assert auto_tree_file(e, "export+suffix").name == auto_tree_file(e, "suffix").name == "tree_auto.json"
     small = ["--max-nodes", "6", "--max-depth", "3", "--max-width", "3", "--n-prompts", "2", "--calib-tokens", "16"]
     small += ["--reps", "2", "--past", "16", "--loop-candidates", "1", "--loop-tokens", "6", "--quiet"]
     gen = ["generate", "--export-dir", str(e), "--prompt-ids", "3,4,5,3,4,5,3,4", "--max-new-tokens", "8"]
