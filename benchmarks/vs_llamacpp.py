@@ -9,7 +9,8 @@ passages (four each; the summaries and the retrieval answers have 400-700-token 
 runs ONE `arborspec bench` (every configuration on prompt 1, then on prompt 2, ...: interleaved,
 ours, theirs, ours, theirs; `--rounds N` sends the 24 requests N times in the same bench, so the
 rounds are interleaved too) with our vanilla, our tuned tree (`--tree auto`), the head mixed with
-lookup (`--mix-tree auto`), llama-server vanilla / ngram-mod / draft-eagle3 (the export's head
+lookup (`--mix-tree auto`), the suffix draft alone and with the head (`--suffix-tree auto`,
+`--suffix-mix-tree auto`), llama-server vanilla / ngram-mod / draft-eagle3 (the export's head
 converted by llama.cpp's converter), each with weight repacking on and off (`-repack-on` /
 `-repack-off`: which is faster depends on the weight type and the hour), and OpenVINO GenAI on the
 same GGUF, plain and with its prompt lookup; 128 new tokens, greedy, chat template applied by our
@@ -392,6 +393,7 @@ def per_round(names: list[str], per: list[dict]) -> list[str]:
             [n for n in theirs if n in ("llama-server", "llama-server-repack-on", "llama-server-repack-off")],
         ),
         ("our best / llama.cpp's best (any mode)", ours, [n for n in theirs if n.startswith("llama-server")]),
+        ("our best speculation / our vanilla", [n for n in ours if n != "vanilla"], ["vanilla"]),
         ("our vanilla / OpenVINO's best", ["vanilla"], [n for n in theirs if n.startswith("openvino")]),
         ("our best / OpenVINO's best", ours, [n for n in theirs if n.startswith("openvino")]),
     ):
@@ -427,6 +429,7 @@ def main(argv=None) -> int:
         cmd = [str(exe) if exe.is_file() else "arborspec"]
         cmd += ["bench", "--export-dir", str(args.export_dir), "--backend", "onnxruntime"]
         cmd += ["--modes", "vanilla,tree", "--tree", "auto", "--mix-tree", "auto", "--baselines", args.baselines]
+        cmd += ["--suffix-tree", "auto", "--suffix-mix-tree", "auto"]  # the suffix draft alone and with the head
         cmd += ["--prompts", str(args.out / "prompts.json"), "--max-new-tokens", str(args.max_new_tokens)]
         cmd += ["--json-out", str(bench_json), "--quiet"] + args.extra.split()
         print("$ " + " ".join(cmd), file=sys.stderr)

@@ -187,6 +187,10 @@ def test_bench_onnxruntime_export(tiny, tmp_path):
             "hf-greedy",
             "--lookup-tree",
             "full:3,2",
+            "--suffix-tree",
+            "chain:1",
+            "--suffix-mix-tree",
+            "chain:2",
             "--no-progress",
             "--json-out",
             str(out),
@@ -194,13 +198,21 @@ def test_bench_onnxruntime_export(tiny, tmp_path):
     )
     assert rc == 0
     res = json.loads(out.read_text())
-    _check_schema(res, ["vanilla", "chain:4", "full:2,2", "lookup+full:3,2", "hf-greedy"])
+    _check_schema(
+        res, ["vanilla", "chain:4", "full:2,2", "lookup+full:3,2", "suffix+chain:1", "suffix-mix+chain:2", "hf-greedy"]
+    )
     assert res["meta"]["backend"] == "onnxruntime"
     # the lookup draft ran next to the export's draft: its own draft, vanilla's tokens
     lk = [c for c in res["configs"] if c["name"] == "lookup+full:3,2"][0]
     assert lk["draft"] == "lookup" and lk["mode"] == "tree"
     for p in res["per_prompt"]:
         assert p["runs"]["lookup+full:3,2"]["greedy_match"] is True
+    # the suffix draft alone and mixed with the export's draft: their own drafts, vanilla's tokens
+    drafts = {c["name"]: c["draft"] for c in res["configs"]}
+    assert drafts["suffix+chain:1"] == "suffix" and drafts["suffix-mix+chain:2"] == "suffix-mix"
+    for p in res["per_prompt"]:
+        assert p["runs"]["suffix+chain:1"]["greedy_match"] is True
+        assert p["runs"]["suffix-mix+chain:2"]["greedy_match"] is True
 
 
 def test_bench_candidate_modes_side_by_side(tiny, capsys):

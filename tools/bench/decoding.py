@@ -86,6 +86,7 @@ def build_configs(
     lookup_trees: list[str] = (),
     mix_trees: list[str] = (),
     candidates: list[str | None] = ("topk",),
+    suffix_trees: tuple[list[str], list[str]] = ((), ()),
 ) -> list[BenchConfig]:
     """The configurations in run order. Each speculative one runs once per candidate mode
     (`candidates`, the first unnamed, the others named `SPEC@MODE`; None: the tree's own, a
@@ -122,6 +123,12 @@ def build_configs(
     for spec in mix_trees:  # the models' draft mixed with lookup (runtime/drafts/mixed.py)
         pol = parse_tree_spec(spec)
         cfgs.append(BenchConfig(f"mix+{pol.spec}", "ours", "tree", pol.spec, pol.kind, pol.max_nodes, "mix"))
+    # the suffix draft alone and mixed with the models' draft (runtime/drafts/suffix.py): it widens
+    # the tree with its own proposal, so `pol` is the base the proposal is added to
+    for (name, draft), specs in zip((("suffix", "suffix"), ("suffix-mix", "suffix-mix")), suffix_trees):
+        for spec in specs:
+            pol = parse_tree_spec(spec)
+            cfgs.append(BenchConfig(f"{name}+{pol.spec}", "ours", "tree", pol.spec, pol.kind, pol.max_nodes, draft))
     badc = [m for m in candidates if m not in CANDIDATE_MODES + (None,)]
     if badc or not candidates:
         raise InputError(f"unknown candidate mode {(badc or [''])[0]!r} (expected {', '.join(CANDIDATE_MODES)})")
@@ -200,6 +207,17 @@ def make_decoders(models, configs: list[BenchConfig], sp):
             if mixed is None:
                 mixed = mixed_with_lookup(models.draft, models.target.info.vocab_size, what="--mix-tree")
             draft = mixed
+        elif c.draft in ("suffix", "suffix-mix"):
+            from arborspec.runtime.drafts.model import as_draft_source
+            from arborspec.runtime.drafts.tables import mixed_draft, table_draft
+
+            vocab = models.target.info.vocab_size
+            alone = c.draft == "suffix"
+            draft = (
+                table_draft("suffix", None, vocab)
+                if alone
+                else mixed_draft(as_draft_source(draft), "suffix", None, vocab)
+            )
         decs[c.name] = SpeculativeDecoder(
             models.target,
             draft,

@@ -119,6 +119,22 @@ def _add_configuration_args(g) -> None:
         "this tree, in the same run (repeatable)",
     )
     g.add_argument(
+        "--suffix-tree",
+        action="append",
+        default=None,
+        metavar="SPEC",
+        help="also run the suffix draft alone (as --draft suffix) on this tree, which its own proposals "
+        "widen, in the same run (repeatable)",
+    )
+    g.add_argument(
+        "--suffix-mix-tree",
+        action="append",
+        default=None,
+        metavar="SPEC",
+        help="also run the models' draft mixed with the suffix draft (as --draft BASE+suffix) with this "
+        "tree, in the same run (repeatable; auto: the models' draft's tuned tree)",
+    )
+    g.add_argument(
         "--baselines",
         default="",
         help="comma-separated baselines on the same model file (torch backend, or an export whose "
@@ -260,12 +276,13 @@ class BenchPlan:
     trees: list[str]
     lookup_trees: list[str]
     mix_trees: list[str]
+    suffix_trees: tuple  # (suffix alone, the models' draft + suffix): tree specs
     entries: list
     prompts_path: str | None
 
     @property
     def need_draft(self) -> bool:
-        return any(m != "vanilla" for m in self.modes) or bool(self.mix_trees)
+        return any(m != "vanilla" for m in self.modes) or bool(self.mix_trees) or bool(self.suffix_trees[1])
 
 
 def _plan(args) -> BenchPlan:
@@ -292,6 +309,7 @@ def _plan(args) -> BenchPlan:
     entries, prompts_path = prompt_sets.read_prompts_file(args.prompts)  # cheap checks before loading models
     lookup_trees = bench.split_tree_specs(args.lookup_tree)
     mix_trees = bench.split_tree_specs(args.mix_tree)
+    suffix_trees = (bench.split_tree_specs(args.suffix_tree), bench.split_tree_specs(args.suffix_mix_tree))
     untuned = lambda specs: [(DEFAULT_TREE if t.lower() == "auto" else t) for t in specs]  # noqa: E731
     # the specs checked now (the export default tree is filled in once the models are open)
     bench.build_configs(
@@ -302,6 +320,7 @@ def _plan(args) -> BenchPlan:
         untuned(lookup_trees),
         untuned(mix_trees),
         candidates,
+        tuple(untuned(t) for t in suffix_trees),
     )
     return BenchPlan(
         modes,
@@ -314,6 +333,7 @@ def _plan(args) -> BenchPlan:
         trees,
         lookup_trees,
         mix_trees,
+        suffix_trees,
         entries,
         prompts_path,
     )
@@ -400,7 +420,15 @@ def _configs(args, plan: BenchPlan, models) -> list:
     mix_key = dataclasses.replace(key, draft=f"{args.draft or 'export'}+lookup")
     mix_trees = [resolved(t, mix_key) for t in plan.mix_trees]
     lookup_trees = [resolved(t, dataclasses.replace(key, draft="lookup")) for t in plan.lookup_trees]
-    return bench.build_configs(plan.modes, trees, args.chain, plan.baselines, lookup_trees, mix_trees, plan.candidates)
+    # `auto` with the suffix draft: the tuned tree of what it is added to (runtime/tuned_tree.py)
+    suffix_keys = (
+        dataclasses.replace(key, draft="suffix"),
+        dataclasses.replace(key, draft=f"{args.draft or 'export'}+suffix"),
+    )
+    suffix_trees = tuple([resolved(t, k) for t in specs] for k, specs in zip(suffix_keys, plan.suffix_trees))
+    return bench.build_configs(
+        plan.modes, trees, args.chain, plan.baselines, lookup_trees, mix_trees, plan.candidates, suffix_trees
+    )
 
 
 def _fitting_prompts(args, entries, models, notes: list[str]) -> list[dict]:
