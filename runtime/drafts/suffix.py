@@ -181,8 +181,8 @@ class SuffixDraft(DraftSource):
     def propose(self, root: int) -> Proposal:
         self._sync_memory()
         self._push(int(root))
-        sam, state, length, before = self._match()
-        return self._grow(sam, state, length, before, sam.tokens if sam is self.sam else None, self.opts.nodes)
+        match = self._match()
+        return self._grow(match, match[0].tokens if match[0] is self.sam else None, self.opts.nodes)
 
     def propose_after(self, tokens: list[int]) -> Proposal:
         """After `propose` in the same step: the proposal below the path `tokens` from the root
@@ -201,11 +201,12 @@ class SuffixDraft(DraftSource):
             if ml > best[2]:
                 best = (m.sam, ms, ml, len(m.sam))
         text = sam.tokens + [int(t) for t in tokens] if best[0] is sam else None
-        return self._grow(*best, text, self.opts.nodes - len(tokens))
+        return self._grow(best, text, self.opts.nodes - len(tokens))
 
-    def _grow(self, sam, state: int, length: int, before: int, text, nodes: int) -> Proposal:
-        """The proposal from a match (state, length) in `sam` (ends before `before`); text: the
-        local text ending with the match (overlapping copies), None for the memory's."""
+    def _grow(self, match: tuple, text, nodes: int) -> Proposal:
+        """The proposal from a match (automaton, state, length, ends before); text: the local
+        text ending with the match (overlapping copies), None for the memory's; at most `nodes`."""
+        sam, state, length, before = match
         o = self.opts
         budget = min(nodes, int(o.alpha * length)) if length >= o.min else 0
         if budget < 1:
