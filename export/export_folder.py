@@ -323,9 +323,7 @@ def _streamed_weights(model, draft_kind: str, opts: ExportOptions):
     if opts.stream == "off":
         return None
     why = None
-    if opts.qformat != "matmulnbits":
-        why = "--format qdq rewrites the portable graph exported from a loaded module"
-    elif opts.attention == "onnx" and opts.exporter != "auto":
+    if opts.attention == "onnx" and opts.exporter != "auto":
         why = f"--exporter {opts.exporter} traces the loaded module"
     elif draft_kind not in ("none", "eagle3"):
         why = f"--draft {draft_kind} is built from the loaded target"
@@ -510,6 +508,7 @@ class _GraphExporter:
             spec = GQAExport(
                 dtype=o.dtype, topk=topk, feature_layers=features, max_context=self.max_context, verify=o.verify,
                 tokenizer_sha256=self.tok_sha, role=role, progress=bool(o.progress and role == "target"),
+                quantize=o.quantize, block_size=o.block_size,
             )  # fmt: skip
             return export_portable(m, path, spec)
         if self.use_gqa:

@@ -249,6 +249,17 @@ class MemorySink:
 
         self.tensors.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
 
+    def add_proto(self, t) -> None:
+        self.tensors.append(t)
+
+
+def _external(t, location: str, offset: int, length: int):
+    t.data_location = t.EXTERNAL
+    for key, value in (("location", location), ("offset", offset), ("length", length)):
+        e = t.external_data.add()
+        e.key, e.value = key, str(value)
+    return t
+
 
 class ExternalDataSink:
     """Initialisers written straight to `<model>.data` as they are made (a large model): the
@@ -275,11 +286,18 @@ class ExternalDataSink:
         offset = self.file.tell()
         self.file.write(arr.tobytes())
         t = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(arr.dtype), dims=arr.shape)
-        t.data_location = t.EXTERNAL
-        for key, value in (("location", self.location), ("offset", offset), ("length", arr.nbytes)):
-            e = t.external_data.add()
-            e.key, e.value = key, str(value)
-        self.tensors.append(t)
+        self.tensors.append(_external(t, self.location, offset, arr.nbytes))
+
+    def add_proto(self, t) -> None:
+        """A TensorProto with raw_data (packed int4, which numpy has no type for)."""
+        if len(t.raw_data) < 1024:
+            self.tensors.append(t)
+            return
+        self.file.write(b"\0" * (-self.file.tell() % self.ALIGN))
+        offset, length = self.file.tell(), len(t.raw_data)
+        self.file.write(t.raw_data)
+        t.ClearField("raw_data")
+        self.tensors.append(_external(t, self.location, offset, length))
 
     def close(self) -> None:
         self.file.close()

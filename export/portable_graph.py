@@ -54,10 +54,12 @@ class PortableGraph(GQAGraph):
 
     KIND = "portable"
 
-    def __init__(self, weights, opts: GraphOptions, sink=None, progress: bool = False):
+    def __init__(self, weights, opts: GraphOptions, sink=None, progress: bool = False, qdq=None):
         from onnx import TensorProto as TP
 
         super().__init__(weights, opts, None, sink, progress)
+        self.qdq = qdq  # hf_name -> export/qdq.QDQ | None: blockwise DequantizeLinear weights (--format qdq)
+        self.qdq_counts: dict[str, dict] = {"layers_by_source": {}, "layers_by_type": {}}
         elem = {"fp32": TP.FLOAT, "fp16": TP.FLOAT16, "bf16": TP.BFLOAT16}[opts.dtype]
         self.half = opts.dtype != "fp32"  # logits and features are cast to float32
         self.act_np = self.attn_np = np_dtype(opts.dtype)
@@ -129,6 +131,44 @@ class PortableGraph(GQAGraph):
         res = self.node("Add", [residual, x], [out + "_res"])
         return self.rms(res, hf_norm, out + "ed"), res
 
+    def matmul(self, x: str, hf_names: list[str], name: str) -> str:
+        """x @ W^T: through DequantizeLinear of the layers' blocks (concatenated along N) where
+        `qdq` gives them, else GQAGraph's float MatMul."""
+        parts = [self.qdq(n) for n in hf_names] if self.qdq is not None else [None]
+        if any(q is None for q in parts) or len({(q.bits, q.block, q.offsets is None) for q in parts}) != 1:
+            return super().matmul(x, hf_names, name)
+        for q in parts:
+            for key, value in (("layers_by_source", q.source), ("layers_by_type", f"int{q.bits}")):
+                self.qdq_counts[key][value] = self.qdq_counts[key].get(value, 0) + 1
+        q0 = parts[0]
+        q_kn = np.ascontiguousarray(np.concatenate([q.q for q in parts]).T)
+        scales = np.concatenate([q.scales for q in parts]).T.astype(self.act_np)
+        if q0.bits == 4:
+            from .qdq import _int4_tensor
+
+            self.sink.add_proto(_int4_tensor(name + ".q", q_kn))
+        else:
+            self.init(name + ".q", q_kn.astype(np.int8))
+        deq = [name + ".q", self.init(name + ".scale", np.ascontiguousarray(scales))]
+        w = self.node("DequantizeLinear", deq, [name + ".w"], axis=0, block_size=q0.block)
+        y = self.node("MatMul", [x, w], [name + "_out" if q0.offsets is None else name + "_main"])
+        if q0.offsets is None:
+            return y
+        # per-block offsets (GGUF Q4_1): + (block sums of x) @ C, C [K/block, N]
+        offsets = np.concatenate([q.offsets for q in parts]).T.astype(self.act_np)
+        shape = self.const(f"c_blocks{q0.k // q0.block}", [0, 0, q0.k // q0.block, q0.block])
+        sums = self.node(
+            "ReduceSum", [self.node("Reshape", [x, shape], [name + "_xb"]), "c_axes_m1"], [name + "_xsum"], keepdims=0
+        )
+        corr = self.node("MatMul", [sums, self.init(name + ".offset", np.ascontiguousarray(offsets))], [name + "_corr"])
+        return self.node("Add", [y, corr], [name + "_out"])
+
+    def head(self, normed: str) -> str:
+        """An untied head with blocks goes through DequantizeLinear + MatMul; else GQAGraph's Gemm."""
+        if self.qdq is not None and not self.cfg.tie_embeddings and self.qdq("lm_head.weight") is not None:
+            return self.matmul(normed, ["lm_head.weight"], "lm_head")
+        return super().head(normed)
+
     def projection(self, x: str, hf: str, name: str) -> str:
         y = self.matmul(x, [hf + ".weight"], name)
         if self.cfg.attention_bias:
@@ -198,6 +238,8 @@ class PortableGraph(GQAGraph):
         return self.node("Reshape", [y, shape], [n + "attn"])
 
 
-def build_portable_model(weights, opts: GraphOptions, sink=None, progress: bool = False):
-    """The onnx.ModelProto of the portable graph of `weights` (initialisers in `sink`)."""
-    return PortableGraph(weights, opts, sink, progress).build()
+def build_portable_model(weights, opts: GraphOptions, sink=None, progress: bool = False, qdq=None):
+    """(the onnx.ModelProto of the portable graph of `weights`, initialisers in `sink`; the
+    quantised layers' counts)."""
+    graph = PortableGraph(weights, opts, sink, progress, qdq)
+    return graph.build(), graph.qdq_counts

@@ -41,8 +41,11 @@ def loaded(folder, tmp_path_factory):
 
 
 def outputs(path, cfg, dtype, cases=((2, 3, 5), (1, 4, 0), (1, 1, 6), (3, 7, 20))):
+    from arborspec.runtime.backends.onnxruntime import qdq_exact_matmul
+
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    qdq_exact_matmul(so)  # QDQ weights: float MatMuls, as the runtime runs them
     sess = ort.InferenceSession(str(path), so)
     res = []
     for j, (b, t, p) in enumerate(cases):
@@ -72,6 +75,37 @@ def test_streamed_portable_graph_equals_the_loaded_module_export(folder, loaded,
         for x, y in zip(oa, ob):
             scale = max(float(np.abs(y.astype(np.float32)).max()), 1.0)
             assert np.abs(x.astype(np.float32) - y.astype(np.float32)).max() <= tol * scale
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_streamed_qdq_weights_equal_the_loaded_module_export_s(folder, tmp_path, bits):
+    """--quantize int4|int8 --format qdq a layer at a time: the same blocks (DequantizeLinear
+    inputs bit for bit, the untied head included) and outputs within fp16 rounding."""
+    from onnx import numpy_helper
+
+    kw = dict(KW, dtype="fp16", quantize=f"int{bits}", qformat="qdq")
+    s = export_folder(str(folder), tmp_path / "s", stream="on", **kw)
+    ref = export_folder(str(folder), tmp_path / "l", stream="off", **kw)
+    qs, ql = s.manifest["target"]["quantization"], ref.manifest["target"]["quantization"]
+    assert qs["layers_by_type"] == ql["layers_by_type"] == {f"int{bits}": 15}
+    columns, n_dq = {}, {}
+    for name in ("s", "l"):
+        m = onnx.load(str(tmp_path / name / "target.onnx"))
+        inits = {t.name: t for t in m.graph.initializer}
+        dqs = [n for n in m.graph.node if n.op_type == "DequantizeLinear"]
+        n_dq[name] = len(dqs)
+        cols = []  # one output column of one weight: its blocks' values and scales
+        for n in dqs:
+            q, scale = (numpy_helper.to_array(inits[i]) for i in n.input[:2])
+            cols += [q[:, j].tobytes() + scale[:, j].tobytes() for j in range(q.shape[1])]
+        columns[name] = sorted(cols)
+    # q/k/v o gate/up down and the head: gate and up are one product here (concatenated along N)
+    assert (n_dq["l"], n_dq["s"]) == (15, 2 * 6 + 1)
+    assert columns["s"] == columns["l"]  # the same blocks, bit for bit
+    cfg = SafetensorsWeights(folder).config
+    for oa, ob in zip(outputs(tmp_path / "s" / "target.onnx", cfg, torch.float16), outputs(tmp_path / "l" / "target.onnx", cfg, torch.float16)):
+        for x, y in zip(oa, ob):
+            assert np.abs(x.astype(np.float32) - y.astype(np.float32)).max() <= 1e-2 * max(float(np.abs(y).max()), 1.0)
 
 
 def test_external_data_gives_the_same_outputs_bit_for_bit(folder, tmp_path, monkeypatch):

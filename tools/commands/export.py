@@ -157,7 +157,7 @@ def _add_run_args(p) -> None:
         default="auto",
         help="read a Hugging Face folder or GGUF a tensor at a time, writing each layer as it is read "
         "(peak memory: a few layers, not the model; ONNX Runtime's graph and the portable one, "
-        "--attention onnx without --format qdq); auto (default): for models over 2 GB in fp32",
+        "--attention onnx, --format qdq included); auto (default): for models over 2 GB in fp32",
     )
     p.add_argument("--force", action="store_true", help="replace DIR if it exists")
     p.add_argument(
