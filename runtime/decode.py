@@ -26,7 +26,7 @@ from typing import Iterator
 
 import torch
 
-from .decoder_config import DecoderConfig
+from .decoder_config import DecoderConfig, Opened, resolve_config
 from .drafts.base import tree_capacity
 from .drafts.model import as_draft_source
 from .drafts.tree_builder import DraftOptions, TreeWorkspace, draft_tree
@@ -72,7 +72,8 @@ class SpeculativeDecoder:
         options: its fields as keywords, over `config` (SpeculativeDecoder(t, d, tree="chain:4")).
         sampling: the SamplingParams of a call whose request has none (default greedy)."""
         cfg = self.config = DecoderConfig.of(config, options, "SpeculativeDecoder")
-        mode, candidates, max_tree_nodes = cfg.mode or "tree", cfg.candidates, cfg.max_tree_nodes
+        mode = resolve_config(cfg, Opened(has_draft=draft is not None)).mode  # no mode: tree with a draft, else vanilla
+        candidates, max_tree_nodes = cfg.candidates, cfg.max_tree_nodes
         self.target = target
         self.mode, self.candidates = mode, candidates or "topk"
         self.sampling = sampling or SamplingParams()

@@ -42,8 +42,10 @@ def test_defaults_are_the_decoders_own(llama_pair):
     assert (dec.mode, dec.policy.spec, dec.candidates) == ("tree", "full:3,2", "topk")
     gen = Generator(target, None)
     assert (gen.mode, gen.tree, gen.max_batch) == ("vanilla", "full:3,2", 1)
+    # no mode: tree with a draft, else vanilla, as the resolver says for every entry point
+    assert SpeculativeDecoder(target, None).mode == "vanilla"
     with pytest.raises(InputError, match="needs a draft"):
-        SpeculativeDecoder(target, None)  # a decoder's mode None is tree
+        SpeculativeDecoder(target, None, mode="tree")
 
 
 @pytest.mark.parametrize(
