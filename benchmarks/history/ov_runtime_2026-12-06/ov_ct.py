@@ -1,6 +1,12 @@
 """c(T) and row invariance of our SmolLM2 int4 target graph: ONNX Runtime vs OpenVINO (same file)."""
-import os, sys, time, json, statistics
+import json
+import os
+import statistics
+import sys
+import time
+
 import numpy as np
+
 E = os.path.expanduser(sys.argv[1] if len(sys.argv) > 1 else "~/.cache/arborspec/exports/smollm2-135m-int4-eagle3-int8-v24")
 P, S, L = 256, 512, 30
 rng = np.random.default_rng(0)
