@@ -41,7 +41,7 @@ def loaded(folder, tmp_path_factory):
 
 
 def outputs(path, cfg, dtype, cases=((2, 3, 5), (1, 4, 0), (1, 1, 6), (3, 7, 20))):
-    from arborspec.runtime.backends.onnxruntime import qdq_exact_matmul
+    from arborspec.runtime.backends.ort_loader import qdq_exact_matmul
 
     so = ort.SessionOptions()
     so.log_severity_level = 3

@@ -42,7 +42,9 @@ def _trees(e, capsys, monkeypatch) -> dict:
     with Generator.from_export(e) as g:  # what `serve` builds
         got["from_export"] = g.tree_spec()
     args = SimpleNamespace(model=None, draft=None, backend=None, device="cpu", export_dir=e, temperature=0.0, chain="chain:4")
-    plan = SimpleNamespace(trees=[], mix_trees=[], lookup_trees=[], modes=["tree"], baselines=[], candidates=[None])
+    plan = SimpleNamespace(
+        trees=[], mix_trees=[], lookup_trees=[], suffix_trees=([], []), modes=["tree"], baselines=[], candidates=[None]
+    )
     with open_models(args) as models:
         got["bench"] = next(c.tree for c in bench._configs(args, plan, models) if c.mode == "tree")
     return got

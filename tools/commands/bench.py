@@ -47,7 +47,7 @@ EXAMPLE = """examples:
       --baselines ort-genai,ort-genai-int4,llama-cpp,llama-cpp-lookup --limit-prompts 8 --max-new-tokens 64
   arborspec bench --export-dir ~/.cache/arborspec/exports/smollm2-int4 --modes vanilla,tree --tree auto \\
       --baselines llama-server,llama-server-ngram-mod,llama-server-eagle3 --max-new-tokens 128
-  arborspec bench --export-dir ~/.cache/arborspec/exports/smollm2-int4 --modes vanilla \
+  arborspec bench --export-dir ~/.cache/arborspec/exports/smollm2-int4 --modes vanilla \\
       --baselines llama-server-repack-on,llama-server-repack-off,openvino,openvino-lookup
 baselines: hf-greedy, hf-assisted, hf-lookup (transformers; pip install 'arborspec[bench]');
 ort-genai, ort-genai-int4 (ONNX Runtime GenAI, a model its builder makes from the export's source,
