@@ -44,7 +44,7 @@ class DecoderConfig:
     max_batch: int | None = None  # sequences decoded together; None: a Generator 1 (unbatched), a BatchDecoder 8
     speculate_max_batch: int | None = None  # BatchDecoder: trees only up to this many active sequences
     # SpeculativeDecoder: run vanilla steps where its own measurements say the tree stops paying
-    # (runtime/governor.py); None: on unless ARBORSPEC_ADAPTIVE=0
+    # (runtime/governor.py); None: off unless ARBORSPEC_ADAPTIVE=1 (opt-in: see docs/drafts-and-trees.md)
     adaptive: bool | None = None
 
     def __post_init__(self):
@@ -66,7 +66,7 @@ class DecoderConfig:
         """Whether the single-sequence decoder's steps are governed (`adaptive`, else the setting)."""
         if self.adaptive is not None:
             return bool(self.adaptive)
-        return settings.switch("ARBORSPEC_ADAPTIVE") is not False
+        return settings.switch("ARBORSPEC_ADAPTIVE") is True
 
     @property
     def tree_spec(self) -> str | TreePolicy:

@@ -10,8 +10,9 @@ PROBE_STEPS steps after every PROBE_EVERY) so its estimate follows the machine a
 
 It reads only what earlier steps measured, never the current step's draws: whatever it picks,
 greedy output is the target's own and sampling stays lossless (each step's tree is fixed before
-its draws, as with any tree). Off (`DecoderConfig(adaptive=False)`, ARBORSPEC_ADAPTIVE=0), every
-step drafts the policy's tree.
+its draws, as with any tree). Opt-in (`DecoderConfig(adaptive=True)`, ARBORSPEC_ADAPTIVE=1): its
+estimate still charges a request's first tree step (the draft's prefill of the prompt) and the
+catch-up after held steps to the tree (benchmarks/RESULTS.md); off, every step drafts the tree.
 """
 
 from __future__ import annotations

@@ -62,8 +62,8 @@ _ALL = (
             "torch threads for the decoder's host work next to an ONNX Runtime CPU session "
             "(unset: 1; 0: leave torch alone)", "embedding-api.md"),
     Setting("ARBORSPEC_ADAPTIVE", SWITCH, None,
-            "0: every step drafts the tree; 1 or unset: the decoder runs vanilla steps where its own "
-            "measurements say the tree stops paying (runtime/governor.py)", "drafts-and-trees.md"),
+            "1: the decoder runs vanilla steps where its own measurements say the tree stops paying "
+            "(runtime/governor.py); 0 or unset: every step drafts the tree", "drafts-and-trees.md"),
     # TensorRT (runtime/backends/trt_loader.py, export/trt_build.py)
     Setting("ARBORSPEC_TRT_MODULE", TEXT, None,
             "which TensorRT Python module builds and runs engines: auto, tensorrt or tensorrt_rtx "
