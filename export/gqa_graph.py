@@ -463,10 +463,15 @@ class GQAGraph:
         outputs = [h.make_tensor_value_info(C.LOGITS, TP.FLOAT, ["batch", "tokens", cfg.vocab_size])]
         for i in range(self.n_layers):
             for name in (C.past_key(i), C.past_value(i)):
-                inputs.append(h.make_tensor_value_info(name, self.kv_elem, ["batch", nkv, "max_seq", d]))
+                inputs.append(h.make_tensor_value_info(name, self.kv_elem, self.cache_dims(nkv, d, new=False)))
             for name in (C.new_key(i), C.new_value(i)):
-                outputs.append(h.make_tensor_value_info(name, self.kv_elem, ["batch", nkv, "max_seq", d]))
+                outputs.append(h.make_tensor_value_info(name, self.kv_elem, self.cache_dims(nkv, d, new=True)))
         return inputs, outputs
+
+    def cache_dims(self, nkv: int, d: int, new: bool) -> list:
+        """A layer's cache input (new=False) or output's dims: GroupQueryAttention shares one
+        [B, Hkv, S_max, D] slab between them."""
+        return ["batch", nkv, "max_seq", d]
 
     def attention_shared(self):
         """seqlens, total length and the tree mask's bias every layer shares; the rotary tables."""

@@ -80,23 +80,9 @@ class PortableGraph(GQAGraph):
 
         return [h.make_opsetid("", OPSET)]
 
-    def io(self):
-        from onnx import TensorProto as TP
-        from onnx import helper as h
-
-        cfg, nkv, d = self.cfg, self.cfg.n_kv_heads, self.cfg.head_dim
-        inputs = [
-            h.make_tensor_value_info(C.INPUT_IDS, TP.INT64, ["batch", "tokens"]),
-            h.make_tensor_value_info(C.POSITION_IDS, TP.INT64, ["batch", "tokens"]),
-            h.make_tensor_value_info(C.ATTENTION_MASK, TP.BOOL, ["batch", "tokens", "context"]),
-        ]
-        outputs = [h.make_tensor_value_info(C.LOGITS, TP.FLOAT, ["batch", "tokens", cfg.vocab_size])]
-        for i in range(self.n_layers):
-            for name in (C.past_key(i), C.past_value(i)):
-                inputs.append(h.make_tensor_value_info(name, self.kv_elem, ["past", "batch", nkv, d]))
-            for name in (C.new_key(i), C.new_value(i)):
-                outputs.append(h.make_tensor_value_info(name, self.kv_elem, ["tokens", "batch", nkv, d]))
-        return inputs, outputs
+    def cache_dims(self, nkv: int, d: int, new: bool) -> list:
+        """The contract's sequence-major cache: the past prefix in, only the new tokens' K/V out."""
+        return ["tokens" if new else "past", "batch", nkv, d]
 
     def attention_shared(self):
         """(cos, sin) [B, 1, T, R] in the weights' dtype and the tree mask's bias [B, 1, T, S] float32."""

@@ -152,6 +152,21 @@ def scratch_mask(
     return mask
 
 
+class ModelMixDraft(DraftSource):
+    """A draft source built over a model draft `base` (mixed with a table draft): the engine and
+    the time inside model calls are the base's."""
+
+    base: DraftSource
+
+    @property
+    def engine(self):
+        return getattr(self.base, "engine", None)
+
+    @property
+    def model_s(self) -> float:
+        return self.base.model_s
+
+
 def tree_capacity(policy: TreePolicy, vocab: int) -> int:
     """Upper bound on the nodes a policy drafts in one step, before its final pruning (a
     ProposingPolicy's model part: its proposals are merged after)."""

@@ -19,13 +19,13 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from .base import DraftSource, NodeView, TopK, full_vocab, to_target
+from .base import DraftSource, ModelMixDraft, NodeView, TopK, full_vocab, to_target
 from .lookup import LookupDraft
 
 LOOKUP_WEIGHT = 0.5  # w: the lookup's share of q where it finds a continuation
 
 
-class LookupMixDraft(DraftSource):
+class LookupMixDraft(ModelMixDraft):
     """`base` (a model DraftSource) mixed with a `LookupDraft` of the target vocabulary."""
 
     def __init__(self, base: DraftSource, lookup: LookupDraft, weight: float = LOOKUP_WEIGHT):
@@ -43,14 +43,6 @@ class LookupMixDraft(DraftSource):
         if tmap is None and base.vocab_size != self.vocab_size:
             raise InputError(f"draft vocabulary ({base.vocab_size}) differs from the target's ({self.vocab_size})")
         self._tmap = tmap.cpu().long() if tmap is not None else None
-
-    @property
-    def engine(self):
-        return getattr(self.base, "engine", None)
-
-    @property
-    def model_s(self) -> float:
-        return self.base.model_s
 
     # ------------------------------------------------------------------ lifecycle
     def fork(self) -> "LookupMixDraft":

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError
-from .base import DraftSource
+from .base import DraftSource, ModelMixDraft
 from .proposed import Proposal, ProposingPolicy, unwrap
 from .spec import SuffixOptions
 from .suffix_index import Matcher, SuffixAutomaton, SuffixMemory, walk
@@ -226,7 +226,7 @@ class SuffixDraft(DraftSource):
             self._push(int(t))
 
 
-class SuffixMixDraft(DraftSource):
+class SuffixMixDraft(ModelMixDraft):
     """`base` (a model DraftSource) drafting its tree under the policy, with the suffix draft's
     proposal merged into it every step (proposed.merge)."""
 
@@ -241,14 +241,6 @@ class SuffixMixDraft(DraftSource):
         self.needs_target_features = base.needs_target_features
         self.sample_scale = base.sample_scale
         self.paths, self.lead = suffix.opts.paths, suffix.opts.lead  # how merge treats disagreement
-
-    @property
-    def engine(self):
-        return getattr(self.base, "engine", None)
-
-    @property
-    def model_s(self) -> float:
-        return self.base.model_s
 
     def widen(self, policy):
         if isinstance(policy, ProposingPolicy):
