@@ -206,8 +206,11 @@ class SpeculativeDecoder:
                 tell_draft(self.draft, seq.root, tree, step.path, keep, feats[0] if feats is not None else None)
         seq.advance(step, tree)
         if speculate and seq.governor is not None and not forced:
-            seq.governor.observe(arm, len(step.tokens), time.perf_counter() - t0)
+            caught_up = arm == TREE and seq.draft_behind  # the draft read the prompt or held roots first
+            seq.governor.observe(arm, len(step.tokens), time.perf_counter() - t0, charged=not caught_up)
             seq.stats.held_steps = seq.governor.held
+        if speculate:
+            seq.draft_behind = held
         return step
 
     def cached_prefix(self, ids: list[int]) -> int:
@@ -298,3 +301,4 @@ class _Sequence(SequenceState):
     timer: Timer | None = None
     model_s0: float = 0.0  # the draft's model time when it started
     governor: SpeculationGovernor | None = None  # whether each step drafts (runtime/governor.py)
+    draft_behind: bool = True  # the draft's next call catches up first (the prompt, held roots)

@@ -10,9 +10,11 @@ PROBE_STEPS steps after every PROBE_EVERY) so its estimate follows the machine a
 
 It reads only what earlier steps measured, never the current step's draws: whatever it picks,
 greedy output is the target's own and sampling stays lossless (each step's tree is fixed before
-its draws, as with any tree). Opt-in (`DecoderConfig(adaptive=True)`, ARBORSPEC_ADAPTIVE=1): its
-estimate still charges a request's first tree step (the draft's prefill of the prompt) and the
-catch-up after held steps to the tree (benchmarks/RESULTS.md); off, every step drafts the tree.
+its draws, as with any tree). A tree step whose draft first catches up (a request's first tree
+step, where the head reads the prompt, and the first after held steps, where it reads their
+roots) is not charged to the tree: that cost is the switch's, not the tree's, and charging it
+made the tree look slower than vanilla where it paid 1.3x (benchmarks/RESULTS.md). Opt-in
+(`DecoderConfig(adaptive=True)`, ARBORSPEC_ADAPTIVE=1); off, every step drafts the tree.
 """
 
 from __future__ import annotations
@@ -70,9 +72,12 @@ class SpeculationGovernor:
             return self._other()
         return self.leader
 
-    def observe(self, arm: str, tokens: int, seconds: float) -> None:
-        """A step of `arm` committed `tokens` in `seconds` (the whole step: draft to commit)."""
-        self.arms[arm].observe(tokens, seconds, self.decay)
+    def observe(self, arm: str, tokens: int, seconds: float, charged: bool = True) -> None:
+        """A step of `arm` committed `tokens` in `seconds` (the whole step: draft to commit).
+        charged=False: the step counts toward probes but not toward the arm's rate (a draft's
+        catch-up step: see the module doc)."""
+        if charged:
+            self.arms[arm].observe(tokens, seconds, self.decay)
         if arm == VANILLA and self.arms[TREE].seen >= self.warmup:
             self.held += 1
         if self._probing and arm != self.leader:

@@ -23,15 +23,16 @@ class Scripted:
     """A governor that follows a fixed pattern of arms (what the real one may pick, any order)."""
 
     def __init__(self, pattern: str):
-        self.pattern, self.i, self.held, self.seen = pattern, 0, 0, []
+        self.pattern, self.i, self.held, self.seen, self.charged = pattern, 0, 0, [], []
 
     def choose(self) -> str:
         arm = TREE if self.pattern[self.i % len(self.pattern)] == "T" else VANILLA
         self.i += 1
         return arm
 
-    def observe(self, arm: str, tokens: int, seconds: float) -> None:
+    def observe(self, arm: str, tokens: int, seconds: float, charged: bool = True) -> None:
         self.seen.append((arm, tokens))
+        self.charged.append(charged)
         self.held += arm == VANILLA
 
 
@@ -86,6 +87,25 @@ def test_a_draft_stays_in_step_across_held_steps(target):
     carried = [tokens for arm, tokens in gov.seen[:-1] if arm == TREE]
     assert len(carried) >= 4 and set(carried) == {4}
     assert res.tokens == SpeculativeDecoder(eng, mode="vanilla").generate(PROMPT, 40).tokens
+
+
+def test_catch_up_steps_are_not_charged_to_the_tree(target, tmp_path):
+    """A request's first tree step (the head reads the prompt) and the first tree step after held
+    steps (it reads their roots) are the switch's cost, not the tree's: not charged."""
+    dec = SpeculativeDecoder(TorchEngine(target), eagle3_draft(target, tmp_path), tree="chain:2", adaptive=True)
+    _, gov = scripted_run(dec, PROMPT, 40, "TTVVTTTV")
+    arms = [arm for arm, _ in gov.seen]
+    expected = [not (a == TREE and (i == 0 or arms[i - 1] == VANILLA)) for i, a in enumerate(arms)]
+    assert gov.charged == expected and expected.count(False) >= 3
+
+
+def test_an_uncharged_step_moves_the_probe_but_not_the_rate():
+    gov = SpeculationGovernor()
+    gov.observe(TREE, 9, 100.0, charged=False)  # a slow catch-up step
+    assert gov.arms[TREE].seen == 0 and gov.arms[TREE].rate is None
+    for _ in range(gov.WARMUP):
+        gov.observe(TREE, 2, 1.0)
+    assert gov.arms[TREE].rate == pytest.approx(2.0)
 
 
 def test_the_switch_turns_it_off_and_on(target, monkeypatch):
