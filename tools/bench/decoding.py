@@ -56,9 +56,11 @@ class BenchConfig:
     max_nodes: int | None = 0
     draft: str | None = None  # None: the models' draft; "lookup": an n-gram lookup draft of its own
     candidates: str = "topk"  # how draft children are chosen when sampling (runtime/drafts/tree_builder.py)
+    adaptive: bool | None = None  # governed steps (runtime/governor.py); None: ARBORSPEC_ADAPTIVE decides
 
     def to_dict(self) -> dict:
         return {
+            "adaptive": self.adaptive,
             "draft": self.draft,
             "candidates": self.candidates,
             "name": self.name,
@@ -149,6 +151,20 @@ def build_configs(
     return cfgs
 
 
+def with_governed(configs: list[BenchConfig]) -> list[BenchConfig]:
+    """`bench --governed`: each speculative configuration of ours twice, ungoverned as named and
+    governed (runtime/governor.py) as NAME~governed, so both run side by side on every request."""
+    import dataclasses
+
+    out = []
+    for c in configs:
+        speculative = c.kind == "ours" and c.mode != "vanilla"
+        out.append(dataclasses.replace(c, adaptive=False) if speculative else c)
+        if speculative:
+            out.append(dataclasses.replace(c, name=f"{c.name}~governed", adaptive=True))
+    return out
+
+
 # ---------------------------------------------------------------------------------- running
 def _our_run(st, tokens: list[int], stop: str) -> dict:
     d = st.to_dict()
@@ -227,6 +243,7 @@ def make_decoders(models, configs: list[BenchConfig], sp):
             sampling=sp,
             max_tree_nodes=models.limits.get("max_tree_nodes"),
             prefix_cache=False,  # cold requests: every run prefills its whole prompt, the draft reads it all again
+            adaptive=c.adaptive,
         )
     return decs
 

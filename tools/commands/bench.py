@@ -135,6 +135,13 @@ def _add_configuration_args(g) -> None:
         "tree, in the same run (repeatable; auto: the models' draft's tuned tree)",
     )
     g.add_argument(
+        "--governed",
+        action="store_true",
+        help="run each speculative configuration of ours twice, side by side: ungoverned, and governed "
+        "as NAME~governed (the decoder holds its tree where it measures it not paying: "
+        "ARBORSPEC_ADAPTIVE, docs/drafts-and-trees.md)",
+    )
+    g.add_argument(
         "--baselines",
         default="",
         help="comma-separated baselines on the same model file (torch backend, or an export whose "
@@ -426,9 +433,10 @@ def _configs(args, plan: BenchPlan, models) -> list:
         dataclasses.replace(key, draft=f"{args.draft or 'export'}+suffix"),
     )
     suffix_trees = tuple([resolved(t, k) for t in specs] for k, specs in zip(suffix_keys, plan.suffix_trees))
-    return bench.build_configs(
+    configs = bench.build_configs(
         plan.modes, trees, args.chain, plan.baselines, lookup_trees, mix_trees, plan.candidates, suffix_trees
     )
+    return bench.with_governed(configs) if args.governed else configs
 
 
 def _fitting_prompts(args, entries, models, notes: list[str]) -> list[dict]:
