@@ -25,7 +25,7 @@ from pathlib import Path
 
 from arborspec.runtime import settings
 from arborspec.runtime.errors import ArborspecError, InputError
-from arborspec.tools.options import PREFIX_CACHE
+from arborspec.tools.options import PREFIX_CACHE, same_named
 
 REPLICA_HEADER = "x-arborspec-replica"
 NEEDS_RAY = "arborspec serve --ray needs Ray Serve: pip install 'arborspec[ray]'"
@@ -263,14 +263,7 @@ def run(args) -> int:
         raise InputError(NEEDS_RAY) from None
     app = build(
         args.export_dir,
-        replicas=args.replicas,
-        backend=args.backend,
-        device=args.device,
-        draft=args.draft,
-        tree=args.tree,
-        workers=args.workers,
-        max_batch=args.max_batch,
-        model_name=args.model_name,
+        **same_named(args, "replicas", "backend", "device", "draft", "tree", "workers", "max_batch", "model_name"),
         api_key=args.api_key,
         prefix_cache=PREFIX_CACHE[args.prefix_cache],
         max_queue=None if args.max_queue < 0 else args.max_queue,
