@@ -43,7 +43,6 @@ from arborspec.runtime.errors import InputError
 from arborspec.tools.bench.baselines import BASELINES, HFBaselines
 from arborspec.tools.bench.peers import PEERS
 from arborspec.tools.bench.report import SPLIT_KEYS, _ratio
-from arborspec.tools.options import same_named
 
 
 # ---------------------------------------------------------------------------------- configs
@@ -59,7 +58,16 @@ class BenchConfig:
     candidates: str = "topk"  # how draft children are chosen when sampling (runtime/drafts/tree_builder.py)
 
     def to_dict(self) -> dict:
-        return same_named(self, "draft", "candidates", "name", "kind", "mode", "tree", "policy", "max_nodes")
+        return {
+            "draft": self.draft,
+            "candidates": self.candidates,
+            "name": self.name,
+            "kind": self.kind,
+            "mode": self.mode,
+            "tree": self.tree,
+            "policy": self.policy,
+            "max_nodes": self.max_nodes,
+        }
 
 
 def split_tree_specs(values: list[str] | None) -> list[str]:

@@ -10,7 +10,6 @@ import sys
 
 from arborspec.runtime.errors import InputError
 from arborspec.tools.commands.options import command_parser
-from arborspec.tools.options import same_named
 
 EXAMPLE = """examples:
   arborspec export --model smollm2-135m --draft layers:4 --out out/smollm2
@@ -177,12 +176,21 @@ def run(args) -> int:
         args.model,
         args.out,
         args.draft,
+        dtype=args.dtype,
         opset=args.opset or DEFAULT_OPSET,
+        max_context=args.max_context,
         max_tree_nodes=args.max_tree_nodes or DEFAULT_MAX_TREE_NODES,
+        force=args.force,
         progress=not args.quiet,
         verify=not args.no_verify,
-        **same_named(args, "dtype", "max_context", "force", "attention", "quantize", "block_size", "accuracy_level"),
-        **same_named(args, "qformat", "kv_dtype", "draft_quantize", "stream"),
+        attention=args.attention,
+        quantize=args.quantize,
+        block_size=args.block_size,
+        accuracy_level=args.accuracy_level,
+        qformat=args.qformat,
+        kv_dtype=args.kv_dtype,
+        draft_quantize=args.draft_quantize,
+        stream=args.stream,
     )
     t = s.manifest["target"]
     d = s.manifest["draft"]

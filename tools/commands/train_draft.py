@@ -21,7 +21,6 @@ from pathlib import Path
 
 from arborspec.runtime.errors import InputError, OutputError
 from arborspec.tools.commands.options import add_seed_arg, command_parser
-from arborspec.tools.options import same_named
 
 EXAMPLE = """examples:
   arborspec train-draft --model smollm2-135m --out heads/smollm2-eagle3
@@ -400,11 +399,19 @@ def _grow_corpus(args, loaded, start: dict) -> Path:
         root=cache_dir() / "eagle3-corpus",
         total_tokens=args.corpus_tokens,
         minutes=args.corpus_minutes,
+        shard_prompts=args.shard_prompts,
+        gen_len=args.gen_len,
         batch=args.gen_batch,
+        window=args.window,
         draft_vocab=start["draft_vocab"],
+        topk=args.topk,
+        seed=args.seed,
         vocab=start["fixed_vocab"],
-        **same_named(args, "shard_prompts", "gen_len", "window", "topk", "seed", "threads", "device", "first_prompt"),
-        **same_named(args, "cuda_graphs", "prompt_source"),
+        threads=args.threads,
+        device=args.device,
+        first_prompt=args.first_prompt,
+        cuda_graphs=args.cuda_graphs,
+        prompt_source=args.prompt_source,
         folder=args.corpus,
         features=not args.defer_features,
     )
@@ -448,14 +455,22 @@ def _train_config(args, measure, before: dict, progress: bool):
 
     return eagle3_train.TrainConfig(
         steps=args.ttt_steps,
+        batch=args.batch,
+        lr=args.lr,
+        minutes=args.minutes,
+        schedule_batches=args.schedule_batches,
+        seed=args.seed,
         resume=not args.no_resume,
         evaluate=measure,
         better=lambda new, old: eagle3_heldout.ranks_above(new, old, before),
         eval_every_s=args.eval_minutes * 60,
         progress=progress,
+        device=args.device,
         precision=eagle3_train.training_precision(args.precision, args.device),
-        **same_named(args, "batch", "lr", "minutes", "schedule_batches", "seed", "device", "template_share"),
-        **same_named(args, "shards", "featurised_prefix", "step_decay"),
+        template_share=args.template_share,
+        shards=args.shards,
+        featurised_prefix=args.featurised_prefix,
+        step_decay=args.step_decay,
     )
 
 

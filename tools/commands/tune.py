@@ -16,7 +16,7 @@ from pathlib import Path
 from arborspec.runtime.errors import InputError, MissingFileError
 from arborspec.tools.commands.options import add_seed_arg, command_parser
 from arborspec.tools.engines import add_model_args, models_key, open_models
-from arborspec.tools.options import QUIET_HELP, same_named
+from arborspec.tools.options import QUIET_HELP
 
 EXAMPLE = """examples:
   arborspec tune --model smollm2-135m --draft layers:2 --plot tune.png
@@ -100,10 +100,20 @@ def run(args) -> int:
     from arborspec.tools.tune.tuner import TuneOptions, tune
 
     opts = TuneOptions(
-        **same_named(args, "max_nodes", "max_depth", "max_width", "past", "reps"),  # the search
-        **same_named(args, "prompts", "calib_tokens", "loop_candidates", "loop_tokens", "seed", "out", "plot"),
+        max_nodes=args.max_nodes,
+        max_depth=args.max_depth,
+        max_width=args.max_width,
+        past=args.past,
+        reps=args.reps,
+        prompts=args.prompts,
         n_prompts=args.limit_prompts,
         chat=True if args.chat else None,
+        calib_tokens=args.calib_tokens,
+        loop_candidates=args.loop_candidates,
+        loop_tokens=args.loop_tokens,
+        seed=args.seed,
+        out=args.out,
+        plot=args.plot,
         sampling=sampling,
     )
     try:

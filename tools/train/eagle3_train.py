@@ -28,7 +28,6 @@ import torch
 from arborspec.models.eagle3 import Eagle3Config, Eagle3Head
 from arborspec.models.llama import apply_rope, repeat_kv
 from arborspec.runtime.fileio import atomic_write
-from arborspec.tools.options import same_named
 
 
 def init_head(cfg_t, target_module, aux_layers: list[int], vocab: np.ndarray, seed: int) -> Eagle3Head:
@@ -36,7 +35,12 @@ def init_head(cfg_t, target_module, aux_layers: list[int], vocab: np.ndarray, se
     the target's LM head and its final norm as the starting point of lm_head/norm."""
     torch.manual_seed(seed)
     c = Eagle3Config(
-        **same_named(cfg_t, "hidden_size", "intermediate_size", "n_heads", "n_kv_heads", "head_dim", "vocab_size"),
+        hidden_size=cfg_t.hidden_size,
+        intermediate_size=cfg_t.intermediate_size,
+        n_heads=cfg_t.n_heads,
+        n_kv_heads=cfg_t.n_kv_heads,
+        head_dim=cfg_t.head_dim,
+        vocab_size=cfg_t.vocab_size,
         draft_vocab_size=len(vocab),
         target_hidden_size=cfg_t.hidden_size,
         aux_layers=list(aux_layers),
