@@ -44,13 +44,6 @@ JSON_HELP = "print the result as one JSON object on stdout (instead of text)"
 JSON_OUT_HELP = "also write the results to this JSON file"
 
 
-def same_named(obj, *names: str) -> dict:
-    """{name: obj.name} for each name, in that order: a command's flags (or an object's fields)
-    handed on under their own names (`f(**same_named(args, "seed", "tree"))` for
-    `f(seed=args.seed, tree=args.tree)`)."""
-    return {name: getattr(obj, name) for name in names}
-
-
 def tool_parser(doc: str, prog: str | None = None, example: str | None = None):
     """The argument parser of a `python -m arborspec.tools...` module: the docstring's first
     paragraph as its description; `example` as its epilog, else the docstring's last paragraph

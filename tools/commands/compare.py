@@ -12,7 +12,6 @@ from pathlib import Path
 
 from arborspec.runtime.errors import InputError, MissingFileError
 from arborspec.tools.commands.options import add_export_dir_arg, add_quiet_progress_args, add_seed_arg, command_parser
-from arborspec.tools.options import same_named
 
 EXAMPLE = """examples:
   arborspec compare --export-dir ~/.cache/arborspec/exports/smollm2-135m-layers4 --atol 1e-2
@@ -85,7 +84,14 @@ def run(args) -> int:
     rep = compare_export(
         args.export_dir,
         args.runners,
-        **same_named(args, "trees", "atol", "rtol", "seed", "model", "save_inputs", "save_outputs", "engine_dir"),
+        trees=args.trees,
+        atol=args.atol,
+        rtol=args.rtol,
+        seed=args.seed,
+        model=args.model,
+        save_inputs=args.save_inputs,
+        save_outputs=args.save_outputs,
+        engine_dir=args.engine_dir,
         verify=args.verify,
         progress=not args.no_progress and sys.stderr.isatty(),
         min_top1=args.min_top1,

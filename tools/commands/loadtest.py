@@ -17,7 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 from arborspec.runtime.errors import InputError
 from arborspec.runtime.fileio import atomic_write_json
 from arborspec.tools.commands.options import add_json_output_args, command_parser
-from arborspec.tools.options import same_named
 
 EXAMPLE = """examples:
   arborspec loadtest --url http://127.0.0.1:8000 --concurrency 4 --requests 40 --stream --max-tokens 64
@@ -232,7 +231,14 @@ def run(args) -> int:
         args.url.rstrip("/"),
         args.concurrency,
         args.requests,
-        **same_named(args, "max_tokens", "stream", "chat", "temperature", "api_key", "timeout", "turns", "ignore_eos"),
+        max_tokens=args.max_tokens,
+        stream=args.stream,
+        chat=args.chat,
+        temperature=args.temperature,
+        api_key=args.api_key,
+        timeout=args.timeout,
+        turns=args.turns,
+        ignore_eos=args.ignore_eos,
     )
     f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     print(

@@ -12,7 +12,7 @@ import sys
 from arborspec.runtime import settings
 from arborspec.runtime.errors import InputError
 from arborspec.tools.commands.options import add_export_dir_arg, add_prefix_cache_arg, add_tree_arg, command_parser
-from arborspec.tools.options import DEVICE_HELP, DRAFT_HELP_EXPORT, PREFIX_CACHE, same_named
+from arborspec.tools.options import DEVICE_HELP, DRAFT_HELP_EXPORT, PREFIX_CACHE
 
 EXAMPLE = """examples:
   arborspec serve --export-dir ~/.cache/arborspec/exports/smollm2-135m-layers4-v2 --draft lookup --port 8000
@@ -132,7 +132,9 @@ def _serve(args, man, sock, uvicorn) -> int:
             args.export_dir,
             args.backend,
             args.device,
-            **same_named(args, "draft", "tree", "max_batch"),
+            draft=args.draft,
+            tree=args.tree,
+            max_batch=args.max_batch,
             prefix_cache=PREFIX_CACHE[args.prefix_cache],
         ),
         args.workers,

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from arborspec.runtime import settings
 from arborspec.runtime.errors import ArborspecError, InputError
-from arborspec.tools.options import PREFIX_CACHE, same_named
+from arborspec.tools.options import PREFIX_CACHE
 
 REPLICA_HEADER = "x-arborspec-replica"
 NEEDS_RAY = "arborspec serve --ray needs Ray Serve: pip install 'arborspec[ray]'"
@@ -263,7 +263,14 @@ def run(args) -> int:
         raise InputError(NEEDS_RAY) from None
     app = build(
         args.export_dir,
-        **same_named(args, "replicas", "backend", "device", "draft", "tree", "workers", "max_batch", "model_name"),
+        replicas=args.replicas,
+        backend=args.backend,
+        device=args.device,
+        draft=args.draft,
+        tree=args.tree,
+        workers=args.workers,
+        max_batch=args.max_batch,
+        model_name=args.model_name,
         api_key=args.api_key,
         prefix_cache=PREFIX_CACHE[args.prefix_cache],
         max_queue=None if args.max_queue < 0 else args.max_queue,
