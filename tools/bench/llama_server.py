@@ -415,39 +415,38 @@ class LlamaServer:
 
 
 # ---------------------------------------------------------------------------------- requests
-def completion_body(
-    prompt: list[int],
-    n: int,
-    eos: list[int],
-    temperature: float,
-    seed: int,
-    top_k=0,
-    top_p=1.0,
-    json_schema: dict | None = None,
-    gbnf: str | None = None,
+def llama_sampler(
+    temperature: float, seed: int, top_k=0, top_p=1.0, json_schema: dict | None = None, gbnf: str | None = None
 ) -> dict:
-    """/completion's request: the prompt as token ids, greedy unless temperature > 0 (then bench's
-    top-k / top-p cut, no min-p, its seed), no prefix reuse between prompts."""
-    body = {
+    """llama.cpp's sampler for a bench run, in /completion's field names (both llama.cpp peers take
+    it: completion_body here, peers.LlamaCppRunner through the Python binding): greedy unless
+    temperature > 0, then bench's top-k / top-p cut (0 / 1.0: none) and its seed; no min-p,
+    typical-p or repetition penalty, as ours; json_schema (llama.cpp's own structured output: its
+    GBNF grammar of the schema), else gbnf as the `grammar` it reads as it is."""
+    s = {"repeat_penalty": 1.0, "min_p": 0.0, "typical_p": 1.0}
+    if temperature > 0:
+        s.update(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=int(seed))
+    else:
+        s.update(temperature=0.0, top_k=1, top_p=1.0)
+    if json_schema is not None:
+        s["json_schema"] = json_schema
+    elif gbnf is not None:
+        s["grammar"] = gbnf
+    return s
+
+
+def completion_body(prompt: list[int], n: int, eos: list[int], temperature: float, seed: int, **cut) -> dict:
+    """/completion's request: the prompt as token ids, llama_sampler's sampling (cut: its top_k,
+    top_p, json_schema, gbnf), no prefix reuse between prompts."""
+    return {
         "prompt": [int(t) for t in prompt],
         "n_predict": int(n),
         "cache_prompt": False,
         "return_tokens": True,
         "stream": False,
-        "repeat_penalty": 1.0,
-        "min_p": 0.0,
-        "typical_p": 1.0,
         "ignore_eos": not eos,  # no eos ids: exactly n tokens, as ours
+        **llama_sampler(temperature, seed, **cut),
     }
-    if temperature > 0:
-        body.update(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=int(seed))
-    else:
-        body.update(temperature=0.0, top_k=1, top_p=1.0)
-    if json_schema is not None:
-        body["json_schema"] = json_schema
-    elif gbnf is not None:
-        body["grammar"] = gbnf
-    return body
 
 
 def run_from_response(resp: dict, n: int, eos: list[int]) -> dict:

@@ -392,21 +392,11 @@ class LlamaCppRunner:
             d["draft"] = {"LlamaPromptLookupDecoding": {"max_ngram_size": 2, "num_pred_tokens": self.lookup_tokens}}
         return d
 
-    def run(
-        self,
-        kind: str,
-        prompt: list[int],
-        n: int,
-        eos: list[int],
-        temperature: float,
-        seed: int,
-        top_k=0,
-        top_p=1.0,
-        json_schema: dict | None = None,
-        gbnf: str | None = None,
-    ) -> dict:
-        """json_schema: llama.cpp's own structured output (its GBNF grammar of the schema); gbnf: a
-        GBNF grammar it reads as it is."""
+    def run(self, kind: str, prompt: list[int], n: int, eos: list[int], temperature: float, seed: int, **cut) -> dict:
+        """cut: top_k, top_p, json_schema, gbnf: llama_sampler's, as llama-server gets them, in the
+        Python binding's names (temp; the seed set on the model; the grammar compiled)."""
+        from arborspec.tools.bench.llama_server import llama_sampler  # (imported before the clock starts)
+
         llm = self.llm
         llm.reset()  # no prefix reuse from the previous prompt: every run prefills its whole prompt
         self._calls = 0
@@ -414,22 +404,20 @@ class LlamaCppRunner:
         t0 = time.perf_counter()
         t1 = None
         calls_at_first = 0
-        if temperature > 0:  # temperature with ours' top-k / top-p cut (0 / 1.0: none) and no min-p
-            llm.set_seed(int(seed))
-            sampling = {"top_k": int(top_k), "top_p": float(top_p), "temp": float(temperature)}
-        else:
-            sampling = {"top_k": 1, "top_p": 1.0, "temp": 0.0}
-        if json_schema is not None:
-            import json
-
+        sampling = llama_sampler(temperature, seed, **cut)
+        sampling["temp"] = sampling.pop("temperature")
+        if "seed" in sampling:
+            llm.set_seed(sampling.pop("seed"))
+        if "json_schema" in sampling or "grammar" in sampling:
             from llama_cpp import LlamaGrammar
 
-            sampling["grammar"] = LlamaGrammar.from_json_schema(json.dumps(json_schema), verbose=False)
-        elif gbnf is not None:
-            from llama_cpp import LlamaGrammar
-
-            sampling["grammar"] = LlamaGrammar.from_string(gbnf, verbose=False)
-        gen = llm.generate(list(prompt), min_p=0.0, typical_p=1.0, repeat_penalty=1.0, reset=True, **sampling)
+            schema = sampling.pop("json_schema", None)
+            sampling["grammar"] = (
+                LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
+                if schema is not None
+                else LlamaGrammar.from_string(sampling["grammar"], verbose=False)
+            )
+        gen = llm.generate(list(prompt), reset=True, **sampling)
         for t in gen:
             toks.append(int(t))
             if t1 is None:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError, MissingFileError
-from arborspec.tools.commands.options import add_export_dir_arg, add_quiet_progress_args, command_parser
+from arborspec.tools.commands.options import add_export_dir_arg, add_quiet_progress_args, add_seed_arg, command_parser
 
 EXAMPLE = """examples:
   arborspec compare --export-dir ~/.cache/arborspec/exports/smollm2-135m-layers4 --atol 1e-2
@@ -59,7 +59,7 @@ def register(sub) -> None:
         help="quantised exports: maximum relative logit error ||logits - ref|| / ||ref|| "
         "(default: int8 0.05, int4 0.30)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the random trees and past (default 0)")
+    add_seed_arg(p, "seed of the random trees and past (default 0)")
     p.add_argument(
         "--model", default=None, help="PyTorch reference: registry name or path (default: the source in the manifest)"
     )

@@ -38,7 +38,7 @@ def add_tree_arg(g, note: str = "") -> None:
 
 
 def add_seed_arg(g, help: str = "sampling seed (default 0)") -> None:
-    """--seed N, default 0 (add_sampling_args', bench's)."""
+    """--seed N, default 0 (add_sampling_args', bench's, compare's, tune's, train-draft's)."""
     g.add_argument("--seed", type=int, default=0, help=help)
 
 

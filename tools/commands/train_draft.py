@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError, OutputError
-from arborspec.tools.commands.options import command_parser
+from arborspec.tools.commands.options import add_seed_arg, command_parser
 
 EXAMPLE = """examples:
   arborspec train-draft --model smollm2-135m --out heads/smollm2-eagle3
@@ -143,7 +143,7 @@ def _add_training_args(t) -> None:
         help="the loss of training-time-test step k weighs F**k (default 0.8, EAGLE-3's; lower puts more of it on "
         "depth 1; a resumed run keeps its checkpoint's unless given)",
     )
-    t.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+    add_seed_arg(t, "training seed (default 0)")
     t.add_argument(
         "--init",
         type=Path,

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from arborspec.runtime.errors import InputError, MissingFileError
-from arborspec.tools.commands.options import command_parser
+from arborspec.tools.commands.options import add_seed_arg, command_parser
 from arborspec.tools.engines import add_model_args, models_key, open_models
 from arborspec.tools.options import QUIET_HELP
 
@@ -68,7 +68,7 @@ def register(sub) -> None:
         default=None,
         help="tokens per prompt in that pass (default 32; 64 with --temperature, whose steps vary more)",
     )
-    g.add_argument("--seed", type=int, default=0, help="seed of the built-in calibration prompts (default 0)")
+    add_seed_arg(g, "seed of the built-in calibration prompts (default 0)")
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, help="also write the tree file here")
     o.add_argument("--plot", type=Path, help="PNG: cost curves and predicted tokens/s vs budget")
