@@ -4,9 +4,13 @@ Role in one decode step: before step 1. A tree tuned in one hour can lose in the
 machine's speed moves, the text turns less predictable than the tuning prompts), and a step
 that drafts and verifies a tree must then cost less than it carries. The governor keeps, for
 two arms, "tree" (the decoder's policy) and "vanilla" (an empty tree: one token, one row), a
-decayed sum of the tokens their steps committed and of the seconds those steps took, and each
-step picks the arm with more tokens a second. The other arm is probed now and then (a burst of
-PROBE_STEPS steps after every PROBE_EVERY) so its estimate follows the machine and the text.
+decayed sum of the tokens their steps committed and of the seconds those steps took. The tree
+leads until its tokens a second fall MARGIN below vanilla's, and leads again once they reach
+vanilla's: a tree step carries 1 or 2+ tokens by chance, so an estimate of a few steps swings
+by +-15 %, and without the margin (and with a short memory, decay 0.8) it held a third of the
+steps of trees that paid 1.15-1.25x (benchmarks/RESULTS.md). The other arm is probed now and
+then (a burst of PROBE_STEPS steps after every PROBE_EVERY) so its estimate follows the machine
+and the text.
 
 It reads only what earlier steps measured, never the current step's draws: whatever it picks,
 greedy output is the target's own and sampling stays lossless (each step's tree is fixed before
@@ -52,7 +56,8 @@ class SpeculationGovernor:
     PROBE_EVERY = 24  # steps of the leading arm between two probes of the other
     PROBE_STEPS = {TREE: 3, VANILLA: 1}  # a probe's length: a tree's acceptance varies step to step
     WARMUP = 4
-    DECAY = 0.8
+    DECAY = 0.95  # ~20 steps of memory per arm
+    MARGIN = 0.05  # the tree is held once its rate is 5 % below vanilla's
 
     def __init__(self, warmup: int = WARMUP, decay: float = DECAY):
         self.arms = {TREE: ArmRate(), VANILLA: ArmRate()}
@@ -99,6 +104,9 @@ class SpeculationGovernor:
         tree, plain = self.arms[TREE].rate, self.arms[VANILLA].rate
         if tree is None or plain is None:
             return
-        leader = TREE if tree >= plain else VANILLA
+        if self.leader == TREE:
+            leader = VANILLA if tree < (1 - self.MARGIN) * plain else TREE
+        else:
+            leader = TREE if tree >= plain else VANILLA
         if leader != self.leader:
             self.leader, self._since_probe = leader, 0
