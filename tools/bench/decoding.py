@@ -175,6 +175,7 @@ def _our_run(st, tokens: list[int], stop: str) -> dict:
         "target_calls": st.target_calls,
         "draft_calls": st.draft_calls,
         "steps": st.steps,
+        "held_steps": st.held_steps,  # steps the governor ran without a tree (bench --governed)
         "tree_nodes": st.tree_nodes,
         "decode_s": d["decode_s"],
         "prefill_s": st.prefill_s,
