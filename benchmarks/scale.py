@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     from arborspec.tools.bench.llama_server import llama_cpp_tools
 
     a.work.mkdir(parents=True, exist_ok=True)
-    tools = llama_cpp_tools(build=True) if set(steps) & {"export", "decode", "head"} else None
+    tools = llama_cpp_tools(build=True) if set(steps) & {"export", "gguf", "decode", "head"} else None
     results = a.work / "scale.json"
     doc = json.loads(results.read_text()) if results.is_file() else {}
     for size in sizes:
