@@ -480,45 +480,55 @@ def open_peers(
     if genai and temperature > 0:
         skipped.update({n: "ONNX Runtime GenAI runs greedy only in bench (use --temperature 0)" for n in genai})
     elif genai:
-        try:
-            _import("onnxruntime_genai", GENAI_PKG)
-            precs = sorted({genai_precision(n) for n in genai})
-            dirs = genai_model_dirs(source, precs, log)
-            by_prec: dict[str, GenAIRunner] = {}
-            for prec in precs:
-                try:
-                    by_prec[prec] = GenAIRunner(dirs[prec], threads, eos, lookup_tokens)
-                except PeerUnavailable as e:
-                    for n in genai:
-                        if genai_precision(n) == prec:
-                            skipped[n] = str(e)
-            for n in genai:
-                r = by_prec.get(genai_precision(n))
-                if r is not None:
-                    runners[n] = r
-                    info[n] = {"package": GENAI_PKG, "version": pkg_version(GENAI_PKG), **r.describe(n)}
-        except PeerUnavailable as e:
-            for n in genai:
-                skipped.setdefault(n, str(e))
+        _open_genai(genai, source, (runners, info, skipped), threads, eos, lookup_tokens, log)
     lcpp = [n for n in names if n.startswith("llama-cpp")]
     if lcpp:
-        try:
-            _import("llama_cpp", LLAMA_PKG)
-            mdir, gguf, why = hf_source_path(source)
-            if mdir is None:
-                raise PeerUnavailable(why)
-            if not gguf:
-                raise PeerUnavailable(
-                    f"llama.cpp needs a GGUF file; the model source is a Hugging Face folder ({mdir})"
-                )
-            for n in lcpp:
-                try:
-                    r = LlamaCppRunner(mdir / gguf, threads, n_ctx, n.endswith("-lookup"), lookup_tokens, temperature)
-                    runners[n] = r
-                    info[n] = {"package": LLAMA_PKG, "version": pkg_version(LLAMA_PKG), **r.describe(n)}
-                except PeerUnavailable as e:
-                    skipped[n] = str(e)
-        except PeerUnavailable as e:
-            for n in lcpp:
-                skipped.setdefault(n, str(e))
+        _open_llama_cpp(lcpp, source, (runners, info, skipped), threads, n_ctx, lookup_tokens, temperature)
     return runners, info, skipped
+
+
+def _open_genai(genai: list[str], source: dict, into: tuple, threads, eos, lookup_tokens, log) -> None:
+    """open_peers' ONNX Runtime GenAI runners (one per precision), into (runners, info, skipped)."""
+    runners, info, skipped = into
+    try:
+        _import("onnxruntime_genai", GENAI_PKG)
+        precs = sorted({genai_precision(n) for n in genai})
+        dirs = genai_model_dirs(source, precs, log)
+        by_prec: dict[str, GenAIRunner] = {}
+        for prec in precs:
+            try:
+                by_prec[prec] = GenAIRunner(dirs[prec], threads, eos, lookup_tokens)
+            except PeerUnavailable as e:
+                for n in genai:
+                    if genai_precision(n) == prec:
+                        skipped[n] = str(e)
+        for n in genai:
+            r = by_prec.get(genai_precision(n))
+            if r is not None:
+                runners[n] = r
+                info[n] = {"package": GENAI_PKG, "version": pkg_version(GENAI_PKG), **r.describe(n)}
+    except PeerUnavailable as e:
+        for n in genai:
+            skipped.setdefault(n, str(e))
+
+
+def _open_llama_cpp(lcpp: list[str], source: dict, into: tuple, threads, n_ctx, lookup_tokens, temperature) -> None:
+    """open_peers' llama-cpp-python runners (the source's GGUF), into (runners, info, skipped)."""
+    runners, info, skipped = into
+    try:
+        _import("llama_cpp", LLAMA_PKG)
+        mdir, gguf, why = hf_source_path(source)
+        if mdir is None:
+            raise PeerUnavailable(why)
+        if not gguf:
+            raise PeerUnavailable(f"llama.cpp needs a GGUF file; the model source is a Hugging Face folder ({mdir})")
+        for n in lcpp:
+            try:
+                r = LlamaCppRunner(mdir / gguf, threads, n_ctx, n.endswith("-lookup"), lookup_tokens, temperature)
+                runners[n] = r
+                info[n] = {"package": LLAMA_PKG, "version": pkg_version(LLAMA_PKG), **r.describe(n)}
+            except PeerUnavailable as e:
+                skipped[n] = str(e)
+    except PeerUnavailable as e:
+        for n in lcpp:
+            skipped.setdefault(n, str(e))

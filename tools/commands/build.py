@@ -112,21 +112,17 @@ def _eagle3_fc_file(d: Path) -> Path | None:
     return d / str(draft.get("fc_file") or "draft_fc.onnx")
 
 
-def run(args) -> int:
-    from arborspec.export import trt_build as tb
-
-    def say(s: str) -> None:
-        print(s, file=sys.stderr, flush=True)
-
-    d: Path = args.export_dir
+def _build_jobs(d: Path, only: str | None) -> list[tuple[str, Path]]:
+    """The graphs of export folder `d` to build, as (name, path): target, then draft and an EAGLE-3
+    head's projection (draft_fc) where the export has them; `only` keeps one of target / draft.
+    One line for a missing folder or graph."""
     if not d.exists():
         raise MissingFileError(f"export folder not found: {d}")
     if not d.is_dir():
         raise MissingFileError(f"--export-dir is not a folder: {d}")
-    target = d / "target.onnx"
+    target, draft = d / "target.onnx", d / "draft.onnx"
     if not target.is_file():
         raise MissingFileError(f"{d} has no target.onnx (run `arborspec export` first)")
-    draft = d / "draft.onnx"
     jobs = [("target", target)]
     if draft.is_file():
         jobs.append(("draft", draft))
@@ -135,10 +131,20 @@ def run(args) -> int:
             if not fc.is_file():
                 raise MissingFileError(f"{fc}: the EAGLE-3 projection graph listed in the manifest is missing")
             jobs.append(("draft_fc", fc))
-    elif args.only == "draft":
+    elif only == "draft":
         raise MissingFileError(f"{d} has no draft.onnx (a bigram/table draft needs no engine)")
-    if args.only:
-        jobs = [j for j in jobs if j[0].split("_")[0] == args.only]
+    return [j for j in jobs if j[0].split("_")[0] == only] if only else jobs
+
+
+def run(args) -> int:
+    from arborspec.export import trt_build as tb
+
+    def say(s: str) -> None:
+        print(s, file=sys.stderr, flush=True)
+
+    d: Path = args.export_dir
+    target, draft = d / "target.onnx", d / "draft.onnx"
+    jobs = _build_jobs(d, args.only)
     # ONNX Runtime's GroupQueryAttention graphs cannot be parsed: one line before any work
     # (the EAGLE-3 head named first: its message says how to re-export)
     for _, onnx_path in sorted(jobs, key=lambda j: j[0] == "target"):
