@@ -41,7 +41,16 @@ def _trees(e, capsys, monkeypatch) -> dict:
     got["chat"] = banner.split(": tree ")[1].split(", prefix cache")[0]
     with Generator.from_export(e) as g:  # what `serve` builds
         got["from_export"] = g.tree_spec()
-    args = SimpleNamespace(model=None, draft=None, backend=None, device="cpu", export_dir=e, temperature=0.0, chain="chain:4")
+    args = SimpleNamespace(
+        model=None,
+        draft=None,
+        backend=None,
+        device="cpu",
+        export_dir=e,
+        temperature=0.0,
+        chain="chain:4",
+        governed=False,
+    )
     plan = SimpleNamespace(
         trees=[], mix_trees=[], lookup_trees=[], suffix_trees=([], []), modes=["tree"], baselines=[], candidates=[None]
     )
