@@ -454,42 +454,41 @@ def open_peers(
     `close()` (llama-server) are to be closed by the caller. threads: the peers' threads (None:
     the cores this process may use)."""
     log = log or (lambda s: print(s, file=sys.stderr))
-    runners: dict = {}
-    info: dict = {}
-    skipped: dict[str, str] = {}
     threads = threads or peer_threads()
+    families = []  # each family's (runners, info, skipped)
     servers = [n for n in names if n in LLAMA_SERVER_NAMES]
     if servers:
         from arborspec.tools.bench.llama_server import open_servers
 
-        r, i, s = open_servers(servers, source, head_dir=head_dir, n_ctx=n_ctx, threads=threads, log=log)
-        runners.update(r)
-        info.update(i)
-        skipped.update(s)
+        families.append(open_servers(servers, source, head_dir=head_dir, n_ctx=n_ctx, threads=threads, log=log))
     ov = [n for n in names if n in OPENVINO_PEERS]
     if ov:
         from arborspec.tools.bench.openvino_peer import open_openvino
 
-        r, i, s = open_openvino(
-            ov, source, eos=eos, lookup_tokens=lookup_tokens, temperature=temperature, threads=threads
+        families.append(
+            open_openvino(ov, source, eos=eos, lookup_tokens=lookup_tokens, temperature=temperature, threads=threads)
         )
-        runners.update(r)
-        info.update(i)
-        skipped.update(s)
     genai = [n for n in names if n.startswith("ort-genai")]
     if genai and temperature > 0:
-        skipped.update({n: "ONNX Runtime GenAI runs greedy only in bench (use --temperature 0)" for n in genai})
+        families.append(
+            ({}, {}, {n: "ONNX Runtime GenAI runs greedy only in bench (use --temperature 0)" for n in genai})
+        )
     elif genai:
-        _open_genai(genai, source, (runners, info, skipped), threads, eos, lookup_tokens, log)
+        families.append(_open_genai(genai, source, threads, eos, lookup_tokens, log))
     lcpp = [n for n in names if n.startswith("llama-cpp")]
     if lcpp:
-        _open_llama_cpp(lcpp, source, (runners, info, skipped), threads, n_ctx, lookup_tokens, temperature)
+        families.append(_open_llama_cpp(lcpp, source, threads, n_ctx, lookup_tokens, temperature))
+    runners, info, skipped = {}, {}, {}
+    for r, i, sk in families:
+        runners.update(r)
+        info.update(i)
+        skipped.update(sk)
     return runners, info, skipped
 
 
-def _open_genai(genai: list[str], source: dict, into: tuple, threads, eos, lookup_tokens, log) -> None:
-    """open_peers' ONNX Runtime GenAI runners (one per precision), into (runners, info, skipped)."""
-    runners, info, skipped = into
+def _open_genai(genai: list[str], source: dict, threads, eos, lookup_tokens, log) -> tuple[dict, dict, dict]:
+    """open_peers' ONNX Runtime GenAI runners (one per precision) -> (runners, info, skipped)."""
+    runners, info, skipped = {}, {}, {}
     try:
         _import("onnxruntime_genai", GENAI_PKG)
         precs = sorted({genai_precision(n) for n in genai})
@@ -510,11 +509,14 @@ def _open_genai(genai: list[str], source: dict, into: tuple, threads, eos, looku
     except PeerUnavailable as e:
         for n in genai:
             skipped.setdefault(n, str(e))
+    return runners, info, skipped
 
 
-def _open_llama_cpp(lcpp: list[str], source: dict, into: tuple, threads, n_ctx, lookup_tokens, temperature) -> None:
-    """open_peers' llama-cpp-python runners (the source's GGUF), into (runners, info, skipped)."""
-    runners, info, skipped = into
+def _open_llama_cpp(
+    lcpp: list[str], source: dict, threads, n_ctx, lookup_tokens, temperature
+) -> tuple[dict, dict, dict]:
+    """open_peers' llama-cpp-python runners (the source's GGUF) -> (runners, info, skipped)."""
+    runners, info, skipped = {}, {}, {}
     try:
         _import("llama_cpp", LLAMA_PKG)
         mdir, gguf, why = hf_source_path(source)
@@ -532,3 +534,4 @@ def _open_llama_cpp(lcpp: list[str], source: dict, into: tuple, threads, n_ctx, 
     except PeerUnavailable as e:
         for n in lcpp:
             skipped.setdefault(n, str(e))
+    return runners, info, skipped
