@@ -9,8 +9,8 @@ the same shapes (benchmarks/int8_floor.py) and llama.cpp's own batch cost on the
         --shape llama-3.2-1b --out W/row_cost_1b.json
 
 Rounds are interleaved (ours, llama.cpp repacking on, repacking off, the floor; then again), and
-each figure is the median over rounds of each round's median (ours, llama.cpp) or fastest (the
-floor). Writes OUT (every figure, the load average of each round) and OUT.md (the tables).
+each figure is the median over rounds of each round's median (ours profiled, llama.cpp) or fastest
+(ours as the decoder calls it: tune's cost curve, the least-disturbed call; the floor). Writes OUT (every figure, the load average of each round) and OUT.md (the tables).
 """
 
 from __future__ import annotations
@@ -38,14 +38,6 @@ def ours(export_dir: Path, tokens, past: int, reps: int) -> dict:
         r = profile(str(export_dir / "target.onnx"), tokens=t, past=past, reps=reps, threads=2)
         out[t] = {"ms": r["median_ms"], "min_ms": r["min_ms"], "ops": r["ops"][:12]}
     return out
-
-
-def ours_unprofiled(export_dir: Path, tokens, past: int, reps: int) -> dict:
-    """{T: ms} of one call as the decoder makes it (the engine's own session options, no profiler:
-    the profiler's per-node cost is the same at every T and flattens the profiled c(T)/c(1))."""
-    from arborspec.tools.bench.scale import verify_curve
-
-    return {int(t): ms for t, ms in verify_curve(export_dir, past, tokens, reps).items()}
 
 
 def llama(tools, gguf: Path, tokens, past: int, repack: bool, reps: int = 3) -> dict:
@@ -113,6 +105,7 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-bench", type=Path, default=None, help="this llama-bench binary (default: bench's build)")
     a = ap.parse_args(argv)
     from arborspec.tools.bench.llama_server import llama_cpp_tools
+    from arborspec.tools.bench.scale import verify_curve
 
     if a.llama_bench is not None:
         from types import SimpleNamespace
@@ -125,7 +118,9 @@ def main(argv=None) -> int:
     for k in range(a.rounds):
         loads.append(os.getloadavg()[0])
         print(f"round {k + 1}: load {loads[-1]:.1f}", file=sys.stderr, flush=True)
-        r_plain.append(ours_unprofiled(a.export_dir, tokens, a.past, a.reps))
+        # as the decoder calls it (the engine's own session options, no profiler: the profiler's
+        # per-node cost is the same at every T and flattens the profiled c(T)/c(1))
+        r_plain.append(verify_curve(a.export_dir, a.past, tokens, a.reps))
         r_ours.append(ours(a.export_dir, tokens, a.past, a.reps))
         r_on.append(llama(tools, a.gguf, tokens, a.past, True, a.llama_reps))
         r_off.append(llama(tools, a.gguf, tokens, a.past, False, a.llama_reps))
