@@ -207,8 +207,11 @@ def make_decoders(models, configs: list[BenchConfig], sp):
     """Our configurations' decoders, every one sampling with `sp` (a SamplingParams)."""
     from arborspec.runtime.decode import SpeculativeDecoder
     from arborspec.runtime.decoder_config import DEFAULT_TREE
+    from arborspec.runtime.drafts.tables import table_draft
+    from arborspec.tools.engines import mixed_with_lookup
 
     decs = {}
+    vocab = models.target.info.vocab_size
     mixed = None  # one mixed draft over the models' draft, shared by the --mix-tree configs
     for c in configs:
         if c.kind != "ours":
@@ -217,24 +220,15 @@ def make_decoders(models, configs: list[BenchConfig], sp):
         if c.draft == "lookup":
             from arborspec.runtime.drafts.lookup import LookupDraft
 
-            draft = LookupDraft(models.target.info.vocab_size)
+            draft = LookupDraft(vocab)
         elif c.draft == "mix":
-            from arborspec.tools.engines import mixed_with_lookup
-
             if mixed is None:
-                mixed = mixed_with_lookup(models.draft, models.target.info.vocab_size, what="--mix-tree")
+                mixed = mixed_with_lookup(models.draft, vocab, what="--mix-tree")
             draft = mixed
-        elif c.draft in ("suffix", "suffix-mix"):
-            from arborspec.runtime.drafts.model import as_draft_source
-            from arborspec.runtime.drafts.tables import mixed_draft, table_draft
-
-            vocab = models.target.info.vocab_size
-            alone = c.draft == "suffix"
-            draft = (
-                table_draft("suffix", None, vocab)
-                if alone
-                else mixed_draft(as_draft_source(draft), "suffix", None, vocab)
-            )
+        elif c.draft == "suffix":
+            draft = table_draft("suffix", None, vocab)
+        elif c.draft == "suffix-mix":  # a suffix draft of its own per configuration
+            draft = mixed_with_lookup(models.draft, vocab, None, what="--suffix-mix-tree", table="suffix")
         decs[c.name] = SpeculativeDecoder(
             models.target,
             draft,
