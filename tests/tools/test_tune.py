@@ -540,3 +540,40 @@ def test_sampled_loop_pricing_keeps_topk_unless_sample_unique_is_clearly_faster(
     assert choice["best"]["expected_tokens_per_step"] == pytest.approx(1.0 if want == "topk" else su_gain)
     assert choice["vanilla_tokens_per_s"] == pytest.approx(125.0)
     assert grid[0].get("candidates") is None  # the grid's rows are not rewritten
+
+
+def test_cost_curves_time_calls_beside_the_decoders_host_threads():
+    """The verify curve times each call with torch on the threads the decoder leaves it beside
+    that engine (runtime/step.host_threads: 1 beside ONNX Runtime on the CPU), not torch's
+    default: torch's woken threads fight ONNX Runtime's pool and overcharge every row past the
+    first; the caller's setting comes back afterwards, and an engine without capabilities (a
+    head) is timed under the caller's setting (tune sets the target's)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from arborspec.runtime.backends.base import EngineCapabilities
+    from arborspec.runtime.kvcache import CacheSpec
+    from arborspec.tools.tune.cost_curves import decoder_threads, engine_cost_curve
+
+    seen = []
+
+    class Probe:
+        device = torch.device("cpu")
+        info = SimpleNamespace(max_position=64, vocab_size=16, cache=CacheSpec(n_layers=1, n_kv_heads=1, head_dim=2))
+        caps = EngineCapabilities(host_threads=1)
+
+        def forward(self, ids, pos, mask, cache):
+            seen.append(torch.get_num_threads())
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        curve = engine_cost_curve(Probe(), [1, 2], past=4, reps=2)
+        assert set(curve) == {1, 2} and seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2
+        seen.clear()
+        with decoder_threads(SimpleNamespace()):  # no caps: the caller's threads
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(old)

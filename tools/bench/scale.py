@@ -105,15 +105,17 @@ def our_vanilla(export_dir: Path, prompt_len: int = 64, new_tokens: int = 32, re
 
 
 def verify_curve(export_dir: Path, past: int, sizes=SIZES_T, reps: int = 3) -> dict:
-    """{T: ms} of one target call over T new tokens after `past` cached positions."""
-    from arborspec.runtime.backends.onnxruntime import OrtEngine
+    """{T: ms} of one target call over T new tokens after `past` cached positions, the engine
+    opened as the decoder opens it (open_export: the row-invariant layout where the export needs
+    it) and timed beside the decoder's host threads (cost_curves.decoder_threads)."""
+    from arborspec.runtime.export_dir import OpenOptions, open_export
     from arborspec.tools.tune.cost_curves import engine_cost_curve
 
-    e = OrtEngine(str(Path(export_dir) / "target.onnx"))
+    ex = open_export(export_dir, "onnxruntime", "cpu", OpenOptions(draft="none", load_tok=False))
     try:
-        return engine_cost_curve(e, list(sizes), past=past, reps=reps)
+        return engine_cost_curve(ex.target, list(sizes), past=past, reps=reps)
     finally:
-        e.close()
+        ex.close()
 
 
 def tree_equals_vanilla(export_dir: Path, tree: str, new_tokens: int = 16, prompt_len: int = 32) -> dict:

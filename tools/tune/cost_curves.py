@@ -6,14 +6,27 @@ Role in one decode step: none at run time; measures what steps 1 and 3 cost, for
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Sequence
 
 import torch
+
+from arborspec.runtime.step import host_threads
 
 
 def sample_sizes(max_size: int) -> list[int]:
     base = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256]
     return sorted({s for s in base if s <= max_size} | {max_size})
+
+
+def decoder_threads(engine):
+    """The torch threads the decoder runs its host work on beside `engine` (runtime/step.host_threads:
+    1 beside ONNX Runtime on the CPU), for timing its calls as the decoder makes them: torch's own
+    threads, woken by the host work between calls, otherwise compete with ONNX Runtime's pool
+    (measured at SmolLM2's int4 export, P = 256: c(2) 12.6 ms with torch's 2 threads against 10.3
+    with 1, c(4) 17.2 against 12.7: a curve timed that way overcharges every row past the first).
+    An engine without capabilities (an EAGLE-3 head): the caller's setting (tune sets the target's)."""
+    return host_threads(engine) if getattr(engine, "caps", None) is not None else nullcontext()
 
 
 def _sync_of(engine):
@@ -70,7 +83,8 @@ def _call_curve(engine, sizes: Sequence[int], past: int, reps: int, run) -> dict
             fn()
 
         calls[int(t)] = call
-    return _time_sizes(calls, reps, _sync_of(engine))
+    with decoder_threads(engine):
+        return _time_sizes(calls, reps, _sync_of(engine))
 
 
 def engine_cost_curve(engine, sizes: Sequence[int], past: int = 256, reps: int = 5, progress=None) -> dict:

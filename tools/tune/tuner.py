@@ -47,7 +47,7 @@ from arborspec.tools.tune.acceptance_sim import (  # noqa: F401 - the tuning API
     spec_paths,
     tree_children,
 )
-from arborspec.tools.tune.cost_curves import draft_cost_curve, engine_cost_curve, sample_sizes
+from arborspec.tools.tune.cost_curves import decoder_threads, draft_cost_curve, engine_cost_curve, sample_sizes
 from arborspec.tools.tune.tree_dp import (  # noqa: F401 - the tuning API, re-exported
     DPResult,
     choose_tree,
@@ -217,9 +217,10 @@ def tune(models, key: ModelsKey, opts: TuneOptions | None = None, progress: bool
         opts.reps,
         (lambda it: bar(it, "verify cost c(T)")) if bar else None,
     )
-    dcost = draft_cost_curve(
-        draft, sample_sizes(max_nodes), opts.past, opts.reps, (lambda it: bar(it, "draft cost d(F)")) if bar else None
-    )
+    with decoder_threads(target):  # the draft's calls beside the target's, as the decoder makes them
+        dcost = draft_cost_curve(
+            draft, sample_sizes(max_nodes), opts.past, opts.reps, (lambda it: bar(it, "draft cost d(F)")) if bar else None
+        )
     tok = models.tokenizer
     eos = list(tok.meta.get("eos_token_ids") or []) if tok is not None else []
     prompts = calibration_prompts(tok, opts.prompts, opts.n_prompts, opts.chat, target.info.vocab_size, opts.seed)
