@@ -219,7 +219,11 @@ def tune(models, key: ModelsKey, opts: TuneOptions | None = None, progress: bool
     )
     with decoder_threads(target):  # the draft's calls beside the target's, as the decoder makes them
         dcost = draft_cost_curve(
-            draft, sample_sizes(max_nodes), opts.past, opts.reps, (lambda it: bar(it, "draft cost d(F)")) if bar else None
+            draft,
+            sample_sizes(max_nodes),
+            opts.past,
+            opts.reps,
+            (lambda it: bar(it, "draft cost d(F)")) if bar else None,
         )
     tok = models.tokenizer
     eos = list(tok.meta.get("eos_token_ids") or []) if tok is not None else []
