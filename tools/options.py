@@ -25,7 +25,7 @@ TREE_HELP = (
 )
 DRAFT_HELP = (
     "draft: layers:K (the target's first K layers), bigram (a table from the target), "
-    "lookup[:N] (n-gram prompt lookup; any backend), suffix[:nodes=24,alpha=1,prob=0.1,min=1,mem=0] "
+    "lookup[:N] (n-gram prompt lookup; any backend), suffix[:nodes=24,alpha=1,prob=0.1,min=1,mem=0] (min=4 when mixed) "
     "(suffix-tree draft: chains as long as the text's earlier match; any backend), eagle3[:DIR] (an "
     "EAGLE-3 head; torch backend), none, a model NAME|PATH with the same vocabulary (torch backend), or "
     "BASE+lookup[:N] / BASE+suffix[:...] (a model draft mixed with lookup, or its tree merged with the "

@@ -42,20 +42,29 @@ class DraftSpec:
     mix_kind: str = "lookup"  # which table `mix` is for (read only when mix is set)
 
 
+# the shortest match the suffix draft proposes from when `min` is not given. Measured on the 24
+# six-kind requests (SmolLM2 int4 + shipped head, greedy, 3 rounds interleaved per request,
+# benchmarks/history/loop_tax_2026-12-06c): mixed with the head, matches of 1-3 tokens mostly add
+# verify rows the head's node already covers: min=1 / 3 / 4 / 6 gave 1.19-1.28x / 1.25-1.35x /
+# 1.32-1.33x / 1.29-1.34x our vanilla; alone, a short match is its only draft: min=1 1.24x, min=3 1.18x
+MIN_ALONE, MIN_MIXED = 1, 4
+
+
 @dataclass(frozen=True)
 class SuffixOptions:
-    """The suffix draft's options (`suffix:nodes=24,alpha=1,prob=0.1,min=1,mem=0,paths=1,lead=3`):
+    """The suffix draft's options (`suffix:nodes=24,alpha=1,prob=0.1,min=1|4,mem=0,paths=1,lead=3`):
     at most `nodes` proposed nodes a step, and at most alpha x the match's length; a node only
     where at least `prob` of the match's earlier occurrences continue that way; nothing for a
-    match shorter than `min` tokens; `mem`: tokens of earlier requests' outputs remembered (0:
-    none); at most `paths` leaves (in a merged tree: beyond the model tree's own); mixed with a
-    model draft, a proposal of >= `lead` nodes that would exceed `paths` replaces the model's tree
-    (else the model's tree is kept alone)."""
+    match shorter than `min` tokens (None: MIN_ALONE for the suffix draft alone, MIN_MIXED mixed
+    with a model draft); `mem`: tokens of earlier requests' outputs remembered (0: none); at most
+    `paths` leaves (in a merged tree: beyond the model tree's own); mixed with a model draft, a
+    proposal of >= `lead` nodes that would exceed `paths` replaces the model's tree (else the
+    model's tree is kept alone)."""
 
     nodes: int = 24
     alpha: float = 1.0
     prob: float = 0.1
-    min: int = 1
+    min: int | None = None
     mem: int = 0
     paths: int = 1  # root-to-leaf paths a proposal keeps (1: a chain; a tree costs padded rows on the CPU)
     lead: int = 3  # a proposed chain this long displaces a model branch it disagrees with (paths exceeded)
@@ -79,7 +88,15 @@ def _suffix_options(s: str, spec) -> SuffixOptions | None:
         except ValueError:
             raise InputError(f"bad draft spec {spec!r}: {k}= needs a number, got {v.strip()!r}") from None
     o = SuffixOptions(**vals)
-    if o.nodes < 1 or o.alpha <= 0 or not 0 < o.prob <= 1 or o.min < 1 or o.mem < 0 or o.paths < 1 or o.lead < 1:
+    if (
+        o.nodes < 1
+        or o.alpha <= 0
+        or not 0 < o.prob <= 1
+        or (o.min is not None and o.min < 1)
+        or o.mem < 0
+        or o.paths < 1
+        or o.lead < 1
+    ):
         raise InputError(
             f"bad draft spec {spec!r}: suffix needs nodes, min, paths, lead >= 1, alpha > 0, 0 < prob <= 1, mem >= 0"
         )

@@ -19,13 +19,15 @@ outputs is off unless asked (`mem=N` tokens); it is one per draft object and its
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
 from ..errors import InputError
 from .base import DraftSource, ModelMixDraft
 from .proposed import Proposal, ProposingPolicy, unwrap
-from .spec import SuffixOptions
+from .spec import MIN_ALONE, MIN_MIXED, SuffixOptions
 from .suffix_index import Matcher, SuffixAutomaton, SuffixMemory, walk
 
 OCCURRENCES = 32  # earlier occurrences of the match whose continuations are read
@@ -208,7 +210,7 @@ class SuffixDraft(DraftSource):
         text ending with the match (overlapping copies), None for the memory's; at most `nodes`."""
         sam, state, length, before = match
         o = self.opts
-        budget = min(nodes, int(o.alpha * length)) if length >= o.min else 0
+        budget = min(nodes, int(o.alpha * length)) if length >= (o.min or MIN_ALONE) else 0
         if budget < 1:
             return Proposal.empty()
         ends = sam.ends(state, before, OCCURRENCES)
@@ -235,6 +237,8 @@ class SuffixMixDraft(ModelMixDraft):
     def __init__(self, base: DraftSource, suffix: SuffixDraft):
         if not base.finite_logits or getattr(base, "proposes", False):
             raise InputError(f"draft {base.kind} cannot be mixed with suffix: it is a table draft itself")
+        if suffix.opts.min is None:  # mixed, a match shorter than MIN_MIXED adds rows the model covers
+            suffix = SuffixDraft(suffix.vocab_size, dataclasses.replace(suffix.opts, min=MIN_MIXED), suffix.memory)
         self.base, self.suffix = base, suffix
         self.kind = f"{base.kind}+suffix"
         self.vocab_size, self.token_map = base.vocab_size, base.token_map

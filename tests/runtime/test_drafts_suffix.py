@@ -177,6 +177,32 @@ def _target():
 PROMPT = [3, 4, 5, 6, 7, 3, 4, 5, 6, 8, 3, 4, 5]
 
 
+def test_the_shortest_match_defaults_to_one_alone_and_four_mixed():
+    """Unless `min` is given, the suffix draft alone proposes from a one-token match, and mixed
+    with a model draft only from MIN_MIXED tokens (shorter matches mostly add rows after the
+    model's own node that the target rejects: measured, runtime/drafts/spec.py); a given `min` is
+    kept either way, and min=0 is refused in one line."""
+    from arborspec.runtime.drafts.spec import MIN_ALONE, MIN_MIXED
+
+    assert (MIN_ALONE, MIN_MIXED) == (1, 4)
+    text = [5, 6, 7, 8, 9, 20, 21, 5, 6, 7]  # the context ends with "5 6 7" seen before
+    alone = SuffixDraft(64)
+    alone.reset(text[:-1])
+    assert alone.propose(text[-1]).tokens.tolist()[:1] == [8]  # a 3-token match: proposed alone
+    base = ModelDraft(TorchEngine(truncated(_target(), 1)))
+    mixed = SuffixMixDraft(base, SuffixDraft(64))
+    assert mixed.suffix.opts.min == MIN_MIXED
+    mixed.suffix.reset(text[:-1])
+    assert mixed.propose(text[-1]).n == 0  # 3 tokens < 4: nothing to merge
+    mixed.suffix.reset(text[:-1] + [8, 9, 22, 5, 6, 7, 8])
+    assert mixed.propose(9).n > 0  # "5 6 7 8 9" again: a 5-token match
+    kept = SuffixMixDraft(base, SuffixDraft(64, SuffixOptions(min=1)))
+    assert kept.suffix.opts.min == 1
+    assert parse_draft_spec("export+suffix").mix.min is None
+    with pytest.raises(ArborspecError, match="min, paths, lead >= 1"):
+        parse_draft_spec("export+suffix:min=0")
+
+
 @pytest.mark.parametrize("tree", ["chain:1", "full:2,2", "dynamic:2,3,6"])
 @pytest.mark.parametrize("kind", ["suffix", "model+suffix"])
 def test_greedy_with_the_suffix_draft_is_vanilla(kind, tree):
