@@ -42,11 +42,10 @@ class DraftSpec:
     mix_kind: str = "lookup"  # which table `mix` is for (read only when mix is set)
 
 
-# the shortest match the suffix draft proposes from when `min` is not given. Measured on the 24
-# six-kind requests (SmolLM2 int4 + shipped head, greedy, 3 rounds interleaved per request,
-# benchmarks/history/loop_tax_2026-12-06c): mixed with the head, matches of 1-3 tokens mostly add
-# verify rows the head's node already covers: min=1 / 3 / 4 / 6 gave 1.19-1.28x / 1.25-1.35x /
-# 1.32-1.33x / 1.29-1.34x our vanilla; alone, a short match is its only draft: min=1 1.24x, min=3 1.18x
+# the shortest match the suffix draft proposes from when `min` is not given: mixed with a model
+# draft, matches of 1-3 tokens mostly add verify rows after the model's own node that the target
+# rejects (4 measured fastest, every round); alone, a short match is its only draft (1 fastest).
+# Figures: benchmarks/RESULTS.md, "The decode loop's tax, and the suffix draft's shortest match"
 MIN_ALONE, MIN_MIXED = 1, 4
 
 
