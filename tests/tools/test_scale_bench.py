@@ -113,21 +113,11 @@ def test_llama_bench_runs_the_repacking_setting_asked(monkeypatch, tmp_path):
 def test_verify_curve_opens_the_target_as_the_decoder_does(tmp_path, monkeypatch):
     """scale.verify_curve times the export's target through open_export (the engine the decoder
     runs: the row-invariant layout where the export needs it) beside the decoder's host threads."""
-    from types import SimpleNamespace
+    from conftest import tiny_text_export
 
-    from conftest import random_model, tiny_config
-
-    from arborspec.export.export_folder import export_folder
     from arborspec.runtime import export_dir
 
-    m = random_model(tiny_config("llama", vocab=64, layers=2, hidden=64, heads=4, kv=2), seed=3, scale=1.0)
-    e = tmp_path / "e"
-    export_folder(
-        SimpleNamespace(module=m, config=m.config, tokenizer=None, source={"kind": "test"}),
-        e,
-        draft="none",
-        progress=False,
-    )
+    e = tiny_text_export(tmp_path / "e", seed=3, draft="none")
     opened = []
     real = export_dir.open_export
     monkeypatch.setattr(export_dir, "open_export", lambda *a, **k: opened.append(a) or real(*a, **k))

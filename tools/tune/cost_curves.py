@@ -22,9 +22,8 @@ def sample_sizes(max_size: int) -> list[int]:
 def decoder_threads(engine):
     """The torch threads the decoder runs its host work on beside `engine` (runtime/step.host_threads:
     1 beside ONNX Runtime on the CPU), for timing its calls as the decoder makes them: torch's own
-    threads, woken by the host work between calls, otherwise compete with ONNX Runtime's pool
-    (measured at SmolLM2's int4 export, P = 256: c(2) 12.6 ms with torch's 2 threads against 10.3
-    with 1, c(4) 17.2 against 12.7: a curve timed that way overcharges every row past the first).
+    threads, woken by the host work between calls, otherwise compete with ONNX Runtime's pool and
+    overcharge every row past the first (figures: benchmarks/RESULTS.md, "The decode loop's tax").
     An engine without capabilities (an EAGLE-3 head): the caller's setting (tune sets the target's)."""
     return host_threads(engine) if getattr(engine, "caps", None) is not None else nullcontext()
 
